@@ -1,0 +1,434 @@
+"""Convert a Llama-architecture GGUF checkpoint into a Hugging Face-style model directory.
+
+The output is what the runtime (and ``transformers``) loads: ``config.json``,
+``model.safetensors`` (float32), ``tokenizer.json``, ``tokenizer_config.json`` (with the
+model's chat template), ``generation_config.json`` and a completion marker. Quantized tensors
+are dequantized with the ``gguf`` package; nothing here imports torch.
+
+Two llama.cpp conventions are undone on the way: Q and K projection rows are permuted for
+its rope layout (``convert_hf_to_gguf.py``'s ``LlamaModel.permute``), and the tokenizer is
+stored as metadata arrays rather than a ``tokenizer.json``.
+
+The output directory is built next to its destination and renamed into place, with the
+marker written last, so a reader never sees a half-written directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import gguf
+import numpy as np
+import numpy.typing as npt
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
+
+CONVERTER_VERSION = 1
+"""Bumped whenever the output of a conversion changes, so caches keyed on it are rebuilt."""
+
+COMPLETE_MARKER = "shard-convert.json"
+"""Written last into a converted directory; its presence means every other file is whole."""
+
+
+class ConvertError(Exception):
+    """A GGUF file cannot be converted; the message says why and what to do."""
+
+
+class OutputExists(ConvertError):
+    """The destination directory already exists (possibly published by a concurrent run)."""
+
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+@attrs.frozen
+class _Planned:
+    """One output tensor: its HF name and shape, where it comes from, and its head count
+    when it is a Q/K projection whose rows llama.cpp permuted (None otherwise)."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: gguf.ReaderTensor
+    heads: int | None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
+    """Convert ``gguf_path`` into a new model directory ``out_dir`` and return ``out_dir``.
+
+    Everything that can be checked cheaply (architecture, metadata, tensor names, tokenizer)
+    is checked before the slow tensor pass, so bad input fails in well under a second.
+
+    Errors: ``ConvertError`` for unreadable or unsupported input; ``OutputExists`` when
+    ``out_dir`` exists and is not empty, before or after the conversion (a concurrent
+    converter published first; this run's work is discarded).
+    """
+    reader = _open(gguf_path)
+    config, plan = _plan(reader)
+    tokenizer, tokenizer_config, generation_config = _vocab(reader, config)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise OutputExists(f"{out_dir} already exists; remove it or choose another directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make a shared model directory private
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation_config)
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_safetensors(tmp / "model.safetensors", plan, progress=progress)
+        marker = {
+            "converter_version": CONVERTER_VERSION,
+            "source": gguf_path.name,
+            "source_bytes": gguf_path.stat().st_size,
+        }
+        _write_json(tmp / COMPLETE_MARKER, marker)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def is_complete(model_dir: Path) -> bool:
+    """Whether ``model_dir`` is a finished conversion (its completion marker exists)."""
+    return (model_dir / COMPLETE_MARKER).is_file()
+
+
+def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np.float32]:
+    """Undo llama.cpp's rope permutation of a Q or K projection weight ``[n_head * D, in]``.
+
+    llama.cpp rotates interleaved pairs (x0, x1), HF rotates halves (x0, x_{D/2}); the
+    converter reorders each head's rows ``[2, D/2] -> [D/2, 2]``. This is the inverse.
+    ``n_head`` is the number of query heads for Q and of KV heads for K.
+    """
+    rows = weight.shape[0]
+    w = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])  # [H, D/2, 2, in]
+    return w.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, in] -> [H * D, in]
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """``shard convert MODEL.gguf OUT_DIR``: convert, print where it wrote, return 0 or 2."""
+    parser = _Parser(
+        prog="shard convert",
+        description="Convert a Llama-architecture GGUF checkpoint into a model directory "
+        "(config.json, float32 model.safetensors, tokenizer.json, tokenizer_config.json).",
+    )
+    parser.add_argument("gguf", type=Path, metavar="MODEL.gguf", help="the GGUF file to read")
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(f"shard convert: error: {exc} (see shard convert --help)", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    try:
+        out = convert_gguf(args.gguf, args.out_dir, progress=not args.no_progress)
+    except ConvertError as exc:
+        print(f"shard convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors as an exception so ``convert_main`` can return 2 itself."""
+
+    def error(self, message: str) -> Any:
+        raise _UsageError(message)
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise ConvertError(f"{path}: no such file; pass the path of a .gguf checkpoint")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct.error, ...
+        raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def _meta(reader: gguf.GGUFReader, key: str, default: Any = ...) -> Any:
+    """The metadata value under ``key``; ``ConvertError`` when absent and no default given."""
+    field = reader.get_field(key)
+    if field is None:
+        if default is ...:
+            raise ConvertError(f"GGUF metadata has no {key!r}; the file is incomplete")
+        return default
+    return field.contents()
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that round-trips a float32 (9.999999747e-06 -> 1e-05)."""
+    return float(np.format_float_scientific(np.float32(value), unique=True))
+
+
+def _plan(reader: gguf.GGUFReader) -> tuple[dict[str, Any], list[_Planned]]:
+    """The HF ``config.json`` and the list of output tensors, both validated."""
+    arch = _meta(reader, "general.architecture")
+    if arch != "llama":
+        raise ConvertError(
+            f"architecture {arch!r} is not supported; this converter handles Llama-architecture "
+            "GGUFs (Llama, Mistral, SmolLM) only"
+        )
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise ConvertError("GGUF has no token_embd.weight tensor; the file is incomplete")
+    config = _config(reader, vocab_rows=int(by_name["token_embd.weight"].shape[-1]))
+    config["tie_word_embeddings"] = "output.weight" not in by_name
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    plan = []
+    for t in reader.tensors:
+        block = _BLOCK_RE.fullmatch(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        plan.append(_Planned(_hf_name(t.name), shape, t, heads.get(block[2]) if block else None))
+    layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
+    if layers != set(range(config["num_hidden_layers"])):
+        n = config["num_hidden_layers"]
+        raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
+    return config, plan
+
+
+def _config(reader: gguf.GGUFReader, *, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys."""
+    hidden = int(_meta(reader, "llama.embedding_length"))
+    n_head = int(_meta(reader, "llama.attention.head_count"))
+    head_dim = int(_meta(reader, "llama.attention.key_length", hidden // n_head))
+    if int(_meta(reader, "llama.rope.dimension_count", head_dim)) != head_dim:
+        raise ConvertError("partial rotary embeddings are not supported by this converter")
+    scaling = _meta(reader, "llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConvertError(f"rope scaling {scaling!r} is not supported by this converter")
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_meta(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_meta(reader, "llama.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(_meta(reader, "llama.attention.head_count_kv", n_head)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(_meta(reader, "llama.context_length")),
+        "rms_norm_eps": _f32(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(_meta(reader, "llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": vocab_rows,
+        "torch_dtype": "float32",
+    }
+    for key in ("bos", "eos", "padding"):
+        token_id = _meta(reader, f"tokenizer.ggml.{key}_token_id", None)
+        if token_id is not None:
+            config[f"{'pad' if key == 'padding' else key}_token_id"] = int(token_id)
+    return config
+
+
+# llama.cpp names its pre-tokenizer in tokenizer.ggml.pre; these are the names whose splitting
+# rules (llama-vocab.cpp, ``regex_exprs``) a Hugging Face pre-tokenizer reproduces exactly.
+_GPT2_PRE = frozenset({"gpt-2", "mpt", "olmo", "jais"})
+_DIGITS_PRE = frozenset(
+    {"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"}
+)
+_LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Control tokens llama.cpp treats as end of generation; listing them in generation_config
+# makes a decoding loop stop where llama.cpp would, e.g. on <|endoftext|> after a completion.
+_EOG_TOKENS = frozenset(
+    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
+)
+
+
+def _vocab(
+    reader: gguf.GGUFReader, config: dict[str, Any]
+) -> tuple[tokenizers.Tokenizer, dict[str, Any], dict[str, Any]]:
+    """tokenizer.json, tokenizer_config.json and generation_config.json from the metadata."""
+    model = _meta(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ConvertError(f"tokenizer model {model!r} is not supported; only byte-level BPE")
+    tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens")
+    kinds: list[int] = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(tokens) > config["vocab_size"] or len(set(tokens)) != len(tokens):
+        raise ConvertError("GGUF vocabulary is inconsistent (too many or duplicate tokens)")
+    tokenizer = _bpe(
+        tokens, _meta(reader, "tokenizer.ggml.merges"), _meta(reader, "tokenizer.ggml.pre", "gpt-2")
+    )
+    control = [i for i, k in enumerate(kinds) if k == gguf.TokenType.CONTROL]
+    user = [t for t, k in zip(tokens, kinds, strict=True) if k == gguf.TokenType.USER_DEFINED]
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in control]
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    named = {
+        role: (tokens[config[f"{role}_token_id"]], config[f"{role}_token_id"])
+        for role in ("bos", "eos", "pad")
+        if config.get(f"{role}_token_id", -1) in range(len(tokens))
+    }
+    add_bos = bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(_meta(reader, "tokenizer.ggml.add_eos_token", False))
+    tokenizer.post_processor = _post_processor(named, add_bos=add_bos, add_eos=add_eos)
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": _meta(reader, "tokenizer.chat_template", None),
+        **{f"{role}_token": token for role, (token, _) in named.items()},
+    }
+    eos = [config["eos_token_id"]] if "eos" in named else []
+    eos += [i for i in control if tokens[i] in _EOG_TOKENS and i not in eos]
+    keys = ("bos_token_id", "pad_token_id")
+    generation: dict[str, Any] = {key: config[key] for key in keys if key in config}
+    return tokenizer, tokenizer_config, {**generation, "eos_token_id": eos}
+
+
+def _bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    """A byte-level BPE tokenizer with the pre-tokenizer llama.cpp uses for ``pre``."""
+    if any(" " not in m for m in merges):
+        raise ConvertError("GGUF merges are malformed (expected 'left right' pairs)")
+    pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
+    model = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False)
+    tokenizer = tokenizers.Tokenizer(model)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_PRE:
+        tokenizer.pre_tokenizer = byte_level
+    elif pre in _DIGITS_PRE:  # llama.cpp splits every digit first, then the GPT-2 regex
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    elif pre in _LLAMA3_PRE:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
+        no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
+    else:
+        raise ConvertError(
+            f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
+            f"{', '.join(sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE))}"
+        )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _post_processor(
+    named: dict[str, tuple[str, int]], *, add_bos: bool, add_eos: bool
+) -> processors.PostProcessor:
+    """Adds BOS/EOS only when the GGUF says so; otherwise byte-level offsets only."""
+    if not (add_bos or add_eos):
+        return processors.ByteLevel(trim_offsets=False)
+    wanted = [role for role, on in (("bos", add_bos), ("eos", add_eos)) if on]
+    if any(role not in named for role in wanted):
+        raise ConvertError("GGUF asks to add BOS/EOS tokens but does not name them")
+    bos = [named["bos"][0]] if add_bos else []
+    eos = [named["eos"][0]] if add_eos else []
+    return processors.TemplateProcessing(
+        single=[*bos, "$A", *eos],
+        pair=[*bos, "$A", *eos, *bos, "$B:1", *eos],
+        special_tokens=[named[role] for role in wanted],
+    )
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    block = _BLOCK_RE.fullmatch(name)
+    if block and block[2] in _BLOCK_NAMES:
+        return f"model.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.weight"
+    raise ConvertError(
+        f"tensor {name!r} has no Llama equivalent; this converter handles plain "
+        "Llama-architecture GGUFs only (no biases, no rope_freqs)"
+    )
+
+
+def _load(planned: _Planned) -> npt.NDArray[np.float32]:
+    t = planned.source
+    array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    array = array.reshape(planned.shape)
+    return array if planned.heads is None else unpermute_qk(array, planned.heads)
+
+
+def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool) -> None:
+    """Write float32 tensors one at a time, so peak memory is one tensor, not the model.
+
+    The safetensors format is an 8-byte little-endian header length, a JSON header of
+    dtypes, shapes and byte ranges (padded to 8 bytes), then the raw data in that order.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for p in plan:
+        size = 4 * int(np.prod(p.shape, dtype=np.int64))
+        header[p.name] = {
+            "dtype": "F32",
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for p in _bar(plan, progress):
+            f.write(np.ascontiguousarray(_load(p), dtype="<f4").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _bar(plan: list[_Planned], progress: bool) -> Iterator[_Planned]:
+    bar = tqdm(plan, desc="converting", unit="tensor", disable=not progress, leave=False)
+    for p in bar:
+        bar.set_postfix_str(p.name, refresh=False)
+        yield p
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp`` into place; renaming onto a non-empty directory fails,
+    which is how a concurrent converter that lost the race finds out."""
+    try:
+        os.rename(tmp, out_dir)
+    except OSError as exc:
+        if out_dir.exists():
+            raise OutputExists(f"{out_dir} appeared while converting; keeping it") from exc
+        raise ConvertError(f"could not move the converted model into {out_dir}: {exc}") from exc
