@@ -1,0 +1,90 @@
+"""A static, preallocated KV cache for one stage's layers and one session.
+
+Rollback is overwrite-by-position: a forward at ``[start, start+S)`` writes K/V there and reads
+only ``[0, start+S)``, so entries past the committed frontier (a rejected draft chunk) are never
+read before they are overwritten. Nothing here ever needs to be "truncated".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values ``[n_layers_in_block, B, n_kv_heads, max_len, head_dim]``.
+
+    Preallocated once per session so the forward pass never allocates cache memory and every
+    chunk shape sees the same storage (what CUDA graphs need).
+    """
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        if k.dim() != 5 or k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(
+                "KVCache wants k and v of one shape and dtype "
+                f"[layers, B, kv_heads, max_len, head_dim]; got {tuple(k.shape)} {k.dtype} "
+                f"and {tuple(v.shape)} {v.dtype}"
+            )
+        self.k = k
+        self.v = v
+
+    @classmethod
+    def empty(
+        cls,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """A zero-filled cache (zeros, not ``empty``, so stray reads are at least deterministic)."""
+        if n_layers < 1 or batch < 1 or max_len < 1:
+            raise ValueError(
+                f"KVCache needs n_layers, batch and max_len >= 1; got {n_layers}, {batch}, "
+                f"{max_len}"
+            )
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(k, torch.zeros_like(k))
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def batch(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.k.shape[2])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[3])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.k.shape[4])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v`` ``[B, KV, S, Dh]`` at ``[start, start+S)``; return K/V ``[0, start+S)``.
+
+        The returned views never include positions ``>= start+S``: that is the rollback rule.
+        """
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # [B, KV, end, Dh]
+
+    def __repr__(self) -> str:
+        return f"KVCache(shape={tuple(self.k.shape)}, dtype={self.k.dtype}, device={self.k.device})"

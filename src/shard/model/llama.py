@@ -1,0 +1,301 @@
+"""A Llama-family decoder in plain torch, cut into pipeline stages.
+
+``StageModel`` holds one contiguous block of layers ``[first, last)``: the token embedding iff it
+is the first stage, the final norm and LM head iff it is the last. Read it top-down::
+
+    StageModel -> Block -> Attention / FeedForward / RMSNorm
+
+Modules and parameters carry Hugging Face's names (``embed_tokens``, ``self_attn.q_proj``,
+``mlp.gate_proj``, ...) so the loader maps checkpoint tensors by shifting a layer index, nothing
+more. The math follows HF's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` op for op (rotate-half
+rotary, fp32 RMSNorm, SwiGLU), which is what makes greedy output token-identical to transformers.
+
+Splitting is bit-identical: each layer runs the same ops on the same shapes whichever stage holds
+it, and the rotary tables are computed the same way everywhere, so running ``[0, a)``, ``[a, b)``,
+``[b, L)`` in turn gives exactly the logits of ``[0, L)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shard.model.config import ModelConfig
+from shard.model.kvcache import KVCache
+
+__all__ = ["Attention", "Block", "FeedForward", "KVCache", "RMSNorm", "StageModel", "rope_tables"]
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Rotary inverse frequencies ``[head_dim // 2]``, fp32, exactly as transformers computes them.
+
+    With ``rope_scaling`` this is HF's ``_compute_llama3_parameters``: long wavelengths are divided
+    by ``factor``, short ones kept, the band between interpolated smoothly.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """``cos, sin`` of shape ``[max_position_embeddings, head_dim // 2]``, fp32 on CPU.
+
+    HF stores ``cat(freqs, freqs)``; both halves are equal, so half the table suffices and
+    ``apply_rotary`` pairs dimension ``i`` with ``i + head_dim/2`` (the rotate-half layout).
+    """
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+    freqs = positions[:, None] * rope_inv_freq(config)[None, :]  # [P, Dh/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``[B, H, S, Dh]`` by ``cos, sin`` ``[S, Dh/2]`` (HF's rotate-half layout).
+
+    Equals HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` bit for bit.
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # [B, H, S, Dh/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, H, S, Dh]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over a static KV cache; optional q/k/v biases (Qwen2)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, dh, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, dh
+        self.q_proj = nn.Linear(d, config.n_heads * dh, bias=bias)
+        self.k_proj = nn.Linear(d, config.n_kv_heads * dh, bias=bias)
+        self.v_proj = nn.Linear(d, config.n_kv_heads * dh, bias=bias)
+        self.o_proj = nn.Linear(config.n_heads * dh, d, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor,
+        cache: KVCache,
+        layer: int,
+        start: int,
+    ) -> Tensor:
+        """``x`` ``[B, S, D]`` at positions ``[start, start+S)``; keys are ``[0, start+S)``."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
+        y = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )  # [B, H, S, Dh]
+        y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H*Dh]
+        out: Tensor = self.o_proj(y)
+        return out
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer: attention then MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = FeedForward(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor,
+        cache: KVCache,
+        layer: int,
+        start: int,
+    ) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
+        out: Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
+
+
+class StageModel(nn.Module):
+    """Layers ``[first, last)`` of the model, plus the embedding and/or head at the ends.
+
+    A tied tail that is not stage 0 still owns a copy of the embedding matrix as its head weight.
+    """
+
+    def __init__(self, config: ModelConfig, first: int, last: int) -> None:
+        super().__init__()
+        if not 0 <= first < last <= config.n_layers:
+            raise ValueError(
+                f"bad layer range [{first}, {last}) for a {config.n_layers}-layer model: "
+                "need 0 <= first < last <= n_layers"
+            )
+        self.config, self.first, self.last = config, first, last
+        self.is_first, self.is_last = first == 0, last == config.n_layers
+        d, vocab = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, d) if self.is_first else None
+        self.layers = nn.ModuleList(Block(config) for _ in range(first, last))
+        self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(d, vocab, bias=False) if self.is_last else None
+        if (
+            self.lm_head is not None
+            and self.embed_tokens is not None
+            and config.tie_word_embeddings
+        ):
+            self.lm_head.weight = self.embed_tokens.weight
+        # Built on CPU in fp32 even under ``torch.device("meta")`` (the loader builds there), so
+        # every stage computes identical tables; ``.to(device)`` moves them with the weights.
+        cos, sin = rope_tables(config)
+        self.rope_cos: Tensor
+        self.rope_sin: Tensor
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (that of the weights)."""
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def new_cache(
+        self,
+        max_len: int,
+        batch: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A zeroed KV cache for this block and one session of up to ``max_len`` positions."""
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's max_position_embeddings "
+                f"{self.config.max_position_embeddings}; open a shorter session"
+            )
+        c = self.config
+        return KVCache.empty(
+            len(self.layers),
+            batch,
+            c.n_kv_heads,
+            max_len,
+            c.head_dim,
+            dtype=dtype or self.dtype,
+            device=device or self.device,
+        )
+
+    if TYPE_CHECKING:
+        # nn.Module.__call__ is typed ``Any``; callers get ``forward``'s signature instead.
+        def __call__(self, x: Tensor, start: int, cache: KVCache) -> Tensor: ...
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, start: int, cache: KVCache) -> Tensor:
+        """Run positions ``[start, start+S)``: ids ``[B, S]`` (first stage) or hidden ``[B, S, D]``.
+
+        Writes K/V at ``[start, start+S)`` and attends causally to ``[0, start+S)`` only. Returns
+        hidden ``[B, S, D]``, or fp32 logits ``[B, S, V]`` on the last stage. Runs without
+        autograd: an inference engine never wants a graph hanging off its KV cache.
+        """
+        s = self._check_input(x, start, cache)
+        h: Tensor = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
+        rope = (
+            self.rope_cos[start : start + s].to(h.dtype),  # [S, Dh/2]
+            self.rope_sin[start : start + s].to(h.dtype),  # [S, Dh/2]
+        )
+        mask = self._mask(start, s, h.device)  # [S, start+S]
+        for j, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, cache, j, start)
+        if self.norm is None or self.lm_head is None:
+            return h
+        logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]
+        return logits.float()
+
+    def _mask(self, start: int, s: int, device: torch.device) -> Tensor:
+        """Boolean ``[S, start+S]``: query ``start+i`` sees key ``j`` iff ``j <= start+i``
+        (and ``j > start+i - sliding_window`` when the model has one)."""
+        q_pos = torch.arange(start, start + s, device=device)[:, None]  # [S, 1]
+        k_pos = torch.arange(start + s, device=device)[None, :]  # [1, start+S]
+        mask = k_pos <= q_pos
+        window = self.config.sliding_window
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        return mask
+
+    def _check_input(self, x: Tensor, start: int, cache: KVCache) -> int:
+        """Validate ``x``, ``start`` and ``cache`` against this stage; return ``S``."""
+        c = self.config
+        if self.is_first:
+            if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
+                raise ValueError(
+                    f"stage [{self.first}, {self.last}) is first: wants int64 token ids [B, S], "
+                    f"got {x.dtype} {tuple(x.shape)}"
+                )
+        elif x.dim() != 3 or x.shape[-1] != c.hidden_size or not x.is_floating_point():
+            raise ValueError(
+                f"stage [{self.first}, {self.last}) wants hidden states [B, S, {c.hidden_size}], "
+                f"got {x.dtype} {tuple(x.shape)}"
+            )
+        b, s = int(x.shape[0]), int(x.shape[1])
+        if s < 1 or start < 0 or start + s > cache.max_len:
+            raise ValueError(
+                f"positions [{start}, {start + s}) do not fit the KV cache (max_len "
+                f"{cache.max_len}); need 0 <= start and start + S <= max_len with S >= 1"
+            )
+        want = (len(self.layers), b, c.n_kv_heads, cache.max_len, c.head_dim)
+        if tuple(cache.k.shape) != want or cache.dtype != self.dtype:
+            raise ValueError(
+                f"KV cache {tuple(cache.k.shape)} {cache.dtype} does not match this stage and "
+                f"input: want {want} {self.dtype}; make it with StageModel.new_cache"
+            )
+        return s

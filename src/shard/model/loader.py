@@ -1,0 +1,145 @@
+"""Load one stage's block of layers from a Hugging Face safetensors checkpoint.
+
+A stage reads only its own tensors: ``safe_open`` maps the file and ``get_tensor`` copies out
+one named tensor, so a stage holding 4 of 80 layers never touches the other 76 (nor the
+embedding, unless it is stage 0 or a tied tail). Every tensor's shape is checked against the
+config from the file header before its data is read.
+
+Errors: every problem an operator can hit (missing directory, config or safetensors, a missing
+tensor, a shape mismatch, an unsupported architecture, a bad layer range) is a
+``ModelLoadError`` that names the thing and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shard.model.config import ModelConfig, ModelLoadError
+from shard.model.llama import StageModel
+
+__all__ = ["ModelLoadError", "checkpoint_index", "hf_name", "load_stage"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def load_stage(
+    model_dir: Path,
+    first: int,
+    last: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> StageModel:
+    """Build ``StageModel(config, first, last)`` with weights read from ``model_dir``.
+
+    The module is built on the meta device (no memory, no random init) and each parameter is
+    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist; fetch the model first")
+    config = ModelConfig.from_dir(model_dir)
+    if not 0 <= first < last <= config.n_layers:
+        raise ModelLoadError(
+            f"bad layer range [{first}, {last}) for {model_dir} which has {config.n_layers} "
+            f"layers: need 0 <= first < last <= {config.n_layers}"
+        )
+    weight_map = checkpoint_index(model_dir)
+    with torch.device("meta"):
+        stage = StageModel(config, first, last)
+    wanted = {name: hf_name(config, first, name) for name, _ in stage.named_parameters()}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for local, remote in wanted.items():
+        if remote not in weight_map:
+            raise ModelLoadError(
+                f"tensor {remote!r} (for layers [{first}, {last})) is missing from the "
+                f"checkpoint in {model_dir}; the download is incomplete or not this model"
+            )
+        by_file[weight_map[remote]].append(local)
+    for file, locals_ in sorted(by_file.items()):
+        _load_file(stage, model_dir / file, {n: wanted[n] for n in locals_}, dtype, device)
+    if config.tie_word_embeddings and stage.lm_head is not None and stage.embed_tokens is not None:
+        stage.lm_head.weight = stage.embed_tokens.weight
+    return stage.to(device).eval()
+
+
+def checkpoint_index(model_dir: Path) -> dict[str, str]:
+    """Map every tensor name in the checkpoint to the safetensors file (relative) holding it.
+
+    Uses ``model.safetensors.index.json`` when present, else the single ``model.safetensors``
+    (whose header, not data, is read for the names).
+    """
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}; re-download the checkpoint") from e
+        for file in sorted(set(weight_map.values())):
+            if not (model_dir / file).is_file():
+                raise ModelLoadError(
+                    f"{index} names shard {file!r} which is missing; re-download the checkpoint"
+                )
+        return {str(k): str(v) for k, v in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise ModelLoadError(
+            f"no safetensors weights in {model_dir} (neither {SINGLE_FILE} nor {INDEX_FILE}); "
+            "download the safetensors files, or convert a GGUF with `shard convert`"
+        )
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise ModelLoadError(f"cannot read {single}: {e}; re-download the checkpoint") from e
+
+
+def hf_name(config: ModelConfig, first: int, local: str) -> str:
+    """The checkpoint name of a ``StageModel`` parameter: local layer ``j`` is ``first + j``.
+
+    A tied head reads the embedding matrix (tied checkpoints carry no ``lm_head.weight``).
+    """
+    if local == "lm_head.weight":
+        return "model.embed_tokens.weight" if config.tie_word_embeddings else local
+    if local.startswith("layers."):
+        _, j, rest = local.split(".", 2)
+        return f"model.layers.{first + int(j)}.{rest}"
+    return f"model.{local}"
+
+
+def _load_file(
+    stage: StageModel,
+    path: Path,
+    names: dict[str, str],
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    """Read ``names`` (local -> checkpoint name) from one file into ``stage``, checking shapes."""
+    try:
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for local, remote in names.items():
+                param = stage.get_parameter(local)
+                got = tuple(f.get_slice(remote).get_shape())
+                if got != tuple(param.shape):
+                    raise ModelLoadError(
+                        f"tensor {remote!r} in {path.name} has shape {list(got)} but the config "
+                        f"expects {list(param.shape)}; config.json and weights disagree"
+                    )
+                tensor = f.get_tensor(remote).to(dtype)
+                _set_parameter(stage, local, nn.Parameter(tensor, requires_grad=False))
+    except ModelLoadError:
+        raise
+    except Exception as e:  # SafetensorError, OSError: a corrupt or truncated file
+        raise ModelLoadError(f"cannot read {path}: {e}; re-download the checkpoint") from e
+
+
+def _set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, value)

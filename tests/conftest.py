@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random checkpoints, built once per session and per shape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shard.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_checkpoint(**kw)`` -> a ``make_tiny_checkpoint`` dir, cached by ``kw``.
+
+    Tests must not modify the returned directory; copy it first (see ``test_model_loader``).
+    """
+    made: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def make(**kw: Any) -> Path:
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), **kw)
+        return made[key]
+
+    return make
