@@ -1,0 +1,73 @@
+"""Bookkeeping shared by every decoding loop: what is committed, when a request stops.
+
+Pure and synchronous: the ring's coordinator and the single-process reference both feed it
+the target's token ids and get back what to emit, so they stop at exactly the same place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served as asked; the message says how to fix it."""
+
+
+class RequestTooLong(BadRequest):
+    """The prompt plus ``max_tokens`` does not fit the session's KV length."""
+
+
+@attrs.define
+class DecodeState:
+    """Committed output of one request. ``commit`` takes target ids in order.
+
+    A request stops at the first end-of-sequence id (which is not part of the output) or when
+    ``max_tokens`` ids are committed. Ids arriving after the stop are ignored.
+    """
+
+    prompt_len: int
+    max_tokens: int
+    eos_ids: frozenset[int]
+    output: list[int] = attrs.field(factory=list)
+    finish_reason: str | None = None
+
+    @classmethod
+    def start(
+        cls, prompt_len: int, max_tokens: int, eos_ids: Iterable[int], *, max_len: int
+    ) -> DecodeState:
+        if prompt_len < 1:
+            raise BadRequest("the prompt is empty: nothing to condition on")
+        if max_tokens < 1:
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        if prompt_len + max_tokens > max_len:
+            raise RequestTooLong(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the session "
+                f"length {max_len}; shorten the prompt, lower max_tokens or raise limits.max_len"
+            )
+        return cls(prompt_len=prompt_len, max_tokens=max_tokens, eos_ids=frozenset(eos_ids))
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next token to be fed (== tokens in the KV so far + 1)."""
+        return self.prompt_len + len(self.output)
+
+    def commit(self, ids: Iterable[int]) -> list[int]:
+        """Commit target ids in order; returns those that became output."""
+        emitted: list[int] = []
+        for token in ids:
+            if self.done:
+                break
+            if token in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+            self.output.append(token)
+            emitted.append(token)
+            if len(self.output) >= self.max_tokens:
+                self.finish_reason = "length"
+        return emitted

@@ -1,0 +1,131 @@
+"""Ring links: the handshake on every connection and the pumps between connections and actors.
+
+Each stage dials its successor; the tail dials the coordinator's return endpoint (direct
+return, one hop); the coordinator dials stage 0. A dialer sends ``Hello`` and waits for
+``Welcome``; a listener checks the swarm name and protocol before answering. After the
+handshake a link is a plain pump between a ``Connection`` and an actor's memory channel, so
+actors never know whether their peer is in this process or across the internet.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from shard.messages import PROTOCOL_VERSION, Fault, Hello, Message, NodeName, Welcome
+from shard.transport import Connection, ConnectionClosed, Network, TransportError
+
+log = logging.getLogger(__name__)
+
+_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class HandshakeError(Exception):
+    """A peer spoke the wrong first words: not a Hello/Welcome, another swarm, another protocol."""
+
+
+async def dial_peer(
+    network: Network, address: str, hello: Hello, *, timeout_s: float
+) -> Connection:
+    """Dial ``address`` until it answers (peers may still be loading), then shake hands.
+
+    Errors: ``TransportError`` when nothing answers within ``timeout_s``; ``HandshakeError``
+    when the peer answers wrongly.
+    """
+    deadline = trio.current_time() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            conn = await network.dial(address)
+            break
+        except TransportError as exc:
+            if trio.current_time() + delay > deadline:
+                raise TransportError(
+                    f"{hello.node}: could not reach {address} within {timeout_s:g} s ({exc}); "
+                    "is that node running and is the address right?"
+                ) from exc
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    try:
+        with trio.fail_after(_HANDSHAKE_TIMEOUT_S):
+            await conn.send(hello)
+            reply = await conn.receive()
+    except (TransportError, trio.TooSlowError) as exc:
+        await conn.aclose()
+        raise HandshakeError(f"{hello.node}: no Welcome from {address}: {exc!r}") from exc
+    if not isinstance(reply, Welcome):
+        await conn.aclose()
+        detail = reply.detail if isinstance(reply, Fault) else type(reply).__name__
+        raise HandshakeError(f"{hello.node}: {address} refused the connection: {detail}")
+    return conn
+
+
+async def accept_peer(conn: Connection, welcome: Welcome) -> Hello:
+    """Listener side of the handshake: read ``Hello``, check it, answer ``Welcome``."""
+    with trio.fail_after(_HANDSHAKE_TIMEOUT_S):
+        hello = await conn.receive()
+    problem = None
+    if not isinstance(hello, Hello):
+        problem = f"expected Hello, got {type(hello).__name__}"
+    elif hello.swarm != welcome.swarm:
+        problem = f"swarm {hello.swarm!r} is not this swarm ({welcome.swarm!r})"
+    elif hello.protocol != PROTOCOL_VERSION:
+        problem = f"protocol {hello.protocol} is not {PROTOCOL_VERSION}"
+    if problem is not None:
+        try:
+            await conn.send(Fault(node=welcome.node, kind="handshake", detail=problem))
+        finally:
+            await conn.aclose()
+        raise HandshakeError(f"{welcome.node}: refused {conn.peer}: {problem}")
+    assert isinstance(hello, Hello)
+    await conn.send(welcome)
+    return hello
+
+
+async def pump_out(
+    node: NodeName,
+    source: trio.MemoryReceiveChannel[Message],
+    conn: Connection,
+    faults: trio.MemorySendChannel[Message] | None = None,
+) -> None:
+    """Send everything from ``source`` on ``conn`` until either ends.
+
+    Errors: when the connection fails, a ring-level ``Fault`` (no session) goes to
+    ``faults`` if given — the coordinator fails the affected requests with a clear error —
+    otherwise the ``TransportError`` propagates.
+    """
+    try:
+        async with source:
+            async for msg in source:
+                await conn.send(msg)
+    except TransportError as exc:
+        if faults is None:
+            raise
+        await faults.send(Fault(node=node, kind="link", detail=f"link to {conn.peer} lost: {exc}"))
+    finally:
+        with trio.CancelScope(shield=True):
+            await conn.aclose()
+
+
+async def pump_in(
+    node: NodeName,
+    conn: Connection,
+    sink: trio.MemorySendChannel[Message],
+    *,
+    on_close: Fault | None = None,
+) -> None:
+    """Deliver everything received on ``conn`` to ``sink`` until the peer closes.
+
+    When the peer goes away and ``on_close`` is given, that fault is delivered last, so the
+    actor behind ``sink`` learns that its upstream is gone instead of waiting forever.
+    """
+    async with sink:
+        try:
+            while True:
+                msg = await conn.receive()
+                await sink.send(msg)
+        except ConnectionClosed:
+            log.info("%s: %s closed the connection", node, conn.peer)
+            if on_close is not None:
+                await sink.send(on_close)

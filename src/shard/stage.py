@@ -1,0 +1,240 @@
+"""StageExecutor: one contiguous block of layers, its per-session KV caches, and (at the tail)
+the target's choice.
+
+The executor reads chunks from its inbox in order (frames on one edge are FIFO), runs its
+block, and writes to its outbox: hidden states for the next stage, or — at the tail — a small
+``Verdict`` of token ids that goes straight back to the coordinator (direct return). Control
+messages (``OpenSession``, ``EndSession``) travel the ring in the same FIFO order as chunks, so
+a session's KV exists before its first chunk and is freed after its last.
+
+A chunk at ``start`` writes K/V at ``[start, start+n)`` and attends to everything before, so
+rollback after a rejected draft is just a later chunk overwriting the same positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+import trio
+
+from shard.messages import (
+    EndSession,
+    Fault,
+    Hop,
+    Message,
+    NodeName,
+    OpenSession,
+    Prefill,
+    Sampling,
+    SessionId,
+    Verdict,
+    Verify,
+)
+from shard.model.llama import KVCache, StageModel
+from shard.model.tensors import from_wire, to_wire
+from shard.verify import choose_token, make_generator, verify_chunk
+
+log = logging.getLogger(__name__)
+
+
+class StageFailed(Exception):
+    """A chunk could not be computed; reported downstream as a ``Fault`` for that session."""
+
+
+@attrs.frozen
+class StageStatistics:
+    """Counters of one executor, for the status feed and benchmarks."""
+
+    node: NodeName
+    first: int
+    last: int
+    sessions: int
+    chunks: int
+    positions: int
+    compute_s: float
+    faults: int
+
+
+@attrs.define
+class _Session:
+    cache: KVCache
+    sampling: Sampling
+    generator: torch.Generator | None
+
+
+class StageExecutor:
+    """Runs one block of layers for every session passing through this node.
+
+    Cancellation: cancelling ``run`` abandons the chunk being computed only after its worker
+    thread returns (the thread is never killed mid-forward); caches are dropped with the actor.
+
+    Errors: a chunk that cannot be computed (unknown session, a shape that does not fit, a
+    position past the session's KV length) becomes a ``Fault`` sent downstream — the tail
+    relays it to the coordinator — and the executor keeps serving other sessions. A closed
+    inbox ends ``run`` normally; bugs propagate.
+    """
+
+    def __init__(
+        self,
+        model: StageModel,
+        *,
+        node: NodeName,
+        inbox: trio.MemoryReceiveChannel[Message],
+        outbox: trio.MemorySendChannel[Message],
+        max_sessions: int = 16,
+        limiter: trio.CapacityLimiter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._model = model
+        self._node = node
+        self._inbox = inbox
+        self._outbox = outbox
+        self._max_sessions = max_sessions
+        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        # Hop stamps are wall-clock so that hops from different processes line up on one host;
+        # they are reported, never used to decide anything.
+        self._clock = clock
+        self._sessions: dict[SessionId, _Session] = {}
+        self._chunks = 0
+        self._positions = 0
+        self._compute_s = 0.0
+        self._faults = 0
+
+    def statistics(self) -> StageStatistics:
+        return StageStatistics(
+            node=self._node,
+            first=self._model.first,
+            last=self._model.last,
+            sessions=len(self._sessions),
+            chunks=self._chunks,
+            positions=self._positions,
+            compute_s=self._compute_s,
+            faults=self._faults,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self._inbox, self._outbox:
+            task_status.started()
+            async for msg in self._inbox:
+                await self._handle(msg)
+
+    async def _handle(self, msg: Message) -> None:
+        if isinstance(msg, OpenSession):
+            await self._open(msg)
+        elif isinstance(msg, EndSession):
+            self._sessions.pop(msg.session, None)
+            if not self._model.is_last:
+                await self._outbox.send(msg)
+        elif isinstance(msg, Prefill | Verify):
+            try:
+                out = await self._compute(msg)
+            except StageFailed as exc:
+                await self._fault(msg.session, "chunk", str(exc))
+                return
+            if out is not None:
+                await self._outbox.send(out)
+        elif isinstance(msg, Fault):
+            await self._outbox.send(msg)  # relay towards the coordinator
+        else:
+            log.warning("%s: ignoring unexpected %s", self._node, type(msg).__name__)
+
+    async def _open(self, msg: OpenSession) -> None:
+        if msg.session not in self._sessions and len(self._sessions) >= self._max_sessions:
+            await self._fault(
+                msg.session,
+                "capacity",
+                f"{len(self._sessions)} sessions open (limits.max_sessions); retry later",
+            )
+            return
+        cache = self._model.new_cache(msg.max_len)
+        generator = make_generator(msg.sampling) if self._model.is_last else None
+        self._sessions[msg.session] = _Session(cache, msg.sampling, generator)
+        if not self._model.is_last:
+            await self._outbox.send(msg)
+
+    async def _fault(self, session: SessionId, kind: str, detail: str) -> None:
+        self._faults += 1
+        await self._outbox.send(Fault(node=self._node, kind=kind, detail=detail, session=session))
+
+    async def _compute(self, msg: Prefill | Verify) -> Message | None:
+        received_at = self._clock()
+        sess = self._sessions.get(msg.session)
+        if sess is None:
+            raise StageFailed(f"{self._node}: session {msg.session} is not open here")
+        x = self._input(msg)
+        n = int(x.shape[1])
+        if msg.start < 0 or msg.start + n > sess.cache.max_len:
+            raise StageFailed(
+                f"{self._node}: positions [{msg.start}, {msg.start + n}) do not fit the "
+                f"session's KV length {sess.cache.max_len}"
+            )
+        t0 = time.perf_counter()
+        out = await trio.to_thread.run_sync(
+            self._forward, x, msg.start, sess, msg, limiter=self._limiter
+        )
+        compute_s = time.perf_counter() - t0
+        self._chunks += 1
+        self._positions += n
+        self._compute_s += compute_s
+        hop = Hop(
+            node=self._node, compute_s=compute_s, received_at=received_at, sent_at=self._clock()
+        )
+        hops = (*msg.hops, hop)
+        if isinstance(out, torch.Tensor):
+            return attrs.evolve(msg, ids=(), hidden=to_wire(out), hops=hops)
+        if out is None:
+            return None
+        return Verdict(
+            session=msg.session,
+            epoch=msg.epoch,
+            seq=msg.seq,
+            start=msg.start,
+            target_ids=out[0],
+            accepted=out[1],
+            hops=hops,
+        )
+
+    def _input(self, msg: Prefill | Verify) -> torch.Tensor:
+        if self._model.is_first:
+            if not msg.ids or msg.hidden is not None:
+                raise StageFailed(f"{self._node}: the first stage needs token ids, got hidden")
+            vocab = self._model.config.vocab_size
+            if any(not 0 <= t < vocab for t in msg.ids):
+                raise StageFailed(f"{self._node}: token id out of range [0, {vocab})")
+            return torch.tensor([msg.ids], dtype=torch.int64)  # [1, S]
+        if msg.hidden is None:
+            raise StageFailed(f"{self._node}: a middle or tail stage needs hidden states")
+        try:
+            hidden = from_wire(msg.hidden)
+        except ValueError as exc:
+            raise StageFailed(f"{self._node}: bad hidden payload: {exc}") from exc
+        dim = self._model.config.hidden_size
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != dim:
+            raise StageFailed(
+                f"{self._node}: hidden shape {tuple(hidden.shape)} is not [1, S, {dim}]"
+            )
+        return hidden
+
+    def _forward(
+        self, x: torch.Tensor, start: int, sess: _Session, msg: Prefill | Verify
+    ) -> torch.Tensor | tuple[tuple[int, ...], int] | None:
+        """Worker-thread body: the block's forward, and the target's choice at the tail."""
+        with torch.inference_mode():
+            out = self._model(x, start, sess.cache)
+            if not self._model.is_last:
+                return out
+            logits = out[0]  # [S, V]
+            if isinstance(msg, Prefill):
+                if not msg.final:
+                    return None
+                token = choose_token(logits[-1], sess.sampling, sess.generator)
+                return (token,), 0
+            n_draft = len(msg.draft)
+            verdict = verify_chunk(
+                logits[-(n_draft + 1) :], msg.draft, sess.sampling, sess.generator
+            )
+            return verdict.target_ids, verdict.accepted

@@ -1,0 +1,91 @@
+"""The target's choice and the acceptance rule: pure functions, no I/O.
+
+The tail stage calls ``verify_chunk`` on the logits of one chunk; the single-process reference
+(``shard.reference``) calls ``choose_token`` one position at a time. Both draw from the same
+per-session ``torch.Generator`` in the same order, so a seeded sampled run through the ring is
+reproducible and equal to the reference run.
+
+With a deterministic draft (q one-hot on the drafted token) the lossless speculative-sampling
+rule — accept d with probability min(1, p(d)/q(d)) = p(d), else resample from the normalised
+residual max(0, p - q) — is exactly "draw t ~ p; accept iff t == d": P(accept) = p(d), and a
+rejected draw is distributed as p restricted to tokens != d. So one draw per position serves
+greedy decoding, plain sampling and verification alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from shard.messages import Sampling
+
+
+def make_generator(sampling: Sampling) -> torch.Generator:
+    """A CPU generator seeded from the request, used for every draw of that session."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(sampling.seed)
+    return gen
+
+
+def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature, top-k and top-p (nucleus) applied to one row of logits [V] -> probs [V]."""
+    scaled = logits.float() / sampling.temperature  # [V]
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+def choose_token(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> int:
+    """The target's token for one position: argmax when greedy, else one seeded draw."""
+    if sampling.temperature <= 0.0:
+        return int(torch.argmax(logits).item())
+    if generator is None:
+        raise ValueError("sampling with temperature > 0 needs a generator")
+    probs = filter_logits(logits, sampling)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@attrs.frozen
+class ChunkVerdict:
+    """The target's ids for a verified chunk and how many drafted ids they confirmed."""
+
+    target_ids: tuple[int, ...]
+    accepted: int
+
+
+def verify_chunk(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> ChunkVerdict:
+    """Decide a chunk of K drafted tokens from the target's logits at its K+1 positions.
+
+    ``logits`` is [K+1, V]: row i is the target's distribution after the chunk's i-th input.
+    Walks the drafts in order: the target chooses at position i; if that equals draft[i] the
+    draft is accepted and the walk goes on, otherwise the chosen token replaces it and the
+    walk stops. When every draft holds, the last row gives a bonus token. Returns the accepted
+    prefix plus one target token, so ``len(target_ids) == accepted + 1``.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"logits {tuple(logits.shape)} do not fit {len(draft)} drafted tokens")
+    chosen: list[int] = []
+    for i in range(len(draft) + 1):
+        token = choose_token(logits[i], sampling, generator)
+        chosen.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return ChunkVerdict(target_ids=tuple(chosen), accepted=len(chosen) - 1)
