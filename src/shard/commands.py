@@ -145,7 +145,8 @@ async def _ask(swarm: str, address: str, req: GenerateRequest, args: Any) -> Gen
         if not args.json:
             print(out.text, end="", flush=True)
 
-    done = await request(WebSocketNetwork(), address, req, swarm=swarm, on_text=show)
+    async with WebSocketNetwork() as network:
+        done = await request(network, address, req, swarm=swarm, on_text=show)
     _print_done(done, as_json=args.json, streamed=True)
     return done
 
@@ -225,10 +226,8 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
     from shard.swarm import ready_line
     from shard.transport import WebSocketNetwork
 
-    network = WebSocketNetwork(
-        connect_timeout_s=spec.limits.connect_timeout_s,
-    )
-    async with trio.open_nursery() as nursery:
+    network = WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+    async with network, trio.open_nursery() as nursery:
         if args.role == "stage":
             handle = await nursery.start(
                 lambda task_status: run_stage(
