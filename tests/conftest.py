@@ -26,3 +26,11 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The bundled SmolLM2, converted once into the user cache (shared with ``shard``)."""
+    from fixtures_smollm2 import smollm2_dir as converted
+
+    return converted()
