@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 EPILOG = """\
 examples:
@@ -22,13 +23,46 @@ examples:
 """
 
 
+def _bounded(kind: type[int] | type[float], low: float, high: float, what: str) -> Any:
+    """An argparse type accepting ``kind`` values in [low, high], with a message saying so."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples"
+        "--max-tokens",
+        type=_bounded(int, 1, 1 << 30, "a positive integer"),
+        default=64,
+        help="tokens to generate (default 64)",
     )
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = all)")
+    p.add_argument(
+        "--temperature",
+        type=_bounded(float, 0.0, 100.0, "a temperature in [0, 100]"),
+        default=0.0,
+        help="0 = greedy (default); >0 samples",
+    )
+    p.add_argument(
+        "--top-p",
+        type=_bounded(float, 1e-9, 1.0, "a probability mass in (0, 1]"),
+        default=1.0,
+        help="nucleus sampling mass (default 1)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_bounded(int, 0, 1 << 30, "a non-negative integer"),
+        default=0,
+        help="keep the k likeliest tokens (0 = all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same output")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from shard.decoding import DecodeState
+from shard.decoding import DecodeState, check_sampling
 from shard.messages import (
     ChunkSeq,
     EndSession,
@@ -162,7 +162,12 @@ class Coordinator:
         sampling: Sampling = Sampling(),
         on_tokens: OnTokens | None = None,
     ) -> Completion:
-        """Run one request through the ring; ``on_tokens`` sees ids as they are committed."""
+        """Run one request through the ring; ``on_tokens`` sees ids as they are committed.
+
+        Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
+        ``RingError`` when the ring fails the request.
+        """
+        check_sampling(sampling)
         state = DecodeState.start(
             len(prompt_ids), max_tokens, self._eos_ids, max_len=self._limits.max_len
         )

@@ -6,9 +6,12 @@ the target's token ids and get back what to emit, so they stop at exactly the sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
+
+from shard.messages import Sampling
 
 
 class BadRequest(ValueError):
@@ -17,6 +20,16 @@ class BadRequest(ValueError):
 
 class RequestTooLong(BadRequest):
     """The prompt plus ``max_tokens`` does not fit the session's KV length."""
+
+
+def check_sampling(sampling: Sampling) -> None:
+    """Refuse sampling settings that have no meaning (they would poison the tail's draws)."""
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise BadRequest(f"top_k must be >= 0, got {sampling.top_k}")
 
 
 @attrs.define

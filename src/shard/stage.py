@@ -21,6 +21,7 @@ import attrs
 import torch
 import trio
 
+from shard.decoding import BadRequest, check_sampling
 from shard.messages import (
     EndSession,
     Fault,
@@ -148,6 +149,17 @@ class StageExecutor:
                 msg.session,
                 "capacity",
                 f"{len(self._sessions)} sessions open (limits.max_sessions); retry later",
+            )
+            return
+        try:
+            check_sampling(msg.sampling)
+        except BadRequest as exc:
+            await self._fault(msg.session, "request", f"{self._node}: {exc}")
+            return
+        limit = self._model.config.max_position_embeddings
+        if not 0 < msg.max_len <= limit:
+            await self._fault(
+                msg.session, "request", f"{self._node}: max_len {msg.max_len} not in [1, {limit}]"
             )
             return
         cache = self._model.new_cache(msg.max_len)
