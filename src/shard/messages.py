@@ -204,6 +204,76 @@ class Verdict:
     hops: tuple[Hop, ...] = ()
 
 
+# --- clients ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class GenerateRequest:
+    """A client asks the coordinator for a completion (``shard generate --spec``)."""
+
+    request: int
+    prompt: str
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    chat: bool = False
+
+
+@attrs.frozen
+class TokensOut:
+    """Newly committed tokens of a request, streamed to the client as they are committed."""
+
+    request: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@attrs.frozen
+class NodeStat:
+    """Per-node totals for one request: compute seconds and chunks handled."""
+
+    node: NodeName
+    compute_s: float
+    chunks: int
+
+
+@attrs.frozen
+class EdgeStat:
+    """Mean one-way transit of one ring edge over a request, from wall-clock hop stamps.
+
+    Meaningful when the nodes share a clock (one host, or NTP-synced hosts); reported only.
+    """
+
+    src: NodeName
+    dst: NodeName
+    mean_s: float
+
+
+@attrs.frozen
+class RunStats:
+    """What one request cost: tokens, wall seconds, laps through the ring, per-node compute."""
+
+    tokens: int
+    seconds: float
+    tok_s: float
+    prefill_s: float
+    laps: int
+    mean_lap_s: float
+    nodes: tuple[NodeStat, ...] = ()
+    edges: tuple[EdgeStat, ...] = ()
+
+
+@attrs.frozen
+class GenerateDone:
+    """The end of a request. ``finish_reason`` is "stop" (EOS), "length" or "error"."""
+
+    request: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    stats: RunStats
+    error: str = ""
+
+
 Message = (
     Hello
     | Welcome
@@ -216,6 +286,9 @@ Message = (
     | Prefill
     | Verify
     | Verdict
+    | GenerateRequest
+    | TokensOut
+    | GenerateDone
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -231,4 +304,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Prefill,
     Verify,
     Verdict,
+    GenerateRequest,
+    TokensOut,
+    GenerateDone,
 )
