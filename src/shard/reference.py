@@ -2,8 +2,8 @@
 
 Every distributed mode is compared with this. It chunks exactly as the ring does — the prompt
 in ``prefill_chunk`` pieces, then one position per step — and draws from the same seeded
-generator in the same order, so greedy (and seeded sampled) output through the ring is
-token-identical to this on the same weights and dtype.
+per-position draws (``shard.verify``), so greedy (and seeded sampled) output through the ring
+is token-identical to this on the same weights and dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from shard.decoding import DecodeState
 from shard.messages import RunStats, Sampling
 from shard.model.llama import StageModel
-from shard.verify import choose_token, make_generator
+from shard.verify import choose_token
 
 
 @attrs.frozen
@@ -43,7 +43,6 @@ def generate_reference(
         raise ValueError("the reference needs a model holding every layer")
     state = DecodeState.start(len(prompt_ids), max_tokens, eos_ids, max_len=max_len)
     cache = model.new_cache(max_len)
-    generator = make_generator(sampling)
     began = time.perf_counter()
     laps: list[float] = []
     with torch.inference_mode():
@@ -53,7 +52,7 @@ def generate_reference(
             logits = model(chunk, start, cache)  # [1, S, V]
         prefill_s = time.perf_counter() - began
         while True:
-            token = choose_token(logits[0, -1], sampling, generator)
+            token = choose_token(logits[0, -1], sampling, state.position)
             emitted = state.commit([token])
             if emitted and on_tokens is not None:
                 on_tokens(emitted)

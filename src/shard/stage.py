@@ -37,7 +37,7 @@ from shard.messages import (
 )
 from shard.model.llama import KVCache, StageModel
 from shard.model.tensors import from_wire, to_wire
-from shard.verify import choose_token, make_generator, verify_chunk
+from shard.verify import choose_token, verify_chunk
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class StageStatistics:
 class _Session:
     cache: KVCache
     sampling: Sampling
-    generator: torch.Generator | None
 
 
 class StageExecutor:
@@ -163,8 +162,7 @@ class StageExecutor:
             )
             return
         cache = self._model.new_cache(msg.max_len)
-        generator = make_generator(msg.sampling) if self._model.is_last else None
-        self._sessions[msg.session] = _Session(cache, msg.sampling, generator)
+        self._sessions[msg.session] = _Session(cache, msg.sampling)
         if not self._model.is_last:
             await self._outbox.send(msg)
 
@@ -243,10 +241,10 @@ class StageExecutor:
             if isinstance(msg, Prefill):
                 if not msg.final:
                     return None
-                token = choose_token(logits[-1], sess.sampling, sess.generator)
+                token = choose_token(logits[-1], sess.sampling, msg.start + int(x.shape[1]))
                 return (token,), 0
             n_draft = len(msg.draft)
             verdict = verify_chunk(
-                logits[-(n_draft + 1) :], msg.draft, sess.sampling, sess.generator
+                logits[-(n_draft + 1) :], msg.draft, sess.sampling, msg.start + 1
             )
             return verdict.target_ids, verdict.accepted

@@ -1,9 +1,11 @@
 """The target's choice and the acceptance rule: pure functions, no I/O.
 
 The tail stage calls ``verify_chunk`` on the logits of one chunk; the single-process reference
-(``shard.reference``) calls ``choose_token`` one position at a time. Both draw from the same
-per-session ``torch.Generator`` in the same order, so a seeded sampled run through the ring is
-reproducible and equal to the reference run.
+(``shard.reference``) calls ``choose_token`` one position at a time. A sampled draw is keyed by
+(request seed, absolute position), not by how many draws came before, so the token chosen at a
+position depends only on the seed and the text before it: a seeded run gives the same output
+through the ring, with or without speculation, pipelined or not, and with stale chunks
+computed or skipped — and equals the reference run.
 
 With a deterministic draft (q one-hot on the drafted token) the lossless speculative-sampling
 rule — accept d with probability min(1, p(d)/q(d)) = p(d), else resample from the normalised
@@ -21,11 +23,13 @@ import torch
 
 from shard.messages import Sampling
 
+_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads (seed, position) over the seed space
 
-def make_generator(sampling: Sampling) -> torch.Generator:
-    """A CPU generator seeded from the request, used for every draw of that session."""
+
+def position_generator(sampling: Sampling, position: int) -> torch.Generator:
+    """The CPU generator for the draw at absolute ``position`` of a request."""
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(sampling.seed)
+    gen.manual_seed((sampling.seed * _MIX + position) % (1 << 63))
     return gen
 
 
@@ -46,15 +50,13 @@ def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
-def choose_token(
-    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
-) -> int:
-    """The target's token for one position: argmax when greedy, else one seeded draw."""
+def choose_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
+    """The target's token at absolute ``position`` (the position it will occupy): argmax when
+    greedy, else one draw keyed by (seed, position)."""
     if sampling.temperature <= 0.0:
         return int(torch.argmax(logits).item())
-    if generator is None:
-        raise ValueError("sampling with temperature > 0 needs a generator")
     probs = filter_logits(logits, sampling)
+    generator = position_generator(sampling, position)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
@@ -70,11 +72,12 @@ def verify_chunk(
     logits: torch.Tensor,
     draft: Sequence[int],
     sampling: Sampling,
-    generator: torch.Generator | None,
+    position: int,
 ) -> ChunkVerdict:
     """Decide a chunk of K drafted tokens from the target's logits at its K+1 positions.
 
-    ``logits`` is [K+1, V]: row i is the target's distribution after the chunk's i-th input.
+    ``logits`` is [K+1, V]: row i is the target's distribution after the chunk's i-th input,
+    i.e. for the token at absolute position ``position + i``.
     Walks the drafts in order: the target chooses at position i; if that equals draft[i] the
     draft is accepted and the walk goes on, otherwise the chosen token replaces it and the
     walk stops. When every draft holds, the last row gives a bonus token. Returns the accepted
@@ -84,7 +87,7 @@ def verify_chunk(
         raise ValueError(f"logits {tuple(logits.shape)} do not fit {len(draft)} drafted tokens")
     chosen: list[int] = []
     for i in range(len(draft) + 1):
-        token = choose_token(logits[i], sampling, generator)
+        token = choose_token(logits[i], sampling, position + i)
         chosen.append(token)
         if i == len(draft) or token != draft[i]:
             break
