@@ -9,9 +9,11 @@ meaningful when the nodes share a clock (one host, or NTP-synced hosts).
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import attrs
 import trio
 
 from shard.messages import EdgeStat, Hop, NodeName, NodeStat, RunStats
@@ -69,5 +71,123 @@ class LapRecorder:
             edges=tuple(
                 EdgeStat(src=src, dst=dst, mean_s=statistics.fmean(values))
                 for (src, dst), values in self._edges.items()
+            ),
+        )
+
+
+@attrs.frozen
+class NodeRolling:
+    """A stage's compute per chunk over the recent window (seconds)."""
+
+    node: NodeName
+    last_s: float
+    median_s: float
+    chunks: int
+
+
+@attrs.frozen
+class EdgeRolling:
+    """An edge's one-way transit over the recent window (seconds; wall-clock stamps)."""
+
+    src: NodeName
+    dst: NodeName
+    last_s: float
+    median_s: float
+
+
+@attrs.frozen
+class RingStatistics:
+    """Rolling view of the ring across every request (for the status feed and monitor).
+
+    ``alpha`` is accepted / drafted over the window (None before any draft was verified);
+    ``tok_s`` counts committed tokens over the last ``rate_window_s`` seconds.
+    """
+
+    laps: int
+    lap_last_s: float
+    lap_median_s: float
+    tokens_per_lap: float
+    drafted: int
+    accepted: int
+    alpha: float | None
+    tok_s: float
+    nodes: tuple[NodeRolling, ...]
+    edges: tuple[EdgeRolling, ...]
+
+
+class RingMonitor:
+    """Folds every verdict of every request into rolling statistics (last ``window`` laps).
+
+    Pure bookkeeping: the coordinator calls ``lap`` and ``committed``; ``snapshot`` reads.
+    ``reset`` clears the rolling state (the monitor's "reset" binding).
+    """
+
+    def __init__(self, node: NodeName, *, window: int = 64, rate_window_s: float = 5.0) -> None:
+        self._node = node
+        self._window = window
+        self._rate_window_s = rate_window_s
+        self.reset()
+
+    def reset(self) -> None:
+        self._laps_total = 0
+        self._laps: deque[float] = deque(maxlen=self._window)
+        self._per_lap: deque[int] = deque(maxlen=self._window)
+        self._drafts: deque[tuple[int, int]] = deque(maxlen=self._window)
+        self._compute: dict[NodeName, deque[float]] = {}
+        self._edges: dict[tuple[NodeName, NodeName], deque[float]] = {}
+        self._commits: deque[tuple[float, int]] = deque()
+
+    def lap(
+        self,
+        *,
+        lap_s: float,
+        sent_wall: float,
+        arrived_wall: float,
+        hops: Sequence[Hop],
+        committed: int,
+        drafted: int,
+        accepted: int,
+    ) -> None:
+        self._laps_total += 1
+        self._laps.append(lap_s)
+        self._per_lap.append(committed)
+        if drafted:
+            self._drafts.append((drafted, accepted))
+        prev_node, prev_sent = self._node, sent_wall
+        for hop in hops:
+            self._series(self._compute, hop.node).append(hop.compute_s)
+            self._series(self._edges, (prev_node, hop.node)).append(hop.received_at - prev_sent)
+            prev_node, prev_sent = hop.node, hop.sent_at
+        if hops:
+            self._series(self._edges, (prev_node, self._node)).append(arrived_wall - prev_sent)
+
+    def committed(self, now: float, tokens: int) -> None:
+        self._commits.append((now, tokens))
+
+    def _series(self, table: dict[Any, deque[float]], key: Any) -> deque[float]:
+        if key not in table:
+            table[key] = deque(maxlen=self._window)
+        return table[key]
+
+    def snapshot(self, now: float) -> RingStatistics:
+        while self._commits and self._commits[0][0] < now - self._rate_window_s:
+            self._commits.popleft()
+        drafted = sum(d for d, _ in self._drafts)
+        accepted = sum(a for _, a in self._drafts)
+        return RingStatistics(
+            laps=self._laps_total,
+            lap_last_s=self._laps[-1] if self._laps else 0.0,
+            lap_median_s=statistics.median(self._laps) if self._laps else 0.0,
+            tokens_per_lap=statistics.fmean(self._per_lap) if self._per_lap else 0.0,
+            drafted=drafted,
+            accepted=accepted,
+            alpha=accepted / drafted if drafted else None,
+            tok_s=sum(n for _, n in self._commits) / self._rate_window_s,
+            nodes=tuple(
+                NodeRolling(n, s[-1], statistics.median(s), len(s))
+                for n, s in self._compute.items()
+            ),
+            edges=tuple(
+                EdgeRolling(a, b, s[-1], statistics.median(s)) for (a, b), s in self._edges.items()
             ),
         )

@@ -1,0 +1,48 @@
+"""Transports: how actors reach each other, in this process or across the internet.
+
+One interface, three implementations, one relay::
+
+    base.py        Connection and Network (the interface), TransportError, ConnectionClosed
+    memory.py      MemoryNetwork: peers in one process over memory channels (optionally
+                   passing every message through the wire codec)
+    websocket.py   WebSocketNetwork: peers in other processes; sealed wire frames over
+                   trio-websocket
+    delay.py       DelayNetwork: wraps any network, adds one-way latency and a bandwidth cap
+                   per edge, in Trio time (virtual under MockClock)
+    relay.py       DelayRelay / relay_main: a delaying TCP relay between real processes
+                   (WAN emulation without privileges; `shard relay`)
+
+An actor gets a ``Connection`` and sends and receives typed messages; the composition root
+picks the ``Network``. Open a network with ``async with network:`` before dialing.
+"""
+
+from shard.transport.base import (
+    Connection,
+    ConnectionClosed,
+    ConnectionStatistics,
+    Handler,
+    Network,
+    TransportError,
+)
+from shard.transport.delay import DelayedConnection, DelayNetwork
+from shard.transport.memory import MemoryConnection, MemoryNetwork
+from shard.transport.relay import DelayRelay, RelayStatistics, relay_main
+from shard.transport.websocket import WebSocketConnection, WebSocketNetwork
+
+__all__ = [
+    "Connection",
+    "ConnectionClosed",
+    "ConnectionStatistics",
+    "DelayNetwork",
+    "DelayRelay",
+    "DelayedConnection",
+    "Handler",
+    "MemoryConnection",
+    "MemoryNetwork",
+    "Network",
+    "RelayStatistics",
+    "TransportError",
+    "WebSocketConnection",
+    "WebSocketNetwork",
+    "relay_main",
+]

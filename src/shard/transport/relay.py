@@ -1,0 +1,202 @@
+"""``DelayRelay``: a TCP relay that adds WAN latency between processes, with no privileges.
+
+Put one in front of each node (``--listen`` where peers dial, ``--target`` the node's real
+address) and every byte crossing it is held for the one-way latency, in order. Each
+direction is a pipe of timestamped chunks: a chunk read at ``t`` is written at
+``t + serialization + latency``, so latency is not serialized (a window's worth of bytes can
+be in flight, as on a real link). The relay knows nothing of WebSockets or frames.
+
+Run it as ``shard relay --listen 127.0.0.1:7100 --target 127.0.0.1:7000 --latency-ms 25``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+import attrs
+import trio
+
+from shard.transport.base import join_address, split_address
+
+log = logging.getLogger("shard.transport.relay")
+
+CHUNK_BYTES = 64 * 1024
+#: Chunks one direction holds in flight (up to 64 MiB): the emulated link's buffer; a full
+#: pipe stops reading, and TCP flow control pushes back on the sender as a real link would.
+IN_FLIGHT_CHUNKS = 1024
+
+_EOF = b""
+
+
+@attrs.frozen
+class RelayStatistics:
+    """What a relay has carried: connections accepted, open now, and bytes each way."""
+
+    connections: int
+    open_connections: int
+    bytes_to_target: int
+    bytes_to_client: int
+
+
+class DelayRelay:
+    """A delaying TCP relay actor: accepts on ``listen``, connects each client to ``target``.
+
+    ``latency_s`` is added one way, in each direction; ``bandwidth_bps`` (0: unlimited) caps
+    each direction of each connection.
+
+    Cancellation: cancelling ``run`` stops listening and closes every relayed connection at
+    once (bytes still in flight are dropped, like a cut cable).
+    Errors: ``run`` raises ``OSError`` if ``listen`` cannot be bound. A client whose target
+    refuses, or a connection reset on either side, only closes that relayed connection
+    (logged at warning / debug).
+    """
+
+    def __init__(
+        self, listen: str, target: str, *, latency_s: float, bandwidth_bps: float = 0.0
+    ) -> None:
+        if not latency_s >= 0 or not bandwidth_bps >= 0:
+            raise ValueError(f"latency {latency_s!r} s and bandwidth {bandwidth_bps!r} b/s")
+        self._listen = split_address(listen)
+        self._target = split_address(target)
+        self._target_text = target
+        self._latency_s = latency_s
+        self._bandwidth_bps = bandwidth_bps
+        self._connections = 0
+        self._open = 0
+        self._to_target = 0
+        self._to_client = 0
+
+    def statistics(self) -> RelayStatistics:
+        return RelayStatistics(self._connections, self._open, self._to_target, self._to_client)
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Relay until cancelled; reports the bound ``host:port`` once listening."""
+        host, port = self._listen
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = join_address(host, listeners[0].socket.getsockname()[1])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._relay, listeners)
+            task_status.started(bound)
+
+    async def _relay(self, client: trio.SocketStream) -> None:
+        self._connections += 1
+        try:
+            upstream = await trio.open_tcp_stream(*self._target)
+        except OSError as exc:
+            log.warning("relay: target %s refused a client: %s", self._target_text, exc)
+            await client.aclose()
+            return
+        self._open += 1
+        try:
+            async with client, upstream, trio.open_nursery() as nursery:
+                nursery.start_soon(self._direction, client, upstream, True, nursery.cancel_scope)
+                nursery.start_soon(self._direction, upstream, client, False, nursery.cancel_scope)
+        finally:
+            self._open -= 1
+
+    async def _direction(
+        self,
+        source: trio.SocketStream,
+        sink: trio.SocketStream,
+        to_target: bool,
+        connection: trio.CancelScope,
+    ) -> None:
+        pipe_send, pipe_recv = trio.open_memory_channel[tuple[float, bytes]](IN_FLIGHT_CHUNKS)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, source, pipe_send)
+                nursery.start_soon(self._write, pipe_recv, sink, to_target)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError) as group:
+            # A reset on either side ends the whole relayed connection, as it would end-to-end.
+            log.debug("relay: connection reset: %r", group.exceptions)
+            connection.cancel()
+
+    async def _read(
+        self, source: trio.SocketStream, pipe: trio.MemorySendChannel[tuple[float, bytes]]
+    ) -> None:
+        free_at = -math.inf  # when the emulated link finishes serializing what it has
+        async with pipe:
+            while True:
+                chunk = await source.receive_some(CHUNK_BYTES)
+                start = max(trio.current_time(), free_at)
+                if self._bandwidth_bps > 0:
+                    start += len(chunk) * 8 / self._bandwidth_bps
+                free_at = start
+                await pipe.send((start + self._latency_s, chunk))
+                if chunk == _EOF:
+                    return
+
+    async def _write(
+        self,
+        pipe: trio.MemoryReceiveChannel[tuple[float, bytes]],
+        sink: trio.SocketStream,
+        to_target: bool,
+    ) -> None:
+        async with pipe:
+            async for due, chunk in pipe:
+                await trio.sleep_until(due)
+                if chunk == _EOF:
+                    await sink.send_eof()
+                    return
+                await sink.send_all(chunk)
+                if to_target:
+                    self._to_target += len(chunk)
+                else:
+                    self._to_client += len(chunk)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shard relay",
+        description="Forward TCP from --listen to --target, adding one-way latency each way.",
+    )
+    parser.add_argument("--listen", required=True, help="host:port to accept on (port 0: any)")
+    parser.add_argument("--target", required=True, help="host:port to forward to")
+    parser.add_argument("--latency-ms", type=float, required=True, help="one-way delay, ms")
+    parser.add_argument(
+        "--bandwidth-mbps", type=float, default=0.0, help="cap per direction, Mbit/s (0: none)"
+    )
+    return parser
+
+
+def relay_main(argv: list[str] | None = None) -> int:
+    """``shard relay``: run one ``DelayRelay`` until Ctrl-C; 0 on Ctrl-C, 1 on a bind error.
+
+    Prints one status line once listening:
+    ``relay listening=HOST:PORT target=HOST:PORT latency_ms=X bandwidth_mbps=Y``.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        relay = DelayRelay(
+            args.listen,
+            args.target,
+            latency_s=args.latency_ms / 1000,
+            bandwidth_bps=args.bandwidth_mbps * 1e6,
+        )
+    except ValueError as exc:
+        print(f"shard relay: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(relay.run)
+            print(
+                f"relay listening={bound} target={args.target} latency_ms={args.latency_ms:g}"
+                f" bandwidth_mbps={args.bandwidth_mbps:g}",
+                flush=True,
+            )
+
+    status = 0
+    try:
+        trio.run(main)
+    except* KeyboardInterrupt:
+        pass
+    except* OSError as group:
+        print(
+            f"shard relay: cannot listen on {args.listen}: {group.exceptions[0]}", file=sys.stderr
+        )
+        status = 1
+    return status

@@ -1,0 +1,332 @@
+"""``WebSocketNetwork``: peers in other processes, one binary WebSocket message per frame.
+
+Each frame is ``sealer.seal(wire.encode(msg))``; the receiver opens and decodes it. A frame
+that fails to open or decode closes that one WebSocket with 1008 (policy violation) and
+raises ``WireError`` to whoever was receiving; the server keeps serving everyone else.
+
+trio-websocket's defaults are changed on purpose: ``max_message_size`` follows the wire limits
+(its 1 MiB default is smaller than one activation chunk), and the socket is read 64 KiB at a
+time (with its 4 KiB default a 64 KiB round trip on loopback took 1.7-3.0 ms instead of
+0.8 ms: see docs/transport.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from types import TracebackType
+from typing import Self
+
+import trio
+import trio_websocket
+from trio_websocket import HandshakeError
+
+from shard.messages import Message
+from shard.transport.base import (
+    ConnectionClosed,
+    ConnectionStatistics,
+    Counters,
+    Handler,
+    TaskHost,
+    TransportError,
+    join_address,
+    run_handler,
+    split_address,
+)
+from shard.wire import PlainSealer, Sealer, WireError, WireLimits, decode, encode
+
+log = logging.getLogger("shard.transport")
+
+RECEIVE_BUFFER_BYTES = 64 * 1024
+#: Room for what a sealer adds to an encoded frame (nonce, tag, counters).
+SEAL_OVERHEAD_BYTES = 4096
+#: trio-websocket's queue between its reader task and ``receive``: one decoded message, so the
+#: reader can still answer pings and close frames while an actor is busy with the last one.
+MESSAGE_QUEUE = 1
+POLICY_VIOLATION = 1008
+MESSAGE_TOO_BIG = 1009
+
+
+class WebSocketConnection:
+    """One WebSocket, client or server side, carrying sealed wire frames."""
+
+    def __init__(
+        self,
+        ws: trio_websocket.WebSocketConnection,
+        peer: str,
+        sealer: Sealer,
+        limits: WireLimits,
+        close_s: float,
+    ) -> None:
+        self._ws = ws
+        self._peer = peer
+        self._sealer = sealer
+        self._limits = limits
+        self._close_s = close_s
+        # Seal and hand over under one lock: a sealer numbers frames, so the order frames are
+        # sealed in must be the order they are written.
+        self._send_lock = trio.Lock()
+        self._counters = Counters()
+        self._reader_gone = False
+        self._closing: trio.CancelScope | None = None
+        self.released = trio.Event()
+
+    @property
+    def peer(self) -> str:
+        return self._peer
+
+    def statistics(self) -> ConnectionStatistics:
+        return self._counters.snapshot()
+
+    async def send(self, msg: Message) -> None:
+        frame = encode(msg, limits=self._limits)
+        async with self._send_lock:
+            sealed = self._sealer.seal(frame)
+            try:
+                await self._ws.send_message(sealed)
+            except trio_websocket.ConnectionClosed as exc:
+                raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
+        self._counters.sent(len(sealed))
+
+    async def receive(self) -> Message:
+        try:
+            data = await self._ws.get_message()
+        except trio_websocket.ConnectionClosed as exc:
+            if self._refused_here(exc.reason):
+                raise WireError(
+                    f"frame: larger than {self._limits.max_frame_bytes} bytes from {self._peer}"
+                    "; connection closed (1009)"
+                ) from None
+            raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
+        try:
+            if isinstance(data, str):
+                raise WireError("frame: a text WebSocket message, expected binary")
+            msg = decode(self._sealer.open(data), limits=self._limits)
+        except WireError as exc:
+            await self._close(POLICY_VIOLATION, str(exc))
+            exc.add_note(f"from {self._peer} (WebSocket); connection closed (1008)")
+            raise
+        self._counters.received(len(data))
+        return msg
+
+    async def aclose(self) -> None:
+        await self._close(1000, None)
+
+    def _refused_here(self, reason: trio_websocket.CloseReason | None) -> bool:
+        # trio-websocket closes with 1009 itself when a message exceeds our cap, and reports
+        # it exactly like a peer's 1009 except for the text, which names the cap. A peer's
+        # 1009 (it refused our frame) is a ConnectionClosed for us, not a malformed frame.
+        return (
+            reason is not None
+            and reason.code == MESSAGE_TOO_BIG
+            and reason.reason
+            == f"Exceeded maximum message size: {max_message_size(self._limits)} bytes"
+        )
+
+    async def _close(self, code: int, reason: str | None) -> None:
+        # The close handshake waits for the peer's answer, which only the reader task can
+        # see. So it is bounded (a dead peer must not hang an aclose, often called shielded)
+        # and cut short when the reader is cancelled. trio-websocket closes the socket anyway.
+        if reason is not None:
+            reason = reason.encode()[:120].decode(errors="ignore")  # close frames cap at 123 B
+        try:
+            with trio.move_on_after(self._close_s) as scope:
+                if self._closing is None:
+                    self._closing = scope
+                if self._reader_gone:
+                    scope.cancel()
+                await self._ws.aclose(code, reason)
+        finally:
+            self.released.set()
+
+    async def watch_reader(self) -> None:
+        """Run beside the reader task, in its nursery, until cancelled with it.
+
+        Cancellation: is the point; it tells a pending close handshake not to wait for an
+        answer no one will read.
+        """
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._reader_gone = True
+            if self._closing is not None:
+                self._closing.cancel()
+
+
+def max_message_size(limits: WireLimits) -> int:
+    """trio-websocket's per-message cap for frames under ``limits``, sealed."""
+    return limits.max_frame_bytes + SEAL_OVERHEAD_BYTES
+
+
+def _describe(exc: trio_websocket.ConnectionClosed) -> str:
+    reason = exc.reason
+    if reason is None:
+        return "connection closed"
+    detail = f": {reason.reason}" if reason.reason else ""
+    return f"connection closed ({reason.code} {reason.name}{detail})"
+
+
+class WebSocketNetwork:
+    """A ``Network`` over trio-websocket; addresses are ``host:port``.
+
+    ``connect_timeout_s`` bounds a dial (TCP connect and WebSocket handshake), a client's
+    opening handshake on the server, and every close handshake.
+
+    Cancellation: leaving ``async with network:`` closes dialed connections still open.
+    Errors: ``dial`` raises ``TransportError`` (refused, unreachable, timed out, rejected);
+    see ``WebSocketConnection`` for ``send``/``receive``.
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: WireLimits | None = None,
+        sealer_factory: Callable[[], Sealer] = PlainSealer,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self._limits = limits or WireLimits()
+        self._sealer_factory = sealer_factory
+        self._timeout_s = connect_timeout_s
+        self._host = TaskHost("WebSocketNetwork")
+        self._open: set[WebSocketConnection] = set()
+
+    async def __aenter__(self) -> Self:
+        await self._host.enter()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._host.exit(exc, self._close_all)
+
+    async def _close_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for conn in list(self._open):
+                nursery.start_soon(conn.aclose)
+
+    async def dial(self, address: str) -> WebSocketConnection:
+        try:
+            host, port = split_address(address)
+        except ValueError as exc:
+            raise TransportError(str(exc)) from None
+        conn: WebSocketConnection = await self._host.nursery.start(self._hold, host, port, address)
+        return conn
+
+    async def _hold(
+        self,
+        host: str,
+        port: int,
+        address: str,
+        *,
+        task_status: trio.TaskStatus[WebSocketConnection] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        opened: list[WebSocketConnection] = []
+        failure: BaseException | None = None
+        try:
+            await self._client(host, port, address, opened, task_status)
+        except* (
+            HandshakeError,
+            trio_websocket.ConnectionClosed,
+            OSError,
+            trio.TooSlowError,
+        ) as group:
+            failure = group.exceptions[0]
+        if failure is None:
+            return
+        if not opened:
+            raise TransportError(f"{address}: could not connect: {failure!r}") from failure
+        log.debug("connection to %s ended: %r", address, failure)
+
+    async def _client(
+        self,
+        host: str,
+        port: int,
+        address: str,
+        opened: list[WebSocketConnection],
+        task_status: trio.TaskStatus[WebSocketConnection],
+    ) -> None:
+        # We own the socket and the reader task (rather than trio-websocket's open_websocket)
+        # so the socket is closed on every path: trio-websocket leaves a client's socket open
+        # when the server is the one that closes.
+        deadline = trio.current_time() + self._timeout_s
+        with trio.fail_at(deadline):
+            stream = await trio.open_tcp_stream(host, port)
+        async with stream, trio.open_nursery() as nursery:
+            with trio.fail_at(deadline):
+                ws = await trio_websocket.wrap_client_stream(
+                    nursery,
+                    stream,
+                    join_address(host, port),
+                    "/",
+                    message_queue_size=MESSAGE_QUEUE,
+                    max_message_size=max_message_size(self._limits),
+                    receive_buffer_size=RECEIVE_BUFFER_BYTES,
+                )
+            conn = WebSocketConnection(
+                ws, address, self._sealer_factory(), self._limits, self._timeout_s
+            )
+            nursery.start_soon(conn.watch_reader)
+            opened.append(conn)
+            self._open.add(conn)
+            try:
+                task_status.started(conn)
+                await conn.released.wait()
+            finally:
+                self._open.discard(conn)
+                nursery.cancel_scope.cancel()
+
+    async def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen on ``host:port`` (port 0: any free port) until cancelled.
+
+        Reports the bound ``host:port`` through ``task_status``. Cancellation: stops
+        listening, cancels the handlers and closes their connections. Errors: ``OSError``
+        when the address cannot be bound; a handler's ``WireError``/``TransportError`` ends
+        only its connection (logged); any other exception propagates and ends the server.
+        """
+        host, port = split_address(address)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = join_address(host, listeners[0].socket.getsockname()[1])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, partial(self._accept, handler), listeners)
+            task_status.started(bound)
+
+    async def _accept(self, handler: Handler, stream: trio.SocketStream) -> None:
+        try:
+            peer = join_address(*stream.socket.getpeername()[:2])
+        except OSError:  # already reset by the client
+            peer = "?"
+        async with stream, trio.open_nursery() as nursery:
+            ws: trio_websocket.WebSocketConnection | None = None
+            with trio.move_on_after(self._timeout_s):
+                try:
+                    request = await trio_websocket.wrap_server_stream(
+                        nursery,
+                        stream,
+                        message_queue_size=MESSAGE_QUEUE,
+                        max_message_size=max_message_size(self._limits),
+                        receive_buffer_size=RECEIVE_BUFFER_BYTES,
+                    )
+                    ws = await request.accept()
+                except trio_websocket.ConnectionClosed:
+                    pass
+            try:
+                if ws is None:
+                    log.info("client %s did not complete a WebSocket handshake", peer)
+                    return
+                conn = WebSocketConnection(
+                    ws, peer, self._sealer_factory(), self._limits, self._timeout_s
+                )
+                nursery.start_soon(conn.watch_reader)
+                await run_handler(handler, conn)
+            finally:
+                nursery.cancel_scope.cancel()
