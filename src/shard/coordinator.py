@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
@@ -38,11 +39,12 @@ from shard.messages import (
     Verdict,
     Verify,
 )
-from shard.ringstats import LapRecorder
+from shard.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
 
 # A session never has more than one verdict outstanding with plain decoding; the buffer of 4
 # only absorbs a late Fault arriving next to a Verdict without blocking the router.
 _SESSION_BUFFER = 4
+_EVENTS_KEPT = 64
 
 
 class RingError(Exception):
@@ -74,11 +76,22 @@ class Completion:
 
 @attrs.frozen
 class CoordinatorStatistics:
+    """The coordinator's counters plus the rolling view of the ring (``ring``).
+
+    ``k`` is the current draft length (0: plain decoding) and ``depth`` the verify chunks kept
+    in flight per session; ``events`` are the most recent ring events, oldest first.
+    """
+
+    node: NodeName
     sessions_open: int
     requests_done: int
     requests_failed: int
     tokens: int
-    laps: int
+    k: int
+    depth: int
+    stale_dropped: int
+    ring: RingStatistics
+    events: tuple[RingEvent, ...]
 
 
 OnTokens = Callable[[list[int]], Awaitable[None]]
@@ -121,7 +134,9 @@ class Coordinator:
         self._done = 0
         self._failed = 0
         self._tokens = 0
-        self._laps = 0
+        self._stale = 0
+        self._monitor = RingMonitor(node)
+        self._events: deque[RingEvent] = deque(maxlen=_EVENTS_KEPT)
 
     @property
     def limits(self) -> CoordinatorLimits:
@@ -129,12 +144,25 @@ class Coordinator:
 
     def statistics(self) -> CoordinatorStatistics:
         return CoordinatorStatistics(
+            node=self._node,
             sessions_open=len(self._routes),
             requests_done=self._done,
             requests_failed=self._failed,
             tokens=self._tokens,
-            laps=self._laps,
+            k=0,
+            depth=1,
+            stale_dropped=self._stale,
+            ring=self._monitor.snapshot(trio.current_time()),
+            events=tuple(self._events),
         )
+
+    def reset_statistics(self) -> None:
+        """Clear the rolling ring statistics (counters since start are kept)."""
+        self._monitor.reset()
+
+    def event(self, kind: str, detail: str) -> None:
+        """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
+        self._events.append(RingEvent(at=self._wall_clock(), kind=kind, detail=detail))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._from_ring:
@@ -151,6 +179,7 @@ class Coordinator:
         if isinstance(msg, Fault):
             # A fault with no session is the ring itself failing: every request is affected.
             self._ring_fault = msg
+            self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
             for route in list(self._routes.values()):
                 await route.send(msg)
 
@@ -215,9 +244,20 @@ class Coordinator:
             )
         while True:
             verdict = await self._next_verdict(verdicts, state)
-            laps.received(verdict.hops)
+            lap_s, sent_wall = laps.received(verdict.hops)
             emitted = state.commit(verdict.target_ids)
             self._tokens += len(emitted)
+            now = trio.current_time()
+            self._monitor.lap(
+                lap_s=lap_s,
+                sent_wall=sent_wall,
+                arrived_wall=self._wall_clock(),
+                hops=verdict.hops,
+                committed=len(verdict.target_ids),
+                drafted=0,
+                accepted=0,
+            )
+            self._monitor.committed(now, len(emitted))
             if emitted and on_tokens is not None:
                 await on_tokens(emitted)
             if state.done:
@@ -227,7 +267,6 @@ class Coordinator:
             await self._to_ring.send(
                 Verify(sid, epoch, ChunkSeq(next(seq)), start=state.position - 1, ids=(last,))
             )
-        self._laps += laps.count
         assert state.finish_reason is not None
         return Completion(
             token_ids=tuple(state.output),
@@ -240,6 +279,7 @@ class Coordinator:
     ) -> Verdict:
         msg = await verdicts.receive()
         if isinstance(msg, Fault):
+            self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
             raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
         assert isinstance(msg, Verdict)
         return msg

@@ -187,6 +187,7 @@ async def run_coordinator(
             await _serve_client(coordinator, tokenizer, conn)
             return
         tail_joined.set()
+        coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
         lost = Fault(node=hello.node, kind="link", detail=f"return link from {hello.node} closed")
         await pump_in(name, conn, from_ring_send.clone(), on_close=lost)
 

@@ -42,8 +42,10 @@ class LapRecorder:
         self._sent_at = trio.current_time()
         self._sent_wall = self._wall()
 
-    def received(self, hops: Sequence[Hop]) -> None:
-        self._laps.append(trio.current_time() - self._sent_at)
+    def received(self, hops: Sequence[Hop]) -> tuple[float, float]:
+        """Record a verdict's lap; returns (lap seconds, wall time the chunk was sent)."""
+        lap_s = trio.current_time() - self._sent_at
+        self._laps.append(lap_s)
         arrived = self._wall()
         prev_node, prev_sent = self._node, self._sent_wall
         for hop in hops:
@@ -53,6 +55,7 @@ class LapRecorder:
             prev_node, prev_sent = hop.node, hop.sent_at
         if hops:
             self._edges[(prev_node, self._node)].append(arrived - prev_sent)
+        return lap_s, self._sent_wall
 
     def stats(self, tokens: int) -> RunStats:
         seconds = trio.current_time() - self._began
@@ -73,6 +76,15 @@ class LapRecorder:
                 for (src, dst), values in self._edges.items()
             ),
         )
+
+
+@attrs.frozen
+class RingEvent:
+    """Something that happened to the ring: ``kind`` is join, fault, splice, epoch, ..."""
+
+    at: float
+    kind: str
+    detail: str
 
 
 @attrs.frozen
