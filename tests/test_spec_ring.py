@@ -1,0 +1,275 @@
+"""Speculative decoding through the in-process ring: drafts, one-lap verification, pipelining,
+early cancellation, lossless sampling — compared with the single-process reference."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import trio
+
+from shard.config import SwarmSpec
+from shard.coordinator import Completion, Coordinator
+from shard.inprocess import run_swarm
+from shard.messages import Sampling
+from shard.model.config import ModelConfig
+from shard.model.loader import load_stage
+from shard.node import CoordinatorHandle
+from shard.reference import generate_reference
+from shard.speculation import SpecConfig
+from shard.testing import make_tiny_checkpoint, scale_upper_layers
+
+DEADLINE_S = 120.0
+TIE = 1e-4  # a divergence is acceptable only where the reference's top-two gap is below this
+# Repetitive prompts give the n-gram proposer something to find.
+PROMPTS = (
+    [5, 17, 99, 3, 5, 17, 99, 3, 5, 17],
+    [40, 41, 42, 43, 44, 40, 41, 42],
+    [7, 7, 7, 7, 7, 7],
+)
+
+
+def spec_for(model_dir: Path, draft: str, *, draft_layers: int = 2, n_layers: int = 4) -> SwarmSpec:
+    """A 3-stage tiny ring with the given draft kind (memory network addresses)."""
+    blocks = [(0, 1), (1, n_layers - 1), (n_layers - 1, n_layers)]
+    speculation: dict[str, Any] = {"draft": draft}
+    if draft in ("model", "auto"):
+        speculation["draft_layers"] = draft_layers
+    data: dict[str, Any] = {
+        "swarm": {"name": "spec", "model": str(model_dir), "insecure": True},
+        "limits": {"max_len": 160, "prefill_chunk": 8, "max_sessions": 16},
+        "coordinator": {"name": "coord", "listen": "127.0.0.1:9100"},
+        "stage": [
+            {"name": f"s{i}", "listen": f"127.0.0.1:{9101 + i}", "layers": list(b)}
+            for i, b in enumerate(blocks)
+        ],
+        "speculation": speculation,
+    }
+    return SwarmSpec.from_dict(data, source="spec.toml")
+
+
+@attrs.frozen
+class Ref:
+    """The reference's output and the top-two logit gap at each of its steps."""
+
+    token_ids: tuple[int, ...]
+    gaps: tuple[float, ...]
+
+
+def reference(model_dir: Path, prompt: list[int], max_tokens: int, **kw: Any) -> Ref:
+    config = ModelConfig.from_dir(model_dir)
+    model = load_stage(model_dir, 0, config.n_layers)
+    gaps: list[float] = []
+    result = generate_reference(
+        model,
+        prompt,
+        max_tokens=max_tokens,
+        eos_ids=config.eos_token_ids,
+        max_len=160,
+        prefill_chunk=8,
+        gaps=gaps,
+        **kw,
+    )
+    return Ref(result.token_ids, tuple(gaps))
+
+
+def ties_or_equal(got: tuple[int, ...], want: Ref) -> int:
+    """0 if identical; 1 if they diverge only at a numerical tie of the reference (checked)."""
+    if got == want.token_ids:
+        return 0
+    i = next(
+        (j for j, (a, b) in enumerate(zip(got, want.token_ids, strict=False)) if a != b),
+        min(len(got), len(want.token_ids)),
+    )
+    assert i < len(want.gaps), f"outputs differ in length only: {got} vs {want.token_ids}"
+    assert want.gaps[i] < TIE, (
+        f"divergence at token {i} where the reference's top-two gap is {want.gaps[i]:.3g} "
+        f"(>= {TIE}): not a numerical tie\n got {got}\nwant {want.token_ids}"
+    )
+    return 1
+
+
+async def with_ring(spec: SwarmSpec, model_dir: Path, body: Any) -> Any:
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            handle: CoordinatorHandle = await nursery.start(
+                lambda task_status: run_swarm(spec, model_dir=model_dir, task_status=task_status)
+            )
+            result = await body(handle.coordinator)
+            nursery.cancel_scope.cancel()
+    return result
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("spec"), seed=11, n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def agreeable(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layers >= 2 add little: the 2-layer draft agrees often (high α)."""
+    return scale_upper_layers(
+        tiny, tmp_path_factory.mktemp("agree") / "m", from_layer=2, factor=0.05
+    )
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+async def test_greedy_identical_for_every_k_and_depth(
+    tiny: Path, agreeable: Path, draft: str
+) -> None:
+    """For K in 1..8 and D in 1..4, greedy output equals the reference (or a checked tie)."""
+    model_dir = agreeable if draft == "model" else tiny
+    spec = spec_for(model_dir, draft)
+    refs = [reference(model_dir, p, 24) for p in PROMPTS]
+    ties = 0
+    accepted = 0
+
+    async def body(coordinator: Coordinator) -> None:
+        nonlocal ties, accepted
+        for k in range(1, 9):
+            for depth in range(1, 5):
+                for prompt, ref in zip(PROMPTS, refs, strict=True):
+                    done = await coordinator.generate(
+                        prompt, max_tokens=24, speculation=SpecConfig(k=k, depth=depth)
+                    )
+                    ties += ties_or_equal(done.token_ids, ref)
+                    accepted += done.stats.accepted
+
+    await with_ring(spec, model_dir, body)
+    print(f"draft={draft}: numerical ties {ties} of {8 * 4 * len(PROMPTS)} runs")
+    assert accepted > 0  # drafts were really verified and accepted
+
+
+async def test_adaptive_auto_draft_identical(agreeable: Path) -> None:
+    """The adaptive K/D with the auto (n-gram + model) draft keeps greedy output identical."""
+    spec = spec_for(agreeable, "auto")
+    refs = [reference(agreeable, p, 32) for p in PROMPTS]
+
+    async def body(coordinator: Coordinator) -> list[Completion]:
+        return [await coordinator.generate(p, max_tokens=32) for p in PROMPTS]
+
+    runs = await with_ring(spec, agreeable, body)
+    for run, ref in zip(runs, refs, strict=True):
+        ties_or_equal(run.token_ids, ref)
+    stats = [r.stats for r in runs]
+    assert sum(s.accepted for s in stats) > 0
+    assert max(s.tokens_per_lap for s in stats) > 1.0
+
+
+async def test_pipelining_rejections_fence_stale_chunks(tiny: Path, agreeable: Path) -> None:
+    """With a middling draft and deep pipelines, rejections happen, stale verdicts are dropped
+    or skipped by stages, and the output is still the reference's."""
+    spec = spec_for(tiny, "model")  # the untuned model: the 2-layer draft is often wrong
+    refs = [reference(tiny, p, 24) for p in PROMPTS]
+
+    async def body(coordinator: Coordinator) -> list[Completion]:
+        return [
+            await coordinator.generate(p, max_tokens=24, speculation=SpecConfig(k=3, depth=4))
+            for p in PROMPTS
+        ]
+
+    runs = await with_ring(spec, tiny, body)
+    for run, ref in zip(runs, refs, strict=True):
+        ties_or_equal(run.token_ids, ref)
+    drafted = sum(r.stats.drafted for r in runs)
+    accepted = sum(r.stats.accepted for r in runs)
+    assert accepted < drafted  # rejections happened
+    assert max(r.stats.max_depth for r in runs) > 1
+
+
+async def test_concurrent_speculative_sessions(agreeable: Path) -> None:
+    """Eight speculative, pipelined sessions interleave and each gets the reference output."""
+    spec = spec_for(agreeable, "auto")
+    prompts = [[(3 * i + j) % 200 + 1 for j in range(4 + i)] * 2 for i in range(8)]
+    refs = [reference(agreeable, p, 16) for p in prompts]
+    results: dict[int, tuple[int, ...]] = {}
+
+    async def body(coordinator: Coordinator) -> None:
+        async def one(i: int) -> None:
+            done = await coordinator.generate(
+                prompts[i], max_tokens=16, speculation=SpecConfig(k=4, depth=2)
+            )
+            results[i] = done.token_ids
+
+        async with trio.open_nursery() as clients:
+            for i in range(8):
+                clients.start_soon(one, i)
+
+    await with_ring(spec, agreeable, body)
+    for i, ref in enumerate(refs):
+        ties_or_equal(results[i], ref)
+
+
+async def test_seeded_sampling_is_mode_invariant(agreeable: Path) -> None:
+    """The same seed gives the same sampled output twice, and with or without speculation."""
+    spec = spec_for(agreeable, "auto")
+    sampling = Sampling(temperature=0.8, top_p=0.95, seed=99)
+    ref = reference(agreeable, PROMPTS[0], 24, sampling=sampling)
+
+    async def body(coordinator: Coordinator) -> list[tuple[int, ...]]:
+        outs = []
+        for cfg in (SpecConfig(k=0), SpecConfig(k=4, depth=1), SpecConfig(k=4, depth=3), None):
+            for _ in range(2):
+                done = await coordinator.generate(
+                    PROMPTS[0], max_tokens=24, sampling=sampling, speculation=cfg
+                )
+                outs.append(done.token_ids)
+        return outs
+
+    outs = await with_ring(spec, agreeable, body)
+    assert all(out == ref.token_ids for out in outs)
+
+
+async def test_sampled_distribution_matches_the_target(agreeable: Path) -> None:
+    """2,000 seeded runs through the speculative ring: the first two tokens' joint frequencies
+    pass a chi-square test against the target model's own probabilities."""
+    spec = spec_for(agreeable, "auto")
+    prompt = PROMPTS[1]
+    sampling_t = 1.0
+    n_runs = 2000
+    seed0 = random.Random(2024).randrange(1 << 30)
+    print(f"sampling seed base {seed0}")
+
+    async def body(coordinator: Coordinator) -> list[tuple[int, ...]]:
+        outs = []
+        for i in range(n_runs):
+            done = await coordinator.generate(
+                prompt,
+                max_tokens=2,
+                sampling=Sampling(temperature=sampling_t, seed=seed0 + i),
+                speculation=SpecConfig(k=2, depth=2),
+            )
+            outs.append(done.token_ids)
+        return outs
+
+    outs = await with_ring(spec, agreeable, body)
+    firsts = [o[0] for o in outs if o]
+    # Target probabilities of the first token, straight from the model.
+    config = ModelConfig.from_dir(agreeable)
+    model = load_stage(agreeable, 0, config.n_layers)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), 0, model.new_cache(64))[0, -1]
+    probs = torch.softmax(logits / sampling_t, dim=-1)
+    stat, dof = chi_square(firsts, probs, len(outs))
+    # Threshold: the 99.9th percentile of chi-square with `dof` degrees of freedom
+    # (Wilson-Hilferty approximation); a correct sampler fails this 1 time in 1000.
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    print(f"chi-square {stat:.1f} on {dof} dof, limit {limit:.1f}")
+    assert stat < limit
+
+
+def chi_square(draws: list[int], probs: torch.Tensor, n: int) -> tuple[float, int]:
+    """Pearson's statistic over tokens with expected count >= 5 (the rest pooled)."""
+    counts = torch.bincount(torch.tensor(draws), minlength=probs.shape[0]).double()
+    expected = probs.double() * n
+    big = expected >= 5
+    cells_obs = [*counts[big].tolist(), float(counts[~big].sum())]
+    cells_exp = [*expected[big].tolist(), float(expected[~big].sum())]
+    stat = sum((o - e) ** 2 / e for o, e in zip(cells_obs, cells_exp, strict=True) if e > 0)
+    return stat, len(cells_obs) - 1
