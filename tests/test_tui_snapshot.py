@@ -1,0 +1,55 @@
+"""Snapshot tests (pytest-textual-snapshot) of the monitor's main screen with fixed data.
+
+The SVGs live in ``tests/__snapshots__/test_tui_snapshot/`` (the plugin's place); after a
+deliberate change of the screen, review and accept with ``pytest --snapshot-update``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC
+from typing import Any
+
+from textual.pilot import Pilot
+
+from shard.tui.app import MonitorApp
+from shard.tui.state import FeedDialing, FeedEvent, FeedLost
+from shard.tui.testing import T0, sample_snapshot
+
+ADDRESS = "127.0.0.1:7700"
+#: Eight snapshots with tok/s and α moving, so both sparklines have a shape.
+LIVE: tuple[FeedEvent, ...] = (
+    FeedDialing(ADDRESS, 1),
+    *(
+        sample_snapshot(seq=i, tok_s=30.0 + 3 * (i % 4) + i, alpha=0.55 + 0.03 * i)
+        for i in range(1, 9)
+    ),
+)
+
+
+def app_after(*events: FeedEvent) -> tuple[MonitorApp, Callable[[Pilot[Any]], None]]:
+    app = MonitorApp(address=ADDRESS, clock=lambda: T0 + 500, tz=UTC)
+
+    def play(pilot: Pilot[Any]) -> None:
+        for event in events:
+            app.show(event)
+
+    return app, play
+
+
+def test_main_screen(snap_compare: Any) -> None:
+    """The live main screen at 80×24: ring, numbers, sparklines, stages, events."""
+    app, play = app_after(*LIVE)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=play)
+
+
+def test_reconnecting_screen(snap_compare: Any) -> None:
+    """A dropped feed: the link line says reconnecting and why; the last values are greyed."""
+    app, play = app_after(*LIVE, FeedLost("connection closed (1006)"), FeedDialing(ADDRESS, 2))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=play)
+
+
+def test_wide_terminal(snap_compare: Any) -> None:
+    """At 120×32 the same screen grows: a longer event log, wider sparklines."""
+    app, play = app_after(*LIVE)
+    assert snap_compare(app, terminal_size=(120, 32), run_before=play)
