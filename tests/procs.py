@@ -1,0 +1,250 @@
+"""Real processes in tests: free loopback ports, spec files, and bounded runs that clean up.
+
+Every process started here runs in a session of its own (``start_new_session=True``), so its
+process group id is its PID. On every way out — success, failure, timeout, cancellation — the
+helpers kill that whole group by that PID, which takes its children (swarm nodes) with it; a
+test never leaves processes behind. Only 127.0.0.1 is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import attrs
+import trio
+
+#: How a test runs the CLI: the interpreter running the tests, so the same venv and sources.
+SHARD = (sys.executable, "-m", "shard")
+LOOPBACK = "127.0.0.1"
+#: How long a killed process group gets to be reaped before we stop waiting.
+_REAP_S = 10.0
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every process started here: ours, with one torch thread each.
+
+    A swarm is several processes on few cores; torch's default of one intra-op thread per core
+    then oversubscribes them, and its spinning threads thrash (SmolLM2 decoded 9x slower on a
+    busy 2-core machine). Every process — nodes and the local reference alike — gets the same
+    setting, so outputs stay comparable.
+    """
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1: bound to port 0 together, then released."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOOPBACK, 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def write_spec(
+    path: Path,
+    *,
+    model_dir: Path,
+    blocks: Sequence[tuple[int, int]],
+    name: str = "test",
+    latency_ms: float = 0.0,
+    limits: dict[str, int | float] | None = None,
+) -> Path:
+    """Write a TOML spec: coordinator ``coord`` and stages ``s0..`` holding ``blocks``, each
+    listening on a free loopback port. Returns ``path``."""
+    ports = free_ports(len(blocks) + 1)
+    lines = [
+        "[swarm]",
+        f"name = {json.dumps(name)}",
+        f"model = {json.dumps(str(model_dir))}",
+        "insecure = true",
+        "",
+        "[limits]",
+        *(f"{key} = {value!r}" for key, value in (limits or {}).items()),
+        "",
+        "[coordinator]",
+        'name = "coord"',
+        f'listen = "{LOOPBACK}:{ports[0]}"',
+    ]
+    for i, (first, last) in enumerate(blocks):
+        lines += ["", "[[stage]]", f'name = "s{i}"', f'listen = "{LOOPBACK}:{ports[i + 1]}"']
+        lines.append(f"layers = [{first}, {last}]")
+    if latency_ms:
+        lines += ["", "[links]", f"latency_ms = {float(latency_ms)!r}"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@attrs.frozen
+class Finished:
+    """A finished CLI run: exit code, output, and the processes of its group that outlived it."""
+
+    args: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    stragglers: tuple[int, ...]
+
+    def json_records(self) -> list[dict[str, Any]]:
+        """One parsed object per non-empty stdout line (``--json`` output)."""
+        return [json.loads(line) for line in self.stdout.splitlines() if line.strip()]
+
+    def describe(self) -> str:
+        """For assertion messages: the command, its exit code and the tail of its stderr."""
+        command = " ".join(self.args)
+        return f"`{command}` exited {self.returncode}; stderr:\n{self.stderr[-3000:]}"
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``(state, pgrp)`` of a live process from /proc, or None when it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text.rpartition(")")[2].split()  # after "pid (comm)": state ppid pgrp ...
+    return fields[0], int(fields[2])
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the live (not zombie) processes in process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None and stat[1] == pgid and stat[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` (a session leader's PID); gone already is fine."""
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+async def _reap(proc: trio.Process) -> None:
+    kill_group(proc.pid)
+    with trio.CancelScope(shield=True), trio.move_on_after(_REAP_S):
+        await proc.wait()
+
+
+async def _drain(stream: trio.abc.ReceiveStream | None, into: bytearray) -> None:
+    assert stream is not None
+    async for chunk in stream:
+        into += chunk
+
+
+async def run_shard(*args: str, timeout_s: float) -> Finished:
+    """Run ``shard ARGS`` to completion within ``timeout_s`` (else ``AssertionError``).
+
+    Records which processes of its group were still alive when it exited (``stragglers``),
+    then kills the group, so an orphan is reported rather than left running.
+    """
+    return await _run([*SHARD, *args], ("shard", *args), timeout_s)
+
+
+async def run_python(code: str, *args: str, timeout_s: float) -> Finished:
+    """Run ``python -c CODE ARGS`` like ``run_shard`` (same interpreter, same cleanup)."""
+    return await _run([sys.executable, "-c", code, *args], ("python -c ...", *args), timeout_s)
+
+
+async def _run(cmd: list[str], args: tuple[str, ...], timeout_s: float) -> Finished:
+    out, err = bytearray(), bytearray()
+    stragglers: list[int] = []
+    proc = await trio.lowlevel.open_process(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=child_env(),
+    )
+    try:
+        with trio.move_on_after(timeout_s) as waited:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain, proc.stdout, out)
+                nursery.start_soon(_drain, proc.stderr, err)
+                await proc.wait()
+                stragglers = group_members(proc.pid)
+                kill_group(proc.pid)  # a straggler holding our pipes would stall the drains
+    finally:
+        await _reap(proc)
+    if waited.cancelled_caught:
+        raise AssertionError(
+            f"`{' '.join(args)}` still running after {timeout_s:g} s; killed. "
+            f"stderr:\n{err.decode(errors='replace')[-3000:]}"
+        )
+    assert proc.returncode is not None
+    return Finished(
+        args=args,
+        returncode=proc.returncode,
+        stdout=out.decode(errors="replace"),
+        stderr=err.decode(errors="replace"),
+        stragglers=tuple(stragglers),
+    )
+
+
+def _log_file(path: Path) -> BinaryIO:
+    return path.open("wb")
+
+
+@asynccontextmanager
+async def started_shard(*args: str, stderr_path: Path) -> AsyncIterator[trio.Process]:
+    """Start ``shard ARGS`` (stdout piped, stderr to ``stderr_path``) for the body; on the way
+    out, whatever happened, kill its whole process group and reap it."""
+    with _log_file(stderr_path) as stderr:
+        proc = await trio.lowlevel.open_process(
+            [*SHARD, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+            env=child_env(),
+        )
+    try:
+        yield proc
+    finally:
+        await _reap(proc)
+
+
+class LineReader:
+    """Reads a process's stdout line by line (the caller bounds each read with a deadline)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream | None) -> None:
+        assert stream is not None
+        self._stream = stream
+        self._buffer = b""
+        self.seen: list[str] = []
+
+    async def line_starting(self, prefix: str) -> str:
+        """The next line starting with ``prefix``. Errors: ``EOFError`` if stdout ends first."""
+        while True:
+            while b"\n" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\n", 1)
+                line = raw.decode(errors="replace").rstrip("\r")
+                self.seen.append(line)
+                if line.startswith(prefix):
+                    return line
+            chunk = await self._stream.receive_some(65536)
+            if not chunk:
+                raise EOFError(f"stdout ended before a {prefix!r} line; saw {self.seen[-5:]}")
+            self._buffer += chunk
