@@ -535,15 +535,16 @@ def test_bad_dtype() -> None:
 
 
 @pytest.mark.parametrize("insecure", [False, None])
-def test_secure_mode_is_not_implemented(insecure: bool | None) -> None:
-    """insecure = false (also the default) is refused until the secure wire exists."""
+def test_secure_mode_needs_a_trust_table(insecure: bool | None) -> None:
+    """insecure = false (also the default) without [trust] names what a secure swarm needs."""
     data = _data()
     if insecure is None:
         del data["swarm"]["insecure"]
     else:
         data["swarm"]["insecure"] = insecure
     text = _rejected(data, "swarm.insecure")
-    assert text.endswith("secure mode not implemented yet, set insecure = true")
+    assert "needs a [trust] table" in text
+    assert text.endswith("set insecure = true only for local development")
 
 
 def test_edge_names_unknown_node() -> None:

@@ -80,3 +80,38 @@ def test_logits_must_fit_the_draft() -> None:
     """A logits block of the wrong length is refused."""
     with pytest.raises(ValueError, match="do not fit"):
         verify_chunk(one_hot_rows([1, 2]), [1, 2], GREEDY, 10)
+
+
+def test_general_rule_reproduces_the_target_distribution() -> None:
+    """100,000 draws of the accept/resample rule against random p and q give p (chi-square)."""
+    from shard.verify import speculative_sample
+
+    gen = torch.Generator().manual_seed(5)
+    vocab, rounds, per_round = 6, 20, 5000
+    worst = 0.0
+    for _ in range(rounds):
+        p = torch.distributions.Dirichlet(torch.ones(vocab)).sample()
+        q = torch.distributions.Dirichlet(torch.ones(vocab)).sample()
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        drafts = torch.multinomial(q, per_round, replacement=True, generator=gen)
+        for d in drafts.tolist():
+            token, _ = speculative_sample(p, q, d, gen)
+            counts[token] += 1
+        expected = p.double() * per_round
+        stat = float((((counts - expected) ** 2) / expected).sum())
+        worst = max(worst, stat)
+        # chi-square, 5 dof: the 99.99th percentile is 25.7; 20 rounds keep a false alarm rare.
+        assert stat < 25.7, (p, q, counts)
+    print(f"worst chi-square over {rounds} rounds: {worst:.2f}")
+
+
+def test_one_hot_draft_rule_equals_draw_and_compare() -> None:
+    """With q one-hot, the general rule accepts exactly as often as p(d) (the verify_chunk rule)."""
+    from shard.verify import speculative_sample
+
+    gen = torch.Generator().manual_seed(6)
+    p = torch.tensor([0.1, 0.6, 0.3])
+    q = torch.tensor([0.0, 0.0, 1.0])
+    n = 20000
+    accepted = sum(speculative_sample(p, q, 2, gen)[1] for _ in range(n))
+    assert abs(accepted / n - 0.3) < 4 * (0.3 * 0.7 / n) ** 0.5

@@ -28,7 +28,10 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
     from shard.config import SpecError
     from shard.coordinator import RingError
     from shard.decoding import BadRequest
+    from shard.fetch import FetchError
+    from shard.identity import IdentityError
     from shard.links import HandshakeError
+    from shard.manifest import ManifestError
     from shard.model.bundled import ModelNotFound
     from shard.model.loader import ModelLoadError
     from shard.node import StageLinkLost
@@ -41,11 +44,14 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
         ModelNotFound,
         SwarmError,
         TransportError,
-        HandshakeError,
+        HandshakeError,  # also every refusal of the secure wire (shard.admission, channel)
+        IdentityError,
         RingError,
         ClientError,
         BadRequest,
         StageLinkLost,
+        ManifestError,
+        FetchError,
         trio.TooSlowError,
     )
 
@@ -66,8 +72,14 @@ def dispatch(args: argparse.Namespace) -> int:
     )
     handler: Callable[[argparse.Namespace], int] = {
         "generate": _generate,
+        "keygen": _keygen,
+        "admit": _admit,
         "up": _up,
         "swarm": _swarm,
+        "monitor": _monitor,
+        "receipt": _receipt,
+        "manifest": _manifest,
+        "fetch": _fetch,
     }[args.command]
     try:
         return handler(args)
@@ -120,14 +132,23 @@ def _generate(args: argparse.Namespace) -> int:
     from shard.config import load_spec
 
     spec = load_spec(args.spec)
+    if args.receipt and args.local:
+        print(
+            "shard: error: --receipt needs a ring (--spec); --local has no stages", file=sys.stderr
+        )
+        return 2
     request = GenerateRequest(
         request=1,
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         sampling=_sampling(args),
         chat=args.chat,
+        receipt=bool(args.receipt),
+        k=-1 if args.k is None else args.k,
+        depth=args.depth or 0,
     )
-    done = trio.run(_ask, spec.name, _client_address(str(spec.coordinator.listen)), request, args)
+    address = _client_address(str(spec.coordinator.listen))
+    done = trio.run(_ask, spec, address, request, args, spec.limits.connect_timeout_s)
     return 0 if done.finish_reason != "error" else 1
 
 
@@ -137,18 +158,62 @@ def _client_address(address: str) -> str:
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "") else address
 
 
-async def _ask(swarm: str, address: str, req: GenerateRequest, args: Any) -> GenerateDone:
+async def _ask(
+    spec: Any, address: str, req: GenerateRequest, args: Any, connect_timeout_s: float
+) -> GenerateDone:
+    """Send one request to the coordinator at ``address``; the spec's ``connect_timeout_s``
+    bounds reaching it (a swarm that is not running fails fast, with one line)."""
     from shard.client import request
-    from shard.transport import WebSocketNetwork
+    from shard.trust import client_network
 
     def show(out: TokensOut) -> None:
         if not args.json:
             print(out.text, end="", flush=True)
 
-    async with WebSocketNetwork() as network:
-        done = await request(network, address, req, swarm=swarm, on_text=show)
+    # insecure = false: this client's own key and token (--key/--token or [trust] client_*)
+    key, token = getattr(args, "key", None), getattr(args, "token", None)
+    network = client_network(
+        spec, key=Path(key) if key else None, token=Path(token) if token else None
+    )
+    async with network:
+        done = await request(
+            network,
+            address,
+            req,
+            swarm=spec.name,
+            on_text=show,
+            connect_timeout_s=connect_timeout_s,
+        )
     _print_done(done, as_json=args.json, streamed=True)
+    out = getattr(args, "receipt", None)
+    if out and done.receipt:
+        path = _receipt_path(Path(out), req.request)
+        path.write_text(done.receipt)
+        print(f"shard: receipt written to {path}", file=sys.stderr)
     return done
+
+
+def _receipt_path(out: Path, request: int) -> Path:
+    """OUT for the first request, OUT.<n>.json for later ones (``swarm run --prompts``)."""
+    return out if request == 1 else out.with_name(f"{out.name}.{request}.json")
+
+
+def _receipt(args: argparse.Namespace) -> int:
+    from shard.receipts import ReceiptInvalid, RunReceipt, verify_run
+
+    try:
+        receipt = RunReceipt.from_json(Path(args.file).read_text())
+        verify_run(receipt)
+    except (OSError, ReceiptInvalid) as exc:
+        print(f"shard: receipt INVALID: {args.file}: {exc}", file=sys.stderr)
+        return 1
+    stages = ", ".join(f"{s.node}[{s.first},{s.last})" for s in receipt.stages)
+    print(
+        f"receipt OK: job {receipt.job}, {len(receipt.output_ids)} tokens, "
+        f"{receipt.n_layers} layers over {stages}; coordinator {receipt.coordinator} "
+        f"ed25519:{receipt.coordinator_key[:16]}"
+    )
+    return 0
 
 
 def _generate_local(args: argparse.Namespace) -> int:
@@ -163,6 +228,14 @@ def _generate_local(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     model = load_stage(model_dir, 0, config.n_layers)
+    max_len = args.max_len or min(2048, config.max_position_embeddings)
+    if max_len > config.max_position_embeddings:
+        print(
+            f"shard: error: --max-len {max_len} exceeds the model's context length "
+            f"{config.max_position_embeddings}",
+            file=sys.stderr,
+        )
+        return 2
     req = GenerateRequest(1, args.prompt, args.max_tokens, _sampling(args), chat=args.chat)
     stream = StreamDecoder(tokenizer)
 
@@ -176,7 +249,7 @@ def _generate_local(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         eos_ids=(*config.eos_token_ids, *tokenizer.eos_ids),
         sampling=req.sampling,
-        max_len=args.max_len,
+        max_len=max_len,
         on_tokens=show,
     )
     done = GenerateDone(
@@ -199,6 +272,10 @@ def _model_dir(model: str | None, spec_model: str) -> Path:
 
 
 def _up(args: argparse.Namespace) -> int:
+    if args.role == "seeder":  # serves manifest chunks; no ring role (shard.manifest_commands)
+        from shard.manifest_commands import seeder_main
+
+        return seeder_main(args)
     from shard.config import load_spec
 
     spec = load_spec(args.spec)
@@ -217,6 +294,10 @@ def _up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     model_dir = _model_dir(args.model, spec.model)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     trio.run(_run_node, spec, name, args, model_dir)
     return 0
 
@@ -224,9 +305,10 @@ def _up(args: argparse.Namespace) -> int:
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:
     from shard.node import run_coordinator, run_stage
     from shard.swarm import ready_line
-    from shard.transport import WebSocketNetwork
+    from shard.trust import node_network
 
-    network = WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+    # WebSocketNetwork when insecure = true, else the node's key + token on the secure wire
+    network = node_network(spec, name, args.role)
     async with network, trio.open_nursery() as nursery:
         if args.role == "stage":
             handle = await nursery.start(
@@ -259,12 +341,47 @@ def _swarm(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     model_dir = _model_dir(getattr(args, "model", None), spec.model)
+    if args.swarm_command == "up" and args.monitor:
+        from shard.transport import WebSocketNetwork
+        from shard.tui.main import monitor_swarm
+
+        address = _client_address(str(spec.coordinator.listen))
+        network = WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+        monitor_swarm(Path(args.spec), spec, model_dir=model_dir, address=address, network=network)
+        return 0
     if args.swarm_command == "up":
         trio.run(_swarm_up, Path(args.spec), spec, model_dir)
         return 0
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(Path(args.prompts))
     failed = trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
     return 1 if failed else 0
+
+
+def _monitor(args: argparse.Namespace) -> int:
+    """``shard monitor ADDRESS --swarm NAME`` or ``shard monitor --spec SPEC``."""
+    timeout_s = 10.0
+    if args.spec is not None:
+        from shard.config import load_spec
+
+        spec = load_spec(args.spec)
+        address = args.address or _client_address(str(spec.coordinator.listen))
+        swarm = args.swarm or spec.name
+        timeout_s = spec.limits.connect_timeout_s
+    elif args.address is None or args.swarm is None:
+        print(
+            "shard: error: give --spec SPEC, or ADDRESS and --swarm NAME (the handshake names "
+            "the swarm), e.g. shard monitor 127.0.0.1:7700 --swarm local",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        address, swarm = args.address, args.swarm
+    from shard.transport import WebSocketNetwork
+    from shard.tui.main import monitor
+
+    network = WebSocketNetwork(connect_timeout_s=timeout_s)
+    monitor(address, swarm=swarm, network=network, connect_timeout_s=timeout_s)
+    return 0
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -301,8 +418,54 @@ async def _swarm_run(
             )
         )
         for i, prompt in enumerate(prompts, start=1):
-            req = GenerateRequest(i, prompt, args.max_tokens, _sampling(args), chat=args.chat)
-            done = await _ask(spec.name, handle.coordinator, req, args)
+            req = GenerateRequest(
+                i,
+                prompt,
+                args.max_tokens,
+                _sampling(args),
+                chat=args.chat,
+                receipt=bool(args.receipt),
+                k=-1 if args.k is None else args.k,
+                depth=args.depth or 0,
+            )
+            timeout_s = spec.limits.connect_timeout_s
+            done = await _ask(spec, handle.coordinator, req, args, timeout_s)
             failed += done.finish_reason == "error"
         nursery.cancel_scope.cancel()
     return failed
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from shard.trust import keygen
+
+    return keygen(Path(args.out))
+
+
+def _admit(args: argparse.Namespace) -> int:
+    from shard.trust import admit
+
+    try:
+        return admit(
+            authority=Path(args.authority),
+            node_pub=args.node_pub,
+            swarm=args.swarm,
+            roles=args.roles,
+            expires=args.expires,
+            out=Path(args.out),
+            serial=args.serial,
+        )
+    except ValueError as exc:
+        print(f"shard admit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _manifest(args: argparse.Namespace) -> int:
+    from shard.manifest_commands import manifest_main
+
+    return manifest_main(args)
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from shard.manifest_commands import fetch_main
+
+    return fetch_main(args)

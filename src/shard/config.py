@@ -23,6 +23,17 @@ from typing import Final
 
 import attrs
 
+from shard.spec_fetch import FetchSpec, read_fetch
+from shard.spec_speculation import SPECULATION_KEYS, SpeculationSpec, read_speculation
+from shard.spec_trust import (
+    CREDENTIAL_KEYS,
+    TRUST_KEYS,
+    CredentialPaths,
+    TrustSpec,
+    check_secure,
+    read_credentials,
+    read_trust,
+)
 from shard.spec_validate import (
     Block,
     Table,
@@ -45,10 +56,19 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
-_TOP_KEYS: Final = ("swarm", "limits", "coordinator", "stage", "links")
+_TOP_KEYS: Final = (
+    "swarm",
+    "limits",
+    "coordinator",
+    "stage",
+    "links",
+    "speculation",
+    "trust",
+    "fetch",
+)
 _SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
-_NODE_KEYS: Final = ("name", "listen")
-_STAGE_KEYS: Final = ("name", "listen", "layers")
+_NODE_KEYS: Final = ("name", "listen", *CREDENTIAL_KEYS)
+_STAGE_KEYS: Final = ("name", "listen", "layers", *CREDENTIAL_KEYS)
 _LINK_KEYS: Final = ("latency_ms", "bandwidth_mbps", "edge")
 _EDGE_KEYS: Final = ("from", "to", "latency_ms", "bandwidth_mbps")
 
@@ -99,19 +119,23 @@ class Address:
 
 @attrs.frozen
 class StageSpec:
-    """One stage node: its name, where it listens, and its block ``[first, last)`` (None = auto)."""
+    """One stage node: its name, where it listens, and its block ``[first, last)`` (None = auto).
+
+    ``credentials``: its key and token files (secure swarms; ``shard.spec_trust``)."""
 
     name: str
     listen: Address
     layers: Block | None
+    credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
 
 
 @attrs.frozen
 class CoordinatorSpec:
-    """The coordinator: its name and the return endpoint the tail dials."""
+    """The coordinator: its name, the return endpoint the tail dials, its key and token."""
 
     name: str
     listen: Address
+    credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
 
 
 @attrs.frozen
@@ -158,6 +182,9 @@ class SwarmSpec:
     default_latency_ms: float
     default_bandwidth_mbps: float
     edges: tuple[EdgeSpec, ...]
+    speculation: SpeculationSpec = attrs.field(factory=SpeculationSpec)
+    trust: TrustSpec | None = None  # [trust]: authority, revocations (shard.spec_trust)
+    fetch: FetchSpec | None = None  # [fetch]: manifest, publisher, seeders (shard.spec_fetch)
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -192,8 +219,10 @@ class SwarmSpec:
         top = Table.open(source, "", data, _TOP_KEYS)
         swarm = top.table("swarm", _SWARM_KEYS, required=True)
         limits = _read_limits(top.table("limits", _LIMIT_KEYS, required=False))
-        coordinator = _read_coordinator(top.table("coordinator", _NODE_KEYS, required=True))
-        stages = tuple(_read_stage(t) for t in top.tables("stage", _STAGE_KEYS))
+        coordinator = _read_coordinator(
+            top.table("coordinator", _NODE_KEYS, required=True), base_dir
+        )
+        stages = tuple(_read_stage(t, base_dir) for t in top.tables("stage", _STAGE_KEYS))
         if not stages:
             raise top.error(
                 "stage", "no stages; add at least one [[stage]] table with name, listen, layers"
@@ -205,18 +234,27 @@ class SwarmSpec:
         edges = tuple(_read_edge(t, latency, bandwidth) for t in links.tables("edge", _EDGE_KEYS))
         ring = (coordinator.name, *(s.name for s in stages), coordinator.name)
         check_edges(source, ring, [(e.src, e.dst) for e in edges])
+        insecure = _read_insecure(swarm)
+        trust_table = top.table("trust", TRUST_KEYS, required="trust" in data)
+        trust = read_trust(trust_table, base_dir) if "trust" in data else None
+        check_secure(source, insecure, trust, _credentials(coordinator, stages))
         return cls(
             path=None,
             name=_node_name(swarm, "name"),
             model=_read_model(swarm, base_dir),
             dtype=_read_dtype(swarm),
-            insecure=_read_insecure(swarm),
+            insecure=insecure,
             limits=limits,
             coordinator=coordinator,
             stages=stages,
             default_latency_ms=latency,
             default_bandwidth_mbps=bandwidth,
             edges=edges,
+            speculation=read_speculation(
+                top.table("speculation", SPECULATION_KEYS, required=False), base_dir
+            ),
+            trust=trust,
+            fetch=read_fetch(top, base_dir, [(s.name, str(s.listen)) for s in stages]),
             source=source,
         )
 
@@ -337,10 +375,8 @@ def _read_dtype(swarm: Table) -> str:
 
 
 def _read_insecure(swarm: Table) -> bool:
-    insecure = swarm.boolean("insecure", default=False)
-    if not insecure:
-        raise swarm.error("insecure", "secure mode not implemented yet, set insecure = true")
-    return insecure
+    # false (the default) needs [trust] and node credentials: spec_trust.check_secure
+    return swarm.boolean("insecure", default=False)
 
 
 def _read_limits(table: Table) -> Limits:
@@ -362,19 +398,31 @@ def _read_limits(table: Table) -> Limits:
     return limits
 
 
-def _read_coordinator(table: Table) -> CoordinatorSpec:
+def _read_coordinator(table: Table, base_dir: Path | None) -> CoordinatorSpec:
+    name = _node_name(table, "name") if "name" in table.data else "coord"
     return CoordinatorSpec(
-        name=_node_name(table, "name") if "name" in table.data else "coord",
+        name=name,
         listen=_address(table, "listen", '"127.0.0.1:7700"'),
+        credentials=read_credentials(table, base_dir, name),
     )
 
 
-def _read_stage(table: Table) -> StageSpec:
+def _read_stage(table: Table, base_dir: Path | None) -> StageSpec:
+    name = _node_name(table, "name")
     return StageSpec(
-        name=_node_name(table, "name"),
+        name=name,
         listen=_address(table, "listen", '"127.0.0.1:7701"'),
         layers=table.layers("layers"),
+        credentials=read_credentials(table, base_dir, name),
     )
+
+
+def _credentials(
+    coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...]
+) -> list[tuple[str, str, CredentialPaths]]:
+    nodes = [("coordinator", coordinator.name, coordinator.credentials)]
+    nodes += [(f"stage[{i}]", s.name, s.credentials) for i, s in enumerate(stages)]
+    return nodes
 
 
 def _read_edge(table: Table, latency_ms: float, bandwidth_mbps: float) -> EdgeSpec:

@@ -13,7 +13,7 @@ chunk size, then one position per step, so greedy output is token-identical to o
 from __future__ import annotations
 
 import itertools
-import math
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,14 +21,13 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from shard.decoding import DecodeState, check_sampling
+from shard.decoding import BadRequest, DecodeState, check_sampling
+from shard.draft import Drafter, Proposer
 from shard.messages import (
     ChunkSeq,
     EndSession,
     Epoch,
     Fault,
-    GenerateDone,
-    Hop,
     Message,
     NodeName,
     OpenSession,
@@ -36,15 +35,20 @@ from shard.messages import (
     RunStats,
     Sampling,
     SessionId,
+    StageReceiptOut,
+    Truncate,
     Verdict,
     Verify,
 )
+from shard.receipts import EdgeRecord, RunJob, RunReceipt, RunSigner
 from shard.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
+from shard.speculation import Outcome, SpecConfig, SpecController, SpecStream
 
-# A session never has more than one verdict outstanding with plain decoding; the buffer of 4
-# only absorbs a late Fault arriving next to a Verdict without blocking the router.
-_SESSION_BUFFER = 4
+# Verdicts a session's route can hold before the router waits: the chunks in flight
+# (depth_max) plus stale ones still arriving after a rejection, and a late Fault.
+_SESSION_BUFFER = 16
 _EVENTS_KEPT = 64
+_RECEIPT_TIMEOUT_S = 10.0
 
 
 class RingError(Exception):
@@ -72,6 +76,7 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str
     stats: RunStats
+    receipt: RunReceipt | None = None
 
 
 @attrs.frozen
@@ -119,6 +124,9 @@ class Coordinator:
         to_ring: trio.MemorySendChannel[Message],
         from_ring: trio.MemoryReceiveChannel[Message],
         limits: CoordinatorLimits = CoordinatorLimits(),
+        drafter: Drafter | None = None,
+        speculation: SpecConfig = SpecConfig(),
+        signer: RunSigner | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._node = node
@@ -127,6 +135,11 @@ class Coordinator:
         self._from_ring = from_ring
         self._limits = limits
         self._wall_clock = wall_clock
+        self._drafter = drafter
+        self._spec = speculation
+        self._signer = signer
+        self._jobs: dict[SessionId, RunJob] = {}
+        self._k, self._depth = 0, 1
         self._routes: dict[SessionId, trio.MemorySendChannel[Message]] = {}
         self._session_ids = itertools.count(1)
         self._slots = trio.Semaphore(limits.max_sessions)
@@ -142,6 +155,11 @@ class Coordinator:
     def limits(self) -> CoordinatorLimits:
         return self._limits
 
+    @property
+    def speculation(self) -> SpecConfig:
+        """The swarm's K/D policy (requests may override it)."""
+        return self._spec
+
     def statistics(self) -> CoordinatorStatistics:
         return CoordinatorStatistics(
             node=self._node,
@@ -149,8 +167,8 @@ class Coordinator:
             requests_done=self._done,
             requests_failed=self._failed,
             tokens=self._tokens,
-            k=0,
-            depth=1,
+            k=self._k,
+            depth=self._depth,
             stale_dropped=self._stale,
             ring=self._monitor.snapshot(trio.current_time()),
             events=tuple(self._events),
@@ -171,13 +189,14 @@ class Coordinator:
                 await self._route(msg)
 
     async def _route(self, msg: Message) -> None:
-        if isinstance(msg, Verdict | Fault) and msg.session is not None:
+        if isinstance(msg, Verdict | Fault | StageReceiptOut) and msg.session is not None:
             route = self._routes.get(msg.session)
             if route is not None:
                 await route.send(msg)
             return
-        if isinstance(msg, Fault):
-            # A fault with no session is the ring itself failing: every request is affected.
+        if isinstance(msg, Fault) and msg.node == self._node:
+            # A fault with no session raised by this node's own links is the ring itself
+            # failing: every request is affected. (Stages never relay session-less faults.)
             self._ring_fault = msg
             self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
             for route in list(self._routes.values()):
@@ -190,8 +209,16 @@ class Coordinator:
         max_tokens: int,
         sampling: Sampling = Sampling(),
         on_tokens: OnTokens | None = None,
+        speculation: SpecConfig | None = None,
+        receipt: bool = False,
     ) -> Completion:
         """Run one request through the ring; ``on_tokens`` sees ids as they are committed.
+
+        ``receipt`` asks every stage for a signed receipt of the job and returns the signed
+        run receipt in ``Completion.receipt`` (needs a coordinator key: ``signer``).
+
+        ``speculation`` overrides the coordinator's K/D policy for this request (benchmarks
+        and tests compare modes on one ring); ``SpecConfig(k=0)`` is plain decoding.
 
         Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
         ``RingError`` when the ring fails the request.
@@ -206,17 +233,73 @@ class Coordinator:
             sid = SessionId(next(self._session_ids))
             send, recv = trio.open_memory_channel[Message](_SESSION_BUFFER)
             self._routes[sid] = send
+            if receipt:
+                if self._signer is None:
+                    raise BadRequest("this coordinator has no key to sign receipts with")
+                self._jobs[sid] = RunJob.start(prompt_ids, os.urandom(16))
+            ended = False
             try:
-                completion = await self._drive(sid, recv, prompt_ids, state, sampling, on_tokens)
+                completion = await self._drive(
+                    sid, recv, prompt_ids, state, sampling, on_tokens, speculation or self._spec
+                )
+                if receipt:
+                    ended = True
+                    completion = await self._collect_receipts(sid, recv, completion)
             except RingError:
                 self._failed += 1
                 raise
             finally:
                 del self._routes[sid]
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    await self._to_ring.send(EndSession(session=sid))
+                self._jobs.pop(sid, None)
+                if not ended:
+                    await self._end_session(sid)
         self._done += 1
         return completion
+
+    async def _end_session(self, sid: SessionId) -> None:
+        """Free the session on every stage; shielded and bounded (runs during cancellation)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await self._to_ring.send(EndSession(session=sid))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the ring link is gone: there is no session left to end
+
+    async def _collect_receipts(
+        self, sid: SessionId, route: trio.MemoryReceiveChannel[Message], completion: Completion
+    ) -> Completion:
+        """End the session, gather every stage's receipt (recording the verdicts still in
+        flight, which the tail's chain includes), and sign the run receipt."""
+        job, signer = self._jobs[sid], self._signer
+        assert signer is not None
+        await self._end_session(sid)
+        with trio.move_on_after(_RECEIPT_TIMEOUT_S) as waited:
+            while len(job.stages) < signer.n_stages:
+                msg = await route.receive()
+                if isinstance(msg, Verdict):
+                    job.received_verdict(
+                        msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted
+                    )
+                elif isinstance(msg, StageReceiptOut):
+                    job.stage_receipt(msg.receipt)
+                elif isinstance(msg, Fault):
+                    raise RingError(f"{msg.node}: {msg.detail}", committed=completion.token_ids)
+        if waited.cancelled_caught:
+            raise RingError(
+                f"only {len(job.stages)} of {signer.n_stages} stage receipts arrived",
+                committed=completion.token_ids,
+            )
+        stats = completion.stats
+        run = job.finish(
+            signer.identity,
+            coordinator=signer.coordinator,
+            model=signer.model,
+            n_layers=signer.n_layers,
+            output_ids=completion.token_ids,
+            edges=[EdgeRecord(e.src, e.dst, round(e.mean_s, 6)) for e in stats.edges],
+            tok_s=stats.tok_s,
+            alpha=stats.accepted / stats.drafted if stats.drafted else None,
+        )
+        return attrs.evolve(completion, receipt=run)
 
     async def _drive(
         self,
@@ -226,53 +309,127 @@ class Coordinator:
         state: DecodeState,
         sampling: Sampling,
         on_tokens: OnTokens | None,
+        spec: SpecConfig,
     ) -> Completion:
-        epoch = Epoch(0)
-        seq = itertools.count()
         laps = LapRecorder(self._node, self._wall_clock)
+        job = self._jobs.get(sid)
         await self._to_ring.send(
-            OpenSession(session=sid, max_len=self._limits.max_len, sampling=sampling)
+            OpenSession(
+                session=sid,
+                max_len=self._limits.max_len,
+                sampling=sampling,
+                job=job.job if job else "",
+                nonce=job.nonce if job else "",
+            )
         )
-        chunk = self._limits.prefill_chunk
-        starts = range(0, len(prompt_ids), chunk)
-        laps.sent()
-        for start in starts:
-            ids = tuple(int(t) for t in prompt_ids[start : start + chunk])
-            final = start == starts[-1]
-            await self._to_ring.send(
-                Prefill(sid, epoch, ChunkSeq(next(seq)), start=start, final=final, ids=ids)
-            )
-        while True:
+        await self._prefill(sid, prompt_ids, laps)
+        first = await self._next_verdict(verdicts, state)
+        self._lap(laps, first, committed=len(first.target_ids))
+        await self._emit(state.commit(first.target_ids), on_tokens)
+        stream = SpecStream(
+            decode=state,
+            committed=[*prompt_ids, *first.target_ids],
+            max_len=self._limits.max_len,
+            feed=len(prompt_ids),
+            next_seq=first.seq + 1,
+        )
+        proposer = None
+        if self._drafter is not None and spec.enabled:
+            proposer = self._drafter.session(prompt_ids)
+        control = SpecController(spec if proposer else SpecConfig(k=0, depth=1))
+        max_depth = 1
+        while not state.done:
+            max_depth = max(max_depth, await self._fill(sid, stream, proposer, control, laps))
             verdict = await self._next_verdict(verdicts, state)
-            lap_s, sent_wall = laps.received(verdict.hops)
-            emitted = state.commit(verdict.target_ids)
-            self._tokens += len(emitted)
-            now = trio.current_time()
-            self._monitor.lap(
-                lap_s=lap_s,
-                sent_wall=sent_wall,
-                arrived_wall=self._wall_clock(),
-                hops=verdict.hops,
-                committed=len(verdict.target_ids),
-                drafted=0,
-                accepted=0,
+            outcome = stream.on_verdict(verdict)
+            if outcome.stale:
+                self._stale += 1
+                laps.discard(verdict.seq)
+                continue
+            self._lap(laps, verdict, committed=len(outcome.emitted), outcome=outcome)
+            control.observe_chunk(outcome.drafted, outcome.accepted)
+            control.observe_lap(
+                laps.last_lap_s, max((h.compute_s for h in verdict.hops), default=0)
             )
-            self._monitor.committed(now, len(emitted))
-            if emitted and on_tokens is not None:
-                await on_tokens(emitted)
-            if state.done:
-                break
-            last = state.output[-1]
-            laps.sent()
-            await self._to_ring.send(
-                Verify(sid, epoch, ChunkSeq(next(seq)), start=state.position - 1, ids=(last,))
-            )
+            if proposer is not None:
+                proposer.feedback(outcome.drafted, outcome.accepted)
+            if outcome.bumped_epoch is not None:
+                self.event("epoch", f"session {sid}: epoch {outcome.bumped_epoch}")
+                await self._to_ring.send(
+                    Truncate(session=sid, epoch=outcome.bumped_epoch, position=stream.feed)
+                )
+            await self._emit(outcome.emitted, on_tokens)
         assert state.finish_reason is not None
         return Completion(
             token_ids=tuple(state.output),
             finish_reason=state.finish_reason,
-            stats=laps.stats(len(state.output)),
+            stats=laps.stats(len(state.output), max_depth=max_depth),
         )
+
+    async def _prefill(self, sid: SessionId, prompt_ids: Sequence[int], laps: LapRecorder) -> None:
+        """Stream the prompt in ``prefill_chunk`` pieces; only the last makes the tail answer."""
+        chunk = self._limits.prefill_chunk
+        starts = range(0, len(prompt_ids), chunk)
+        for seq, start in enumerate(starts):
+            ids = tuple(int(t) for t in prompt_ids[start : start + chunk])
+            final = start == starts[-1]
+            if final:
+                laps.sent(seq)
+            await self._to_ring.send(
+                Prefill(sid, Epoch(0), ChunkSeq(seq), start=start, final=final, ids=ids)
+            )
+            if (job := self._jobs.get(sid)) is not None:
+                job.sent_chunk(0, seq, start, ids)
+
+    async def _fill(
+        self,
+        sid: SessionId,
+        stream: SpecStream,
+        proposer: Proposer | None,
+        control: SpecController,
+        laps: LapRecorder,
+    ) -> int:
+        """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
+        k, depth = control.choose()
+        self._k, self._depth = k, depth
+        while len(stream.inflight) < depth:
+            wanted = stream.drafts_wanted(k)
+            if wanted and proposer is not None and self._drafter is not None:
+                tokens, seconds = await self._drafter.propose(proposer, stream.context(), wanted)
+                control.observe_draft(seconds, len(tokens))
+                stream.add_drafts(tokens)
+            chunk = stream.next_chunk(k)
+            if chunk is None:
+                break
+            laps.sent(chunk.seq)
+            await self._to_ring.send(
+                Verify(sid, chunk.epoch, chunk.seq, chunk.start, ids=chunk.ids, draft=chunk.draft)
+            )
+            if (job := self._jobs.get(sid)) is not None:
+                job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
+        if not stream.inflight:
+            raise RuntimeError(f"session {sid}: nothing in flight and nothing to send")
+        return len(stream.inflight)
+
+    def _lap(
+        self, laps: LapRecorder, verdict: Verdict, *, committed: int, outcome: Outcome | None = None
+    ) -> None:
+        lap_s, sent_wall = laps.received(verdict.seq, verdict.hops, outcome)
+        self._monitor.lap(
+            lap_s=lap_s,
+            sent_wall=sent_wall,
+            arrived_wall=self._wall_clock(),
+            hops=verdict.hops,
+            committed=committed,
+            drafted=outcome.drafted if outcome else 0,
+            accepted=outcome.accepted if outcome else 0,
+        )
+
+    async def _emit(self, ids: Sequence[int], on_tokens: OnTokens | None) -> None:
+        self._tokens += len(ids)
+        self._monitor.committed(trio.current_time(), len(ids))
+        if ids and on_tokens is not None:
+            await on_tokens(list(ids))
 
     async def _next_verdict(
         self, verdicts: trio.MemoryReceiveChannel[Message], state: DecodeState
@@ -281,40 +438,11 @@ class Coordinator:
         if isinstance(msg, Fault):
             self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
             raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
-        assert isinstance(msg, Verdict)
+        if not isinstance(msg, Verdict):
+            raise RingError(f"unexpected {type(msg).__name__} mid-request", committed=state.output)
+        if (job := self._jobs.get(msg.session)) is not None:
+            job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
         return msg
 
 
-def done_message(request: int, completion: Completion, text: str) -> GenerateDone:
-    """The client-facing end of a request."""
-    return GenerateDone(
-        request=request,
-        token_ids=completion.token_ids,
-        text=text,
-        finish_reason=completion.finish_reason,
-        stats=completion.stats,
-    )
-
-
-def error_message(
-    request: int, exc: Exception, committed: Sequence[int], text: str
-) -> GenerateDone:
-    """A request that could not finish: ``finish_reason="error"`` and the committed text."""
-    return GenerateDone(
-        request=request,
-        token_ids=tuple(committed),
-        text=text,
-        finish_reason="error",
-        stats=RunStats(
-            tokens=len(committed),
-            seconds=0.0,
-            tok_s=0.0,
-            prefill_s=0.0,
-            laps=0,
-            mean_lap_s=math.nan,
-        ),
-        error=str(exc),
-    )
-
-
-__all__ = ["Completion", "Coordinator", "CoordinatorLimits", "Hop", "RingError"]
+__all__ = ["Completion", "Coordinator", "CoordinatorLimits", "RingError"]

@@ -3,7 +3,7 @@
 The nodes are the same composition roots as ``shard up`` (``shard.node``), so what runs here
 is what runs across machines; only the ``Network`` differs: memory channels by default,
 optionally wrapped in per-edge delay to emulate a WAN, or real WebSockets on loopback.
-Tests and benchmarks use it; ``shard.testing`` re-exports it.
+Tests and benchmarks use it.
 """
 
 from __future__ import annotations

@@ -13,16 +13,13 @@ import logging
 
 import trio
 
+from shard.errors import HandshakeError as HandshakeError  # defined there, re-exported here
 from shard.messages import PROTOCOL_VERSION, Fault, Hello, Message, NodeName, Welcome
 from shard.transport import Connection, ConnectionClosed, Network, TransportError
 
 log = logging.getLogger(__name__)
 
 _HANDSHAKE_TIMEOUT_S = 10.0
-
-
-class HandshakeError(Exception):
-    """A peer spoke the wrong first words: not a Hello/Welcome, another swarm, another protocol."""
 
 
 async def dial_peer(

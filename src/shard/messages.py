@@ -37,6 +37,7 @@ TENSOR_DTYPES: dict[str, int] = {
     "bfloat16": 2,
     "int64": 8,
     "int32": 4,
+    "uint8": 1,  # raw bytes: manifest chunks (ChunkData)
 }
 
 
@@ -135,6 +136,17 @@ class OpenSession:
     session: SessionId
     max_len: int
     sampling: Sampling = Sampling()
+    job: str = ""  # with ``nonce``: the job each stage signs a receipt for ("" = no receipt)
+    nonce: str = ""
+
+
+@attrs.frozen
+class StageReceiptOut:
+    """A stage's signed receipt for a session (JSON of ``shard.receipts.StageReceipt``),
+    sent downstream at ``EndSession`` and relayed by later stages to the coordinator."""
+
+    session: SessionId
+    receipt: str
 
 
 @attrs.frozen
@@ -142,6 +154,20 @@ class EndSession:
     """Free a session's state on every stage. Travels the ring like any chunk (FIFO)."""
 
     session: SessionId
+
+
+@attrs.frozen
+class Truncate:
+    """The coordinator bumped a session's epoch: queued chunks of older epochs are stale.
+
+    Sent right after a rejection, ahead of the re-drafted chunk, so every stage can skip
+    stale chunks still waiting in its queue (early cancellation). Positions at and after
+    ``position`` written by older epochs will be overwritten before they are read.
+    """
+
+    session: SessionId
+    epoch: Epoch
+    position: int
 
 
 @attrs.frozen
@@ -216,6 +242,9 @@ class GenerateRequest:
     max_tokens: int
     sampling: Sampling = Sampling()
     chat: bool = False
+    receipt: bool = False  # ask for a signed run receipt (``GenerateDone.receipt``)
+    k: int = -1  # drafted tokens per chunk for this request; -1: the swarm's policy, 0: plain
+    depth: int = 0  # verify chunks in flight; 0: the swarm's policy
 
 
 @attrs.frozen
@@ -260,6 +289,11 @@ class RunStats:
     mean_lap_s: float
     nodes: tuple[NodeStat, ...] = ()
     edges: tuple[EdgeStat, ...] = ()
+    drafted: int = 0
+    accepted: int = 0
+    tokens_per_lap: float = 0.0
+    max_depth: int = 1
+    stale_dropped: int = 0
 
 
 @attrs.frozen
@@ -272,6 +306,133 @@ class GenerateDone:
     finish_reason: str
     stats: RunStats
     error: str = ""
+    receipt: str = ""  # JSON of ``shard.receipts.RunReceipt`` when asked for
+
+
+# --- status feed (coordinator -> monitors) ---------------------------------------------------
+
+
+@attrs.frozen
+class EdgeStatus:
+    """One ring edge's one-way transit over the recent window, in seconds: the last sample and
+    the median; None before the first sample. Taken from the wall-clock stamps in ``Hop``, so
+    only meaningful when the nodes share a clock (one host, or NTP-synced hosts)."""
+
+    src: NodeName
+    dst: NodeName
+    last_s: float | None = None
+    median_s: float | None = None
+
+
+@attrs.frozen
+class StageStatus:
+    """One stage's compute per chunk over the recent window (seconds; None before a sample).
+
+    ``chunks`` counts the samples in the window; ``queue`` is the stage's inbox depth, None
+    while stages do not report it (a monitor shows it as unknown, never as 0).
+    """
+
+    node: NodeName
+    compute_last_s: float | None = None
+    compute_median_s: float | None = None
+    chunks: int = 0
+    queue: int | None = None
+
+
+@attrs.frozen
+class EventRecord:
+    """Something that happened to the ring (join, fault, splice, epoch, reset); ``at`` is the
+    coordinator's wall clock."""
+
+    at: float
+    kind: str
+    detail: str
+
+
+@attrs.frozen
+class StatusSnapshot:
+    """The coordinator's view of the ring, published to monitors a few times a second.
+
+    ``seq`` counts snapshots since the coordinator started at ``started`` (wall clock; a new
+    value means the coordinator restarted). ``ring`` is the node order from the coordinator
+    round to the last stage; ``edges`` follow it, closing back at the coordinator. Rolling
+    values cover the last laps of every request: ``lap_*`` are full laps (the ring's round
+    trip), ``alpha`` is accepted / drafted (None before a draft was verified), ``tok_s``
+    counts committed tokens over the last seconds. ``tokens``, ``requests_*`` are totals.
+    """
+
+    swarm: str
+    coordinator: NodeName
+    seq: int
+    at: float
+    started: float
+    ring: tuple[NodeName, ...]
+    edges: tuple[EdgeStatus, ...]
+    stages: tuple[StageStatus, ...]
+    laps: int
+    lap_last_s: float | None
+    lap_median_s: float | None
+    tokens_per_lap: float | None
+    drafted: int
+    accepted: int
+    alpha: float | None
+    k: int
+    depth: int
+    tok_s: float
+    tokens: int
+    sessions: int
+    requests_done: int
+    requests_failed: int
+    standbys: tuple[NodeName, ...] = ()
+    events: tuple[EventRecord, ...] = ()
+
+
+@attrs.frozen
+class StatusReset:
+    """Monitor -> coordinator: clear the rolling statistics (the monitor's reset binding).
+
+    The only thing a monitor may ask; the coordinator logs it as a ``reset`` event.
+    """
+
+    node: NodeName
+
+
+# --- verified fetch (fetcher -> seeder; shard.fetch, shard.seeder) ---------------------------
+
+
+@attrs.frozen
+class ChunkRequest:
+    """Fetcher -> seeder: send chunk ``index`` of ``file`` of the manifest whose root is ``root``.
+
+    One request, one answer (``ChunkData`` or ``ChunkMissing``), in order, per connection.
+    """
+
+    root: str
+    file: str
+    index: int
+
+
+@attrs.frozen
+class ChunkData:
+    """Seeder -> fetcher: the chunk's bytes (a ``uint8`` tensor of shape ``(len,)``).
+
+    Untrusted until the fetcher has checked it against the signed manifest's chunk hash.
+    """
+
+    root: str
+    file: str
+    index: int
+    data: Tensor
+
+
+@attrs.frozen
+class ChunkMissing:
+    """Seeder -> fetcher: this seeder cannot serve that chunk (``reason`` says why)."""
+
+    root: str
+    file: str
+    index: int
+    reason: str
 
 
 Message = (
@@ -283,12 +444,19 @@ Message = (
     | Fault
     | OpenSession
     | EndSession
+    | StageReceiptOut
+    | Truncate
     | Prefill
     | Verify
     | Verdict
     | GenerateRequest
     | TokensOut
     | GenerateDone
+    | StatusSnapshot
+    | StatusReset
+    | ChunkRequest
+    | ChunkData
+    | ChunkMissing
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -301,10 +469,17 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Fault,
     OpenSession,
     EndSession,
+    StageReceiptOut,
+    Truncate,
     Prefill,
     Verify,
     Verdict,
     GenerateRequest,
     TokensOut,
     GenerateDone,
+    StatusSnapshot,
+    StatusReset,
+    ChunkRequest,
+    ChunkData,
+    ChunkMissing,
 )

@@ -12,7 +12,9 @@ stage, as ``StageLinkLost`` ending that node — the failure issue adds splicing
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -21,6 +23,16 @@ import trio
 
 from shard.config import CoordinatorSpec, StageSpec, SwarmSpec
 from shard.coordinator import Coordinator, CoordinatorLimits
+from shard.device import device_identity
+from shard.draft import (
+    AdaptiveProposer,
+    Drafter,
+    ModelProposer,
+    NGramProposer,
+    OracleProposer,
+    Proposer,
+)
+from shard.fetch_stage import fetch_stage, make_seeder
 from shard.links import HandshakeError, accept_peer, dial_peer, pump_in, pump_out
 from shard.messages import (
     Fault,
@@ -31,11 +43,16 @@ from shard.messages import (
     Welcome,
 )
 from shard.model.config import ModelConfig
-from shard.model.loader import load_stage
+from shard.model.llama import StageModel
+from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
+from shard.receipts import ReceiptSigner, RunSigner
 from shard.service import complete
+from shard.speculation import SpecConfig
 from shard.stage import StageExecutor
+from shard.status import StatusFeed
 from shard.transport import Connection, Network, TransportError
+from shard.trust import signing_identity
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +115,8 @@ async def run_stage(
     node = spec.node(name)
     assert isinstance(node, StageSpec)
     index = _stage_index(spec, name)
+    if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
+        model_dir = (await fetch_stage(spec, name)).path
     config = ModelConfig.from_dir(model_dir)
     first, last = spec.blocks(config.n_layers)[index]
     model = await trio.to_thread.run_sync(
@@ -105,12 +124,21 @@ async def run_stage(
     )
     inbox_send, inbox_recv = trio.open_memory_channel[Message](0)
     outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
+    receipts = ReceiptSigner(
+        signing_identity(spec, name),
+        node=name,
+        address=str(node.listen),
+        first=first,
+        last=last,
+        device=device_identity(),
+    )
     executor = StageExecutor(
         model,
         node=NodeName(name),
         inbox=inbox_recv,
         outbox=outbox_send,
         max_sessions=spec.limits.max_sessions,
+        receipts=receipts,
     )
     hello = _hello(spec, name, "stage")
     downstream = await dial_peer(
@@ -129,6 +157,8 @@ async def run_stage(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(executor.run)
         nursery.start_soon(_downstream, name, outbox_recv, downstream)
+        if (seeder := make_seeder(spec, name, model_dir)) is not None:
+            await nursery.start(seeder.run)  # a [[fetch.seeder]] named like this stage
         bound = await nursery.start(network.serve, str(node.listen), upstream)
         task_status.started(StageHandle(name, first, last, bound, executor))
 
@@ -144,6 +174,44 @@ async def _downstream(
 
 def _hello(spec: SwarmSpec, name: str, role: str) -> Hello:
     return Hello(node=NodeName(name), role=role, swarm=spec.name)
+
+
+def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
+    """The coordinator's draft proposers, per the spec's ``[speculation]`` (None: plain)."""
+    plan = spec.speculation
+    if plan.draft == "none":
+        return None
+    if plan.draft == "oracle":
+        assert plan.oracle_file is not None
+        references = json.loads(Path(plan.oracle_file).read_text())["references"]
+
+        def oracle(prompt: Sequence[int]) -> Proposer:
+            n = len(prompt)
+            for ref in references:
+                if ref[:n] == list(prompt):
+                    return OracleProposer(ref)
+            return OracleProposer([])  # no reference for this prompt: plain decoding
+
+        return Drafter(oracle)
+    model: StageModel | None = None
+    if plan.uses_model:
+        dtype = DTYPES[spec.dtype]
+        if plan.draft_model is not None:
+            draft_dir = Path(plan.draft_model)
+            layers = ModelConfig.from_dir(draft_dir).n_layers
+            model = load_stage(draft_dir, 0, layers, dtype=dtype)
+        else:
+            model = load_truncated(model_dir, plan.draft_layers, dtype=dtype)
+
+    def factory(prompt: Sequence[int]) -> Proposer:
+        proposers: list[Proposer] = []
+        if plan.draft in ("ngram", "auto"):
+            proposers.append(NGramProposer())
+        if model is not None:
+            proposers.append(ModelProposer(model, max_len=spec.limits.max_len))
+        return proposers[0] if len(proposers) == 1 else AdaptiveProposer(proposers)
+
+    return Drafter(factory)
 
 
 async def run_coordinator(
@@ -171,9 +239,29 @@ async def run_coordinator(
         prefill_chunk=spec.limits.prefill_chunk,
         max_sessions=spec.limits.max_sessions,
     )
+    drafter = await trio.to_thread.run_sync(make_drafter, spec, model_dir)
     coordinator = Coordinator(
-        node=name, eos_ids=eos, to_ring=to_ring_send, from_ring=from_ring_recv, limits=limits
+        node=name,
+        eos_ids=eos,
+        to_ring=to_ring_send,
+        from_ring=from_ring_recv,
+        limits=limits,
+        drafter=drafter,
+        signer=RunSigner(
+            signing_identity(spec, name),
+            coordinator=name,
+            model=spec.model,
+            n_layers=config.n_layers,
+            n_stages=len(spec.stages),
+        ),
+        speculation=SpecConfig(
+            k=spec.speculation.k,
+            depth=spec.speculation.depth,
+            k_max=spec.speculation.k_max,
+            depth_max=spec.speculation.depth_max,
+        ),
     )
+    feed = StatusFeed(coordinator, swarm=spec.name, ring=[NodeName(n) for n in spec.ring()[:-1]])
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     tail_joined = trio.Event()
 
@@ -186,13 +274,26 @@ async def run_coordinator(
         if hello.role == "client":
             await _serve_client(coordinator, tokenizer, conn)
             return
+        if hello.role == "monitor":  # the status feed (shard.status): read-only but for reset
+            await feed.serve(conn)
+            return
+        tail = spec.stages[-1].name
+        if hello.role != "stage" or hello.node != tail or tail_joined.is_set():
+            # Only the tail, once, may open the return link: any other peer closing it
+            # would otherwise be taken for the ring failing.
+            log.warning("%s: refused %s (%s) on the return link", name, hello.node, hello.role)
+            await conn.send(
+                Fault(node=name, kind="handshake", detail=f"only {tail} may open the return link")
+            )
+            return
         tail_joined.set()
         coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
-        lost = Fault(node=hello.node, kind="link", detail=f"return link from {hello.node} closed")
+        lost = Fault(node=name, kind="link", detail=f"return link from {hello.node} closed")
         await pump_in(name, conn, from_ring_send.clone(), on_close=lost)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
+        await nursery.start(feed.run)
         bound = await nursery.start(network.serve, str(me.listen), handler)
         first = successor or str(spec.stages[0].listen)
         conn = await dial_peer(

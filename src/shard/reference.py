@@ -37,8 +37,13 @@ def generate_reference(
     max_len: int = 2048,
     prefill_chunk: int = 128,
     on_tokens: Callable[[list[int]], None] | None = None,
+    gaps: list[float] | None = None,
 ) -> ReferenceResult:
-    """Generate with a model holding every layer (``model.is_first and model.is_last``)."""
+    """Generate with a model holding every layer (``model.is_first and model.is_last``).
+
+    ``gaps``, when given, receives the gap between the top two logits at every step: where
+    another computation order may flip a near-tie, tests check the gap was tiny.
+    """
     if not (model.is_first and model.is_last):
         raise ValueError("the reference needs a model holding every layer")
     state = DecodeState.start(len(prompt_ids), max_tokens, eos_ids, max_len=max_len)
@@ -52,6 +57,9 @@ def generate_reference(
             logits = model(chunk, start, cache)  # [1, S, V]
         prefill_s = time.perf_counter() - began
         while True:
+            if gaps is not None:
+                top2 = torch.topk(logits[0, -1], 2).values
+                gaps.append(float(top2[0] - top2[1]))
             token = choose_token(logits[0, -1], sampling, state.position)
             emitted = state.commit([token])
             if emitted and on_tokens is not None:

@@ -20,34 +20,48 @@ from shard.messages import EdgeStat, Hop, NodeName, NodeStat, RunStats
 
 
 class LapRecorder:
-    """Collects one request's laps. Call ``sent()`` when a chunk leaves, ``received()`` when
-    its verdict arrives (plain decoding keeps one lap outstanding at a time)."""
+    """Collects one request's laps. ``sent(seq)`` when a chunk leaves, ``received(seq, ...)``
+    when its verdict arrives (several chunks may be in flight), ``discard(seq)`` for a chunk
+    whose verdict turned out stale."""
 
     def __init__(self, node: NodeName, wall_clock: Callable[[], float]) -> None:
         self._node = node
         self._wall = wall_clock
         self._began = trio.current_time()
-        self._sent_at = self._began
-        self._sent_wall = wall_clock()
+        self._sent: dict[int, tuple[float, float]] = {}
         self._laps: list[float] = []
         self._compute: dict[NodeName, float] = defaultdict(float)
         self._chunks: dict[NodeName, int] = defaultdict(int)
         self._edges: dict[tuple[NodeName, NodeName], list[float]] = defaultdict(list)
+        self._drafted = 0
+        self._accepted = 0
+        self._stale = 0
 
     @property
     def count(self) -> int:
         return len(self._laps)
 
-    def sent(self) -> None:
-        self._sent_at = trio.current_time()
-        self._sent_wall = self._wall()
+    @property
+    def last_lap_s(self) -> float:
+        return self._laps[-1] if self._laps else 0.0
 
-    def received(self, hops: Sequence[Hop]) -> tuple[float, float]:
-        """Record a verdict's lap; returns (lap seconds, wall time the chunk was sent)."""
-        lap_s = trio.current_time() - self._sent_at
+    def sent(self, seq: int) -> None:
+        self._sent[seq] = (trio.current_time(), self._wall())
+
+    def discard(self, seq: int) -> None:
+        self._sent.pop(seq, None)
+        self._stale += 1
+
+    def received(self, seq: int, hops: Sequence[Hop], outcome: Any = None) -> tuple[float, float]:
+        """Record a verdict's lap; returns (lap seconds, wall time its chunk was sent)."""
+        sent_at, sent_wall = self._sent.pop(seq, (trio.current_time(), self._wall()))
+        lap_s = trio.current_time() - sent_at
         self._laps.append(lap_s)
+        if outcome is not None:
+            self._drafted += outcome.drafted
+            self._accepted += outcome.accepted
         arrived = self._wall()
-        prev_node, prev_sent = self._node, self._sent_wall
+        prev_node, prev_sent = self._node, sent_wall
         for hop in hops:
             self._compute[hop.node] += hop.compute_s
             self._chunks[hop.node] += 1
@@ -55,9 +69,9 @@ class LapRecorder:
             prev_node, prev_sent = hop.node, hop.sent_at
         if hops:
             self._edges[(prev_node, self._node)].append(arrived - prev_sent)
-        return lap_s, self._sent_wall
+        return lap_s, sent_wall
 
-    def stats(self, tokens: int) -> RunStats:
+    def stats(self, tokens: int, *, max_depth: int = 1) -> RunStats:
         seconds = trio.current_time() - self._began
         decode_laps = self._laps[1:]
         return RunStats(
@@ -75,6 +89,11 @@ class LapRecorder:
                 EdgeStat(src=src, dst=dst, mean_s=statistics.fmean(values))
                 for (src, dst), values in self._edges.items()
             ),
+            drafted=self._drafted,
+            accepted=self._accepted,
+            tokens_per_lap=tokens / len(self._laps) if self._laps else 0.0,
+            max_depth=max_depth,
+            stale_dropped=self._stale,
         )
 
 

@@ -8,12 +8,16 @@ never a silent stop.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import math
+from collections.abc import Awaitable, Callable, Sequence
 
-from shard.coordinator import Coordinator, RingError, done_message, error_message
+import attrs
+
+from shard.coordinator import Completion, Coordinator, RingError
 from shard.decoding import BadRequest
-from shard.messages import GenerateDone, GenerateRequest, Message, TokensOut
+from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
 from shard.model.tokenizer import StreamDecoder, Tokenizer
+from shard.speculation import SpecConfig
 
 Emit = Callable[[Message], Awaitable[None]]
 
@@ -45,6 +49,8 @@ async def complete(
             max_tokens=request.max_tokens,
             sampling=request.sampling,
             on_tokens=on_tokens,
+            receipt=request.receipt,
+            speculation=request_speculation(coordinator, request),
         )
     except (RingError, BadRequest) as exc:
         done = error_message(request.request, exc, committed, tokenizer.decode(committed))
@@ -53,3 +59,46 @@ async def complete(
         done = done_message(request.request, completion, text)
     await emit(done)
     return done
+
+
+def request_speculation(coordinator: Coordinator, request: GenerateRequest) -> SpecConfig | None:
+    """The request's own K / depth over the swarm's policy (None: the policy as is)."""
+    if request.k < 0 and request.depth <= 0:
+        return None
+    policy = coordinator.speculation
+    k = policy.k if request.k < 0 else min(request.k, policy.k_max)
+    depth = policy.depth if request.depth <= 0 else min(request.depth, policy.depth_max)
+    return attrs.evolve(policy, k=k, depth=depth)
+
+
+def done_message(request: int, completion: Completion, text: str) -> GenerateDone:
+    """The client-facing end of a request (with its signed receipt when one was asked for)."""
+    return GenerateDone(
+        request=request,
+        token_ids=completion.token_ids,
+        text=text,
+        finish_reason=completion.finish_reason,
+        stats=completion.stats,
+        receipt=completion.receipt.to_json() if completion.receipt is not None else "",
+    )
+
+
+def error_message(
+    request: int, exc: Exception, committed: Sequence[int], text: str
+) -> GenerateDone:
+    """A request that could not finish: ``finish_reason="error"`` and the committed text."""
+    return GenerateDone(
+        request=request,
+        token_ids=tuple(committed),
+        text=text,
+        finish_reason="error",
+        stats=RunStats(
+            tokens=len(committed),
+            seconds=0.0,
+            tok_s=0.0,
+            prefill_s=0.0,
+            laps=0,
+            mean_lap_s=math.nan,
+        ),
+        error=str(exc),
+    )

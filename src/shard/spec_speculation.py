@@ -5,6 +5,7 @@
 draft = "auto"          # none | ngram | model | auto (n-gram and model, chosen per round)
 draft_layers = 6        # model draft = the target's first N layers + its head, or
 draft_model = "path"    # a separate checkpoint sharing the target's tokenizer
+# draft = "oracle" with oracle_file = "refs.json": replays prior reference runs (benchmarks only)
 k = "auto"              # drafted tokens per chunk: "auto" (adaptive) or 0..k_max (0 = plain)
 depth = "auto"          # verify chunks in flight per session: "auto" or 1..depth_max
 k_max = 8
@@ -21,7 +22,7 @@ import attrs
 
 from shard.spec_validate import Table
 
-DRAFT_KINDS: Final = ("none", "ngram", "model", "auto")
+DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "oracle")
 SPECULATION_KEYS: Final = (
     "draft",
     "draft_model",
@@ -30,6 +31,7 @@ SPECULATION_KEYS: Final = (
     "depth",
     "k_max",
     "depth_max",
+    "oracle_file",
 )
 
 
@@ -44,6 +46,7 @@ class SpeculationSpec:
     depth: int | None = None
     k_max: int = 8
     depth_max: int = 4
+    oracle_file: str | None = None
 
     @property
     def uses_model(self) -> bool:
@@ -75,6 +78,11 @@ def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
             f'draft = "{draft}" needs a model: set draft_layers = N (the first N layers of '
             'the target + its head) or draft_model = "path"',
         )
+    oracle = table.raw("oracle_file", None)
+    if draft == "oracle":
+        oracle = _oracle_file(table, base_dir)
+    elif oracle is not None:
+        raise table.error("oracle_file", 'only meaningful with draft = "oracle"')
     if draft == "none" and k not in (None, 0):
         raise table.error("k", 'k > 0 needs a draft; set draft = "ngram", "model" or "auto"')
     return SpeculationSpec(
@@ -85,7 +93,21 @@ def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
         depth=1 if draft == "none" else depth,
         k_max=k_max,
         depth_max=depth_max,
+        oracle_file=oracle,
     )
+
+
+def _oracle_file(table: Table, base_dir: Path | None) -> str:
+    """The oracle draft's references: a JSON file of ``{"references": [[ids...], ...]}``,
+    each a prompt followed by a prior reference run's output. Benchmarks only: it replays
+    known answers (α = 1) to measure the engine apart from draft quality."""
+    text = table.string("oracle_file", example='"bench/results/oracle.json"')
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = (base_dir if base_dir is not None else Path.cwd()) / path
+    if not path.is_file():
+        raise table.error("oracle_file", f"{str(path)!r} does not exist")
+    return str(path.resolve())
 
 
 def _auto_or_int(table: Table, name: str, *, minimum: int, maximum: int) -> int | None:

@@ -13,6 +13,7 @@ rollback after a rejected draft is just a later chunk overwriting the same posit
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,14 +33,20 @@ from shard.messages import (
     Prefill,
     Sampling,
     SessionId,
+    StageReceiptOut,
+    Truncate,
     Verdict,
     Verify,
 )
 from shard.model.llama import KVCache, StageModel
 from shard.model.tensors import from_wire, to_wire
+from shard.receipts import ReceiptSigner, payload_of, verdict_payload
 from shard.verify import choose_token, verify_chunk
 
 log = logging.getLogger(__name__)
+
+_LOOKAHEAD = 64
+_EPOCHS_KEPT = 4  # epochs remembered per allowed session (see _note_epoch)
 
 
 class StageFailed(Exception):
@@ -58,6 +65,7 @@ class StageStatistics:
     positions: int
     compute_s: float
     faults: int
+    stale_skipped: int
 
 
 @attrs.define
@@ -88,8 +96,10 @@ class StageExecutor:
         max_sessions: int = 16,
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
+        receipts: ReceiptSigner | None = None,
     ) -> None:
         self._model = model
+        self._receipts = receipts
         self._node = node
         self._inbox = inbox
         self._outbox = outbox
@@ -103,6 +113,8 @@ class StageExecutor:
         self._positions = 0
         self._compute_s = 0.0
         self._faults = 0
+        self._stale = 0
+        self._epochs: dict[SessionId, int] = {}
 
     def statistics(self) -> StageStatistics:
         return StageStatistics(
@@ -114,31 +126,97 @@ class StageExecutor:
             positions=self._positions,
             compute_s=self._compute_s,
             faults=self._faults,
+            stale_skipped=self._stale,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self._inbox, self._outbox:
+        # The local queue lets the reader look past frames waiting to be computed: when a
+        # newer epoch of a session arrives, queued frames of older epochs are skipped
+        # (early cancellation). Its size bounds how far ahead the reader may run.
+        queue_send, queue_recv = trio.open_memory_channel[Message](_LOOKAHEAD)
+        async with self._inbox, self._outbox, trio.open_nursery() as nursery:
+            nursery.start_soon(self._read, queue_send)
             task_status.started()
+            async with queue_recv:
+                async for msg in queue_recv:
+                    await self._handle(msg)
+
+    async def _read(self, queue: trio.MemorySendChannel[Message]) -> None:
+        """Move frames from the inbox to the local queue, noting each session's newest epoch;
+        a ``Truncate`` is applied (and passed downstream) at once, ahead of the queue."""
+        async with queue:
             async for msg in self._inbox:
-                await self._handle(msg)
+                if isinstance(msg, Truncate):
+                    self._note_epoch(msg.session, msg.epoch)
+                    if not self._model.is_last:
+                        await self._outbox.send(msg)
+                    continue
+                if isinstance(msg, Prefill | Verify):
+                    self._note_epoch(msg.session, msg.epoch)
+                self._record_input(msg)
+                await queue.send(msg)
+
+    def _record_input(self, msg: Message) -> None:
+        """Receipts hash inputs as they arrive (skipped stale chunks included), in order."""
+        if self._receipts is None:
+            return
+        if isinstance(msg, OpenSession):
+            self._receipts.opened(msg.session, msg.job, msg.nonce)
+        elif isinstance(msg, Prefill | Verify):
+            data = msg.hidden.data if msg.hidden is not None else None
+            payload = payload_of(msg.ids, data)
+            self._receipts.received(msg.session, msg.epoch, msg.seq, msg.start, payload)
+
+    def _record_output(self, out: Message, compute_s: float) -> None:
+        if self._receipts is None:
+            return
+        if isinstance(out, Verdict):
+            payload = verdict_payload(out.target_ids, out.accepted)
+        elif isinstance(out, Prefill | Verify) and out.hidden is not None:
+            payload = out.hidden.data
+        else:
+            return
+        self._receipts.sent(out.session, out.epoch, out.seq, out.start, payload, compute_s)
+
+    def _note_epoch(self, session: SessionId, epoch: int) -> None:
+        # Bounded: frames for sessions that were never opened must not grow this without
+        # limit. Past the bound a session just loses early cancellation (never correctness).
+        known = session in self._epochs
+        if not known and len(self._epochs) >= _EPOCHS_KEPT * self._max_sessions:
+            return
+        if epoch > self._epochs.get(session, -1):
+            self._epochs[session] = epoch
 
     async def _handle(self, msg: Message) -> None:
         if isinstance(msg, OpenSession):
             await self._open(msg)
         elif isinstance(msg, EndSession):
             self._sessions.pop(msg.session, None)
+            self._epochs.pop(msg.session, None)
+            receipt = self._receipts.close(msg.session) if self._receipts else None
+            if receipt is not None:
+                text = json.dumps(attrs.asdict(receipt))
+                await self._outbox.send(StageReceiptOut(session=msg.session, receipt=text))
             if not self._model.is_last:
                 await self._outbox.send(msg)
         elif isinstance(msg, Prefill | Verify):
+            if msg.epoch < self._epochs.get(msg.session, -1):
+                self._stale += 1  # a newer epoch is queued behind it: skip the stale chunk
+                return
             try:
                 out = await self._compute(msg)
             except StageFailed as exc:
                 await self._fault(msg.session, "chunk", str(exc))
                 return
             if out is not None:
+                self._record_output(out, out.hops[-1].compute_s if out.hops else 0.0)
                 await self._outbox.send(out)
-        elif isinstance(msg, Fault):
+        elif isinstance(msg, StageReceiptOut) or (isinstance(msg, Fault) and msg.session):
             await self._outbox.send(msg)  # relay towards the coordinator
+        elif isinstance(msg, Fault):
+            # Nobody upstream has a reason to send a ring-wide fault (the coordinator learns
+            # of dead links itself); relaying one would let any peer declare the ring down.
+            log.warning("%s: dropped a fault with no session from upstream: %s", self._node, msg)
         else:
             log.warning("%s: ignoring unexpected %s", self._node, type(msg).__name__)
 
@@ -170,7 +248,7 @@ class StageExecutor:
         self._faults += 1
         await self._outbox.send(Fault(node=self._node, kind=kind, detail=detail, session=session))
 
-    async def _compute(self, msg: Prefill | Verify) -> Message | None:
+    async def _compute(self, msg: Prefill | Verify) -> Prefill | Verify | Verdict | None:
         received_at = self._clock()
         sess = self._sessions.get(msg.session)
         if sess is None:
@@ -181,6 +259,10 @@ class StageExecutor:
             raise StageFailed(
                 f"{self._node}: positions [{msg.start}, {msg.start + n}) do not fit the "
                 f"session's KV length {sess.cache.max_len}"
+            )
+        if isinstance(msg, Verify) and len(msg.draft) >= n:
+            raise StageFailed(
+                f"{self._node}: {len(msg.draft)} drafted tokens in a chunk of {n} positions"
             )
         t0 = time.perf_counter()
         out = await trio.to_thread.run_sync(
@@ -222,11 +304,15 @@ class StageExecutor:
             hidden = from_wire(msg.hidden)
         except ValueError as exc:
             raise StageFailed(f"{self._node}: bad hidden payload: {exc}") from exc
-        dim = self._model.config.hidden_size
-        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != dim:
+        if hidden.dtype != self._model.dtype:
             raise StageFailed(
-                f"{self._node}: hidden shape {tuple(hidden.shape)} is not [1, S, {dim}]"
+                f"{self._node}: hidden states are {msg.hidden.dtype}, this block runs in "
+                f"{self._model.dtype}; every stage of a swarm must use the spec's dtype"
             )
+        dim = self._model.config.hidden_size
+        shape = tuple(hidden.shape)
+        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != dim:
+            raise StageFailed(f"{self._node}: hidden shape {shape} is not [1, S >= 1, {dim}]")
         return hidden
 
     def _forward(

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 import attrs
 import trio
@@ -81,9 +82,11 @@ async def _start_relays(
     return overrides, tuple(relays)
 
 
-def _command(spec_path: Path, node: str, role: str, model_dir: Path, via: str | None) -> list[str]:
+def _command(
+    spec_path: Path, node: str, role: str, model_dir: Path, via: str | None, threads: int
+) -> list[str]:
     cmd = [sys.executable, "-m", "shard", "up", "--role", role, "--spec", str(spec_path)]
-    cmd += ["--node", node, "--model", str(model_dir)]
+    cmd += ["--node", node, "--model", str(model_dir), "--threads", str(threads)]
     if via is not None:
         cmd += ["--successor", via]
     return cmd
@@ -131,9 +134,13 @@ async def launch(
     *,
     model_dir: Path,
     startup_timeout_s: float = 180.0,
+    stderr: int | IO[bytes] | None = None,
     task_status: trio.TaskStatus[SwarmHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start every node of ``spec`` and keep them running until cancelled.
+
+    The children's stderr is ours unless ``stderr`` (a file, ``subprocess.DEVNULL``) is given:
+    ``swarm up --monitor`` sends it to a log file, away from the monitor's screen.
 
     Errors: ``SwarmError`` when a node exits or the swarm is not ready in time.
     """
@@ -144,10 +151,15 @@ async def launch(
             ready_send, ready_recv = trio.open_memory_channel[dict[str, str]](0)
             nodes = [(s.name, "stage") for s in spec.stages]
             nodes.append((spec.coordinator.name, "coordinator"))
+            # Every node computes on this machine: give each its share of the cores, since
+            # torch's default (all cores per process) thrashes when processes compete.
+            threads = max(1, (os.cpu_count() or 1) // len(nodes))
             async with ready_send:
                 for name, role in nodes:
-                    cmd = _command(spec_path, name, role, model_dir, overrides.get(name))
-                    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+                    cmd = _command(spec_path, name, role, model_dir, overrides.get(name), threads)
+                    proc = await trio.lowlevel.open_process(
+                        cmd, stdout=subprocess.PIPE, stderr=stderr
+                    )
                     procs.append(proc)
                     nursery.start_soon(_watch, name, proc, ready_send.clone())
             seen: dict[str, dict[str, str]] = {}

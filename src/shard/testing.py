@@ -9,16 +9,23 @@ Like ``structlog.testing``, these helpers are API: other packages' tests may use
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shard.model.config import ModelConfig, RopeScaling
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "make_tiny_checkpoint", "tiny_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "make_tiny_checkpoint",
+    "scale_upper_layers",
+    "tiny_tokenizer",
+]
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
@@ -111,6 +118,27 @@ def make_tiny_checkpoint(
     tok.save(str(path / "tokenizer.json"))
     _write_json(path / "tokenizer_config.json", _tokenizer_config(max_position_embeddings))
     return path
+
+
+def scale_upper_layers(src: Path, dst: Path, *, from_layer: int, factor: float) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` with what layers >= ``from_layer`` add to the residual
+    stream scaled by ``factor`` (their ``o_proj`` and ``down_proj`` weights).
+
+    Then "the first ``from_layer`` layers + head" is a draft whose agreement with the full
+    model is tunable: factor 1 leaves it poor, factor -> 0 makes it exact. Deterministic tests
+    of acceptance, rollback and pipelining at any α use this.
+    """
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    for file in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name, tensor in tensors.items():
+            parts = name.split(".")
+            upper = parts[:2] == ["model", "layers"] and int(parts[2]) >= from_layer
+            if upper and parts[-2] in ("o_proj", "down_proj"):
+                tensors[name] = tensor * factor
+        save_file(tensors, str(file))
+    return dst
 
 
 def _tiny_config(

@@ -16,6 +16,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import attrs
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 
-__all__ = ["ModelLoadError", "checkpoint_index", "hf_name", "load_stage"]
+__all__ = ["ModelLoadError", "checkpoint_index", "hf_name", "load_stage", "load_truncated"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,16 +37,19 @@ def load_stage(
     *,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    config: ModelConfig | None = None,
 ) -> StageModel:
     """Build ``StageModel(config, first, last)`` with weights read from ``model_dir``.
 
     The module is built on the meta device (no memory, no random init) and each parameter is
-    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``.
+    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``. ``config``
+    overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist; fetch the model first")
-    config = ModelConfig.from_dir(model_dir)
+    if config is None:
+        config = ModelConfig.from_dir(model_dir)
     if not 0 <= first < last <= config.n_layers:
         raise ModelLoadError(
             f"bad layer range [{first}, {last}) for {model_dir} which has {config.n_layers} "
@@ -68,6 +72,23 @@ def load_stage(
     if config.tie_word_embeddings and stage.lm_head is not None and stage.embed_tokens is not None:
         stage.lm_head.weight = stage.embed_tokens.weight
     return stage.to(device).eval()
+
+
+def load_truncated(
+    model_dir: Path, n_layers: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> StageModel:
+    """The first ``n_layers`` of a checkpoint plus its final norm and LM head, as one model.
+
+    A cheap draft that needs no extra weights (its agreement with the full model is poor on
+    a well-trained model — see docs/speculation.md); also the test fixture for tunable α.
+    """
+    full = ModelConfig.from_dir(Path(model_dir))
+    if not 0 < n_layers <= full.n_layers:
+        raise ModelLoadError(
+            f"a truncated draft needs 1..{full.n_layers} layers of {model_dir}, got {n_layers}"
+        )
+    config = attrs.evolve(full, n_layers=n_layers)
+    return load_stage(model_dir, 0, n_layers, dtype=dtype, device=device, config=config)
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, str]:

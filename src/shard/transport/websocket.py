@@ -16,12 +16,13 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
 import trio
 import trio_websocket
 from trio_websocket import HandshakeError
 
+from shard.errors import HandshakeError as Refusal
 from shard.messages import Message
 from shard.transport.base import (
     ConnectionClosed,
@@ -46,6 +47,18 @@ SEAL_OVERHEAD_BYTES = 4096
 MESSAGE_QUEUE = 1
 POLICY_VIOLATION = 1008
 MESSAGE_TOO_BIG = 1009
+
+
+class Handshake(Protocol):
+    """Runs on a raw WebSocket right after it opened and before any wire frame, on both sides
+    (``dialer`` says which): authenticates the peer and returns the connection's ``Sealer``
+    (``shard.transport.secure``). To refuse the peer it tells it why, closes the WebSocket and
+    raises ``shard.errors.HandshakeError``: ``dial`` raises that unchanged; ``serve`` logs it
+    and drops the connection."""
+
+    async def __call__(
+        self, ws: trio_websocket.WebSocketConnection, *, peer: str, dialer: bool
+    ) -> Sealer: ...
 
 
 class WebSocketConnection:
@@ -75,6 +88,11 @@ class WebSocketConnection:
     @property
     def peer(self) -> str:
         return self._peer
+
+    @property
+    def sealer(self) -> Sealer:
+        """This connection's sealer (after a secure handshake it knows the peer's identity)."""
+        return self._sealer
 
     def statistics(self) -> ConnectionStatistics:
         return self._counters.snapshot()
@@ -170,8 +188,9 @@ def _describe(exc: trio_websocket.ConnectionClosed) -> str:
 class WebSocketNetwork:
     """A ``Network`` over trio-websocket; addresses are ``host:port``.
 
-    ``connect_timeout_s`` bounds a dial (TCP connect and WebSocket handshake), a client's
-    opening handshake on the server, and every close handshake.
+    ``connect_timeout_s`` bounds a dial (TCP connect, WebSocket handshake and ``handshake``),
+    a client's opening handshakes on the server, and every close handshake. ``handshake``,
+    when given, replaces ``sealer_factory``: each connection's sealer comes out of it.
 
     Cancellation: leaving ``async with network:`` closes dialed connections still open.
     Errors: ``dial`` raises ``TransportError`` (refused, unreachable, timed out, rejected);
@@ -184,9 +203,11 @@ class WebSocketNetwork:
         limits: WireLimits | None = None,
         sealer_factory: Callable[[], Sealer] = PlainSealer,
         connect_timeout_s: float = 10.0,
+        handshake: Handshake | None = None,
     ) -> None:
         self._limits = limits or WireLimits()
         self._sealer_factory = sealer_factory
+        self._handshake = handshake
         self._timeout_s = connect_timeout_s
         self._host = TaskHost("WebSocketNetwork")
         self._open: set[WebSocketConnection] = set()
@@ -226,8 +247,11 @@ class WebSocketNetwork:
     ) -> None:
         opened: list[WebSocketConnection] = []
         failure: BaseException | None = None
+        refused: Refusal | None = None
         try:
             await self._client(host, port, address, opened, task_status)
+        except* Refusal as group:
+            refused = group.exceptions[0]  # type: ignore[assignment]  # a leaf, not a group
         except* (
             HandshakeError,
             trio_websocket.ConnectionClosed,
@@ -235,6 +259,8 @@ class WebSocketNetwork:
             trio.TooSlowError,
         ) as group:
             failure = group.exceptions[0]
+        if refused is not None:
+            raise refused
         if failure is None:
             return
         if not opened:
@@ -266,9 +292,8 @@ class WebSocketNetwork:
                     max_message_size=max_message_size(self._limits),
                     receive_buffer_size=RECEIVE_BUFFER_BYTES,
                 )
-            conn = WebSocketConnection(
-                ws, address, self._sealer_factory(), self._limits, self._timeout_s
-            )
+                sealer = await self._open_sealer(ws, address, dialer=True)
+            conn = WebSocketConnection(ws, address, sealer, self._limits, self._timeout_s)
             nursery.start_soon(conn.watch_reader)
             opened.append(conn)
             self._open.add(conn)
@@ -278,6 +303,13 @@ class WebSocketNetwork:
             finally:
                 self._open.discard(conn)
                 nursery.cancel_scope.cancel()
+
+    async def _open_sealer(
+        self, ws: trio_websocket.WebSocketConnection, peer: str, *, dialer: bool
+    ) -> Sealer:
+        if self._handshake is None:
+            return self._sealer_factory()
+        return await self._handshake(ws, peer=peer, dialer=dialer)
 
     async def serve(
         self,
@@ -307,6 +339,8 @@ class WebSocketNetwork:
             peer = "?"
         async with stream, trio.open_nursery() as nursery:
             ws: trio_websocket.WebSocketConnection | None = None
+            sealer: Sealer | None = None
+            refused: Refusal | None = None
             with trio.move_on_after(self._timeout_s):
                 try:
                     request = await trio_websocket.wrap_server_stream(
@@ -317,15 +351,20 @@ class WebSocketNetwork:
                         receive_buffer_size=RECEIVE_BUFFER_BYTES,
                     )
                     ws = await request.accept()
+                    sealer = await self._open_sealer(ws, peer, dialer=False)
                 except trio_websocket.ConnectionClosed:
                     pass
+                except Refusal as exc:
+                    refused = exc
             try:
-                if ws is None:
-                    log.info("client %s did not complete a WebSocket handshake", peer)
+                if refused is not None:
+                    log.warning("handshake with %s failed: %s", peer, refused)
                     return
-                conn = WebSocketConnection(
-                    ws, peer, self._sealer_factory(), self._limits, self._timeout_s
-                )
+                if ws is None or sealer is None:
+                    what = "a WebSocket" if ws is None else "the secure"
+                    log.info("client %s did not complete %s handshake", peer, what)
+                    return
+                conn = WebSocketConnection(ws, peer, sealer, self._limits, self._timeout_s)
                 nursery.start_soon(conn.watch_reader)
                 await run_handler(handler, conn)
             finally:
