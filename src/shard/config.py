@@ -157,6 +157,7 @@ class Limits:
     prefill_chunk: int = 128
     max_message_mib: int = 64  # cap on one decompressed wire message
     connect_timeout_s: float = 10.0
+    verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
 
 
 _LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
@@ -388,6 +389,9 @@ def _read_limits(table: Table) -> Limits:
         max_message_mib=table.integer("max_message_mib", default=d.max_message_mib),
         connect_timeout_s=table.number(
             "connect_timeout_s", default=d.connect_timeout_s, positive=True
+        ),
+        verdict_timeout_s=table.number(
+            "verdict_timeout_s", default=d.verdict_timeout_s, positive=True
         ),
     )
     if limits.prefill_chunk > limits.max_len:

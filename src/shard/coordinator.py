@@ -67,6 +67,7 @@ class CoordinatorLimits:
     max_len: int = 2048
     prefill_chunk: int = 128
     max_sessions: int = 16
+    verdict_timeout_s: float = 60.0
 
 
 @attrs.frozen
@@ -434,7 +435,16 @@ class Coordinator:
     async def _next_verdict(
         self, verdicts: trio.MemoryReceiveChannel[Message], state: DecodeState
     ) -> Verdict:
-        msg = await verdicts.receive()
+        with trio.move_on_after(self._limits.verdict_timeout_s) as waited:
+            msg = await verdicts.receive()
+        if waited.cancelled_caught:
+            detail = f"no answer from the ring for {self._limits.verdict_timeout_s:g} s"
+            self.event("fault", detail)
+            raise RingError(
+                f"{detail}: a stage is stalled or a link is silently dead; "
+                "the request stops here with the tokens committed so far",
+                committed=state.output,
+            )
         if isinstance(msg, Fault):
             self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
             raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)

@@ -238,6 +238,7 @@ async def run_coordinator(
         max_len=spec.limits.max_len,
         prefill_chunk=spec.limits.prefill_chunk,
         max_sessions=spec.limits.max_sessions,
+        verdict_timeout_s=spec.limits.verdict_timeout_s,
     )
     drafter = await trio.to_thread.run_sync(make_drafter, spec, model_dir)
     coordinator = Coordinator(

@@ -23,8 +23,15 @@ from shard.config import SwarmSpec
 from shard.identity import IdentityError, NodeIdentity, public_path, read_public_key, short
 from shard.transport import Network, WebSocketNetwork
 from shard.transport.secure import SecureWebSocketNetwork
+from shard.wire import WireLimits
 
 Clock = Callable[[], float]
+
+
+def wire_limits(spec: SwarmSpec) -> WireLimits:
+    """The spec's ``limits.max_message_mib`` as the wire's frame and tensor caps."""
+    cap = spec.limits.max_message_mib << 20
+    return WireLimits(max_frame_bytes=cap, max_tensor_bytes=cap)
 
 
 def trust_policy(spec: SwarmSpec) -> TrustPolicy:
@@ -67,13 +74,18 @@ def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.t
     """
     timeout_s = spec.limits.connect_timeout_s
     if spec.insecure:
-        return WebSocketNetwork(connect_timeout_s=timeout_s)
+        return WebSocketNetwork(limits=wire_limits(spec), connect_timeout_s=timeout_s)
     paths = spec.node(name).credentials
     assert paths.key is not None and paths.token is not None  # checked when the spec loaded
     policy = trust_policy(spec)
     credentials = load_credentials(paths.key, paths.token, policy, role=role, now=clock(), who=name)
     return SecureWebSocketNetwork(
-        credentials, policy, role=role, connect_timeout_s=timeout_s, clock=clock
+        credentials,
+        policy,
+        role=role,
+        limits=wire_limits(spec),
+        connect_timeout_s=timeout_s,
+        clock=clock,
     )
 
 
@@ -93,7 +105,7 @@ def client_network(
     """
     timeout_s = spec.limits.connect_timeout_s
     if spec.insecure:
-        return WebSocketNetwork(connect_timeout_s=timeout_s)
+        return WebSocketNetwork(limits=wire_limits(spec), connect_timeout_s=timeout_s)
     assert spec.trust is not None
     key = key or spec.trust.client_key
     token = token or spec.trust.client_token
@@ -106,7 +118,12 @@ def client_network(
     policy = trust_policy(spec)
     credentials = load_credentials(key, token, policy, role=role, now=clock(), who=role)
     return SecureWebSocketNetwork(
-        credentials, policy, role=role, connect_timeout_s=timeout_s, clock=clock
+        credentials,
+        policy,
+        role=role,
+        limits=wire_limits(spec),
+        connect_timeout_s=timeout_s,
+        clock=clock,
     )
 
 
