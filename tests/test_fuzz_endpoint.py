@@ -536,10 +536,10 @@ async def test_valid_but_hostile_messages_are_faults_or_ignored(model_dir: Path)
             for msg in ignored:
                 await ring.send(msg)
                 await ring.quiet()
-            # A fault without a session is relayed to the coordinator as is.
+            # A fault without a session is dropped, not relayed: no peer upstream may declare
+            # the whole ring down (the coordinator learns of dead links from its own links).
             await ring.send(Fault(NodeName("evil"), "link", "made up"))
-            relayed = await ring.next()
-            assert relayed == Fault(NodeName("evil"), "link", "made up")
+            await ring.quiet()
             # Sessions longer than the model allows are refused by stage 0.
             await ring.send(OpenSession(sid, max_len=10**9))
             refused = await ring.next()
