@@ -21,6 +21,7 @@ examples:
   shard up --role stage --spec specs/local.toml --node s1
   shard monitor --spec specs/local.toml       # watch a running swarm live
   shard convert model.gguf out_dir/
+  shard bench specs/local.toml --latencies 0,25 --json out.json
   shard keygen --out keys/s0.key
   shard admit --authority keys/authority.key --node-pub keys/s0.key.pub --swarm lab \\
       --roles stage --expires 30d --out keys/s0.token
@@ -236,6 +237,18 @@ def _add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "relay", help="a delaying TCP relay that emulates a WAN link", add_help=False
     )
     relay.add_argument("args", nargs=argparse.REMAINDER)
+    draft = sub.add_parser(
+        "draft",
+        help="distil a small draft model from a target (`shard draft distill`)",
+        add_help=False,
+    )
+    draft.add_argument("args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark plain vs speculative vs pipelined decoding through local rings",
+        add_help=False,
+    )
+    bench.add_argument("args", nargs=argparse.REMAINDER)
 
 
 def _add_receipt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -324,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    # convert and relay own their argument parsing; pass everything after the name through.
-    for name in ("convert", "relay"):
+    # convert, relay, draft and bench own their argument parsing; pass everything after the name on.
+    for name in ("convert", "relay", "draft", "bench"):
         if args_list[:1] == [name]:
             return _delegate(name, args_list[1:])
     args = build_parser().parse_args(args_list)
@@ -339,6 +352,14 @@ def _delegate(name: str, rest: list[str]) -> int:
         from shard.model.gguf_import import convert_main
 
         return convert_main(rest)
+    if name == "draft":
+        from shard.distill import distill_main
+
+        return distill_main(rest)
+    if name == "bench":
+        from shard.bench import bench_main
+
+        return bench_main(rest)
     from shard.transport.relay import relay_main
 
     return relay_main(rest)

@@ -1,0 +1,233 @@
+"""``bench_main``: references and drafts first (this process), then the sweep, then the JSON,
+the Markdown tables and the plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from shard.bench import drafts, report
+from shard.bench.bound import __doc__ as BOUND_DOC
+from shard.bench.options import Options, OptionsError, parse
+from shard.bench.ringspec import BenchSpecError, Speculation, check_base, policy
+from shard.bench.sweep import Plan, progress, sweep
+from shard.config import SpecError, SwarmSpec, load_spec
+from shard.draft import NGramProposer
+from shard.model.bundled import resolve_model
+
+Record = dict[str, Any]
+DESIGN_LATENCY_MS = 25.0  # the latency the best draft is chosen for
+
+
+def bench_main(argv: Sequence[str], *, root: Path | None = None, prog: str = "shard bench") -> int:
+    """Run the benchmark; returns an exit code (1 with one line on a usage problem)."""
+    try:
+        opts = parse(argv, root=root or Path.cwd(), prog=prog)
+        base = load_spec(opts.spec)
+        check_base(base)
+    except (OptionsError, SpecError, BenchSpecError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    # While a ring starts, its relays see nodes that do not listen yet and warn each time;
+    # a relay failing mid-run fails a request, which is an error of its own.
+    logging.getLogger("shard.transport.relay").setLevel(logging.ERROR)
+    machine = machine_info()  # before the thread count changes
+    if opts.threads > 0:
+        import torch
+
+        torch.set_num_threads(opts.threads)
+    began, load_start = time.perf_counter(), os.getloadavg()
+    model_dir = resolve_model(opts.model or base.model)
+    with tempfile.TemporaryDirectory(prefix="shard-bench-") as tmp:
+        workdir = Path(tmp)
+        plan, picked = _prepare(opts, base, model_dir, workdir)
+        with open(workdir / "nodes.log", "wb") as log:
+            try:
+                runs, rings = trio.run(sweep, attrs.evolve(plan, log=log))
+            except BaseException:
+                print(f"{prog}: the nodes' log:\n{_tail(workdir / 'nodes.log')}", file=sys.stderr)
+                raise
+    rows = report.summarize(runs)
+    result = {
+        "benchmark": "spec_ring",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.orig_argv),
+        "cwd": os.getcwd(),
+        "wall_s": time.perf_counter() - began,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "git": git_info(),
+        "machine": machine,
+        "config": _config(opts, base, model_dir, plan),
+        "bound_formulas": BOUND_DOC,
+        "references": [_reference_record(r) for r in plan.references.values()],
+        "drafts": picked,
+        "rings": rings,
+        "summary": rows,
+        "runs": runs,
+    }
+    opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+    opts.json_out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    print("## All prompts (medians)\n\n" + report.table(rows))
+    print("\n## Decode tok/s by prompt set (× plain at the same latency)\n\n" + report.by_set(rows))
+    progress(f"wrote {opts.json_out}")
+    if opts.plot_out is not None:
+        try:
+            report.plot(rows, opts.plot_out, f"shard bench, {machine['cpu']}, {result['date']}")
+            progress(f"wrote {opts.plot_out}")
+        except ImportError:
+            progress("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+    return 0
+
+
+def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> tuple[Plan, Record]:
+    """References, the oracle file, the best draft and each ring's [speculation]."""
+    progress(f"single-process references: {len(opts.prompts)} prompts")
+    refs, model = drafts.run_references(model_dir, opts.prompts, opts.max_tokens, base.limits)
+    del model  # the rings need the memory
+    oracle = workdir / "oracle.json"
+    drafts.write_oracle(oracle, refs)
+    hits, guessed, positions = drafts.ngram_agreement(refs)
+    context = [*refs[0].prompt_ids, *refs[0].output_ids]
+    pol = policy(base)
+    speculation: dict[str, Speculation] = {"ngram": {"draft": "ngram", **pol}}
+    cost = {"ngram": drafts.token_cost(NGramProposer, context), "oracle": 0.0}
+    fixed = {"k": base.speculation.k_max, "depth": base.speculation.depth_max}
+    speculation["oracle"] = {
+        "draft": "oracle",
+        "oracle_file": str(oracle),
+        **pol,
+        **(fixed if opts.oracle_policy == "fixed" else {}),
+    }
+    picked: Record = {
+        "ngram": {"alpha1": hits / max(guessed, 1), "coverage": guessed / max(positions, 1)},
+        "ngram_token_s": cost["ngram"],
+    }
+    if "best" in opts.drafts:
+        best, candidates = _best_draft(opts, base, model_dir, refs)
+        speculation["best"] = {**best.speculation, **pol}
+        cost["best"] = best.token_s
+        picked.update(best=best.label, candidates=[attrs.asdict(c) for c in candidates])
+    plan = Plan(
+        opts=opts,
+        base=base,
+        model_dir=model_dir,
+        references={r.prompt.name: r for r in refs},
+        speculation=speculation,
+        draft_token_s=cost,
+        cores=len(os.sched_getaffinity(0)),
+        workdir=workdir,
+        log=sys.stderr.buffer,
+    )
+    return plan, picked
+
+
+def _best_draft(
+    opts: Options, base: SwarmSpec, model_dir: Path, refs: list[drafts.Reference]
+) -> tuple[drafts.Candidate, list[drafts.Candidate]]:
+    """The candidate with the highest predicted D = 1 rate at ``DESIGN_LATENCY_MS``."""
+    if opts.best_draft == "auto":
+        pool = drafts.candidates(model_dir, opts.best_layers)
+    else:
+        pool = [drafts.parse_best(opts.best_draft, model_dir)]
+    hops = len(base.stages) + 1
+    step = sorted(r.step_s for r in refs)[len(refs) // 2]
+    lap = hops * DESIGN_LATENCY_MS / 1000.0 + step
+    measured = []
+    for label, spec in pool:
+        c = drafts.measure(label, spec, model_dir, refs, lap_s=lap, k_max=base.speculation.k_max)
+        progress(
+            f"draft {label}: alpha1 {c.alpha1:.2f}, {1000 * c.token_s:.1f} ms/token, "
+            f"predicted {c.predicted_tok_s:.1f} tok/s at K={c.predicted_k}"
+        )
+        measured.append(c)
+    return max(measured, key=lambda c: c.predicted_tok_s), measured
+
+
+def _reference_record(r: drafts.Reference) -> Record:
+    return {
+        "prompt": r.prompt.name,
+        "set": r.prompt.set,
+        "chat": r.prompt.chat,
+        "text_in": r.prompt.text,
+        "prompt_tokens": len(r.prompt_ids),
+        "token_ids": list(r.output_ids),
+        "text": r.text,
+        "finish_reason": r.finish_reason,
+        "single_step_s": r.step_s,
+        "single_tok_s": r.tok_s,
+    }
+
+
+def _config(opts: Options, base: SwarmSpec, model_dir: Path, plan: Plan) -> Record:
+    return {
+        "base_spec": str(opts.spec),
+        "prompts_file": str(opts.prompts_file),
+        "model": str(model_dir),
+        "dtype": base.dtype,
+        "stages": [s.name for s in base.stages],
+        "modes": list(opts.modes),
+        "drafts": list(opts.drafts),
+        "latencies_ms": list(opts.latencies_ms),
+        "max_tokens": opts.max_tokens,
+        "sampling": "greedy (temperature 0)",
+        "speculation": {d: dict(s) for d, s in plan.speculation.items() if d in opts.drafts},
+        "draft_token_s": dict(plan.draft_token_s),
+        "cores_shared_by_the_rings": plan.cores,
+        "oracle_policy": opts.oracle_policy,
+        "threads_driver": opts.threads or "torch default",
+        # what shard.swarm.launch gives each node (``shard up --threads``)
+        "threads_per_node": max(1, (os.cpu_count() or 1) // (len(base.stages) + 1)),
+        "order": "per latency: rings up, warm-ups; per prompt: probes, plain, then spec and "
+        "pipelined per draft",
+    }
+
+
+def machine_info() -> Record:
+    import torch
+
+    cpu = "unknown"
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": "none used (everything runs on the CPU)",
+        "torch": torch.__version__,
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "latency": "emulated by shard's user-space delaying relay on loopback, one per edge",
+    }
+
+
+def git_info() -> Record:
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+        return out.stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty_files": len(git("status", "-s").splitlines()),
+    }
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(none)"

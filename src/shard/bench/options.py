@@ -1,0 +1,224 @@
+"""The benchmark's command line and its prompt-set file.
+
+The prompt file is TOML, one ``[[prompt]]`` table per prompt::
+
+    [[prompt]]
+    set = "copy"          # the prompt set: results are summarised per set
+    name = "copy-repeat"  # unique
+    chat = true           # wrap the text in the model's chat template (default false)
+    text = "Repeat the following text exactly: ..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import attrs
+
+MODES: Final = ("plain", "spec", "pipelined")
+DRAFTS: Final = ("ngram", "best", "oracle")
+
+DESCRIPTION = """\
+Plain, speculative (D = 1) and speculative + pipelined decoding, side by side in one run,
+through rings of stage processes on this machine (a coordinator and the spec's stages, each
+its own process, latency emulated per edge by a user-space delaying relay), with the n-gram
+draft, the best model draft and the ORACLE draft: a ceiling, not a draft. The oracle replays
+the single-process reference output recorded at the start of the run at no cost (alpha = 1),
+which isolates the engine's efficiency from draft quality.
+
+Per latency every draft gets its own ring (derived from SPEC: same model, stages, layers and
+limits; free loopback ports; [links] latency_ms = L on every edge; [speculation] draft = the
+draft). Plain decoding runs on the first ring with k = 0. Per prompt, in order: a 1-token
+probe on every ring (prefill only: its compute is subtracted to leave decode compute), plain,
+then spec and pipelined per draft. Modes: plain = k 0; spec = the spec's K policy with
+depth 1; pipelined = the spec's K and depth policy. The oracle uses fixed K = k_max and
+D = depth_max (alpha = 1 is known: there is nothing to adapt) unless --oracle-policy spec.
+
+Every run is recorded with tok/s (end to end and decode only), alpha, tokens per lap, lap
+time, per-stage compute, per-edge transit, its analytical bound (docs/benchmarks.md) and
+whether its tokens equal the single-process reference's (recorded, never asserted).
+Writes JSON (--json) and a PNG plot of decode tok/s against latency (--plot; needs
+matplotlib, e.g. pip install -e '.[bench]'), prints Markdown tables. Needs an insecure spec.
+"""
+
+
+@attrs.frozen
+class Prompt:
+    """One benchmark prompt; ``chat`` sends it through the model's chat template."""
+
+    name: str
+    set: str
+    text: str
+    chat: bool = False
+
+
+@attrs.frozen
+class Options:
+    """Everything a run needs, parsed and checked."""
+
+    spec: Path
+    prompts_file: Path
+    prompts: tuple[Prompt, ...]
+    modes: tuple[str, ...]
+    drafts: tuple[str, ...]
+    latencies_ms: tuple[float, ...]
+    max_tokens: int
+    best_draft: str
+    best_layers: tuple[int, ...]
+    model: str | None
+    json_out: Path
+    plot_out: Path | None
+    threads: int
+    request_timeout_s: float
+    oracle_policy: str
+
+
+class OptionsError(Exception):
+    """A bad flag or prompt file: one line saying what and where."""
+
+
+def parse(argv: Sequence[str], *, root: Path, prog: str) -> Options:
+    """Parse ``argv``; default paths resolve against ``root`` (the repository).
+
+    Errors: ``OptionsError`` for bad values or a bad prompt file; argparse exits on bad flags.
+    """
+    args = _parser(root, prog).parse_args(list(argv))
+    modes = _choices(args.modes, MODES, "--modes")
+    drafts = _choices(args.drafts, DRAFTS, "--drafts")
+    try:
+        latencies = tuple(float(x) for x in args.latencies.split(",") if x.strip())
+        layers = tuple(int(x) for x in args.best_layers.split(",") if x.strip())
+    except ValueError as exc:
+        raise OptionsError(f"--latencies / --best-layers: {exc}") from None
+    if not latencies or any(not 0 <= x <= 10_000 for x in latencies):
+        raise OptionsError("--latencies: give one or more milliseconds in 0..10000, e.g. 0,25")
+    if any(n < 1 for n in layers):
+        raise OptionsError("--best-layers: layer counts are >= 1")
+    prompts = load_prompts(args.prompts, sets=args.sets, per_set=args.per_set)
+    json_out: Path = args.json
+    plot = None if args.plot == "none" else Path(args.plot or json_out.with_suffix(".png"))
+    return Options(
+        spec=args.spec,
+        prompts_file=args.prompts,
+        prompts=prompts,
+        modes=modes,
+        drafts=drafts,
+        latencies_ms=latencies,
+        max_tokens=args.max_tokens,
+        best_draft=args.best_draft,
+        best_layers=layers,
+        model=args.model,
+        json_out=json_out,
+        plot_out=plot,
+        threads=args.threads,
+        request_timeout_s=args.request_timeout,
+        oracle_policy=args.oracle_policy,
+    )
+
+
+def _parser(root: Path, prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "spec",
+        nargs="?",
+        type=Path,
+        default=root / "specs/local.toml",
+        help="base swarm spec (default specs/local.toml); its latency and draft are replaced",
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=root / "bench/prompts/spec_ring.toml",
+        help="prompt-set file (default bench/prompts/spec_ring.toml)",
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="subset of plain,spec,pipelined")
+    p.add_argument("--drafts", default=",".join(DRAFTS), help="subset of ngram,best,oracle")
+    p.add_argument(
+        "--latencies", default="0,10,25,50", help="one-way ms per ring edge (default 0,10,25,50)"
+    )
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    p.add_argument("--sets", default="", help="only these prompt sets, comma-separated")
+    p.add_argument("--per-set", type=int, default=0, help="at most N prompts per set (0 = all)")
+    p.add_argument(
+        "--best-draft",
+        default="auto",
+        help="the 'best' draft: auto (the candidate with the highest predicted rate: truncated "
+        "--best-layers and distilled drafts in the cache), layers:N, or a checkpoint dir",
+    )
+    p.add_argument(
+        "--best-layers", default="2,4,6,8", help="truncated-draft candidates (default 2,4,6,8)"
+    )
+    p.add_argument("--model", help="checkpoint dir to use instead of the spec's model")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=root / "bench/results/spec_ring.json",
+        help="output (default bench/results/spec_ring.json)",
+    )
+    p.add_argument("--plot", help="PNG of tok/s against latency (default: --json's .png; none)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in this process for references and draft timing (default 1: what "
+        "each ring node gets on 2 cores; 0 = torch's default)",
+    )
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument(
+        "--oracle-policy",
+        choices=["fixed", "spec"],
+        default="fixed",
+        help="oracle K and depth: fixed at k_max / depth_max (default) or the spec's policy",
+    )
+    return p
+
+
+def _choices(text: str, allowed: Sequence[str], flag: str) -> tuple[str, ...]:
+    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in picked if x not in allowed]
+    if bad or not picked:
+        raise OptionsError(f"{flag}: {', '.join(bad) or 'empty'}; use some of {','.join(allowed)}")
+    return tuple(x for x in allowed if x in picked)
+
+
+def load_prompts(path: Path, *, sets: str = "", per_set: int = 0) -> tuple[Prompt, ...]:
+    """The prompts of ``path`` in file order, filtered by set names and a per-set cap.
+
+    Errors: ``OptionsError`` naming the file and the prompt.
+    """
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise OptionsError(f"{path}: {exc}") from None
+    tables = data.get("prompt")
+    if not isinstance(tables, list) or not tables:
+        raise OptionsError(f"{path}: no [[prompt]] tables")
+    prompts: list[Prompt] = []
+    for i, t in enumerate(tables):
+        where = f"{path}: prompt[{i}]"
+        if not isinstance(t, dict) or set(t) - {"set", "name", "text", "chat"}:
+            raise OptionsError(f"{where}: keys are set, name, text, chat")
+        fields = {k: t.get(k) for k in ("set", "name", "text")}
+        if not all(isinstance(v, str) and v for v in fields.values()):
+            raise OptionsError(f"{where}: set, name and text must be non-empty strings")
+        if not isinstance(t.get("chat", False), bool):
+            raise OptionsError(f"{where}: chat must be true or false")
+        prompts.append(Prompt(t["name"], t["set"], t["text"], t.get("chat", False)))
+    names = [p.name for p in prompts]
+    if len(set(names)) != len(names):
+        raise OptionsError(f"{path}: prompt names must be unique")
+    wanted = {s.strip() for s in sets.split(",") if s.strip()}
+    if wanted - {p.set for p in prompts}:
+        raise OptionsError(f"--sets: {path} has no set {sorted(wanted - {p.set for p in prompts})}")
+    kept: list[Prompt] = []
+    for p in prompts:
+        same = sum(q.set == p.set for q in kept)
+        if (not wanted or p.set in wanted) and (per_set <= 0 or same < per_set):
+            kept.append(p)
+    return tuple(kept)
