@@ -123,6 +123,7 @@ def test_written_draft_loads_as_a_checkpoint(target_dir: Path, tmp_path: Path) -
     write_checkpoint(draft, target_dir, out)
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 1
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
     assert ModelConfig.from_dir(out).n_layers == 1
     assert Tokenizer.from_dir(out).encode("the cat") == Tokenizer.from_dir(target_dir).encode(
         "the cat"

@@ -202,8 +202,10 @@ def write_checkpoint(model: StageModel, target_dir: Path, out_dir: Path) -> None
         hf_name(model.config, 0, name): p.detach().contiguous()
         for name, p in model.named_parameters()
     }
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _fsync(out_dir / "model.safetensors")
+    weights = out_dir / "model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    os.chmod(weights, 0o644)  # safetensors writes 0600; a cache entry is shared like the model
+    _fsync(weights)
     for f in sorted(target_dir.iterdir()):
         if f.is_file() and _is_tokenizer_file(f.name):
             shutil.copyfile(f, out_dir / f.name)
