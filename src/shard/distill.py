@@ -2,7 +2,7 @@
 
 The draft is the target's first ``layers`` layers plus its final norm and (tied) embedding
 and head, so it shares the target's tokenizer and embedding; the layers and the norm are then
-trained to imitate the whole target (knowledge distillation). The steps live in two modules:
+trained to imitate the whole target (knowledge distillation). The work is split by idea:
 
     distill_data.py    training text (the target's own samples, stdlib code), target labels
     distill_train.py   the loss and training loop; ``measure``, the held-out agreement check
@@ -52,6 +52,7 @@ __all__ = [
     "distill",
     "distill_main",
     "draft_dir",
+    "is_complete",
     "resolve_draft",
     "write_checkpoint",
 ]
@@ -113,8 +114,8 @@ def distill(
     """Train a ``layers``-layer draft of the model in ``target_dir``; publish it as ``out_dir``.
 
     ``time_budget_s`` caps sampling plus training (the learning-rate schedule follows
-    whichever of steps and time runs out first); measuring adds about 5 % more. ``out_dir``
-    is built in a temporary sibling and renamed into place with ``MARKER`` written last.
+    whichever of steps and time runs out first); measuring adds about a minute for SmolLM2.
+    ``out_dir`` is built in a temporary sibling and renamed into place with ``MARKER`` written last.
 
     Errors: ``DistillError`` when ``out_dir`` exists or the layer count is out of range.
     """
@@ -144,7 +145,6 @@ def distill(
     )
     train_s = time.perf_counter() - began - data_s
     baseline = load_truncated(target_dir, layers)
-    measured = measure(target, student, baseline, reference_runs(target, tokenizer))
     report = DistillReport(
         out_dir=out_dir,
         target=str(target_dir),
@@ -161,7 +161,7 @@ def distill(
         train_s=round(train_s, 1),
         loss_first=round(losses[0], 4),
         loss_last=round(sum(losses[-10:]) / len(losses[-10:]), 4),
-        measured=measured,
+        measured=measure(target, student, baseline, reference_runs(target, tokenizer)),
     )
     _publish(target_dir, student, report)
     return report

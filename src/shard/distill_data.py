@@ -272,10 +272,8 @@ def labelled_samples(
         ids[r, p - len(prompt) : p] = torch.tensor(prompt)
         real[r, p - len(prompt) :] = True
     # Pad queries also see themselves, so no attention row is empty (that would give NaN).
-    pos = torch.arange(seq_len)
-    mask = ((pos[None, :] <= pos[:, None]) & real[:, None, :]) | torch.eye(
-        seq_len, dtype=torch.bool
-    )
+    causal = _causal(seq_len, target.config.sliding_window)  # [S, S]
+    mask = (causal & real[:, None, :]) | torch.eye(seq_len, dtype=torch.bool)  # [B, S, S]
     mask = mask[:, None]  # [B, 1, S, S]
     labels = torch.zeros(b, seq_len, target.config.hidden_size)
     cache = target.new_cache(seq_len, batch=b)
@@ -292,7 +290,7 @@ def labelled_samples(
         stops = [t for t in range(p, seq_len) if int(ids[r, t]) in stop_ids]
         if stops:
             valid[r, stops[0] :] = False  # the label at stops[0] - 1 predicts the stop: kept
-    return _left_to_right(ids, labels, valid)
+    return _left_to_right(ids, labels, valid, [p - len(x) for x in prompts])
 
 
 def labelled_code(
@@ -346,10 +344,10 @@ def _step(model: StageModel, ids: Tensor, start: int, cache: KVCache, mask: Tens
     return out
 
 
-def _left_to_right(ids: Tensor, labels: Tensor, valid: Tensor) -> Corpus:
-    """Move each row's left padding to its right end (causal rows then need no key mask)."""
-    for r in range(ids.shape[0]):
-        pad = int((~valid[r]).long().cumprod(0).sum())  # leading masked positions
+def _left_to_right(ids: Tensor, labels: Tensor, valid: Tensor, pads: list[int]) -> Corpus:
+    """Move each row's ``pads`` positions of left padding to its right end (then causal rows
+    need no key mask)."""
+    for r, pad in enumerate(pads):
         ids[r] = ids[r].roll(-pad)
         labels[r] = labels[r].roll(-pad, dims=0)
         valid[r] = valid[r].roll(-pad)

@@ -3,10 +3,10 @@
 ``train`` fits the draft's layers and final norm (the tied embedding and head stay frozen) to
 target labels from ``shard.distill_data``. The loss per step is
 
-- cross-entropy on the target's argmax (greedy agreement is what speculation pays for; on
-  SmolLM2 it beat KL(target || draft) by 1 to 3 points of α at every learning rate tried),
-  at a random subset of positions: each costs a ``[D] x [D, V]`` head product, the dominant
-  cost of a step; plus
+- cross-entropy on the target's argmax (greedy agreement is what speculation pays for; for
+  a 2-layer SmolLM2 draft it beat KL(target || draft) by 1 to 3 points of α at each of three
+  learning rates; ``objective="kl"`` keeps the KL), at a random subset of positions: each
+  costs a ``[D] x [D, V]`` head product, the dominant cost of a step; plus
 - the squared error of the centred logits at every position, computed in hidden space
   through the head's Gram matrix (``|E d|^2 = d^T (E^T E) d``), so it costs ``D^2``.
 
@@ -36,6 +36,7 @@ from shard.model.tokenizer import Tokenizer
 __all__ = [
     "HELD_OUT",
     "Measured",
+    "Objective",
     "Run",
     "agreement",
     "kd_loss",
@@ -54,10 +55,10 @@ HELD_OUT = (
 )
 """Evaluation prompts: none is, or is built from, a training seed prompt."""
 
-_LR = 3e-3
-
 Objective = Literal["ce", "kl"]
-_KL_POSITIONS = 256  # per step
+
+_LR = 3e-3  # best of 5e-4, 1.5e-3, 3e-3, 6e-3 (docs/drafts.md)
+_KL_POSITIONS = 256  # per step, of 8 x 192: the full-vocabulary loss is a step's main cost
 _MSE_WEIGHT = 0.05
 
 
