@@ -77,6 +77,20 @@ def test_pipelined_stages_sharing_cores_are_bounded_by_the_cores() -> None:
     assert b.limited_by == "stage"
 
 
+def test_pipelined_lap_uses_compute_alone_and_the_stage_its_service_time() -> None:
+    """lap0 from the chunks computed alone; the bottleneck from the run's own service time."""
+    b = bound(
+        measured(
+            tokens=90, chunks=10, drafted=80, accepted=80, depth=4,
+            stage_chunk_s=(0.04, 0.04, 0.08), alone_chunk_s=(0.02, 0.02, 0.04),
+        )
+    )  # fmt: skip
+    assert b is not None
+    assert b.lap0_s == pytest.approx(0.1 + 0.08 + 0.01)
+    assert b.stage_rate == pytest.approx(9 / 0.08)
+    assert b.contention == pytest.approx(2.0)
+
+
 def test_request_bound_counts_fill_and_drain() -> None:
     """A request of n chunks needs ⌈n/D⌉ laps at least: short requests cannot reach steady."""
     b = bound(measured(tokens=45, chunks=5, drafted=40, accepted=40, depth=4))

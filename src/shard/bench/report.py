@@ -63,6 +63,7 @@ def _row(s: str, latency: float, mode: str, draft: str | None, group: list[Recor
         "max_depth": _median(group, lambda r: r["max_depth"]),
         "stale_dropped": sum(r["stale_dropped"] for r in group),
         "lap0_s": _median(group, bound("lap0_s")),
+        "contention": _median(group, bound("contention")),
         "bound_tok_s": _median(group, bound("steady_tok_s")),
         "request_bound_tok_s": _median(group, bound("request_tok_s")),
         "vs_bound": _median(group, lambda r: r.get("vs_bound")),
@@ -168,10 +169,14 @@ def plot(rows: Sequence[Record], out: Path, title: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("emulated latency per edge (ms)")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in axes.flat[len(sets) :]:
+    spare = list(axes.flat[len(sets) :])
+    for ax in spare:
         ax.axis("off")
-    axes[0][0].set_ylabel("decode tok/s (median)")
-    axes[0][0].legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("decode tok/s (median)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    where = spare[0] if spare else axes[0][0]
+    where.legend(handles, labels, loc="center" if spare else "best", fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -163,7 +163,7 @@ def _record(ring: Ring, prompt: Prompt, mode: str, reply: Reply, ref: Reference)
 def _bounds(done: Sequence[Record], plan: Plan, latency_s: float) -> None:
     """Each record's bound. A pipelined run takes its wire overhead from the same ring's
     D = 1 run of the prompt (its own edge transit includes queueing behind other chunks), and
-    its stage compute too when that run sent the same chunks (``compute_from``)."""
+    its compute alone from there too when that run sent the same chunks (``alone_from``)."""
     alone = {r["draft"]: r for r in done if r["mode"] == "spec"}
     plain = next((r for r in done if r["mode"] == "plain"), None)
     for r in done:
@@ -171,28 +171,27 @@ def _bounds(done: Sequence[Record], plan: Plan, latency_s: float) -> None:
         if r["mode"] == "pipelined":
             sibling = alone.get(r["draft"]) or plain
             wire = sibling["wire_s"] if sibling and sibling["wire_s"] is not None else wire
-            if sibling is not None and (sibling["chunks"], sibling["drafted"]) == (
-                r["chunks"],
-                r["drafted"],
-            ):
+            if sibling and (sibling["chunks"], sibling["drafted"]) == (r["chunks"], r["drafted"]):
                 source = sibling
-        per_chunk = [n["decode_chunk_s"] for n in source["nodes"]]
+        own = [n["decode_chunk_s"] for n in r["nodes"]]
+        by_itself = [n["decode_chunk_s"] for n in source["nodes"]]
         r["tokens_per_chunk"] = r["decode_tokens"] / r["chunks"] if r["chunks"] > 0 else None
-        r["compute_from"] = "own" if source is r else f"{source['mode']} run"
+        r["alone_from"] = "own" if source is r else f"{source['mode']} run"
         r["bound"] = None
-        if None in per_chunk or wire is None:
+        if None in own or None in by_itself or wire is None:
             continue
         measured = Measured(
             tokens=r["decode_tokens"],
             chunks=r["chunks"],
             drafted=r["drafted"],
             accepted=r["accepted"],
-            stage_chunk_s=tuple(per_chunk),
+            stage_chunk_s=tuple(own),
             latency_s=latency_s,
             wire_s=wire,
             draft_token_s=plan.draft_token_s.get(r["draft"], 0.0) if r["draft"] else 0.0,
             depth=max(r["max_depth"], 1) if r["mode"] == "pipelined" else 1,
             cores=plan.cores,
+            alone_chunk_s=tuple(by_itself),
         )
         b = bound(measured)
         r["bound"] = None if b is None else {**attrs.asdict(b), "wire_s": wire}
