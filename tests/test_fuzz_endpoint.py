@@ -486,7 +486,7 @@ class Harness:
         await self.send(Prefill(sid, Epoch(0), ChunkSeq(0), 0, True, ids=(1,)))
         back = await self.next()
         assert isinstance(back, Fault), back
-        assert (back.session, back.node, back.kind) == (sid, "s0", "chunk"), back
+        assert (back.session, back.node, back.kind) == (sid, "s0", "gap"), back
 
 
 @asynccontextmanager
@@ -505,7 +505,14 @@ async def harness_ring(spec: SwarmSpec, model_dir: Path) -> AsyncIterator[Harnes
         await nursery.start(network.serve, str(spec.coordinator.listen), return_link)
         for stage in spec.stages:
             nursery.start_soon(
-                partial(run_stage, spec, stage.name, network=network, model_dir=model_dir)
+                partial(
+                    run_stage,
+                    spec,
+                    stage.name,
+                    network=network,
+                    model_dir=model_dir,
+                    supervised=False,
+                )
             )
         hello = Hello(NodeName("coord"), "coordinator", SWARM)
         to_ring = await dial_peer(network, str(spec.stages[0].listen), hello, timeout_s=30)

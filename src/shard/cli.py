@@ -128,9 +128,11 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run one node of a swarm (the form an operator runs on each machine)",
         description="Run one node of the swarm described by SPEC until interrupted. A stage "
         "loads its block, dials its successor and then serves its predecessor; the "
-        "coordinator serves the tail's return link and clients, and dials stage 0.",
+        "coordinator serves the tail's return link, control links and clients, and dials "
+        "stage 0; a standby ([[standby]] in the spec) loads its block, registers with the "
+        "coordinator and waits to replace a stage that dies (docs/failover.md).",
     )
-    p.add_argument("--role", required=True, choices=["stage", "coordinator", "seeder"])
+    p.add_argument("--role", required=True, choices=["stage", "coordinator", "standby", "seeder"])
     p.add_argument("--spec", required=True, help="swarm spec (TOML)")
     p.add_argument("--node", help="node name in the spec (default: the coordinator's name)")
     p.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")

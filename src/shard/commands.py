@@ -34,7 +34,6 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
     from shard.manifest import ManifestError
     from shard.model.bundled import ModelNotFound
     from shard.model.loader import ModelLoadError
-    from shard.node import StageLinkLost
     from shard.swarm import SwarmError
     from shard.transport import TransportError
 
@@ -49,7 +48,6 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
         RingError,
         ClientError,
         BadRequest,
-        StageLinkLost,
         ManifestError,
         FetchError,
         trio.TooSlowError,
@@ -287,6 +285,13 @@ def _up(args: argparse.Namespace) -> int:
         names = ", ".join(s.name for s in spec.stages)
         print(f"shard: error: no stage {name!r} in {args.spec} (stages: {names})", file=sys.stderr)
         return 2
+    if args.role == "standby" and name not in {s.name for s in spec.standbys}:
+        names = ", ".join(s.name for s in spec.standbys) or "none"
+        print(
+            f"shard: error: no standby {name!r} in {args.spec} ([[standby]] tables: {names})",
+            file=sys.stderr,
+        )
+        return 2
     if spec.insecure:
         print(
             f"shard: WARNING: {name}: insecure = true — plaintext, unauthenticated wire; "
@@ -303,14 +308,27 @@ def _up(args: argparse.Namespace) -> int:
 
 
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:
-    from shard.node import run_coordinator, run_stage
+    from shard.node import run_coordinator, run_stage, run_standby
     from shard.swarm import ready_line
     from shard.trust import node_network
 
     # WebSocketNetwork when insecure = true, else the node's key + token on the secure wire
-    network = node_network(spec, name, args.role)
+    # (a standby is admitted as a stage: it becomes one when the scheduler activates it)
+    role = "stage" if args.role == "standby" else args.role
+    network = node_network(spec, name, role)
     async with network, trio.open_nursery() as nursery:
-        if args.role == "stage":
+        if args.role == "standby":
+            handle = await nursery.start(
+                lambda task_status: run_standby(
+                    spec,
+                    name,
+                    network=network,
+                    model_dir=model_dir,
+                    startup_timeout_s=args.startup_timeout,
+                    task_status=task_status,
+                )
+            )
+        elif args.role == "stage":
             handle = await nursery.start(
                 lambda task_status: run_stage(
                     spec,

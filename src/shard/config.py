@@ -1,9 +1,10 @@
 """Typed swarm specs: the TOML file that describes a whole swarm, as frozen attrs records.
 
 A spec names the swarm, the model, the coordinator, the stage nodes (ring order is file order),
-their layer blocks, the emulated link latency and the limits. One file drives every way of
-running a swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of it),
-``shard swarm up|run SPEC`` (every node as a local process) and the in-process test swarm.
+their layer blocks, the emulated link latency and the limits; for failover, its timings, standby
+nodes and scripted faults (``shard.spec_failover``). One file drives every way of running a
+swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of it), ``shard swarm
+up|run SPEC`` (every node as a local process) and the in-process test swarm.
 
 Validation happens once, here, at the edge: ``SwarmSpec.from_file`` / ``from_dict`` either
 return a consistent spec or raise ``SpecError`` with a one-line message naming the file, the
@@ -23,6 +24,15 @@ from typing import Final
 
 import attrs
 
+from shard.spec_failover import (
+    FAILOVER_KEYS,
+    STANDBY_KEYS,
+    FailoverSpec,
+    FaultSpec,
+    read_failover,
+    read_faults,
+    read_layers_of,
+)
 from shard.spec_fetch import FetchSpec, read_fetch
 from shard.spec_speculation import SPECULATION_KEYS, SpeculationSpec, read_speculation
 from shard.spec_trust import (
@@ -65,6 +75,9 @@ _TOP_KEYS: Final = (
     "speculation",
     "trust",
     "fetch",
+    "failover",
+    "standby",
+    "faults",
 )
 _SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
 _NODE_KEYS: Final = ("name", "listen", *CREDENTIAL_KEYS)
@@ -139,6 +152,22 @@ class CoordinatorSpec:
 
 
 @attrs.frozen
+class StandbySpec:
+    """A standby node, outside the ring until failover splices it in for a dead stage.
+
+    ``layers_of``: the stage whose block it loads at start (hot), or None (a spare: it loads
+    the dead stage's block when assigned). ``credentials`` as on a stage."""
+
+    name: str
+    listen: Address
+    layers_of: str | None = None
+    credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
+
+
+NodeSpec = StageSpec | CoordinatorSpec | StandbySpec
+
+
+@attrs.frozen
 class EdgeSpec:
     """Emulated one-way latency and bandwidth of one ring hop (``bandwidth_mbps`` 0 = unlimited)."""
 
@@ -158,6 +187,7 @@ class Limits:
     max_message_mib: int = 64  # cap on one decompressed wire message
     connect_timeout_s: float = 10.0
     verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
+    retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
 
 
 _LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
@@ -186,6 +216,9 @@ class SwarmSpec:
     speculation: SpeculationSpec = attrs.field(factory=SpeculationSpec)
     trust: TrustSpec | None = None  # [trust]: authority, revocations (shard.spec_trust)
     fetch: FetchSpec | None = None  # [fetch]: manifest, publisher, seeders (shard.spec_fetch)
+    failover: FailoverSpec = attrs.field(factory=FailoverSpec)  # shard.spec_failover
+    standbys: tuple[StandbySpec, ...] = ()
+    faults: tuple[FaultSpec, ...] = ()  # acted on by `shard swarm run` only
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -228,7 +261,11 @@ class SwarmSpec:
             raise top.error(
                 "stage", "no stages; add at least one [[stage]] table with name, listen, layers"
             )
-        _check_nodes(source, coordinator, stages)
+        names = [s.name for s in stages]
+        standbys = tuple(
+            _read_standby(t, base_dir, names) for t in top.tables("standby", STANDBY_KEYS)
+        )
+        _check_nodes(source, coordinator, stages, standbys)
         links = top.table("links", _LINK_KEYS, required=False)
         latency = links.number("latency_ms", default=0.0)
         bandwidth = links.number("bandwidth_mbps", default=0.0)
@@ -238,7 +275,7 @@ class SwarmSpec:
         insecure = _read_insecure(swarm)
         trust_table = top.table("trust", TRUST_KEYS, required="trust" in data)
         trust = read_trust(trust_table, base_dir) if "trust" in data else None
-        check_secure(source, insecure, trust, _credentials(coordinator, stages))
+        check_secure(source, insecure, trust, _credentials(coordinator, stages, standbys))
         return cls(
             path=None,
             name=_node_name(swarm, "name"),
@@ -256,6 +293,9 @@ class SwarmSpec:
             ),
             trust=trust,
             fetch=read_fetch(top, base_dir, [(s.name, str(s.listen)) for s in stages]),
+            failover=read_failover(top.table("failover", FAILOVER_KEYS, required=False)),
+            standbys=standbys,
+            faults=read_faults(top, names, coordinator.name),
             source=source,
         )
 
@@ -297,15 +337,30 @@ class SwarmSpec:
                 return e
         return EdgeSpec(src, dst, self.default_latency_ms, self.default_bandwidth_mbps)
 
-    def node(self, name: str) -> StageSpec | CoordinatorSpec:
-        """The node called ``name``. Errors: ``SpecError`` if there is none."""
-        if name == self.coordinator.name:
-            return self.coordinator
-        for stage in self.stages:
-            if stage.name == name:
-                return stage
-        known = ", ".join(self.ring()[:-1])
+    def node(self, name: str) -> StageSpec | CoordinatorSpec | StandbySpec:
+        """The node (coordinator, stage or standby) called ``name``.
+
+        Errors: ``SpecError`` if there is none."""
+        for node in self._nodes():
+            if node.name == name:
+                return node
+        known = ", ".join(node.name for node in self._nodes())
         raise SpecError(self.source, "node", f"no node named {name!r}; nodes: {known}")
+
+    def standby_block(self, name: str, n_layers: int) -> Block | None:
+        """The block standby ``name`` loads at start: its ``layers_of`` stage's, None for a spare.
+
+        Errors: ``SpecError`` if ``name`` is not a standby, or as ``blocks(n_layers)``."""
+        standby = self.node(name)
+        if not isinstance(standby, StandbySpec):
+            raise SpecError(self.source, "standby", f"{name!r} is not a [[standby]] node")
+        if standby.layers_of is None:
+            return None
+        index = [s.name for s in self.stages].index(standby.layers_of)
+        return self.blocks(n_layers)[index]
+
+    def _nodes(self) -> tuple[NodeSpec, ...]:
+        return (self.coordinator, *self.stages, *self.standbys)
 
     def with_ports(self, ports: Mapping[str, int]) -> SwarmSpec:
         """A copy with some nodes' listen ports replaced (tests bind port 0, then learn it).
@@ -317,7 +372,7 @@ class SwarmSpec:
             if not 0 <= port <= 65535:
                 raise SpecError(self.source, f"{name}.listen", f"port {port} outside 0..65535")
 
-        def listen(node: StageSpec | CoordinatorSpec) -> Address:
+        def listen(node: NodeSpec) -> Address:
             port = ports.get(node.name, node.listen.port)
             return attrs.evolve(node.listen, port=port)
 
@@ -325,6 +380,7 @@ class SwarmSpec:
             self,
             coordinator=attrs.evolve(self.coordinator, listen=listen(self.coordinator)),
             stages=tuple(attrs.evolve(s, listen=listen(s)) for s in self.stages),
+            standbys=tuple(attrs.evolve(s, listen=listen(s)) for s in self.standbys),
         )
 
 
@@ -393,6 +449,7 @@ def _read_limits(table: Table) -> Limits:
         verdict_timeout_s=table.number(
             "verdict_timeout_s", default=d.verdict_timeout_s, positive=True
         ),
+        retry_after_s=table.number("retry_after_s", default=d.retry_after_s, positive=True),
     )
     if limits.prefill_chunk > limits.max_len:
         raise table.error(
@@ -421,12 +478,31 @@ def _read_stage(table: Table, base_dir: Path | None) -> StageSpec:
     )
 
 
+def _read_standby(table: Table, base_dir: Path | None, stages: list[str]) -> StandbySpec:
+    name = _node_name(table, "name")
+    return StandbySpec(
+        name=name,
+        listen=_address(table, "listen", '"127.0.0.1:7711"'),
+        layers_of=read_layers_of(table, stages),
+        credentials=read_credentials(table, base_dir, name),
+    )
+
+
+def _keyed(
+    coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...]
+) -> list[tuple[str, NodeSpec]]:
+    """Every node with its key path in the spec: ``coordinator``, ``stage[i]``, ``standby[i]``."""
+    keyed: list[tuple[str, NodeSpec]] = [("coordinator", coordinator)]
+    keyed += [(f"stage[{i}]", s) for i, s in enumerate(stages)]
+    keyed += [(f"standby[{i}]", s) for i, s in enumerate(standbys)]
+    return keyed
+
+
 def _credentials(
-    coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...]
+    coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...]
 ) -> list[tuple[str, str, CredentialPaths]]:
-    nodes = [("coordinator", coordinator.name, coordinator.credentials)]
-    nodes += [(f"stage[{i}]", s.name, s.credentials) for i, s in enumerate(stages)]
-    return nodes
+    keyed = _keyed(coordinator, stages, standbys)
+    return [(key, node.name, node.credentials) for key, node in keyed]
 
 
 def _read_edge(table: Table, latency_ms: float, bandwidth_mbps: float) -> EdgeSpec:
@@ -438,10 +514,14 @@ def _read_edge(table: Table, latency_ms: float, bandwidth_mbps: float) -> EdgeSp
     )
 
 
-def _check_nodes(source: str, coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...]) -> None:
+def _check_nodes(
+    source: str,
+    coordinator: CoordinatorSpec,
+    stages: tuple[StageSpec, ...],
+    standbys: tuple[StandbySpec, ...],
+) -> None:
     """Unique names, unique listen addresses (port 0 excepted), one layer mode, ordered blocks."""
-    keyed: list[tuple[str, StageSpec | CoordinatorSpec]] = [("coordinator", coordinator)]
-    keyed += [(f"stage[{i}]", s) for i, s in enumerate(stages)]
+    keyed = _keyed(coordinator, stages, standbys)
     check_unique(
         source,
         [(f"{key}.name", node.name) for key, node in keyed],

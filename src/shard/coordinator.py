@@ -41,6 +41,7 @@ from shard.messages import (
     Verify,
 )
 from shard.receipts import EdgeRecord, RunJob, RunReceipt, RunSigner
+from shard.replay import ReplayLog
 from shard.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
 from shard.speculation import Outcome, SpecConfig, SpecController, SpecStream
 
@@ -49,6 +50,8 @@ from shard.speculation import Outcome, SpecConfig, SpecController, SpecStream
 _SESSION_BUFFER = 16
 _EVENTS_KEPT = 64
 _RECEIPT_TIMEOUT_S = 10.0
+#: Re-sends one request may need (repaired ring, lost frames) before it gives up.
+_MAX_RESYNCS = 8
 
 
 class RingError(Exception):
@@ -68,6 +71,19 @@ class CoordinatorLimits:
     prefill_chunk: int = 128
     max_sessions: int = 16
     verdict_timeout_s: float = 60.0
+    retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send
+
+
+@attrs.frozen
+class Resync:
+    """Scheduler -> request, in process: re-send from the committed tokens in a new epoch.
+
+    After a splice or a re-dialled edge (``full`` False: every stage holds the committed KV)
+    or after a stage reported a gap (``full``: re-send the session from position 0, so every
+    stage rebuilds what it misses)."""
+
+    full: bool
+    reason: str
 
 
 @attrs.frozen
@@ -141,7 +157,9 @@ class Coordinator:
         self._signer = signer
         self._jobs: dict[SessionId, RunJob] = {}
         self._k, self._depth = 0, 1
-        self._routes: dict[SessionId, trio.MemorySendChannel[Message]] = {}
+        self._routes: dict[SessionId, trio.MemorySendChannel[Message | Resync]] = {}
+        self._sent = ReplayLog()  # what each session sent: full re-sends come from here
+        self._recovering: str | None = None
         self._session_ids = itertools.count(1)
         self._slots = trio.Semaphore(limits.max_sessions)
         self._ring_fault: Fault | None = None
@@ -182,6 +200,37 @@ class Coordinator:
     def event(self, kind: str, detail: str) -> None:
         """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
         self._events.append(RingEvent(at=self._wall_clock(), kind=kind, detail=detail))
+
+    # --- what the scheduler asks (shard.scheduler.RingHooks) --------------------------------
+
+    def pause(self, detail: str) -> None:
+        """The ring is being repaired: requests wait instead of timing out."""
+        self._recovering = detail
+        self.event("fault", detail)
+
+    async def resume(self, detail: str) -> None:
+        """The ring is whole again: every request re-sends from its committed tokens."""
+        self._recovering = None
+        self.event("splice", detail)
+        self._notify(Resync(full=False, reason=detail))
+
+    async def fail(self, detail: str) -> None:
+        """The ring cannot be repaired: every request ends with ``RingError``."""
+        self._recovering = None
+        self._ring_fault = Fault(node=self._node, kind="ring", detail=detail)
+        self.event("fault", detail)
+        self._notify(self._ring_fault)
+
+    def _notify(self, msg: Message | Resync) -> None:
+        for route in list(self._routes.values()):
+            try:
+                route.send_nowait(msg)
+            except trio.WouldBlock:
+                pass  # that request has a backlog to read first; its retry timer covers it
+
+    async def _send(self, msg: Message) -> None:
+        self._sent.record(msg)
+        await self._to_ring.send(msg)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._from_ring:
@@ -232,7 +281,7 @@ class Coordinator:
             if self._ring_fault is not None:
                 raise RingError(f"the ring is down: {self._ring_fault.detail}")
             sid = SessionId(next(self._session_ids))
-            send, recv = trio.open_memory_channel[Message](_SESSION_BUFFER)
+            send, recv = trio.open_memory_channel[Message | Resync](_SESSION_BUFFER)
             self._routes[sid] = send
             if receipt:
                 if self._signer is None:
@@ -254,6 +303,7 @@ class Coordinator:
                 self._jobs.pop(sid, None)
                 if not ended:
                     await self._end_session(sid)
+                self._sent.record(EndSession(session=sid))
         self._done += 1
         return completion
 
@@ -266,7 +316,10 @@ class Coordinator:
                 pass  # the ring link is gone: there is no session left to end
 
     async def _collect_receipts(
-        self, sid: SessionId, route: trio.MemoryReceiveChannel[Message], completion: Completion
+        self,
+        sid: SessionId,
+        route: trio.MemoryReceiveChannel[Message | Resync],
+        completion: Completion,
     ) -> Completion:
         """End the session, gather every stage's receipt (recording the verdicts still in
         flight, which the tail's chain includes), and sign the run receipt."""
@@ -282,8 +335,14 @@ class Coordinator:
                     )
                 elif isinstance(msg, StageReceiptOut):
                     job.stage_receipt(msg.receipt)
-                elif isinstance(msg, Fault):
+                elif isinstance(msg, Fault) and msg.kind != "gap":
                     raise RingError(f"{msg.node}: {msg.detail}", committed=completion.token_ids)
+                elif isinstance(msg, Resync):
+                    raise RingError(
+                        f"the ring was repaired before every receipt arrived ({msg.reason}); "
+                        "receipts do not span a splice",
+                        committed=completion.token_ids,
+                    )
         if waited.cancelled_caught:
             raise RingError(
                 f"only {len(job.stages)} of {signer.n_stages} stage receipts arrived",
@@ -305,7 +364,7 @@ class Coordinator:
     async def _drive(
         self,
         sid: SessionId,
-        verdicts: trio.MemoryReceiveChannel[Message],
+        verdicts: trio.MemoryReceiveChannel[Message | Resync],
         prompt_ids: Sequence[int],
         state: DecodeState,
         sampling: Sampling,
@@ -314,17 +373,15 @@ class Coordinator:
     ) -> Completion:
         laps = LapRecorder(self._node, self._wall_clock)
         job = self._jobs.get(sid)
-        await self._to_ring.send(
-            OpenSession(
-                session=sid,
-                max_len=self._limits.max_len,
-                sampling=sampling,
-                job=job.job if job else "",
-                nonce=job.nonce if job else "",
-            )
+        opening = OpenSession(
+            session=sid,
+            max_len=self._limits.max_len,
+            sampling=sampling,
+            job=job.job if job else "",
+            nonce=job.nonce if job else "",
         )
-        await self._prefill(sid, prompt_ids, laps)
-        first = await self._next_verdict(verdicts, state)
+        resyncs = _Resyncs(sid, state)
+        first = await self._prefill(sid, opening, prompt_ids, laps, verdicts, state, resyncs)
         self._lap(laps, first, committed=len(first.target_ids))
         await self._emit(state.commit(first.target_ids), on_tokens)
         stream = SpecStream(
@@ -333,6 +390,7 @@ class Coordinator:
             max_len=self._limits.max_len,
             feed=len(prompt_ids),
             next_seq=first.seq + 1,
+            epoch=first.epoch,
         )
         proposer = None
         if self._drafter is not None and spec.enabled:
@@ -341,7 +399,20 @@ class Coordinator:
         max_depth = 1
         while not state.done:
             max_depth = max(max_depth, await self._fill(sid, stream, proposer, control, laps))
-            verdict = await self._next_verdict(verdicts, state)
+            event = await self._next_event(verdicts, state, stream.epoch, resyncs)
+            if isinstance(event, Resync):
+                resyncs.count(event.reason)
+                await self._resync(sid, opening, stream, event)
+                continue
+            verdict = event
+            head = stream.inflight[0].seq if stream.inflight else None
+            if verdict.epoch == stream.epoch and head is not None and verdict.seq != head:
+                if verdict.seq < head:  # a duplicate of one already folded in
+                    self._stale += 1
+                    continue
+                resyncs.count(f"verdict {verdict.seq} arrived before {head}")
+                await self._resync(sid, opening, stream, Resync(False, "verdicts out of order"))
+                continue
             outcome = stream.on_verdict(verdict)
             if outcome.stale:
                 self._stale += 1
@@ -356,7 +427,7 @@ class Coordinator:
                 proposer.feedback(outcome.drafted, outcome.accepted)
             if outcome.bumped_epoch is not None:
                 self.event("epoch", f"session {sid}: epoch {outcome.bumped_epoch}")
-                await self._to_ring.send(
+                await self._send(
                     Truncate(session=sid, epoch=outcome.bumped_epoch, position=stream.feed)
                 )
             await self._emit(outcome.emitted, on_tokens)
@@ -367,20 +438,61 @@ class Coordinator:
             stats=laps.stats(len(state.output), max_depth=max_depth),
         )
 
-    async def _prefill(self, sid: SessionId, prompt_ids: Sequence[int], laps: LapRecorder) -> None:
-        """Stream the prompt in ``prefill_chunk`` pieces; only the last makes the tail answer."""
+    async def _prefill(
+        self,
+        sid: SessionId,
+        opening: OpenSession,
+        prompt_ids: Sequence[int],
+        laps: LapRecorder,
+        verdicts: trio.MemoryReceiveChannel[Message | Resync],
+        state: DecodeState,
+        resyncs: _Resyncs,
+    ) -> Verdict:
+        """Open the session and stream the prompt in ``prefill_chunk`` pieces; only the last
+        makes the tail answer. A failure before that answer re-sends it all in a new epoch."""
         chunk = self._limits.prefill_chunk
         starts = range(0, len(prompt_ids), chunk)
-        for seq, start in enumerate(starts):
-            ids = tuple(int(t) for t in prompt_ids[start : start + chunk])
-            final = start == starts[-1]
-            if final:
-                laps.sent(seq)
-            await self._to_ring.send(
-                Prefill(sid, Epoch(0), ChunkSeq(seq), start=start, final=final, ids=ids)
-            )
-            if (job := self._jobs.get(sid)) is not None:
-                job.sent_chunk(0, seq, start, ids)
+        epoch = Epoch(0)
+        while True:
+            await self._send(opening)
+            for seq, start in enumerate(starts):
+                ids = tuple(int(t) for t in prompt_ids[start : start + chunk])
+                final = start == starts[-1]
+                if final:
+                    laps.sent(seq)
+                await self._send(
+                    Prefill(sid, epoch, ChunkSeq(seq), start=start, final=final, ids=ids)
+                )
+                if (job := self._jobs.get(sid)) is not None:
+                    job.sent_chunk(0, seq, start, ids)
+            while True:
+                event = await self._next_event(verdicts, state, epoch, resyncs)
+                if isinstance(event, Resync) or event.epoch == epoch:
+                    break
+                self._stale += 1
+            if isinstance(event, Verdict):
+                return event
+            resyncs.count(event.reason)
+            epoch = Epoch(epoch + 1)
+            self.event("resync", f"session {sid}: prefill again in epoch {epoch}: {event.reason}")
+            await self._send(Truncate(session=sid, epoch=epoch, position=0))
+
+    async def _resync(
+        self, sid: SessionId, opening: OpenSession, stream: SpecStream, why: Resync
+    ) -> None:
+        """Re-send from the committed tokens in a new epoch (``why.full``: from position 0,
+        with the same chunk shapes as before, so every stage's KV comes out the same)."""
+        epoch = stream.resync()
+        self.event("resync", f"session {sid}: epoch {epoch}: {why.reason}")
+        await self._send(Truncate(session=sid, epoch=epoch, position=stream.feed))
+        if not why.full:
+            return
+        chunks = [c for c in self._sent.chunks(sid) if c.start < stream.feed]
+        await self._send(opening)
+        for c in chunks:
+            seq = ChunkSeq(stream.next_seq)
+            stream.next_seq += 1
+            await self._send(Prefill(sid, epoch, seq, start=c.start, final=False, ids=c.ids))
 
     async def _fill(
         self,
@@ -403,7 +515,7 @@ class Coordinator:
             if chunk is None:
                 break
             laps.sent(chunk.seq)
-            await self._to_ring.send(
+            await self._send(
                 Verify(sid, chunk.epoch, chunk.seq, chunk.start, ids=chunk.ids, draft=chunk.draft)
             )
             if (job := self._jobs.get(sid)) is not None:
@@ -432,27 +544,79 @@ class Coordinator:
         if ids and on_tokens is not None:
             await on_tokens(list(ids))
 
-    async def _next_verdict(
-        self, verdicts: trio.MemoryReceiveChannel[Message], state: DecodeState
-    ) -> Verdict:
-        with trio.move_on_after(self._limits.verdict_timeout_s) as waited:
-            msg = await verdicts.receive()
-        if waited.cancelled_caught:
-            detail = f"no answer from the ring for {self._limits.verdict_timeout_s:g} s"
-            self.event("fault", detail)
+    async def _next_event(
+        self,
+        verdicts: trio.MemoryReceiveChannel[Message | Resync],
+        state: DecodeState,
+        epoch: Epoch,
+        resyncs: _Resyncs,
+    ) -> Verdict | Resync:
+        """The next verdict for this request, or a reason to re-send (``Resync``).
+
+        While the scheduler repairs the ring the request just waits (the scheduler's own
+        deadlines end the wait). Otherwise no answer for ``retry_after_s`` re-sends (frames
+        may have been lost), and none for ``verdict_timeout_s`` ends the request.
+        """
+        limits = self._limits
+        while True:
+            quiet = trio.current_time() - resyncs.progress_at
+            slice_s = max(0.0, min(limits.retry_after_s, limits.verdict_timeout_s - quiet))
+            with trio.move_on_after(slice_s) as waited:
+                msg = await verdicts.receive()
+            if waited.cancelled_caught:
+                quiet = trio.current_time() - resyncs.progress_at
+                if self._recovering is not None:
+                    resyncs.progress()  # the repair's own deadlines bound this wait
+                    continue
+                if quiet < limits.verdict_timeout_s:
+                    return Resync(full=False, reason=f"no verdict for {quiet:g} s")
+                detail = f"no answer from the ring for {quiet:g} s"
+                self.event("fault", detail)
+                raise RingError(
+                    f"{detail}: a stage is stalled or a link is silently dead; "
+                    "the request stops here with the tokens committed so far",
+                    committed=state.output,
+                )
+            if isinstance(msg, Resync):
+                return msg
+            if isinstance(msg, Fault) and msg.kind == "gap" and msg.session is not None:
+                if msg.epoch is not None and msg.epoch < epoch:
+                    continue  # reported before the last re-send
+                self.event("fault", f"{msg.node}: gap: {msg.detail}")
+                return Resync(full=True, reason=f"{msg.node} lacks KV: {msg.detail}")
+            if isinstance(msg, Fault):
+                self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
+                raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
+            if not isinstance(msg, Verdict):
+                raise RingError(
+                    f"unexpected {type(msg).__name__} mid-request", committed=state.output
+                )
+            if (job := self._jobs.get(msg.session)) is not None:
+                job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
+            resyncs.progress()
+            return msg
+
+
+@attrs.define
+class _Resyncs:
+    """Counts a request's re-sends (past ``_MAX_RESYNCS`` the request fails) and when the
+    ring last answered it (silence is measured from there, across re-sends)."""
+
+    sid: SessionId
+    state: DecodeState
+    n: int = 0
+    progress_at: float = attrs.field(factory=trio.current_time)
+
+    def progress(self) -> None:
+        self.progress_at = trio.current_time()
+
+    def count(self, reason: str) -> None:
+        self.n += 1
+        if self.n > _MAX_RESYNCS:
             raise RingError(
-                f"{detail}: a stage is stalled or a link is silently dead; "
-                "the request stops here with the tokens committed so far",
-                committed=state.output,
+                f"session {self.sid}: gave up after {_MAX_RESYNCS} re-sends (last: {reason})",
+                committed=self.state.output,
             )
-        if isinstance(msg, Fault):
-            self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
-            raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
-        if not isinstance(msg, Verdict):
-            raise RingError(f"unexpected {type(msg).__name__} mid-request", committed=state.output)
-        if (job := self._jobs.get(msg.session)) is not None:
-            job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
-        return msg
 
 
-__all__ = ["Completion", "Coordinator", "CoordinatorLimits", "RingError"]
+__all__ = ["Completion", "Coordinator", "CoordinatorLimits", "Resync", "RingError"]

@@ -29,6 +29,7 @@ import attrs
 import torch
 import trio
 
+from shard import offload
 from shard.model.llama import StageModel
 
 
@@ -203,7 +204,7 @@ class Drafter:
             return [], 0.0
         began = time.perf_counter()
         if proposer.computes:
-            tokens = await trio.to_thread.run_sync(
+            tokens = await offload.run_sync(
                 proposer.propose, list(context), k, limiter=self._limiter
             )
         else:

@@ -9,14 +9,14 @@ Tests and benchmarks use it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import trio
 
 from shard.config import SwarmSpec
-from shard.node import CoordinatorHandle, run_coordinator, run_stage
+from shard.node import CoordinatorHandle, run_coordinator, run_stage, run_standby
 from shard.transport import DelayNetwork, MemoryNetwork, Network
 
 
@@ -54,39 +54,93 @@ async def run_swarm(
     network: Network | None = None,
     emulate_latency: bool = True,
     startup_timeout_s: float = 60.0,
+    wrap: Callable[[str, Network], Network] | None = None,
+    scopes: dict[str, trio.CancelScope] | None = None,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run every node of ``spec`` in this process until cancelled.
+    """Run every node of ``spec`` (stages, standbys, coordinator) in this process until
+    cancelled. Reports the coordinator's handle once the ring is connected end to end and
+    every standby has registered.
 
-    Reports the coordinator's handle once the ring is connected end to end.
+    ``wrap(node, network)`` replaces the network a node sees (fault injection:
+    ``shard.faults``). ``scopes``, when given, is filled with each node's cancel scope:
+    cancelling one kills that node (its connections close, its state is gone).
     """
     inner = network if network is not None else MemoryNetwork()
+    scopes = scopes if scopes is not None else {}
+    names = (*(s.name for s in spec.stages), *(s.name for s in spec.standbys))
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(inner)
         nets: dict[str, Network] = {}
-        for name in (*(s.name for s in spec.stages), spec.coordinator.name):
+        for name in (*names, spec.coordinator.name):
             net = node_network(spec, inner, name, emulate=emulate_latency)
             if net is not inner:
+                await stack.enter_async_context(net)
+            if wrap is not None:
+                net = wrap(name, net)
                 await stack.enter_async_context(net)
             nets[name] = net
         nursery = await stack.enter_async_context(trio.open_nursery())
         for stage in spec.stages:
+            scopes[stage.name] = trio.CancelScope()
             nursery.start_soon(
-                _stage, spec, stage.name, nets[stage.name], model_dir, startup_timeout_s
+                _node,
+                scopes[stage.name],
+                run_stage,
+                spec,
+                stage.name,
+                nets,
+                model_dir,
+                startup_timeout_s,
             )
+        scopes[spec.coordinator.name] = trio.CancelScope()
         handle = await nursery.start(
-            _coordinator, spec, nets[spec.coordinator.name], model_dir, startup_timeout_s
+            _coordinator,
+            scopes[spec.coordinator.name],
+            spec,
+            nets[spec.coordinator.name],
+            model_dir,
+            startup_timeout_s,
         )
+        for standby in spec.standbys:
+            scopes[standby.name] = trio.CancelScope()
+            await nursery.start(
+                _node,
+                scopes[standby.name],
+                run_standby,
+                spec,
+                standby.name,
+                nets,
+                model_dir,
+                startup_timeout_s,
+            )
         task_status.started(handle)
 
 
-async def _stage(
-    spec: SwarmSpec, name: str, network: Network, model_dir: Path, timeout_s: float
+async def _node(
+    scope: trio.CancelScope,
+    run: Callable[..., Awaitable[None]],
+    spec: SwarmSpec,
+    name: str,
+    nets: dict[str, Network],
+    model_dir: Path,
+    timeout_s: float,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await run_stage(spec, name, network=network, model_dir=model_dir, startup_timeout_s=timeout_s)
+    with scope:
+        await run(
+            spec,
+            name,
+            network=nets[name],
+            model_dir=model_dir,
+            startup_timeout_s=timeout_s,
+            task_status=task_status,
+        )
 
 
 async def _coordinator(
+    scope: trio.CancelScope,
     spec: SwarmSpec,
     network: Network,
     model_dir: Path,
@@ -94,10 +148,11 @@ async def _coordinator(
     *,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await run_coordinator(
-        spec,
-        network=network,
-        model_dir=model_dir,
-        startup_timeout_s=timeout_s,
-        task_status=task_status,
-    )
+    with scope:
+        await run_coordinator(
+            spec,
+            network=network,
+            model_dir=model_dir,
+            startup_timeout_s=timeout_s,
+            task_status=task_status,
+        )

@@ -14,7 +14,7 @@ import logging
 import trio
 
 from shard.errors import HandshakeError as HandshakeError  # defined there, re-exported here
-from shard.messages import PROTOCOL_VERSION, Fault, Hello, Message, NodeName, Welcome
+from shard.messages import PROTOCOL_VERSION, Fault, Heartbeat, Hello, Message, NodeName, Welcome
 from shard.transport import Connection, ConnectionClosed, Network, TransportError
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ async def pump_in(
         try:
             while True:
                 msg = await conn.receive()
-                await sink.send(msg)
+                if not isinstance(msg, Heartbeat):  # keeps an idle edge alive, nothing else
+                    await sink.send(msg)
         except ConnectionClosed:
             log.info("%s: %s closed the connection", node, conn.peer)
             if on_close is not None:

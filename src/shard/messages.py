@@ -82,6 +82,7 @@ class Hello:
     role: str
     swarm: str
     protocol: int = PROTOCOL_VERSION
+    link: str = "ring"  # "ring" (a ring edge or the return link) or "control" (to the scheduler)
 
 
 @attrs.frozen
@@ -124,6 +125,58 @@ class Fault:
     kind: str
     detail: str
     session: SessionId | None = None
+    epoch: Epoch | None = None  # the session's epoch the fault was seen in (stale ones are ignored)
+
+
+# --- supervision and failover (node <-> scheduler, on the control link) -----------------------
+
+
+@attrs.frozen
+class Register:
+    """Node -> scheduler, first message on a control link: who it is and what it holds.
+
+    ``role`` is ``"stage"`` (in the ring) or ``"standby"``; ``address`` is where it accepts its
+    upstream; ``first``/``last`` the block it has loaded (both -1: a spare that loads the block
+    it is given by ``Activate``, the cold path).
+    """
+
+    node: NodeName
+    role: str
+    address: str
+    first: int = -1
+    last: int = -1
+
+
+@attrs.frozen
+class Activate:
+    """Scheduler -> standby: take ring slot ``slot`` (layers ``[first, last)``): dial
+    ``successor`` (the next stage, or the coordinator's return endpoint for the tail) and serve
+    whoever the scheduler rewires to you. Answered with ``Ready``."""
+
+    slot: NodeName
+    first: int
+    last: int
+    successor: str
+
+
+@attrs.frozen
+class Rewire:
+    """Scheduler -> stage: re-dial the downstream link at ``address``. With ``replay`` the
+    node first sends every live session's logged chunks as ``Prefill(replay=True)``, so a
+    spliced-in standby rebuilds its KV. Answered with ``Ready``."""
+
+    address: str
+    replay: bool
+
+
+@attrs.frozen
+class Ready:
+    """Node -> scheduler: an ``Activate`` or ``Rewire`` is done (``ok``) or failed (``detail``)."""
+
+    node: NodeName
+    action: str
+    ok: bool = True
+    detail: str = ""
 
 
 # --- sessions and compute --------------------------------------------------------------------
@@ -184,7 +237,9 @@ class Hop:
 class Prefill:
     """Prompt positions ``[start, start+n)``. Only the ``final`` chunk makes the tail answer.
 
-    Exactly one of ``ids`` (first edge) and ``hidden`` (later edges) is set.
+    Exactly one of ``ids`` (first edge) and ``hidden`` (later edges) is set. A ``replay``
+    chunk re-sends what was sent before to a spliced-in node: it rebuilds that node's KV and
+    goes no further (shard.replay).
     """
 
     session: SessionId
@@ -195,6 +250,7 @@ class Prefill:
     ids: tuple[int, ...] = ()
     hidden: Tensor | None = None
     hops: tuple[Hop, ...] = ()
+    replay: bool = False
 
 
 @attrs.frozen
@@ -442,6 +498,10 @@ Message = (
     | Probe
     | ProbeReply
     | Fault
+    | Register
+    | Activate
+    | Rewire
+    | Ready
     | OpenSession
     | EndSession
     | StageReceiptOut
@@ -472,6 +532,10 @@ MESSAGE_TYPES: tuple[type, ...] = (
     StageReceiptOut,
     Truncate,
     Prefill,
+    Register,
+    Activate,
+    Rewire,
+    Ready,
     Verify,
     Verdict,
     GenerateRequest,

@@ -5,9 +5,10 @@ channels, never sockets. A node reports ready (``task_status.started``) only whe
 its job: a stage serves its upstream only after its own downstream link is up, so when the
 coordinator's dial to stage 0 succeeds the whole ring is connected, end to end.
 
-Supervision: every actor of a node lives in one nursery. A link that fails surfaces as a
-``Fault`` at the coordinator (which fails the affected requests with a clear error) or, on a
-stage, as ``StageLinkLost`` ending that node — the failure issue adds splicing in a standby.
+Supervision: every actor of a node lives in one nursery. The coordinator's process also runs
+the scheduler (``shard.scheduler``): every stage and standby keeps a control link to it, and
+a node that dies is replaced by a standby while the requests wait (docs/failover.md). The
+stage and standby roots live in ``shard.stage_node``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-import torch
 import trio
 
-from shard.config import CoordinatorSpec, StageSpec, SwarmSpec
+from shard import offload
+from shard.config import CoordinatorSpec, SwarmSpec
 from shard.coordinator import Coordinator, CoordinatorLimits
-from shard.device import device_identity
 from shard.draft import (
     AdaptiveProposer,
     Drafter,
@@ -32,8 +32,8 @@ from shard.draft import (
     OracleProposer,
     Proposer,
 )
-from shard.fetch_stage import fetch_stage, make_seeder
-from shard.links import HandshakeError, accept_peer, dial_peer, pump_in, pump_out
+from shard.edge import DownstreamLink
+from shard.links import HandshakeError, accept_peer, pump_in
 from shard.messages import (
     Fault,
     GenerateRequest,
@@ -46,32 +46,17 @@ from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
-from shard.receipts import ReceiptSigner, RunSigner
+from shard.receipts import RunSigner
+from shard.replay import ReplayLog
+from shard.scheduler import FailoverPolicy, Scheduler, Slot
 from shard.service import complete
 from shard.speculation import SpecConfig
-from shard.stage import StageExecutor
+from shard.stage_node import DTYPES, StageHandle, run_stage, run_standby
 from shard.status import StatusFeed
 from shard.transport import Connection, Network, TransportError
 from shard.trust import signing_identity
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class StageLinkLost(Exception):
-    """A stage lost its downstream link; without a standby the ring cannot go on."""
-
-
-@attrs.frozen
-class StageHandle:
-    """What a started stage node reports: its name, block and bound address."""
-
-    name: str
-    first: int
-    last: int
-    address: str
-    executor: StageExecutor
 
 
 @attrs.frozen
@@ -82,94 +67,7 @@ class CoordinatorHandle:
     address: str
     coordinator: Coordinator
     tokenizer: Tokenizer
-
-
-def _stage_index(spec: SwarmSpec, name: str) -> int:
-    for i, stage in enumerate(spec.stages):
-        if stage.name == name:
-            return i
-    raise KeyError(name)
-
-
-def _successor(spec: SwarmSpec, index: int) -> str:
-    if index + 1 < len(spec.stages):
-        return str(spec.stages[index + 1].listen)
-    return str(spec.coordinator.listen)
-
-
-async def run_stage(
-    spec: SwarmSpec,
-    name: str,
-    *,
-    network: Network,
-    model_dir: Path,
-    successor: str | None = None,
-    startup_timeout_s: float = 120.0,
-    task_status: trio.TaskStatus[StageHandle] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run stage ``name`` of ``spec``: load its block, dial its successor, serve upstream.
-
-    ``successor`` overrides the address dialled downstream (a WAN-emulating relay in front of
-    the real successor). Errors: ``StageLinkLost`` when the downstream link fails.
-    """
-    node = spec.node(name)
-    assert isinstance(node, StageSpec)
-    index = _stage_index(spec, name)
-    if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
-        model_dir = (await fetch_stage(spec, name)).path
-    config = ModelConfig.from_dir(model_dir)
-    first, last = spec.blocks(config.n_layers)[index]
-    model = await trio.to_thread.run_sync(
-        lambda: load_stage(model_dir, first, last, dtype=DTYPES[spec.dtype])
-    )
-    inbox_send, inbox_recv = trio.open_memory_channel[Message](0)
-    outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
-    receipts = ReceiptSigner(
-        signing_identity(spec, name),
-        node=name,
-        address=str(node.listen),
-        first=first,
-        last=last,
-        device=device_identity(),
-    )
-    executor = StageExecutor(
-        model,
-        node=NodeName(name),
-        inbox=inbox_recv,
-        outbox=outbox_send,
-        max_sessions=spec.limits.max_sessions,
-        receipts=receipts,
-    )
-    hello = _hello(spec, name, "stage")
-    downstream = await dial_peer(
-        network, successor or _successor(spec, index), hello, timeout_s=startup_timeout_s
-    )
-    welcome = Welcome(node=NodeName(name), role="stage", swarm=spec.name)
-
-    async def upstream(conn: Connection) -> None:
-        try:
-            await accept_peer(conn, welcome)
-        except (HandshakeError, trio.TooSlowError) as exc:
-            log.warning("%s", exc)
-            return
-        await pump_in(NodeName(name), conn, inbox_send.clone())
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(executor.run)
-        nursery.start_soon(_downstream, name, outbox_recv, downstream)
-        if (seeder := make_seeder(spec, name, model_dir)) is not None:
-            await nursery.start(seeder.run)  # a [[fetch.seeder]] named like this stage
-        bound = await nursery.start(network.serve, str(node.listen), upstream)
-        task_status.started(StageHandle(name, first, last, bound, executor))
-
-
-async def _downstream(
-    name: str, outbox: trio.MemoryReceiveChannel[Message], conn: Connection
-) -> None:
-    try:
-        await pump_out(NodeName(name), outbox, conn)
-    except TransportError as exc:
-        raise StageLinkLost(f"{name}: downstream link to {conn.peer} lost: {exc}") from exc
+    scheduler: Scheduler | None = None
 
 
 def _hello(spec: SwarmSpec, name: str, role: str) -> Hello:
@@ -223,7 +121,8 @@ async def run_coordinator(
     startup_timeout_s: float = 120.0,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the coordinator: serve the return endpoint and clients, dial stage 0.
+    """Run the coordinator and its scheduler: serve the return endpoint, control links and
+    clients, dial stage 0.
 
     Ready when stage 0 answered (so the whole ring is up) and the tail has dialled back.
     """
@@ -239,8 +138,9 @@ async def run_coordinator(
         prefill_chunk=spec.limits.prefill_chunk,
         max_sessions=spec.limits.max_sessions,
         verdict_timeout_s=spec.limits.verdict_timeout_s,
+        retry_after_s=spec.limits.retry_after_s,
     )
-    drafter = await trio.to_thread.run_sync(make_drafter, spec, model_dir)
+    drafter = await offload.run_sync(make_drafter, spec, model_dir)
     coordinator = Coordinator(
         node=name,
         eos_ids=eos,
@@ -262,7 +162,46 @@ async def run_coordinator(
             depth_max=spec.speculation.depth_max,
         ),
     )
-    feed = StatusFeed(coordinator, swarm=spec.name, ring=[NodeName(n) for n in spec.ring()[:-1]])
+    failover = spec.failover
+    ring_link = DownstreamLink(
+        name,
+        to_ring_recv,
+        network,
+        _hello(spec, name, "coordinator"),
+        replay_log=ReplayLog(max_bytes=failover.replay_max_mib << 20),
+        heartbeat_s=failover.heartbeat_s,
+        send_timeout_s=failover.send_timeout_s,
+        connect_timeout_s=startup_timeout_s,
+    )
+    blocks = spec.blocks(config.n_layers)
+    scheduler = Scheduler(
+        node=name,
+        slots=[
+            Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
+            for s, (first, last) in zip(spec.stages, blocks, strict=True)
+        ],
+        return_address=str(me.listen),
+        ring_link=ring_link,
+        hooks=coordinator,
+        policy=FailoverPolicy(
+            heartbeat_s=failover.heartbeat_s,
+            dead_after_s=failover.dead_after_s,
+            join_deadline_s=failover.join_deadline_s,
+            splice_timeout_s=failover.splice_timeout_s,
+        ),
+    )
+
+    async def link_fault(fault: Fault) -> None:
+        coordinator.event("fault", f"{fault.node}: {fault.kind}: {fault.detail}")
+        await scheduler.link_fault(name)
+
+    ring_link.on_fault = link_fault
+    feed = StatusFeed(
+        coordinator,
+        swarm=spec.name,
+        ring=scheduler.ring,
+        standbys=scheduler.standbys,
+    )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     tail_joined = trio.Event()
 
@@ -272,16 +211,19 @@ async def run_coordinator(
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
+        if hello.link == "control" and hello.role == "stage":
+            await scheduler.serve(conn, hello)
+            return
         if hello.role == "client":
             await _serve_client(coordinator, tokenizer, conn)
             return
         if hello.role == "monitor":  # the status feed (shard.status): read-only but for reset
             await feed.serve(conn)
             return
-        tail = spec.stages[-1].name
-        if hello.role != "stage" or hello.node != tail or tail_joined.is_set():
-            # Only the tail, once, may open the return link: any other peer closing it
-            # would otherwise be taken for the ring failing.
+        tail = scheduler.tail()
+        if hello.role != "stage" or hello.node != tail:
+            # Only the ring's current tail may open the return link: anyone else's verdicts
+            # would be taken for the ring's.
             log.warning("%s: refused %s (%s) on the return link", name, hello.node, hello.role)
             await conn.send(
                 Fault(node=name, kind="handshake", detail=f"only {tail} may open the return link")
@@ -289,21 +231,18 @@ async def run_coordinator(
             return
         tail_joined.set()
         coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
-        lost = Fault(node=name, kind="link", detail=f"return link from {hello.node} closed")
-        await pump_in(name, conn, from_ring_send.clone(), on_close=lost)
+        await pump_in(name, conn, from_ring_send.clone())
 
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
         await nursery.start(feed.run)
+        await nursery.start(scheduler.run)
         bound = await nursery.start(network.serve, str(me.listen), handler)
-        first = successor or str(spec.stages[0].listen)
-        conn = await dial_peer(
-            network, first, _hello(spec, name, "coordinator"), timeout_s=startup_timeout_s
-        )
-        nursery.start_soon(pump_out, name, to_ring_recv, conn, from_ring_send.clone())
+        await ring_link.connect(successor or str(spec.stages[0].listen))
+        nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
             await tail_joined.wait()
-        task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer))
+        task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler))
 
 
 async def _serve_client(coordinator: Coordinator, tokenizer: Tokenizer, conn: Connection) -> None:
@@ -339,3 +278,14 @@ async def _serve_client(coordinator: Coordinator, tokenizer: Tokenizer, conn: Co
                     nursery.start_soon(serve, msg, out_send.clone())
                 else:
                     log.warning("client %s sent %s; ignored", conn.peer, type(msg).__name__)
+
+
+__all__ = [
+    "DTYPES",
+    "CoordinatorHandle",
+    "StageHandle",
+    "make_drafter",
+    "run_coordinator",
+    "run_stage",
+    "run_standby",
+]

@@ -158,6 +158,15 @@ class SpecStream:
             accepted=verdict.accepted,
         )
 
+    def resync(self) -> Epoch:
+        """Forget the chunks in flight (lost with a failed node or link): the next chunk starts
+        at the first position not yet verified, in a new epoch. Returns that epoch."""
+        if self.inflight:
+            self.feed = self.inflight[0].start
+        self.inflight.clear()
+        self.epoch = Epoch(self.epoch + 1)
+        return self.epoch
+
     def _advance(self, target: int) -> None:
         """Commit ``target`` at the next position, consuming the draft there if any."""
         self.committed.append(target)

@@ -22,9 +22,11 @@ import attrs
 import torch
 import trio
 
+from shard import offload
 from shard.decoding import BadRequest, check_sampling
 from shard.messages import (
     EndSession,
+    Epoch,
     Fault,
     Hop,
     Message,
@@ -52,6 +54,10 @@ _EPOCHS_KEPT = 4  # epochs remembered per allowed session (see _note_epoch)
 class StageFailed(Exception):
     """A chunk could not be computed; reported downstream as a ``Fault`` for that session."""
 
+    def __init__(self, message: str, kind: str = "chunk") -> None:
+        super().__init__(message)
+        self.kind = kind
+
 
 @attrs.frozen
 class StageStatistics:
@@ -72,6 +78,7 @@ class StageStatistics:
 class _Session:
     cache: KVCache
     sampling: Sampling
+    written: int = 0  # positions [0, written) hold KV a later chunk may attend to
 
 
 class StageExecutor:
@@ -80,10 +87,16 @@ class StageExecutor:
     Cancellation: cancelling ``run`` abandons the chunk being computed only after its worker
     thread returns (the thread is never killed mid-forward); caches are dropped with the actor.
 
-    Errors: a chunk that cannot be computed (unknown session, a shape that does not fit, a
-    position past the session's KV length) becomes a ``Fault`` sent downstream — the tail
-    relays it to the coordinator — and the executor keeps serving other sessions. A closed
-    inbox ends ``run`` normally; bugs propagate.
+    Errors: a chunk that cannot be computed (a shape that does not fit, a position past the
+    session's KV length) becomes a ``Fault`` of kind ``chunk`` sent downstream — the tail
+    relays it to the coordinator — and the executor keeps serving other sessions. A chunk this
+    node lacks the KV for (an unknown session, or a start past the positions written so far:
+    frames were lost on a failed link) is never computed on garbage: it becomes a ``gap`` fault,
+    which the coordinator answers by re-sending the session. A closed inbox ends ``run``
+    normally; bugs propagate.
+
+    Replayed chunks (``Prefill.replay``, after a splice) are computed into the KV and go no
+    further; a repeated ``OpenSession`` keeps the session's KV.
     """
 
     def __init__(
@@ -151,9 +164,11 @@ class StageExecutor:
                     if not self._model.is_last:
                         await self._outbox.send(msg)
                     continue
-                if isinstance(msg, Prefill | Verify):
+                if isinstance(msg, Prefill | Verify) and not _is_replay(msg):
                     self._note_epoch(msg.session, msg.epoch)
-                self._record_input(msg)
+                    self._record_input(msg)
+                elif not isinstance(msg, Prefill | Verify):
+                    self._record_input(msg)
                 await queue.send(msg)
 
     def _record_input(self, msg: Message) -> None:
@@ -200,15 +215,15 @@ class StageExecutor:
             if not self._model.is_last:
                 await self._outbox.send(msg)
         elif isinstance(msg, Prefill | Verify):
-            if msg.epoch < self._epochs.get(msg.session, -1):
+            if not _is_replay(msg) and msg.epoch < self._epochs.get(msg.session, -1):
                 self._stale += 1  # a newer epoch is queued behind it: skip the stale chunk
                 return
             try:
                 out = await self._compute(msg)
             except StageFailed as exc:
-                await self._fault(msg.session, "chunk", str(exc))
+                await self._fault(msg.session, exc.kind, str(exc), epoch=msg.epoch)
                 return
-            if out is not None:
+            if out is not None and not _is_replay(msg):
                 self._record_output(out, out.hops[-1].compute_s if out.hops else 0.0)
                 await self._outbox.send(out)
         elif isinstance(msg, StageReceiptOut) or (isinstance(msg, Fault) and msg.session):
@@ -221,7 +236,11 @@ class StageExecutor:
             log.warning("%s: ignoring unexpected %s", self._node, type(msg).__name__)
 
     async def _open(self, msg: OpenSession) -> None:
-        if msg.session not in self._sessions and len(self._sessions) >= self._max_sessions:
+        if msg.session in self._sessions:  # re-sent after a failure: keep the KV
+            if not self._model.is_last:
+                await self._outbox.send(msg)
+            return
+        if len(self._sessions) >= self._max_sessions:
             await self._fault(
                 msg.session,
                 "capacity",
@@ -244,15 +263,19 @@ class StageExecutor:
         if not self._model.is_last:
             await self._outbox.send(msg)
 
-    async def _fault(self, session: SessionId, kind: str, detail: str) -> None:
+    async def _fault(
+        self, session: SessionId, kind: str, detail: str, *, epoch: Epoch | None = None
+    ) -> None:
         self._faults += 1
-        await self._outbox.send(Fault(node=self._node, kind=kind, detail=detail, session=session))
+        await self._outbox.send(
+            Fault(node=self._node, kind=kind, detail=detail, session=session, epoch=epoch)
+        )
 
     async def _compute(self, msg: Prefill | Verify) -> Prefill | Verify | Verdict | None:
         received_at = self._clock()
         sess = self._sessions.get(msg.session)
         if sess is None:
-            raise StageFailed(f"{self._node}: session {msg.session} is not open here")
+            raise StageFailed(f"{self._node}: session {msg.session} is not open here", "gap")
         x = self._input(msg)
         n = int(x.shape[1])
         if msg.start < 0 or msg.start + n > sess.cache.max_len:
@@ -260,15 +283,20 @@ class StageExecutor:
                 f"{self._node}: positions [{msg.start}, {msg.start + n}) do not fit the "
                 f"session's KV length {sess.cache.max_len}"
             )
+        if msg.start > sess.written:
+            raise StageFailed(
+                f"{self._node}: session {msg.session} chunk at {msg.start} but only positions "
+                f"< {sess.written} are written here (frames were lost)",
+                "gap",
+            )
         if isinstance(msg, Verify) and len(msg.draft) >= n:
             raise StageFailed(
                 f"{self._node}: {len(msg.draft)} drafted tokens in a chunk of {n} positions"
             )
         t0 = time.perf_counter()
-        out = await trio.to_thread.run_sync(
-            self._forward, x, msg.start, sess, msg, limiter=self._limiter
-        )
+        out = await offload.run_sync(self._forward, x, msg.start, sess, msg, limiter=self._limiter)
         compute_s = time.perf_counter() - t0
+        sess.written = msg.start + n
         self._chunks += 1
         self._positions += n
         self._compute_s += compute_s
@@ -325,7 +353,7 @@ class StageExecutor:
                 return out
             logits = out[0]  # [S, V]
             if isinstance(msg, Prefill):
-                if not msg.final:
+                if not msg.final or msg.replay:
                     return None
                 token = choose_token(logits[-1], sess.sampling, msg.start + int(x.shape[1]))
                 return (token,), 0
@@ -334,3 +362,7 @@ class StageExecutor:
                 logits[-(n_draft + 1) :], msg.draft, sess.sampling, msg.start + 1
             )
             return verdict.target_ids, verdict.accepted
+
+
+def _is_replay(msg: Prefill | Verify) -> bool:
+    return isinstance(msg, Prefill) and msg.replay

@@ -63,6 +63,7 @@ def build_snapshot(
     seq: int,
     at: float,
     started: float,
+    standbys: Sequence[NodeName] = (),
 ) -> StatusSnapshot:
     """A ``StatusSnapshot`` of ``stats`` with edges and stages in the order of ``ring``.
 
@@ -118,6 +119,7 @@ def build_snapshot(
         sessions=stats.sessions_open,
         requests_done=stats.requests_done,
         requests_failed=stats.requests_failed,
+        standbys=tuple(standbys),
         events=tuple(EventRecord(e.at, e.kind, e.detail) for e in stats.events),
     )
 
@@ -150,13 +152,18 @@ class StatusFeed:
         source: StatusSource,
         *,
         swarm: str,
-        ring: Sequence[NodeName],
+        ring: Sequence[NodeName] | Callable[[], Sequence[NodeName]],
+        standbys: Callable[[], Sequence[NodeName]] = tuple,
         interval_s: float = DEFAULT_INTERVAL_S,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``ring`` (or a function giving it: the ring changes when a standby is spliced in)
+        runs from the coordinator to the tail; ``standbys`` gives the standbys waiting."""
         self._source = source
         self._swarm = swarm
-        self._ring = tuple(ring)
+        fixed = () if callable(ring) else tuple(ring)
+        self._ring: Callable[[], Sequence[NodeName]] = ring if callable(ring) else lambda: fixed
+        self._standbys = standbys
         self._interval_s = interval_s
         self._wall_clock = wall_clock
         self._started = wall_clock()
@@ -176,10 +183,11 @@ class StatusFeed:
         return build_snapshot(
             self._source.statistics(),
             swarm=self._swarm,
-            ring=self._ring,
+            ring=self._ring(),
             seq=self._seq,
             at=self._wall_clock(),
             started=self._started,
+            standbys=self._standbys(),
         )
 
     def _publish(self) -> None:
