@@ -157,7 +157,12 @@ def _client_address(address: str) -> str:
 
 
 async def _ask(
-    spec: Any, address: str, req: GenerateRequest, args: Any, connect_timeout_s: float
+    spec: Any,
+    address: str,
+    req: GenerateRequest,
+    args: Any,
+    connect_timeout_s: float,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> GenerateDone:
     """Send one request to the coordinator at ``address``; the spec's ``connect_timeout_s``
     bounds reaching it (a swarm that is not running fails fast, with one line)."""
@@ -165,6 +170,8 @@ async def _ask(
     from shard.trust import client_network
 
     def show(out: TokensOut) -> None:
+        if on_tokens is not None:
+            on_tokens(len(out.token_ids))
         if not args.json:
             print(out.text, end="", flush=True)
 
@@ -426,15 +433,27 @@ async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path) -> None:
 async def _swarm_run(
     spec_path: Path, spec: Any, model_dir: Path, prompts: list[str], args: argparse.Namespace
 ) -> int:
+    from shard.fault_script import Progress, run_faults
     from shard.swarm import launch
 
     failed = 0
+    progress = Progress()
+    fired: list[Any] = []
+
+    def report(line: str) -> None:
+        print(f"shard: fault: {line}", file=sys.stderr, flush=True)
+
+    async def faults() -> None:
+        fired.extend(await run_faults(handle, progress, report))
+
     async with trio.open_nursery() as nursery:
         handle = await nursery.start(
             lambda task_status: launch(
                 spec_path, spec, model_dir=model_dir, task_status=task_status
             )
         )
+        if spec.faults:
+            nursery.start_soon(faults)
         for i, prompt in enumerate(prompts, start=1):
             req = GenerateRequest(
                 i,
@@ -447,9 +466,15 @@ async def _swarm_run(
                 depth=args.depth or 0,
             )
             timeout_s = spec.limits.connect_timeout_s
-            done = await _ask(spec, handle.coordinator, req, args, timeout_s)
+            progress.begin()
+            done = await _ask(spec, handle.coordinator, req, args, timeout_s, progress.add)
             failed += done.finish_reason == "error"
         nursery.cancel_scope.cancel()
+    for f in fired:
+        pause = progress.longest_pause_after(f.at)
+        report(f"longest pause between tokens after {f.fault.kind} {f.fault.node}: {pause:.3f} s")
+    if spec.faults and len(fired) < len(spec.faults):
+        report(f"{len(spec.faults) - len(fired)} scripted fault(s) never triggered")
     return failed
 
 

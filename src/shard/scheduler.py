@@ -350,10 +350,12 @@ class Scheduler:
         self._recoveries.append(
             Recovery(slot.name, dead, standby.node, kind, started - at, done - started, done - at)
         )
-        await self._hooks.resume(
+        detail = (
             f"{standby.node} replaced {dead} ({kind}) in {done - at:.3f} s "
             f"(detected {started - at:.3f} s, spliced {done - started:.3f} s)"
         )
+        log.warning("scheduler: %s", detail)
+        await self._hooks.resume(detail)
 
     async def _give_up(
         self, slot: NodeName, lost: NodeName, at: float, started: float, detail: str

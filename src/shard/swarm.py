@@ -37,12 +37,22 @@ class SwarmError(Exception):
 
 @attrs.frozen
 class SwarmHandle:
-    """A running local swarm: where clients reach the coordinator, and every child's PID."""
+    """A running local swarm: where clients reach the coordinator, and every child's PID.
+
+    ``relay_of`` maps a node to the relay in front of its downstream edge (``sever`` cuts
+    there); ``expect_exit(name)`` tells the launcher a node is about to be killed on purpose
+    (a scripted fault), so its exit does not end the swarm.
+    """
 
     spec: SwarmSpec
     coordinator: str
     pids: dict[str, int]
     relays: tuple[str, ...] = ()
+    relay_of: dict[str, DelayRelay] = attrs.field(factory=dict)
+    expected: set[str] = attrs.field(factory=set)
+
+    def expect_exit(self, name: str) -> None:
+        self.expected.add(name)
 
 
 def ready_line(node: str, address: str) -> str:
@@ -59,16 +69,19 @@ def _parse_ready(line: str) -> dict[str, str] | None:
 
 async def _start_relays(
     spec: SwarmSpec, nursery: trio.Nursery
-) -> tuple[dict[str, str], tuple[str, ...]]:
-    """A relay per ring edge with latency or a bandwidth cap; returns node -> dial override."""
+) -> tuple[dict[str, str], tuple[str, ...], dict[str, DelayRelay]]:
+    """A relay per ring edge with latency or a bandwidth cap, or a scripted ``sever``;
+    returns node -> dial override, descriptions, node -> relay."""
     listen = {spec.coordinator.name: str(spec.coordinator.listen)}
     listen.update({s.name: str(s.listen) for s in spec.stages})
     overrides: dict[str, str] = {}
     relays: list[str] = []
+    relay_of: dict[str, DelayRelay] = {}
+    severed = {f.node for f in spec.faults if f.kind == "sever"}
     ring = spec.ring()
     for src, dst in itertools.pairwise(ring):
         edge = spec.edge(src, dst)
-        if edge.latency_ms <= 0 and edge.bandwidth_mbps <= 0:
+        if edge.latency_ms <= 0 and edge.bandwidth_mbps <= 0 and src not in severed:
             continue
         relay = DelayRelay(
             "127.0.0.1:0",
@@ -78,8 +91,9 @@ async def _start_relays(
         )
         bound: str = await nursery.start(relay.run)
         overrides[src] = bound
+        relay_of[src] = relay
         relays.append(f"{src}->{dst} via {bound} ({edge.latency_ms:g} ms)")
-    return overrides, tuple(relays)
+    return overrides, tuple(relays), relay_of
 
 
 def _command(
@@ -96,9 +110,10 @@ async def _watch(
     name: str,
     proc: trio.Process,
     ready: trio.MemorySendChannel[dict[str, str]],
+    expected: set[str],
 ) -> None:
     """Read a child's stdout for its READY line, then keep draining; a child that exits
-    while the swarm runs is an error."""
+    while the swarm runs is an error, unless a scripted fault killed it (``expected``)."""
     assert proc.stdout is not None
     buffer = b""
     async with ready:
@@ -110,6 +125,9 @@ async def _watch(
                 if fields is not None:
                     await ready.send(fields)
     code = await proc.wait()
+    if name in expected:
+        log.info("node %s (pid %d) exited with code %d, as scripted", name, proc.pid, code)
+        return
     raise SwarmError(f"node {name} (pid {proc.pid}) exited with code {code}; see its log above")
 
 
@@ -147,10 +165,12 @@ async def launch(
     procs: list[trio.Process] = []
     try:
         async with trio.open_nursery() as nursery:
-            overrides, relays = await _start_relays(spec, nursery)
+            overrides, relays, relay_of = await _start_relays(spec, nursery)
+            expected: set[str] = set()
             ready_send, ready_recv = trio.open_memory_channel[dict[str, str]](0)
             nodes = [(s.name, "stage") for s in spec.stages]
             nodes.append((spec.coordinator.name, "coordinator"))
+            nodes += [(s.name, "standby") for s in spec.standbys]
             # Every node computes on this machine: give each its share of the cores, since
             # torch's default (all cores per process) thrashes when processes compete.
             threads = max(1, (os.cpu_count() or 1) // len(nodes))
@@ -161,7 +181,7 @@ async def launch(
                         cmd, stdout=subprocess.PIPE, stderr=stderr
                     )
                     procs.append(proc)
-                    nursery.start_soon(_watch, name, proc, ready_send.clone())
+                    nursery.start_soon(_watch, name, proc, ready_send.clone(), expected)
             seen: dict[str, dict[str, str]] = {}
             with trio.move_on_after(startup_timeout_s) as waited:
                 async for fields in ready_recv:
@@ -173,6 +193,6 @@ async def launch(
                 raise SwarmError(f"nodes not ready after {startup_timeout_s:g} s: {missing}")
             pids = {name: int(f["pid"]) for name, f in seen.items()}
             address = seen[spec.coordinator.name]["address"]
-            task_status.started(SwarmHandle(spec, address, pids, relays))
+            task_status.started(SwarmHandle(spec, address, pids, relays, relay_of, expected))
     finally:
         await _terminate(procs)

@@ -68,6 +68,14 @@ class DelayRelay:
         self._open = 0
         self._to_target = 0
         self._to_client = 0
+        self._live: set[trio.CancelScope] = set()
+
+    def sever(self) -> int:
+        """Cut every connection relayed now (a cable cut; new ones still go through).
+        Returns how many were cut."""
+        for scope in self._live:
+            scope.cancel()
+        return len(self._live)
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(self._connections, self._open, self._to_target, self._to_client)
@@ -90,11 +98,16 @@ class DelayRelay:
             await client.aclose()
             return
         self._open += 1
+        cut = trio.CancelScope()
+        self._live.add(cut)
         try:
-            async with client, upstream, trio.open_nursery() as nursery:
-                nursery.start_soon(self._direction, client, upstream, True, nursery.cancel_scope)
-                nursery.start_soon(self._direction, upstream, client, False, nursery.cancel_scope)
+            with cut:
+                async with client, upstream, trio.open_nursery() as nursery:
+                    scope = nursery.cancel_scope
+                    nursery.start_soon(self._direction, client, upstream, True, scope)
+                    nursery.start_soon(self._direction, upstream, client, False, scope)
         finally:
+            self._live.discard(cut)
             self._open -= 1
 
     async def _direction(
