@@ -11,6 +11,7 @@ invented. A failing scenario's message starts with its plan (seed, kind, node, f
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,19 @@ import pytest
 import trio
 import trio.testing
 
+from shard.checkpoint import CheckpointStore
 from shard.config import SwarmSpec
 from shard.coordinator import Completion, RingError
 from shard.faults import FaultInjector, FaultPlan
 from shard.inprocess import run_swarm
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.node import CoordinatorHandle
+from shard.node import CoordinatorHandle, run_coordinator, run_standby
 from shard.offload import inline_compute
 from shard.reference import generate_reference
 from shard.scheduler import Recovery
 from shard.testing import make_tiny_checkpoint
+from shard.transport import MemoryNetwork, Network
 
 PROMPTS = ([5, 17, 99, 3, 8, 8, 41, 5, 17], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44], [42, 42])
 MAX_TOKENS = 20
@@ -39,7 +42,13 @@ DECODE = (14, 40)  # frames well into decoding
 
 
 def failover_spec(
-    model_dir: Path, *, standbys: bool = True, speculate: bool = False, join_deadline_s: float = 5
+    model_dir: Path,
+    *,
+    standbys: bool = True,
+    spare: bool = False,
+    late: bool = False,
+    speculate: bool = False,
+    join_deadline_s: float = 5,
 ) -> SwarmSpec:
     data: dict[str, Any] = {
         "swarm": {"name": "test", "model": str(model_dir), "insecure": True},
@@ -56,6 +65,10 @@ def failover_spec(
             {"name": f"s{i}-standby", "listen": f"127.0.0.1:{9011 + i}", "layers_of": f"s{i}"}
             for i in range(3)
         ]
+    if spare:  # no block loaded: the cold path loads one when it is needed
+        data["standby"] = [{"name": "spare", "listen": "127.0.0.1:9021"}]
+    if late:  # a standby for s1 that the test starts only after the fault
+        data["standby"] = [{"name": "late", "listen": "127.0.0.1:9022", "layers_of": "s1"}]
     if speculate:
         data["speculation"] = {"draft": "ngram", "k": 3, "depth": 2}
     return SwarmSpec.from_dict(data, source="failover-test.toml")
@@ -91,24 +104,41 @@ class Outcome:
     events: tuple[str, ...] = ()
 
 
-def run_scenario(spec: SwarmSpec, model_dir: Path, plan: FaultPlan | None) -> Outcome:
-    """Run the three requests concurrently on a swarm with ``plan``'s fault, in virtual time."""
+def run_scenario(
+    spec: SwarmSpec,
+    model_dir: Path,
+    plan: FaultPlan | None,
+    *,
+    after_fault: Callable[[Network], Awaitable[None]] | None = None,
+) -> Outcome:
+    """Run the three requests concurrently on a swarm with ``plan``'s fault, in virtual time.
+
+    ``after_fault(network)`` runs once the fault has fired (e.g. a node joining late)."""
     injector = FaultInjector(plan or FaultPlan(0, ()))
     results: list[Completion | RingError | None] = [None] * len(PROMPTS)
     out = Outcome([], injector)
 
     async def main() -> None:
+        network = MemoryNetwork()
         with inline_compute(), trio.fail_after(600):
             async with trio.open_nursery() as nursery:
                 handle: CoordinatorHandle = await nursery.start(
                     lambda task_status: run_swarm(
                         spec,
                         model_dir=model_dir,
+                        network=network,
                         wrap=injector.wrap,
                         scopes=injector.scopes,
                         task_status=task_status,
                     )
                 )
+                if after_fault is not None:
+
+                    async def then() -> None:
+                        await injector.wait_fired()
+                        await after_fault(network)
+
+                    nursery.start_soon(then)
 
                 async def one(i: int) -> None:
                     try:
@@ -220,3 +250,100 @@ def test_kill_without_standby_ends_with_committed_tokens(
         assert "no standby" in str(result), f"{plan}: {result}"
         committed = result.committed
         assert committed == references[i][: len(committed)], f"{plan}: request {i}"
+
+
+def test_cold_path_spare_loads_the_lost_block(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """No hot standby, but a spare with no block: it loads s1's layers when assigned."""
+    plan = FaultPlan.random(91, kind="kill", node="s1", frames=DECODE)
+    out = run_scenario(failover_spec(model_dir, standbys=False, spare=True), model_dir, plan)
+    assert out.injector.fired, f"{plan}: the fault never fired"
+    assert [(r.kind, r.lost, r.replacement) for r in out.recoveries] == [("cold", "s1", "spare")]
+    for i, result in enumerate(out.results):
+        assert isinstance(result, Completion), f"{plan}: request {i} failed: {result}"
+        assert result.token_ids == references[i], f"{plan}: request {i} output differs"
+
+
+def test_standby_joining_within_the_deadline_repairs_the_ring(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """No standby when s1 dies; one starts afterwards, within join_deadline_s: the requests
+    wait for it and complete with identical output."""
+    plan = FaultPlan.random(92, kind="kill", node="s1", frames=DECODE)
+    spec = failover_spec(model_dir, standbys=False, join_deadline_s=20)
+    with_late = failover_spec(model_dir, standbys=False, late=True, join_deadline_s=20)
+
+    async def join(network: Network) -> None:
+        await run_standby(with_late, "late", network=network, model_dir=model_dir)
+
+    out = run_scenario(spec, model_dir, plan, after_fault=join)
+    assert [(r.kind, r.lost, r.replacement) for r in out.recoveries] == [("hot", "s1", "late")]
+    for i, result in enumerate(out.results):
+        assert isinstance(result, Completion), f"{plan}: request {i} failed: {result}"
+        assert result.token_ids == references[i], f"{plan}: request {i} output differs"
+
+
+def test_restarted_coordinator_resumes_a_checkpointed_request_on_the_warm_ring(
+    model_dir: Path, references: list[tuple[int, ...]], tmp_path: Path
+) -> None:
+    """The coordinator dies mid-request; the stages stay up (warm). A new coordinator on the
+    same address finds the request's checkpoint, the tail re-dials it, and resuming gives
+    the reference output; the stages drop the dead coordinator's session."""
+    base = failover_spec(model_dir, standbys=False)
+    spec = attrs.evolve(
+        base, failover=attrs.evolve(base.failover, checkpoint_dir=str(tmp_path / "ckpt"))
+    )
+    prompt, want = PROMPTS[1], references[1]
+    resumed: list[Completion] = []
+    seen_before: list[int] = []
+
+    async def main() -> None:
+        network = MemoryNetwork()
+        scopes: dict[str, trio.CancelScope] = {}
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                first: CoordinatorHandle = await nursery.start(
+                    lambda task_status: run_swarm(
+                        spec,
+                        model_dir=model_dir,
+                        network=network,
+                        scopes=scopes,
+                        task_status=task_status,
+                    )
+                )
+                halfway = trio.Event()
+
+                async def tokens(ids: list[int]) -> None:
+                    seen_before.extend(ids)
+                    if len(seen_before) >= 8:
+                        halfway.set()
+
+                with trio.CancelScope() as request:
+
+                    async def ask() -> None:
+                        await first.coordinator.generate(
+                            prompt, max_tokens=MAX_TOKENS, on_tokens=tokens, request_id="r1"
+                        )
+
+                    nursery.start_soon(ask)
+                    await halfway.wait()
+                    scopes["coord"].cancel()  # the coordinator process dies ...
+                    request.cancel()  # ... and its request with it
+                store = CheckpointStore(tmp_path / "ckpt")
+                (checkpoint,) = store.pending()
+                assert checkpoint.output_ids == want[: len(checkpoint.output_ids)]
+                assert len(checkpoint.output_ids) >= 8
+                second: CoordinatorHandle = await nursery.start(
+                    lambda task_status: run_coordinator(
+                        spec, network=network, model_dir=model_dir, task_status=task_status
+                    )
+                )
+                resumed.append(await second.coordinator.resume_request(checkpoint))
+                assert store.pending() == []
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(seen_before) < len(want), "the request finished before the coordinator died"
+    (done,) = resumed
+    assert done.token_ids == want

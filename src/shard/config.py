@@ -293,7 +293,7 @@ class SwarmSpec:
             ),
             trust=trust,
             fetch=read_fetch(top, base_dir, [(s.name, str(s.listen)) for s in stages]),
-            failover=read_failover(top.table("failover", FAILOVER_KEYS, required=False)),
+            failover=read_failover(top.table("failover", FAILOVER_KEYS, required=False), base_dir),
             standbys=standbys,
             faults=read_faults(top, names, coordinator.name),
             source=source,

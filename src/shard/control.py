@@ -114,17 +114,26 @@ class ControlClient:
             await trio.sleep(self._heartbeat_s)
 
     async def _serve(self, conn: Connection) -> None:
+        """Obey orders until the link fails (returns; the caller re-dials)."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._beat, conn)
-            while True:
-                with trio.move_on_after(self._dead_after_s * 4) as quiet:
-                    msg = await conn.receive()
-                if quiet.cancelled_caught:
-                    raise TransportError(f"the scheduler at {self._address} went silent")
-                if isinstance(msg, Activate | Rewire):
-                    await conn.send(await self._obey(msg))
-                elif not isinstance(msg, Heartbeat):
-                    log.warning("%s: unexpected %s on the control link", self._node, msg)
+            nursery.start_soon(self._beat, conn, nursery.cancel_scope)
+            try:
+                while True:
+                    with trio.move_on_after(self._dead_after_s * 4) as quiet:
+                        msg = await conn.receive()
+                    if quiet.cancelled_caught:
+                        log.warning(
+                            "%s: the scheduler at %s went silent", self._node, self._address
+                        )
+                        return
+                    if isinstance(msg, Activate | Rewire):
+                        await conn.send(await self._obey(msg))
+                    elif not isinstance(msg, Heartbeat):
+                        log.warning("%s: unexpected %s on the control link", self._node, msg)
+            except TransportError as exc:
+                log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
+            finally:
+                nursery.cancel_scope.cancel()
 
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()
@@ -135,7 +144,10 @@ class ControlClient:
             return Ready(node=self._node, action=action, ok=False, detail=str(exc))
         return Ready(node=self._node, action=action)
 
-    async def _beat(self, conn: Connection) -> None:
-        while True:
-            await conn.send(Heartbeat(node=self._node, sent_at=time.time()))
-            await trio.sleep(self._heartbeat_s)
+    async def _beat(self, conn: Connection, link: trio.CancelScope) -> None:
+        try:
+            while True:
+                await conn.send(Heartbeat(node=self._node, sent_at=time.time()))
+                await trio.sleep(self._heartbeat_s)
+        except TransportError:
+            link.cancel()  # the receive loop ends too; the caller re-dials

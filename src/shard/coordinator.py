@@ -21,9 +21,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
+from shard.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.decoding import BadRequest, DecodeState, check_sampling
 from shard.draft import Drafter, Proposer
 from shard.messages import (
+    SESSION_BITS,
     ChunkSeq,
     EndSession,
     Epoch,
@@ -145,7 +147,13 @@ class Coordinator:
         speculation: SpecConfig = SpecConfig(),
         signer: RunSigner | None = None,
         wall_clock: Callable[[], float] = time.time,
+        checkpoints: CheckpointStore | None = None,
+        incarnation: int = 0,
     ) -> None:
+        """``checkpoints`` keeps each running request's committed tokens on disk (so a
+        restarted coordinator can ``resume_request`` it); ``incarnation`` goes into the high bits of
+        session ids, so a restarted coordinator's sessions never collide with the ones its
+        predecessor left on the stages (which drop those: ``shard.stage``)."""
         self._node = node
         self._eos_ids = tuple(eos_ids)
         self._to_ring = to_ring
@@ -160,7 +168,8 @@ class Coordinator:
         self._routes: dict[SessionId, trio.MemorySendChannel[Message | Resync]] = {}
         self._sent = ReplayLog()  # what each session sent: full re-sends come from here
         self._recovering: str | None = None
-        self._session_ids = itertools.count(1)
+        self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
+        self._checkpoints = checkpoints
         self._slots = trio.Semaphore(limits.max_sessions)
         self._ring_fault: Fault | None = None
         self._done = 0
@@ -261,6 +270,7 @@ class Coordinator:
         on_tokens: OnTokens | None = None,
         speculation: SpecConfig | None = None,
         receipt: bool = False,
+        request_id: str | None = None,
     ) -> Completion:
         """Run one request through the ring; ``on_tokens`` sees ids as they are committed.
 
@@ -269,6 +279,9 @@ class Coordinator:
 
         ``speculation`` overrides the coordinator's K/D policy for this request (benchmarks
         and tests compare modes on one ring); ``SpecConfig(k=0)`` is plain decoding.
+
+        ``request_id`` names the request's checkpoint (with a checkpoint store): its committed
+        tokens are saved as they come, and the file is removed when the request ends.
 
         Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
         ``RingError`` when the ring fails the request.
@@ -289,9 +302,12 @@ class Coordinator:
                 self._jobs[sid] = RunJob.start(prompt_ids, os.urandom(16))
             ended = False
             try:
+                emit = self._checkpointing(request_id, prompt_ids, max_tokens, sampling, on_tokens)
                 completion = await self._drive(
-                    sid, recv, prompt_ids, state, sampling, on_tokens, speculation or self._spec
+                    sid, recv, prompt_ids, state, sampling, emit, speculation or self._spec
                 )
+                if request_id is not None and self._checkpoints is not None:
+                    self._checkpoints.done(request_id)
                 if receipt:
                     ended = True
                     completion = await self._collect_receipts(sid, recv, completion)
@@ -306,6 +322,69 @@ class Coordinator:
                 self._sent.record(EndSession(session=sid))
         self._done += 1
         return completion
+
+    def _checkpointing(
+        self,
+        request_id: str | None,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        sampling: Sampling,
+        on_tokens: OnTokens | None,
+    ) -> OnTokens | None:
+        store = self._checkpoints
+        if request_id is None or store is None:
+            return on_tokens
+        output: list[int] = []
+        prompt = tuple(int(t) for t in prompt_ids)
+
+        async def emit(ids: list[int]) -> None:
+            output.extend(ids)
+            store.save(RequestCheckpoint(request_id, prompt, tuple(output), max_tokens, sampling))
+            if on_tokens is not None:
+                await on_tokens(ids)
+
+        return emit
+
+    async def resume_request(
+        self,
+        checkpoint: RequestCheckpoint,
+        *,
+        on_tokens: OnTokens | None = None,
+        speculation: SpecConfig | None = None,
+    ) -> Completion:
+        """Continue a request a previous coordinator checkpointed: the committed tokens are
+        kept, the rest is generated on the ring (``on_tokens`` sees only the new ones). The
+        returned completion holds every output token, old and new.
+
+        Errors: as ``generate``; the checkpoint stays until the request ends.
+        """
+        done = checkpoint.output_ids
+        left = checkpoint.max_tokens - len(done)
+        if left <= 0 or (done and done[-1] in self._eos_ids):
+            if self._checkpoints is not None:
+                self._checkpoints.done(checkpoint.request)
+            reason = "stop" if done and done[-1] in self._eos_ids else "length"
+            return Completion(done, reason, RunStats(0, 0.0, 0.0, 0.0, 0, 0.0))
+        store = self._checkpoints
+
+        async def emit(ids: list[int]) -> None:
+            nonlocal done
+            done = (*done, *ids)
+            if store is not None:
+                store.save(attrs.evolve(checkpoint, output_ids=done))
+            if on_tokens is not None:
+                await on_tokens(ids)
+
+        rest = await self.generate(
+            (*checkpoint.prompt_ids, *checkpoint.output_ids),
+            max_tokens=left,
+            sampling=checkpoint.sampling,
+            on_tokens=emit,
+            speculation=speculation,
+        )
+        if store is not None:
+            store.done(checkpoint.request)
+        return attrs.evolve(rest, token_ids=(*checkpoint.output_ids, *rest.token_ids))
 
     async def _end_session(self, sid: SessionId) -> None:
         """Free the session on every stage; shielded and bounded (runs during cancellation)."""

@@ -114,6 +114,15 @@ class FaultInjector:
         self.scopes: dict[str, trio.CancelScope] = {}
         self.fired: list[Injection] = []
         self._nodes: dict[str, _NodeState] = {}
+        self._fired_event = trio.Event()
+
+    async def wait_fired(self) -> None:
+        """Return once an injection has fired (a test starts its next step from there)."""
+        await self._fired_event.wait()
+
+    def _fire(self, injection: Injection) -> None:
+        self.fired.append(injection)
+        self._fired_event.set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -229,7 +238,7 @@ class FaultyConnection:
             await self._inner.send(msg)
             await self._release_held()
             return
-        self._injector.fired.append(injection)
+        self._injector._fire(injection)
         kind = injection.kind
         if kind == "drop":
             return

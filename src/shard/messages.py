@@ -29,6 +29,9 @@ ChunkSeq = NewType("ChunkSeq", int)
 NodeName = NewType("NodeName", str)
 
 PROTOCOL_VERSION = 1
+#: A session id is ``incarnation << SESSION_BITS | n``: each coordinator start draws a new
+#: incarnation, so stages recognise (and free) sessions a coordinator that died left behind.
+SESSION_BITS = 32
 
 #: dtypes a ``Tensor`` payload may carry, with their item size in bytes.
 TENSOR_DTYPES: dict[str, int] = {
@@ -135,9 +138,10 @@ class Fault:
 class Register:
     """Node -> scheduler, first message on a control link: who it is and what it holds.
 
-    ``role`` is ``"stage"`` (in the ring) or ``"standby"``; ``address`` is where it accepts its
-    upstream; ``first``/``last`` the block it has loaded (both -1: a spare that loads the block
-    it is given by ``Activate``, the cold path).
+    ``role`` is ``"stage"`` (in the ring, serving ``slot``) or ``"standby"``; ``address`` is
+    where it accepts its upstream; ``first``/``last`` the block it has loaded (both -1: a spare
+    that loads the block it is given by ``Activate``, the cold path). A restarted coordinator
+    learns the ring as it stands (spliced standbys included) from these.
     """
 
     node: NodeName
@@ -145,6 +149,7 @@ class Register:
     address: str
     first: int = -1
     last: int = -1
+    slot: str = ""  # the ring slot (spec stage name) a stage serves; "" for a standby
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import attrs
 import trio
 
 from shard import offload
+from shard.checkpoint import CheckpointStore
 from shard.config import CoordinatorSpec, SwarmSpec
 from shard.coordinator import Coordinator, CoordinatorLimits
 from shard.draft import (
@@ -141,7 +143,13 @@ async def run_coordinator(
         retry_after_s=spec.limits.retry_after_s,
     )
     drafter = await offload.run_sync(make_drafter, spec, model_dir)
+    failover = spec.failover
+    checkpoints = None
+    if failover.checkpoint_dir is not None:
+        checkpoints = CheckpointStore(Path(failover.checkpoint_dir))
     coordinator = Coordinator(
+        checkpoints=checkpoints,
+        incarnation=secrets.randbits(20),
         node=name,
         eos_ids=eos,
         to_ring=to_ring_send,
@@ -162,7 +170,6 @@ async def run_coordinator(
             depth_max=spec.speculation.depth_max,
         ),
     )
-    failover = spec.failover
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
@@ -189,6 +196,7 @@ async def run_coordinator(
             join_deadline_s=failover.join_deadline_s,
             splice_timeout_s=failover.splice_timeout_s,
         ),
+        return_up=lambda: return_links > 0,
     )
 
     async def link_fault(fault: Fault) -> None:
@@ -204,6 +212,7 @@ async def run_coordinator(
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     tail_joined = trio.Event()
+    return_links = 0
 
     async def handler(conn: Connection) -> None:
         try:
@@ -229,9 +238,14 @@ async def run_coordinator(
                 Fault(node=name, kind="handshake", detail=f"only {tail} may open the return link")
             )
             return
+        nonlocal return_links
         tail_joined.set()
         coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
-        await pump_in(name, conn, from_ring_send.clone())
+        return_links += 1
+        try:
+            await pump_in(name, conn, from_ring_send.clone())
+        finally:
+            return_links -= 1
 
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)

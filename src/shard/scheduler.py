@@ -118,7 +118,11 @@ class Scheduler:
         hooks: RingHooks,
         policy: FailoverPolicy = FailoverPolicy(),
         clock: Callable[[], float] = trio.current_time,
+        return_up: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``return_up`` says whether a tail's return link is connected now: a tail that
+        registers while it is not (this coordinator restarted) is told to re-dial it."""
+        self._return_up = return_up
         self._node = node
         self._slots = list(slots)
         self._return_address = return_address
@@ -186,8 +190,12 @@ class Scheduler:
         if old is not None:
             await old.conn.aclose()
         for slot in self._slots:
+            if member.role == "stage" and slot.name == first.slot:
+                slot.holder = member.node  # the ring as it stands (a standby spliced in earlier)
             if slot.holder == member.node:
                 slot.address = member.address
+        if member.node == self.tail() and self._nursery is not None:
+            self._nursery.start_soon(self._redial_return, member)
         self._hooks.event("join", f"{member.node} ({member.role}) registered")
         self._joined.set()
         self._joined = trio.Event()
@@ -258,6 +266,18 @@ class Scheduler:
                 except TransportError:
                     pass  # its serve task sees the close
             await trio.sleep(self._policy.heartbeat_s)
+
+    async def _redial_return(self, member: _Member) -> None:
+        """A tail registered: if its return link is not up (this coordinator restarted while
+        the ring stayed warm), have it re-dial this coordinator."""
+        await trio.sleep(self._policy.heartbeat_s)
+        if self._return_up() or not member.alive:
+            return
+        self._hooks.event("join", f"asking {member.node} to re-dial the return link")
+        try:
+            await self._order(member, Rewire(self._return_address, False))
+        except (_RecoveryFailed, trio.TooSlowError) as exc:
+            log.warning("scheduler: %s could not re-dial the return link: %s", member.node, exc)
 
     def _slot_of(self, node: NodeName) -> int | None:
         for i, slot in enumerate(self._slots):

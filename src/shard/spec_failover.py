@@ -8,6 +8,7 @@ send_timeout_s = 2.0     # a ring send that takes longer fails the link
 join_deadline_s = 30.0   # no standby: wait this long for a spare to register, else fail
 splice_timeout_s = 30.0  # activating a standby and rewiring its predecessor, within this
 replay_max_mib = 1024    # bound on each edge's log of sent activations (host memory)
+checkpoint_dir = "ckpt"  # the coordinator saves each request's committed tokens here (optional)
 
 [[standby]]              # `shard up --role standby --spec SPEC --node s1-standby`
 name = "s1-standby"
@@ -31,6 +32,7 @@ The standby record, ``StandbySpec``, lives in ``shard.config`` beside ``StageSpe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
 import attrs
@@ -45,6 +47,7 @@ FAILOVER_KEYS: Final = (
     "join_deadline_s",
     "splice_timeout_s",
     "replay_max_mib",
+    "checkpoint_dir",
 )
 STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS)
 FAULT_KEYS: Final = ("kind", "node", "at_token", "at_s", "seconds")
@@ -63,6 +66,7 @@ class FailoverSpec:
     join_deadline_s: float = 30.0
     splice_timeout_s: float = 30.0
     replay_max_mib: int = 1024
+    checkpoint_dir: str | None = None  # absolute; None: no checkpoints
 
     @property
     def replay_max_bytes(self) -> int:
@@ -82,9 +86,16 @@ class FaultSpec:
     seconds: float = 0.0
 
 
-def read_failover(table: Table) -> FailoverSpec:
-    """Validate ``[failover]`` (an absent table reads as the defaults)."""
+def read_failover(table: Table, base_dir: Path | None = None) -> FailoverSpec:
+    """Validate ``[failover]`` (an absent table reads as the defaults). A relative
+    ``checkpoint_dir`` resolves against ``base_dir`` (the spec's directory), else the cwd."""
     d = FailoverSpec()
+    checkpoint_dir = None
+    if table.raw("checkpoint_dir", None) is not None:
+        path = Path(table.string("checkpoint_dir", example='"ckpt"')).expanduser()
+        if not path.is_absolute():
+            path = (base_dir if base_dir is not None else Path.cwd()) / path
+        checkpoint_dir = str(path)
     spec = FailoverSpec(
         heartbeat_s=table.number("heartbeat_s", default=d.heartbeat_s, positive=True),
         dead_after_s=table.number("dead_after_s", default=d.dead_after_s, positive=True),
@@ -94,6 +105,7 @@ def read_failover(table: Table) -> FailoverSpec:
             "splice_timeout_s", default=d.splice_timeout_s, positive=True
         ),
         replay_max_mib=table.integer("replay_max_mib", default=d.replay_max_mib, minimum=1),
+        checkpoint_dir=checkpoint_dir,
     )
     if spec.dead_after_s < 2 * spec.heartbeat_s:
         raise table.error(

@@ -25,6 +25,7 @@ import trio
 from shard import offload
 from shard.decoding import BadRequest, check_sampling
 from shard.messages import (
+    SESSION_BITS,
     EndSession,
     Epoch,
     Fault,
@@ -240,6 +241,7 @@ class StageExecutor:
             if not self._model.is_last:
                 await self._outbox.send(msg)
             return
+        self._drop_orphans(msg.session)
         if len(self._sessions) >= self._max_sessions:
             await self._fault(
                 msg.session,
@@ -262,6 +264,18 @@ class StageExecutor:
         self._sessions[msg.session] = _Session(cache, msg.sampling)
         if not self._model.is_last:
             await self._outbox.send(msg)
+
+    def _drop_orphans(self, session: SessionId) -> None:
+        """Sessions opened by an earlier coordinator (another incarnation in the id's high
+        bits) can never continue: a ring has one coordinator, and a restarted one resumes
+        with new sessions. Free them."""
+        incarnation = session >> SESSION_BITS
+        for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
+            log.warning("%s: dropped session %d of a previous coordinator", self._node, sid)
+            self._sessions.pop(sid)
+            self._epochs.pop(sid, None)
+            if self._receipts is not None:
+                self._receipts.close(sid)
 
     async def _fault(
         self, session: SessionId, kind: str, detail: str, *, epoch: Epoch | None = None

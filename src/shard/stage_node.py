@@ -80,6 +80,7 @@ class _StageNode:
         self.address = address  # where upstream dials us (the bound address once serving)
         self.timeout_s = timeout_s
         self.role = "standby"
+        self.slot = ""  # the ring slot served, once a stage
         self.block: tuple[int, int] = (-1, -1)
         self.model: StageModel | None = None
         self.executor: StageExecutor | None = None
@@ -102,7 +103,7 @@ class _StageNode:
         return Hello(node=self.name, role="stage", swarm=self.spec.name, link=link)
 
     def register(self) -> Register:
-        return Register(self.name, self.role, self.address, *self.block)
+        return Register(self.name, self.role, self.address, *self.block, slot=self.slot)
 
     async def report(self, fault: Fault) -> None:
         if self.control is not None:
@@ -161,6 +162,7 @@ class _StageNode:
             log.info("%s: loading layers %d..%d (cold)", self.name, order.first, order.last)
             await self.load(order.first, order.last)
         await self.connect(order.successor)
+        self.slot = order.slot
         self.start()
 
     async def serve_upstream(self, conn: Connection) -> None:
@@ -222,6 +224,7 @@ async def run_stage(
         timeout_s=startup_timeout_s,
     )
     await me.load(first, last)
+    me.slot = name
     await me.connect(successor or _successor(spec, index))
     async with trio.open_nursery() as nursery:
         me.nursery = nursery
