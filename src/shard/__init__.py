@@ -3,7 +3,8 @@
 Where things live, in the order a token travels::
 
     cli.py, commands.py     the operator surface: argument parsing, then one handler per command
-    node.py                 composition roots: wire one node's actors (stage or coordinator)
+    node.py                 composition roots: wire one node's actors (the coordinator; the
+                            stage and standby in stage_node.py)
     swarm.py, inprocess.py  a whole swarm as local processes / inside one Trio run
     config.py, spec_*.py    typed swarm specs (TOML) and their validation
     service.py, client.py   text requests in, streamed tokens out
@@ -17,6 +18,10 @@ Where things live, in the order a token travels::
                             emulated WAN delay, and a delaying TCP relay
     links.py                the Hello/Welcome handshake and the pumps between links and actors
     stage.py                StageExecutor: one block of layers, its KV caches, early cancellation
+    stage_node.py           composition roots of a stage and a standby
+    edge.py, replay.py      a supervised ring edge: heartbeats, deadlines, replay log, rewire
+    scheduler.py, control.py  failover: control links, death detection, splicing standbys in
+    checkpoint.py           per-request checkpoints for a restarted coordinator
     verify.py               the target's choice and the lossless acceptance rule
     model/                  the Llama-family model in plain torch, loading, GGUF import,
                             tokenizer and chat template, the bundled SmolLM2
@@ -32,10 +37,11 @@ Trust, each a small module::
 
 Observability: ``ringstats.py`` (rolling ring statistics), ``status.py`` (the status feed),
 ``tui/`` (the Textual monitor). Drafts: ``distill*.py`` (``shard draft distill``).
-Test helpers are public API in ``testing.py``.
+Test helpers are public API in ``testing.py``; fault injection in ``faults.py``.
 
-The forward pass runs in a worker thread behind a ``CapacityLimiter(1)``: the only thread
-boundary. Everything else is Trio.
+The forward pass runs in a worker thread behind a ``CapacityLimiter(1)`` (``offload.py``;
+inline under ``inline_compute()`` for virtual-time tests): the only thread boundary.
+Everything else is Trio.
 """
 
 __version__ = "0.1.0"
