@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from shard.decoding import DecodeState
 from shard.messages import ChunkSeq, Epoch, SessionId, Verdict
 from shard.speculation import (
+    RunLengths,
     SpecConfig,
     SpecController,
     SpecStream,
@@ -170,3 +173,51 @@ def test_pipeline_rate_only_pays_with_high_alpha() -> None:
     kw = {"lap_s": 0.1, "draft_s": 0.0, "stage_s": 0.005}
     assert pipeline_rate(0.9, 4, 4, **kw) > 2 * pipeline_rate(0.9, 4, 1, **kw)
     assert pipeline_rate(0.3, 4, 4, **kw) < 1.05 * pipeline_rate(0.3, 4, 1, **kw)
+
+
+def _runs_source(seed: int, chunks: int, k: int) -> tuple[RunLengths, SpecController]:
+    """Feed a controller chunks from a source whose guesses come in runs: the first guess
+    after a miss holds 60 % of the time, later ones 97 %."""
+    rng = random.Random(seed)
+    control = SpecController(SpecConfig(), runs=RunLengths())
+    for _ in range(chunks):
+        accepted = 0
+        for j in range(k):
+            p = 0.6 if control.run + j == 0 else 0.97
+            if rng.random() >= p:
+                break
+            accepted += 1
+        control.observe_chunk(k, accepted, rejected=accepted < k)
+    assert control.runs is not None
+    return control.runs, control
+
+
+def test_run_lengths_learn_that_acceptance_comes_in_runs() -> None:
+    runs, control = _runs_source(0, 400, 6)
+    assert runs.p(0) == pytest.approx(0.6, abs=0.12)
+    assert runs.p(6) > 0.9 and runs.p(20) > 0.9
+    # Inside a run the expected tokens per chunk far exceed what the overall α predicts.
+    assert runs.expected(10, 6) > expected_tokens(control.alpha, 6) + 1.0
+
+
+def test_controller_pipelines_long_chunks_inside_a_run() -> None:
+    """The i.i.d. model at the same overall α pipelines short chunks; the run model, in a
+    long run, goes long and deep — and right after a miss, shallower."""
+    runs, control = _runs_source(1, 400, 6)
+    timing = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.05}
+    iid = SpecController(SpecConfig(), alpha=control.alpha, **timing)
+    inside = SpecController(SpecConfig(), runs=runs, run=12, **timing)
+    after_miss = SpecController(SpecConfig(), runs=runs, run=0, **timing)
+    k_iid, d_iid = iid.choose()
+    k_in, d_in = inside.choose()
+    assert d_in >= 3 and k_in >= 5, (k_in, d_in)
+    assert k_iid < k_in, (k_iid, d_iid)  # i.i.d.: short chunks, deep (docs/benchmarks.md)
+    assert after_miss.choose()[1] < d_in
+
+
+def test_carry_keeps_measurements_and_resets_the_run() -> None:
+    runs, control = _runs_source(2, 50, 4)
+    control.observe_lap(0.4, 0.05)
+    nxt = control.carry(SpecConfig(k=2))
+    assert nxt.runs is runs and nxt.lap_s == control.lap_s and nxt.run == 0
+    assert nxt.choose()[0] == 2

@@ -45,7 +45,7 @@ from shard.messages import (
 from shard.receipts import EdgeRecord, RunJob, RunReceipt, RunSigner
 from shard.replay import ReplayLog
 from shard.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
-from shard.speculation import Outcome, SpecConfig, SpecController, SpecStream
+from shard.speculation import Outcome, RunLengths, SpecConfig, SpecController, SpecStream
 
 # Verdicts a session's route can hold before the router waits: the chunks in flight
 # (depth_max) plus stale ones still arriving after a rejection, and a late Fault.
@@ -167,6 +167,8 @@ class Coordinator:
         self._k, self._depth = 0, 1
         self._routes: dict[SessionId, trio.MemorySendChannel[Message | Resync]] = {}
         self._sent = ReplayLog()  # what each session sent: full re-sends come from here
+        # K/D policy state shared by requests: timings and acceptance by run length
+        self._control = SpecController(speculation, runs=RunLengths())
         self._recovering: str | None = None
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
         self._checkpoints = checkpoints
@@ -474,7 +476,8 @@ class Coordinator:
         proposer = None
         if self._drafter is not None and spec.enabled:
             proposer = self._drafter.session(prompt_ids)
-        control = SpecController(spec if proposer else SpecConfig(k=0, depth=1))
+        control = self._control.carry(spec if proposer else SpecConfig(k=0, depth=1))
+        self._control = control  # the next request starts from this one's measurements
         max_depth = 1
         while not state.done:
             max_depth = max(max_depth, await self._fill(sid, stream, proposer, control, laps))
@@ -498,7 +501,7 @@ class Coordinator:
                 laps.discard(verdict.seq)
                 continue
             self._lap(laps, verdict, committed=len(outcome.emitted), outcome=outcome)
-            control.observe_chunk(outcome.drafted, outcome.accepted)
+            control.observe_chunk(outcome.drafted, outcome.accepted, outcome.rejected)
             control.observe_lap(
                 laps.last_lap_s, max((h.compute_s for h in verdict.hops), default=0)
             )
