@@ -231,7 +231,7 @@ def test_no_fault_baseline_matches_reference(
     assert out.recoveries == ()
 
 
-@pytest.mark.parametrize("node", ["s0", "s2"])
+@pytest.mark.parametrize("node", ["s0", "s1", "s2"])
 def test_kill_without_standby_ends_with_committed_tokens(
     model_dir: Path, references: list[tuple[int, ...]], node: str
 ) -> None:

@@ -56,6 +56,11 @@ _RECEIPT_TIMEOUT_S = 10.0
 _MAX_RESYNCS = 8
 
 
+class _RingDown(Exception):
+    """Raised inside a request when the ring was declared lost; ``generate`` turns it into
+    ``RingError`` with the request's committed tokens."""
+
+
 class RingError(Exception):
     """The ring could not finish a request (a stage fault or a broken link).
 
@@ -170,6 +175,7 @@ class Coordinator:
         # K/D policy state shared by requests: timings and acceptance by run length
         self._control = SpecController(speculation, runs=RunLengths())
         self._recovering: str | None = None
+        self._sending: set[trio.CancelScope] = set()
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
         self._checkpoints = checkpoints
         self._slots = trio.Semaphore(limits.max_sessions)
@@ -231,6 +237,8 @@ class Coordinator:
         self._ring_fault = Fault(node=self._node, kind="ring", detail=detail)
         self.event("fault", detail)
         self._notify(self._ring_fault)
+        for scope in self._sending:
+            scope.cancel()  # a send waiting on a ring link that will never be rewired
 
     def _notify(self, msg: Message | Resync) -> None:
         for route in list(self._routes.values()):
@@ -240,8 +248,19 @@ class Coordinator:
                 pass  # that request has a backlog to read first; its retry timer covers it
 
     async def _send(self, msg: Message) -> None:
-        self._sent.record(msg)
-        await self._to_ring.send(msg)
+        """Send towards stage 0. Errors: ``_RingDown`` once the ring is declared lost (also
+        while this send waits on a link being repaired)."""
+        if self._ring_fault is None:
+            with trio.CancelScope() as scope:
+                self._sending.add(scope)
+                try:
+                    self._sent.record(msg)
+                    await self._to_ring.send(msg)
+                    return
+                finally:
+                    self._sending.discard(scope)
+        assert self._ring_fault is not None
+        raise _RingDown(f"the ring is down: {self._ring_fault.detail}")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._from_ring:
@@ -313,6 +332,9 @@ class Coordinator:
                 if receipt:
                     ended = True
                     completion = await self._collect_receipts(sid, recv, completion)
+            except _RingDown as exc:
+                self._failed += 1
+                raise RingError(str(exc), committed=state.output) from None
             except RingError:
                 self._failed += 1
                 raise

@@ -59,7 +59,14 @@ class Slot:
 
 @attrs.frozen
 class Recovery:
-    """One recovery: what died, who replaced it, and how long each part took (seconds)."""
+    """One recovery: what died, who replaced it, and how long each part took (seconds).
+
+    ``kind``: ``hot`` / ``cold`` (a standby with / without the block spliced in for ``lost``),
+    ``relink`` (the edge from ``lost`` — alive — to ``replacement`` was re-dialled; ``slot`` is
+    the successor's), ``failed`` (``detail`` says why). ``detect_s`` runs from the failure
+    (last heartbeat, closed link, reported fault) to the start of the repair; for a relink it
+    includes the grace period that lets a dead successor be found first.
+    """
 
     slot: NodeName
     lost: NodeName
