@@ -23,7 +23,7 @@ import trio.testing
 from shard.checkpoint import CheckpointStore
 from shard.config import SwarmSpec
 from shard.coordinator import Completion, RingError
-from shard.faults import FaultInjector, FaultPlan
+from shard.faults import FaultInjector, FaultPlan, Injection
 from shard.inprocess import run_swarm
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
@@ -347,3 +347,43 @@ def test_restarted_coordinator_resumes_a_checkpointed_request_on_the_warm_ring(
     assert len(seen_before) < len(want), "the request finished before the coordinator died"
     (done,) = resumed
     assert done.token_ids == want
+
+
+def test_a_stalled_node_that_wakes_after_its_replacement_is_refused_and_ends(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """s1 freezes for 3 s (past dead_after_s): a standby replaces it and the requests finish.
+    When s1 wakes, its control link re-registers; the scheduler refuses a replaced node, and
+    s1 ends (NodeReplaced) instead of serving stale sessions — the rest of the swarm runs on."""
+    plan = FaultPlan(5, (Injection("stall", "s1", 20, 3.0),))
+    spec = failover_spec(model_dir)
+    injector = FaultInjector(plan)
+    refused: list[str] = []
+    outputs: list[tuple[int, ...]] = []
+
+    async def main() -> None:
+        refused_send, refused_recv = trio.open_memory_channel[str](4)
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle: CoordinatorHandle = await nursery.start(
+                    lambda task_status: run_swarm(
+                        spec,
+                        model_dir=model_dir,
+                        wrap=injector.wrap,
+                        scopes=injector.scopes,
+                        refused=refused_send,
+                        task_status=task_status,
+                    )
+                )
+                done = await handle.coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
+                outputs.append(done.token_ids)
+                refused.append(await refused_recv.receive())  # s1 woke up and was refused
+                # the ring still serves, without s1
+                again = await handle.coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
+                outputs.append(again.token_ids)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert injector.fired, f"{plan}: the fault never fired"
+    assert refused == ["s1"]
+    assert outputs == [references[0], references[0]]

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "the river runs to the sea and the sea runs to the river"
 MAX_TOKENS = 48
+LONG = 460  # tokens (KV 512, prompt 38): still running when a 1.5 s stall ends
+LONG_LEN = 512
 MAX_LEN = 256
 RUN_S = 180.0
 SPECS = Path(__file__).parent.parent / "specs"
@@ -34,8 +36,17 @@ def llama_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
     return tiny_checkpoint(seed=5, n_layers=6)
 
 
-def failover_spec(path: Path, model_dir: Path, *, victim: str, at_token: int) -> Path:
-    """Three stages of two layers, a hot standby for ``victim``, and a scripted SIGKILL."""
+def failover_spec(
+    path: Path,
+    model_dir: Path,
+    *,
+    victim: str,
+    at_token: int,
+    stall_s: float = 0.0,
+    max_len: int = MAX_LEN,
+) -> Path:
+    """Three stages of two layers, a hot standby for ``victim``, and a scripted SIGKILL (or,
+    with ``stall_s``, a SIGSTOP for that long)."""
     ports = free_ports(5)
     lines = [
         "[swarm]",
@@ -43,7 +54,7 @@ def failover_spec(path: Path, model_dir: Path, *, victim: str, at_token: int) ->
         f"model = {json.dumps(str(model_dir))}",
         "insecure = true",
         "[limits]",
-        f"max_len = {MAX_LEN}",
+        f"max_len = {max_len}",
         "connect_timeout_s = 10.0",
         "[coordinator]",
         'name = "coord"',
@@ -54,12 +65,17 @@ def failover_spec(path: Path, model_dir: Path, *, victim: str, at_token: int) ->
         lines.append(f"layers = [{2 * i}, {2 * i + 2}]")
     lines += ["[[standby]]", 'name = "spare"', f'listen = "{LOOPBACK}:{ports[4]}"']
     lines += [f'layers_of = "{victim}"']
-    lines += ["[[faults]]", 'kind = "kill"', f'node = "{victim}"', f"at_token = {at_token}"]
+    kind = "stall" if stall_s else "kill"
+    lines += ["[[faults]]", f'kind = "{kind}"', f'node = "{victim}"', f"at_token = {at_token}"]
+    if stall_s:
+        lines.append(f"seconds = {stall_s!r}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
-async def local_reference(model_dir: Path) -> dict[str, object]:
+async def local_reference(
+    model_dir: Path, max_tokens: int = MAX_TOKENS, max_len: int = MAX_LEN
+) -> dict[str, object]:
     done = await run_shard(
         "generate",
         "--local",
@@ -67,9 +83,9 @@ async def local_reference(model_dir: Path) -> dict[str, object]:
         "--model",
         str(model_dir),
         "--max-tokens",
-        str(MAX_TOKENS),
+        str(max_tokens),
         "--max-len",
-        str(MAX_LEN),
+        str(max_len),
         PROMPT,
         timeout_s=RUN_S,
     )
@@ -118,6 +134,39 @@ async def test_sigkill_a_stage_with_a_standby_gives_identical_output(
     assert re.search(rf"spare replaced {victim} \(hot\)", done.stderr), done.describe()
     # Reported, not asserted against a speed: the interruption the client saw.
     print(f"\nkill {victim}: longest pause between tokens {float(pause.group(1)):.3f} s")
+
+
+async def test_a_frozen_stage_is_replaced_by_the_standby(llama_dir: Path, tmp_path: Path) -> None:
+    """SIGSTOP s1 for 1.5 s: silent past dead_after_s (1 s), it is replaced by the standby and
+    the output is unchanged; its SIGCONT and exit do not fail the run, and nothing outlives
+    it. (That a woken, replaced node is refused and exits is tested in process:
+    tests/test_failover.py.)"""
+    spec = failover_spec(
+        tmp_path / "stall.toml", llama_dir, victim="s1", at_token=12, stall_s=1.5, max_len=LONG_LEN
+    )
+    reference = await local_reference(llama_dir, max_tokens=LONG, max_len=LONG_LEN)
+    done = await run_shard(
+        "swarm",
+        "run",
+        str(spec),
+        "--json",
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        str(LONG),
+        "--model",
+        str(llama_dir),
+        timeout_s=RUN_S,
+    )
+    assert done.returncode == 0, done.describe()
+    assert done.stragglers == (), f"processes outlived `swarm run`: {done.stragglers}"
+    (record,) = done.json_records()
+    assert record["token_ids"] == reference["token_ids"], done.describe()
+    assert re.search(r"s1 silent for [0-9.]+ s: dead", done.stderr), done.describe()
+    assert re.search(r"spare replaced s1 \(hot\)", done.stderr), done.describe()
+    pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", done.stderr)
+    assert pause is not None, done.describe()
+    print(f"\nstall s1 1.5 s: longest pause between tokens {float(pause.group(1)):.3f} s")
 
 
 def test_failover_spec_ships_a_standby_and_a_scripted_kill() -> None:

@@ -26,6 +26,7 @@ log = logging.getLogger("shard")
 def _operator_errors() -> tuple[type[BaseException], ...]:
     from shard.client import ClientError
     from shard.config import SpecError
+    from shard.control import NodeReplaced
     from shard.coordinator import RingError
     from shard.decoding import BadRequest
     from shard.fetch import FetchError
@@ -50,6 +51,7 @@ def _operator_errors() -> tuple[type[BaseException], ...]:
         BadRequest,
         ManifestError,
         FetchError,
+        NodeReplaced,
         trio.TooSlowError,
     )
 
@@ -444,7 +446,7 @@ async def _swarm_run(
         print(f"shard: fault: {line}", file=sys.stderr, flush=True)
 
     async def faults() -> None:
-        fired.extend(await run_faults(handle, progress, report))
+        await run_faults(handle, progress, report, fired)
 
     async with trio.open_nursery() as nursery:
         handle = await nursery.start(

@@ -32,11 +32,16 @@ from shard.messages import (
     Register,
     Rewire,
 )
-from shard.transport import Connection, Network, TransportError
+from shard.transport import Connection, Network, TransportError, abandon
 
 log = logging.getLogger(__name__)
 
 OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
+
+
+class NodeReplaced(Exception):
+    """The scheduler refused this node: it was declared dead and replaced (a node that froze,
+    then woke). It must not serve its old sessions; restart it as a standby, under a new name."""
 
 
 class OrderFailed(Exception):
@@ -104,17 +109,22 @@ class ControlClient:
                 if not started:
                     started = True
                     task_status.started()
-                await self._serve(conn)
+                refused = await self._serve(conn)
+                if refused is not None:
+                    raise NodeReplaced(
+                        f"{self._node}: the scheduler refused this node: {refused}; restart it "
+                        "as a standby under a new name"
+                    )
             except TransportError as exc:
                 log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
             finally:
                 self._conn = None
-                with trio.CancelScope(shield=True):
-                    await conn.aclose()
+                await abandon(conn)
             await trio.sleep(self._heartbeat_s)
 
-    async def _serve(self, conn: Connection) -> None:
-        """Obey orders until the link fails (returns; the caller re-dials)."""
+    async def _serve(self, conn: Connection) -> str | None:
+        """Obey orders until the link fails (returns None; the caller re-dials) or the
+        scheduler refuses this node (returns why)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._beat, conn, nursery.cancel_scope)
             try:
@@ -125,15 +135,18 @@ class ControlClient:
                         log.warning(
                             "%s: the scheduler at %s went silent", self._node, self._address
                         )
-                        return
+                        return None
                     if isinstance(msg, Activate | Rewire):
                         await conn.send(await self._obey(msg))
+                    elif isinstance(msg, Fault) and msg.kind == "control":
+                        return msg.detail
                     elif not isinstance(msg, Heartbeat):
                         log.warning("%s: unexpected %s on the control link", self._node, msg)
             except TransportError as exc:
                 log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
             finally:
                 nursery.cancel_scope.cancel()
+        return None
 
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()

@@ -28,7 +28,7 @@ from shard.errors import HandshakeError
 from shard.links import dial_peer
 from shard.messages import Fault, Heartbeat, Hello, Message, NodeName
 from shard.replay import ReplayLog
-from shard.transport import Connection, Network, TransportError
+from shard.transport import Connection, Network, TransportError, abandon
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class DownstreamLink:
     async def _failed(self, exc: BaseException) -> None:
         self._failures += 1
         peer = self._address
-        await self._close()
+        await self._close(abandon_peer=True)
         detail = f"link to {peer} lost: {exc!r}"
         log.warning("%s: %s; waiting for the scheduler to rewire", self._node, detail)
         if self.on_fault is not None:
@@ -183,7 +183,7 @@ class DownstreamLink:
 
     async def _apply(self, request: _Rewire) -> None:
         self._request = None
-        await self._close()
+        await self._close(abandon_peer=True)  # the old peer may be frozen: do not wait on it
         try:
             await self.connect(request.address)
             if request.replay:
@@ -192,13 +192,17 @@ class DownstreamLink:
                     self._replayed += 1
             self._rewires += 1
         except (TransportError, HandshakeError, trio.TooSlowError) as exc:
-            await self._close()
+            await self._close(abandon_peer=True)
             request.error = f"{self._node}: could not rewire to {request.address}: {exc}"
         finally:
             request.done.set()
 
-    async def _close(self) -> None:
+    async def _close(self, *, abandon_peer: bool = False) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
+        if conn is None:
+            return
+        if abandon_peer:
+            await abandon(conn)
+        else:
             with trio.CancelScope(shield=True):
                 await conn.aclose()

@@ -9,6 +9,7 @@ Tests and benchmarks use it.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -16,8 +17,11 @@ from pathlib import Path
 import trio
 
 from shard.config import SwarmSpec
+from shard.control import NodeReplaced
 from shard.node import CoordinatorHandle, run_coordinator, run_stage, run_standby
 from shard.transport import DelayNetwork, MemoryNetwork, Network
+
+log = logging.getLogger(__name__)
 
 
 def spec_latency(spec: SwarmSpec) -> Callable[[str, str], float]:
@@ -56,6 +60,7 @@ async def run_swarm(
     startup_timeout_s: float = 60.0,
     wrap: Callable[[str, Network], Network] | None = None,
     scopes: dict[str, trio.CancelScope] | None = None,
+    refused: trio.MemorySendChannel[str] | None = None,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run every node of ``spec`` (stages, standbys, coordinator) in this process until
@@ -64,7 +69,9 @@ async def run_swarm(
 
     ``wrap(node, network)`` replaces the network a node sees (fault injection:
     ``shard.faults``). ``scopes``, when given, is filled with each node's cancel scope:
-    cancelling one kills that node (its connections close, its state is gone).
+    cancelling one kills that node (its connections close, its state is gone). A node the
+    scheduler refuses (replaced while frozen, then woken) ends alone, and its name goes to
+    ``refused`` when given.
     """
     inner = network if network is not None else MemoryNetwork()
     scopes = scopes if scopes is not None else {}
@@ -92,6 +99,7 @@ async def run_swarm(
                 nets,
                 model_dir,
                 startup_timeout_s,
+                refused,
             )
         scopes[spec.coordinator.name] = trio.CancelScope()
         handle = await nursery.start(
@@ -113,6 +121,7 @@ async def run_swarm(
                 nets,
                 model_dir,
                 startup_timeout_s,
+                refused,
             )
         task_status.started(handle)
 
@@ -125,18 +134,24 @@ async def _node(
     nets: dict[str, Network],
     model_dir: Path,
     timeout_s: float,
+    refused: trio.MemorySendChannel[str] | None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     with scope:
-        await run(
-            spec,
-            name,
-            network=nets[name],
-            model_dir=model_dir,
-            startup_timeout_s=timeout_s,
-            task_status=task_status,
-        )
+        try:
+            await run(
+                spec,
+                name,
+                network=nets[name],
+                model_dir=model_dir,
+                startup_timeout_s=timeout_s,
+                task_status=task_status,
+            )
+        except NodeReplaced as exc:  # a stalled node woke up replaced: it ends, the swarm not
+            log.warning("%s", exc)
+            if refused is not None:
+                await refused.send(name)
 
 
 async def _coordinator(

@@ -31,7 +31,7 @@ import trio
 
 from shard.edge import DownstreamLink
 from shard.messages import Activate, Fault, Heartbeat, Hello, NodeName, Ready, Register, Rewire
-from shard.transport import Connection, TransportError
+from shard.transport import Connection, TransportError, abandon
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Scheduler:
         old = self._members.get(first.node)
         self._members[first.node] = member
         if old is not None:
-            await old.conn.aclose()
+            await abandon(old.conn)
         for slot in self._slots:
             if member.role == "stage" and slot.name == first.slot:
                 slot.holder = member.node  # the ring as it stands (a standby spliced in earlier)
@@ -264,8 +264,7 @@ class Scheduler:
                         "scheduler: %s silent for %.2f s: dead", member.node, now - member.last_seen
                     )
                     await self._problems_send.send(("dead", member.node, None, member.last_seen))
-                    with trio.CancelScope(shield=True):
-                        await member.conn.aclose()
+                    await abandon(member.conn)  # frozen: do not wait for its close
                     continue
                 try:
                     with trio.move_on_after(self._policy.heartbeat_s):

@@ -22,7 +22,7 @@ import trio
 
 from shard import offload
 from shard.config import StageSpec, SwarmSpec
-from shard.control import ControlClient, OrderFailed
+from shard.control import ControlClient, NodeReplaced, OrderFailed
 from shard.device import device_identity
 from shard.edge import DownstreamLink
 from shard.fetch_stage import fetch_stage, make_seeder
@@ -87,6 +87,7 @@ class _StageNode:
         self.link: DownstreamLink | None = None
         self.control: ControlClient | None = None
         self.nursery: trio.Nursery | None = None
+        self.replaced: NodeReplaced | None = None
         inbox_send, self._inbox_recv = trio.open_memory_channel[Message](0)
         self.inbox = inbox_send
         failover = spec.failover
@@ -174,6 +175,19 @@ class _StageNode:
             return
         await pump_in(self.name, conn, self.inbox.clone())
 
+    async def supervise(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the control link; if the scheduler refuses this node (it was replaced), stop
+        the whole node — ``run_stage`` / ``run_standby`` then raise ``NodeReplaced``."""
+        assert self.nursery is not None
+        try:
+            await self.make_control().run(task_status=task_status)
+        except NodeReplaced as exc:
+            log.error("%s", exc)
+            self.replaced = exc
+            self.nursery.cancel_scope.cancel()
+
     def make_control(self) -> ControlClient:
         failover = self.spec.failover
         self.control = ControlClient(
@@ -233,9 +247,11 @@ async def run_stage(
             await nursery.start(seeder.run)  # a [[fetch.seeder]] named like this stage
         me.address = await nursery.start(network.serve, str(node.listen), me.serve_upstream)
         if supervised:
-            await nursery.start(me.make_control().run)
+            await nursery.start(me.supervise)
         assert me.executor is not None
         task_status.started(StageHandle(name, first, last, me.address, me.executor))
+    if me.replaced is not None:
+        raise me.replaced
 
 
 async def run_standby(
@@ -265,6 +281,8 @@ async def run_standby(
     async with trio.open_nursery() as nursery:
         me.nursery = nursery
         me.address = await nursery.start(network.serve, str(node.listen), me.serve_upstream)
-        await nursery.start(me.make_control().run)
+        await nursery.start(me.supervise)
         first, last = me.block
         task_status.started(StageHandle(name, first, last, me.address, None))
+    if me.replaced is not None:
+        raise me.replaced

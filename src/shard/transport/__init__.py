@@ -23,6 +23,7 @@ from shard.transport.base import (
     Handler,
     Network,
     TransportError,
+    abandon,
 )
 from shard.transport.delay import DelayedConnection, DelayNetwork
 from shard.transport.memory import MemoryConnection, MemoryNetwork
@@ -44,5 +45,6 @@ __all__ = [
     "TransportError",
     "WebSocketConnection",
     "WebSocketNetwork",
+    "abandon",
     "relay_main",
 ]

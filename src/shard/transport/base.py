@@ -160,6 +160,14 @@ async def run_handler(handler: Handler, conn: Connection) -> None:
             await conn.aclose()
 
 
+async def abandon(conn: Connection, *, grace_s: float = 0.1) -> None:
+    """Close ``conn`` whose peer is dead, frozen or being replaced: shielded, and bounded by
+    ``grace_s`` — a frozen peer never answers a WebSocket close handshake, and waiting for it
+    would stall a recovery (the transport closes the socket anyway when the wait is cut)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(grace_s):
+        await conn.aclose()
+
+
 class TaskHost:
     """The nursery behind ``async with network:``, for connections that need tasks.
 
