@@ -12,6 +12,7 @@ invented. A failing scenario's message starts with its plan (seed, kind, node, f
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,16 @@ def references(model_dir: Path) -> list[tuple[int, ...]]:
     ]
 
 
+async def start_swarm(
+    nursery: trio.Nursery, spec: SwarmSpec, model_dir: Path, **kw: Any
+) -> CoordinatorHandle:
+    """``run_swarm`` in ``nursery`` (``kw``: its fault-injection and network options)."""
+    handle: CoordinatorHandle = await nursery.start(
+        partial(run_swarm, spec, model_dir=model_dir, **kw)
+    )
+    return handle
+
+
 @attrs.define
 class Outcome:
     results: list[Completion | RingError]
@@ -122,15 +133,13 @@ def run_scenario(
         network = MemoryNetwork()
         with inline_compute(), trio.fail_after(600):
             async with trio.open_nursery() as nursery:
-                handle: CoordinatorHandle = await nursery.start(
-                    lambda task_status: run_swarm(
-                        spec,
-                        model_dir=model_dir,
-                        network=network,
-                        wrap=injector.wrap,
-                        scopes=injector.scopes,
-                        task_status=task_status,
-                    )
+                handle = await start_swarm(
+                    nursery,
+                    spec,
+                    model_dir,
+                    network=network,
+                    wrap=injector.wrap,
+                    scopes=injector.scopes,
                 )
                 if after_fault is not None:
 
@@ -303,15 +312,7 @@ def test_restarted_coordinator_resumes_a_checkpointed_request_on_the_warm_ring(
         scopes: dict[str, trio.CancelScope] = {}
         with inline_compute(), trio.fail_after(600):
             async with trio.open_nursery() as nursery:
-                first: CoordinatorHandle = await nursery.start(
-                    lambda task_status: run_swarm(
-                        spec,
-                        model_dir=model_dir,
-                        network=network,
-                        scopes=scopes,
-                        task_status=task_status,
-                    )
-                )
+                first = await start_swarm(nursery, spec, model_dir, network=network, scopes=scopes)
                 halfway = trio.Event()
 
                 async def tokens(ids: list[int]) -> None:
@@ -365,15 +366,13 @@ def test_a_stalled_node_that_wakes_after_its_replacement_is_refused_and_ends(
         refused_send, refused_recv = trio.open_memory_channel[str](4)
         with inline_compute(), trio.fail_after(600):
             async with trio.open_nursery() as nursery:
-                handle: CoordinatorHandle = await nursery.start(
-                    lambda task_status: run_swarm(
-                        spec,
-                        model_dir=model_dir,
-                        wrap=injector.wrap,
-                        scopes=injector.scopes,
-                        refused=refused_send,
-                        task_status=task_status,
-                    )
+                handle = await start_swarm(
+                    nursery,
+                    spec,
+                    model_dir,
+                    wrap=injector.wrap,
+                    scopes=injector.scopes,
+                    refused=refused_send,
                 )
                 done = await handle.coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
                 outputs.append(done.token_ids)

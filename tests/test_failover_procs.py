@@ -73,6 +73,29 @@ def failover_spec(
     return path
 
 
+async def swarm_run(spec: Path, model_dir: Path, max_tokens: int) -> dict[str, object]:
+    """``shard swarm run SPEC --json`` of PROMPT: asserts a clean exit with no process left
+    behind; returns its one record (with the run's stderr under ``"stderr"``)."""
+    done = await run_shard(
+        "swarm",
+        "run",
+        str(spec),
+        "--json",
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        str(max_tokens),
+        "--model",
+        str(model_dir),
+        timeout_s=RUN_S,
+    )
+    assert done.returncode == 0, done.describe()
+    assert done.stragglers == (), f"processes outlived `swarm run`: {done.stragglers}"
+    (record,) = done.json_records()
+    assert record["finish_reason"] != "error", done.describe()
+    return {**record, "stderr": done.stderr}
+
+
 async def local_reference(
     model_dir: Path, max_tokens: int = MAX_TOKENS, max_len: int = MAX_LEN
 ) -> dict[str, object]:
@@ -104,34 +127,21 @@ async def test_sigkill_a_stage_with_a_standby_gives_identical_output(
     async def local() -> None:
         reference.update(await local_reference(llama_dir))
 
+    record: dict[str, object] = {}
+
+    async def run() -> None:
+        record.update(await swarm_run(spec, llama_dir, MAX_TOKENS))
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(local)
-        done = await run_shard(
-            "swarm",
-            "run",
-            str(spec),
-            "--json",
-            "--prompt",
-            PROMPT,
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--model",
-            str(llama_dir),
-            timeout_s=RUN_S,
-        )
-    assert done.returncode == 0, done.describe()
-    assert done.stragglers == (), f"processes outlived `swarm run`: {done.stragglers}"
-    (record,) = done.json_records()
-    assert record["finish_reason"] != "error", record
-    assert record["token_ids"] == reference["token_ids"], done.describe()
-    assert len(record["token_ids"]) > 12, record  # the kill happened mid-generation
-    assert re.search(rf"fault: killed {victim} \(pid \d+, SIGKILL\) after \d+ tokens", done.stderr)
-    pause = re.search(
-        rf"longest pause between tokens after kill {victim}: ([0-9.]+) s", done.stderr
-    )
-    assert pause is not None, done.describe()
+        nursery.start_soon(run)
+    stderr = str(record["stderr"])
+    assert record["token_ids"] == reference["token_ids"], stderr
+    assert re.search(rf"fault: killed {victim} \(pid \d+, SIGKILL\) after \d+ tokens", stderr)
+    pause = re.search(rf"longest pause between tokens after kill {victim}: ([0-9.]+) s", stderr)
+    assert pause is not None, stderr
     assert float(pause.group(1)) > 0, "no token arrived after the kill"
-    assert re.search(rf"spare replaced {victim} \(hot\)", done.stderr), done.describe()
+    assert re.search(rf"spare replaced {victim} \(hot\)", stderr), stderr
     # Reported, not asserted against a speed: the interruption the client saw.
     print(f"\nkill {victim}: longest pause between tokens {float(pause.group(1)):.3f} s")
 
@@ -145,27 +155,13 @@ async def test_a_frozen_stage_is_replaced_by_the_standby(llama_dir: Path, tmp_pa
         tmp_path / "stall.toml", llama_dir, victim="s1", at_token=12, stall_s=1.5, max_len=LONG_LEN
     )
     reference = await local_reference(llama_dir, max_tokens=LONG, max_len=LONG_LEN)
-    done = await run_shard(
-        "swarm",
-        "run",
-        str(spec),
-        "--json",
-        "--prompt",
-        PROMPT,
-        "--max-tokens",
-        str(LONG),
-        "--model",
-        str(llama_dir),
-        timeout_s=RUN_S,
-    )
-    assert done.returncode == 0, done.describe()
-    assert done.stragglers == (), f"processes outlived `swarm run`: {done.stragglers}"
-    (record,) = done.json_records()
-    assert record["token_ids"] == reference["token_ids"], done.describe()
-    assert re.search(r"s1 silent for [0-9.]+ s: dead", done.stderr), done.describe()
-    assert re.search(r"spare replaced s1 \(hot\)", done.stderr), done.describe()
-    pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", done.stderr)
-    assert pause is not None, done.describe()
+    record = await swarm_run(spec, llama_dir, LONG)
+    stderr = str(record["stderr"])
+    assert record["token_ids"] == reference["token_ids"], stderr
+    assert re.search(r"s1 silent for [0-9.]+ s: dead", stderr), stderr
+    assert re.search(r"spare replaced s1 \(hot\)", stderr), stderr
+    pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", stderr)
+    assert pause is not None, stderr
     print(f"\nstall s1 1.5 s: longest pause between tokens {float(pause.group(1)):.3f} s")
 
 

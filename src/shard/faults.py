@@ -2,9 +2,9 @@
 
 Public API for tests of the failure path (used by ``tests/test_failover.py``)::
 
-    plan = FaultPlan.random(seed, senders=["coord", "s0", "s1", "s2"], phase="decode")
-    async with FaultInjector(plan) as faults:
-        run_swarm(spec, ..., wrap=faults.wrap, scopes=faults.scopes)
+    plan = FaultPlan.random(seed, kind="kill", node="s1", frames=(14, 40))
+    faults = FaultInjector(plan)
+    await nursery.start(partial(run_swarm, spec, ..., wrap=faults.wrap, scopes=faults.scopes))
 
 Each node's network is wrapped; the wrapper counts the data frames a node sends on its ring
 edge (heartbeats, control links and clients are not counted, so the count is the same on
@@ -123,17 +123,6 @@ class FaultInjector:
     def _fire(self, injection: Injection) -> None:
         self.fired.append(injection)
         self._fired_event.set()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
 
     def wrap(self, node: str, network: Network) -> Network:
         state = self._nodes.setdefault(node, _NodeState(node))
