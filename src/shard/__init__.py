@@ -8,7 +8,8 @@ Where things live, in the order a token travels::
     swarm.py, inprocess.py  a whole swarm as local processes / inside one Trio run
     config.py, spec_*.py    typed swarm specs (TOML) and their validation
     service.py, client.py   text requests in, streamed tokens out
-    coordinator.py          sessions and the decoding loop that drives the ring
+    coordinator.py          sessions and what requests share; the scheduler's hooks
+      driver.py             one request: prefill, the speculative loop, re-sends after failures
       speculation.py        the speculative loop's pure core: stream, chunks in flight, K and D
       draft.py              draft proposers: n-gram lookup, a small model, the oracle
       decoding.py           commit bookkeeping shared with the reference

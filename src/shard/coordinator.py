@@ -1,10 +1,13 @@
-"""Coordinator: sessions and the decoding loop that drives the ring.
+"""Coordinator: sessions, and what the requests driving the ring share.
 
-The coordinator holds no transformer layers. For each request it opens a session on every
-stage, streams the prompt through the ring in prefill chunks, then feeds one position per lap
-(plain decoding) until the tail's verdicts reach end-of-sequence or ``max_tokens``. Verdicts
-come straight back from the tail (direct return) on ``from_ring``; a router task hands each one
-to the request that owns its session, so many sessions interleave through one ring.
+The coordinator holds no transformer layers. Each request gets a session on every stage and a
+``RequestDriver`` (``shard.driver``) that streams the prompt through the ring and runs the
+(speculative) decoding loop until end-of-sequence or ``max_tokens``. Verdicts come straight
+back from the tail (direct return) on ``from_ring``; a router task hands each one to the
+request that owns its session, so many sessions interleave through one ring. The coordinator
+owns the shared parts: the routes, the send side of the ring link (and the log of what each
+session sent), the K/D model, statistics and events, receipts, checkpoints, and the hooks the
+scheduler (``shard.scheduler``) uses to pause, resume or fail the requests during a repair.
 
 Chunking is identical to the single-process reference (``shard.reference``): the same prefill
 chunk size, then one position per step, so greedy output is token-identical to one machine.
@@ -16,60 +19,45 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
 from shard.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.decoding import BadRequest, DecodeState, check_sampling
-from shard.draft import Drafter, Proposer
+from shard.draft import Drafter
+from shard.driver import (
+    Completion,
+    DriverLimits,
+    OnTokens,
+    RequestDriver,
+    Resync,
+    RingDown,
+    RingError,
+)
 from shard.messages import (
     SESSION_BITS,
-    ChunkSeq,
     EndSession,
-    Epoch,
     Fault,
     Message,
     NodeName,
-    OpenSession,
-    Prefill,
     RunStats,
     Sampling,
     SessionId,
     StageReceiptOut,
-    Truncate,
     Verdict,
-    Verify,
 )
-from shard.receipts import EdgeRecord, RunJob, RunReceipt, RunSigner
-from shard.replay import ReplayLog
+from shard.receipts import EdgeRecord, RunJob, RunSigner
+from shard.replay import LoggedChunk, ReplayLog
 from shard.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
-from shard.speculation import Outcome, RunLengths, SpecConfig, SpecController, SpecStream
+from shard.speculation import Outcome, RunLengths, SpecConfig, SpecController
 
 # Verdicts a session's route can hold before the router waits: the chunks in flight
 # (depth_max) plus stale ones still arriving after a rejection, and a late Fault.
 _SESSION_BUFFER = 16
 _EVENTS_KEPT = 64
 _RECEIPT_TIMEOUT_S = 10.0
-#: Re-sends one request may need (repaired ring, lost frames) before it gives up.
-_MAX_RESYNCS = 8
-
-
-class _RingDown(Exception):
-    """Raised inside a request when the ring was declared lost; ``generate`` turns it into
-    ``RingError`` with the request's committed tokens."""
-
-
-class RingError(Exception):
-    """The ring could not finish a request (a stage fault or a broken link).
-
-    ``committed`` holds the token ids committed before the failure: nothing is lost silently.
-    """
-
-    def __init__(self, message: str, committed: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.committed = tuple(committed)
 
 
 @attrs.frozen
@@ -79,28 +67,6 @@ class CoordinatorLimits:
     max_sessions: int = 16
     verdict_timeout_s: float = 60.0
     retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send
-
-
-@attrs.frozen
-class Resync:
-    """Scheduler -> request, in process: re-send from the committed tokens in a new epoch.
-
-    After a splice or a re-dialled edge (``full`` False: every stage holds the committed KV)
-    or after a stage reported a gap (``full``: re-send the session from position 0, so every
-    stage rebuilds what it misses)."""
-
-    full: bool
-    reason: str
-
-
-@attrs.frozen
-class Completion:
-    """A finished request: the committed ids, why it stopped, and what it cost."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    stats: RunStats
-    receipt: RunReceipt | None = None
 
 
 @attrs.frozen
@@ -121,9 +87,6 @@ class CoordinatorStatistics:
     stale_dropped: int
     ring: RingStatistics
     events: tuple[RingEvent, ...]
-
-
-OnTokens = Callable[[list[int]], Awaitable[None]]
 
 
 class Coordinator:
@@ -174,6 +137,12 @@ class Coordinator:
         self._sent = ReplayLog()  # what each session sent: full re-sends come from here
         # K/D policy state shared by requests: timings and acceptance by run length
         self._control = SpecController(speculation, runs=RunLengths())
+        self._driver_limits = DriverLimits(
+            max_len=limits.max_len,
+            prefill_chunk=limits.prefill_chunk,
+            verdict_timeout_s=limits.verdict_timeout_s,
+            retry_after_s=limits.retry_after_s,
+        )
         self._recovering: str | None = None
         self._sending: set[trio.CancelScope] = set()
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
@@ -218,6 +187,37 @@ class Coordinator:
         """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
         self._events.append(RingEvent(at=self._wall_clock(), kind=kind, detail=detail))
 
+    # --- what a request's driver uses (shard.driver.RingPort) -----------------------------
+
+    @property
+    def node(self) -> NodeName:
+        return self._node
+
+    @property
+    def recovering(self) -> bool:
+        """The scheduler is repairing the ring: requests wait instead of timing out."""
+        return self._recovering is not None
+
+    def wall_clock(self) -> float:
+        return self._wall_clock()
+
+    def job(self, sid: SessionId) -> RunJob | None:
+        return self._jobs.get(sid)
+
+    def sent_chunks(self, sid: SessionId) -> tuple[LoggedChunk, ...]:
+        return self._sent.chunks(sid)
+
+    def control_for(self, spec: SpecConfig) -> SpecController:
+        """A K/D controller for a new request, starting from the last one's measurements."""
+        self._control = self._control.carry(spec)
+        return self._control
+
+    def note_stale(self) -> None:
+        self._stale += 1
+
+    def note_kd(self, k: int, depth: int) -> None:
+        self._k, self._depth = k, depth
+
     # --- what the scheduler asks (shard.scheduler.RingHooks) --------------------------------
 
     def pause(self, detail: str) -> None:
@@ -247,8 +247,8 @@ class Coordinator:
             except trio.WouldBlock:
                 pass  # that request has a backlog to read first; its retry timer covers it
 
-    async def _send(self, msg: Message) -> None:
-        """Send towards stage 0. Errors: ``_RingDown`` once the ring is declared lost (also
+    async def send(self, msg: Message) -> None:
+        """Send towards stage 0. Errors: ``RingDown`` once the ring is declared lost (also
         while this send waits on a link being repaired)."""
         if self._ring_fault is None:
             with trio.CancelScope() as scope:
@@ -260,7 +260,7 @@ class Coordinator:
                 finally:
                     self._sending.discard(scope)
         assert self._ring_fault is not None
-        raise _RingDown(f"the ring is down: {self._ring_fault.detail}")
+        raise RingDown(f"the ring is down: {self._ring_fault.detail}")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self._from_ring:
@@ -323,16 +323,27 @@ class Coordinator:
                 self._jobs[sid] = RunJob.start(prompt_ids, os.urandom(16))
             ended = False
             try:
-                emit = self._checkpointing(request_id, prompt_ids, max_tokens, sampling, on_tokens)
-                completion = await self._drive(
-                    sid, recv, prompt_ids, state, sampling, emit, speculation or self._spec
+                driver = RequestDriver(
+                    self,
+                    sid=sid,
+                    verdicts=recv,
+                    prompt_ids=prompt_ids,
+                    state=state,
+                    sampling=sampling,
+                    on_tokens=self._checkpointing(
+                        request_id, prompt_ids, max_tokens, sampling, on_tokens
+                    ),
+                    spec=speculation or self._spec,
+                    limits=self._driver_limits,
+                    drafter=self._drafter,
                 )
+                completion = await driver.drive()
                 if request_id is not None and self._checkpoints is not None:
                     self._checkpoints.done(request_id)
                 if receipt:
                     ended = True
                     completion = await self._collect_receipts(sid, recv, completion)
-            except _RingDown as exc:
+            except RingDown as exc:
                 self._failed += 1
                 raise RingError(str(exc), committed=state.output) from None
             except RingError:
@@ -464,171 +475,7 @@ class Coordinator:
         )
         return attrs.evolve(completion, receipt=run)
 
-    async def _drive(
-        self,
-        sid: SessionId,
-        verdicts: trio.MemoryReceiveChannel[Message | Resync],
-        prompt_ids: Sequence[int],
-        state: DecodeState,
-        sampling: Sampling,
-        on_tokens: OnTokens | None,
-        spec: SpecConfig,
-    ) -> Completion:
-        laps = LapRecorder(self._node, self._wall_clock)
-        job = self._jobs.get(sid)
-        opening = OpenSession(
-            session=sid,
-            max_len=self._limits.max_len,
-            sampling=sampling,
-            job=job.job if job else "",
-            nonce=job.nonce if job else "",
-        )
-        resyncs = _Resyncs(sid, state)
-        first = await self._prefill(sid, opening, prompt_ids, laps, verdicts, state, resyncs)
-        self._lap(laps, first, committed=len(first.target_ids))
-        await self._emit(state.commit(first.target_ids), on_tokens)
-        stream = SpecStream(
-            decode=state,
-            committed=[*prompt_ids, *first.target_ids],
-            max_len=self._limits.max_len,
-            feed=len(prompt_ids),
-            next_seq=first.seq + 1,
-            epoch=first.epoch,
-        )
-        proposer = None
-        if self._drafter is not None and spec.enabled:
-            proposer = self._drafter.session(prompt_ids)
-        control = self._control.carry(spec if proposer else SpecConfig(k=0, depth=1))
-        self._control = control  # the next request starts from this one's measurements
-        max_depth = 1
-        while not state.done:
-            max_depth = max(max_depth, await self._fill(sid, stream, proposer, control, laps))
-            event = await self._next_event(verdicts, state, stream.epoch, resyncs)
-            if isinstance(event, Resync):
-                resyncs.count(event.reason)
-                await self._resync(sid, opening, stream, event)
-                continue
-            verdict = event
-            head = stream.inflight[0].seq if stream.inflight else None
-            if verdict.epoch == stream.epoch and head is not None and verdict.seq != head:
-                if verdict.seq < head:  # a duplicate of one already folded in
-                    self._stale += 1
-                    continue
-                resyncs.count(f"verdict {verdict.seq} arrived before {head}")
-                await self._resync(sid, opening, stream, Resync(False, "verdicts out of order"))
-                continue
-            outcome = stream.on_verdict(verdict)
-            if outcome.stale:
-                self._stale += 1
-                laps.discard(verdict.seq)
-                continue
-            self._lap(laps, verdict, committed=len(outcome.emitted), outcome=outcome)
-            control.observe_chunk(outcome.drafted, outcome.accepted, outcome.rejected)
-            control.observe_lap(
-                laps.last_lap_s, max((h.compute_s for h in verdict.hops), default=0)
-            )
-            if proposer is not None:
-                proposer.feedback(outcome.drafted, outcome.accepted)
-            if outcome.bumped_epoch is not None:
-                self.event("epoch", f"session {sid}: epoch {outcome.bumped_epoch}")
-                await self._send(
-                    Truncate(session=sid, epoch=outcome.bumped_epoch, position=stream.feed)
-                )
-            await self._emit(outcome.emitted, on_tokens)
-        assert state.finish_reason is not None
-        return Completion(
-            token_ids=tuple(state.output),
-            finish_reason=state.finish_reason,
-            stats=laps.stats(len(state.output), max_depth=max_depth),
-        )
-
-    async def _prefill(
-        self,
-        sid: SessionId,
-        opening: OpenSession,
-        prompt_ids: Sequence[int],
-        laps: LapRecorder,
-        verdicts: trio.MemoryReceiveChannel[Message | Resync],
-        state: DecodeState,
-        resyncs: _Resyncs,
-    ) -> Verdict:
-        """Open the session and stream the prompt in ``prefill_chunk`` pieces; only the last
-        makes the tail answer. A failure before that answer re-sends it all in a new epoch."""
-        chunk = self._limits.prefill_chunk
-        starts = range(0, len(prompt_ids), chunk)
-        epoch = Epoch(0)
-        while True:
-            await self._send(opening)
-            for seq, start in enumerate(starts):
-                ids = tuple(int(t) for t in prompt_ids[start : start + chunk])
-                final = start == starts[-1]
-                if final:
-                    laps.sent(seq)
-                await self._send(
-                    Prefill(sid, epoch, ChunkSeq(seq), start=start, final=final, ids=ids)
-                )
-                if (job := self._jobs.get(sid)) is not None:
-                    job.sent_chunk(0, seq, start, ids)
-            while True:
-                event = await self._next_event(verdicts, state, epoch, resyncs)
-                if isinstance(event, Resync) or event.epoch == epoch:
-                    break
-                self._stale += 1
-            if isinstance(event, Verdict):
-                return event
-            resyncs.count(event.reason)
-            epoch = Epoch(epoch + 1)
-            self.event("resync", f"session {sid}: prefill again in epoch {epoch}: {event.reason}")
-            await self._send(Truncate(session=sid, epoch=epoch, position=0))
-
-    async def _resync(
-        self, sid: SessionId, opening: OpenSession, stream: SpecStream, why: Resync
-    ) -> None:
-        """Re-send from the committed tokens in a new epoch (``why.full``: from position 0,
-        with the same chunk shapes as before, so every stage's KV comes out the same)."""
-        epoch = stream.resync()
-        self.event("resync", f"session {sid}: epoch {epoch}: {why.reason}")
-        await self._send(Truncate(session=sid, epoch=epoch, position=stream.feed))
-        if not why.full:
-            return
-        chunks = [c for c in self._sent.chunks(sid) if c.start < stream.feed]
-        await self._send(opening)
-        for c in chunks:
-            seq = ChunkSeq(stream.next_seq)
-            stream.next_seq += 1
-            await self._send(Prefill(sid, epoch, seq, start=c.start, final=False, ids=c.ids))
-
-    async def _fill(
-        self,
-        sid: SessionId,
-        stream: SpecStream,
-        proposer: Proposer | None,
-        control: SpecController,
-        laps: LapRecorder,
-    ) -> int:
-        """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
-        k, depth = control.choose()
-        self._k, self._depth = k, depth
-        while len(stream.inflight) < depth:
-            wanted = stream.drafts_wanted(k)
-            if wanted and proposer is not None and self._drafter is not None:
-                tokens, seconds = await self._drafter.propose(proposer, stream.context(), wanted)
-                control.observe_draft(seconds, len(tokens))
-                stream.add_drafts(tokens)
-            chunk = stream.next_chunk(k)
-            if chunk is None:
-                break
-            laps.sent(chunk.seq)
-            await self._send(
-                Verify(sid, chunk.epoch, chunk.seq, chunk.start, ids=chunk.ids, draft=chunk.draft)
-            )
-            if (job := self._jobs.get(sid)) is not None:
-                job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
-        if not stream.inflight:
-            raise RuntimeError(f"session {sid}: nothing in flight and nothing to send")
-        return len(stream.inflight)
-
-    def _lap(
+    def lap(
         self, laps: LapRecorder, verdict: Verdict, *, committed: int, outcome: Outcome | None = None
     ) -> None:
         lap_s, sent_wall = laps.received(verdict.seq, verdict.hops, outcome)
@@ -642,85 +489,11 @@ class Coordinator:
             accepted=outcome.accepted if outcome else 0,
         )
 
-    async def _emit(self, ids: Sequence[int], on_tokens: OnTokens | None) -> None:
+    async def emit(self, ids: Sequence[int], on_tokens: OnTokens | None) -> None:
         self._tokens += len(ids)
         self._monitor.committed(trio.current_time(), len(ids))
         if ids and on_tokens is not None:
             await on_tokens(list(ids))
-
-    async def _next_event(
-        self,
-        verdicts: trio.MemoryReceiveChannel[Message | Resync],
-        state: DecodeState,
-        epoch: Epoch,
-        resyncs: _Resyncs,
-    ) -> Verdict | Resync:
-        """The next verdict for this request, or a reason to re-send (``Resync``).
-
-        While the scheduler repairs the ring the request just waits (the scheduler's own
-        deadlines end the wait). Otherwise no answer for ``retry_after_s`` re-sends (frames
-        may have been lost), and none for ``verdict_timeout_s`` ends the request.
-        """
-        limits = self._limits
-        while True:
-            quiet = trio.current_time() - resyncs.progress_at
-            slice_s = max(0.0, min(limits.retry_after_s, limits.verdict_timeout_s - quiet))
-            with trio.move_on_after(slice_s) as waited:
-                msg = await verdicts.receive()
-            if waited.cancelled_caught:
-                quiet = trio.current_time() - resyncs.progress_at
-                if self._recovering is not None:
-                    resyncs.progress()  # the repair's own deadlines bound this wait
-                    continue
-                if quiet < limits.verdict_timeout_s:
-                    return Resync(full=False, reason=f"no verdict for {quiet:g} s")
-                detail = f"no answer from the ring for {quiet:g} s"
-                self.event("fault", detail)
-                raise RingError(
-                    f"{detail}: a stage is stalled or a link is silently dead; "
-                    "the request stops here with the tokens committed so far",
-                    committed=state.output,
-                )
-            if isinstance(msg, Resync):
-                return msg
-            if isinstance(msg, Fault) and msg.kind == "gap" and msg.session is not None:
-                if msg.epoch is not None and msg.epoch < epoch:
-                    continue  # reported before the last re-send
-                self.event("fault", f"{msg.node}: gap: {msg.detail}")
-                return Resync(full=True, reason=f"{msg.node} lacks KV: {msg.detail}")
-            if isinstance(msg, Fault):
-                self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
-                raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
-            if not isinstance(msg, Verdict):
-                raise RingError(
-                    f"unexpected {type(msg).__name__} mid-request", committed=state.output
-                )
-            if (job := self._jobs.get(msg.session)) is not None:
-                job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
-            resyncs.progress()
-            return msg
-
-
-@attrs.define
-class _Resyncs:
-    """Counts a request's re-sends (past ``_MAX_RESYNCS`` the request fails) and when the
-    ring last answered it (silence is measured from there, across re-sends)."""
-
-    sid: SessionId
-    state: DecodeState
-    n: int = 0
-    progress_at: float = attrs.field(factory=trio.current_time)
-
-    def progress(self) -> None:
-        self.progress_at = trio.current_time()
-
-    def count(self, reason: str) -> None:
-        self.n += 1
-        if self.n > _MAX_RESYNCS:
-            raise RingError(
-                f"session {self.sid}: gave up after {_MAX_RESYNCS} re-sends (last: {reason})",
-                committed=self.state.output,
-            )
 
 
 __all__ = ["Completion", "Coordinator", "CoordinatorLimits", "Resync", "RingError"]
