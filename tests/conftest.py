@@ -34,3 +34,20 @@ def smollm2_dir() -> Path:
     from fixtures_smollm2 import smollm2_dir as converted
 
     return converted()
+
+
+_MEASURED: list[str] = []
+
+
+@pytest.fixture
+def report() -> Callable[[str], None]:
+    """``report(line)``: a measurement the test made (not asserted: tests assert behaviour,
+    never speed), printed in the terminal summary of every run, CI included."""
+    return _MEASURED.append
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _MEASURED:
+        terminalreporter.section("measured (reported, not asserted)")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)

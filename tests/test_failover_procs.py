@@ -119,7 +119,7 @@ async def local_reference(
 
 @pytest.mark.parametrize("victim", ["s1", "s2", "s0"])
 async def test_sigkill_a_stage_with_a_standby_gives_identical_output(
-    llama_dir: Path, tmp_path: Path, victim: str
+    llama_dir: Path, tmp_path: Path, victim: str, report: Callable[[str], None]
 ) -> None:
     spec = failover_spec(tmp_path / "failover.toml", llama_dir, victim=victim, at_token=12)
     reference: dict[str, object] = {}
@@ -143,10 +143,12 @@ async def test_sigkill_a_stage_with_a_standby_gives_identical_output(
     assert float(pause.group(1)) > 0, "no token arrived after the kill"
     assert re.search(rf"spare replaced {victim} \(hot\)", stderr), stderr
     # Reported, not asserted against a speed: the interruption the client saw.
-    print(f"\nkill {victim}: longest pause between tokens {float(pause.group(1)):.3f} s")
+    report(f"SIGKILL {victim} (hot standby): longest pause between tokens {pause.group(1)} s")
 
 
-async def test_a_frozen_stage_is_replaced_by_the_standby(llama_dir: Path, tmp_path: Path) -> None:
+async def test_a_frozen_stage_is_replaced_by_the_standby(
+    llama_dir: Path, tmp_path: Path, report: Callable[[str], None]
+) -> None:
     """SIGSTOP s1 for 1.5 s: silent past dead_after_s (1 s), it is replaced by the standby and
     the output is unchanged; its SIGCONT and exit do not fail the run, and nothing outlives
     it. (That a woken, replaced node is refused and exits is tested in process:
@@ -162,7 +164,7 @@ async def test_a_frozen_stage_is_replaced_by_the_standby(llama_dir: Path, tmp_pa
     assert re.search(r"spare replaced s1 \(hot\)", stderr), stderr
     pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", stderr)
     assert pause is not None, stderr
-    print(f"\nstall s1 1.5 s: longest pause between tokens {float(pause.group(1)):.3f} s")
+    report(f"SIGSTOP s1 1.5 s (hot standby): longest pause between tokens {pause.group(1)} s")
 
 
 def test_failover_spec_ships_a_standby_and_a_scripted_kill() -> None:
