@@ -42,11 +42,12 @@ def failover_spec(
     *,
     victim: str,
     at_token: int,
+    kind: str = "kill",
     stall_s: float = 0.0,
     max_len: int = MAX_LEN,
 ) -> Path:
-    """Three stages of two layers, a hot standby for ``victim``, and a scripted SIGKILL (or,
-    with ``stall_s``, a SIGSTOP for that long)."""
+    """Three stages of two layers, a hot standby for ``victim``, and a scripted fault:
+    SIGKILL, a ``stall`` (SIGSTOP for ``stall_s``) or a ``sever`` of its downstream edge."""
     ports = free_ports(5)
     lines = [
         "[swarm]",
@@ -65,7 +66,6 @@ def failover_spec(
         lines.append(f"layers = [{2 * i}, {2 * i + 2}]")
     lines += ["[[standby]]", 'name = "spare"', f'listen = "{LOOPBACK}:{ports[4]}"']
     lines += [f'layers_of = "{victim}"']
-    kind = "stall" if stall_s else "kill"
     lines += ["[[faults]]", f'kind = "{kind}"', f'node = "{victim}"', f"at_token = {at_token}"]
     if stall_s:
         lines.append(f"seconds = {stall_s!r}")
@@ -154,7 +154,13 @@ async def test_a_frozen_stage_is_replaced_by_the_standby(
     it. (That a woken, replaced node is refused and exits is tested in process:
     tests/test_failover.py.)"""
     spec = failover_spec(
-        tmp_path / "stall.toml", llama_dir, victim="s1", at_token=12, stall_s=1.5, max_len=LONG_LEN
+        tmp_path / "stall.toml",
+        llama_dir,
+        victim="s1",
+        at_token=12,
+        kind="stall",
+        stall_s=1.5,
+        max_len=LONG_LEN,
     )
     reference = await local_reference(llama_dir, max_tokens=LONG, max_len=LONG_LEN)
     record = await swarm_run(spec, llama_dir, LONG)
@@ -165,6 +171,24 @@ async def test_a_frozen_stage_is_replaced_by_the_standby(
     pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", stderr)
     assert pause is not None, stderr
     report(f"SIGSTOP s1 1.5 s (hot standby): longest pause between tokens {pause.group(1)} s")
+
+
+async def test_a_severed_edge_is_redialled_without_a_splice(
+    llama_dir: Path, tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    """[[faults]] sever s0's downstream edge (at the relay in front of it): s0 reports the
+    broken link, s1 is alive, so the scheduler re-dials the same edge (no standby, no
+    replay) and the request completes with identical output."""
+    spec = failover_spec(tmp_path / "sever.toml", llama_dir, victim="s0", at_token=12, kind="sever")
+    reference = await local_reference(llama_dir)
+    record = await swarm_run(spec, llama_dir, MAX_TOKENS)
+    stderr = str(record["stderr"])
+    assert record["token_ids"] == reference["token_ids"], stderr
+    assert re.search(r"fault: severed s0's downstream edge \(1 connection\)", stderr), stderr
+    assert "replaced" not in stderr, stderr
+    pause = re.search(r"longest pause between tokens after sever s0: ([0-9.]+) s", stderr)
+    assert pause is not None, stderr
+    report(f"sever s0 -> s1 (re-dialled): longest pause between tokens {pause.group(1)} s")
 
 
 def test_failover_spec_ships_a_standby_and_a_scripted_kill() -> None:
