@@ -129,3 +129,32 @@ async def test_sessions_of_a_previous_coordinator_are_freed(block: Path) -> None
         ],
     )
     assert executor.statistics().sessions == 1
+
+
+def test_replaying_the_log_rebuilds_bit_identical_kv(block: Path) -> None:
+    """What a spliced-in standby gets: the log's chunks, replayed into a fresh cache, give
+    exactly the KV the lost node had for every position before the frontier — through a
+    rejection that rolled positions back and chunks that partly overwrote earlier ones."""
+    model = load_stage(block, 0, 2, dtype=torch.float32)
+    sent = [  # (start, ids) in the order the edge sent them
+        (0, (5, 6, 7, 8)),  # prefill
+        (4, (9, 10, 11, 12)),  # a verify chunk with 3 drafts
+        (8, (13, 14, 15)),  # pipelined behind it
+        (6, (21, 22)),  # rejection at 6: rolls back from 6
+        (8, (23, 24, 25)),
+    ]
+    log = ReplayLog()
+    log.record(OpenSession(S, max_len=32))
+    live = model.new_cache(32)
+    with torch.inference_mode():
+        for seq, (start, ids) in enumerate(sent):
+            model(torch.tensor([ids]), start, live)
+            log.record(Verify(S, Epoch(0), ChunkSeq(seq), start, ids=ids))
+        rebuilt = model.new_cache(32)
+        for msg in log.replay():
+            if isinstance(msg, Prefill):
+                model(torch.tensor([msg.ids]), msg.start, rebuilt)
+    frontier = 11  # positions written by the last chunk: [8, 11)
+    assert [c.start for c in log.chunks(S)] == [0, 4, 6, 8]
+    assert torch.equal(live.k[..., :frontier, :], rebuilt.k[..., :frontier, :])
+    assert torch.equal(live.v[..., :frontier, :], rebuilt.v[..., :frontier, :])
