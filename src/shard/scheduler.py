@@ -30,12 +30,23 @@ import attrs
 import trio
 
 from shard.edge import DownstreamLink
-from shard.messages import Activate, Fault, Heartbeat, Hello, NodeName, Ready, Register, Rewire
+from shard.messages import (
+    Activate,
+    Fault,
+    Heartbeat,
+    Hello,
+    Message,
+    NodeName,
+    Ready,
+    Register,
+    Rewire,
+)
 from shard.transport import Connection, TransportError, abandon
 
 log = logging.getLogger(__name__)
 
 _NO_BLOCK = (-1, -1)
+_REGISTER_TIMEOUT_S = 10.0
 
 
 @attrs.frozen
@@ -170,9 +181,14 @@ class Scheduler:
     # --- control links -------------------------------------------------------------------
 
     async def serve(self, conn: Connection, hello: Hello) -> None:
-        """One node's control link, from its ``Register`` until it closes."""
-        with trio.fail_after(10):
+        """One node's control link, from its ``Register`` until it closes. A peer that sends
+        anything else first, or nothing, is told why and closed; nothing else is affected."""
+        first: Message | None = None
+        with trio.move_on_after(_REGISTER_TIMEOUT_S):
             first = await conn.receive()
+        if first is None:  # never registered: this connection only
+            log.warning("scheduler: %s (%s) sent no Register; closed", hello.node, conn.peer)
+            return
         if not isinstance(first, Register) or first.node != hello.node:
             await conn.send(Fault(self._node, "control", "expected Register for this node"))
             return
@@ -197,8 +213,11 @@ class Scheduler:
         if old is not None:
             await abandon(old.conn)
         for slot in self._slots:
-            if member.role == "stage" and slot.name == first.slot:
-                slot.holder = member.node  # the ring as it stands (a standby spliced in earlier)
+            claims = member.role == "stage" and slot.name == first.slot
+            if claims and (slot.holder == member.node or not self._alive(slot.holder)):
+                # the ring as it stands (a standby spliced in before this coordinator
+                # started); a live holder is never displaced by a claim
+                slot.holder = member.node
             if slot.holder == member.node:
                 slot.address = member.address
         if member.node == self.tail() and self._nursery is not None:
