@@ -26,6 +26,8 @@ from shard.config import SwarmSpec
 from shard.coordinator import Completion, RingError
 from shard.faults import FaultInjector, FaultPlan, Injection
 from shard.inprocess import run_swarm
+from shard.links import dial_peer
+from shard.messages import Fault, Heartbeat, Hello, Message, NodeName
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.node import CoordinatorHandle, run_coordinator, run_standby
@@ -33,7 +35,7 @@ from shard.offload import inline_compute
 from shard.reference import generate_reference
 from shard.scheduler import Recovery
 from shard.testing import make_tiny_checkpoint
-from shard.transport import MemoryNetwork, Network
+from shard.transport import ConnectionClosed, MemoryNetwork, Network
 
 PROMPTS = ([5, 17, 99, 3, 8, 8, 41, 5, 17], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44], [42, 42])
 MAX_TOKENS = 20
@@ -386,3 +388,37 @@ def test_a_stalled_node_that_wakes_after_its_replacement_is_refused_and_ends(
     assert injector.fired, f"{plan}: the fault never fired"
     assert refused == ["s1"]
     assert outputs == [references[0], references[0]]
+
+
+def test_control_links_that_never_register_are_closed_and_harm_nothing(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """A peer that opens a control link and stays silent, and one that sends something else
+    than Register, are each closed (the second told why); the coordinator keeps serving."""
+    spec = failover_spec(model_dir, standbys=False)
+    outputs: list[tuple[int, ...]] = []
+    told: list[Message] = []
+
+    async def main() -> None:
+        network = MemoryNetwork()
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await start_swarm(nursery, spec, model_dir, network=network)
+                address = str(spec.coordinator.listen)
+                hello = Hello(NodeName("mute"), "stage", spec.name, link="control")
+                mute = await dial_peer(network, address, hello, timeout_s=5)
+                rude = await dial_peer(
+                    network, address, attrs.evolve(hello, node=NodeName("rude")), timeout_s=5
+                )
+                await rude.send(Heartbeat(NodeName("rude"), 0.0))
+                told.append(await rude.receive())
+                with pytest.raises(ConnectionClosed):
+                    await mute.receive()  # closed after the register timeout, not before
+                done = await handle.coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
+                outputs.append(done.token_ids)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    (fault,) = told
+    assert isinstance(fault, Fault) and "expected Register" in fault.detail
+    assert outputs == [references[0]]
