@@ -142,7 +142,8 @@ class DownstreamLink:
                         if self._request is None:
                             await self._wake.wait()
                         continue
-                    with trio.CancelScope() as scope:
+                    failure: Exception | None = None
+                    with trio.CancelScope() as scope:  # a rewire cancels it
                         self._scope = scope
                         try:
                             if held is None:
@@ -155,8 +156,10 @@ class DownstreamLink:
                         except trio.EndOfChannel:
                             return
                         except (TransportError, trio.TooSlowError) as exc:
-                            await self._failed(exc)
+                            failure = exc
                     self._scope = None
+                    if failure is not None:  # reported outside the scope: a rewire arriving
+                        await self._failed(failure)  # meanwhile must not cut the report
         finally:
             await self._close()
 

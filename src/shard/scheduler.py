@@ -227,19 +227,24 @@ class Scheduler:
         self._joined = trio.Event()
         reason = "control link closed"
         try:
-            while True:
-                msg = await conn.receive()
-                member.last_seen = self._clock()
-                if isinstance(msg, Ready):
-                    await replies_send.send(msg)
-                elif isinstance(msg, Fault):
-                    self._hooks.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
-                    if msg.kind == "link":
-                        await self.link_fault(member.node)
-                elif not isinstance(msg, Heartbeat):
-                    log.warning("scheduler: unexpected %s from %s", msg, member.node)
-        except TransportError as exc:
-            reason = f"control link closed: {exc}"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._beat, member)
+                try:
+                    while True:
+                        msg = await conn.receive()
+                        member.last_seen = self._clock()
+                        if isinstance(msg, Ready):
+                            await replies_send.send(msg)
+                        elif isinstance(msg, Fault):
+                            self._hooks.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
+                            if msg.kind == "link":
+                                await self.link_fault(member.node)
+                        elif not isinstance(msg, Heartbeat):
+                            log.warning("scheduler: unexpected %s from %s", msg, member.node)
+                except TransportError as exc:
+                    reason = f"control link closed: {exc}"
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             if self._members.get(member.node) is member and member.alive:
                 member.alive = False
@@ -284,13 +289,17 @@ class Scheduler:
                     )
                     await self._problems_send.send(("dead", member.node, None, member.last_seen))
                     await abandon(member.conn)  # frozen: do not wait for its close
-                    continue
-                try:
-                    with trio.move_on_after(self._policy.heartbeat_s):
-                        await member.conn.send(Heartbeat(node=self._node, sent_at=time.time()))
-                except TransportError:
-                    pass  # its serve task sees the close
             await trio.sleep(self._policy.heartbeat_s)
+
+    async def _beat(self, member: _Member) -> None:
+        """Heartbeats to one member, in its own task: a member whose socket stopped draining
+        blocks only this task, never the watchdog (and a send is never cut mid-frame)."""
+        try:
+            while member.alive:
+                await member.conn.send(Heartbeat(node=self._node, sent_at=time.time()))
+                await trio.sleep(self._policy.heartbeat_s)
+        except TransportError:
+            return  # its serve task sees the close
 
     async def _redial_return(self, member: _Member) -> None:
         """A tail registered: if its return link is not up (this coordinator restarted while
