@@ -117,11 +117,13 @@ class Coordinator:
         wall_clock: Callable[[], float] = time.time,
         checkpoints: CheckpointStore | None = None,
         incarnation: int = 0,
+        sent_log: ReplayLog | None = None,
     ) -> None:
         """``checkpoints`` keeps each running request's committed tokens on disk (so a
         restarted coordinator can ``resume_request`` it); ``incarnation`` goes into the high bits of
         session ids, so a restarted coordinator's sessions never collide with the ones its
-        predecessor left on the stages (which drop those: ``shard.stage``)."""
+        predecessor left on the stages (which drop those: ``shard.stage``). ``sent_log`` is
+        the log of what each session sent (default: a fresh one)."""
         self._node = node
         self._eos_ids = tuple(eos_ids)
         self._to_ring = to_ring
@@ -134,7 +136,9 @@ class Coordinator:
         self._jobs: dict[SessionId, RunJob] = {}
         self._k, self._depth = 0, 1
         self._routes: dict[SessionId, trio.MemorySendChannel[Message | Resync]] = {}
-        self._sent = ReplayLog()  # what each session sent: full re-sends come from here
+        # What each session sent, in order: full re-sends come from here, and the ring link
+        # replays it to a standby that replaces stage 0 (one log, kept here: ``sent_log``).
+        self._sent = sent_log if sent_log is not None else ReplayLog()
         # K/D policy state shared by requests: timings and acceptance by run length
         self._control = SpecController(speculation, runs=RunLengths())
         self._driver_limits = DriverLimits(
@@ -188,6 +192,11 @@ class Coordinator:
         self._events.append(RingEvent(at=self._wall_clock(), kind=kind, detail=detail))
 
     # --- what a request's driver uses (shard.driver.RingPort) -----------------------------
+
+    @property
+    def sent_log(self) -> ReplayLog:
+        """What each session sent towards stage 0 (its ring link replays it after a splice)."""
+        return self._sent
 
     @property
     def node(self) -> NodeName:

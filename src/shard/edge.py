@@ -2,7 +2,8 @@
 
 It pumps an actor's outbox to the next node and, on top of a plain pump:
 
-- logs what it sent (``shard.replay.ReplayLog``) so a spliced-in standby can rebuild its KV;
+- logs what it sent (``shard.replay.ReplayLog``) so a spliced-in standby can rebuild its KV
+  (``records=False``: the actor behind it keeps that log itself — the coordinator does);
 - sends a ``Heartbeat`` when the edge has been idle for ``heartbeat_s``, so a dead peer shows
   up as a failed send within about that long even when no request is running;
 - bounds every send by ``send_timeout_s`` (a peer that stops reading is as good as dead);
@@ -69,6 +70,7 @@ class DownstreamLink:
         hello: Hello,
         *,
         replay_log: ReplayLog | None = None,
+        records: bool = True,
         heartbeat_s: float = 0.25,
         send_timeout_s: float = 2.0,
         connect_timeout_s: float = 10.0,
@@ -79,6 +81,7 @@ class DownstreamLink:
         self._network = network
         self._hello = hello
         self._log = replay_log if replay_log is not None else ReplayLog()
+        self._records = records
         self._heartbeat_s = heartbeat_s
         self._send_timeout_s = send_timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -150,7 +153,8 @@ class DownstreamLink:
                                 held = await self._next_or_heartbeat()
                             if held is not None:
                                 await self._send(held)
-                                self._log.record(held)
+                                if self._records:
+                                    self._log.record(held)
                                 self._sent += 1
                                 held = None
                         except trio.EndOfChannel:

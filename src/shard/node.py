@@ -150,6 +150,7 @@ async def run_coordinator(
     coordinator = Coordinator(
         checkpoints=checkpoints,
         incarnation=secrets.randbits(20),
+        sent_log=ReplayLog(max_bytes=failover.replay_max_bytes),
         node=name,
         eos_ids=eos,
         to_ring=to_ring_send,
@@ -175,7 +176,8 @@ async def run_coordinator(
         to_ring_recv,
         network,
         _hello(spec, name, "coordinator"),
-        replay_log=ReplayLog(max_bytes=failover.replay_max_mib << 20),
+        replay_log=coordinator.sent_log,  # recorded by the coordinator as it sends
+        records=False,
         heartbeat_s=failover.heartbeat_s,
         send_timeout_s=failover.send_timeout_s,
         connect_timeout_s=startup_timeout_s,

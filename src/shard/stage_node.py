@@ -91,7 +91,7 @@ class _StageNode:
         inbox_send, self._inbox_recv = trio.open_memory_channel[Message](0)
         self.inbox = inbox_send
         failover = spec.failover
-        self.replay_log = ReplayLog(max_bytes=failover.replay_max_mib << 20)
+        self.replay_log = ReplayLog(max_bytes=failover.replay_max_bytes)
 
     async def load(self, first: int, last: int) -> None:
         dtype = DTYPES[self.spec.dtype]
