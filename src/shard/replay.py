@@ -104,10 +104,13 @@ class ReplayLog:
             log = self._sessions.get(msg.session)
             if log is None:
                 return
-            kept = [c for c in log.chunks if c.start < msg.start]
-            freed = sum(c.nbytes for c in log.chunks) - sum(c.nbytes for c in kept)
+            # Starts increase along the list (every record drops the chunks at or after its
+            # own start), so pruning only ever pops from the end: O(1) amortised per chunk.
+            freed = 0
+            while log.chunks and log.chunks[-1].start >= msg.start:
+                freed += log.chunks.pop().nbytes
             chunk = LoggedChunk(msg.epoch, msg.seq, msg.start, msg.ids, msg.hidden)
-            log.chunks = [*kept, chunk]
+            log.chunks.append(chunk)
             log.nbytes += chunk.nbytes - freed
             self._nbytes += chunk.nbytes - freed
             if self._nbytes > self._max_bytes:
