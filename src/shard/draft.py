@@ -5,7 +5,8 @@ deterministic (greedy), so the draft distribution q is one-hot and the lossless 
 rule reduces to "draw t ~ p; accept iff t == d" (see ``shard.verify``).
 
 - ``NGramProposer`` — prompt lookup: find the longest recent repeat of the context's suffix
-  and propose what followed it. Free, and excellent on copy-heavy text (edits, quotes,
+  (tolerating one changed token, so a copied line with a new counter or operator still lines
+  up) and propose what followed it. Free, and excellent on copy-heavy text (edits, quotes,
   summaries, code that repeats identifiers).
 - ``ModelProposer`` — a small model with its own KV cache. Rollback is overwrite-by-position:
   it re-feeds only the part of the context that differs from what it has seen.
@@ -50,23 +51,53 @@ class Proposer(Protocol):
 
 
 class NGramProposer:
-    """Prompt lookup over the context (prompt + committed + drafted so far)."""
+    """Prompt lookup over the context (prompt + committed + drafted so far).
+
+    Every earlier position is a candidate: the tokens before it are compared with the
+    context's last ``window`` tokens, walking backwards. The exact match is the candidate
+    with the longest run of equal tokens (at least ``min_n``); the *tolerant* match allows
+    one unequal token inside the window and counts the equal ones. The tolerant match wins
+    when it holds at least 3 tokens and one more than the exact match: after a substitution
+    (a log line's counter 0415 -> 0416, ``+`` -> ``-`` in a copied line of code) the exact
+    suffix contains the new token and finds nothing long, while the line it was copied from
+    still lines up around it. Ties go to the most recent candidate (local repetition).
+    ``tolerant=False`` is plain longest-suffix prompt lookup.
+    """
 
     name = "ngram"
     computes = False
 
-    def __init__(self, *, max_n: int = 4, min_n: int = 1) -> None:
-        self._max_n = max_n
+    def __init__(self, *, window: int = 8, min_n: int = 1, tolerant: bool = True) -> None:
+        if not 1 <= min_n <= window:
+            raise ValueError(f"need 1 <= min_n <= window, got min_n={min_n}, window={window}")
+        self._window = window
         self._min_n = min_n
+        self._tolerant = tolerant
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         tokens = list(context)
-        for n in range(min(self._max_n, len(tokens) - 1), self._min_n - 1, -1):
-            suffix = tokens[-n:]
-            # The most recent earlier occurrence predicts best (local repetition).
-            for i in range(len(tokens) - n - 1, -1, -1):
-                if tokens[i : i + n] == suffix:
-                    return tokens[i + n : i + n + k]
+        end = len(tokens)
+        exact_n, exact_at = 0, -1
+        loose_n, loose_at = 0, -1
+        for at in range(end - 1, 0, -1):  # a candidate continuation starts at ``at`` < end
+            run = equal = misses = 0
+            for j in range(1, min(self._window, at) + 1):
+                if tokens[at - j] == tokens[end - j]:
+                    equal += 1
+                    if misses == 0:
+                        run += 1
+                else:
+                    misses += 1
+                    if misses > 1 or not self._tolerant:
+                        break
+            if run > exact_n:
+                exact_n, exact_at = run, at
+            if equal > loose_n:
+                loose_n, loose_at = equal, at
+        if self._tolerant and loose_n >= 3 and loose_n > exact_n:
+            return tokens[loose_at : loose_at + k]
+        if exact_n >= self._min_n:
+            return tokens[exact_at : exact_at + k]
         return []
 
     def feedback(self, drafted: int, accepted: int) -> None:
