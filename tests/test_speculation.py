@@ -175,15 +175,17 @@ def test_pipeline_rate_only_pays_with_high_alpha() -> None:
     assert pipeline_rate(0.3, 4, 4, **kw) < 1.05 * pipeline_rate(0.3, 4, 1, **kw)
 
 
-def _runs_source(seed: int, chunks: int, k: int) -> tuple[RunLengths, SpecController]:
+def _runs_source(
+    seed: int, chunks: int, k: int, first: float = 0.6
+) -> tuple[RunLengths, SpecController]:
     """Feed a controller chunks from a source whose guesses come in runs: the first guess
-    after a miss holds 60 % of the time, later ones 97 %."""
+    after a miss holds ``first`` of the time (60 %), later ones 97 %."""
     rng = random.Random(seed)
     control = SpecController(SpecConfig(), runs=RunLengths())
     for _ in range(chunks):
         accepted = 0
         for j in range(k):
-            p = 0.6 if control.run + j == 0 else 0.97
+            p = first if control.run + j == 0 else 0.97
             if rng.random() >= p:
                 break
             accepted += 1
@@ -201,18 +203,34 @@ def test_run_lengths_learn_that_acceptance_comes_in_runs() -> None:
 
 
 def test_controller_pipelines_long_chunks_inside_a_run() -> None:
-    """The i.i.d. model at the same overall α pipelines short chunks; the run model, in a
-    long run, goes long and deep — and right after a miss, shallower."""
+    """Inside a long run the run model goes long and deep where the i.i.d. model at the same
+    overall α stays at one chunk; where misses come in bursts (the first guess after a miss
+    holds 20 % of the time), the stale-chunk cost keeps it shallower right after a miss."""
     runs, control = _runs_source(1, 400, 6)
     timing = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.05}
-    iid = SpecController(SpecConfig(), alpha=control.alpha, **timing)
     inside = SpecController(SpecConfig(), runs=runs, run=12, **timing)
-    after_miss = SpecController(SpecConfig(), runs=runs, run=0, **timing)
-    k_iid, d_iid = iid.choose()
     k_in, d_in = inside.choose()
     assert d_in >= 3 and k_in >= 5, (k_in, d_in)
-    assert k_iid < k_in, (k_iid, d_iid)  # i.i.d.: short chunks, deep (docs/benchmarks.md)
-    assert after_miss.choose()[1] < d_in
+    slower = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.1}
+    iid = SpecController(SpecConfig(), alpha=control.alpha, **slower)
+    inside = SpecController(SpecConfig(), runs=runs, run=12, **slower)
+    assert iid.choose()[1] < inside.choose()[1], (iid.choose(), inside.choose())
+    bursts, _ = _runs_source(1, 400, 6, first=0.2)
+    slow = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.2}
+    inside = SpecController(SpecConfig(), runs=bursts, run=12, **slow)
+    after_miss = SpecController(SpecConfig(), runs=bursts, run=0, **slow)
+    assert after_miss.choose()[1] < inside.choose()[1], (after_miss.choose(), inside.choose())
+
+
+def test_stale_chunks_cost_stage_time() -> None:
+    """Same acceptance, same lap: the slower the stages (the longer a stale chunk holds up
+    the re-drafted one), the shallower the pipeline; with free stages it goes to depth_max."""
+    depths = [
+        SpecController(SpecConfig(), alpha=0.8, lap_s=0.3, stage_s=stage).choose()[1]
+        for stage in (0.0, 0.05, 0.1, 0.2)
+    ]
+    assert depths[0] == SpecConfig().depth_max
+    assert depths == sorted(depths, reverse=True) and depths[-1] == 1, depths
 
 
 def test_carry_keeps_measurements_and_resets_the_run() -> None:

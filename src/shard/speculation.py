@@ -16,6 +16,8 @@ Everything here is synchronous and deterministic; tests drive it with scripted v
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -209,14 +211,16 @@ def expected_tokens(alpha: float, k: int) -> float:
 def pipeline_rate(
     alpha: float, k: int, depth: int, *, lap_s: float, draft_s: float, stage_s: float
 ) -> float:
-    """Expected tokens per second with ``depth`` chunks of ``k`` drafts in flight.
+    """Expected tokens per second with ``depth`` chunks of ``k`` drafts in flight, with
+    i.i.d. acceptance α.
 
-    The j-th chunk in flight only pays if all before it were fully accepted (α^(k·j)); a
-    cycle lasts one lap, or longer when drafting or the slowest stage cannot keep up with
-    ``depth`` chunks per lap. ``draft_s`` is seconds per drafted token, ``stage_s`` the
-    slowest stage's seconds per chunk.
+    The chunks verify ``depth·(k+1) − 1`` guesses in sequence (a pipelined chunk's first id
+    is a guess of the bonus token before it), so they commit ``expected_tokens(α,
+    depth·(k+1) − 1)``; a cycle lasts one lap, or longer when drafting or the slowest stage
+    cannot keep up with ``depth`` chunks per lap. ``draft_s`` is seconds per drafted token,
+    ``stage_s`` the slowest stage's seconds per chunk.
     """
-    useful = sum(alpha ** (k * j) for j in range(depth)) * expected_tokens(alpha, k)
+    useful = expected_tokens(alpha, depth * (k + 1) - 1)
     return useful / _cycle(k, depth, lap_s=lap_s, draft_s=draft_s, stage_s=stage_s)
 
 
@@ -224,6 +228,11 @@ def _cycle(k: int, depth: int, *, lap_s: float, draft_s: float, stage_s: float) 
     """Seconds per pipeline cycle: a lap, or longer when drafting or the slowest stage cannot
     keep up with ``depth`` chunks per lap."""
     return max(lap_s + k * draft_s, depth * max(stage_s, k * draft_s), 1e-9)
+
+
+#: Run lengths that share a bucket: 0, 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+.
+#: Long runs are rarer, so their buckets are wider: each still gathers evidence.
+RUN_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 @attrs.define
@@ -236,51 +245,61 @@ class RunLengths:
     set) predicts 3.0 tokens per 6-token chunk where 5.3 were measured. Counting outcomes by
     run length captures that: ``expected`` and ``holds`` walk ``p`` from the current run.
 
-    Counts decay (``decay`` per observed chunk) so the model follows a change of text; each
-    bucket starts from ``weight`` pseudo-observations of ``prior``; runs of ``buckets - 1`` or
-    more share the last bucket.
+    Runs are bucketed (``RUN_EDGES``). Counts decay (``decay`` per observed chunk) so the model
+    follows a change of text. A bucket with little evidence leans on the pooled rate of all
+    buckets: its estimate carries ``weight`` pseudo-observations of it (the pool itself
+    starts from one pseudo-observation of ``prior``). A walk over many guesses multiplies
+    these estimates, so a sparse bucket pinned at 1/2 would veto every deep pipeline that
+    the pooled evidence supports.
     """
 
-    buckets: int = 24
     prior: float = 0.5
-    weight: float = 1.0
+    weight: float = 2.0
     decay: float = 0.998
-    tried: list[float] = attrs.field(factory=list)
-    held: list[float] = attrs.field(factory=list)
+    tried: list[float] = attrs.field(factory=lambda: [0.0] * len(RUN_EDGES))
+    held: list[float] = attrs.field(factory=lambda: [0.0] * len(RUN_EDGES))
 
-    def __attrs_post_init__(self) -> None:
-        self.tried = self.tried or [0.0] * self.buckets
-        self.held = self.held or [0.0] * self.buckets
+    @staticmethod
+    def bucket(run: int) -> int:
+        return bisect.bisect_right(RUN_EDGES, run) - 1
 
     def observe(self, run: int, drafted: int, accepted: int) -> None:
         """A chunk whose ``drafted`` guesses started at run length ``run``: the first
         ``accepted`` held, the next (if any) failed; later ones were never judged."""
-        for i in range(self.buckets):
+        for i in range(len(RUN_EDGES)):
             self.tried[i] *= self.decay
             self.held[i] *= self.decay
         for j in range(min(drafted, accepted + 1)):
-            b = min(run + j, self.buckets - 1)
+            b = self.bucket(run + j)
             self.tried[b] += 1.0
             if j < accepted:
                 self.held[b] += 1.0
 
+    def pooled(self) -> float:
+        """Acceptance over every bucket."""
+        return (sum(self.held) + self.prior) / (sum(self.tried) + 1.0)
+
     def p(self, run: int) -> float:
-        b = min(run, self.buckets - 1)
-        return (self.held[b] + self.prior * self.weight) / (self.tried[b] + self.weight)
+        return self._walk(run, 1)[0]
+
+    def _walk(self, run: int, guesses: int) -> list[float]:
+        """``p`` at runs ``run .. run + guesses - 1``."""
+        lean = self.weight * self.pooled()
+        return [
+            (self.held[b] + lean) / (self.tried[b] + self.weight)
+            for b in map(self.bucket, range(run, run + guesses))
+        ]
 
     def holds(self, run: int, guesses: int) -> float:
         """P(the next ``guesses`` guesses all hold), from run length ``run``."""
-        out = 1.0
-        for j in range(guesses):
-            out *= self.p(run + j)
-        return out
+        return math.prod(self._walk(run, guesses))
 
     def expected(self, run: int, guesses: int) -> float:
         """Expected tokens committed when ``guesses`` guesses are verified in sequence: the
         ones that hold, then the target's own token."""
         total, alive = 1.0, 1.0
-        for j in range(guesses):
-            alive *= self.p(run + j)
+        for p in self._walk(run, guesses):
+            alive *= p
             total += alive
         return total
 
@@ -332,10 +351,9 @@ class SpecController:
         """(expected tokens of ``d`` chunks of ``k`` drafts in flight, P(all but the last
         chunk's guesses hold)). A pipelined chunk's first id is a guess too (of the bonus
         token of the chunk before it)."""
-        if self.runs is None:
-            useful = sum(self.alpha ** (k * j) for j in range(d)) * expected_tokens(self.alpha, k)
-            return useful, self.alpha ** (k * (d - 1))
         guesses = d * (k + 1) - 1
+        if self.runs is None:
+            return expected_tokens(self.alpha, guesses), self.alpha ** ((d - 1) * (k + 1))
         return (
             self.runs.expected(self.run, guesses),
             self.runs.holds(self.run, (d - 1) * (k + 1)),
@@ -344,10 +362,11 @@ class SpecController:
     def choose(self) -> tuple[int, int]:
         """(K, D) for the next chunk: fixed values win, the rest maximise the expected rate.
 
-        A chunk is only put in flight behind others when it is more likely than not to pay
-        (every guess before it holds with probability >= 1/2, the "α law"): a stale chunk is
-        free in the rate model but costs stage time other sessions could use, and delays the
-        re-drafted chunk behind it.
+        A chunk put in flight behind others goes stale when a guess before it fails. Stages
+        skip stale frames still queued, but the one a stage is computing when the verdict
+        lands delays the re-drafted chunk behind it by up to one chunk's compute: each
+        candidate's cycle carries that, ``P(a chunk in flight goes stale) x stage_s``. Deep
+        pipelines are chosen when they pay after it, not by a fixed threshold on α.
         """
         ks = [self.config.k] if self.config.k is not None else range(1, self.config.k_max + 1)
         ds = (
@@ -359,9 +378,8 @@ class SpecController:
         for k in ks:
             for d in ds:
                 useful, pays = self._useful(k, d)
-                if d > 1 and self.config.depth is None and pays < 0.5:
-                    continue
                 cycle = _cycle(k, d, lap_s=self.lap_s, draft_s=self.draft_s, stage_s=self.stage_s)
-                if useful / cycle > best_rate:
-                    best, best_rate = (k, d), useful / cycle
+                rate = useful / (cycle + (1.0 - pays) * self.stage_s)
+                if rate > best_rate:
+                    best, best_rate = (k, d), rate
         return best
