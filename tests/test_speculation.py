@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 
 from shard.decoding import DecodeState
@@ -237,5 +238,23 @@ def test_carry_keeps_measurements_and_resets_the_run() -> None:
     runs, control = _runs_source(2, 50, 4)
     control.observe_lap(0.4, 0.05)
     nxt = control.carry(SpecConfig(k=2))
-    assert nxt.runs is runs and nxt.lap_s == control.lap_s and nxt.run == 0
+    assert nxt.shared is runs and nxt.runs is not runs
+    assert nxt.lap_s == control.lap_s and nxt.run == 0
     assert nxt.choose()[0] == 2
+    assert nxt.carry(SpecConfig()).shared is runs  # every request seeds from the same one
+
+
+def test_a_session_follows_its_own_text_and_the_shared_model_keeps_the_history() -> None:
+    """After long copy-like evidence, a request whose drafts almost never hold stops
+    pipelining within a few chunks; the shared model still knows copied runs."""
+    runs, control = _runs_source(3, 400, 6)
+    timing = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.05}
+    prose = attrs.evolve(control, **timing).carry(SpecConfig())
+    assert prose.choose()[1] > 1  # from the shared history alone: pipeline
+    for _ in range(4):
+        k, _ = prose.choose()
+        prose.observe_chunk(k, 0, rejected=True)
+    assert prose.choose()[1] == 1, prose.choose()
+    assert prose.runs is not None and prose.runs.p(0) < 0.3
+    assert runs.p(12) > 0.9  # the shared model saw those 4 chunks too
+    assert sum(runs.tried) > sum(prose.runs.tried)

@@ -230,6 +230,9 @@ def _cycle(k: int, depth: int, *, lap_s: float, draft_s: float, stage_s: float) 
     return max(lap_s + k * draft_s, depth * max(stage_s, k * draft_s), 1e-9)
 
 
+#: Observations of the shared run model a new session starts from (``SpecController.carry``).
+SEED_EVIDENCE = 8.0
+
 #: Run lengths that share a bucket: 0, 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+.
 #: Long runs are rarer, so their buckets are wider: each still gathers evidence.
 RUN_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -275,6 +278,15 @@ class RunLengths:
             if j < accepted:
                 self.held[b] += 1.0
 
+    def seeded(self, evidence: float) -> RunLengths:
+        """A copy holding at most ``evidence`` observations, in the same proportions: a
+        prior for one session that its own chunks soon outweigh."""
+        total = sum(self.tried)
+        scale = min(1.0, evidence / total) if total > 0 else 1.0
+        return attrs.evolve(
+            self, tried=[t * scale for t in self.tried], held=[h * scale for h in self.held]
+        )
+
     def pooled(self) -> float:
         """Acceptance over every bucket."""
         return (sum(self.held) + self.prior) / (sum(self.tried) + 1.0)
@@ -308,9 +320,10 @@ class RunLengths:
 class SpecController:
     """Chooses K and D per round from measured acceptance, lap time, draft and stage cost.
 
-    With ``runs`` (a ``RunLengths`` shared across the coordinator's requests) acceptance is
-    modelled by run length from this session's current run (``run``); without it, as i.i.d.
-    with the EWMA ``alpha``. Timings are EWMAs; ``carry`` starts a request from the last one's.
+    With ``runs`` (a ``RunLengths``: after ``carry``, this request's own, seeded from the
+    coordinator's ``shared`` one) acceptance is modelled by run length from this session's
+    current run (``run``); without it, as i.i.d. with the EWMA ``alpha``. Timings are EWMAs;
+    ``carry`` starts a request from the last one's.
     Starts from a prior (α = 0.5) so the first rounds speculate a little and measure.
     """
 
@@ -322,10 +335,19 @@ class SpecController:
     weight: float = 0.2
     runs: RunLengths | None = None
     run: int = 0
+    shared: RunLengths | None = None
 
     def carry(self, config: SpecConfig) -> SpecController:
-        """A controller for the next request: same measurements and run model, run reset."""
-        return attrs.evolve(self, config=config, run=0)
+        """A controller for the next request: the same timings, the run reset, and a run
+        model of its own seeded from the shared one (``RunLengths.seeded``). Its chunks are
+        counted in both: the session's model follows this request's text within a few
+        chunks (prose after copy text stops pipelining), the shared one keeps the history."""
+        shared = self.shared if self.shared is not None else self.runs
+        if shared is None:
+            return attrs.evolve(self, config=config, run=0)
+        return attrs.evolve(
+            self, config=config, run=0, runs=shared.seeded(SEED_EVIDENCE), shared=shared
+        )
 
     def observe_chunk(self, drafted: int, accepted: int, rejected: bool = False) -> None:
         if drafted > 0:
@@ -335,6 +357,8 @@ class SpecController:
                 # later chunk in flight started with: that guess failed too
                 bonus_failed = rejected and accepted == drafted
                 self.runs.observe(self.run, drafted + int(bonus_failed), accepted)
+                if self.shared is not None:
+                    self.shared.observe(self.run, drafted + int(bonus_failed), accepted)
             self.run = self.run + accepted if accepted == drafted and not rejected else 0
         elif rejected:
             self.run = 0
