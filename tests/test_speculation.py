@@ -258,3 +258,15 @@ def test_a_session_follows_its_own_text_and_the_shared_model_keeps_the_history()
     assert prose.runs is not None and prose.runs.p(0) < 0.3
     assert runs.p(12) > 0.9  # the shared model saw those 4 chunks too
     assert sum(runs.tried) > sum(prose.runs.tried)
+
+
+def test_sessions_sharing_the_stages_keep_pipelines_shallow() -> None:
+    """One session alone pipelines deep; eight in flight make the stages the limit, where a
+    chunk that may go stale takes compute from the others: one chunk each."""
+    control = SpecController(SpecConfig(), alpha=0.9, lap_s=0.3, draft_s=0.0, stage_s=0.07)
+    assert control.choose(sessions=1)[1] == SpecConfig().depth_max
+    assert control.choose(sessions=8)[1] == 1
+    depths = [control.choose(sessions=n)[1] for n in (1, 2, 4, 8)]
+    assert depths == sorted(depths, reverse=True), depths
+    fixed = SpecController(SpecConfig(k=4, depth=3), alpha=0.9, lap_s=0.3, stage_s=0.07)
+    assert fixed.choose(sessions=8) == (4, 3)  # fixed values still win

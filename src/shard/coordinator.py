@@ -224,6 +224,9 @@ class Coordinator:
     def note_stale(self) -> None:
         self._stale += 1
 
+    def sessions(self) -> int:
+        return len(self._routes)
+
     def note_kd(self, k: int, depth: int) -> None:
         self._k, self._depth = k, depth
 

@@ -112,6 +112,10 @@ class RingPort(Protocol):
 
     def note_stale(self) -> None: ...
 
+    def sessions(self) -> int:
+        """Sessions in flight on this ring (they share its stages)."""
+        ...
+
     def note_kd(self, k: int, depth: int) -> None: ...
 
     def event(self, kind: str, detail: str) -> None: ...
@@ -280,7 +284,7 @@ class RequestDriver:
     ) -> int:
         """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
         sid, ring = self._sid, self._ring
-        k, depth = control.choose()
+        k, depth = control.choose(sessions=ring.sessions())
         ring.note_kd(k, depth)
         while len(stream.inflight) < depth:
             wanted = stream.drafts_wanted(k)

@@ -224,10 +224,14 @@ def pipeline_rate(
     return useful / _cycle(k, depth, lap_s=lap_s, draft_s=draft_s, stage_s=stage_s)
 
 
-def _cycle(k: int, depth: int, *, lap_s: float, draft_s: float, stage_s: float) -> float:
+def _cycle(
+    k: int, depth: int, *, lap_s: float, draft_s: float, stage_s: float, sessions: int = 1
+) -> float:
     """Seconds per pipeline cycle: a lap, or longer when drafting or the slowest stage cannot
-    keep up with ``depth`` chunks per lap."""
-    return max(lap_s + k * draft_s, depth * max(stage_s, k * draft_s), 1e-9)
+    keep up with ``depth`` chunks per lap — from each of ``sessions`` sessions sharing it
+    (assumed to pipeline alike: then the stage-bound choice is the efficient one)."""
+    stage = max(sessions, 1) * stage_s
+    return max(lap_s + k * draft_s, depth * max(stage, k * draft_s), 1e-9)
 
 
 #: Observations of the shared run model a new session starts from (``SpecController.carry``).
@@ -383,8 +387,11 @@ class SpecController:
             self.runs.holds(self.run, (d - 1) * (k + 1)),
         )
 
-    def choose(self) -> tuple[int, int]:
+    def choose(self, sessions: int = 1) -> tuple[int, int]:
         """(K, D) for the next chunk: fixed values win, the rest maximise the expected rate.
+
+        ``sessions`` in flight share every stage: with many, the stages are the limit and
+        chunks that may go stale take compute from the others, so pipelines stay shallow.
 
         A chunk put in flight behind others goes stale when a guess before it fails. Stages
         skip stale frames still queued, but the one a stage is computing when the verdict
@@ -402,7 +409,14 @@ class SpecController:
         for k in ks:
             for d in ds:
                 useful, pays = self._useful(k, d)
-                cycle = _cycle(k, d, lap_s=self.lap_s, draft_s=self.draft_s, stage_s=self.stage_s)
+                cycle = _cycle(
+                    k,
+                    d,
+                    lap_s=self.lap_s,
+                    draft_s=self.draft_s,
+                    stage_s=self.stage_s,
+                    sessions=sessions,
+                )
                 rate = useful / (cycle + (1.0 - pays) * self.stage_s)
                 if rate > best_rate:
                     best, best_rate = (k, d), rate
