@@ -136,9 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     and r["depth"] == depth
                     and r["draft"] == "ngram"
                 ]
-                print(
-                    f"median n-gram × plain, {s}, K {k}, D {depth}: {statistics.median(xs):.1f}×"
-                )
+                print(f"median n-gram × plain, {s}, K {k}, D {depth}: {statistics.median(xs):.1f}×")
     if args.json:
         args.json.write_text(
             json.dumps(
