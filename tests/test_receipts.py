@@ -15,7 +15,7 @@ from shard.coordinator import Coordinator
 from shard.inprocess import run_swarm
 from shard.node import CoordinatorHandle
 from shard.receipts import ReceiptInvalid, RunReceipt, verify_run
-from shard.speculation import SpecConfig
+from shard.speculation_control import SpecConfig
 from shard.testing import make_tiny_checkpoint
 
 DEADLINE_S = 60.0

@@ -21,7 +21,7 @@ from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.node import CoordinatorHandle
 from shard.reference import generate_reference
-from shard.speculation import SpecConfig
+from shard.speculation_control import SpecConfig
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
 
 DEADLINE_S = 120.0

@@ -10,7 +10,8 @@ Where things live, in the order a token travels::
     service.py, client.py   text requests in, streamed tokens out
     coordinator.py          sessions and what requests share; the scheduler's hooks
       driver.py             one request: prefill, the speculative loop, re-sends after failures
-      speculation.py        the speculative loop's pure core: stream, chunks in flight, K and D
+      speculation.py        the speculative loop's pure core: stream, chunks in flight, epochs
+      speculation_control.py  choosing K and D: run-length acceptance, stale price, sessions
       draft.py              draft proposers: n-gram lookup, a small model, the oracle
       decoding.py           commit bookkeeping shared with the reference
     messages.py             frozen attrs messages exchanged by every actor

@@ -51,7 +51,8 @@ from shard.messages import (
 from shard.receipts import EdgeRecord, RunJob, RunSigner
 from shard.replay import LoggedChunk, ReplayLog
 from shard.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
-from shard.speculation import Outcome, RunLengths, SpecConfig, SpecController
+from shard.speculation import Outcome
+from shard.speculation_control import RunLengths, SpecConfig, SpecController
 
 # Verdicts a session's route can hold before the router waits: the chunks in flight
 # (depth_max) plus stale ones still arriving after a rejection, and a late Fault.

@@ -39,7 +39,8 @@ from shard.messages import (
 from shard.receipts import RunJob, RunReceipt
 from shard.replay import LoggedChunk
 from shard.ringstats import LapRecorder
-from shard.speculation import Outcome, SpecConfig, SpecController, SpecStream
+from shard.speculation import Outcome, SpecStream
+from shard.speculation_control import SpecConfig, SpecController
 
 #: Re-sends one request may need (repaired ring, lost frames) before it gives up.
 MAX_RESYNCS = 8

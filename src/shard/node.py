@@ -52,7 +52,7 @@ from shard.receipts import RunSigner
 from shard.replay import ReplayLog
 from shard.scheduler import FailoverPolicy, Scheduler, Slot
 from shard.service import complete
-from shard.speculation import SpecConfig
+from shard.speculation_control import SpecConfig
 from shard.stage_node import DTYPES, StageHandle, run_stage, run_standby
 from shard.status import StatusFeed
 from shard.transport import Connection, Network, TransportError

@@ -17,7 +17,7 @@ from shard.coordinator import Completion, Coordinator, RingError
 from shard.decoding import BadRequest
 from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
 from shard.model.tokenizer import StreamDecoder, Tokenizer
-from shard.speculation import SpecConfig
+from shard.speculation_control import SpecConfig
 
 Emit = Callable[[Message], Awaitable[None]]
 
