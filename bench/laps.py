@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shard.draft import NGramProposer
+from shard.coordinator.service import prompt_ids
+from shard.decode.draft import NGramProposer
 from shard.messages import GenerateRequest
 from shard.model.bundled import resolve_model
 from shard.model.tokenizer import Tokenizer
-from shard.service import prompt_ids
 
 REPO = Path(__file__).resolve().parent.parent
 Propose = Callable[[Sequence[int], int], list[int]]

@@ -2,7 +2,7 @@
 
 In one run, on the bundled SmolLM2 (fp32, CPU) and the prompts in ``bench/prompts/``:
 
-- ``single``: the whole model in this process (``shard.reference.generate_reference``);
+- ``single``: the whole model in this process (``shard.decode.reference.generate_reference``);
 - ``ring-<L>ms``: a coordinator and ``--stages`` stage processes started from a generated spec
   (free loopback ports, ``layers = "auto"``), with ``L`` ms of emulated one-way latency on every
   edge of the ring (a delaying relay per edge, as in ``specs/wan-sim.toml``; 0 = direct links,
@@ -46,12 +46,12 @@ from typing import Any
 import attrs
 import trio
 
-from shard.config import SwarmSpec, load_spec
+from shard.coordinator.service import prompt_ids
 from shard.messages import GenerateDone, GenerateRequest, RunStats
 from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
-from shard.service import prompt_ids
+from shard.spec.swarm import SwarmSpec, load_spec
 from shard.transport import Network
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="torch threads for single (default 1, what each ring node gets from "
-        "shard.swarm.launch on 2 cores: cores // nodes; 0 = torch's default)",
+        "shard.nodes.launcher.launch on 2 cores: cores // nodes; 0 = torch's default)",
     )
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     return p.parse_args(argv)
@@ -207,7 +207,7 @@ class SingleProcess:
 
     def run(self, prompt: Prompt, max_tokens: int) -> Record:
         """Generate (blocking: call it in a worker thread) and record one prompt."""
-        from shard.reference import generate_reference
+        from shard.decode.reference import generate_reference
 
         req = GenerateRequest(0, prompt.text, max_tokens, chat=prompt.chat)
         ids = prompt_ids(self.tokenizer, req)
@@ -249,7 +249,8 @@ def _stats_record(stats: RunStats) -> Record:
 
 @attrs.frozen
 class Ring:
-    """A running ring of processes (``shard.swarm.launch``) and what it was started from."""
+    """A running ring of processes (``shard.nodes.launcher.launch``) and what it was started
+    from."""
 
     mode: str
     latency_ms: float
@@ -268,7 +269,7 @@ async def start_ring(
     nursery: trio.Nursery, model_dir: Path, stages: int, latency_ms: float, workdir: Path
 ) -> Ring:
     """Launch a ring with ``latency_ms`` on every edge in ``nursery``; returns once it serves."""
-    from shard.swarm import launch
+    from shard.nodes.launcher import launch
 
     mode = f"ring-{latency_ms:g}ms"
     path = workdir / f"{mode}.toml"
@@ -290,7 +291,7 @@ async def ask(
     network: Network, ring: Ring, prompt: Prompt, max_tokens: int, *, timeout_s: float, rid: int
 ) -> GenerateDone:
     """One request on ``ring``; a request the ring fails is an error, not a data point."""
-    from shard.client import request
+    from shard.coordinator.client import request
 
     req = GenerateRequest(rid, prompt.text, max_tokens, chat=prompt.chat, k=0)  # k=0: plain
     with trio.fail_after(timeout_s):
@@ -541,7 +542,7 @@ def _config(args: argparse.Namespace, latencies: list[float], prompts: list[Prom
         "prompts": [p.name for p in prompts],
         "sampling": "greedy (temperature 0)",
         "threads_single": args.threads or "torch default",
-        # what shard.swarm.launch passes each node as ``shard up --threads``
+        # what shard.nodes.launcher.launch passes each node as ``shard up --threads``
         "threads_per_ring_node": max(1, (os.cpu_count() or 1) // (args.stages + 1)),
         "order": "interleaved: per prompt, single then each ring; warm-ups discarded",
     }

@@ -1,6 +1,6 @@
 """Failover recovery with real processes: how long a request stops when a stage dies.
 
-Every run is a fresh swarm of processes (``shard.swarm.launch``) on free loopback ports: a
+Every run is a fresh swarm of processes (``shard.nodes.launcher.launch``) on free loopback ports: a
 coordinator, ``--stages`` stage processes of the bundled SmolLM2 (fp32, ``layers = "auto"``,
 plain decoding: ``[speculation] draft = "none"``, no emulated latency) and one ``[[standby]]``:
 
@@ -63,10 +63,10 @@ import attrs
 import trio
 
 from plain_ring import Prompt, free_ports, git_info, machine_info
-from shard.config import load_spec
 from shard.messages import GenerateDone, GenerateRequest, TokensOut
 from shard.model.bundled import resolve_model
-from shard.swarm import SwarmHandle
+from shard.nodes.launcher import SwarmHandle
+from shard.spec.swarm import load_spec
 from shard.transport import Network
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +82,8 @@ EXPECTATION = (
     "interruption ~ detection + splice + one ring lap (the re-sent step)."
 )
 
-# "2026-11-30 11:08:15,123 shard.scheduler WARNING scheduler: ..." (shard.commands' format)
+# "2026-11-30 11:08:15,123 shard.failover.scheduler WARNING scheduler: ..." (shard.cli.commands'
+# format)
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+) (\w+) (.*)$")
 _REPLACED = re.compile(
     r"scheduler: (\S+) replaced (\S+) \((\w+)\) in ([0-9.]+) s "
@@ -269,7 +270,8 @@ def _median_or_none(values: Sequence[float]) -> float | None:
 
 
 class LauncherLog(logging.Handler):
-    """Keeps the launcher's own log records (``shard.swarm``: e.g. an expected exit's code)."""
+    """Keeps the launcher's own log records (``shard.nodes.launcher``: e.g. an expected exit's
+    code)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -289,7 +291,7 @@ async def ask(
     rid: int,
     timeout_s: float,
 ) -> GenerateDone:
-    from shard.client import request
+    from shard.coordinator.client import request
 
     req = GenerateRequest(rid, prompt.text, max_tokens, chat=prompt.chat, k=0)  # k=0: plain
     with trio.fail_after(timeout_s):
@@ -329,7 +331,7 @@ async def run_swarm(
 
     A fault stops the victim for good, so it must be the last job. Errors of the swarm (a node
     that exits unexpectedly, a request that times out) end the swarm and are recorded."""
-    from shard.swarm import launch
+    from shard.nodes.launcher import launch
     from shard.transport import WebSocketNetwork
 
     spec_path = workdir / f"{tag}.toml"
@@ -693,8 +695,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = _select_prompts(args)
     model_dir = resolve_model(args.model)
     launcher_log = LauncherLog()
-    logging.getLogger("shard.swarm").addHandler(launcher_log)
-    logging.getLogger("shard.swarm").setLevel(logging.INFO)
+    logging.getLogger("shard.nodes.launcher").addHandler(launcher_log)
+    logging.getLogger("shard.nodes.launcher").setLevel(logging.INFO)
     began = time.perf_counter()
     load_start = os.getloadavg()
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -740,7 +742,7 @@ def _config(args: argparse.Namespace, prompts: list[Prompt], scenarios: list[str
         "connect_timeout_s": args.connect_timeout_s,
         "sampling": "greedy (temperature 0), plain decoding (k = 0, draft none)",
         "latency_ms": 0,
-        # what shard.swarm.launch passes each node as ``shard up --threads``
+        # what shard.nodes.launcher.launch passes each node as ``shard up --threads``
         "threads_per_node": max(1, (os.cpu_count() or 1) // nodes),
         "baseline": "one swarm with the hot standby, no fault, every prompt x repeats",
         "order": "baseline first; then per repeat, per prompt, each scenario on a fresh swarm; "

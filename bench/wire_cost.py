@@ -32,14 +32,14 @@ from typing import Any
 
 import trio
 
-from shard.admission import issue
-from shard.channel import Credentials, TrustPolicy
-from shard.handshake import DialerHandshake, ListenerHandshake
-from shard.identity import NodeIdentity
 from shard.messages import ChunkSeq, Epoch, Message, SessionId, Tensor, Verify
-from shard.sealer import OVERHEAD, SessionSealer
 from shard.transport import Connection, WebSocketNetwork
 from shard.transport.secure import SecureWebSocketNetwork
+from shard.trust.admission import issue
+from shard.trust.channel import Credentials, TrustPolicy
+from shard.trust.handshake import DialerHandshake, ListenerHandshake
+from shard.trust.identity import NodeIdentity
+from shard.trust.sealer import OVERHEAD, SessionSealer
 from shard.wire import PlainSealer, Sealer, decode, encode
 
 REPO = Path(__file__).resolve().parent.parent

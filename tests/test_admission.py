@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shard.admission import (
+from shard.trust.admission import (
     AdmissionError,
     AdmissionToken,
     BadTokenSignature,

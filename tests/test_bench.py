@@ -11,7 +11,7 @@ from shard.bench.bound import Measured, bound, expected_tokens
 from shard.bench.options import OptionsError, load_prompts
 from shard.bench.report import summarize
 from shard.bench.ringspec import policy, ring_toml
-from shard.config import load_spec
+from shard.spec.swarm import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,9 @@ from collections.abc import Callable
 import attrs
 import pytest
 
-from shard.admission import (
+from shard.errors import HandshakeError
+from shard.messages import Hello, NodeName
+from shard.trust.admission import (
     BadTokenSignature,
     ForeignAuthority,
     ForeignSwarm,
@@ -20,7 +22,7 @@ from shard.admission import (
     TokenRevoked,
     WrongIdentity,
 )
-from shard.channel import (
+from shard.trust.channel import (
     PROTOCOL,
     Answer,
     Confirm,
@@ -38,10 +40,8 @@ from shard.channel import (
     encode_message,
     refusal,
 )
-from shard.errors import HandshakeError
-from shard.handshake import DialerHandshake, ListenerHandshake
-from shard.messages import Hello, NodeName
-from shard.sealer import ReflectedFrame, SessionSealer, TamperedFrame
+from shard.trust.handshake import DialerHandshake, ListenerHandshake
+from shard.trust.sealer import ReflectedFrame, SessionSealer, TamperedFrame
 from shard.wire import encode
 from trust_fixtures import NOW, OTHER_AUTHORITY, credentials, forged, identity, policy, token
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shard.config import (
+from shard.spec.swarm import (
     Address,
     CoordinatorSpec,
     EdgeSpec,
@@ -27,7 +27,7 @@ from shard.config import (
     SwarmSpec,
     load_spec,
 )
-from shard.spec_validate import even_split
+from shard.spec.validate import even_split
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 SOURCE = "<test>"

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.coordinator import Coordinator, CoordinatorLimits, RingError
+from shard.coordinator.router import Coordinator, CoordinatorLimits, RingError
 from shard.messages import (
     ChunkSeq,
     Epoch,

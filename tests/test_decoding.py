@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shard.decoding import BadRequest, DecodeState, RequestTooLong, check_sampling
+from shard.decode.state import BadRequest, DecodeState, RequestTooLong, check_sampling
 from shard.messages import Sampling
 
 

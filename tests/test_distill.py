@@ -14,9 +14,9 @@ import attrs
 import pytest
 import torch
 
-from shard import distill as distill_mod
-from shard.cli import main as cli_main
-from shard.distill import (
+from shard.cli.main import main as cli_main
+from shard.decode.distill import build as distill_mod
+from shard.decode.distill.build import (
     MARKER,
     DistillError,
     DraftNotFound,
@@ -27,9 +27,9 @@ from shard.distill import (
     resolve_draft,
     write_checkpoint,
 )
-from shard.distill_data import Corpus, hidden_states, labelled_samples, seed_prompts
-from shard.distill_train import Objective, agreement, mean_kl, reference_runs, train
-from shard.draft import ModelProposer
+from shard.decode.distill.data import Corpus, hidden_states, labelled_samples, seed_prompts
+from shard.decode.distill.train import Objective, agreement, mean_kl, reference_runs, train
+from shard.decode.draft import ModelProposer
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated

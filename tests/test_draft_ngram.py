@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard.draft import NGramProposer
+from shard.decode.draft import NGramProposer
 
 # A copied log: each line differs from the one before in its counter only.
 #   item 4 1 2 , bolts , B \n item 4 1 3 , bolts , B \n item 4 1 4

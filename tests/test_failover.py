@@ -21,21 +21,21 @@ import pytest
 import trio
 import trio.testing
 
-from shard.checkpoint import CheckpointStore
-from shard.config import SwarmSpec
-from shard.coordinator import Completion, RingError
-from shard.faults import FaultInjector, FaultPlan, Injection
-from shard.inprocess import run_swarm
-from shard.links import dial_peer
+from shard.coordinator.checkpoint import CheckpointStore
+from shard.coordinator.router import Completion, RingError
+from shard.decode.reference import generate_reference
+from shard.failover.faults import FaultInjector, FaultPlan, Injection
+from shard.failover.scheduler import Recovery
 from shard.messages import Fault, Heartbeat, Hello, Message, NodeName
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.node import CoordinatorHandle, run_coordinator, run_standby
-from shard.offload import inline_compute
-from shard.reference import generate_reference
-from shard.scheduler import Recovery
+from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_standby
+from shard.nodes.inprocess import run_swarm
+from shard.spec.swarm import SwarmSpec
+from shard.stage.offload import inline_compute
 from shard.testing import make_tiny_checkpoint
 from shard.transport import ConnectionClosed, MemoryNetwork, Network
+from shard.transport.links import dial_peer
 
 PROMPTS = ([5, 17, 99, 3, 8, 8, 41, 5, 17], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44], [42, 42])
 MAX_TOKENS = 20

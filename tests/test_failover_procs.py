@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from procs import LOOPBACK, free_ports, run_shard
-from shard.config import load_spec
+from shard.spec.swarm import load_spec
 
 pytestmark = pytest.mark.slow
 

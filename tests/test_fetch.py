@@ -16,12 +16,6 @@ import pytest
 import torch
 import trio
 
-from shard.fetch import FetchError, FetchOptions, FetchProgress, FetchReport, fetch_block
-from shard.fetch_plan import ChunkKey, block_chunks, chunk_keys, plan_bytes
-from shard.fetch_store import verified_chunks
-from shard.links import accept_peer, dial_peer
-from shard.manifest import Manifest
-from shard.manifest_build import build_manifest
 from shard.messages import (
     ChunkData,
     ChunkMissing,
@@ -33,8 +27,14 @@ from shard.messages import (
     Welcome,
 )
 from shard.model.loader import load_stage
-from shard.seeder import ChunkSource, DirectorySource, Seeder
 from shard.transport import Connection, WebSocketNetwork
+from shard.transport.links import accept_peer, dial_peer
+from shard.weights.build import build_manifest
+from shard.weights.fetch import FetchError, FetchOptions, FetchProgress, FetchReport, fetch_block
+from shard.weights.manifest import Manifest
+from shard.weights.plan import ChunkKey, block_chunks, chunk_keys, plan_bytes
+from shard.weights.seeder import ChunkSource, DirectorySource, Seeder
+from shard.weights.store import verified_chunks
 
 CHUNK = 4096
 DEADLINE_S = 30

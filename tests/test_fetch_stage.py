@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 import trio
 
-from shard.config import SpecError, SwarmSpec
-from shard.fetch_stage import accept_manifest, fetch_stage, make_seeder
-from shard.identity import NodeIdentity
-from shard.inprocess import run_swarm
-from shard.manifest import Manifest, ManifestInvalid
-from shard.manifest_build import build_manifest
+from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.node import CoordinatorHandle
-from shard.reference import generate_reference
-from shard.spec_fetch import SeederSpec
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.spec.fetch import SeederSpec
+from shard.spec.swarm import SpecError, SwarmSpec
+from shard.trust.identity import NodeIdentity
+from shard.weights.block import accept_manifest, fetch_stage, make_seeder
+from shard.weights.build import build_manifest
+from shard.weights.manifest import Manifest, ManifestInvalid
 
 DEADLINE_S = 60
 PUBLISHER = NodeIdentity.from_seed(b"p" * 32)

@@ -1,7 +1,8 @@
 """A live ring under hostile input: thousands of random and mutated frames thrown at its stage
 endpoints over real WebSockets while an honest request runs through the same stages.
 
-The stages and the coordinator are ``shard.node``'s composition roots (what ``shard up`` runs)
+The stages and the coordinator are ``shard.nodes.coordinator``'s composition roots (what ``shard
+up`` runs)
 in this process, on ``WebSocketNetwork`` and free loopback ports. A frame the wire cannot decode
 must reset exactly its connection (close 1008); a frame that decodes but makes no sense for a
 stage (an unknown session, a message a stage never gets) must be a typed ``Fault`` or ignored,
@@ -28,8 +29,7 @@ import trio
 import trio_websocket
 
 from procs import LOOPBACK, free_ports
-from shard.config import SwarmSpec
-from shard.links import accept_peer, dial_peer
+from shard.decode.reference import generate_reference
 from shard.messages import (
     ChunkSeq,
     EndSession,
@@ -53,11 +53,12 @@ from shard.messages import (
 )
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.model.tensors import to_wire
 from shard.model.tokenizer import Tokenizer
-from shard.node import CoordinatorHandle, StageHandle, run_coordinator, run_stage
-from shard.reference import generate_reference
+from shard.nodes.coordinator import CoordinatorHandle, StageHandle, run_coordinator, run_stage
+from shard.spec.swarm import SwarmSpec
+from shard.stage.tensors import to_wire
 from shard.transport import Connection, WebSocketNetwork
+from shard.transport.links import accept_peer, dial_peer
 from shard.transport.websocket import max_message_size
 from shard.wire import WireError, WireLimits, decode, encode
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shard.identity import (
+from shard.trust.identity import (
     IdentityError,
     NodeIdentity,
     parse_public_key,

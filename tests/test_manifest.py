@@ -13,10 +13,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shard.cli import main as shard_main
-from shard.fetch_plan import block_chunks, block_tensors, chunk_span
-from shard.identity import NodeIdentity
-from shard.manifest import (
+from shard.cli.main import main as shard_main
+from shard.model.config import ModelConfig
+from shard.model.llama import StageModel
+from shard.model.loader import hf_name
+from shard.trust.identity import NodeIdentity
+from shard.weights.build import build_manifest
+from shard.weights.manifest import (
     Manifest,
     ManifestInvalid,
     ManifestMismatch,
@@ -27,10 +30,7 @@ from shard.manifest import (
     verify,
     verify_chunk,
 )
-from shard.manifest_build import build_manifest
-from shard.model.config import ModelConfig
-from shard.model.llama import StageModel
-from shard.model.loader import hf_name
+from shard.weights.plan import block_chunks, block_tensors, chunk_span
 
 CHUNK = 4096
 

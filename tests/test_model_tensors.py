@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from shard.messages import TENSOR_DTYPES
 from shard.messages import Tensor as WireTensor
-from shard.model.tensors import from_wire, to_wire
+from shard.stage.tensors import from_wire, to_wire
 
 DTYPES = {name: getattr(torch, name) for name in TENSOR_DTYPES}
 

@@ -10,13 +10,13 @@ import attrs
 import pytest
 import trio
 
-from shard.config import SwarmSpec
-from shard.coordinator import Coordinator
-from shard.inprocess import run_swarm
-from shard.node import CoordinatorHandle
-from shard.receipts import ReceiptInvalid, RunReceipt, verify_run
-from shard.speculation_control import SpecConfig
+from shard.coordinator.router import Coordinator
+from shard.decode.control import SpecConfig
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
+from shard.trust.receipts import ReceiptInvalid, RunReceipt, verify_run
 
 DEADLINE_S = 60.0
 
@@ -132,8 +132,8 @@ async def test_dropped_or_swapped_stages_fail_with_reasons(tiny: Path) -> None:
 
 def test_forged_receipt_caught_beyond_signatures() -> None:
     """Re-signed by a forger, a receipt with broken tiling or chains still fails, by reason."""
-    from shard.identity import NodeIdentity
-    from shard.receipts import Chain, EdgeRecord, StageReceipt, hash_ids, job_id
+    from shard.trust.identity import NodeIdentity
+    from shard.trust.receipts import Chain, EdgeRecord, StageReceipt, hash_ids, job_id
 
     coord, keys = NodeIdentity.generate(), [NodeIdentity.generate() for _ in range(2)]
     nonce, prompt = "ab" * 16, hash_ids([1, 2, 3])

@@ -11,6 +11,7 @@ import pytest
 import torch
 import trio
 
+from shard.failover.replay import ReplayLog
 from shard.messages import (
     SESSION_BITS,
     ChunkSeq,
@@ -26,8 +27,7 @@ from shard.messages import (
     Verify,
 )
 from shard.model.loader import load_stage
-from shard.replay import ReplayLog
-from shard.stage import StageExecutor
+from shard.stage.executor import StageExecutor
 from shard.testing import make_tiny_checkpoint
 
 S = SessionId(7)

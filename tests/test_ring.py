@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 import trio
 
-from shard.config import SwarmSpec
-from shard.coordinator import RingError
-from shard.decoding import RequestTooLong
-from shard.inprocess import run_swarm
+from shard.coordinator.router import RingError
+from shard.decode.reference import generate_reference
+from shard.decode.state import RequestTooLong
 from shard.messages import Sampling
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.node import CoordinatorHandle
-from shard.reference import generate_reference
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
 
 PROMPTS = ([5, 17, 99, 3], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44], [42])

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shard.messages import ChunkSeq, Epoch, SessionId, Tensor, Verify
-from shard.sealer import (
+from shard.trust.sealer import (
     HEADER,
     OVERHEAD,
     PlaintextFrame,

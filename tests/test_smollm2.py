@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
-from shard.reference import generate_reference
 
 PROMPTS = (
     "The capital of France is",

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from shard.config import SpecError, StageSpec, StandbySpec, SwarmSpec
-from shard.spec_failover import FailoverSpec, FaultSpec
-from shard.spec_trust import CredentialPaths
+from shard.spec.failover import FailoverSpec, FaultSpec
+from shard.spec.swarm import SpecError, StageSpec, StandbySpec, SwarmSpec
+from shard.spec.trust import CredentialPaths
 
 SOURCE = "<test>"
 HEX = "ab" * 32

@@ -13,15 +13,15 @@ import pytest
 import torch
 import trio
 
-from shard.config import SwarmSpec
-from shard.coordinator import Completion, Coordinator
-from shard.inprocess import run_swarm
+from shard.coordinator.router import Completion, Coordinator
+from shard.decode.control import SpecConfig
+from shard.decode.reference import generate_reference
 from shard.messages import Sampling
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.node import CoordinatorHandle
-from shard.reference import generate_reference
-from shard.speculation_control import SpecConfig
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
 
 DEADLINE_S = 120.0

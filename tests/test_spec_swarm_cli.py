@@ -14,15 +14,15 @@ import pytest
 import trio
 
 from procs import LineReader, run_python, run_shard, started_shard, write_spec
-from shard.client import request
-from shard.config import load_spec
+from shard.coordinator.client import request
+from shard.decode.reference import generate_reference
 from shard.messages import GenerateRequest
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
-from shard.reference import generate_reference
+from shard.spec.swarm import load_spec
 from shard.testing import scale_upper_layers
-from shard.trust import client_network
+from shard.trust.compose import client_network
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ TIE = 1e-4
 
 _LOCAL = """
 import sys
-from shard.cli import main
+from shard.cli.main import main
 model, *prompts = sys.argv[1:]
 for prompt in prompts:
     code = main(["generate", "--local", "--json", "--model", model, "--max-tokens", "20",

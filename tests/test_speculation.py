@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shard.decoding import DecodeState
+from shard.decode.speculation import SpecStream
+from shard.decode.state import DecodeState
 from shard.messages import ChunkSeq, Epoch, SessionId, Verdict
-from shard.speculation import SpecStream
 
 PROMPT = [1, 2, 3]
 EOS = 0

@@ -7,7 +7,7 @@ import random
 import attrs
 import pytest
 
-from shard.speculation_control import (
+from shard.decode.control import (
     RunLengths,
     SpecConfig,
     SpecController,

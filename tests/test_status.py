@@ -17,10 +17,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from shard.config import SwarmSpec
-from shard.coordinator import CoordinatorStatistics
-from shard.inprocess import run_swarm
-from shard.links import dial_peer
+from shard.coordinator.router import CoordinatorStatistics
 from shard.messages import (
     EdgeStatus,
     Hello,
@@ -29,12 +26,15 @@ from shard.messages import (
     StatusReset,
     StatusSnapshot,
 )
-from shard.node import CoordinatorHandle
-from shard.ringstats import EdgeRolling, NodeRolling, RingEvent, RingStatistics
-from shard.status import StatusFeed, build_snapshot
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.observe.ringstats import EdgeRolling, NodeRolling, RingEvent, RingStatistics
+from shard.observe.status import StatusFeed, build_snapshot
+from shard.observe.tui.feed import FeedWatcher
+from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost
+from shard.spec.swarm import SwarmSpec
 from shard.transport import Connection, MemoryNetwork, Network, WebSocketNetwork
-from shard.tui.feed import FeedWatcher
-from shard.tui.state import FeedDialing, FeedEvent, FeedLost
+from shard.transport.links import dial_peer
 
 DEADLINE_S = 30.0
 RING = tuple(NodeName(n) for n in ("coord", "s0", "s1"))
@@ -143,8 +143,8 @@ async def feed_served(
     network: Network, source: FakeSource, address: str, *, started: float = 1.0
 ) -> AsyncIterator[tuple[str, StatusFeed, trio.CancelScope]]:
     """A ``StatusFeed`` of ``source`` served at ``address`` (handshake as the coordinator's)."""
-    from shard.links import accept_peer
     from shard.messages import Welcome
+    from shard.transport.links import accept_peer
 
     feed = StatusFeed(source, swarm="t", ring=RING, interval_s=0.01, wall_clock=lambda: started)
 

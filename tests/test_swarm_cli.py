@@ -51,7 +51,7 @@ def qwen_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 #: CLI's own entry point and output, without paying a torch import per prompt.
 _LOCAL_SCRIPT = """
 import sys
-from shard.cli import main
+from shard.cli.main import main
 model, max_tokens, max_len, *prompts = sys.argv[1:]
 for prompt in prompts:
     argv = ["generate", "--local", "--json", "--model", model, "--max-tokens", max_tokens]
@@ -315,7 +315,7 @@ async def test_generate_against_a_swarm_that_is_not_running_fails_in_one_line(
 
 def test_spec_writer_round_trips(llama_dir: Path, tmp_path: Path) -> None:
     """The specs these tests write load as valid specs with distinct ports."""
-    from shard.config import load_spec
+    from shard.spec.swarm import load_spec
 
     spec = load_spec(
         write_spec(

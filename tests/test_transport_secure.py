@@ -17,7 +17,12 @@ import pytest
 import trio
 import trio_websocket
 
-from shard.admission import (
+from shard.errors import HandshakeError
+from shard.messages import Hello, NodeName, Probe
+from shard.transport import Connection, ConnectionClosed, WebSocketNetwork
+from shard.transport.base import split_address
+from shard.transport.secure import RoleMismatch, SecureConnection, SecureWebSocketNetwork
+from shard.trust.admission import (
     BadTokenSignature,
     ForeignAuthority,
     ForeignSwarm,
@@ -27,7 +32,7 @@ from shard.admission import (
     TokenRevoked,
     WrongIdentity,
 )
-from shard.channel import (
+from shard.trust.channel import (
     Confirm,
     Credentials,
     KeyNotProven,
@@ -41,10 +46,8 @@ from shard.channel import (
     dialer_transcript,
     encode_message,
 )
-from shard.errors import HandshakeError
-from shard.handshake import DialerHandshake
-from shard.messages import Hello, NodeName, Probe
-from shard.sealer import (
+from shard.trust.handshake import DialerHandshake
+from shard.trust.sealer import (
     OVERHEAD,
     ReflectedFrame,
     ReorderedFrame,
@@ -54,9 +57,6 @@ from shard.sealer import (
     TamperedFrame,
     TruncatedFrame,
 )
-from shard.transport import Connection, ConnectionClosed, WebSocketNetwork
-from shard.transport.base import split_address
-from shard.transport.secure import RoleMismatch, SecureConnection, SecureWebSocketNetwork
 from shard.wire import WireError, encode
 from trust_fixtures import NOW, OTHER_AUTHORITY, credentials, forged, identity, policy
 

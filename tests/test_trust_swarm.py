@@ -3,7 +3,7 @@
 own token is expired stops at start with one line saying so.
 
 Charter: 127.0.0.1 only, free ports; every run bounded; keys and tokens made fresh per test
-(``shard.trust.provision_local``) in the test's temporary directory.
+(``shard.trust.compose.provision_local``) in the test's temporary directory.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import pytest
 import trio
 
 from procs import free_ports, run_shard, write_spec
-from shard.admission import AdmissionToken, issue
-from shard.config import SwarmSpec, load_spec
-from shard.identity import NodeIdentity
+from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.node import CoordinatorHandle, run_coordinator, run_stage
-from shard.reference import generate_reference
+from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_stage
+from shard.spec.swarm import SwarmSpec, load_spec
 from shard.transport import Network
 from shard.transport.secure import SecureWebSocketNetwork
-from shard.trust import LocalTrust, node_network, provision_local
+from shard.trust.admission import AdmissionToken, issue
+from shard.trust.compose import LocalTrust, node_network, provision_local
+from shard.trust.identity import NodeIdentity
 
 PROMPTS = ([5, 17, 99, 3], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44])
 DEADLINE_S = 90.0

@@ -17,10 +17,10 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Sparkline, Static
 
 from shard.messages import EdgeStatus, StatusSnapshot
-from shard.tui import state as st
-from shard.tui.app import MonitorApp
-from shard.tui.state import FeedDialing, FeedEvent, FeedLost
-from shard.tui.testing import T0, sample_snapshot
+from shard.observe.tui import state as st
+from shard.observe.tui.app import MonitorApp
+from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost
+from shard.observe.tui.testing import T0, sample_snapshot
 
 ADDRESS = "127.0.0.1:7700"
 

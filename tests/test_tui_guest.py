@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import trio
 
-from shard.tui.guest import TrioGuest
+from shard.observe.tui.guest import TrioGuest
 
 DEADLINE_S = 10.0
 

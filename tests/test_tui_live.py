@@ -21,16 +21,16 @@ import trio
 from textual.widgets import Static
 
 from procs import free_ports
-from shard.config import SwarmSpec
-from shard.inprocess import run_swarm
 from shard.messages import StatusSnapshot
-from shard.node import CoordinatorHandle
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.observe.tui import state as st
+from shard.observe.tui.app import MonitorApp
+from shard.observe.tui.feed import FeedWatcher
+from shard.observe.tui.guest import TrioGuest
+from shard.observe.tui.state import FeedEvent, MonitorState
+from shard.spec.swarm import SwarmSpec
 from shard.transport import WebSocketNetwork
-from shard.tui import state as st
-from shard.tui.app import MonitorApp
-from shard.tui.feed import FeedWatcher
-from shard.tui.guest import TrioGuest
-from shard.tui.state import FeedEvent, MonitorState
 
 pytestmark = pytest.mark.slow
 

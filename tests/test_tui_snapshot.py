@@ -12,9 +12,9 @@ from typing import Any
 
 from textual.pilot import Pilot
 
-from shard.tui.app import MonitorApp
-from shard.tui.state import FeedDialing, FeedEvent, FeedLost
-from shard.tui.testing import T0, sample_snapshot
+from shard.observe.tui.app import MonitorApp
+from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost
+from shard.observe.tui.testing import T0, sample_snapshot
 
 ADDRESS = "127.0.0.1:7700"
 #: Eight snapshots with tok/s and α moving, so both sparklines have a shape.

@@ -9,9 +9,9 @@ import attrs
 import pytest
 
 from shard.messages import EventRecord
-from shard.tui import state as st
-from shard.tui.state import FeedDialing, FeedLost, FeedNote, MonitorState, apply
-from shard.tui.testing import T0, sample_snapshot
+from shard.observe.tui import state as st
+from shard.observe.tui.state import FeedDialing, FeedLost, FeedNote, MonitorState, apply
+from shard.observe.tui.testing import T0, sample_snapshot
 
 NOW = T0 + 500
 
@@ -120,7 +120,7 @@ def test_monitor_does_not_import_torch() -> None:
     """The monitor and the status feed stay light: a fresh interpreter imports them without
     torch or numpy (the monitor runs on an operator's laptop)."""
     code = (
-        "import shard.tui.main, shard.status, sys; "
+        "import shard.observe.tui.main, shard.observe.status, sys; "
         "assert 'torch' not in sys.modules, 'torch'; "
         "assert 'numpy' not in sys.modules, 'numpy'"
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shard.decode.verify import choose_token, filter_logits, verify_chunk
 from shard.messages import Sampling
-from shard.verify import choose_token, filter_logits, verify_chunk
 
 GREEDY = Sampling()
 
@@ -84,7 +84,7 @@ def test_logits_must_fit_the_draft() -> None:
 
 def test_general_rule_reproduces_the_target_distribution() -> None:
     """100,000 draws of the accept/resample rule against random p and q give p (chi-square)."""
-    from shard.verify import speculative_sample
+    from shard.decode.verify import speculative_sample
 
     gen = torch.Generator().manual_seed(5)
     vocab, rounds, per_round = 6, 20, 5000
@@ -107,7 +107,7 @@ def test_general_rule_reproduces_the_target_distribution() -> None:
 
 def test_one_hot_draft_rule_equals_draw_and_compare() -> None:
     """With q one-hot, the general rule accepts exactly as often as p(d) (the verify_chunk rule)."""
-    from shard.verify import speculative_sample
+    from shard.decode.verify import speculative_sample
 
     gen = torch.Generator().manual_seed(6)
     p = torch.tensor([0.1, 0.6, 0.3])

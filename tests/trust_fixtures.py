@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import attrs
 
-from shard.admission import AdmissionToken, issue
-from shard.channel import Credentials, TrustPolicy
-from shard.identity import NodeIdentity
+from shard.trust.admission import AdmissionToken, issue
+from shard.trust.channel import Credentials, TrustPolicy
+from shard.trust.identity import NodeIdentity
 
 #: The tests' "now": 2027-01-15T08:00:00Z. Tokens are valid from NOW - 1 h to NOW + 1 day.
 NOW = 1_800_000_000.0

@@ -1,10 +1,13 @@
 """Errors shared by layers that must not import each other.
 
-``HandshakeError`` is raised by the ring's ``Hello``/``Welcome`` exchange (``shard.links``) and
-by the secure wire's key exchange (``shard.channel``, ``shard.admission``), which runs inside
+``HandshakeError`` is raised by the ring's ``Hello``/``Welcome`` exchange
+(``shard.transport.links``) and
+by the secure wire's key exchange (``shard.trust.channel``, ``shard.trust.admission``), which runs
+inside
 the transport (``shard.transport.websocket`` refuses a peer when its handshake hook raises
 one). It lives here, with no imports, so the transport can name it without importing
-``shard.links`` (which imports the transport). ``shard.links.HandshakeError`` is the same
+``shard.transport.links`` (which imports the transport). ``shard.transport.links.HandshakeError``
+is the same
 class.
 """
 

@@ -21,18 +21,18 @@ import torch
 
 from shard.bench.bound import expected_tokens
 from shard.bench.options import Prompt
-from shard.config import Limits
-from shard.draft import ModelProposer, NGramProposer, Proposer
+from shard.coordinator.service import prompt_ids
+from shard.decode.draft import ModelProposer, NGramProposer, Proposer
+from shard.decode.reference import ReferenceResult, generate_reference
 from shard.messages import GenerateRequest
 from shard.model.bundled import cache_dir
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
-from shard.reference import ReferenceResult, generate_reference
-from shard.service import prompt_ids
+from shard.spec.swarm import Limits
 
-DISTILL_MARKER = "distill.json"  # shard.distill.MARKER: a finished distilled draft
+DISTILL_MARKER = "distill.json"  # shard.decode.distill.build.MARKER: a finished distilled draft
 
 
 @attrs.frozen

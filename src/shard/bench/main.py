@@ -25,9 +25,9 @@ from shard.bench.bound import __doc__ as BOUND_DOC
 from shard.bench.options import Options, OptionsError, parse
 from shard.bench.ringspec import BenchSpecError, Speculation, check_base, policy
 from shard.bench.sweep import Plan, progress, sweep
-from shard.config import SpecError, SwarmSpec, load_spec
-from shard.draft import NGramProposer
+from shard.decode.draft import NGramProposer
 from shard.model.bundled import resolve_model
+from shard.spec.swarm import SpecError, SwarmSpec, load_spec
 
 Record = dict[str, Any]
 DESIGN_LATENCY_MS = 25.0  # the latency the best draft is chosen for
@@ -190,7 +190,7 @@ def _config(opts: Options, base: SwarmSpec, model_dir: Path, plan: Plan) -> Reco
         "cores_shared_by_the_rings": plan.cores,
         "oracle_policy": opts.oracle_policy,
         "threads_driver": opts.threads or "torch default",
-        # what shard.swarm.launch gives each node (``shard up --threads``)
+        # what shard.nodes.launcher.launch gives each node (``shard up --threads``)
         "threads_per_node": max(1, (os.cpu_count() or 1) // (len(base.stages) + 1)),
         "order": "per latency: rings up, warm-ups; per prompt: probes, plain, then spec and "
         "pipelined per draft",

@@ -20,8 +20,8 @@ import trio
 
 from shard.bench.options import Prompt
 from shard.bench.ringspec import Speculation, free_ports, ring_toml
-from shard.config import SwarmSpec, load_spec
 from shard.messages import GenerateDone, GenerateRequest, TokensOut
+from shard.spec.swarm import SwarmSpec, load_spec
 from shard.transport import Network
 
 Record = dict[str, Any]
@@ -70,7 +70,7 @@ async def start_ring(
     log: IO[bytes],
 ) -> Ring:
     """Launch one ring in ``nursery`` (its nodes' stderr goes to ``log``); returns once ready."""
-    from shard.swarm import launch
+    from shard.nodes.launcher import launch
 
     name = f"bench-{draft}-{latency_ms:g}ms".replace(".", "_")
     path = workdir / f"{name}.toml"
@@ -102,7 +102,7 @@ async def ask(
     timeout_s: float,
 ) -> Reply:
     """One request; a request the ring fails is an error, not a data point."""
-    from shard.client import request
+    from shard.coordinator.client import request
 
     k, depth = MODE_REQUEST[mode]
     req = GenerateRequest(rid, prompt.text, max_tokens, chat=prompt.chat, k=k, depth=depth)

@@ -3,7 +3,7 @@
 The ring keeps the base spec's model, dtype, limits, stages and layer blocks, and its K and
 depth policy; it gets free loopback ports, ``latency_ms`` on every edge (per-edge overrides are
 dropped: the sweep is uniform) and its own ``[speculation] draft``. Written as TOML because
-``shard.swarm.launch`` starts each node as ``shard up --spec FILE``.
+``shard.nodes.launcher.launch`` starts each node as ``shard up --spec FILE``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import socket
 from collections.abc import Mapping, Sequence
 
-from shard.config import SwarmSpec
+from shard.spec.swarm import SwarmSpec
 
 Speculation = Mapping[str, str | int]
 """``[speculation]`` keys and values for the ring (strings are quoted)."""

@@ -5,7 +5,8 @@ decoding, with k = 0), each (ring, mode) gets one discarded warm-up request, the
 a 1-token probe on every ring, plain, and spec and pipelined on each draft's ring. The rings
 stop before the next latency's start, so at most one latency's rings hold memory at a time.
 
-Cancellation: cancelling the sweep stops every ring (``shard.swarm.launch`` kills its nodes).
+Cancellation: cancelling the sweep stops every ring (``shard.nodes.launcher.launch`` kills its
+nodes).
 Errors: a failed request or ring raises; a benchmark with a hole in it is not a result.
 """
 
@@ -25,7 +26,7 @@ from shard.bench.drafts import Reference
 from shard.bench.options import Options, Prompt
 from shard.bench.rings import Record, Reply, Ring, ask, decode_parts, prefill_compute, start_ring
 from shard.bench.ringspec import Speculation
-from shard.config import SwarmSpec
+from shard.spec.swarm import SwarmSpec
 from shard.transport import Network
 
 

@@ -1,12 +1,12 @@
 """``SecureWebSocketNetwork``: WebSockets whose every connection is authenticated and sealed.
 
 It is a ``WebSocketNetwork`` with a handshake hook: right after a WebSocket opens, and before
-any wire frame, the two sides run the secure handshake (``shard.handshake``) on the raw
+any wire frame, the two sides run the secure handshake (``shard.trust.handshake``) on the raw
 WebSocket, each proving its identity key and showing its admission token; the connection's
 ``SessionSealer`` then encrypts every frame under per-direction keys. A peer that is refused
 is told why (a ``Refuse`` message, then close 1008) and the refusal surfaces as a
 ``HandshakeError`` subclass: raised by ``dial``, logged by ``serve``, which keeps serving
-everyone else. ``docs/security.md`` has the protocol; ``shard.trust`` builds this network
+everyone else. ``docs/security.md`` has the protocol; ``shard.trust.compose`` builds this network
 from a spec.
 
 Connections also bind the ring's own first words to the handshake: a ``Hello``/``Welcome``
@@ -24,8 +24,12 @@ from typing import Self, TypeVar
 import trio
 import trio_websocket
 
-from shard.admission import Admitted
-from shard.channel import (
+from shard.errors import HandshakeError
+from shard.messages import Hello, Message, Welcome
+from shard.transport.base import Connection, ConnectionStatistics, Handler
+from shard.transport.websocket import POLICY_VIOLATION, WebSocketConnection, WebSocketNetwork
+from shard.trust.admission import Admitted
+from shard.trust.channel import (
     ChannelError,
     Credentials,
     MalformedHandshake,
@@ -35,13 +39,9 @@ from shard.channel import (
     TrustPolicy,
     refusal,
 )
-from shard.errors import HandshakeError
-from shard.handshake import DialerHandshake, ListenerHandshake
-from shard.identity import short
-from shard.messages import Hello, Message, Welcome
-from shard.sealer import SessionSealer
-from shard.transport.base import Connection, ConnectionStatistics, Handler
-from shard.transport.websocket import POLICY_VIOLATION, WebSocketConnection, WebSocketNetwork
+from shard.trust.handshake import DialerHandshake, ListenerHandshake
+from shard.trust.identity import short
+from shard.trust.sealer import SessionSealer
 from shard.wire import WireLimits
 
 T = TypeVar("T")
@@ -92,7 +92,7 @@ class SecureWebSocketNetwork:
     """A ``Network`` of authenticated, encrypted WebSocket connections.
 
     ``role`` is what this node claims on every connection (its token must grant it);
-    ``peer_roles`` the roles it talks to (default ``shard.channel.PEER_ROLES[role]``).
+    ``peer_roles`` the roles it talks to (default ``shard.trust.channel.PEER_ROLES[role]``).
     ``clock`` gives Unix seconds for token validity (injected; default ``time.time``).
 
     Cancellation and errors: as ``WebSocketNetwork``; a refused handshake raises a

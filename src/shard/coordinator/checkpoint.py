@@ -1,0 +1,90 @@
+"""Per-request checkpoints of committed tokens, so a restarted coordinator can resume.
+
+The coordinator writes one small JSON file per running request (``<request>.json`` in the
+checkpoint directory) each time tokens are committed — atomically: written to a temporary file,
+then renamed — and deletes it when the request completes. A request that failed (``RingError``)
+or whose coordinator died leaves its file behind; a coordinator loads it
+(``CheckpointStore.pending``) and ``Coordinator.resume_request`` continues the request on the
+(still warm) ring from the committed tokens. Sampling draws are keyed by position
+(``shard.decode.verify``), so a resumed request draws exactly what the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import attrs
+
+from shard.messages import Sampling
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file cannot be read (names the file and what is wrong)."""
+
+
+@attrs.frozen
+class RequestCheckpoint:
+    """A request as far as it got: the prompt, the committed output, and how to go on."""
+
+    request: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "request": self.request,
+                "prompt_ids": list(self.prompt_ids),
+                "output_ids": list(self.output_ids),
+                "max_tokens": self.max_tokens,
+                "sampling": attrs.asdict(self.sampling),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str) -> RequestCheckpoint:
+        try:
+            data = json.loads(text)
+            return cls(
+                request=str(data["request"]),
+                prompt_ids=tuple(int(t) for t in data["prompt_ids"]),
+                output_ids=tuple(int(t) for t in data["output_ids"]),
+                max_tokens=int(data["max_tokens"]),
+                sampling=Sampling(**data["sampling"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{source}: not a request checkpoint: {exc!r}") from exc
+
+
+class CheckpointStore:
+    """A directory of request checkpoints (see the module docstring)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        self._dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, request: str) -> Path:
+        if not _NAME.fullmatch(request):
+            raise CheckpointError(f"request id {request!r}: use letters, digits, '_', '.', '-'")
+        return self._dir / f"{request}.json"
+
+    def save(self, checkpoint: RequestCheckpoint) -> None:
+        path = self._path(checkpoint.request)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(checkpoint.to_json(), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def done(self, request: str) -> None:
+        self._path(request).unlink(missing_ok=True)
+
+    def pending(self) -> list[RequestCheckpoint]:
+        """Checkpoints left by requests that never ended (a coordinator died), oldest first."""
+        paths = sorted(self._dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        return [RequestCheckpoint.from_json(p.read_text(), source=str(p)) for p in paths]

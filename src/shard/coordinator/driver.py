@@ -1,0 +1,363 @@
+"""RequestDriver: one request's session through the ring, from prefill to the last token.
+
+The coordinator (``shard.coordinator.router``) owns what requests share — the ring link, the routes
+that hand each session its verdicts, statistics, the K/D model — and runs one driver per
+request. The driver opens the session, streams the prompt, then runs the speculative loop
+(``shard.decode.speculation``): keep chunks in flight, fold verdicts into the stream, emit committed
+tokens. When the ring fails under it, it re-sends from its committed tokens in a new epoch
+(``Resync``): after a splice or a re-dialled edge, after frames were lost (a stage's ``gap``
+fault: from position 0), or after ``retry_after_s`` of silence. It never commits a token the
+target did not choose, and it never loses one: a request that cannot go on raises
+``RingError`` carrying what was committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+import attrs
+import trio
+
+from shard.decode.control import SpecConfig, SpecController
+from shard.decode.draft import Drafter, Proposer
+from shard.decode.speculation import Outcome, SpecStream
+from shard.decode.state import DecodeState
+from shard.failover.replay import LoggedChunk
+from shard.messages import (
+    ChunkSeq,
+    Epoch,
+    Fault,
+    Message,
+    NodeName,
+    OpenSession,
+    Prefill,
+    RunStats,
+    Sampling,
+    SessionId,
+    Truncate,
+    Verdict,
+    Verify,
+)
+from shard.observe.ringstats import LapRecorder
+from shard.trust.receipts import RunJob, RunReceipt
+
+#: Re-sends one request may need (repaired ring, lost frames) before it gives up.
+MAX_RESYNCS = 8
+
+OnTokens = Callable[[list[int]], Awaitable[None]]
+
+
+class RingDown(Exception):
+    """Raised inside a request when the ring was declared lost; ``Coordinator.generate``
+    turns it into ``RingError`` with the request's committed tokens."""
+
+
+class RingError(Exception):
+    """The ring could not finish a request (a stage fault or a broken link).
+
+    ``committed`` holds the token ids committed before the failure: nothing is lost silently.
+    """
+
+    def __init__(self, message: str, committed: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.committed = tuple(committed)
+
+
+@attrs.frozen
+class Resync:
+    """Scheduler -> request, in process: re-send from the committed tokens in a new epoch.
+
+    After a splice or a re-dialled edge (``full`` False: every stage holds the committed KV)
+    or after a stage reported a gap (``full``: re-send the session from position 0, so every
+    stage rebuilds what it misses)."""
+
+    full: bool
+    reason: str
+
+
+@attrs.frozen
+class Completion:
+    """A finished request: the committed ids, why it stopped, and what it cost."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: RunStats
+    receipt: RunReceipt | None = None
+
+
+@attrs.frozen
+class DriverLimits:
+    max_len: int
+    prefill_chunk: int
+    verdict_timeout_s: float
+    retry_after_s: float
+
+
+class RingPort(Protocol):
+    """What a driver needs from its coordinator (``shard.coordinator.router.Coordinator``)."""
+
+    @property
+    def node(self) -> NodeName: ...
+
+    @property
+    def recovering(self) -> bool: ...
+
+    def wall_clock(self) -> float: ...
+
+    def job(self, sid: SessionId) -> RunJob | None: ...
+
+    def sent_chunks(self, sid: SessionId) -> tuple[LoggedChunk, ...]: ...
+
+    def control_for(self, spec: SpecConfig) -> SpecController: ...
+
+    def note_stale(self) -> None: ...
+
+    def sessions(self) -> int:
+        """Sessions in flight on this ring (they share its stages)."""
+        ...
+
+    def note_kd(self, k: int, depth: int) -> None: ...
+
+    def event(self, kind: str, detail: str) -> None: ...
+
+    def lap(
+        self, laps: LapRecorder, verdict: Verdict, *, committed: int, outcome: Outcome | None = None
+    ) -> None: ...
+
+    async def emit(self, ids: Sequence[int], on_tokens: OnTokens | None) -> None: ...
+
+    async def send(self, msg: Message) -> None: ...
+
+
+class RequestDriver:
+    """Drives one session (see the module docstring); ``drive`` runs it to completion."""
+
+    def __init__(
+        self,
+        ring: RingPort,
+        *,
+        sid: SessionId,
+        verdicts: trio.MemoryReceiveChannel[Message | Resync],
+        prompt_ids: Sequence[int],
+        state: DecodeState,
+        sampling: Sampling,
+        on_tokens: OnTokens | None,
+        spec: SpecConfig,
+        limits: DriverLimits,
+        drafter: Drafter | None,
+    ) -> None:
+        self._ring = ring
+        self._sid = sid
+        self._verdicts = verdicts
+        self._prompt = prompt_ids
+        self._state = state
+        self._on_tokens = on_tokens
+        self._spec = spec
+        self._limits = limits
+        self._drafter = drafter
+        self._laps = LapRecorder(ring.node, ring.wall_clock)
+        job = ring.job(sid)
+        self._opening = OpenSession(
+            session=sid,
+            max_len=limits.max_len,
+            sampling=sampling,
+            job=job.job if job else "",
+            nonce=job.nonce if job else "",
+        )
+        self._resyncs = 0
+        self._progress_at = trio.current_time()
+
+    async def drive(self) -> Completion:
+        state, laps, ring = self._state, self._laps, self._ring
+        first = await self._prefill()
+        ring.lap(laps, first, committed=len(first.target_ids))
+        await ring.emit(state.commit(first.target_ids), self._on_tokens)
+        stream = SpecStream(
+            decode=state,
+            committed=[*self._prompt, *first.target_ids],
+            max_len=self._limits.max_len,
+            feed=len(self._prompt),
+            next_seq=first.seq + 1,
+            epoch=first.epoch,
+        )
+        proposer = None
+        if self._drafter is not None and self._spec.enabled:
+            proposer = self._drafter.session(self._prompt)
+        control = ring.control_for(self._spec if proposer else SpecConfig(k=0, depth=1))
+        max_depth = 1
+        while not state.done:
+            max_depth = max(max_depth, await self._fill(stream, proposer, control))
+            event = await self._next_event(stream.epoch)
+            if isinstance(event, Resync):
+                await self._resync(stream, event)
+                continue
+            outcome = await self._fold(stream, event)
+            if outcome is None:
+                continue
+            control.observe_chunk(outcome.drafted, outcome.accepted, outcome.rejected)
+            control.observe_lap(laps.last_lap_s, max((h.compute_s for h in event.hops), default=0))
+            if proposer is not None:
+                proposer.feedback(outcome.drafted, outcome.accepted)
+            await ring.emit(outcome.emitted, self._on_tokens)
+        assert state.finish_reason is not None
+        return Completion(
+            token_ids=tuple(state.output),
+            finish_reason=state.finish_reason,
+            stats=laps.stats(len(state.output), max_depth=max_depth),
+        )
+
+    async def _fold(self, stream: SpecStream, verdict: Verdict) -> Outcome | None:
+        """Fold a verdict into the stream; None when it changed nothing (stale, duplicate,
+        or out of order — which re-sends)."""
+        ring = self._ring
+        head = stream.inflight[0].seq if stream.inflight else None
+        if verdict.epoch == stream.epoch and head is not None and verdict.seq != head:
+            if verdict.seq < head:  # a duplicate of one already folded in
+                ring.note_stale()
+                return None
+            why = Resync(False, f"verdict {verdict.seq} arrived before {head}")
+            await self._resync(stream, why)
+            return None
+        outcome = stream.on_verdict(verdict)
+        if outcome.stale:
+            ring.note_stale()
+            self._laps.discard(verdict.seq)
+            return None
+        ring.lap(self._laps, verdict, committed=len(outcome.emitted), outcome=outcome)
+        if outcome.bumped_epoch is not None:
+            ring.event("epoch", f"session {self._sid}: epoch {outcome.bumped_epoch}")
+            await ring.send(
+                Truncate(session=self._sid, epoch=outcome.bumped_epoch, position=stream.feed)
+            )
+        return outcome
+
+    async def _prefill(self) -> Verdict:
+        """Open the session and stream the prompt in ``prefill_chunk`` pieces; only the last
+        makes the tail answer. A failure before that answer re-sends it all in a new epoch."""
+        sid, ring = self._sid, self._ring
+        chunk = self._limits.prefill_chunk
+        starts = range(0, len(self._prompt), chunk)
+        epoch = Epoch(0)
+        while True:
+            await ring.send(self._opening)
+            for seq, start in enumerate(starts):
+                ids = tuple(int(t) for t in self._prompt[start : start + chunk])
+                final = start == starts[-1]
+                if final:
+                    self._laps.sent(seq)
+                await ring.send(
+                    Prefill(sid, epoch, ChunkSeq(seq), start=start, final=final, ids=ids)
+                )
+                if (job := ring.job(sid)) is not None:
+                    job.sent_chunk(0, seq, start, ids)
+            while True:
+                event = await self._next_event(epoch)
+                if isinstance(event, Resync) or event.epoch == epoch:
+                    break
+                ring.note_stale()
+            if isinstance(event, Verdict):
+                return event
+            self._count(event.reason)
+            epoch = Epoch(epoch + 1)
+            ring.event("resync", f"session {sid}: prefill again in epoch {epoch}: {event.reason}")
+            await ring.send(Truncate(session=sid, epoch=epoch, position=0))
+
+    async def _resync(self, stream: SpecStream, why: Resync) -> None:
+        """Re-send from the committed tokens in a new epoch (``why.full``: from position 0,
+        with the same chunk shapes as before, so every stage's KV comes out the same)."""
+        self._count(why.reason)
+        sid, ring = self._sid, self._ring
+        epoch = stream.resync()
+        ring.event("resync", f"session {sid}: epoch {epoch}: {why.reason}")
+        await ring.send(Truncate(session=sid, epoch=epoch, position=stream.feed))
+        if not why.full:
+            return
+        chunks = [c for c in ring.sent_chunks(sid) if c.start < stream.feed]
+        await ring.send(self._opening)
+        for c in chunks:
+            seq = ChunkSeq(stream.next_seq)
+            stream.next_seq += 1
+            await ring.send(Prefill(sid, epoch, seq, start=c.start, final=False, ids=c.ids))
+
+    async def _fill(
+        self, stream: SpecStream, proposer: Proposer | None, control: SpecController
+    ) -> int:
+        """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
+        sid, ring = self._sid, self._ring
+        k, depth = control.choose(sessions=ring.sessions())
+        ring.note_kd(k, depth)
+        while len(stream.inflight) < depth:
+            wanted = stream.drafts_wanted(k)
+            if wanted and proposer is not None and self._drafter is not None:
+                tokens, seconds = await self._drafter.propose(proposer, stream.context(), wanted)
+                control.observe_draft(seconds, len(tokens))
+                stream.add_drafts(tokens)
+            chunk = stream.next_chunk(k)
+            if chunk is None:
+                break
+            self._laps.sent(chunk.seq)
+            await ring.send(
+                Verify(sid, chunk.epoch, chunk.seq, chunk.start, ids=chunk.ids, draft=chunk.draft)
+            )
+            if (job := ring.job(sid)) is not None:
+                job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
+        if not stream.inflight:
+            raise RuntimeError(f"session {sid}: nothing in flight and nothing to send")
+        return len(stream.inflight)
+
+    async def _next_event(self, epoch: Epoch) -> Verdict | Resync:
+        """The next verdict for this request, or a reason to re-send (``Resync``).
+
+        While the scheduler repairs the ring the request just waits (the scheduler's own
+        deadlines end the wait). Otherwise no answer for ``retry_after_s`` re-sends (frames
+        may have been lost), and none for ``verdict_timeout_s`` (measured from the last
+        verdict, across re-sends) ends the request.
+        """
+        limits, ring, state = self._limits, self._ring, self._state
+        while True:
+            quiet = trio.current_time() - self._progress_at
+            slice_s = max(0.0, min(limits.retry_after_s, limits.verdict_timeout_s - quiet))
+            with trio.move_on_after(slice_s) as waited:
+                msg = await self._verdicts.receive()
+            if waited.cancelled_caught:
+                quiet = trio.current_time() - self._progress_at
+                if ring.recovering:
+                    self._progress_at = trio.current_time()  # the repair's deadlines bound it
+                    continue
+                if quiet < limits.verdict_timeout_s:
+                    return Resync(full=False, reason=f"no verdict for {quiet:g} s")
+                detail = f"no answer from the ring for {quiet:g} s"
+                ring.event("fault", detail)
+                raise RingError(
+                    f"{detail}: a stage is stalled or a link is silently dead; "
+                    "the request stops here with the tokens committed so far",
+                    committed=state.output,
+                )
+            if isinstance(msg, Resync):
+                return msg
+            if isinstance(msg, Fault) and msg.kind == "gap" and msg.session is not None:
+                if msg.epoch is not None and msg.epoch < epoch:
+                    continue  # reported before the last re-send
+                ring.event("fault", f"{msg.node}: gap: {msg.detail}")
+                return Resync(full=True, reason=f"{msg.node} lacks KV: {msg.detail}")
+            if isinstance(msg, Fault):
+                ring.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
+                raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
+            if not isinstance(msg, Verdict):
+                raise RingError(
+                    f"unexpected {type(msg).__name__} mid-request", committed=state.output
+                )
+            if (job := ring.job(msg.session)) is not None:
+                job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
+            self._progress_at = trio.current_time()
+            return msg
+
+    def _count(self, reason: str) -> None:
+        """Count a re-send; past ``MAX_RESYNCS`` the request fails."""
+        self._resyncs += 1
+        if self._resyncs > MAX_RESYNCS:
+            raise RingError(
+                f"session {self._sid}: gave up after {MAX_RESYNCS} re-sends (last: {reason})",
+                committed=self._state.output,
+            )

@@ -1,0 +1,104 @@
+"""Text in, text out: the client-facing side of the coordinator.
+
+Turns a ``GenerateRequest`` into token ids (with the model's own chat template when asked),
+runs it on the ``Coordinator``, and streams ``TokensOut`` as tokens are committed, ending with
+one ``GenerateDone`` — ``finish_reason="error"`` with the committed text when the ring fails,
+never a silent stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+
+from shard.coordinator.router import Completion, Coordinator, RingError
+from shard.decode.control import SpecConfig
+from shard.decode.state import BadRequest
+from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
+from shard.model.tokenizer import StreamDecoder, Tokenizer
+
+Emit = Callable[[Message], Awaitable[None]]
+
+
+def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
+    """The request's prompt as ids, through the chat template when ``chat`` is set."""
+    if request.chat:
+        text = tokenizer.apply_chat([{"role": "user", "content": request.prompt}])
+        return tokenizer.encode(text)
+    return tokenizer.encode(request.prompt)
+
+
+async def complete(
+    coordinator: Coordinator, tokenizer: Tokenizer, request: GenerateRequest, emit: Emit
+) -> GenerateDone:
+    """Serve one request, streaming its tokens through ``emit``; returns (and emits) the end."""
+    stream = StreamDecoder(tokenizer)
+    committed: list[int] = []
+
+    async def on_tokens(ids: list[int]) -> None:
+        committed.extend(ids)
+        text = "".join(stream.push(t) for t in ids)
+        await emit(TokensOut(request=request.request, token_ids=tuple(ids), text=text))
+
+    try:
+        ids = prompt_ids(tokenizer, request)
+        completion = await coordinator.generate(
+            ids,
+            max_tokens=request.max_tokens,
+            sampling=request.sampling,
+            on_tokens=on_tokens,
+            receipt=request.receipt,
+            speculation=request_speculation(coordinator, request),
+        )
+    except (RingError, BadRequest) as exc:
+        done = error_message(request.request, exc, committed, tokenizer.decode(committed))
+    else:
+        text = tokenizer.decode(completion.token_ids)
+        done = done_message(request.request, completion, text)
+    await emit(done)
+    return done
+
+
+def request_speculation(coordinator: Coordinator, request: GenerateRequest) -> SpecConfig | None:
+    """The request's own K / depth over the swarm's policy (None: the policy as is)."""
+    if request.k < 0 and request.depth <= 0:
+        return None
+    policy = coordinator.speculation
+    k = policy.k if request.k < 0 else min(request.k, policy.k_max)
+    depth = policy.depth if request.depth <= 0 else min(request.depth, policy.depth_max)
+    return attrs.evolve(policy, k=k, depth=depth)
+
+
+def done_message(request: int, completion: Completion, text: str) -> GenerateDone:
+    """The client-facing end of a request (with its signed receipt when one was asked for)."""
+    return GenerateDone(
+        request=request,
+        token_ids=completion.token_ids,
+        text=text,
+        finish_reason=completion.finish_reason,
+        stats=completion.stats,
+        receipt=completion.receipt.to_json() if completion.receipt is not None else "",
+    )
+
+
+def error_message(
+    request: int, exc: Exception, committed: Sequence[int], text: str
+) -> GenerateDone:
+    """A request that could not finish: ``finish_reason="error"`` and the committed text."""
+    return GenerateDone(
+        request=request,
+        token_ids=tuple(committed),
+        text=text,
+        finish_reason="error",
+        stats=RunStats(
+            tokens=len(committed),
+            seconds=0.0,
+            tok_s=0.0,
+            prefill_s=0.0,
+            laps=0,
+            mean_lap_s=math.nan,
+        ),
+        error=str(exc),
+    )

@@ -1,0 +1,243 @@
+"""Draft proposers: cheap guesses of the next tokens, verified by the ring in one lap.
+
+A proposer continues a token context by up to ``k`` tokens. All proposers here are
+deterministic (greedy), so the draft distribution q is one-hot and the lossless acceptance
+rule reduces to "draw t ~ p; accept iff t == d" (see ``shard.decode.verify``).
+
+- ``NGramProposer`` — prompt lookup: find the longest recent repeat of the context's suffix
+  (tolerating one changed token, so a copied line with a new counter or operator still lines
+  up) and propose what followed it. Free, and excellent on copy-heavy text (edits, quotes,
+  summaries, code that repeats identifiers).
+- ``ModelProposer`` — a small model with its own KV cache. Rollback is overwrite-by-position:
+  it re-feeds only the part of the context that differs from what it has seen.
+- ``OracleProposer`` — replays a known continuation (a prior reference run) at no cost, so
+  α = 1: a benchmark ceiling that isolates engine efficiency from draft quality. Never a
+  default; always labelled.
+- ``AdaptiveProposer`` — per round, asks its proposers in order of recent acceptance and
+  uses the first that has a guess.
+
+``Drafter`` runs a session's proposer off the Trio thread when it computes (a model), behind
+its own ``CapacityLimiter(1)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import attrs
+import torch
+import trio
+
+from shard.model.llama import StageModel
+from shard.stage import offload
+
+
+class Proposer(Protocol):
+    """Continues a context by up to ``k`` tokens (fewer, or none, when it has no guess)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def computes(self) -> bool:
+        """True when proposing runs a model (then it goes to a worker thread)."""
+        ...
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]: ...
+
+    def feedback(self, drafted: int, accepted: int) -> None: ...
+
+
+class NGramProposer:
+    """Prompt lookup over the context (prompt + committed + drafted so far).
+
+    Every earlier position is a candidate: the tokens before it are compared with the
+    context's last ``window`` tokens, walking backwards. The exact match is the candidate
+    with the longest run of equal tokens (at least ``min_n``); the *tolerant* match allows
+    one unequal token inside the window and counts the equal ones. The tolerant match wins
+    when it holds at least 3 tokens and one more than the exact match: after a substitution
+    (a log line's counter 0415 -> 0416, ``+`` -> ``-`` in a copied line of code) the exact
+    suffix contains the new token and finds nothing long, while the line it was copied from
+    still lines up around it. Ties go to the most recent candidate (local repetition).
+    ``tolerant=False`` is plain longest-suffix prompt lookup.
+    """
+
+    name = "ngram"
+    computes = False
+
+    def __init__(self, *, window: int = 8, min_n: int = 1, tolerant: bool = True) -> None:
+        if not 1 <= min_n <= window:
+            raise ValueError(f"need 1 <= min_n <= window, got min_n={min_n}, window={window}")
+        self._window = window
+        self._min_n = min_n
+        self._tolerant = tolerant
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        tokens = list(context)
+        end = len(tokens)
+        exact_n, exact_at = 0, -1
+        loose_n, loose_at = 0, -1
+        for at in range(end - 1, 0, -1):  # a candidate continuation starts at ``at`` < end
+            run = equal = misses = 0
+            for j in range(1, min(self._window, at) + 1):
+                if tokens[at - j] == tokens[end - j]:
+                    equal += 1
+                    if misses == 0:
+                        run += 1
+                else:
+                    misses += 1
+                    if misses > 1 or not self._tolerant:
+                        break
+            if run > exact_n:
+                exact_n, exact_at = run, at
+            if equal > loose_n:
+                loose_n, loose_at = equal, at
+        if self._tolerant and loose_n >= 3 and loose_n > exact_n:
+            return tokens[loose_at : loose_at + k]
+        if exact_n >= self._min_n:
+            return tokens[exact_at : exact_at + k]
+        return []
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        return None
+
+
+class ModelProposer:
+    """A small causal LM (a ``StageModel`` holding every layer) drafting greedily."""
+
+    name = "model"
+    computes = True
+
+    def __init__(self, model: StageModel, *, max_len: int) -> None:
+        if not (model.is_first and model.is_last):
+            raise ValueError("a draft model must hold every layer (embedding to head)")
+        self._model = model
+        self._cache = model.new_cache(max_len)
+        self._fed: list[int] = []
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        tokens = list(context)
+        room = self._cache.max_len - len(tokens)
+        k = min(k, room)
+        if k <= 0 or not tokens:
+            return []
+        common = 0
+        for a, b in zip(self._fed, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # re-feed at least the last token for logits
+        out: list[int] = []
+        with torch.inference_mode():
+            logits = self._feed(tokens[common:], common)
+            self._fed = tokens
+            while True:
+                token = int(torch.argmax(logits[0, -1]).item())
+                out.append(token)
+                if len(out) == k:
+                    return out
+                logits = self._model(torch.tensor([[token]]), len(self._fed), self._cache)
+                self._fed.append(token)
+
+    def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
+        logits = torch.empty(0)
+        for i in range(0, len(tokens), 128):
+            chunk = torch.tensor([tokens[i : i + 128]])  # [1, S]
+            logits = self._model(chunk, start + i, self._cache)  # [1, S, V]
+        return logits
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        return None
+
+
+class OracleProposer:
+    """Replays ``reference`` (prompt + a prior run's output): α = 1 while on script."""
+
+    name = "oracle"
+    computes = False
+
+    def __init__(self, reference: Sequence[int]) -> None:
+        self._reference = list(reference)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        n = len(context)
+        if list(context) != self._reference[:n]:
+            return []
+        return self._reference[n : n + k]
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        return None
+
+
+@attrs.define
+class _Scored:
+    proposer: Proposer
+    alpha: float
+
+
+class AdaptiveProposer:
+    """Asks its proposers in order of recent acceptance (EWMA); the first guess wins."""
+
+    name = "auto"
+
+    def __init__(self, proposers: Sequence[Proposer], *, prior: float = 0.5) -> None:
+        self._scored = [_Scored(p, prior) for p in proposers]
+        self._last: _Scored | None = None
+
+    @property
+    def computes(self) -> bool:
+        return any(s.proposer.computes for s in self._scored)
+
+    @property
+    def last_used(self) -> str | None:
+        return self._last.proposer.name if self._last is not None else None
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        self._last = None
+        for scored in sorted(self._scored, key=lambda s: -s.alpha):
+            guess = scored.proposer.propose(context, k)
+            if guess:
+                self._last = scored
+                return guess
+        return []
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        if self._last is not None and drafted > 0:
+            self._last.alpha += 0.2 * (accepted / drafted - self._last.alpha)
+            self._last.proposer.feedback(drafted, accepted)
+
+
+ProposerFactory = Callable[[Sequence[int]], Proposer]
+"""Makes a fresh proposer for one session, given its prompt ids."""
+
+
+class Drafter:
+    """Runs proposers for the coordinator's sessions; model proposers in a worker thread.
+
+    Cancellation: a cancelled ``propose`` waits for the worker thread's forward to finish
+    (threads are never killed mid-forward) and then raises ``Cancelled``.
+    """
+
+    def __init__(self, factory: ProposerFactory) -> None:
+        self._factory = factory
+        self._limiter = trio.CapacityLimiter(1)
+
+    def session(self, prompt: Sequence[int]) -> Proposer:
+        return self._factory(prompt)
+
+    async def propose(
+        self, proposer: Proposer, context: Sequence[int], k: int
+    ) -> tuple[list[int], float]:
+        """Up to ``k`` drafted tokens and the seconds it took."""
+        if k <= 0:
+            return [], 0.0
+        began = time.perf_counter()
+        if proposer.computes:
+            tokens = await offload.run_sync(
+                proposer.propose, list(context), k, limiter=self._limiter
+            )
+        else:
+            tokens = proposer.propose(context, k)
+        return tokens, time.perf_counter() - began

@@ -1,0 +1,181 @@
+"""The speculative loop's pure core: one session's token stream, chunks in flight, epochs.
+
+The coordinator keeps, per session, a *stream*: the committed tokens (prompt + output) followed
+by drafted tokens not yet verified. A chunk feeds stream positions ``[start, start+n)`` to the
+ring; the tail answers with the target's token for positions ``start+1 .. start+a+1``. Each
+answer is compared with the stream at its position: equal — the token is committed and the
+walk goes on; different — the target's token is committed, every draft after it is dropped,
+and if later chunks are in flight (they were drafted assuming this one would be accepted) the
+epoch is bumped so their verdicts, and the stages' queued copies, are recognised as stale.
+
+Because a chunk's last answer (the "bonus" token) is compared with the first input of the next
+chunk in flight, pipelined chunks chain exactly: nothing stale is ever committed.
+
+Everything here is synchronous and deterministic; tests drive it with scripted verdicts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+
+from shard.decode.state import DecodeState
+from shard.messages import ChunkSeq, Epoch, Verdict
+
+
+@attrs.frozen
+class Chunk:
+    """A verify chunk to send: stream positions ``[start, start+len(ids))``."""
+
+    seq: ChunkSeq
+    epoch: Epoch
+    start: int
+    ids: tuple[int, ...]
+
+    @property
+    def draft(self) -> tuple[int, ...]:
+        return self.ids[1:]
+
+
+@attrs.frozen
+class Outcome:
+    """What one verdict did: ids committed (to emit), whether it was stale, whether the
+    stream was corrected (``rejected``), and the new epoch when in-flight chunks died."""
+
+    emitted: tuple[int, ...]
+    stale: bool = False
+    rejected: bool = False
+    bumped_epoch: Epoch | None = None
+    drafted: int = 0
+    accepted: int = 0
+
+
+@attrs.define
+class SpecStream:
+    """One session's stream and in-flight chunks (see the module docstring)."""
+
+    decode: DecodeState
+    committed: list[int]
+    max_len: int
+    drafts: list[int] = attrs.field(factory=list)
+    feed: int = 0
+    epoch: Epoch = attrs.field(factory=lambda: Epoch(0))
+    inflight: deque[Chunk] = attrs.field(factory=deque)
+    next_seq: int = 0
+
+    @classmethod
+    def after_prefill(
+        cls, decode: DecodeState, prompt: Sequence[int], *, max_len: int
+    ) -> SpecStream:
+        """The stream once the prompt is in every stage's KV (positions ``< len(prompt)``)."""
+        return cls(decode=decode, committed=list(prompt), max_len=max_len, feed=len(prompt))
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return len(self.committed) + len(self.drafts)
+
+    def context(self) -> list[int]:
+        """Committed tokens then drafts: what a proposer continues."""
+        return self.committed + self.drafts
+
+    def token(self, position: int) -> int | None:
+        if position < len(self.committed):
+            return self.committed[position]
+        i = position - len(self.committed)
+        return self.drafts[i] if i < len(self.drafts) else None
+
+    @property
+    def _last_needed(self) -> int:
+        """The last position whose token may still be committed."""
+        return min(self.decode.prompt_len + self.decode.max_tokens - 1, self.max_len)
+
+    def drafts_wanted(self, k: int) -> int:
+        """How many more drafted tokens a chunk of ``k`` drafts at the feed frontier needs."""
+        return max(0, self.feed + k + 1 - self.length)
+
+    # --- acting ----------------------------------------------------------------------------
+
+    def add_drafts(self, tokens: Sequence[int]) -> None:
+        self.drafts.extend(int(t) for t in tokens)
+
+    def next_chunk(self, k: int) -> Chunk | None:
+        """The next chunk to send (up to ``k`` drafts), or None when nothing can be fed.
+
+        Feeds only what may still matter: never past ``max_tokens`` or the session's KV.
+        """
+        if self.decode.done:
+            return None
+        n = min(
+            k + 1, self.length - self.feed, self._last_needed - self.feed, self.max_len - self.feed
+        )
+        if n <= 0:
+            return None
+        ids = tuple(self.token(p) for p in range(self.feed, self.feed + n))
+        assert all(t is not None for t in ids)
+        chunk = Chunk(ChunkSeq(self.next_seq), self.epoch, self.feed, ids)  # type: ignore[arg-type]
+        self.next_seq += 1
+        self.feed += n
+        self.inflight.append(chunk)
+        return chunk
+
+    def on_verdict(self, verdict: Verdict) -> Outcome:
+        """Fold a verdict into the stream (see the module docstring)."""
+        if verdict.epoch != self.epoch or not self.inflight:
+            return Outcome(emitted=(), stale=True)
+        chunk = self.inflight.popleft()
+        if chunk.seq != verdict.seq or chunk.start != verdict.start:
+            raise ValueError(
+                f"verdict for chunk {verdict.seq}@{verdict.start} but chunk "
+                f"{chunk.seq}@{chunk.start} is next: the ring broke FIFO order"
+            )
+        emitted: list[int] = []
+        rejected = False
+        for offset, target in enumerate(verdict.target_ids, start=1):
+            position = chunk.start + offset
+            guess = self.token(position)
+            emitted.extend(self.decode.commit([target]))
+            if guess is not None and guess != target:
+                rejected = True
+                self._correct(position, target)
+                break
+            self._advance(target)
+            if self.decode.done:
+                break
+        bumped = None
+        if rejected and self.inflight:
+            self.epoch = Epoch(self.epoch + 1)
+            bumped = self.epoch
+            self.inflight.clear()
+        return Outcome(
+            emitted=tuple(emitted),
+            rejected=rejected,
+            bumped_epoch=bumped,
+            drafted=len(chunk.draft),
+            accepted=verdict.accepted,
+        )
+
+    def resync(self) -> Epoch:
+        """Forget the chunks in flight (lost with a failed node or link): the next chunk starts
+        at the first position not yet verified, in a new epoch. Returns that epoch."""
+        if self.inflight:
+            self.feed = self.inflight[0].start
+        self.inflight.clear()
+        self.epoch = Epoch(self.epoch + 1)
+        return self.epoch
+
+    def _advance(self, target: int) -> None:
+        """Commit ``target`` at the next position, consuming the draft there if any."""
+        self.committed.append(target)
+        if self.drafts:
+            self.drafts.pop(0)
+
+    def _correct(self, position: int, target: int) -> None:
+        """The target disagreed at ``position``: commit its token, drop every draft."""
+        assert position == len(self.committed)
+        self.committed.append(target)
+        self.drafts.clear()
+        self.feed = position  # the corrected token is not in any stage's KV yet

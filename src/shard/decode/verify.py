@@ -1,0 +1,117 @@
+"""The target's choice and the acceptance rule: pure functions, no I/O.
+
+The tail stage calls ``verify_chunk`` on the logits of one chunk; the single-process reference
+(``shard.decode.reference``) calls ``choose_token`` one position at a time. A sampled draw is keyed
+by
+(request seed, absolute position), not by how many draws came before, so the token chosen at a
+position depends only on the seed and the text before it: a seeded run gives the same output
+through the ring, with or without speculation, pipelined or not, and with stale chunks
+computed or skipped — and equals the reference run.
+
+With a deterministic draft (q one-hot on the drafted token) the lossless speculative-sampling
+rule — accept d with probability min(1, p(d)/q(d)) = p(d), else resample from the normalised
+residual max(0, p - q) — is exactly "draw t ~ p; accept iff t == d": P(accept) = p(d), and a
+rejected draw is distributed as p restricted to tokens != d. So one draw per position serves
+greedy decoding, plain sampling and verification alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from shard.messages import Sampling
+
+_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads (seed, position) over the seed space
+
+
+def position_generator(sampling: Sampling, position: int) -> torch.Generator:
+    """The CPU generator for the draw at absolute ``position`` of a request."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((sampling.seed * _MIX + position) % (1 << 63))
+    return gen
+
+
+def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature, top-k and top-p (nucleus) applied to one row of logits [V] -> probs [V]."""
+    scaled = logits.float() / sampling.temperature  # [V]
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
+    """The target's token at absolute ``position`` (the position it will occupy): argmax when
+    greedy, else one draw keyed by (seed, position)."""
+    if sampling.temperature <= 0.0:
+        return int(torch.argmax(logits).item())
+    probs = filter_logits(logits, sampling)
+    generator = position_generator(sampling, position)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@attrs.frozen
+class ChunkVerdict:
+    """The target's ids for a verified chunk and how many drafted ids they confirmed."""
+
+    target_ids: tuple[int, ...]
+    accepted: int
+
+
+def verify_chunk(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    sampling: Sampling,
+    position: int,
+) -> ChunkVerdict:
+    """Decide a chunk of K drafted tokens from the target's logits at its K+1 positions.
+
+    ``logits`` is [K+1, V]: row i is the target's distribution after the chunk's i-th input,
+    i.e. for the token at absolute position ``position + i``.
+    Walks the drafts in order: the target chooses at position i; if that equals draft[i] the
+    draft is accepted and the walk goes on, otherwise the chosen token replaces it and the
+    walk stops. When every draft holds, the last row gives a bonus token. Returns the accepted
+    prefix plus one target token, so ``len(target_ids) == accepted + 1``.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"logits {tuple(logits.shape)} do not fit {len(draft)} drafted tokens")
+    chosen: list[int] = []
+    for i in range(len(draft) + 1):
+        token = choose_token(logits[i], sampling, position + i)
+        chosen.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return ChunkVerdict(target_ids=tuple(chosen), accepted=len(chosen) - 1)
+
+
+def speculative_sample(
+    p: torch.Tensor, q: torch.Tensor, draft: int, generator: torch.Generator
+) -> tuple[int, bool]:
+    """The general lossless rule for one position (Leviathan et al. 2023, Chen et al. 2023).
+
+    ``p`` is the target's distribution, ``q`` the draft's, ``draft`` the token drawn from q.
+    Accept it with probability min(1, p(d)/q(d)); otherwise draw from the normalised residual
+    max(0, p - q). The result is distributed exactly as p. With a deterministic draft (q
+    one-hot) this is the rule ``verify_chunk`` applies as "draw t ~ p; accept iff t == d".
+    """
+    u = float(torch.rand((), generator=generator))
+    p_d, q_d = float(p[draft]), float(q[draft])
+    if q_d > 0 and u * q_d < p_d:
+        return draft, True
+    residual = (p - q).clamp_min(0.0)
+    total = float(residual.sum())
+    if total <= 0.0:  # p == q up to rounding: the residual is empty, fall back to p
+        residual, total = p, float(p.sum())
+    token = int(torch.multinomial(residual / total, 1, generator=generator).item())
+    return token, False

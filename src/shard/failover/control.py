@@ -1,0 +1,166 @@
+"""ControlClient: a node's control link to the scheduler (in the coordinator's process).
+
+A stage or standby dials the coordinator with ``Hello(link="control")``, sends ``Register``
+(who it is, where it listens, which block it holds), then keeps the link alive with
+heartbeats both ways. The scheduler watches the heartbeats (a silent node is dead), and sends
+orders on the same link: ``Activate`` (a standby joins the ring) and ``Rewire`` (re-dial the
+downstream edge, replaying the log). Each order is answered with ``Ready``. Link faults the
+node sees on its ring edges go up the same way, as ``Fault`` messages.
+
+If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
+finds its warm ring registering again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from shard.errors import HandshakeError
+from shard.messages import (
+    Activate,
+    Fault,
+    Heartbeat,
+    Hello,
+    Message,
+    NodeName,
+    Ready,
+    Register,
+    Rewire,
+)
+from shard.transport import Connection, Network, TransportError, abandon
+from shard.transport.links import dial_peer
+
+log = logging.getLogger(__name__)
+
+OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
+
+
+class NodeReplaced(Exception):
+    """The scheduler refused this node: it was declared dead and replaced (a node that froze,
+    then woke). It must not serve its old sessions; restart it as a standby, under a new name."""
+
+
+class OrderFailed(Exception):
+    """An order could not be carried out; its message goes back in ``Ready.detail``."""
+
+
+class ControlClient:
+    """See the module docstring.
+
+    ``register`` builds the ``Register`` sent on each (re)connection, so a standby that was
+    activated re-registers as a stage. Cancellation: cancelling ``run`` closes the link.
+    """
+
+    def __init__(
+        self,
+        node: NodeName,
+        network: Network,
+        address: str,
+        hello: Hello,
+        register: Callable[[], Register],
+        on_order: OnOrder,
+        *,
+        heartbeat_s: float = 0.25,
+        dead_after_s: float = 1.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self._node = node
+        self._network = network
+        self._address = address
+        self._hello = hello
+        self._register = register
+        self._on_order = on_order
+        self._heartbeat_s = heartbeat_s
+        self._dead_after_s = dead_after_s
+        self._connect_timeout_s = connect_timeout_s
+        self._conn: Connection | None = None
+
+    async def report(self, fault: Fault) -> None:
+        """Send a fault to the scheduler; dropped (logged) while the link is down."""
+        conn = self._conn
+        if conn is None:
+            log.warning("%s: control link down; fault not reported: %s", self._node, fault.detail)
+            return
+        try:
+            await conn.send(fault)
+        except TransportError as exc:
+            log.warning("%s: could not report %s: %s", self._node, fault.detail, exc)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        while True:
+            try:
+                conn = await dial_peer(
+                    self._network, self._address, self._hello, timeout_s=self._connect_timeout_s
+                )
+            except (TransportError, HandshakeError) as exc:
+                if not started:
+                    raise
+                log.warning("%s: control link: %s; retrying", self._node, exc)
+                await trio.sleep(1.0)
+                continue
+            try:
+                await conn.send(self._register())
+                self._conn = conn
+                if not started:
+                    started = True
+                    task_status.started()
+                refused = await self._serve(conn)
+                if refused is not None:
+                    raise NodeReplaced(
+                        f"{self._node}: the scheduler refused this node: {refused}; restart it "
+                        "as a standby under a new name"
+                    )
+            except TransportError as exc:
+                log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
+            finally:
+                self._conn = None
+                await abandon(conn)
+            await trio.sleep(self._heartbeat_s)
+
+    async def _serve(self, conn: Connection) -> str | None:
+        """Obey orders until the link fails (returns None; the caller re-dials) or the
+        scheduler refuses this node (returns why)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._beat, conn, nursery.cancel_scope)
+            try:
+                while True:
+                    with trio.move_on_after(self._dead_after_s * 4) as quiet:
+                        msg = await conn.receive()
+                    if quiet.cancelled_caught:
+                        log.warning(
+                            "%s: the scheduler at %s went silent", self._node, self._address
+                        )
+                        return None
+                    if isinstance(msg, Activate | Rewire):
+                        await conn.send(await self._obey(msg))
+                    elif isinstance(msg, Fault) and msg.kind == "control":
+                        return msg.detail
+                    elif not isinstance(msg, Heartbeat):
+                        log.warning("%s: unexpected %s on the control link", self._node, msg)
+            except TransportError as exc:
+                log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
+            finally:
+                nursery.cancel_scope.cancel()
+        return None
+
+    async def _obey(self, order: Activate | Rewire) -> Message:
+        action = type(order).__name__.lower()
+        try:
+            await self._on_order(order)
+        except (OrderFailed, TransportError, HandshakeError, OSError) as exc:
+            log.warning("%s: %s failed: %s", self._node, action, exc)
+            return Ready(node=self._node, action=action, ok=False, detail=str(exc))
+        return Ready(node=self._node, action=action)
+
+    async def _beat(self, conn: Connection, link: trio.CancelScope) -> None:
+        try:
+            while True:
+                await conn.send(Heartbeat(node=self._node, sent_at=time.time()))
+                await trio.sleep(self._heartbeat_s)
+        except TransportError:
+            link.cancel()  # the receive loop ends too; the caller re-dials

@@ -1,0 +1,179 @@
+"""Typed messages: everything that crosses an actor boundary.
+
+Every message is a frozen attrs class. Actors exchange them over trio memory channels when they
+share a process and over the wire (``shard.wire``) when they do not; an actor never knows which.
+Serialization lives only in ``shard.wire``; this module imports neither torch nor msgpack, so a
+light process (the monitor, a fuzzer) can import it cheaply.
+
+Flow of one request through the ring (plain decoding)::
+
+    coordinator --OpenSession--> stage 0 --> ... --> tail      (each stage allocates KV)
+    coordinator --Prefill*-----> stage 0 --h--> ... --> tail --Verdict--> coordinator
+    coordinator --Verify-------> stage 0 --h--> ... --> tail --Verdict--> coordinator
+    coordinator --EndSession---> stage 0 --> ... --> tail
+
+``Prefill`` and ``Verify`` carry token ids (``ids``) on the first edge and hidden states
+(``hidden``) on every later one; the tail turns its logits into token ids, so only small
+integers travel back to the coordinator (direct return, one hop).
+"""
+
+from __future__ import annotations
+
+from shard.messages.client import (
+    EdgeStat,
+    GenerateDone,
+    GenerateRequest,
+    NodeStat,
+    RunStats,
+    TokensOut,
+)
+from shard.messages.control import (
+    Activate,
+    Ready,
+    Register,
+    Rewire,
+)
+from shard.messages.fetch import (
+    ChunkData,
+    ChunkMissing,
+    ChunkRequest,
+)
+from shard.messages.ids import (
+    PROTOCOL_VERSION,
+    SESSION_BITS,
+    TENSOR_DTYPES,
+    ChunkSeq,
+    Epoch,
+    NodeName,
+    SessionId,
+)
+from shard.messages.ring import (
+    EndSession,
+    Fault,
+    Heartbeat,
+    Hello,
+    Hop,
+    OpenSession,
+    Prefill,
+    Probe,
+    ProbeReply,
+    StageReceiptOut,
+    Truncate,
+    Verdict,
+    Verify,
+    Welcome,
+)
+from shard.messages.status import (
+    EdgeStatus,
+    EventRecord,
+    StageStatus,
+    StatusReset,
+    StatusSnapshot,
+)
+from shard.messages.values import (
+    Sampling,
+    Tensor,
+)
+
+Message = (
+    Hello
+    | Welcome
+    | Heartbeat
+    | Probe
+    | ProbeReply
+    | Fault
+    | Register
+    | Activate
+    | Rewire
+    | Ready
+    | OpenSession
+    | EndSession
+    | StageReceiptOut
+    | Truncate
+    | Prefill
+    | Verify
+    | Verdict
+    | GenerateRequest
+    | TokensOut
+    | GenerateDone
+    | StatusSnapshot
+    | StatusReset
+    | ChunkRequest
+    | ChunkData
+    | ChunkMissing
+)
+
+#: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
+MESSAGE_TYPES: tuple[type, ...] = (
+    Hello,
+    Welcome,
+    Heartbeat,
+    Probe,
+    ProbeReply,
+    Fault,
+    OpenSession,
+    EndSession,
+    StageReceiptOut,
+    Truncate,
+    Prefill,
+    Register,
+    Activate,
+    Rewire,
+    Ready,
+    Verify,
+    Verdict,
+    GenerateRequest,
+    TokensOut,
+    GenerateDone,
+    StatusSnapshot,
+    StatusReset,
+    ChunkRequest,
+    ChunkData,
+    ChunkMissing,
+)
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "SESSION_BITS",
+    "TENSOR_DTYPES",
+    "Activate",
+    "ChunkData",
+    "ChunkMissing",
+    "ChunkRequest",
+    "ChunkSeq",
+    "EdgeStat",
+    "EdgeStatus",
+    "EndSession",
+    "Epoch",
+    "EventRecord",
+    "Fault",
+    "GenerateDone",
+    "GenerateRequest",
+    "Heartbeat",
+    "Hello",
+    "Hop",
+    "Message",
+    "NodeName",
+    "NodeStat",
+    "OpenSession",
+    "Prefill",
+    "Probe",
+    "ProbeReply",
+    "Ready",
+    "Register",
+    "Rewire",
+    "RunStats",
+    "Sampling",
+    "SessionId",
+    "StageReceiptOut",
+    "StageStatus",
+    "StatusReset",
+    "StatusSnapshot",
+    "Tensor",
+    "TokensOut",
+    "Truncate",
+    "Verdict",
+    "Verify",
+    "Welcome",
+]

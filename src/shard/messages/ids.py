@@ -1,0 +1,25 @@
+"""Ids, protocol constants and the dtypes a tensor payload may carry."""
+
+from __future__ import annotations
+
+from typing import NewType
+
+SessionId = NewType("SessionId", int)
+Epoch = NewType("Epoch", int)
+ChunkSeq = NewType("ChunkSeq", int)
+NodeName = NewType("NodeName", str)
+
+PROTOCOL_VERSION = 1
+#: A session id is ``incarnation << SESSION_BITS | n``: each coordinator start draws a new
+#: incarnation, so stages recognise (and free) sessions a coordinator that died left behind.
+SESSION_BITS = 32
+
+#: dtypes a ``Tensor`` payload may carry, with their item size in bytes.
+TENSOR_DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,  # raw bytes: manifest chunks (ChunkData)
+}

@@ -1,0 +1,168 @@
+"""Ring messages: the handshake on every link, heartbeats and probes, and what flows
+through the stages (sessions, prefill, verify) and back from the tail (``Verdict``).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from shard.messages.ids import PROTOCOL_VERSION, ChunkSeq, Epoch, NodeName, SessionId
+from shard.messages.values import Sampling, Tensor
+
+
+@attrs.frozen
+class Hello:
+    """First message a dialer sends on a new connection."""
+
+    node: NodeName
+    role: str
+    swarm: str
+    protocol: int = PROTOCOL_VERSION
+    link: str = "ring"  # "ring" (a ring edge or the return link) or "control" (to the scheduler)
+
+
+@attrs.frozen
+class Welcome:
+    """The listener's answer to ``Hello``: the connection is accepted."""
+
+    node: NodeName
+    role: str
+    swarm: str
+    protocol: int = PROTOCOL_VERSION
+
+
+@attrs.frozen
+class Heartbeat:
+    """Sent on idle edges so a dead neighbour is noticed; ``sent_at`` is the sender's clock."""
+
+    node: NodeName
+    sent_at: float
+
+
+@attrs.frozen
+class Probe:
+    """RTT probe; the receiver answers with ``ProbeReply`` carrying the same nonce."""
+
+    nonce: int
+    sent_at: float
+
+
+@attrs.frozen
+class ProbeReply:
+    nonce: int
+    sent_at: float
+
+
+@attrs.frozen
+class Fault:
+    """A clear, typed error report. ``kind`` is a short machine-readable tag."""
+
+    node: NodeName
+    kind: str
+    detail: str
+    session: SessionId | None = None
+    epoch: Epoch | None = None  # the session's epoch the fault was seen in (stale ones are ignored)
+
+
+@attrs.frozen
+class OpenSession:
+    """Allocate per-session state on every stage: KV cache of ``max_len``; the tail's sampler."""
+
+    session: SessionId
+    max_len: int
+    sampling: Sampling = Sampling()
+    job: str = ""  # with ``nonce``: the job each stage signs a receipt for ("" = no receipt)
+    nonce: str = ""
+
+
+@attrs.frozen
+class StageReceiptOut:
+    """A stage's signed receipt for a session (JSON of ``shard.trust.receipts.StageReceipt``),
+    sent downstream at ``EndSession`` and relayed by later stages to the coordinator."""
+
+    session: SessionId
+    receipt: str
+
+
+@attrs.frozen
+class EndSession:
+    """Free a session's state on every stage. Travels the ring like any chunk (FIFO)."""
+
+    session: SessionId
+
+
+@attrs.frozen
+class Truncate:
+    """The coordinator bumped a session's epoch: queued chunks of older epochs are stale.
+
+    Sent right after a rejection, ahead of the re-drafted chunk, so every stage can skip
+    stale chunks still waiting in its queue (early cancellation). Positions at and after
+    ``position`` written by older epochs will be overwritten before they are read.
+    """
+
+    session: SessionId
+    epoch: Epoch
+    position: int
+
+
+@attrs.frozen
+class Hop:
+    """What one stage did for one chunk (for lap accounting)."""
+
+    node: NodeName
+    compute_s: float
+    received_at: float
+    sent_at: float
+
+
+@attrs.frozen
+class Prefill:
+    """Prompt positions ``[start, start+n)``. Only the ``final`` chunk makes the tail answer.
+
+    Exactly one of ``ids`` (first edge) and ``hidden`` (later edges) is set. A ``replay``
+    chunk re-sends what was sent before to a spliced-in node: it rebuilds that node's KV and
+    goes no further (shard.failover.replay).
+    """
+
+    session: SessionId
+    epoch: Epoch
+    seq: ChunkSeq
+    start: int
+    final: bool
+    ids: tuple[int, ...] = ()
+    hidden: Tensor | None = None
+    hops: tuple[Hop, ...] = ()
+    replay: bool = False
+
+
+@attrs.frozen
+class Verify:
+    """Positions ``[start, start+len(ids))``: the last committed token then K draft tokens.
+
+    ``draft`` repeats the K drafted ids (``ids[1:]`` on the first edge) because later stages
+    only see hidden states and the tail must compare against them. The tail answers with a
+    ``Verdict`` holding the target's choice at every position. With no draft (plain decoding)
+    this is a one-token decode step.
+    """
+
+    session: SessionId
+    epoch: Epoch
+    seq: ChunkSeq
+    start: int
+    ids: tuple[int, ...] = ()
+    hidden: Tensor | None = None
+    draft: tuple[int, ...] = ()
+    hops: tuple[Hop, ...] = ()
+
+
+@attrs.frozen
+class Verdict:
+    """Tail -> coordinator (direct return): target ids for the chunk and how many drafts held."""
+
+    session: SessionId
+    epoch: Epoch
+    seq: ChunkSeq
+    start: int
+    target_ids: tuple[int, ...]
+    accepted: int
+    hops: tuple[Hop, ...] = ()

@@ -1,0 +1,117 @@
+"""Entry points of the monitor: ``shard monitor`` and ``shard swarm up --monitor``.
+
+Each builds the Trio side (a ``FeedWatcher``, and for ``swarm up`` the launcher of the
+swarm's processes), hands it to a ``TrioGuest`` and runs ``MonitorApp`` on asyncio until the
+operator quits; then the guest is stopped, which closes the feed and, for ``swarm up``, stops
+every node the launcher started, before the process exits.
+
+While the app owns the terminal nothing may write to it: this process's log records go to
+the app's event log, and a launched swarm's nodes write their stderr to a log file whose path
+is shown in the event log and printed when the monitor quits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from shard.observe.tui.app import MonitorApp
+from shard.observe.tui.feed import FeedWatcher
+from shard.observe.tui.guest import TrioGuest
+from shard.observe.tui.state import FeedNote
+from shard.transport import Network
+
+if TYPE_CHECKING:
+    from shard.spec.swarm import SwarmSpec
+
+
+class AppLogHandler(logging.Handler):
+    """Log records as notes in the app's event log (from any thread)."""
+
+    def __init__(self, app: MonitorApp, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(logging.INFO)
+        self._app = app
+        self._loop = loop
+
+    def emit(self, record: logging.LogRecord) -> None:
+        note = FeedNote(f"{record.levelname.lower()}: {record.name}: {record.getMessage()}")
+        self._loop.call_soon_threadsafe(self._app.show, note)
+
+
+@contextmanager
+def _logs_into(app: MonitorApp, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers[:] = [AppLogHandler(app, loop)]
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved
+
+
+async def _run(app: MonitorApp, guest: TrioGuest) -> None:
+    """Run ``app`` with ``guest`` beside it; stop the guest before returning."""
+    with _logs_into(app, asyncio.get_running_loop()):
+        guest.start(on_done=app.exit)
+        try:
+            await app.run_async()
+        finally:
+            await guest.stop()
+
+
+def monitor(address: str, *, swarm: str, network: Network, connect_timeout_s: float = 10.0) -> None:
+    """``shard monitor``: watch the coordinator at ``address`` until the operator quits.
+
+    ``network`` (not yet open) is how the monitor reaches it: the one clients use.
+    """
+    app = MonitorApp(address=address)
+    watcher = FeedWatcher(network, swarm=swarm, post=app.show, dial_timeout_s=connect_timeout_s)
+
+    async def main() -> None:
+        async with network:
+            await watcher.run(address)
+
+    guest = TrioGuest(main)
+    app.on_reset = partial(guest.call_soon, watcher.request_reset)
+    asyncio.run(_run(app, guest))
+
+
+def monitor_swarm(
+    spec_path: Path, spec: SwarmSpec, *, model_dir: Path, address: str, network: Network
+) -> None:
+    """``shard swarm up --monitor``: start every node of ``spec`` (as ``swarm up`` does) and
+    watch its coordinator over ``network``; quitting the monitor stops the swarm."""
+    from shard.nodes.launcher import launch
+
+    log_dir = Path(tempfile.mkdtemp(prefix=f"shard-{spec.name}-"))
+    log_path = log_dir / "nodes.log"
+    timeout_s = spec.limits.connect_timeout_s
+    app = MonitorApp(address=address)
+    watcher = FeedWatcher(network, swarm=spec.name, post=app.show, dial_timeout_s=timeout_s)
+
+    async def main() -> None:
+        app.show(FeedNote(f"starting swarm {spec.name} from {spec_path}; node logs: {log_path}"))
+        with log_path.open("wb") as log_file:
+            async with trio.open_nursery() as nursery:
+                start = partial(launch, spec_path, spec, model_dir=model_dir, stderr=log_file)
+                handle = await nursery.start(start)
+                pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
+                app.show(FeedNote(f"swarm up: coordinator {handle.coordinator} {pids}"))
+                async with network:
+                    await watcher.run(handle.coordinator)
+
+    guest = TrioGuest(main)
+    app.on_reset = partial(guest.call_soon, watcher.request_reset)
+    try:
+        asyncio.run(_run(app, guest))
+    finally:
+        print(f"swarm {spec.name} stopped; node logs: {log_path}", file=sys.stderr)

@@ -1,0 +1,5 @@
+"""shard.stage: a stage's compute — the executor that runs one block of layers over per-session
+KV caches with early cancellation (``executor.py``), torch <-> wire tensors (``tensors.py``) and
+where blocking work runs (``offload.py``, the one thread boundary). It imports the model, decode
+cores, trust receipts and messages; never nodes, coordinator or failover.
+"""

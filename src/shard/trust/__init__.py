@@ -1,0 +1,5 @@
+"""shard.trust: who a node is and what it may prove — node keys (``identity.py``), the authority's
+admission tokens (``admission.py``), the mutual handshake, per-direction keys and sealed frames
+(``handshake.py``, ``channel.py``, ``sealer.py``), signed receipts (``receipts.py``), device
+identity (``device.py``) and a node's credentials composed from its spec (``compose.py``).
+"""

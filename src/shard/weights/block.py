@@ -1,0 +1,154 @@
+"""A node's part in verified fetch, from its spec's ``[fetch]`` table (``shard.spec.fetch``).
+
+``fetch_stage(spec, name)`` is what a stage with ``fetch`` runs before loading: read the
+manifest, check the publisher's signature, refuse a rollback (the last manifest accepted per
+model is kept in the cache), fetch the stage's block from the spec's seeders (every other
+``[[fetch.seeder]]``) into ``<cache>/<model>/v<version>-<root>/`` and return the report, whose
+``path`` ``load_stage`` reads. ``make_seeder(spec, name, model_dir)`` builds the seeder a node
+called ``name`` runs: a seeder process, or a stage serving its own copy.
+
+Both talk plain WebSockets unless given a network: what they move is public weights whose
+integrity the signed manifest guarantees, so even a secure swarm's stages fetch that way
+(docs/manifests.md explains why and what that does and does not protect).
+
+Errors: ``ManifestError`` (missing, unsigned, tampered or older manifest), ``FetchError``,
+``IdentityError`` (the publisher key file), ``SpecError`` (a block that does not fit).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from shard.spec.fetch import FetchSpec
+from shard.spec.swarm import SwarmSpec
+from shard.transport import Network, WebSocketNetwork
+from shard.trust.identity import read_public_key
+from shard.weights.fetch import FetchOptions, FetchProgress, FetchReport, fetch_block
+from shard.weights.manifest import Manifest, check_newer, verify
+from shard.weights.seeder import DirectorySource, Seeder
+
+log = logging.getLogger(__name__)
+
+__all__ = ["accept_manifest", "fetch_stage", "load_manifest", "make_seeder"]
+
+ACCEPTED_NAME = "accepted.manifest.json"
+
+
+def load_manifest(fetch: FetchSpec) -> Manifest:
+    """The spec's manifest, verified against its publisher key.
+
+    Errors: ``ManifestError`` (bad manifest), ``IdentityError`` (publisher key file).
+    """
+    manifest = Manifest.from_file(fetch.manifest)
+    verify(manifest, read_public_key(fetch.publisher))
+    return manifest
+
+
+def accept_manifest(manifest: Manifest, cache: Path) -> Path:
+    """Record ``manifest`` as the latest accepted for its model; return its block directory.
+
+    Errors: ``ManifestInvalid`` when a newer manifest of the model was accepted before.
+    """
+    model_dir = cache / re.sub(r"[^A-Za-z0-9_.-]", "_", manifest.model)
+    latest = model_dir / ACCEPTED_NAME
+    if latest.is_file():
+        check_newer(Manifest.from_file(latest), manifest)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    manifest.save(latest)
+    return model_dir / f"v{manifest.version}-{manifest.root[:16]}"
+
+
+def default_cache() -> Path:
+    from shard.model.bundled import cache_dir
+
+    return cache_dir() / "blocks"
+
+
+async def fetch_stage(
+    spec: SwarmSpec,
+    name: str,
+    *,
+    network: Network | None = None,
+    progress: Callable[[FetchProgress], None] | None = None,
+) -> FetchReport:
+    """Fetch stage ``name``'s block per ``spec.fetch``; opens ``network`` for the duration."""
+    fetch = spec.fetch
+    if fetch is None:
+        raise ValueError(f"{spec.source}: no [fetch] table")
+    manifest = load_manifest(fetch)
+    index = [s.name for s in spec.stages].index(name)
+    first, last = spec.blocks(manifest.n_layers)[index]
+    dest = accept_manifest(manifest, fetch.cache or default_cache())
+    peers = [s.listen for s in fetch.seeders if s.name != name]
+    options = FetchOptions(
+        parallel=fetch.parallel,
+        chunk_timeout_s=fetch.chunk_timeout_s,
+        connect_timeout_s=spec.limits.connect_timeout_s,
+    )
+    network = network or WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+    async with network:
+        report = await fetch_block(
+            manifest,
+            first=first,
+            last=last,
+            peers=peers,
+            network=network,
+            dest=dest,
+            node=name,
+            swarm=spec.name,
+            options=options,
+            progress=progress or _Every10Percent(name),
+        )
+    if report.bad_peers:
+        log.warning("%s: peers that served bad chunks: %s", name, ", ".join(report.bad_peers))
+    log.info(
+        "%s: block [%d, %d) ready in %s: %d chunks fetched, %d reused",
+        name,
+        first,
+        last,
+        dest,
+        report.chunks_fetched,
+        report.chunks_reused,
+    )
+    return report
+
+
+def make_seeder(
+    spec: SwarmSpec, name: str, model_dir: Path, *, network: Network | None = None
+) -> Seeder | None:
+    """The seeder node ``name`` runs per ``[[fetch.seeder]]`` (None when it runs none),
+    serving the entry's ``model`` directory, else ``model_dir``."""
+    fetch = spec.fetch
+    entry = fetch.seeder(name) if fetch is not None else None
+    if fetch is None or entry is None:
+        return None
+    manifest = load_manifest(fetch)
+    source = DirectorySource(manifest, entry.model or model_dir)
+    network = network or WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+    return Seeder(
+        manifest, source, node=name, swarm=spec.name, listen=entry.listen, network=network
+    )
+
+
+class _Every10Percent:
+    """Progress as log lines, one per tenth of the bytes."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._last = -1
+
+    def __call__(self, p: FetchProgress) -> None:
+        tenth = 10 * p.bytes_done // max(p.bytes_total, 1)
+        if tenth != self._last:
+            self._last = tenth
+            log.info(
+                "%s: fetched %d/%d chunks (%d%% of %d bytes)",
+                self._name,
+                p.chunks_done,
+                p.chunks_total,
+                10 * tenth,
+                p.bytes_total,
+            )

@@ -1,0 +1,179 @@
+"""The package layout is enforced: what each layer may import, read from the source (every
+``import``, function-local ones included), so a forbidden import fails here before it ships.
+
+The rules (each package's ``__init__`` docstring says the same):
+
+- ``shard.model`` is the model runtime: it imports no other shard package and nothing of the
+  network (no trio, WebSockets, msgpack or zstd);
+- ``shard.wire`` is the one frame codec: it imports only ``shard.messages`` and ``shard.errors``;
+- ``shard.messages`` is plain data and imports no other shard package; ``shard.spec`` is plain
+  data too (no torch, no network), reading public keys with ``shard.trust.identity``;
+- the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
+  stage, transport or the CLI;
+- nothing in ``src`` imports the test helpers (``shard.testing``) or fault injection
+  (``shard.failover.faults``), except those helpers themselves.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import attrs
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shard"
+NETWORK = ("trio", "trio_websocket", "msgpack", "zstandard", "nacl", "websockets")
+
+
+@attrs.frozen
+class Rule:
+    """Modules under ``layer`` must not import anything starting with one of ``forbidden``."""
+
+    layer: str
+    forbidden: tuple[str, ...]
+    allowed: tuple[str, ...] = ()  # exceptions to ``forbidden`` (prefixes)
+
+
+RULES = (
+    Rule("shard.model", ("shard.", *NETWORK), allowed=("shard.model",)),
+    Rule("shard.wire", ("shard.",), allowed=("shard.wire", "shard.messages", "shard.errors")),
+    Rule("shard.messages", ("shard.",), allowed=("shard.messages",)),
+    # A spec names public keys: it parses them with the identity module (pure crypto).
+    Rule(
+        "shard.spec",
+        ("shard.", "torch", "trio", "trio_websocket", "msgpack", "zstandard"),
+        allowed=("shard.spec", "shard.messages", "shard.trust.identity"),
+    ),
+    Rule(
+        "shard.decode",
+        (
+            "shard.nodes",
+            "shard.coordinator",
+            "shard.failover",
+            "shard.stage",
+            "shard.transport",
+            "shard.cli",
+            *NETWORK[1:],
+        ),
+        # offload is the one thread boundary: drafting runs through it like a forward pass.
+        allowed=("shard.stage.offload",),
+    ),
+    Rule(
+        "shard",
+        ("shard.testing", "shard.failover.faults", "shard.observe.tui.testing"),
+        allowed=(),
+    ),
+)
+#: Test support may import itself and each other.
+TEST_SUPPORT = ("shard.testing", "shard.failover.faults", "shard.observe.tui.testing")
+
+
+def module_name(root: Path, path: Path) -> str:
+    """``root/a/b.py`` -> ``shard.a.b``; a package's ``__init__`` is the package."""
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("shard", *parts))
+
+
+def imports_of(path: Path, name: str) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, with its line: ``import a.b`` as ``a.b``, ``from a import b``
+    as ``a.b`` (``b`` may be a module or a name in ``a``), relative imports resolved against
+    ``name``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _matches(target: str, prefixes: tuple[str, ...]) -> bool:
+    return any(
+        target == p.rstrip(".")
+        or target.startswith(p.rstrip(".") + ".")
+        or (p.endswith(".") and target.startswith(p))
+        for p in prefixes
+    )
+
+
+def violations(root: Path) -> list[str]:
+    """``FILE:LINE: MODULE imports TARGET (rule LAYER)`` for every broken rule under ``root``."""
+    out: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(root, path)
+        for rule in RULES:
+            if not _matches(name, (rule.layer,)):
+                continue
+            if rule.layer == "shard" and _matches(name, TEST_SUPPORT):
+                continue
+            for line, target in imports_of(path, name):
+                if _matches(target, rule.forbidden) and not _matches(target, rule.allowed):
+                    out.append(f"{path}:{line}: {name} imports {target} (rule {rule.layer})")
+    return out
+
+
+def test_source_tree_keeps_its_import_boundaries() -> None:
+    """No module in src/shard imports across a forbidden boundary."""
+    found = violations(SRC)
+    assert found == [], "\n".join(found)
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "shard"
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
+    """Each rule catches a module that breaks it, plain, relative and function-local."""
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "model/__init__.py": "",
+            "model/llama.py": "import trio\nfrom shard.messages import Tensor\n",
+            "wire/__init__.py": "",
+            "wire/frame.py": "def f():\n    from shard.nodes import stage\n",
+            "decode/__init__.py": "",
+            "decode/draft.py": "from ..coordinator import router\n",
+            "nodes/__init__.py": "",
+            "nodes/stage.py": "from shard.testing import make_tiny_checkpoint\n",
+            "testing.py": "from shard.failover import faults\n",
+        },
+    )
+    found = "\n".join(violations(root))
+    assert "shard.model.llama imports trio" in found
+    assert "shard.model.llama imports shard.messages" in found
+    assert "shard.wire.frame imports shard.nodes" in found
+    assert "shard.decode.draft imports shard.coordinator" in found
+    assert "shard.nodes.stage imports shard.testing" in found
+    assert "shard.testing imports" not in found  # test support may use fault injection
+
+
+def test_allowed_imports_are_not_reported(tmp_path: Path) -> None:
+    """Imports inside the rules give no violation (the checker is not merely noisy)."""
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "model/__init__.py": "",
+            "model/llama.py": "import torch\nfrom shard.model.config import ModelConfig\n",
+            "wire/__init__.py": "",
+            "wire/frame.py": "from shard.messages import Message\nfrom . import limits\n",
+            "decode/__init__.py": "",
+            "decode/draft.py": "from shard.model.llama import StageModel\n",
+        },
+    )
+    assert violations(root) == []
