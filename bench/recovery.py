@@ -82,7 +82,7 @@ EXPECTATION = (
     "interruption ~ detection + splice + one ring lap (the re-sent step)."
 )
 
-# "2026-11-30 11:08:15,123 shard.failover.scheduler WARNING scheduler: ..." (shard.cli.commands'
+# "2026-11-30 11:08:15,123 shard.failover.scheduler WARNING scheduler: ..." (shard.cli's
 # format)
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+) (\w+) (.*)$")
 _REPLACED = re.compile(

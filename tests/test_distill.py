@@ -14,7 +14,7 @@ import attrs
 import pytest
 import torch
 
-from shard.cli.main import main as cli_main
+from shard.cli import main as cli_main
 from shard.decode.distill import build as distill_mod
 from shard.decode.distill.build import (
     MARKER,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shard.cli.main import main as shard_main
+from shard.cli import main as shard_main
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import hf_name

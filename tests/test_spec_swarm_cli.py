@@ -34,7 +34,7 @@ TIE = 1e-4
 
 _LOCAL = """
 import sys
-from shard.cli.main import main
+from shard.cli import main
 model, *prompts = sys.argv[1:]
 for prompt in prompts:
     code = main(["generate", "--local", "--json", "--model", model, "--max-tokens", "20",

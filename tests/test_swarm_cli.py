@@ -51,7 +51,7 @@ def qwen_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 #: CLI's own entry point and output, without paying a torch import per prompt.
 _LOCAL_SCRIPT = """
 import sys
-from shard.cli.main import main
+from shard.cli import main
 model, max_tokens, max_len, *prompts = sys.argv[1:]
 for prompt in prompts:
     argv = ["generate", "--local", "--json", "--model", model, "--max-tokens", max_tokens]

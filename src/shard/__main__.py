@@ -1,5 +1,5 @@
 """``python -m shard`` is the ``shard`` command."""
 
-from shard.cli.main import main
+from shard.cli import main
 
 raise SystemExit(main())

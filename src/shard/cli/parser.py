@@ -1,15 +1,14 @@
-"""The ``shard`` command: argument parsing and dispatch.
+"""The ``shard`` command's argument parser.
 
-Each subcommand's work lives in the module that owns it (``commands``, ``swarm``, ``node``,
-``model.gguf_import``, ``transport.relay``); this module only builds the parser, so
-``shard --help`` stays fast (heavy modules are imported inside the handlers).
+Each subcommand's work lives in the module that owns it (``shard.cli.generate``, ``swarm``,
+``keys``, ``weights``; ``model.gguf_import``, ``transport.relay``, ``bench``,
+``decode.distill`` parse their own arguments); this module only builds the parser, so
+``shard --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 from typing import Any
 
 EPILOG = """\
@@ -335,33 +334,3 @@ def build_parser() -> argparse.ArgumentParser:
     _add_manifest(sub)
     _add_tools(sub)
     return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    # convert, relay, draft and bench own their argument parsing; pass everything after the name on.
-    for name in ("convert", "relay", "draft", "bench"):
-        if args_list[:1] == [name]:
-            return _delegate(name, args_list[1:])
-    args = build_parser().parse_args(args_list)
-    from shard.cli import commands
-
-    return commands.dispatch(args)
-
-
-def _delegate(name: str, rest: list[str]) -> int:
-    if name == "convert":
-        from shard.model.gguf_import import convert_main
-
-        return convert_main(rest)
-    if name == "draft":
-        from shard.decode.distill.build import distill_main
-
-        return distill_main(rest)
-    if name == "bench":
-        from shard.bench import bench_main
-
-        return bench_main(rest)
-    from shard.transport.relay import relay_main
-
-    return relay_main(rest)

@@ -1,0 +1,176 @@
+"""``shard generate``: one request to a running swarm (``--spec``) or the single-process
+reference (``--local``), and the request plumbing ``swarm run`` shares."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from shard.messages import GenerateDone, GenerateRequest, Sampling, TokensOut
+
+
+def sampling(args: argparse.Namespace) -> Sampling:
+    return Sampling(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    return attrs.asdict(stats, recurse=True)
+
+
+def print_done(done: GenerateDone, *, as_json: bool, streamed: bool) -> None:
+    if as_json:
+        record = {
+            "token_ids": list(done.token_ids),
+            "text": done.text,
+            "finish_reason": done.finish_reason,
+            "stats": _stats_dict(done.stats),
+        }
+        if done.error:
+            record["error"] = done.error
+        print(json.dumps(record), flush=True)
+        return
+    if not streamed:
+        print(done.text, end="")
+    print(flush=True)
+    if done.finish_reason == "error":
+        print(f"shard: error: {done.error}", file=sys.stderr)
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.local:
+        return _generate_local(args)
+    from shard.spec.swarm import load_spec
+
+    spec = load_spec(args.spec)
+    if args.receipt and args.local:
+        print(
+            "shard: error: --receipt needs a ring (--spec); --local has no stages", file=sys.stderr
+        )
+        return 2
+    request = GenerateRequest(
+        request=1,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        sampling=sampling(args),
+        chat=args.chat,
+        receipt=bool(args.receipt),
+        k=-1 if args.k is None else args.k,
+        depth=args.depth or 0,
+    )
+    address = client_address(str(spec.coordinator.listen))
+    done = trio.run(ask, spec, address, request, args, spec.limits.connect_timeout_s)
+    return 0 if done.finish_reason != "error" else 1
+
+
+def client_address(address: str) -> str:
+    """A listen address made dialable (a wildcard bind is reached on loopback locally)."""
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "") else address
+
+
+async def ask(
+    spec: Any,
+    address: str,
+    req: GenerateRequest,
+    args: Any,
+    connect_timeout_s: float,
+    on_tokens: Callable[[int], None] | None = None,
+) -> GenerateDone:
+    """Send one request to the coordinator at ``address``; the spec's ``connect_timeout_s``
+    bounds reaching it (a swarm that is not running fails fast, with one line)."""
+    from shard.coordinator.client import request
+    from shard.trust.compose import client_network
+
+    def show(out: TokensOut) -> None:
+        if on_tokens is not None:
+            on_tokens(len(out.token_ids))
+        if not args.json:
+            print(out.text, end="", flush=True)
+
+    # insecure = false: this client's own key and token (--key/--token or [trust] client_*)
+    key, token = getattr(args, "key", None), getattr(args, "token", None)
+    network = client_network(
+        spec, key=Path(key) if key else None, token=Path(token) if token else None
+    )
+    async with network:
+        done = await request(
+            network,
+            address,
+            req,
+            swarm=spec.name,
+            on_text=show,
+            connect_timeout_s=connect_timeout_s,
+        )
+    print_done(done, as_json=args.json, streamed=True)
+    out = getattr(args, "receipt", None)
+    if out and done.receipt:
+        path = _receipt_path(Path(out), req.request)
+        path.write_text(done.receipt)
+        print(f"shard: receipt written to {path}", file=sys.stderr)
+    return done
+
+
+def _receipt_path(out: Path, request: int) -> Path:
+    """OUT for the first request, OUT.<n>.json for later ones (``swarm run --prompts``)."""
+    return out if request == 1 else out.with_name(f"{out.name}.{request}.json")
+
+
+def _generate_local(args: argparse.Namespace) -> int:
+    from shard.coordinator.service import prompt_ids
+    from shard.decode.reference import generate_reference
+    from shard.model.bundled import resolve_model
+    from shard.model.config import ModelConfig
+    from shard.model.loader import load_stage
+    from shard.model.tokenizer import StreamDecoder, Tokenizer
+
+    model_dir = resolve_model(args.model)
+    config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    model = load_stage(model_dir, 0, config.n_layers)
+    max_len = args.max_len or min(2048, config.max_position_embeddings)
+    if max_len > config.max_position_embeddings:
+        print(
+            f"shard: error: --max-len {max_len} exceeds the model's context length "
+            f"{config.max_position_embeddings}",
+            file=sys.stderr,
+        )
+        return 2
+    req = GenerateRequest(1, args.prompt, args.max_tokens, sampling(args), chat=args.chat)
+    stream = StreamDecoder(tokenizer)
+
+    def show(ids: list[int]) -> None:
+        if not args.json:
+            print("".join(stream.push(t) for t in ids), end="", flush=True)
+
+    result = generate_reference(
+        model,
+        prompt_ids(tokenizer, req),
+        max_tokens=args.max_tokens,
+        eos_ids=(*config.eos_token_ids, *tokenizer.eos_ids),
+        sampling=req.sampling,
+        max_len=max_len,
+        on_tokens=show,
+    )
+    done = GenerateDone(
+        request=1,
+        token_ids=result.token_ids,
+        text=tokenizer.decode(result.token_ids),
+        finish_reason=result.finish_reason,
+        stats=result.stats,
+    )
+    print_done(done, as_json=args.json, streamed=True)
+    return 0
+
+
+def read_prompts(path: Path) -> list[str]:
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    return [line for line in lines if line]
