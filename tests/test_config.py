@@ -17,16 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shard.spec.swarm import (
-    Address,
-    CoordinatorSpec,
-    EdgeSpec,
-    Limits,
-    SpecError,
-    StageSpec,
-    SwarmSpec,
-    load_spec,
-)
+from shard.spec.limits import Limits
+from shard.spec.nodes import Address, CoordinatorSpec, EdgeSpec, StageSpec
+from shard.spec.swarm import SpecError, SwarmSpec, load_spec
 from shard.spec.validate import even_split
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"

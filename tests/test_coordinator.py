@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.coordinator.router import Coordinator, CoordinatorLimits, RingError
+from shard.coordinator.router import Coordinator, RingError
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -20,6 +20,7 @@ from shard.messages import (
     Verdict,
     Verify,
 )
+from shard.spec.limits import Limits
 
 
 async def _ring(
@@ -51,7 +52,7 @@ async def _generate(answer: int, then: Message | None, timeout_s: float) -> Ring
         eos_ids=[0],
         to_ring=to_send,
         from_ring=from_recv,
-        limits=CoordinatorLimits(max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s),
+        limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s),
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
@@ -94,7 +95,7 @@ async def test_open_session_carries_the_limits(autojump_clock: trio.testing.Mock
         eos_ids=[0],
         to_ring=to_send,
         from_ring=from_recv,
-        limits=CoordinatorLimits(max_len=48, prefill_chunk=4, verdict_timeout_s=1.0),
+        limits=Limits(max_len=48, prefill_chunk=4, verdict_timeout_s=1.0),
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from shard.spec.failover import FailoverSpec, FaultSpec
-from shard.spec.swarm import SpecError, StageSpec, StandbySpec, SwarmSpec
+from shard.spec.nodes import StageSpec, StandbySpec
+from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.trust import CredentialPaths
 
 SOURCE = "<test>"
