@@ -44,15 +44,20 @@ async def _ring(
                 then = None
 
 
-async def _generate(answer: int, then: Message | None, timeout_s: float) -> RingError:
+async def _generate(
+    answer: int, then: Message | None, timeout_s: float, *, max_resyncs: int = Limits().max_resyncs
+) -> RingError:
     to_send, to_recv = trio.open_memory_channel[Message](16)
     from_send, from_recv = trio.open_memory_channel[Message](16)
+    limits = Limits(
+        max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s, max_resyncs=max_resyncs
+    )
     coordinator = Coordinator(
         node=NodeName("coord"),
         eos_ids=[0],
         to_ring=to_send,
         from_ring=from_recv,
-        limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s),
+        limits=limits,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
@@ -84,6 +89,15 @@ async def test_stage_fault_mid_request_keeps_committed_tokens(
     error = await _generate(answer=2, then=fault, timeout_s=30.0)
     assert error.committed == (7, 7)
     assert "s1: chunk: out of memory" in str(error)
+
+
+async def test_resyncs_are_bounded_by_the_limits(autojump_clock: trio.testing.MockClock) -> None:
+    """Past ``limits.max_resyncs`` re-sends the request fails, naming the key, with its tokens."""
+    gap = Fault(NodeName("s1"), "gap", "lost frames", session=SessionId(1))
+    error = await _generate(answer=2, then=gap, timeout_s=30.0, max_resyncs=0)
+    assert error.committed == (7, 7)
+    assert "gave up after 0 re-sends" in str(error)
+    assert "limits.max_resyncs" in str(error)
 
 
 async def test_open_session_carries_the_limits(autojump_clock: trio.testing.MockClock) -> None:
