@@ -131,8 +131,9 @@ class Scheduler:
         clock: Callable[[], float] = trio.current_time,
         return_up: Callable[[], bool] = lambda: True,
     ) -> None:
-        """``return_up`` says whether a tail's return link is connected now: a tail that
-        registers while it is not (this coordinator restarted) is told to re-dial it."""
+        """``policy`` is the spec's ``[failover]`` record, taken as is. ``return_up`` says
+        whether a tail's return link is connected now: a tail that registers while it is not
+        (this coordinator restarted) is told to re-dial it."""
         self._return_up = return_up
         self._node = node
         self._slots = list(slots)
