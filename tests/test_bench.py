@@ -128,7 +128,7 @@ def test_ring_spec_round_trips_through_the_spec_loader(tmp_path: Path) -> None:
     assert spec.limits == base.limits
     assert {e.latency_ms for e in spec.hops()} == {25.0}
     assert spec.coordinator.listen.port == 41000
-    assert spec.speculation.draft == "ngram" and spec.speculation.k is None
+    assert spec.speculation.draft == "ngram" and spec.speculation.policy.k is None
 
 
 def test_prompt_file_filters_by_set_and_caps_per_set(tmp_path: Path) -> None:

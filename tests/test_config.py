@@ -17,17 +17,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shard.spec.swarm import (
-    Address,
-    CoordinatorSpec,
-    EdgeSpec,
-    Limits,
-    SpecError,
-    StageSpec,
-    SwarmSpec,
-    load_spec,
-)
+from shard.spec.limits import Limits
+from shard.spec.nodes import Address, CoordinatorSpec, EdgeSpec, StageSpec
+from shard.spec.swarm import SpecError, SwarmSpec, load_spec
 from shard.spec.validate import even_split
+from shard.transport.links import HANDSHAKE_TIMEOUT_S
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 SOURCE = "<test>"
@@ -128,6 +122,34 @@ def test_minimal_spec_gets_defaults() -> None:
     assert spec.path is None
     assert spec.coordinator == CoordinatorSpec("coord", Address("127.0.0.1", 7700))
     assert spec.stages[0] == StageSpec("s0", Address("127.0.0.1", 7701), None)
+
+
+def test_timeouts_default_to_the_constants_they_replace() -> None:
+    """The limits that used to be module constants keep their values as defaults; a node
+    without a spec (a test, a bench) dials with the same handshake timeout as the spec's."""
+    limits = Limits()
+    assert (limits.handshake_timeout_s, limits.receipt_timeout_s) == (10.0, 10.0)
+    assert limits.max_resyncs == 8
+    assert limits.handshake_timeout_s == HANDSHAKE_TIMEOUT_S
+
+
+def test_limits_read_every_key() -> None:
+    """Each [limits] key lands in its field (integers accepted for seconds, as floats)."""
+    given = {
+        "max_sessions": 4,
+        "max_len": 512,
+        "prefill_chunk": 32,
+        "max_message_mib": 16,
+        "connect_timeout_s": 3,
+        "verdict_timeout_s": 20.0,
+        "retry_after_s": 5.0,
+        "handshake_timeout_s": 2.5,
+        "max_resyncs": 0,
+        "receipt_timeout_s": 30,
+    }
+    limits = _load(_data(limits=given)).limits
+    assert attrs.asdict(limits) == given
+    assert isinstance(limits.receipt_timeout_s, float)
 
 
 def test_coordinator_name_defaults_to_coord() -> None:
@@ -379,6 +401,10 @@ def test_missing_required_key(path: tuple[Any, ...], key: str) -> None:
         ("limits", "max_sessions", True, "limits.max_sessions", "got boolean"),
         ("limits", "max_len", 0, "limits.max_len", "must be >= 1"),
         ("limits", "connect_timeout_s", 0, "limits.connect_timeout_s", "> 0"),
+        ("limits", "handshake_timeout_s", 0, "limits.handshake_timeout_s", "> 0"),
+        ("limits", "receipt_timeout_s", -1.0, "limits.receipt_timeout_s", "> 0"),
+        ("limits", "max_resyncs", -1, "limits.max_resyncs", "must be >= 0"),
+        ("limits", "max_resyncs", 2.5, "limits.max_resyncs", "expected an integer, got float"),
         ("links", "latency_ms", "25", "links.latency_ms", "expected a number, got string"),
         ("links", "edge", {"from": "s0"}, "links.edge", "array of tables"),
     ],

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.coordinator.router import Coordinator, CoordinatorLimits, RingError
+from shard.coordinator.router import Coordinator, RingError
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -20,6 +20,7 @@ from shard.messages import (
     Verdict,
     Verify,
 )
+from shard.spec.limits import Limits
 
 
 async def _ring(
@@ -43,15 +44,20 @@ async def _ring(
                 then = None
 
 
-async def _generate(answer: int, then: Message | None, timeout_s: float) -> RingError:
+async def _generate(
+    answer: int, then: Message | None, timeout_s: float, *, max_resyncs: int = Limits().max_resyncs
+) -> RingError:
     to_send, to_recv = trio.open_memory_channel[Message](16)
     from_send, from_recv = trio.open_memory_channel[Message](16)
+    limits = Limits(
+        max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s, max_resyncs=max_resyncs
+    )
     coordinator = Coordinator(
         node=NodeName("coord"),
         eos_ids=[0],
         to_ring=to_send,
         from_ring=from_recv,
-        limits=CoordinatorLimits(max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s),
+        limits=limits,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
@@ -85,6 +91,15 @@ async def test_stage_fault_mid_request_keeps_committed_tokens(
     assert "s1: chunk: out of memory" in str(error)
 
 
+async def test_resyncs_are_bounded_by_the_limits(autojump_clock: trio.testing.MockClock) -> None:
+    """Past ``limits.max_resyncs`` re-sends the request fails, naming the key, with its tokens."""
+    gap = Fault(NodeName("s1"), "gap", "lost frames", session=SessionId(1))
+    error = await _generate(answer=2, then=gap, timeout_s=30.0, max_resyncs=0)
+    assert error.committed == (7, 7)
+    assert "gave up after 0 re-sends" in str(error)
+    assert "limits.max_resyncs" in str(error)
+
+
 async def test_open_session_carries_the_limits(autojump_clock: trio.testing.MockClock) -> None:
     """Every session opens with the coordinator's KV length before its first chunk."""
     to_send, to_recv = trio.open_memory_channel[Message](16)
@@ -94,7 +109,7 @@ async def test_open_session_carries_the_limits(autojump_clock: trio.testing.Mock
         eos_ids=[0],
         to_ring=to_send,
         from_ring=from_recv,
-        limits=CoordinatorLimits(max_len=48, prefill_chunk=4, verdict_timeout_s=1.0),
+        limits=Limits(max_len=48, prefill_chunk=4, verdict_timeout_s=1.0),
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)

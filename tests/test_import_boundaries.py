@@ -7,7 +7,8 @@ The rules (each package's ``__init__`` docstring says the same):
   network (no trio, WebSockets, msgpack or zstd);
 - ``shard.wire`` is the one frame codec: it imports only ``shard.messages`` and ``shard.errors``;
 - ``shard.messages`` is plain data and imports no other shard package; ``shard.spec`` is plain
-  data too (no torch, no network), reading public keys with ``shard.trust.identity``;
+  data too (no torch, no network), reading public keys with ``shard.trust.identity`` and
+  building the K/D policy record of ``shard.decode.control`` (a pure module);
 - the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
   stage, transport or the CLI;
 - nothing in ``src`` imports the test helpers (``shard.testing``) or fault injection
@@ -38,11 +39,12 @@ RULES = (
     Rule("shard.model", ("shard.", *NETWORK), allowed=("shard.model",)),
     Rule("shard.wire", ("shard.",), allowed=("shard.wire", "shard.messages", "shard.errors")),
     Rule("shard.messages", ("shard.",), allowed=("shard.messages",)),
-    # A spec names public keys: it parses them with the identity module (pure crypto).
+    # A spec names public keys: it parses them with the identity module (pure crypto). Its
+    # [speculation] K/D policy is the controller's own record (shard.decode.control: pure).
     Rule(
         "shard.spec",
         ("shard.", "torch", "trio", "trio_websocket", "msgpack", "zstandard"),
-        allowed=("shard.spec", "shard.messages", "shard.trust.identity"),
+        allowed=("shard.spec", "shard.messages", "shard.trust.identity", "shard.decode.control"),
     ),
     Rule(
         "shard.decode",

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from shard.spec.failover import FailoverSpec, FaultSpec
-from shard.spec.swarm import SpecError, StageSpec, StandbySpec, SwarmSpec
+from shard.spec.nodes import StageSpec, StandbySpec
+from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.trust import CredentialPaths
 
 SOURCE = "<test>"
@@ -42,6 +43,7 @@ def _full() -> dict[str, Any]:
             "join_deadline_s": 10,
             "splice_timeout_s": 20.0,
             "replay_max_mib": 256,
+            "register_timeout_s": 5,
         },
         standby=[
             {"name": "s1-standby", "listen": "127.0.0.1:7711", "layers_of": "s1"},
@@ -81,7 +83,17 @@ def test_absent_tables_read_as_defaults() -> None:
 
 
 def test_empty_failover_table_reads_as_defaults() -> None:
+    """An empty [failover] is the defaults; the Register deadline keeps its old 10 s."""
     assert _load(_data(failover={})).failover == FailoverSpec()
+    assert FailoverSpec().register_timeout_s == 10.0
+
+
+def test_register_timeout_is_read_and_checked() -> None:
+    """``register_timeout_s`` lands in its field and must be a number > 0."""
+    spec = _load(_data(failover={"register_timeout_s": 3}))
+    assert spec.failover.register_timeout_s == 3.0
+    data = _data(failover={"register_timeout_s": 0})
+    assert "> 0" in _rejected(data, "failover.register_timeout_s")
 
 
 def test_full_example_reads_into_records() -> None:
@@ -94,6 +106,7 @@ def test_full_example_reads_into_records() -> None:
         join_deadline_s=10.0,
         splice_timeout_s=20.0,
         replay_max_mib=256,
+        register_timeout_s=5.0,
     )
     hot, spare = spec.standbys
     assert (hot.name, str(hot.listen), hot.layers_of) == ("s1-standby", "127.0.0.1:7711", "s1")

@@ -30,7 +30,7 @@ from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
-from shard.spec.swarm import Limits
+from shard.spec.limits import Limits
 
 DISTILL_MARKER = "distill.json"  # shard.decode.distill.build.MARKER: a finished distilled draft
 

@@ -106,7 +106,7 @@ def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> 
     pol = policy(base)
     speculation: dict[str, Speculation] = {"ngram": {"draft": "ngram", **pol}}
     cost = {"ngram": drafts.token_cost(NGramProposer, context), "oracle": 0.0}
-    fixed = {"k": base.speculation.k_max, "depth": base.speculation.depth_max}
+    fixed = {"k": base.speculation.policy.k_max, "depth": base.speculation.policy.depth_max}
     speculation["oracle"] = {
         "draft": "oracle",
         "oracle_file": str(oracle),
@@ -149,7 +149,9 @@ def _best_draft(
     lap = hops * DESIGN_LATENCY_MS / 1000.0 + step
     measured = []
     for label, spec in pool:
-        c = drafts.measure(label, spec, model_dir, refs, lap_s=lap, k_max=base.speculation.k_max)
+        c = drafts.measure(
+            label, spec, model_dir, refs, lap_s=lap, k_max=base.speculation.policy.k_max
+        )
         progress(
             f"draft {label}: alpha1 {c.alpha1:.2f}, {1000 * c.token_s:.1f} ms/token, "
             f"predicted {c.predicted_tok_s:.1f} tok/s at K={c.predicted_k}"

@@ -89,12 +89,12 @@ def ring_toml(
 
 def policy(base: SwarmSpec) -> dict[str, str | int]:
     """The base spec's K and depth policy as ``[speculation]`` keys (``"auto"`` or fixed)."""
-    spec = base.speculation
+    plain, kd = base.speculation.draft == "none", base.speculation.policy
     return {
-        "k": "auto" if spec.k is None or spec.draft == "none" else spec.k,
-        "depth": "auto" if spec.depth is None or spec.draft == "none" else spec.depth,
-        "k_max": spec.k_max,
-        "depth_max": spec.depth_max,
+        "k": "auto" if kd.k is None or plain else kd.k,
+        "depth": "auto" if kd.depth is None or plain else kd.depth,
+        "k_max": kd.k_max,
+        "depth_max": kd.depth_max,
     }
 
 

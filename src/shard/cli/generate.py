@@ -109,6 +109,7 @@ async def ask(
             swarm=spec.name,
             on_text=show,
             connect_timeout_s=connect_timeout_s,
+            handshake_timeout_s=spec.limits.handshake_timeout_s,
         )
     print_done(done, as_json=args.json, streamed=True)
     out = getattr(args, "receipt", None)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from shard.messages import GenerateDone, GenerateRequest, Hello, NodeName, TokensOut
 from shard.transport import Network
-from shard.transport.links import dial_peer
+from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
 
 
 class ClientError(Exception):
@@ -22,10 +22,17 @@ async def request(
     swarm: str,
     on_text: Callable[[TokensOut], None] | None = None,
     connect_timeout_s: float = 10.0,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> GenerateDone:
     """Run one request on the swarm whose coordinator listens at ``address``."""
     hello = Hello(node=NodeName("client"), role="client", swarm=swarm)
-    conn = await dial_peer(network, address, hello, timeout_s=connect_timeout_s)
+    conn = await dial_peer(
+        network,
+        address,
+        hello,
+        timeout_s=connect_timeout_s,
+        handshake_timeout_s=handshake_timeout_s,
+    )
     try:
         await conn.send(req)
         while True:

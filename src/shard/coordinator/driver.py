@@ -40,10 +40,8 @@ from shard.messages import (
     Verify,
 )
 from shard.observe.ringstats import LapRecorder
+from shard.spec.limits import Limits
 from shard.trust.receipts import RunJob, RunReceipt
-
-#: Re-sends one request may need (repaired ring, lost frames) before it gives up.
-MAX_RESYNCS = 8
 
 OnTokens = Callable[[list[int]], Awaitable[None]]
 
@@ -84,14 +82,6 @@ class Completion:
     finish_reason: str
     stats: RunStats
     receipt: RunReceipt | None = None
-
-
-@attrs.frozen
-class DriverLimits:
-    max_len: int
-    prefill_chunk: int
-    verdict_timeout_s: float
-    retry_after_s: float
 
 
 class RingPort(Protocol):
@@ -144,7 +134,7 @@ class RequestDriver:
         sampling: Sampling,
         on_tokens: OnTokens | None,
         spec: SpecConfig,
-        limits: DriverLimits,
+        limits: Limits,
         drafter: Drafter | None,
     ) -> None:
         self._ring = ring
@@ -354,10 +344,11 @@ class RequestDriver:
             return msg
 
     def _count(self, reason: str) -> None:
-        """Count a re-send; past ``MAX_RESYNCS`` the request fails."""
+        """Count a re-send; past ``limits.max_resyncs`` the request fails."""
         self._resyncs += 1
-        if self._resyncs > MAX_RESYNCS:
+        if self._resyncs > self._limits.max_resyncs:
             raise RingError(
-                f"session {self._sid}: gave up after {MAX_RESYNCS} re-sends (last: {reason})",
+                f"session {self._sid}: gave up after {self._limits.max_resyncs} re-sends "
+                f"(last: {reason}); limits.max_resyncs allows more",
                 committed=self._state.output,
             )

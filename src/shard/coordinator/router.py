@@ -28,7 +28,6 @@ import trio
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.driver import (
     Completion,
-    DriverLimits,
     OnTokens,
     RequestDriver,
     Resync,
@@ -53,22 +52,13 @@ from shard.messages import (
     Verdict,
 )
 from shard.observe.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
+from shard.spec.limits import Limits
 from shard.trust.receipts import EdgeRecord, RunJob, RunSigner
 
 # Verdicts a session's route can hold before the router waits: the chunks in flight
 # (depth_max) plus stale ones still arriving after a rejection, and a late Fault.
 _SESSION_BUFFER = 16
 _EVENTS_KEPT = 64
-_RECEIPT_TIMEOUT_S = 10.0
-
-
-@attrs.frozen
-class CoordinatorLimits:
-    max_len: int = 2048
-    prefill_chunk: int = 128
-    max_sessions: int = 16
-    verdict_timeout_s: float = 60.0
-    retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send
 
 
 @attrs.frozen
@@ -112,7 +102,7 @@ class Coordinator:
         eos_ids: Sequence[int],
         to_ring: trio.MemorySendChannel[Message],
         from_ring: trio.MemoryReceiveChannel[Message],
-        limits: CoordinatorLimits = CoordinatorLimits(),
+        limits: Limits = Limits(),
         drafter: Drafter | None = None,
         speculation: SpecConfig = SpecConfig(),
         signer: RunSigner | None = None,
@@ -143,12 +133,6 @@ class Coordinator:
         self._sent = sent_log if sent_log is not None else ReplayLog()
         # K/D policy state shared by requests: timings and acceptance by run length
         self._control = SpecController(speculation, runs=RunLengths())
-        self._driver_limits = DriverLimits(
-            max_len=limits.max_len,
-            prefill_chunk=limits.prefill_chunk,
-            verdict_timeout_s=limits.verdict_timeout_s,
-            retry_after_s=limits.retry_after_s,
-        )
         self._recovering: str | None = None
         self._sending: set[trio.CancelScope] = set()
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
@@ -163,7 +147,7 @@ class Coordinator:
         self._events: deque[RingEvent] = deque(maxlen=_EVENTS_KEPT)
 
     @property
-    def limits(self) -> CoordinatorLimits:
+    def limits(self) -> Limits:
         return self._limits
 
     @property
@@ -348,7 +332,7 @@ class Coordinator:
                         request_id, prompt_ids, max_tokens, sampling, on_tokens
                     ),
                     spec=speculation or self._spec,
-                    limits=self._driver_limits,
+                    limits=self._limits,
                     drafter=self._drafter,
                 )
                 completion = await driver.drive()
@@ -454,7 +438,7 @@ class Coordinator:
         job, signer = self._jobs[sid], self._signer
         assert signer is not None
         await self._end_session(sid)
-        with trio.move_on_after(_RECEIPT_TIMEOUT_S) as waited:
+        with trio.move_on_after(self._limits.receipt_timeout_s) as waited:
             while len(job.stages) < signer.n_stages:
                 msg = await route.receive()
                 if isinstance(msg, Verdict):
@@ -510,4 +494,4 @@ class Coordinator:
             await on_tokens(list(ids))
 
 
-__all__ = ["Completion", "Coordinator", "CoordinatorLimits", "Resync", "RingError"]
+__all__ = ["Completion", "Coordinator", "Resync", "RingError"]

@@ -32,7 +32,7 @@ from shard.messages import (
     Rewire,
 )
 from shard.transport import Connection, Network, TransportError, abandon
-from shard.transport.links import dial_peer
+from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class ControlClient:
         heartbeat_s: float = 0.25,
         dead_after_s: float = 1.0,
         connect_timeout_s: float = 10.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self._node = node
         self._network = network
@@ -77,6 +78,7 @@ class ControlClient:
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._connect_timeout_s = connect_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
         self._conn: Connection | None = None
 
     async def report(self, fault: Fault) -> None:
@@ -95,7 +97,11 @@ class ControlClient:
         while True:
             try:
                 conn = await dial_peer(
-                    self._network, self._address, self._hello, timeout_s=self._connect_timeout_s
+                    self._network,
+                    self._address,
+                    self._hello,
+                    timeout_s=self._connect_timeout_s,
+                    handshake_timeout_s=self._handshake_timeout_s,
                 )
             except (TransportError, HandshakeError) as exc:
                 if not started:

@@ -29,7 +29,7 @@ from shard.errors import HandshakeError
 from shard.failover.replay import ReplayLog
 from shard.messages import Fault, Heartbeat, Hello, Message, NodeName
 from shard.transport import Connection, Network, TransportError, abandon
-from shard.transport.links import dial_peer
+from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class DownstreamLink:
         heartbeat_s: float = 0.25,
         send_timeout_s: float = 2.0,
         connect_timeout_s: float = 10.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         on_fault: OnFault | None = None,
     ) -> None:
         self._node = node
@@ -85,6 +86,7 @@ class DownstreamLink:
         self._heartbeat_s = heartbeat_s
         self._send_timeout_s = send_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
         self.on_fault = on_fault
         self._conn: Connection | None = None
         self._address: str | None = None
@@ -115,7 +117,11 @@ class DownstreamLink:
     async def connect(self, address: str) -> None:
         """First dial (before ``run``): retries until the peer answers or the timeout."""
         self._conn = await dial_peer(
-            self._network, address, self._hello, timeout_s=self._connect_timeout_s
+            self._network,
+            address,
+            self._hello,
+            timeout_s=self._connect_timeout_s,
+            handshake_timeout_s=self._handshake_timeout_s,
         )
         self._address = address
 

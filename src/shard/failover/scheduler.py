@@ -41,20 +41,12 @@ from shard.messages import (
     Register,
     Rewire,
 )
+from shard.spec.failover import FailoverSpec
 from shard.transport import Connection, TransportError, abandon
 
 log = logging.getLogger(__name__)
 
 _NO_BLOCK = (-1, -1)
-_REGISTER_TIMEOUT_S = 10.0
-
-
-@attrs.frozen
-class FailoverPolicy:
-    heartbeat_s: float = 0.25
-    dead_after_s: float = 1.0
-    join_deadline_s: float = 30.0
-    splice_timeout_s: float = 30.0
 
 
 @attrs.define
@@ -135,12 +127,13 @@ class Scheduler:
         return_address: str,
         ring_link: DownstreamLink | None,
         hooks: RingHooks,
-        policy: FailoverPolicy = FailoverPolicy(),
+        policy: FailoverSpec = FailoverSpec(),
         clock: Callable[[], float] = trio.current_time,
         return_up: Callable[[], bool] = lambda: True,
     ) -> None:
-        """``return_up`` says whether a tail's return link is connected now: a tail that
-        registers while it is not (this coordinator restarted) is told to re-dial it."""
+        """``policy`` is the spec's ``[failover]`` record, taken as is. ``return_up`` says
+        whether a tail's return link is connected now: a tail that registers while it is not
+        (this coordinator restarted) is told to re-dial it."""
         self._return_up = return_up
         self._node = node
         self._slots = list(slots)
@@ -185,10 +178,16 @@ class Scheduler:
         """One node's control link, from its ``Register`` until it closes. A peer that sends
         anything else first, or nothing, is told why and closed; nothing else is affected."""
         first: Message | None = None
-        with trio.move_on_after(_REGISTER_TIMEOUT_S):
+        with trio.move_on_after(self._policy.register_timeout_s):
             first = await conn.receive()
         if first is None:  # never registered: this connection only
-            log.warning("scheduler: %s (%s) sent no Register; closed", hello.node, conn.peer)
+            log.warning(
+                "scheduler: %s (%s) sent no Register within %g s (failover.register_timeout_s);"
+                " closed",
+                hello.node,
+                conn.peer,
+                self._policy.register_timeout_s,
+            )
             return
         if not isinstance(first, Register) or first.node != hello.node:
             await conn.send(Fault(self._node, "control", "expected Register for this node"))
@@ -472,4 +471,4 @@ class _RecoveryFailed(Exception):
     pass
 
 
-__all__ = ["FailoverPolicy", "Recovery", "RingHooks", "Scheduler", "SchedulerStatistics", "Slot"]
+__all__ = ["Recovery", "RingHooks", "Scheduler", "SchedulerStatistics", "Slot"]

@@ -24,9 +24,8 @@ import attrs
 import trio
 
 from shard.coordinator.checkpoint import CheckpointStore
-from shard.coordinator.router import Coordinator, CoordinatorLimits
+from shard.coordinator.router import Coordinator
 from shard.coordinator.service import complete
-from shard.decode.control import SpecConfig
 from shard.decode.draft import (
     AdaptiveProposer,
     Drafter,
@@ -37,7 +36,7 @@ from shard.decode.draft import (
 )
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
-from shard.failover.scheduler import FailoverPolicy, Scheduler, Slot
+from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
     Fault,
     GenerateRequest,
@@ -52,7 +51,8 @@ from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.status import StatusFeed
-from shard.spec.swarm import CoordinatorSpec, SwarmSpec
+from shard.spec.nodes import CoordinatorSpec
+from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.transport import Connection, Network, TransportError
 from shard.transport.links import HandshakeError, accept_peer, pump_in
@@ -136,13 +136,6 @@ async def run_coordinator(
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
     to_ring_send, to_ring_recv = trio.open_memory_channel[Message](0)
     from_ring_send, from_ring_recv = trio.open_memory_channel[Message](0)
-    limits = CoordinatorLimits(
-        max_len=spec.limits.max_len,
-        prefill_chunk=spec.limits.prefill_chunk,
-        max_sessions=spec.limits.max_sessions,
-        verdict_timeout_s=spec.limits.verdict_timeout_s,
-        retry_after_s=spec.limits.retry_after_s,
-    )
     drafter = await offload.run_sync(make_drafter, spec, model_dir)
     failover = spec.failover
     checkpoints = None
@@ -156,7 +149,7 @@ async def run_coordinator(
         eos_ids=eos,
         to_ring=to_ring_send,
         from_ring=from_ring_recv,
-        limits=limits,
+        limits=spec.limits,
         drafter=drafter,
         signer=RunSigner(
             signing_identity(spec, name),
@@ -165,12 +158,7 @@ async def run_coordinator(
             n_layers=config.n_layers,
             n_stages=len(spec.stages),
         ),
-        speculation=SpecConfig(
-            k=spec.speculation.k,
-            depth=spec.speculation.depth,
-            k_max=spec.speculation.k_max,
-            depth_max=spec.speculation.depth_max,
-        ),
+        speculation=spec.speculation.policy,
     )
     ring_link = DownstreamLink(
         name,
@@ -182,6 +170,7 @@ async def run_coordinator(
         heartbeat_s=failover.heartbeat_s,
         send_timeout_s=failover.send_timeout_s,
         connect_timeout_s=startup_timeout_s,
+        handshake_timeout_s=spec.limits.handshake_timeout_s,
     )
     blocks = spec.blocks(config.n_layers)
     scheduler = Scheduler(
@@ -193,12 +182,7 @@ async def run_coordinator(
         return_address=str(me.listen),
         ring_link=ring_link,
         hooks=coordinator,
-        policy=FailoverPolicy(
-            heartbeat_s=failover.heartbeat_s,
-            dead_after_s=failover.dead_after_s,
-            join_deadline_s=failover.join_deadline_s,
-            splice_timeout_s=failover.splice_timeout_s,
-        ),
+        policy=failover,
         return_up=lambda: return_links > 0,
     )
 
@@ -219,7 +203,7 @@ async def run_coordinator(
 
     async def handler(conn: Connection) -> None:
         try:
-            hello = await accept_peer(conn, welcome)
+            hello = await accept_peer(conn, welcome, timeout_s=spec.limits.handshake_timeout_s)
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return

@@ -28,7 +28,8 @@ from shard.messages import Activate, Fault, Hello, Message, NodeName, Register, 
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
-from shard.spec.swarm import StageSpec, SwarmSpec
+from shard.spec.nodes import StageSpec
+from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
 from shard.transport import Connection, Network
@@ -142,6 +143,7 @@ class _StageNode:
             heartbeat_s=failover.heartbeat_s,
             send_timeout_s=failover.send_timeout_s,
             connect_timeout_s=self.timeout_s,
+            handshake_timeout_s=self.spec.limits.handshake_timeout_s,
             on_fault=self.report,
         )
         await self.link.connect(successor)
@@ -170,7 +172,7 @@ class _StageNode:
     async def serve_upstream(self, conn: Connection) -> None:
         welcome = Welcome(node=self.name, role="stage", swarm=self.spec.name)
         try:
-            await accept_peer(conn, welcome)
+            await accept_peer(conn, welcome, timeout_s=self.spec.limits.handshake_timeout_s)
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
@@ -201,6 +203,7 @@ class _StageNode:
             heartbeat_s=failover.heartbeat_s,
             dead_after_s=failover.dead_after_s,
             connect_timeout_s=self.timeout_s,
+            handshake_timeout_s=self.spec.limits.handshake_timeout_s,
         )
         return self.control
 

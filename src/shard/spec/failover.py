@@ -8,6 +8,7 @@ send_timeout_s = 2.0     # a ring send that takes longer fails the link
 join_deadline_s = 30.0   # no standby: wait this long for a spare to register, else fail
 splice_timeout_s = 30.0  # activating a standby and rewiring its predecessor, within this
 replay_max_mib = 1024    # bound on each edge's log of sent activations (host memory)
+register_timeout_s = 10.0  # a control connection must send its Register within this
 checkpoint_dir = "ckpt"  # the coordinator saves each request's committed tokens here (optional)
 
 [[standby]]              # `shard up --role standby --spec SPEC --node s1-standby`
@@ -25,7 +26,7 @@ at_token = 12            # when the run has committed this many tokens, or
 # seconds = 3.0          # stall only (required there): how long the process stays stopped
 ```
 
-The standby record, ``StandbySpec``, lives in ``shard.spec.swarm`` beside ``StageSpec`` (it holds an
+The standby record, ``StandbySpec``, lives in ``shard.spec.nodes`` beside ``StageSpec`` (it holds an
 ``Address``); its ``layers_of`` is read here. Every rule is checked when the spec loads.
 """
 
@@ -48,6 +49,7 @@ FAILOVER_KEYS: Final = (
     "splice_timeout_s",
     "replay_max_mib",
     "checkpoint_dir",
+    "register_timeout_s",
 )
 STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS)
 FAULT_KEYS: Final = ("kind", "node", "at_token", "at_s", "seconds")
@@ -58,7 +60,9 @@ FAULT_KINDS: Final = ("kill", "stall", "sever")
 
 @attrs.frozen
 class FailoverSpec:
-    """Typed ``[failover]``: detection and recovery timings, and the replay log bound."""
+    """Typed ``[failover]``: detection and recovery timings, and the replay log bound.
+
+    The scheduler (``shard.failover.scheduler``) and the ring links take this record as is."""
 
     heartbeat_s: float = 0.25
     dead_after_s: float = 1.0
@@ -67,6 +71,7 @@ class FailoverSpec:
     splice_timeout_s: float = 30.0
     replay_max_mib: int = 1024
     checkpoint_dir: str | None = None  # absolute; None: no checkpoints
+    register_timeout_s: float = 10.0  # a new control connection's Register, within this
 
     @property
     def replay_max_bytes(self) -> int:
@@ -106,6 +111,9 @@ def read_failover(table: Table, base_dir: Path | None = None) -> FailoverSpec:
         ),
         replay_max_mib=table.integer("replay_max_mib", default=d.replay_max_mib, minimum=1),
         checkpoint_dir=checkpoint_dir,
+        register_timeout_s=table.number(
+            "register_timeout_s", default=d.register_timeout_s, positive=True
+        ),
     )
     if spec.dead_after_s < 2 * spec.heartbeat_s:
         raise table.error(

@@ -30,6 +30,7 @@ from typing import Final
 
 import attrs
 
+from shard.spec.nodes import Address
 from shard.spec.trust import resolve_path
 from shard.spec.validate import Table, check_unique
 from shard.trust.identity import parse_public_key
@@ -120,8 +121,6 @@ def _read_stages(table: Table, names: list[str]) -> tuple[str, ...]:
 
 
 def _read_seeder(table: Table, base_dir: Path | None) -> SeederSpec:
-    from shard.spec.swarm import Address  # config imports this module: read it at call time
-
     name = table.string("name", example='"seed-a"')
     listen = table.string("listen", example='"127.0.0.1:7810"')
     try:

@@ -20,6 +20,7 @@ from typing import Final
 
 import attrs
 
+from shard.decode.control import SpecConfig
 from shard.spec.validate import Table
 
 DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "oracle")
@@ -37,15 +38,17 @@ SPECULATION_KEYS: Final = (
 
 @attrs.frozen
 class SpeculationSpec:
-    """Typed ``[speculation]``: ``k``/``depth`` None mean adaptive. Default: no drafting."""
+    """Typed ``[speculation]``: which draft (``draft``, ``draft_model``, ``draft_layers``,
+    ``oracle_file``) and how much to speculate (``policy``: ``k``, ``depth``, ``k_max``,
+    ``depth_max``). Default: no drafting.
+
+    ``policy`` is the K/D controller's own record (``shard.decode.control.SpecConfig``): the
+    coordinator takes it as is, and a request may override it (``attrs.evolve``)."""
 
     draft: str = "none"
     draft_model: str | None = None
     draft_layers: int = 0
-    k: int | None = None
-    depth: int | None = None
-    k_max: int = 8
-    depth_max: int = 4
+    policy: SpecConfig = attrs.field(factory=SpecConfig)
     oracle_file: str | None = None
 
     @property
@@ -58,8 +61,9 @@ def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
     draft = table.string("draft", default="none", example='"auto"')
     if draft not in DRAFT_KINDS:
         raise table.error("draft", f"unknown draft {draft!r}; use one of {', '.join(DRAFT_KINDS)}")
-    k_max = table.integer("k_max", default=8, minimum=1)
-    depth_max = table.integer("depth_max", default=4, minimum=1)
+    d = SpecConfig()
+    k_max = table.integer("k_max", default=d.k_max, minimum=1)
+    depth_max = table.integer("depth_max", default=d.depth_max, minimum=1)
     k = _auto_or_int(table, "k", minimum=0, maximum=k_max)
     depth = _auto_or_int(table, "depth", minimum=1, maximum=depth_max)
     layers = table.integer("draft_layers", default=0, minimum=0)
@@ -89,10 +93,12 @@ def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
         draft=draft,
         draft_model=model,
         draft_layers=layers,
-        k=0 if draft == "none" else k,
-        depth=1 if draft == "none" else depth,
-        k_max=k_max,
-        depth_max=depth_max,
+        policy=SpecConfig(
+            k=0 if draft == "none" else k,
+            depth=1 if draft == "none" else depth,
+            k_max=k_max,
+            depth_max=depth_max,
+        ),
         oracle_file=oracle,
     )
 

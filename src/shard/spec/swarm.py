@@ -1,10 +1,13 @@
 """Typed swarm specs: the TOML file that describes a whole swarm, as frozen attrs records.
 
-A spec names the swarm, the model, the coordinator, the stage nodes (ring order is file order),
-their layer blocks, the emulated link latency and the limits; for failover, its timings, standby
-nodes and scripted faults (``shard.spec.failover``). One file drives every way of running a
-swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of it), ``shard swarm
-up|run SPEC`` (every node as a local process) and the in-process test swarm.
+A spec names the swarm, the model, the coordinator, the stage nodes (ring order is file
+order), their layer blocks and the emulated link latency (``shard.spec.nodes``), the limits
+(``shard.spec.limits``), the speculation policy (``shard.spec.speculation``), trust and fetch
+(``shard.spec.trust``, ``shard.spec.fetch``) and, for failover, its timings, standby nodes and
+scripted faults (``shard.spec.failover``). This module holds the whole-swarm record,
+``SwarmSpec``, and the reader that assembles it from those tables. One file drives every way
+of running a swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of it),
+``shard swarm up|run SPEC`` (every node as a local process) and the in-process test swarm.
 
 Validation happens once, here, at the edge: ``SwarmSpec.from_file`` / ``from_dict`` either
 return a consistent spec or raise ``SpecError`` with a one-line message naming the file, the
@@ -14,9 +17,7 @@ checked by ``SwarmSpec.blocks(n_layers)``. The format is documented in ``docs/sp
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
-import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,26 +32,36 @@ from shard.spec.failover import (
     FaultSpec,
     read_failover,
     read_faults,
-    read_layers_of,
 )
 from shard.spec.fetch import FetchSpec, read_fetch
-from shard.spec.speculation import SPECULATION_KEYS, SpeculationSpec, read_speculation
-from shard.spec.trust import (
-    CREDENTIAL_KEYS,
-    TRUST_KEYS,
-    CredentialPaths,
-    TrustSpec,
-    check_secure,
-    read_credentials,
-    read_trust,
+from shard.spec.limits import LIMIT_KEYS, Limits, read_limits
+from shard.spec.nodes import (
+    EDGE_KEYS,
+    LINK_KEYS,
+    NODE_KEYS,
+    STAGE_KEYS,
+    Address,
+    CoordinatorSpec,
+    EdgeSpec,
+    NodeSpec,
+    StageSpec,
+    StandbySpec,
+    check_nodes,
+    credentials_of,
+    node_name,
+    read_coordinator,
+    read_edge,
+    read_stage,
+    read_standby,
 )
+from shard.spec.speculation import SPECULATION_KEYS, SpeculationSpec, read_speculation
+from shard.spec.trust import TRUST_KEYS, TrustSpec, check_secure, read_trust
 from shard.spec.validate import (
     Block,
     Table,
     check_edges,
     check_layer_mode,
     check_tiling,
-    check_unique,
     even_split,
 )
 from shard.spec.validate import (
@@ -61,10 +72,6 @@ from shard.spec.validate import (
 DTYPES: Final = ("float32", "bfloat16", "float16")
 #: Model names that need no path: shipped with shard (``shard.model`` knows where).
 BUNDLED_MODELS: Final = ("smollm2",)
-
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
-_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 _TOP_KEYS: Final = (
     "swarm",
@@ -80,117 +87,6 @@ _TOP_KEYS: Final = (
     "faults",
 )
 _SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
-_NODE_KEYS: Final = ("name", "listen", *CREDENTIAL_KEYS)
-_STAGE_KEYS: Final = ("name", "listen", "layers", *CREDENTIAL_KEYS)
-_LINK_KEYS: Final = ("latency_ms", "bandwidth_mbps", "edge")
-_EDGE_KEYS: Final = ("from", "to", "latency_ms", "bandwidth_mbps")
-
-
-@attrs.frozen
-class Address:
-    """A ``host:port`` to listen on or dial. IPv6 hosts are stored without brackets.
-
-    Port 0 asks the OS for a free port (tests bind it, then learn the port and use
-    ``SwarmSpec.with_ports``).
-    """
-
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, text: str) -> Address:
-        """Parse ``"127.0.0.1:7700"``, ``"[::1]:7700"`` or ``"node-a.example:7700"``.
-
-        Errors: ``ValueError`` saying what is wrong with ``text``.
-        """
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"expected host:port, got {text!r}")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-            try:
-                ipaddress.IPv6Address(host)
-            except ValueError:
-                raise ValueError(f"{host!r} is not an IPv6 address") from None
-        elif ":" in host:
-            raise ValueError(f"IPv6 hosts need brackets ([::1]:7700); got {text!r}")
-        elif not _HOSTNAME.fullmatch(host):
-            raise ValueError(f"{host!r} is not a host name or IP address")
-        elif all(label.isdigit() for label in host.split(".")):
-            try:
-                ipaddress.IPv4Address(host)
-            except ValueError:
-                raise ValueError(f"{host!r} is not an IPv4 address") from None
-        if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
-            raise ValueError(f"port must be an integer 0..65535, got {port_text!r}")
-        return cls(host, int(port_text))
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-@attrs.frozen
-class StageSpec:
-    """One stage node: its name, where it listens, and its block ``[first, last)`` (None = auto).
-
-    ``credentials``: its key and token files (secure swarms; ``shard.spec.trust``)."""
-
-    name: str
-    listen: Address
-    layers: Block | None
-    credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
-
-
-@attrs.frozen
-class CoordinatorSpec:
-    """The coordinator: its name, the return endpoint the tail dials, its key and token."""
-
-    name: str
-    listen: Address
-    credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
-
-
-@attrs.frozen
-class StandbySpec:
-    """A standby node, outside the ring until failover splices it in for a dead stage.
-
-    ``layers_of``: the stage whose block it loads at start (hot), or None (a spare: it loads
-    the dead stage's block when assigned). ``credentials`` as on a stage."""
-
-    name: str
-    listen: Address
-    layers_of: str | None = None
-    credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
-
-
-NodeSpec = StageSpec | CoordinatorSpec | StandbySpec
-
-
-@attrs.frozen
-class EdgeSpec:
-    """Emulated one-way latency and bandwidth of one ring hop (``bandwidth_mbps`` 0 = unlimited)."""
-
-    src: str
-    dst: str
-    latency_ms: float
-    bandwidth_mbps: float
-
-
-@attrs.frozen
-class Limits:
-    """Resource limits every node of the swarm applies."""
-
-    max_sessions: int = 16
-    max_len: int = 2048  # per-session KV cache length, in positions
-    prefill_chunk: int = 128
-    max_message_mib: int = 64  # cap on one decompressed wire message
-    connect_timeout_s: float = 10.0
-    verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
-    retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
-
-
-_LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
 
 
 @attrs.frozen(kw_only=True)
@@ -252,33 +148,31 @@ class SwarmSpec:
         """
         top = Table.open(source, "", data, _TOP_KEYS)
         swarm = top.table("swarm", _SWARM_KEYS, required=True)
-        limits = _read_limits(top.table("limits", _LIMIT_KEYS, required=False))
-        coordinator = _read_coordinator(
-            top.table("coordinator", _NODE_KEYS, required=True), base_dir
-        )
-        stages = tuple(_read_stage(t, base_dir) for t in top.tables("stage", _STAGE_KEYS))
+        limits = read_limits(top.table("limits", LIMIT_KEYS, required=False))
+        coordinator = read_coordinator(top.table("coordinator", NODE_KEYS, required=True), base_dir)
+        stages = tuple(read_stage(t, base_dir) for t in top.tables("stage", STAGE_KEYS))
         if not stages:
             raise top.error(
                 "stage", "no stages; add at least one [[stage]] table with name, listen, layers"
             )
         names = [s.name for s in stages]
         standbys = tuple(
-            _read_standby(t, base_dir, names) for t in top.tables("standby", STANDBY_KEYS)
+            read_standby(t, base_dir, names) for t in top.tables("standby", STANDBY_KEYS)
         )
-        _check_nodes(source, coordinator, stages, standbys)
-        links = top.table("links", _LINK_KEYS, required=False)
+        check_nodes(source, coordinator, stages, standbys)
+        links = top.table("links", LINK_KEYS, required=False)
         latency = links.number("latency_ms", default=0.0)
         bandwidth = links.number("bandwidth_mbps", default=0.0)
-        edges = tuple(_read_edge(t, latency, bandwidth) for t in links.tables("edge", _EDGE_KEYS))
+        edges = tuple(read_edge(t, latency, bandwidth) for t in links.tables("edge", EDGE_KEYS))
         ring = (coordinator.name, *(s.name for s in stages), coordinator.name)
         check_edges(source, ring, [(e.src, e.dst) for e in edges])
         insecure = _read_insecure(swarm)
         trust_table = top.table("trust", TRUST_KEYS, required="trust" in data)
         trust = read_trust(trust_table, base_dir) if "trust" in data else None
-        check_secure(source, insecure, trust, _credentials(coordinator, stages, standbys))
+        check_secure(source, insecure, trust, credentials_of(coordinator, stages, standbys))
         return cls(
             path=None,
-            name=_node_name(swarm, "name"),
+            name=node_name(swarm, "name"),
             model=_read_model(swarm, base_dir),
             dtype=_read_dtype(swarm),
             insecure=insecure,
@@ -392,21 +286,6 @@ def load_spec(path: str | Path) -> SwarmSpec:
 # --- readers: one per table ------------------------------------------------------------------
 
 
-def _node_name(table: Table, key: str) -> str:
-    name = table.string(key, example='"s0"')
-    if not _NODE_NAME.fullmatch(name):
-        raise table.error(key, f"{name!r} is not a valid name; use letters, digits, '_', '.', '-'")
-    return name
-
-
-def _address(table: Table, key: str, example: str) -> Address:
-    text = table.string(key, example=example)
-    try:
-        return Address.parse(text)
-    except ValueError as e:
-        raise table.error(key, f"{e}; e.g. {key} = {example}") from None
-
-
 def _read_model(swarm: Table, base_dir: Path | None) -> str:
     model = swarm.string("model", example='"smollm2"')
     if model in BUNDLED_MODELS:
@@ -434,107 +313,3 @@ def _read_dtype(swarm: Table) -> str:
 def _read_insecure(swarm: Table) -> bool:
     # false (the default) needs [trust] and node credentials: spec_trust.check_secure
     return swarm.boolean("insecure", default=False)
-
-
-def _read_limits(table: Table) -> Limits:
-    d = Limits()
-    limits = Limits(
-        max_sessions=table.integer("max_sessions", default=d.max_sessions),
-        max_len=table.integer("max_len", default=d.max_len),
-        prefill_chunk=table.integer("prefill_chunk", default=d.prefill_chunk),
-        max_message_mib=table.integer("max_message_mib", default=d.max_message_mib),
-        connect_timeout_s=table.number(
-            "connect_timeout_s", default=d.connect_timeout_s, positive=True
-        ),
-        verdict_timeout_s=table.number(
-            "verdict_timeout_s", default=d.verdict_timeout_s, positive=True
-        ),
-        retry_after_s=table.number("retry_after_s", default=d.retry_after_s, positive=True),
-    )
-    if limits.prefill_chunk > limits.max_len:
-        raise table.error(
-            "prefill_chunk",
-            f"{limits.prefill_chunk} exceeds max_len = {limits.max_len}; lower it or raise max_len",
-        )
-    return limits
-
-
-def _read_coordinator(table: Table, base_dir: Path | None) -> CoordinatorSpec:
-    name = _node_name(table, "name") if "name" in table.data else "coord"
-    return CoordinatorSpec(
-        name=name,
-        listen=_address(table, "listen", '"127.0.0.1:7700"'),
-        credentials=read_credentials(table, base_dir, name),
-    )
-
-
-def _read_stage(table: Table, base_dir: Path | None) -> StageSpec:
-    name = _node_name(table, "name")
-    return StageSpec(
-        name=name,
-        listen=_address(table, "listen", '"127.0.0.1:7701"'),
-        layers=table.layers("layers"),
-        credentials=read_credentials(table, base_dir, name),
-    )
-
-
-def _read_standby(table: Table, base_dir: Path | None, stages: list[str]) -> StandbySpec:
-    name = _node_name(table, "name")
-    return StandbySpec(
-        name=name,
-        listen=_address(table, "listen", '"127.0.0.1:7711"'),
-        layers_of=read_layers_of(table, stages),
-        credentials=read_credentials(table, base_dir, name),
-    )
-
-
-def _keyed(
-    coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...]
-) -> list[tuple[str, NodeSpec]]:
-    """Every node with its key path in the spec: ``coordinator``, ``stage[i]``, ``standby[i]``."""
-    keyed: list[tuple[str, NodeSpec]] = [("coordinator", coordinator)]
-    keyed += [(f"stage[{i}]", s) for i, s in enumerate(stages)]
-    keyed += [(f"standby[{i}]", s) for i, s in enumerate(standbys)]
-    return keyed
-
-
-def _credentials(
-    coordinator: CoordinatorSpec, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...]
-) -> list[tuple[str, str, CredentialPaths]]:
-    keyed = _keyed(coordinator, stages, standbys)
-    return [(key, node.name, node.credentials) for key, node in keyed]
-
-
-def _read_edge(table: Table, latency_ms: float, bandwidth_mbps: float) -> EdgeSpec:
-    return EdgeSpec(
-        src=table.string("from", example='"s0"'),
-        dst=table.string("to", example='"s1"'),
-        latency_ms=table.number("latency_ms", default=latency_ms),
-        bandwidth_mbps=table.number("bandwidth_mbps", default=bandwidth_mbps),
-    )
-
-
-def _check_nodes(
-    source: str,
-    coordinator: CoordinatorSpec,
-    stages: tuple[StageSpec, ...],
-    standbys: tuple[StandbySpec, ...],
-) -> None:
-    """Unique names, unique listen addresses (port 0 excepted), one layer mode, ordered blocks."""
-    keyed = _keyed(coordinator, stages, standbys)
-    check_unique(
-        source,
-        [(f"{key}.name", node.name) for key, node in keyed],
-        "node name",
-        "every node needs its own name",
-    )
-    check_unique(
-        source,
-        [(f"{key}.listen", str(node.listen)) for key, node in keyed if node.listen.port != 0],
-        "listen address",
-        "give each node its own port (or port 0 for an ephemeral one)",
-    )
-    check_layer_mode(source, [s.layers for s in stages])
-    explicit = [s.layers for s in stages if s.layers is not None]
-    if explicit:
-        check_tiling(source, explicit)

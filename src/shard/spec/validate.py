@@ -1,8 +1,7 @@
-"""The checks behind ``shard.spec.swarm``: a typed reader over parsed TOML and the cross-field
-rules.
+"""The checks behind ``shard.spec``: a typed reader over parsed TOML and the cross-field rules.
 
 Every failure is a ``SpecError`` whose text is one line, ``FILE: KEY: what is wrong; what to do``,
-so an operator fixes a spec without reading a traceback. ``shard.spec.swarm`` builds the records;
+so an operator fixes a spec without reading a traceback. The table modules build the records;
 this module only decides whether the input is acceptable and says why not. It is pure: no I/O,
 no knowledge of the records, so each rule is a plain function with a plain test.
 """

@@ -10,6 +10,7 @@ actors never know whether their peer is in this process or across the internet.
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 import trio
 
@@ -19,16 +20,23 @@ from shard.transport import Connection, ConnectionClosed, Network, TransportErro
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_TIMEOUT_S = 10.0
+#: Hello -> Welcome must finish within this, unless the caller says otherwise. Nodes pass
+#: their spec's ``limits.handshake_timeout_s`` (whose default is this value).
+HANDSHAKE_TIMEOUT_S: Final = 10.0
 
 
 async def dial_peer(
-    network: Network, address: str, hello: Hello, *, timeout_s: float
+    network: Network,
+    address: str,
+    hello: Hello,
+    *,
+    timeout_s: float,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> Connection:
     """Dial ``address`` until it answers (peers may still be loading), then shake hands.
 
     Errors: ``TransportError`` when nothing answers within ``timeout_s``; ``HandshakeError``
-    when the peer answers wrongly.
+    when the peer answers wrongly, or not within ``handshake_timeout_s``.
     """
     deadline = trio.current_time() + timeout_s
     delay = 0.05
@@ -45,7 +53,7 @@ async def dial_peer(
             await trio.sleep(delay)
             delay = min(delay * 2, 1.0)
     try:
-        with trio.fail_after(_HANDSHAKE_TIMEOUT_S):
+        with trio.fail_after(handshake_timeout_s):
             await conn.send(hello)
             reply = await conn.receive()
     except (TransportError, trio.TooSlowError) as exc:
@@ -58,9 +66,14 @@ async def dial_peer(
     return conn
 
 
-async def accept_peer(conn: Connection, welcome: Welcome) -> Hello:
-    """Listener side of the handshake: read ``Hello``, check it, answer ``Welcome``."""
-    with trio.fail_after(_HANDSHAKE_TIMEOUT_S):
+async def accept_peer(
+    conn: Connection, welcome: Welcome, *, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> Hello:
+    """Listener side of the handshake: read ``Hello``, check it, answer ``Welcome``.
+
+    Errors: ``trio.TooSlowError`` when no ``Hello`` arrives within ``timeout_s``;
+    ``HandshakeError`` for a wrong one."""
+    with trio.fail_after(timeout_s):
         hello = await conn.receive()
     problem = None
     if not isinstance(hello, Hello):

@@ -87,6 +87,7 @@ async def fetch_stage(
         parallel=fetch.parallel,
         chunk_timeout_s=fetch.chunk_timeout_s,
         connect_timeout_s=spec.limits.connect_timeout_s,
+        handshake_timeout_s=spec.limits.handshake_timeout_s,
     )
     network = network or WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
     async with network:
@@ -129,7 +130,13 @@ def make_seeder(
     source = DirectorySource(manifest, entry.model or model_dir)
     network = network or WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
     return Seeder(
-        manifest, source, node=name, swarm=spec.name, listen=entry.listen, network=network
+        manifest,
+        source,
+        node=name,
+        swarm=spec.name,
+        listen=entry.listen,
+        network=network,
+        handshake_timeout_s=spec.limits.handshake_timeout_s,
     )
 
 

@@ -30,7 +30,7 @@ import trio
 
 from shard.messages import ChunkData, ChunkMissing, ChunkRequest, Hello, Message, NodeName
 from shard.transport import Connection, Network, TransportError
-from shard.transport.links import HandshakeError, dial_peer
+from shard.transport.links import HANDSHAKE_TIMEOUT_S, HandshakeError, dial_peer
 from shard.weights.manifest import Manifest, ManifestError, verify_chunk
 from shard.weights.plan import ChunkKey, block_chunks, chunk_keys, plan_bytes
 from shard.weights.store import BlockStore
@@ -48,12 +48,14 @@ class FetchError(Exception):
 @attrs.frozen
 class FetchOptions:
     """How hard to try: requests in flight, per-chunk deadline, strikes before a peer is
-    dropped, and how long to keep dialing a peer that does not answer."""
+    dropped, how long to keep dialing a peer that does not answer and to wait for its
+    handshake."""
 
     parallel: int = 4
     chunk_timeout_s: float = 30.0
     max_strikes: int = 3
     connect_timeout_s: float = 10.0
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
 
 
 @attrs.frozen
@@ -213,7 +215,11 @@ class _Fetch:
             conn = conns.get(peer.address)
             if conn is None:
                 conn = conns[peer.address] = await dial_peer(
-                    self.network, peer.address, self.hello, timeout_s=self.options.connect_timeout_s
+                    self.network,
+                    peer.address,
+                    self.hello,
+                    timeout_s=self.options.connect_timeout_s,
+                    handshake_timeout_s=self.options.handshake_timeout_s,
                 )
             with trio.move_on_after(self.options.chunk_timeout_s):
                 await conn.send(request)

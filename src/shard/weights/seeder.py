@@ -34,7 +34,7 @@ from shard.messages import (
     Welcome,
 )
 from shard.transport import Connection, Network
-from shard.transport.links import HandshakeError, accept_peer
+from shard.transport.links import HANDSHAKE_TIMEOUT_S, HandshakeError, accept_peer
 from shard.weights.manifest import Manifest, ManifestError, verify_chunk
 from shard.weights.plan import ChunkKey
 from shard.weights.store import BlockStore, verified_chunks
@@ -152,6 +152,7 @@ class Seeder:
         swarm: str,
         listen: str,
         network: Network,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.manifest = manifest
         self._source = source
@@ -159,6 +160,7 @@ class Seeder:
         self._welcome = Welcome(node=self._node, role="seeder", swarm=swarm)
         self._listen = listen
         self._network = network
+        self._handshake_timeout_s = handshake_timeout_s
         self._counts = _Counts()
 
     def statistics(self) -> SeederStatistics:
@@ -175,7 +177,7 @@ class Seeder:
 
     async def _serve(self, conn: Connection) -> None:
         try:
-            await accept_peer(conn, self._welcome)
+            await accept_peer(conn, self._welcome, timeout_s=self._handshake_timeout_s)
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("seeder %s: %s", self._node, exc)
             return

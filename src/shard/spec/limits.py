@@ -1,0 +1,73 @@
+"""The ``[limits]`` table of a swarm spec: sizes and timeouts every node applies.
+
+```toml
+[limits]
+max_sessions = 16          # concurrent sessions per node (each holds a KV cache)
+max_len = 2048             # KV cache length per session, in positions
+prefill_chunk = 128        # prompt positions per prefill chunk
+max_message_mib = 64       # largest wire frame a node sends or accepts
+connect_timeout_s = 10.0   # dialling a neighbour
+handshake_timeout_s = 10.0 # Hello / Welcome on a fresh connection
+verdict_timeout_s = 60.0   # a ring silent this long fails the request
+retry_after_s = 10.0       # no verdict this long (no repair under way): re-send the chunk
+max_resyncs = 8            # re-sends one request may need before it fails
+receipt_timeout_s = 10.0   # gathering the stages' signed receipts after a request
+```
+
+``Limits`` is what the actors take: the coordinator and each request's driver read it as is
+(``shard.coordinator``), so a knob exists once, here, with its default.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+
+from shard.spec.validate import Table
+
+
+@attrs.frozen
+class Limits:
+    """Resource limits and timeouts every node of the swarm applies (``docs/specs.md``)."""
+
+    max_sessions: int = 16
+    max_len: int = 2048  # per-session KV cache length, in positions
+    prefill_chunk: int = 128
+    max_message_mib: int = 64  # cap on one decompressed wire message
+    connect_timeout_s: float = 10.0
+    verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
+    retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
+    handshake_timeout_s: float = 10.0  # Hello -> Welcome on every new connection
+    max_resyncs: int = 8  # re-sends one request may need (repaired ring, lost frames)
+    receipt_timeout_s: float = 10.0  # the stages' receipts, after the last verdict
+
+
+LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
+
+
+def read_limits(table: Table) -> Limits:
+    """Validate ``[limits]`` (an absent table reads as the defaults)."""
+    d = Limits()
+
+    def seconds(name: str, default: float) -> float:
+        return table.number(name, default=default, positive=True)
+
+    limits = Limits(
+        max_sessions=table.integer("max_sessions", default=d.max_sessions),
+        max_len=table.integer("max_len", default=d.max_len),
+        prefill_chunk=table.integer("prefill_chunk", default=d.prefill_chunk),
+        max_message_mib=table.integer("max_message_mib", default=d.max_message_mib),
+        connect_timeout_s=seconds("connect_timeout_s", d.connect_timeout_s),
+        verdict_timeout_s=seconds("verdict_timeout_s", d.verdict_timeout_s),
+        retry_after_s=seconds("retry_after_s", d.retry_after_s),
+        handshake_timeout_s=seconds("handshake_timeout_s", d.handshake_timeout_s),
+        max_resyncs=table.integer("max_resyncs", default=d.max_resyncs, minimum=0),
+        receipt_timeout_s=seconds("receipt_timeout_s", d.receipt_timeout_s),
+    )
+    if limits.prefill_chunk > limits.max_len:
+        raise table.error(
+            "prefill_chunk",
+            f"{limits.prefill_chunk} exceeds max_len = {limits.max_len}; lower it or raise max_len",
+        )
+    return limits
