@@ -35,7 +35,8 @@ Trust, each a small module::
     channel.py, handshake.py,   the mutual handshake, per-direction keys, sealed frames
       sealer.py, trust.py
     manifest*.py, fetch*.py     signed content-addressed manifests; chunk-verified block fetch
-    receipts.py, device.py      signed receipts of who computed what, checkable offline
+    receipts.py, receipt_check.py, device.py
+                                signed receipts of who computed what, checkable offline
 
 Observability: ``ringstats.py`` (rolling ring statistics), ``status.py`` (the status feed),
 ``tui/`` (the Textual monitor). Drafts: ``distill*.py`` (``shard draft distill``).
