@@ -8,32 +8,12 @@ from typing import Any
 
 import attrs
 import pytest
-import trio
 
-from shard.coordinator.router import Coordinator
+from receipt_fixtures import ring_spec, run_with_receipt
 from shard.decode.control import SpecConfig
-from shard.nodes.coordinator import CoordinatorHandle
-from shard.nodes.inprocess import run_swarm
-from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
-from shard.trust.receipts import ReceiptInvalid, RunReceipt, verify_run
-
-DEADLINE_S = 60.0
-
-
-def ring_spec(model_dir: Path, draft: str = "none") -> SwarmSpec:
-    data: dict[str, Any] = {
-        "swarm": {"name": "receipts", "model": str(model_dir), "insecure": True},
-        "limits": {"max_len": 128, "prefill_chunk": 4},
-        "coordinator": {"name": "coord", "listen": "127.0.0.1:9200"},
-        "stage": [
-            {"name": "s0", "listen": "127.0.0.1:9201", "layers": [0, 1]},
-            {"name": "s1", "listen": "127.0.0.1:9202", "layers": [1, 3]},
-            {"name": "s2", "listen": "127.0.0.1:9203", "layers": [3, 4]},
-        ],
-        "speculation": {"draft": draft, **({"draft_layers": 2} if draft == "auto" else {})},
-    }
-    return SwarmSpec.from_dict(data, source="receipts.toml")
+from shard.trust.receipt_check import receipt_from_json, receipt_to_json, verify_run
+from shard.trust.receipts import ReceiptInvalid, RunReceipt
 
 
 @pytest.fixture(scope="module")
@@ -41,28 +21,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("receipts"), seed=21, n_layers=4)
 
 
-async def run_with_receipt(spec: SwarmSpec, model_dir: Path, **kw: Any) -> RunReceipt:
-    with trio.fail_after(DEADLINE_S):
-        async with trio.open_nursery() as nursery:
-            handle: CoordinatorHandle = await nursery.start(
-                lambda task_status: run_swarm(spec, model_dir=model_dir, task_status=task_status)
-            )
-            coordinator: Coordinator = handle.coordinator
-            done = await coordinator.generate([5, 6, 7, 5, 6, 7, 5], receipt=True, **kw)
-            nursery.cancel_scope.cancel()
-    assert done.receipt is not None
-    return done.receipt
-
-
 async def test_plain_run_receipt_verifies(tiny: Path) -> None:
     """A receipt from a real run verifies: signatures, tiling, chains, nonce, output hash."""
     receipt = await run_with_receipt(ring_spec(tiny), tiny, max_tokens=12)
     verify_run(receipt)
+    assert receipt.verdicts[0].prefill  # the tail's answer to the prompt comes first
     assert [(s.first, s.last) for s in receipt.stages] == [(0, 1), (1, 3), (3, 4)]
     assert all(s.chunks_in == s.chunks_out for s in receipt.stages[:-1])  # tail: verdicts only
     assert len({s.public_key for s in receipt.stages}) == 3
     # Round trip through the file format keeps it valid.
-    verify_run(RunReceipt.from_json(receipt.to_json()))
+    verify_run(receipt_from_json(receipt_to_json(receipt)))
 
 
 async def test_pipelined_speculative_receipt_verifies(tiny: Path) -> None:
@@ -132,39 +100,46 @@ async def test_dropped_or_swapped_stages_fail_with_reasons(tiny: Path) -> None:
 
 def test_forged_receipt_caught_beyond_signatures() -> None:
     """Re-signed by a forger, a receipt with broken tiling or chains still fails, by reason."""
+    from shard.messages import VerdictRecord
     from shard.trust.identity import NodeIdentity
-    from shard.trust.receipts import Chain, EdgeRecord, StageReceipt, hash_ids, job_id
+    from shard.trust.receipts import (
+        Chain,
+        EdgeRecord,
+        StageReceipt,
+        hash_ids,
+        job_id,
+        sign_run,
+        sign_stage,
+        verdict_chunk_record,
+    )
 
     coord, keys = NodeIdentity.generate(), [NodeIdentity.generate() for _ in range(2)]
     nonce, prompt = "ab" * 16, hash_ids([1, 2, 3])
     job = job_id(nonce, prompt)
+    verdicts = (VerdictRecord(0, 0, 0, 3, True, (9,), 0),)
     a, b, c = Chain(), Chain(), Chain()
     a.add(b"x")
     b.add(b"y")
-    c.add(b"z")
+    c.add(verdict_chunk_record(verdicts[0]))  # the tail's output chain: its one verdict
 
     def stage(i: int, first: int, last: int, cin: str, cout: str) -> StageReceipt:
-        return StageReceipt(
-            job,
-            nonce,
-            f"s{i}",
-            keys[i].public.hex(),
-            "h:1",
-            first,
-            last,
-            1,
-            1,
-            cin,
-            cout,
-            0.1,
-            "cpu",
-        ).signed(keys[i])
+        return sign_stage(
+            StageReceipt(
+                job, nonce, f"s{i}", keys[i].public.hex(), "h:1", first, last, 1, 1, cin, cout,
+                0.1, "cpu",
+            ),
+            keys[i],
+        )  # fmt: skip
 
     def run(stages: tuple[StageReceipt, ...], sent: str, received: str) -> RunReceipt:
-        return RunReceipt(
-            job, nonce, "m", 4, prompt, (9,), hash_ids([9]), "coord", coord.public.hex(),
-            sent, received, stages, (EdgeRecord("coord", "s0", 0.01),), 1.0, None,
-        ).signed(coord)  # fmt: skip
+        return sign_run(
+            RunReceipt(
+                job, nonce, "lab", "m", 4, prompt, (9,), hash_ids([9]), "coord",
+                coord.public.hex(), "", 1_800_000_000, sent, received, stages, verdicts,
+                (EdgeRecord("coord", "s0", 0.01),), 1.0, None,
+            ),
+            coord,
+        )  # fmt: skip
 
     good = run(
         (stage(0, 0, 2, a.value, b.value), stage(1, 2, 4, b.value, c.value)), a.value, c.value
@@ -183,7 +158,7 @@ def test_forged_receipt_caught_beyond_signatures() -> None:
     short = run((stage(0, 0, 2, a.value, b.value),), a.value, b.value)
     with pytest.raises(ReceiptInvalid, match="model has 4"):
         verify_run(short)
-    data = json.loads(good.to_json())
+    data = json.loads(receipt_to_json(good))
     data["job"] = "00" * 16
     with pytest.raises(ReceiptInvalid):
-        verify_run(RunReceipt.from_json(json.dumps(data)))
+        verify_run(receipt_from_json(json.dumps(data, indent=2, sort_keys=True) + "\n"))

@@ -140,10 +140,11 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
     ok = await run_shard("receipt", "verify", str(out), timeout_s=60)
     assert ok.returncode == 0, ok.describe()
     assert "receipt OK" in ok.stdout
+    assert "signers NOT pinned" in ok.stdout  # an insecure swarm's ephemeral keys
     data = json.loads(out.read_text())
     assert [(s["first"], s["last"]) for s in data["stages"]] == [(0, 1), (1, 3), (3, 4)]
     data["stages"][1]["output_chain"] = "0" * 64
-    out.write_text(json.dumps(data))
+    out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")  # canonical, but altered
     bad = await run_shard("receipt", "verify", str(out), timeout_s=60)
     assert bad.returncode == 1
     assert "INVALID" in bad.stderr

@@ -28,6 +28,7 @@ from shard.transport.secure import SecureWebSocketNetwork
 from shard.trust.admission import AdmissionToken, issue
 from shard.trust.compose import LocalTrust, node_network, provision_local
 from shard.trust.identity import NodeIdentity
+from shard.trust.receipt_check import ReceiptPins, verify_run
 
 PROMPTS = ([5, 17, 99, 3], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44])
 DEADLINE_S = 90.0
@@ -83,9 +84,12 @@ async def test_in_process_ring_on_the_secure_wire_matches_reference(
     llama_dir: Path, tmp_path: Path
 ) -> None:
     """Coordinator and three stages, each with its own key and token on its own secure
-    WebSocket network, give the reference's greedy tokens."""
-    spec = secure_spec(llama_dir, [(0, 1), (1, 3), (3, 4)], provision(tmp_path / "keys", 3))
+    WebSocket network, give the reference's greedy tokens; the run receipt, whose stage
+    receipts crossed the secure wire, verifies pinned to the swarm's authority."""
+    keys = provision(tmp_path / "keys", 3)
+    spec = secure_spec(llama_dir, [(0, 1), (1, 3), (3, 4)], keys)
     outputs = []
+    receipts = []
     with trio.fail_after(DEADLINE_S):
         async with AsyncExitStack() as stack:
             nets: dict[str, Network] = {}
@@ -100,11 +104,15 @@ async def test_in_process_ring_on_the_secure_wire_matches_reference(
                 nursery.start_soon(_stage, spec, stage.name, nets[stage.name], llama_dir)
             handle: CoordinatorHandle = await nursery.start(_coordinator, spec, coord, llama_dir)
             for prompt in PROMPTS:
-                done = await handle.coordinator.generate(prompt, max_tokens=16)
+                done = await handle.coordinator.generate(prompt, max_tokens=16, receipt=True)
                 outputs.append(done.token_ids)
+                receipts.append(done.receipt)
             nursery.cancel_scope.cancel()
     assert outputs == [reference(llama_dir, p, 16) for p in PROMPTS]
     assert all(len(out) > 0 for out in outputs)
+    for receipt, out in zip(receipts, outputs, strict=True):
+        assert receipt is not None and receipt.output_ids == out
+        assert verify_run(receipt, ReceiptPins(authority=keys.authority.public)).unpinned == ()
 
 
 async def _stage(spec: SwarmSpec, name: str, network: Network, model_dir: Path) -> None:

@@ -24,7 +24,7 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     failover/       the scheduler (death detection, splicing standbys in), control links,
                     supervised edges with heartbeats, the replay log, scripted faults
     trust/          node keys, admission tokens, the mutual handshake and sealed frames, signed
-                    receipts, device identity
+                    receipts and their offline check, device identity
     weights/        signed content-addressed manifests, chunk-verified block fetch, seeders
     observe/        rolling ring statistics, the status feed, the Textual monitor (``tui/``)
     bench/          ``shard bench``: rings side by side against the analytical bound

@@ -113,9 +113,11 @@ async def ask(
         )
     print_done(done, as_json=args.json, streamed=True)
     out = getattr(args, "receipt", None)
-    if out and done.receipt:
+    if out and done.receipt is not None:
+        from shard.trust.receipt_check import receipt_to_json
+
         path = _receipt_path(Path(out), req.request)
-        path.write_text(done.receipt)
+        path.write_text(receipt_to_json(done.receipt))
         print(f"shard: receipt written to {path}", file=sys.stderr)
     return done
 

@@ -32,18 +32,38 @@ def admit(args: argparse.Namespace) -> int:
 
 
 def receipt(args: argparse.Namespace) -> int:
-    from shard.trust.receipts import ReceiptInvalid, RunReceipt, verify_run
+    from shard.trust.identity import IdentityError, read_public_key, short
+    from shard.trust.receipt_check import ReceiptPins, receipt_from_json, verify_run
+    from shard.trust.receipts import ReceiptInvalid
 
     try:
-        receipt = RunReceipt.from_json(Path(args.file).read_text())
-        verify_run(receipt)
-    except (OSError, ReceiptInvalid) as exc:
+        pins = ReceiptPins(
+            authority=read_public_key(args.authority) if args.authority else None,
+            coordinator=read_public_key(args.coordinator) if args.coordinator else None,
+            revoked=frozenset(int(s) for s in args.revoked.split(",") if s.strip()),
+        )
+    except (IdentityError, ValueError) as exc:
+        print(f"shard receipt verify: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        verified = verify_run(receipt_from_json(Path(args.file).read_text()), pins)
+    except (OSError, UnicodeDecodeError, ReceiptInvalid) as exc:
         print(f"shard: receipt INVALID: {args.file}: {exc}", file=sys.stderr)
         return 1
-    stages = ", ".join(f"{s.node}[{s.first},{s.last})" for s in receipt.stages)
+    run = verified.receipt
+    if verified.unpinned:
+        trust = (
+            f"signers NOT pinned: {', '.join(verified.unpinned)}; anyone's keys could have "
+            "made this receipt: pass --authority PUB (secure swarm) or --coordinator PUB"
+        )
+    elif pins.authority is not None:
+        trust = f"every signer admitted to swarm {run.swarm!r} by authority {short(pins.authority)}"
+    else:
+        trust = "signers pinned"
+    stages = ", ".join(f"{s.node}[{s.first},{s.last})" for s in run.stages)
     print(
-        f"receipt OK: job {receipt.job}, {len(receipt.output_ids)} tokens, "
-        f"{receipt.n_layers} layers over {stages}; coordinator {receipt.coordinator} "
-        f"ed25519:{receipt.coordinator_key[:16]}"
+        f"receipt OK ({trust}): job {run.job}, {len(run.output_ids)} tokens, "
+        f"{run.n_layers} layers over {stages}; coordinator {run.coordinator} "
+        f"ed25519:{run.coordinator_key[:16]}"
     )
     return 0

@@ -257,13 +257,34 @@ def _add_receipt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     rsub = p.add_subparsers(dest="receipt_command", required=True, metavar="{verify}")
     verify = rsub.add_parser(
         "verify",
-        help="verify every signature, the layer tiling, the activation hash chains, the "
-        "nonce binding and the output hash of a receipt",
-        description="Check a run receipt offline: every stage's and the coordinator's "
-        "signature, that the stages' blocks tile all layers, that each stage's output chain "
-        "equals the next one's input chain, that the nonce binds the job, and the output hash.",
+        help="verify every signature, who may sign, the layer tiling, the activation hash "
+        "chains, the nonce binding and that the output is what the tail chose",
+        description="Check a run receipt offline: its canonical encoding, every stage's and "
+        "the coordinator's signature, that the stages' blocks tile all layers, that each "
+        "stage's output chain equals the next one's input chain, that the output tokens are "
+        "the tail's signed verdicts, that the nonce binds the job, and the output hash. "
+        "Without --authority or --coordinator, anyone's keys can make a receipt that passes: "
+        "the verdict then says which signers were NOT pinned.",
     )
     verify.add_argument("file", help="a receipt written by --receipt")
+    verify.add_argument(
+        "--authority",
+        metavar="PUB",
+        help="the swarm authority's public key (64 hex digits or a .pub file): the coordinator "
+        "and every stage must carry its admission token for the key they signed with",
+    )
+    verify.add_argument(
+        "--coordinator",
+        metavar="PUB",
+        help="the coordinator's public key (64 hex digits or a .pub file): the key that must "
+        "have signed the receipt (pins an insecure swarm's coordinator, which has no token)",
+    )
+    verify.add_argument(
+        "--revoked",
+        metavar="SERIALS",
+        default="",
+        help="with --authority: comma-separated token serials to refuse (the spec's revoked)",
+    )
 
 
 def _add_manifest(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -462,10 +462,7 @@ class Coordinator:
             )
         stats = completion.stats
         run = job.finish(
-            signer.identity,
-            coordinator=signer.coordinator,
-            model=signer.model,
-            n_layers=signer.n_layers,
+            signer,
             output_ids=completion.token_ids,
             edges=[EdgeRecord(e.src, e.dst, round(e.mean_s, 6)) for e in stats.edges],
             tok_s=stats.tok_s,

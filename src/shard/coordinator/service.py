@@ -79,7 +79,7 @@ def done_message(request: int, completion: Completion, text: str) -> GenerateDon
         text=text,
         finish_reason=completion.finish_reason,
         stats=completion.stats,
-        receipt=completion.receipt.to_json() if completion.receipt is not None else "",
+        receipt=completion.receipt,
     )
 
 

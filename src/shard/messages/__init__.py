@@ -47,6 +47,12 @@ from shard.messages.ids import (
     NodeName,
     SessionId,
 )
+from shard.messages.receipts import (
+    EdgeRecord,
+    RunReceipt,
+    StageReceipt,
+    VerdictRecord,
+)
 from shard.messages.ring import (
     EndSession,
     Fault,
@@ -142,6 +148,7 @@ __all__ = [
     "ChunkMissing",
     "ChunkRequest",
     "ChunkSeq",
+    "EdgeRecord",
     "EdgeStat",
     "EdgeStatus",
     "EndSession",
@@ -163,9 +170,11 @@ __all__ = [
     "Ready",
     "Register",
     "Rewire",
+    "RunReceipt",
     "RunStats",
     "Sampling",
     "SessionId",
+    "StageReceipt",
     "StageReceiptOut",
     "StageStatus",
     "StatusReset",
@@ -174,6 +183,7 @@ __all__ = [
     "TokensOut",
     "Truncate",
     "Verdict",
+    "VerdictRecord",
     "Verify",
     "Welcome",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from shard.messages.ids import NodeName
+from shard.messages.receipts import RunReceipt
 from shard.messages.values import Sampling
 
 
@@ -83,4 +84,4 @@ class GenerateDone:
     finish_reason: str
     stats: RunStats
     error: str = ""
-    receipt: str = ""  # JSON of ``shard.trust.receipts.RunReceipt`` when asked for
+    receipt: RunReceipt | None = None  # the signed run receipt, when asked for

@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from shard.messages.ids import PROTOCOL_VERSION, ChunkSeq, Epoch, NodeName, SessionId
+from shard.messages.receipts import StageReceipt
 from shard.messages.values import Sampling, Tensor
 
 
@@ -77,11 +78,11 @@ class OpenSession:
 
 @attrs.frozen
 class StageReceiptOut:
-    """A stage's signed receipt for a session (JSON of ``shard.trust.receipts.StageReceipt``),
-    sent downstream at ``EndSession`` and relayed by later stages to the coordinator."""
+    """A stage's signed receipt for a session, sent downstream at ``EndSession`` and relayed
+    by later stages to the coordinator."""
 
     session: SessionId
-    receipt: str
+    receipt: StageReceipt
 
 
 @attrs.frozen

@@ -56,7 +56,7 @@ from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.transport import Connection, Network, TransportError
 from shard.transport.links import HandshakeError, accept_peer, pump_in
-from shard.trust.compose import signing_identity
+from shard.trust.compose import signing_identity, signing_token
 from shard.trust.receipts import RunSigner
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,8 @@ async def run_coordinator(
             model=spec.model,
             n_layers=config.n_layers,
             n_stages=len(spec.stages),
+            swarm=spec.name,
+            token=signing_token(spec, name),
         ),
         speculation=spec.speculation.policy,
     )

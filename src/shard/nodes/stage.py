@@ -34,7 +34,7 @@ from shard.stage import offload
 from shard.stage.executor import StageExecutor
 from shard.transport import Connection, Network
 from shard.transport.links import HandshakeError, accept_peer, pump_in
-from shard.trust.compose import signing_identity
+from shard.trust.compose import signing_identity, signing_token
 from shard.trust.device import device_identity
 from shard.trust.receipts import ReceiptSigner
 from shard.weights.block import fetch_stage, make_seeder
@@ -131,6 +131,7 @@ class _StageNode:
                 first=first,
                 last=last,
                 device=device_identity(),
+                token=signing_token(self.spec, self.name),
             ),
         )
         failover = self.spec.failover

@@ -13,7 +13,6 @@ rollback after a rejected draft is just a later chunk overwriting the same posit
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -183,11 +182,13 @@ class StageExecutor:
             payload = payload_of(msg.ids, data)
             self._receipts.received(msg.session, msg.epoch, msg.seq, msg.start, payload)
 
-    def _record_output(self, out: Message, compute_s: float) -> None:
+    def _record_output(self, msg: Prefill | Verify, out: Message, compute_s: float) -> None:
         if self._receipts is None:
             return
         if isinstance(out, Verdict):
-            payload = verdict_payload(out.target_ids, out.accepted)
+            prefill = isinstance(msg, Prefill)
+            at = msg.start + _chunk_len(msg) if prefill else msg.start + 1  # as _forward keys it
+            payload = verdict_payload(out.target_ids, out.accepted, at=at, prefill=prefill)
         elif isinstance(out, Prefill | Verify) and out.hidden is not None:
             payload = out.hidden.data
         else:
@@ -211,8 +212,7 @@ class StageExecutor:
             self._epochs.pop(msg.session, None)
             receipt = self._receipts.close(msg.session) if self._receipts else None
             if receipt is not None:
-                text = json.dumps(attrs.asdict(receipt))
-                await self._outbox.send(StageReceiptOut(session=msg.session, receipt=text))
+                await self._outbox.send(StageReceiptOut(session=msg.session, receipt=receipt))
             if not self._model.is_last:
                 await self._outbox.send(msg)
         elif isinstance(msg, Prefill | Verify):
@@ -225,7 +225,7 @@ class StageExecutor:
                 await self._fault(msg.session, exc.kind, str(exc), epoch=msg.epoch)
                 return
             if out is not None and not _is_replay(msg):
-                self._record_output(out, out.hops[-1].compute_s if out.hops else 0.0)
+                self._record_output(msg, out, out.hops[-1].compute_s if out.hops else 0.0)
                 await self._outbox.send(out)
         elif isinstance(msg, StageReceiptOut) or (isinstance(msg, Fault) and msg.session):
             await self._outbox.send(msg)  # relay towards the coordinator
@@ -376,6 +376,11 @@ class StageExecutor:
                 logits[-(n_draft + 1) :], msg.draft, sess.sampling, msg.start + 1
             )
             return verdict.target_ids, verdict.accepted
+
+
+def _chunk_len(msg: Prefill | Verify) -> int:
+    """Positions a chunk feeds: its ids on the first edge, else the hidden states' ``[1, S, D]``."""
+    return len(msg.ids) if msg.hidden is None else msg.hidden.shape[1]
 
 
 def _is_replay(msg: Prefill | Verify) -> bool:

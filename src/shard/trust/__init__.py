@@ -1,5 +1,6 @@
 """shard.trust: who a node is and what it may prove — node keys (``identity.py``), the authority's
 admission tokens (``admission.py``), the mutual handshake, per-direction keys and sealed frames
-(``handshake.py``, ``channel.py``, ``sealer.py``), signed receipts (``receipts.py``), device
+(``handshake.py``, ``channel.py``, ``sealer.py``), signed receipts (``receipts.py`` makes them,
+``receipt_check.py`` checks them and reads and writes their canonical JSON file), device
 identity (``device.py``) and a node's credentials composed from its spec (``compose.py``).
 """

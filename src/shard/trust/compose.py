@@ -237,10 +237,26 @@ def provision_local(
 
 
 def signing_identity(spec: SwarmSpec, name: str) -> NodeIdentity:
-    """The key node ``name`` signs receipts with: its own key in a secure swarm; in an
-    ``insecure`` one a fresh ephemeral key, which makes receipts internally consistent but
-    proves nothing about who ran the node (docs/security.md says so)."""
+    """The key node ``name`` signs receipts with: its own key when the spec names one (always
+    in a secure swarm; in an ``insecure`` one, so ``shard receipt verify --coordinator`` can
+    pin it), else a fresh ephemeral key, which makes receipts internally consistent but proves
+    nothing about who ran the node (docs/security.md says so).
+
+    Errors: ``IdentityError`` for a key file that cannot be read.
+    """
     paths = spec.node(name).credentials
-    if spec.insecure or paths.key is None:
+    if paths.key is None:
         return NodeIdentity.generate()
     return NodeIdentity.load(paths.key)
+
+
+def signing_token(spec: SwarmSpec, name: str) -> str:
+    """The text of node ``name``'s admission token, which its receipts carry so that pinning
+    the authority pins its key; "" in an ``insecure`` swarm (there is no authority).
+
+    Errors: an ``AdmissionError`` subclass for a token file that cannot be read.
+    """
+    paths = spec.node(name).credentials
+    if spec.insecure or paths.token is None:
+        return ""
+    return AdmissionToken.load(paths.token).to_text().rstrip("\n")

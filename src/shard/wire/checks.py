@@ -34,11 +34,17 @@ NON_NEGATIVE_FIELDS = frozenset(
         "tokens",
         "chunks",
         "laps",
+        # receipts (shard.messages.receipts)
+        "at",
+        "chunks_in",
+        "chunks_out",
+        "n_layers",
+        "signed_at",
     }
 )
 
 #: Sequence fields holding token ids: each id is in [0, INT64_MAX].
-TOKEN_FIELDS = frozenset({"ids", "draft", "target_ids", "token_ids"})
+TOKEN_FIELDS = frozenset({"ids", "draft", "target_ids", "token_ids", "output_ids"})
 
 
 def check_message(msg: object, limits: WireLimits) -> list[Tensor]:

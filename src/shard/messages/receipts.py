@@ -1,0 +1,94 @@
+"""Signed receipts as data: a stage's account of a job, and the coordinator's of a whole run.
+
+Plain records, like every message: they cross the wire through the one codec (a stage's
+``StageReceipt`` inside ``StageReceiptOut``, the ``RunReceipt`` inside ``GenerateDone``).
+What is signed, how, and what a verifier checks live in ``shard.trust.receipts`` and
+``shard.trust.receipt_check``; the file a person verifies offline is canonical JSON of
+``RunReceipt`` (``shard.trust.receipt_check.receipt_to_json``).
+
+Hex fields are lowercase, of fixed length: ``job`` and ``nonce`` 32 digits, keys, chains and
+hashes 64, signatures 128. ``token`` fields hold an admission token's text
+(``shard-token-v1 <base64>``, no newline), or "" where the swarm has no authority.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from shard.messages.ids import NodeName
+
+
+@attrs.frozen
+class StageReceipt:
+    """One stage's signed account of a job: its block, both hash chains, compute time, device,
+    and the admission token that lets its key sign for the swarm."""
+
+    job: str
+    nonce: str
+    node: NodeName
+    public_key: str
+    address: str
+    first: int
+    last: int
+    chunks_in: int
+    chunks_out: int
+    input_chain: str
+    output_chain: str
+    compute_s: float
+    device: str
+    token: str = ""
+    signature: str = ""
+
+
+@attrs.frozen
+class EdgeRecord:
+    """Measured mean transit of one ring edge."""
+
+    src: NodeName
+    dst: NodeName
+    mean_s: float
+
+
+@attrs.frozen
+class VerdictRecord:
+    """One verdict the tail sent for the job, in the order the coordinator received it.
+
+    ``target_ids[i]`` is the target's token for absolute position ``at + i``; ``prefill``
+    marks the answer to the prompt's last chunk (``at`` is then the prompt's length). The tail's
+    output chain hashes every field, so the list is the tail's, not the coordinator's, word.
+    """
+
+    epoch: int
+    seq: int
+    start: int
+    at: int
+    prefill: bool
+    target_ids: tuple[int, ...]
+    accepted: int
+
+
+@attrs.frozen
+class RunReceipt:
+    """The coordinator's signed account of a whole run: every stage receipt, every verdict,
+    the output, and the admission token of the coordinator's key."""
+
+    job: str
+    nonce: str
+    swarm: str
+    model: str
+    n_layers: int
+    prompt_hash: str
+    output_ids: tuple[int, ...]
+    output_hash: str
+    coordinator: NodeName
+    coordinator_key: str
+    coordinator_token: str
+    signed_at: int  # Unix seconds, the coordinator's clock: when every token must be valid
+    sent_chain: str
+    received_chain: str
+    stages: tuple[StageReceipt, ...]
+    verdicts: tuple[VerdictRecord, ...]
+    edges: tuple[EdgeRecord, ...]
+    tok_s: float
+    alpha: float | None
+    signature: str = ""

@@ -1,0 +1,285 @@
+"""Checking a run receipt offline, and the canonical JSON file it travels as.
+
+``verify_run(receipt, pins)`` checks, with no network:
+
+- every encoding is canonical: hex is lowercase and of its exact length (no spaces), tokens
+  re-encode to the same text, and (``receipt_from_json``) the file is exactly the JSON that
+  ``receipt_to_json`` writes — no duplicate keys, no other spacing, order or number forms;
+- every signature (each stage's, and the coordinator's over the whole receipt);
+- who may sign: with ``pins.authority``, the coordinator and every stage carry an admission
+  token of that authority for this swarm, for their role, valid when the receipt was signed,
+  for the very key that signed — so pinning the authority pins every signer; with
+  ``pins.coordinator``, the coordinator's key is that key;
+- the blocks tile ``[0, n_layers)`` in ring order with no gap or overlap;
+- the chains link: coordinator-sent == stage 0 input, stage i output == stage i+1 input,
+  tail output == coordinator-received (so nobody can claim work it did not pass on);
+- the verdicts listed are the ones the tail's output chain commits to, and every output
+  token is the tail's last word for its position: the output is bound to the tail's
+  signature, not just to the coordinator's;
+- the nonce binds to the job (job = H(nonce ‖ prompt hash)) and every stage signed that job;
+- the output hash is the hash of the output token ids in the receipt.
+
+It returns what it could not pin (``Verified.unpinned``), so a caller never mistakes an
+internally consistent receipt for one tied to known keys. What a receipt does not prove is in
+``docs/security.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+import cattrs
+
+from shard.messages import RunReceipt, StageReceipt
+from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
+from shard.trust.identity import short, verify_signature
+from shard.trust.receipts import (
+    Chain,
+    ReceiptInvalid,
+    hash_ids,
+    job_id,
+    run_signed_bytes,
+    stage_signed_bytes,
+    verdict_chunk_record,
+)
+from shard.wire import converter
+from shard.wire.convert import explain
+
+
+@attrs.frozen
+class ReceiptPins:
+    """Who may have signed: the swarm's authority (every signer must be admitted by it) and/or
+    the coordinator's own key; ``revoked`` serials are refused under the authority."""
+
+    authority: bytes | None = None
+    coordinator: bytes | None = None
+    revoked: Collection[int] = frozenset()
+
+
+@attrs.frozen
+class Verified:
+    """A receipt that passed, with the signers nothing pinned (empty when all were)."""
+
+    receipt: RunReceipt
+    unpinned: tuple[str, ...]
+
+
+# --- canonical encodings ---------------------------------------------------------------------
+
+_HEX_DIGITS = {"job": 32, "nonce": 32, "signature": 128}
+
+
+def _hex(value: str, digits: int, what: str) -> bytes:
+    if len(value) != digits or re.fullmatch(r"[0-9a-f]*", value) is None:
+        raise ReceiptInvalid(
+            f"{what} is not {digits} lowercase hex digits (receipts accept one spelling only)"
+        )
+    return bytes.fromhex(value)
+
+
+def _check_stage_hex(stage: StageReceipt, who: str) -> None:
+    for field in ("job", "nonce", "public_key", "input_chain", "output_chain", "signature"):
+        _hex(getattr(stage, field), _HEX_DIGITS.get(field, 64), f"{who}: {field}")
+
+
+def _check_run_hex(receipt: RunReceipt) -> None:
+    fields = ("job", "nonce", "prompt_hash", "output_hash", "coordinator_key")
+    for field in (*fields, "sent_chain", "received_chain", "signature"):
+        _hex(getattr(receipt, field), _HEX_DIGITS.get(field, 64), f"run receipt: {field}")
+
+
+def _token(text: str, who: str) -> AdmissionToken:
+    try:
+        token = AdmissionToken.from_text(text, source=f"{who}: admission token")
+    except TokenMalformed as exc:
+        raise ReceiptInvalid(str(exc)) from None
+    if token.to_text().rstrip("\n") != text:
+        raise ReceiptInvalid(f"{who}: admission token is not in its canonical encoding")
+    return token
+
+
+def receipt_to_json(receipt: RunReceipt) -> str:
+    """The receipt file: every field, sorted keys, two-space indent, ASCII, and a newline.
+    This is the one spelling ``receipt_from_json`` accepts."""
+    body = attrs.asdict(receipt, recurse=True)
+    text = json.dumps(body, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False)
+    return text + "\n"
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ReceiptInvalid(f"duplicate JSON key {key!r} (a receipt has one value per key)")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> float:
+    raise ReceiptInvalid(f"{name} is not a number a receipt may hold")
+
+
+def receipt_from_json(text: str) -> RunReceipt:
+    """Parse a receipt file, strictly: every field of the right type and no other, no
+    duplicate keys, and exactly the bytes ``receipt_to_json`` would write.
+
+    Errors: ``ReceiptInvalid`` saying what is wrong.
+    """
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise ReceiptInvalid(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ReceiptInvalid("not a shard run receipt: expected a JSON object")
+    try:
+        receipt = converter().structure(data, RunReceipt)
+    except (cattrs.BaseValidationError, ValueError, TypeError, AttributeError) as exc:
+        raise ReceiptInvalid(f"not a shard run receipt (version 2): {explain(exc)}") from None
+    if receipt_to_json(receipt) != text:
+        raise ReceiptInvalid(
+            "not in the canonical encoding (the file must be exactly what `--receipt` wrote: "
+            "sorted keys, two-space indent, one spelling per number)"
+        )
+    return receipt
+
+
+# --- verification ----------------------------------------------------------------------------
+
+
+def _check_signature(public: bytes, message: bytes, signature: bytes, who: str) -> None:
+    if not verify_signature(public, message, signature):
+        raise ReceiptInvalid(f"{who}: bad signature (the receipt was altered or forged)")
+
+
+def _check_admitted(
+    text: str, *, key: bytes, role: str, receipt: RunReceipt, pins: ReceiptPins, who: str
+) -> None:
+    assert pins.authority is not None
+    if not text:
+        raise ReceiptInvalid(
+            f"{who} carries no admission token, so the authority cannot vouch for its key "
+            "(a receipt of an insecure swarm: pin its coordinator with --coordinator instead)"
+        )
+    token = _token(text, who)
+    try:
+        verify(
+            token,
+            authority_pub=pins.authority,
+            swarm=receipt.swarm,
+            role=role,
+            now=receipt.signed_at,
+            revoked=pins.revoked,
+            node_pub=key,
+            whose=f"{who}: its token",
+        )
+    except AdmissionError as exc:
+        raise ReceiptInvalid(
+            f"{who}: not admitted by the pinned authority {short(pins.authority)} as a {role} "
+            f"of swarm {receipt.swarm!r} with key {short(key)} ({exc.reason})"
+        ) from None
+
+
+def _check_stage(stage: StageReceipt, receipt: RunReceipt, pins: ReceiptPins, who: str) -> None:
+    _check_stage_hex(stage, who)
+    key = bytes.fromhex(stage.public_key)
+    _check_signature(key, stage_signed_bytes(stage), bytes.fromhex(stage.signature), who)
+    if stage.token:
+        _token(stage.token, who)
+    if pins.authority is not None:
+        _check_admitted(stage.token, key=key, role="stage", receipt=receipt, pins=pins, who=who)
+    if (stage.job, stage.nonce) != (receipt.job, receipt.nonce):
+        raise ReceiptInvalid(f"{who}: signed another job or nonce")
+
+
+def _check_coordinator(receipt: RunReceipt, pins: ReceiptPins) -> None:
+    _check_run_hex(receipt)
+    who = f"coordinator {receipt.coordinator}"
+    key = bytes.fromhex(receipt.coordinator_key)
+    _check_signature(key, run_signed_bytes(receipt), bytes.fromhex(receipt.signature), who)
+    if pins.coordinator is not None and key != pins.coordinator:
+        raise ReceiptInvalid(
+            f"{who}: signed with key {short(key)}, not the pinned {short(pins.coordinator)}"
+        )
+    if receipt.coordinator_token:
+        _token(receipt.coordinator_token, who)
+    if pins.authority is not None:
+        token = receipt.coordinator_token
+        _check_admitted(token, key=key, role="coordinator", receipt=receipt, pins=pins, who=who)
+
+
+def _check_ring(receipt: RunReceipt, pins: ReceiptPins) -> None:
+    """Stage signatures and pins, the tiling, and the chains from coordinator to tail."""
+    if not receipt.stages:
+        raise ReceiptInvalid("no stage receipts")
+    expected_first = 0
+    upstream_chain, upstream = receipt.sent_chain, str(receipt.coordinator)
+    for stage in receipt.stages:
+        who = f"stage {stage.node} [{stage.first}, {stage.last})"
+        _check_stage(stage, receipt, pins, who)
+        if stage.first != expected_first or stage.last <= stage.first:
+            raise ReceiptInvalid(
+                f"{who}: blocks do not tile the layers (expected a block starting at "
+                f"{expected_first})"
+            )
+        if stage.input_chain != upstream_chain:
+            raise ReceiptInvalid(f"{who}: input chain differs from what {upstream} sent")
+        expected_first = stage.last
+        upstream_chain, upstream = stage.output_chain, str(stage.node)
+    if expected_first != receipt.n_layers:
+        raise ReceiptInvalid(
+            f"blocks end at layer {expected_first} but the model has {receipt.n_layers}"
+        )
+    if receipt.received_chain != upstream_chain:
+        raise ReceiptInvalid(f"coordinator received other verdicts than {upstream} sent")
+
+
+def _check_output_bound(receipt: RunReceipt) -> None:
+    """The verdicts are the tail's (its output chain), and each output token is the tail's
+    last word, in arrival order, for its position (stale verdicts are said over later)."""
+    chain = Chain()
+    for v in receipt.verdicts:
+        chain.add(verdict_chunk_record(v))
+    if chain.value != receipt.received_chain:
+        raise ReceiptInvalid("the verdicts listed are not the ones the tail's chain commits to")
+    prompt_ends = {v.at for v in receipt.verdicts if v.prefill}
+    if len(prompt_ends) != 1:
+        raise ReceiptInvalid(
+            f"the tail answered the prompt {len(prompt_ends)} ways (expected exactly one "
+            "prompt length), so the output cannot be placed"
+        )
+    (prompt_len,) = prompt_ends
+    said: dict[int, int] = {}
+    for v in receipt.verdicts:
+        said.update((v.at + i, token) for i, token in enumerate(v.target_ids))
+    for i, token in enumerate(receipt.output_ids):
+        position = prompt_len + i
+        if said.get(position) != token:
+            raise ReceiptInvalid(
+                f"output token {i} ({token}) is not what the tail chose at position {position} "
+                f"({said.get(position)}): the output is not the one the ring computed"
+            )
+
+
+def _unpinned(receipt: RunReceipt, pins: ReceiptPins) -> tuple[str, ...]:
+    if pins.authority is not None:
+        return ()
+    stages = tuple(f"stage {s.node}" for s in receipt.stages)
+    if pins.coordinator is not None:
+        return stages
+    return (f"coordinator {receipt.coordinator}", *stages)
+
+
+def verify_run(receipt: RunReceipt, pins: ReceiptPins = ReceiptPins()) -> Verified:
+    """Check a run receipt offline (see the module docstring). Errors: ``ReceiptInvalid``."""
+    _check_coordinator(receipt, pins)
+    if receipt.job != job_id(receipt.nonce, receipt.prompt_hash):
+        raise ReceiptInvalid("job id does not bind the nonce to the prompt hash")
+    if receipt.output_hash != hash_ids(receipt.output_ids):
+        raise ReceiptInvalid("output hash does not match the output token ids")
+    _check_ring(receipt, pins)
+    _check_output_bound(receipt)
+    return Verified(receipt, _unpinned(receipt, pins))
