@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient
+from shard.failover.control import ControlClient, OnOrder
 from shard.failover.rtt import RttTracker
 from shard.failover.scheduler import FailoverPolicy, Scheduler, Slot
 from shard.messages import (
@@ -24,7 +24,7 @@ from shard.messages import (
     Rewire,
     Welcome,
 )
-from shard.transport import Connection, DelayNetwork, MemoryNetwork
+from shard.transport import Connection, DelayNetwork, MemoryNetwork, Network
 from shard.transport.links import accept_peer
 
 SWARM = "rtt-test"
@@ -61,6 +61,18 @@ class NoHooks:
 
     def event(self, kind: str, detail: str) -> None:
         self.events.append(f"{kind}: {detail}")
+
+
+def control_client(network: Network, role: str, on_order: OnOrder) -> ControlClient:
+    """Node ``s0``'s control link to ``coord``, registering as ``role`` with layers 0..1."""
+    return ControlClient(
+        NODE,
+        network,
+        "coord",
+        Hello(node=NODE, role=role, swarm=SWARM, link="control"),
+        lambda: Register(node=NODE, role=role, address="s0:1", first=0, last=1),
+        on_order,
+    )
 
 
 def reply_after(tracker: RttTracker, clock: Clock, rtt: float) -> float | None:
@@ -130,15 +142,7 @@ async def test_scheduler_reports_each_nodes_control_rtt(
     async with memory, wan, trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         await nursery.start(memory.serve, "coord", control)
-        client = ControlClient(
-            NODE,
-            wan,
-            "coord",
-            Hello(node=NODE, role="stage", swarm=SWARM, link="control"),
-            lambda: Register(node=NODE, role="stage", address="s0:1", first=0, last=1),
-            no_orders,
-        )
-        await nursery.start(client.run)
+        await nursery.start(control_client(wan, "stage", no_orders).run)
         assert dict(scheduler.statistics().rtt_s) in ({}, {NODE: None})
         await trio.sleep(3.0)
         stats = scheduler.statistics()
@@ -180,15 +184,7 @@ async def test_node_answers_probes_while_obeying_an_order(
     network = MemoryNetwork()
     async with trio.open_nursery() as nursery:
         await nursery.start(network.serve, "coord", fake_scheduler)
-        client = ControlClient(
-            NODE,
-            network,
-            "coord",
-            Hello(node=NODE, role="standby", swarm=SWARM, link="control"),
-            lambda: Register(node=NODE, role="standby", address="s0:1", first=0, last=1),
-            slow_activate,
-        )
-        await nursery.start(client.run)
+        await nursery.start(control_client(network, "standby", slow_activate).run)
         t0 = trio.current_time()
         with trio.fail_after(5):  # a node that reads only between orders never answers
             assert await replies.receive() == ProbeReply(nonce=7, sent_at=t0)
