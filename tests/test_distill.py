@@ -16,16 +16,14 @@ import torch
 
 from shard.cli import main as cli_main
 from shard.decode.distill import build as distill_mod
-from shard.decode.distill.build import (
-    MARKER,
-    DistillError,
+from shard.decode.distill import cache as draft_cache
+from shard.decode.distill.build import MARKER, DistillError, distill, write_checkpoint
+from shard.decode.distill.cache import (
     DraftNotFound,
     Recipe,
     cached_draft,
-    distill,
     draft_dir,
     resolve_draft,
-    write_checkpoint,
 )
 from shard.decode.distill.data import Corpus, hidden_states, labelled_samples, seed_prompts
 from shard.decode.distill.train import Objective, agreement, mean_kl, reference_runs, train
@@ -182,7 +180,7 @@ def test_resolve_draft_names_paths_and_missing(
     target_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Names find cached drafts; a missing one says to run `shard draft distill`."""
-    monkeypatch.setattr(distill_mod, "resolve_model", lambda name, progress: target_dir)
+    monkeypatch.setattr(draft_cache, "resolve_model", lambda name, progress: target_dir)
     with pytest.raises(DraftNotFound, match="shard draft distill --target smollm2 --layers 3"):
         resolve_draft("smollm2-distilled-3L")
     with pytest.raises(DraftNotFound, match="not a checkpoint directory or a distilled"):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shard.messages import TENSOR_DTYPES
+from shard.messages import RUN_DTYPES, TENSOR_DTYPES
 from shard.messages import Tensor as WireTensor
 from shard.stage.tensors import from_wire, to_wire
 
@@ -23,6 +23,14 @@ def test_round_trip_every_dtype(name: str) -> None:
     back = from_wire(w)
     assert back.dtype == t.dtype
     assert torch.equal(back, t)
+
+
+def test_run_dtypes_are_floating_wire_dtypes() -> None:
+    """Every dtype a swarm may run in is a floating torch dtype that activations can carry."""
+    assert set(RUN_DTYPES) <= set(TENSOR_DTYPES)
+    for name in RUN_DTYPES:
+        assert getattr(torch, name).is_floating_point, name
+        assert torch.tensor([1.5]).to(getattr(torch, name)).element_size() == TENSOR_DTYPES[name]
 
 
 def test_bfloat16_bytes_are_the_raw_bits() -> None:

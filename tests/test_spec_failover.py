@@ -44,6 +44,7 @@ def _full() -> dict[str, Any]:
             "splice_timeout_s": 20.0,
             "replay_max_mib": 256,
             "register_timeout_s": 5,
+            "probe_s": 0.5,
         },
         standby=[
             {"name": "s1-standby", "listen": "127.0.0.1:7711", "layers_of": "s1"},
@@ -107,6 +108,7 @@ def test_full_example_reads_into_records() -> None:
         splice_timeout_s=20.0,
         replay_max_mib=256,
         register_timeout_s=5.0,
+        probe_s=0.5,
     )
     hot, spare = spec.standbys
     assert (hot.name, str(hot.listen), hot.layers_of) == ("s1-standby", "127.0.0.1:7711", "s1")

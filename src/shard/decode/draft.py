@@ -190,10 +190,6 @@ class AdaptiveProposer:
     def computes(self) -> bool:
         return any(s.proposer.computes for s in self._scored)
 
-    @property
-    def last_used(self) -> str | None:
-        return self._last.proposer.name if self._last is not None else None
-
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         self._last = None
         for scored in sorted(self._scored, key=lambda s: -s.alpha):

@@ -93,25 +93,3 @@ def verify_chunk(
         if i == len(draft) or token != draft[i]:
             break
     return ChunkVerdict(target_ids=tuple(chosen), accepted=len(chosen) - 1)
-
-
-def speculative_sample(
-    p: torch.Tensor, q: torch.Tensor, draft: int, generator: torch.Generator
-) -> tuple[int, bool]:
-    """The general lossless rule for one position (Leviathan et al. 2023, Chen et al. 2023).
-
-    ``p`` is the target's distribution, ``q`` the draft's, ``draft`` the token drawn from q.
-    Accept it with probability min(1, p(d)/q(d)); otherwise draw from the normalised residual
-    max(0, p - q). The result is distributed exactly as p. With a deterministic draft (q
-    one-hot) this is the rule ``verify_chunk`` applies as "draw t ~ p; accept iff t == d".
-    """
-    u = float(torch.rand((), generator=generator))
-    p_d, q_d = float(p[draft]), float(q[draft])
-    if q_d > 0 and u * q_d < p_d:
-        return draft, True
-    residual = (p - q).clamp_min(0.0)
-    total = float(residual.sum())
-    if total <= 0.0:  # p == q up to rounding: the residual is empty, fall back to p
-        residual, total = p, float(p.sum())
-    token = int(torch.multinomial(residual / total, 1, generator=generator).item())
-    return token, False

@@ -4,8 +4,9 @@ A stage or standby dials the coordinator with ``Hello(link="control")``, sends `
 (who it is, where it listens, which block it holds), then keeps the link alive with
 heartbeats both ways. The scheduler watches the heartbeats (a silent node is dead), and sends
 orders on the same link: ``Activate`` (a standby joins the ring) and ``Rewire`` (re-dial the
-downstream edge, replaying the log). Each order is answered with ``Ready``. Link faults the
-node sees on its ring edges go up the same way, as ``Fault`` messages.
+downstream edge, replaying the log). Each order is answered with ``Ready``, each ``Probe``
+at once with a ``ProbeReply`` (the scheduler's RTT to this node, ``shard.failover.rtt``). Link
+faults the node sees on its ring edges go up the same way, as ``Fault`` messages.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
 finds its warm ring registering again).
@@ -27,6 +28,8 @@ from shard.messages import (
     Hello,
     Message,
     NodeName,
+    Probe,
+    ProbeReply,
     Ready,
     Register,
     Rewire,
@@ -130,29 +133,63 @@ class ControlClient:
 
     async def _serve(self, conn: Connection) -> str | None:
         """Obey orders until the link fails (returns None; the caller re-dials) or the
-        scheduler refuses this node (returns why)."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._beat, conn, nursery.cancel_scope)
-            try:
-                while True:
-                    with trio.move_on_after(self._dead_after_s * 4) as quiet:
-                        msg = await conn.receive()
-                    if quiet.cancelled_caught:
-                        log.warning(
-                            "%s: the scheduler at %s went silent", self._node, self._address
-                        )
-                        return None
-                    if isinstance(msg, Activate | Rewire):
-                        await conn.send(await self._obey(msg))
-                    elif isinstance(msg, Fault) and msg.kind == "control":
-                        return msg.detail
-                    elif not isinstance(msg, Heartbeat):
-                        log.warning("%s: unexpected %s on the control link", self._node, msg)
-            except TransportError as exc:
-                log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
-            finally:
-                nursery.cancel_scope.cancel()
+        scheduler refuses this node (returns why).
+
+        Orders run one at a time in a task of their own, so the link is still read while an
+        ``Activate`` loads a block: probes are answered at once (the scheduler's RTT is not
+        inflated by the load) and a silent scheduler is noticed. An order in progress when
+        the link ends still runs to completion, as when orders ran in the reading loop.
+        """
+        orders_send, orders = trio.open_memory_channel[Activate | Rewire](0)
+        link = trio.CancelScope()
+        async with trio.open_nursery() as obeying:
+            obeying.start_soon(self._obey_all, conn, orders, link)
+            async with orders_send:
+                with link:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._beat, conn, nursery.cancel_scope)
+                        try:
+                            return await self._read(conn, orders_send)
+                        finally:
+                            nursery.cancel_scope.cancel()
         return None
+
+    async def _read(
+        self, conn: Connection, orders: trio.MemorySendChannel[Activate | Rewire]
+    ) -> str | None:
+        try:
+            while True:
+                with trio.move_on_after(self._dead_after_s * 4) as quiet:
+                    msg = await conn.receive()
+                if quiet.cancelled_caught:
+                    log.warning("%s: the scheduler at %s went silent", self._node, self._address)
+                    return None
+                if isinstance(msg, Activate | Rewire):
+                    await orders.send(msg)
+                elif isinstance(msg, Probe):
+                    await conn.send(ProbeReply(nonce=msg.nonce, sent_at=msg.sent_at))
+                elif isinstance(msg, Fault) and msg.kind == "control":
+                    return msg.detail
+                elif not isinstance(msg, Heartbeat):
+                    log.warning("%s: unexpected %s on the control link", self._node, msg)
+        except TransportError as exc:
+            log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
+        return None
+
+    async def _obey_all(
+        self,
+        conn: Connection,
+        orders: trio.MemoryReceiveChannel[Activate | Rewire],
+        link: trio.CancelScope,
+    ) -> None:
+        async with orders:
+            async for order in orders:
+                ready = await self._obey(order)
+                try:
+                    await conn.send(ready)
+                except TransportError as exc:
+                    log.warning("%s: could not answer %s: %s", self._node, order, exc)
+                    link.cancel()  # the reading loop ends too; the caller re-dials
 
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()

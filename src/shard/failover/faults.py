@@ -31,15 +31,14 @@ and the same seed gives the same plan.
 from __future__ import annotations
 
 import random
-from types import TracebackType
-from typing import Final, Self
+from typing import Final
 
 import attrs
 import trio
 
 from shard.messages import Heartbeat, Hello, Message
 from shard.transport import Connection, ConnectionClosed, Network
-from shard.transport.base import Handler
+from shard.transport.base import Handler, NetworkBase
 
 LINK_FAULTS: Final = ("drop", "delay", "duplicate", "reorder", "corrupt", "sever")
 NODE_FAULTS: Final = ("stall", "kill")
@@ -140,24 +139,13 @@ class FaultInjector:
             scope.cancel()
 
 
-class FaultyNetwork:
+class FaultyNetwork(NetworkBase):
     """One node's view of the network with the plan's faults (see the module docstring)."""
 
     def __init__(self, inner: Network, state: _NodeState, injector: FaultInjector) -> None:
         self._inner = inner
         self._state = state
         self._injector = injector
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
 
     async def dial(self, address: str) -> Connection:
         conn = await self._inner.dial(address)

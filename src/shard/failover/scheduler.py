@@ -30,6 +30,7 @@ import attrs
 import trio
 
 from shard.failover.edge import DownstreamLink
+from shard.failover.rtt import RttTracker
 from shard.messages import (
     Activate,
     Fault,
@@ -37,6 +38,7 @@ from shard.messages import (
     Hello,
     Message,
     NodeName,
+    ProbeReply,
     Ready,
     Register,
     Rewire,
@@ -87,6 +89,8 @@ class SchedulerStatistics:
     slots: tuple[tuple[NodeName, NodeName], ...]  # (slot, holder)
     standbys: tuple[NodeName, ...]
     recoveries: tuple[Recovery, ...]
+    #: (node, median control-link round trip in seconds, None until measured)
+    rtt_s: tuple[tuple[NodeName, float | None], ...] = ()
 
 
 @attrs.define
@@ -100,6 +104,7 @@ class _Member:
     last_seen: float
     alive: bool = True
     replies: trio.MemoryReceiveChannel[Ready] | None = None
+    rtt: RttTracker = attrs.field(kw_only=True)
 
 
 class RingHooks(Protocol):
@@ -159,6 +164,7 @@ class Scheduler:
             slots=tuple((s.name, s.holder) for s in self._slots),
             standbys=self.standbys(),
             recoveries=tuple(self._recoveries),
+            rtt_s=tuple((m.node, m.rtt.rtt_s) for m in self._members.values()),
         )
 
     def standbys(self) -> tuple[NodeName, ...]:
@@ -207,6 +213,7 @@ class Scheduler:
             conn,
             self._clock(),
             replies=replies,
+            rtt=RttTracker(conn, interval_s=self._policy.probe_s, clock=self._clock),
         )
         old = self._members.get(first.node)
         self._members[first.node] = member
@@ -229,12 +236,15 @@ class Scheduler:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._beat, member)
+                nursery.start_soon(member.rtt.run)
                 try:
                     while True:
                         msg = await conn.receive()
                         member.last_seen = self._clock()
                         if isinstance(msg, Ready):
                             await replies_send.send(msg)
+                        elif isinstance(msg, ProbeReply):
+                            member.rtt.on_reply(msg)
                         elif isinstance(msg, Fault):
                             self._hooks.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
                             if msg.kind == "link":

@@ -40,6 +40,7 @@ from shard.messages.fetch import (
 )
 from shard.messages.ids import (
     PROTOCOL_VERSION,
+    RUN_DTYPES,
     SESSION_BITS,
     TENSOR_DTYPES,
     ChunkSeq,
@@ -141,6 +142,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 __all__ = [
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "RUN_DTYPES",
     "SESSION_BITS",
     "TENSOR_DTYPES",
     "Activate",

@@ -23,3 +23,6 @@ TENSOR_DTYPES: dict[str, int] = {
     "int32": 4,
     "uint8": 1,  # raw bytes: manifest chunks (ChunkData)
 }
+#: dtypes a swarm may run its model in (weights and activations), by ``TENSOR_DTYPES`` name.
+#: The one list: the spec validates against it, the stage maps it onto torch by name.
+RUN_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")

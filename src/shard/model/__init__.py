@@ -7,6 +7,7 @@
     tensors.py      torch.Tensor <-> shard.messages.Tensor (raw bytes, never pickle)
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
     gguf_import.py  GGUF -> safetensors checkpoint conversion
+    gguf_vocab.py   a GGUF's tokenizer metadata -> tokenizer.json (for gguf_import)
     bundled.py      find a model by name or path (the shipped SmolLM2)
 
 This file imports nothing, so ``import shard.model.config`` stays torch-free.

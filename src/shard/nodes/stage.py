@@ -25,6 +25,7 @@ from shard.failover.control import ControlClient, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
 from shard.messages import Activate, Fault, Hello, Message, NodeName, Register, Rewire, Welcome
+from shard.messages.ids import RUN_DTYPES
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
@@ -41,7 +42,7 @@ from shard.weights.block import fetch_stage, make_seeder
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in RUN_DTYPES}
 
 
 @attrs.frozen

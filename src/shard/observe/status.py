@@ -38,6 +38,7 @@ from shard.wire import WireError
 
 if TYPE_CHECKING:
     from shard.coordinator.router import CoordinatorStatistics
+    from shard.observe.ringstats import RingStatistics
 
 log = logging.getLogger(__name__)
 
@@ -73,28 +74,6 @@ def build_snapshot(
     """
     rolling = stats.ring
     order = tuple(ring)
-    hops = list(itertools.pairwise((*order, order[0]))) if order else []
-    by_edge = {(e.src, e.dst): e for e in rolling.edges}
-    for key in by_edge:
-        if key not in hops:
-            hops.append(key)
-    edges = []
-    for src, dst in hops:
-        seen = by_edge.get((src, dst))
-        if seen is None:
-            edges.append(EdgeStatus(src, dst))
-        else:
-            edges.append(EdgeStatus(src, dst, last_s=seen.last_s, median_s=seen.median_s))
-    by_node = {n.node: n for n in rolling.nodes}
-    names = [n for n in order if n != stats.node]
-    names += [n for n in by_node if n not in names]
-    stages = []
-    for name in names:
-        node = by_node.get(name)
-        if node is None:
-            stages.append(StageStatus(name))
-        else:
-            stages.append(StageStatus(name, node.last_s, node.median_s, chunks=node.chunks))
     lapped = rolling.laps > 0
     return StatusSnapshot(
         swarm=swarm,
@@ -103,8 +82,8 @@ def build_snapshot(
         at=at,
         started=started,
         ring=order,
-        edges=tuple(edges),
-        stages=tuple(stages),
+        edges=_edges(rolling, order),
+        stages=_stages(rolling, order, stats.node),
         laps=rolling.laps,
         lap_last_s=rolling.lap_last_s if lapped else None,
         lap_median_s=rolling.lap_median_s if lapped else None,
@@ -122,6 +101,38 @@ def build_snapshot(
         standbys=tuple(standbys),
         events=tuple(EventRecord(e.at, e.kind, e.detail) for e in stats.events),
     )
+
+
+def _edges(rolling: RingStatistics, order: tuple[NodeName, ...]) -> tuple[EdgeStatus, ...]:
+    """The ring's edges in ring order (closing edge included), then any others measured."""
+    hops = list(itertools.pairwise((*order, order[0]))) if order else []
+    by_edge = {(e.src, e.dst): e for e in rolling.edges}
+    hops += [key for key in by_edge if key not in hops]
+    edges = []
+    for src, dst in hops:
+        seen = by_edge.get((src, dst))
+        if seen is None:
+            edges.append(EdgeStatus(src, dst))
+        else:
+            edges.append(EdgeStatus(src, dst, last_s=seen.last_s, median_s=seen.median_s))
+    return tuple(edges)
+
+
+def _stages(
+    rolling: RingStatistics, order: tuple[NodeName, ...], coordinator: NodeName
+) -> tuple[StageStatus, ...]:
+    """The ring's stages in ring order, then any other node measured (a spliced standby)."""
+    by_node = {n.node: n for n in rolling.nodes}
+    names = [n for n in order if n != coordinator]
+    names += [n for n in by_node if n not in names]
+    stages = []
+    for name in names:
+        node = by_node.get(name)
+        if node is None:
+            stages.append(StageStatus(name))
+        else:
+            stages.append(StageStatus(name, node.last_s, node.median_s, chunks=node.chunks))
+    return tuple(stages)
 
 
 @attrs.frozen

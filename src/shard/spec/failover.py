@@ -9,6 +9,7 @@ join_deadline_s = 30.0   # no standby: wait this long for a spare to register, e
 splice_timeout_s = 30.0  # activating a standby and rewiring its predecessor, within this
 replay_max_mib = 1024    # bound on each edge's log of sent activations (host memory)
 register_timeout_s = 10.0  # a control connection must send its Register within this
+probe_s = 1.0            # the scheduler probes each control link's RTT this often
 checkpoint_dir = "ckpt"  # the coordinator saves each request's committed tokens here (optional)
 
 [[standby]]              # `shard up --role standby --spec SPEC --node s1-standby`
@@ -50,6 +51,7 @@ FAILOVER_KEYS: Final = (
     "replay_max_mib",
     "checkpoint_dir",
     "register_timeout_s",
+    "probe_s",
 )
 STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS)
 FAULT_KEYS: Final = ("kind", "node", "at_token", "at_s", "seconds")
@@ -72,6 +74,7 @@ class FailoverSpec:
     replay_max_mib: int = 1024
     checkpoint_dir: str | None = None  # absolute; None: no checkpoints
     register_timeout_s: float = 10.0  # a new control connection's Register, within this
+    probe_s: float = 1.0  # control-link RTT probes (shard.failover.rtt)
 
     @property
     def replay_max_bytes(self) -> int:
@@ -114,6 +117,7 @@ def read_failover(table: Table, base_dir: Path | None = None) -> FailoverSpec:
         register_timeout_s=table.number(
             "register_timeout_s", default=d.register_timeout_s, positive=True
         ),
+        probe_s=table.number("probe_s", default=d.probe_s, positive=True),
     )
     if spec.dead_after_s < 2 * spec.heartbeat_s:
         raise table.error(

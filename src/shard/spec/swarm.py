@@ -25,6 +25,7 @@ from typing import Final
 
 import attrs
 
+from shard.messages import RUN_DTYPES
 from shard.spec.failover import (
     FAILOVER_KEYS,
     STANDBY_KEYS,
@@ -68,8 +69,8 @@ from shard.spec.validate import (
     SpecError as SpecError,  # re-exported: callers catch shard.spec.swarm.SpecError
 )
 
-#: Activation / weight dtypes a swarm may run in.
-DTYPES: Final = ("float32", "bfloat16", "float16")
+#: Activation / weight dtypes a swarm may run in (defined once, in ``shard.messages``).
+DTYPES: Final = RUN_DTYPES
 #: Model names that need no path: shipped with shard (``shard.model`` knows where).
 BUNDLED_MODELS: Final = ("smollm2",)
 

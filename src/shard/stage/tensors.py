@@ -14,14 +14,7 @@ from shard.messages import Tensor as WireTensor
 
 __all__ = ["from_wire", "to_wire"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
+_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in TENSOR_DTYPES}
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 
 

@@ -2,7 +2,8 @@
 
 One interface, three implementations, one relay::
 
-    base.py        Connection and Network (the interface), TransportError, ConnectionClosed
+    base.py        Connection and Network (the interface), TransportError, ConnectionClosed;
+                   NetworkBase / HostedNetwork, the `async with network:` lifecycle they share
     memory.py      MemoryNetwork: peers in one process over memory channels (optionally
                    passing every message through the wire codec)
     websocket.py   WebSocketNetwork: peers in other processes; sealed wire frames over

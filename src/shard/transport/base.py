@@ -9,10 +9,10 @@ decided by the composition root, never by the actor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Generic, Protocol, Self, TypeVar
 
 import attrs
 import trio
@@ -66,7 +66,8 @@ class Network(Protocol):
     Use a network as an async context manager (``async with network:``): connections it
     dials may need background tasks (a WebSocket reader, a delay pump) and those live in a
     nursery that the context owns. Leaving the context closes what is still open.
-    ``serve`` owns its own nursery and works in or out of the context.
+    ``serve`` owns its own nursery and works in or out of the context. Implementations get
+    that lifecycle from ``NetworkBase`` (nothing to own) or ``HostedNetwork`` (a nursery).
     """
 
     async def __aenter__(self) -> Self: ...
@@ -168,46 +169,87 @@ async def abandon(conn: Connection, *, grace_s: float = 0.1) -> None:
         await conn.aclose()
 
 
-class TaskHost:
-    """The nursery behind ``async with network:``, for connections that need tasks.
+class NetworkBase:
+    """The ``async with network:`` lifecycle that every ``Network`` shares.
 
-    Leaving the context normally first lets ``close_all`` close the open connections
-    gracefully, then cancels whatever is left; leaving it on an exception cancels at once. The
-    body's exception propagates unchanged, not wrapped in an exception group.
+    ``__aenter__`` and ``__aexit__`` call the hooks ``_enter`` and ``_exit``, which by default
+    own nothing: a memory network dials without tasks, and a wrapper that does not own its
+    inner network leaves opening it to whoever does.
     """
 
-    def __init__(self, owner: str) -> None:
-        self._owner = owner
+    async def __aenter__(self) -> Self:
+        await self._enter()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._exit(exc)
+
+    async def _enter(self) -> None:
+        """Take what the open network owns (default: nothing)."""
+
+    async def _exit(self, exc: BaseException | None) -> None:
+        """Release it; ``exc`` is the body's exception, if any (default: nothing)."""
+
+
+C = TypeVar("C", bound=Connection)
+
+
+class HostedNetwork(NetworkBase, Generic[C]):
+    """A network whose dialed connections need tasks, in a nursery that the context owns.
+
+    A subclass starts a connection's tasks in ``_nursery`` and keeps it in ``_open`` (with
+    ``_tracking``) while it is open. Leaving the context normally first closes the open
+    connections, concurrently and gracefully, then cancels whatever is left; leaving it on an
+    exception cancels at once. The body's exception propagates unchanged, not wrapped in an
+    exception group.
+    """
+
+    def __init__(self) -> None:
         self._cm: AbstractAsyncContextManager[trio.Nursery] | None = None
-        self._nursery: trio.Nursery | None = None
+        self._tasks: trio.Nursery | None = None
+        self._open: set[C] = set()
 
     @property
-    def nursery(self) -> trio.Nursery:
+    def _nursery(self) -> trio.Nursery:
         """Errors: ``RuntimeError`` when the network is not open."""
-        if self._nursery is None:
+        if self._tasks is None:
             raise RuntimeError(
-                f"{self._owner}.dial() needs the network open: `async with network: ...`"
+                f"{type(self).__name__}.dial() needs the network open: `async with network: ...`"
             )
-        return self._nursery
+        return self._tasks
 
-    async def enter(self) -> None:
+    @contextmanager
+    def _tracking(self, conn: C) -> Iterator[C]:
+        """Keep ``conn`` in ``_open`` for the duration of the block."""
+        self._open.add(conn)
+        try:
+            yield conn
+        finally:
+            self._open.discard(conn)
+
+    async def _enter(self) -> None:
         if self._cm is not None:
-            raise RuntimeError(f"{self._owner} is already open")
+            raise RuntimeError(f"{type(self).__name__} is already open")
         cm = trio.open_nursery()
-        self._nursery = await cm.__aenter__()
+        self._tasks = await cm.__aenter__()
         self._cm = cm
 
-    async def exit(
-        self, exc: BaseException | None, close_all: Callable[[], Awaitable[None]]
-    ) -> None:
-        cm, nursery = self._cm, self._nursery
+    async def _exit(self, exc: BaseException | None) -> None:
+        cm, nursery = self._cm, self._tasks
         assert cm is not None
         assert nursery is not None
         try:
             if exc is None:
-                await close_all()
+                async with trio.open_nursery() as closing:
+                    for conn in list(self._open):
+                        closing.start_soon(conn.aclose)
         finally:
-            self._nursery = None
+            self._tasks = None
             self._cm = None
             nursery.cancel_scope.cancel()
             # Not given the body's exception: that one keeps propagating from the caller's

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import TracebackType
-from typing import Self
 
 import trio
 
@@ -27,8 +25,8 @@ from shard.transport.base import (
     Connection,
     ConnectionClosed,
     Handler,
+    HostedNetwork,
     Network,
-    TaskHost,
     TransportError,
 )
 from shard.wire import WireError, WireLimits, encode
@@ -197,7 +195,7 @@ class DelayedConnection:
                 await self._ready_send.send(item)
 
 
-class DelayNetwork:
+class DelayNetwork(HostedNetwork[DelayedConnection]):
     """Wraps any ``Network``, adding one-way latency (and a bandwidth cap) to dialed edges.
 
     ``latency_s`` is seconds one way, or ``f(src, dst) -> seconds`` called with
@@ -220,37 +218,19 @@ class DelayNetwork:
         local_name: str = "?",
         size: Callable[[Message], int] = wire_size,
     ) -> None:
+        super().__init__()
         self._inner = inner
         self._latency = latency_s
         self._bandwidth_bps = bandwidth_bps
         self._local_name = local_name
         self._size = size
-        self._host = TaskHost("DelayNetwork")
-        self._open: set[DelayedConnection] = set()
 
     def _link(self, src: str, dst: str) -> EmulatedLink:
         latency = self._latency(src, dst) if callable(self._latency) else self._latency
         return EmulatedLink(latency, self._bandwidth_bps)
 
-    async def __aenter__(self) -> Self:
-        await self._host.enter()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._host.exit(exc, self._close_all)
-
-    async def _close_all(self) -> None:
-        async with trio.open_nursery() as nursery:
-            for conn in list(self._open):
-                nursery.start_soon(conn.aclose)
-
     async def dial(self, address: str) -> DelayedConnection:
-        nursery = self._host.nursery
+        nursery = self._nursery
         outgoing = self._link(self._local_name, address)
         incoming = self._link(address, self._local_name)
         inner = await self._inner.dial(address)
@@ -269,11 +249,8 @@ class DelayNetwork:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        self._open.add(conn)
-        try:
+        with self._tracking(conn):
             await conn.run(task_status=task_status)
-        finally:
-            self._open.discard(conn)
 
     async def serve(
         self,

@@ -1,10 +1,11 @@
-"""Ring links: the handshake on every connection and the pumps between connections and actors.
+"""Ring links: the handshake on every connection and the pump from a connection to an actor.
 
 Each stage dials its successor; the tail dials the coordinator's return endpoint (direct
 return, one hop); the coordinator dials stage 0. A dialer sends ``Hello`` and waits for
 ``Welcome``; a listener checks the swarm name and protocol before answering. After the
-handshake a link is a plain pump between a ``Connection`` and an actor's memory channel, so
-actors never know whether their peer is in this process or across the internet.
+handshake ``pump_in`` delivers what a ``Connection`` receives to an actor's memory channel (and
+actors send on the connection itself), so actors never know whether their peer is in this
+process or across the internet.
 """
 
 from __future__ import annotations
@@ -91,31 +92,6 @@ async def accept_peer(
     assert isinstance(hello, Hello)
     await conn.send(welcome)
     return hello
-
-
-async def pump_out(
-    node: NodeName,
-    source: trio.MemoryReceiveChannel[Message],
-    conn: Connection,
-    faults: trio.MemorySendChannel[Message] | None = None,
-) -> None:
-    """Send everything from ``source`` on ``conn`` until either ends.
-
-    Errors: when the connection fails, a ring-level ``Fault`` (no session) goes to
-    ``faults`` if given — the coordinator fails the affected requests with a clear error —
-    otherwise the ``TransportError`` propagates.
-    """
-    try:
-        async with source:
-            async for msg in source:
-                await conn.send(msg)
-    except TransportError as exc:
-        if faults is None:
-            raise
-        await faults.send(Fault(node=node, kind="link", detail=f"link to {conn.peer} lost: {exc}"))
-    finally:
-        with trio.CancelScope(shield=True):
-            await conn.aclose()
 
 
 async def pump_in(

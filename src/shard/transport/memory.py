@@ -8,8 +8,6 @@ between processes: an in-process test of the codec on real traffic.
 from __future__ import annotations
 
 import itertools
-from types import TracebackType
-from typing import Self
 
 import trio
 
@@ -19,6 +17,7 @@ from shard.transport.base import (
     ConnectionStatistics,
     Counters,
     Handler,
+    NetworkBase,
     TransportError,
     run_handler,
 )
@@ -95,7 +94,7 @@ class MemoryConnection:
         await trio.lowlevel.checkpoint()
 
 
-class MemoryNetwork:
+class MemoryNetwork(NetworkBase):
     """An in-process ``Network``: ``serve`` registers a name, ``dial`` that name connects.
 
     Any string is an address; ``serve`` reports the same string as bound. Dialing needs no
@@ -109,17 +108,6 @@ class MemoryNetwork:
         self._limits = (limits or WireLimits()) if encode_frames else None
         self._listeners: dict[str, trio.MemorySendChannel[MemoryConnection]] = {}
         self._clients = itertools.count(1)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
 
     async def dial(self, address: str) -> MemoryConnection:
         listener = self._listeners.get(address)

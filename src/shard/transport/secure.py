@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from types import TracebackType
-from typing import Self, TypeVar
+from typing import TypeVar
 
 import trio
 import trio_websocket
 
 from shard.errors import HandshakeError
 from shard.messages import Hello, Message, Welcome
-from shard.transport.base import Connection, ConnectionStatistics, Handler
+from shard.transport.base import Connection, ConnectionStatistics, Handler, NetworkBase
 from shard.transport.websocket import POLICY_VIOLATION, WebSocketConnection, WebSocketNetwork
 from shard.trust.admission import Admitted
 from shard.trust.channel import (
@@ -88,7 +87,7 @@ class SecureConnection:
         await self._inner.aclose()
 
 
-class SecureWebSocketNetwork:
+class SecureWebSocketNetwork(NetworkBase):
     """A ``Network`` of authenticated, encrypted WebSocket connections.
 
     ``role`` is what this node claims on every connection (its token must grant it);
@@ -124,17 +123,14 @@ class SecureWebSocketNetwork:
         me = short(self._credentials.identity.public)
         return f"SecureWebSocketNetwork({self._role}, {me}, swarm={self._policy.swarm!r})"
 
-    async def __aenter__(self) -> Self:
+    async def _enter(self) -> None:
         await self._inner.__aenter__()
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._inner.__aexit__(exc_type, exc, tb)
+    async def _exit(self, exc: BaseException | None) -> None:
+        if exc is None:
+            await self._inner.__aexit__(None, None, None)
+        else:
+            await self._inner.__aexit__(type(exc), exc, exc.__traceback__)
 
     async def dial(self, address: str) -> SecureConnection:
         return SecureConnection(await self._inner.dial(address))

@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from types import TracebackType
-from typing import Protocol, Self
+from typing import Protocol
 
 import trio
 import trio_websocket
@@ -29,7 +28,7 @@ from shard.transport.base import (
     ConnectionStatistics,
     Counters,
     Handler,
-    TaskHost,
+    HostedNetwork,
     TransportError,
     join_address,
     run_handler,
@@ -185,7 +184,7 @@ def _describe(exc: trio_websocket.ConnectionClosed) -> str:
     return f"connection closed ({reason.code} {reason.name}{detail})"
 
 
-class WebSocketNetwork:
+class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
     """A ``Network`` over trio-websocket; addresses are ``host:port``.
 
     ``connect_timeout_s`` bounds a dial (TCP connect, WebSocket handshake and ``handshake``),
@@ -205,36 +204,18 @@ class WebSocketNetwork:
         connect_timeout_s: float = 10.0,
         handshake: Handshake | None = None,
     ) -> None:
+        super().__init__()
         self._limits = limits or WireLimits()
         self._sealer_factory = sealer_factory
         self._handshake = handshake
         self._timeout_s = connect_timeout_s
-        self._host = TaskHost("WebSocketNetwork")
-        self._open: set[WebSocketConnection] = set()
-
-    async def __aenter__(self) -> Self:
-        await self._host.enter()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._host.exit(exc, self._close_all)
-
-    async def _close_all(self) -> None:
-        async with trio.open_nursery() as nursery:
-            for conn in list(self._open):
-                nursery.start_soon(conn.aclose)
 
     async def dial(self, address: str) -> WebSocketConnection:
         try:
             host, port = split_address(address)
         except ValueError as exc:
             raise TransportError(str(exc)) from None
-        conn: WebSocketConnection = await self._host.nursery.start(self._hold, host, port, address)
+        conn: WebSocketConnection = await self._nursery.start(self._hold, host, port, address)
         return conn
 
     async def _hold(
@@ -296,12 +277,11 @@ class WebSocketNetwork:
             conn = WebSocketConnection(ws, address, sealer, self._limits, self._timeout_s)
             nursery.start_soon(conn.watch_reader)
             opened.append(conn)
-            self._open.add(conn)
             try:
-                task_status.started(conn)
-                await conn.released.wait()
+                with self._tracking(conn):
+                    task_status.started(conn)
+                    await conn.released.wait()
             finally:
-                self._open.discard(conn)
                 nursery.cancel_scope.cancel()
 
     async def _open_sealer(

@@ -1,3 +1,5 @@
 """shard.decode.distill: ``shard draft distill`` — a small draft distilled from the target,
-offline (``build.py`` the command, ``data.py`` its text and labels, ``train.py`` the loop).
+offline (``build.py`` the recipe and its checkpoint, ``data.py`` its text and labels,
+``train.py`` the loop, ``cache.py`` where drafts live and ``resolve_draft``, ``cli.py`` the
+command).
 """

@@ -4,27 +4,25 @@ The draft is the target's first ``layers`` layers plus its final norm and (tied)
 and head, so it shares the target's tokenizer and embedding; the layers and the norm are then
 trained to imitate the whole target (knowledge distillation). The work is split by idea:
 
-    distill_data.py    training text (the target's own samples, stdlib code), target labels
-    distill_train.py   the loss and training loop; ``measure``, the held-out agreement check
-    distill.py         ``distill``: the recipe end to end, the checkpoint, the cache, the CLI
+    data.py     training text (the target's own samples, stdlib code), target labels
+    train.py    the loss and training loop; ``measure``, the held-out agreement check
+    build.py    ``distill``: the recipe end to end and the checkpoint it publishes
+    cache.py    where drafts live, ``cached_draft`` and ``resolve_draft``
+    cli.py      ``shard draft {distill,path}``
 
 The result is an ordinary Hugging Face checkpoint directory (``load_stage(dir, 0, layers)``,
 ``[speculation] draft_model = "dir"``) whose ``distill.json`` records the settings and the
 measured agreement. It is built in a temporary sibling and renamed into place with
 ``distill.json`` written last, so a directory without it is never a draft.
-``resolve_draft("smollm2-distilled")`` finds a built draft in the cache; building it takes
+``cache.resolve_draft("smollm2-distilled")`` finds a built draft in the cache; building it takes
 minutes, so it happens only on request (``shard draft distill``).
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import os
-import re
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,8 +34,7 @@ from safetensors.torch import save_file
 
 from shard.decode.distill.data import build_corpus
 from shard.decode.distill.train import Measured, measure, reference_runs, train
-from shard.model.bundled import BUNDLED, ModelNotFound, cache_dir, resolve_model
-from shard.model.config import ModelConfig, ModelLoadError
+from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import hf_name, load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
@@ -46,14 +43,8 @@ __all__ = [
     "MARKER",
     "DistillError",
     "DistillReport",
-    "DraftNotFound",
-    "Recipe",
-    "cached_draft",
+    "DraftExists",
     "distill",
-    "distill_main",
-    "draft_dir",
-    "is_complete",
-    "resolve_draft",
     "write_checkpoint",
 ]
 
@@ -118,6 +109,10 @@ def distill(
     ``out_dir`` is built in a temporary sibling and renamed into place with ``MARKER`` written last.
 
     Errors: ``DistillError`` when ``out_dir`` exists or the layer count is out of range.
+
+    Longer than the house limit on purpose: it is the recipe, read top to bottom (load, label,
+    train, measure, publish), and most of its lines are the report's fields; cut into pieces
+    it would only pass the same dozen values between them.
     """
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.exists():
@@ -228,208 +223,3 @@ def _write_json(path: Path, obj: Any) -> None:
         f.write(json.dumps(obj, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-# --- the cache and `shard draft` -------------------------------------------------------------
-
-DEFAULT_LAYERS = 2
-DEFAULT_MINUTES = 8.0
-DEFAULT_STEPS = 2000  # an upper bound: the time budget ends a default run first
-DEFAULT_SEQ_LEN = 192
-DEFAULT_BATCH = 8
-_NAME = re.compile(r"(?P<target>[a-z0-9._-]+?)-distilled(?:-(?P<layers>\d+)L)?")
-
-
-class DraftNotFound(DistillError):
-    """A draft name or path leads to no usable draft; says how to build one."""
-
-
-@attrs.frozen
-class Recipe:
-    """How to distil a draft (the ``distill`` keyword arguments other than ``progress``)."""
-
-    layers: int = DEFAULT_LAYERS
-    steps: int = DEFAULT_STEPS
-    seq_len: int = DEFAULT_SEQ_LEN
-    batch: int = DEFAULT_BATCH
-    seed: int = 0
-    time_budget_s: float | None = DEFAULT_MINUTES * 60
-
-
-def draft_dir(target_dir: Path, name: str, layers: int) -> Path:
-    """The cache entry ``<cache>/drafts/<name>-<layers>L-<key>`` for a target's draft.
-
-    The key covers the target's directory name (itself keyed on its source) and the
-    distiller's version, so a new target or distiller gets a fresh entry.
-    """
-    text = f"{DISTILL_VERSION}:{Path(target_dir).resolve().name}:{layers}"
-    key = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return cache_dir() / "drafts" / f"{name}-{layers}L-{key}"
-
-
-def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a finished draft (its ``MARKER`` exists)."""
-    return (path / MARKER).is_file()
-
-
-def cached_draft(
-    target_dir: Path, name: str, recipe: Recipe, *, force: bool = False, progress: bool = True
-) -> Path:
-    """The cached draft of ``target_dir`` for ``recipe.layers``, distilling it when absent.
-
-    An entry without ``MARKER`` (a crash, a copy) is moved aside and rebuilt, never used;
-    ``force`` rebuilds a complete one. Losing a publication race to a concurrent run is
-    success: the winner's entry is complete by construction.
-    """
-    out = draft_dir(target_dir, name, recipe.layers)
-    if is_complete(out) and not force:
-        return out
-    if out.exists():
-        _discard(out)
-    try:
-        distill(target_dir, out, progress=progress, **attrs.asdict(recipe))
-    except DraftExists:
-        if not is_complete(out):
-            raise
-    return out
-
-
-def resolve_draft(name_or_path: str, *, build: bool = False, progress: bool = True) -> Path:
-    """The directory of the draft ``name_or_path``: a checkpoint directory (returned as is)
-    or ``<bundled>-distilled[-<N>L]`` (e.g. ``smollm2-distilled``), found in the cache.
-
-    Errors: ``DraftNotFound`` for anything else, or when the named draft is not cached and
-    ``build`` is false (distilling takes minutes: it is never started implicitly).
-    """
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise DraftNotFound(f"{path} is a directory without config.json; not a checkpoint")
-        return path
-    match = _NAME.fullmatch(name_or_path)
-    if match is None or match["target"] not in BUNDLED:
-        raise DraftNotFound(
-            f"{name_or_path!r} is not a checkpoint directory or a distilled draft name "
-            f"({', '.join(f'{b}-distilled[-<N>L]' for b in sorted(BUNDLED))})"
-        )
-    target, layers = match["target"], int(match["layers"] or DEFAULT_LAYERS)
-    target_dir = resolve_model(target, progress=progress)
-    out = draft_dir(target_dir, target, layers)
-    if is_complete(out):
-        return out
-    if not build:
-        raise DraftNotFound(
-            f"draft {name_or_path!r} is not built yet (no {out}); build it, in about "
-            f"{DEFAULT_MINUTES:.0f} minutes, with `shard draft distill --target {target} "
-            f"--layers {layers}`"
-        )
-    return cached_draft(target_dir, target, Recipe(layers=layers), progress=progress)
-
-
-def _discard(path: Path) -> None:
-    """Remove a cache entry; rename it aside first so no reader sees it half-deleted."""
-    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".trash", dir=path.parent))
-    try:
-        os.rename(path, trash / path.name)
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def distill_main(argv: list[str] | None = None) -> int:
-    """``shard draft {distill,path} ...``: build a draft or print where one is; 0 or 2."""
-    parser = _parser()
-    try:
-        args = parser.parse_args(argv)
-    except _UsageError as exc:
-        print(f"shard draft: error: {exc} (see shard draft --help)", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
-    try:
-        if args.draft_command == "path":
-            print(resolve_draft(args.name, progress=False))
-            return 0
-        return _distill_command(args)
-    except (DistillError, ModelNotFound, ModelLoadError) as exc:
-        print(f"shard draft: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _distill_command(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    target_dir = resolve_model(args.target, progress=not args.no_progress)
-    name = args.target if args.target in BUNDLED else _slug(target_dir.name)
-    recipe = Recipe(
-        layers=args.layers, steps=args.steps, seed=args.seed, time_budget_s=args.minutes * 60
-    )
-    progress = not args.no_progress
-    if args.out is not None:
-        out = args.out
-        distill(target_dir, out, progress=progress, **attrs.asdict(recipe))
-    else:
-        out = draft_dir(target_dir, name, args.layers)
-        if is_complete(out) and not args.force:
-            print(f"already built: {out} (--force rebuilds it)")
-            return 0
-        cached_draft(target_dir, name, recipe, force=args.force, progress=progress)
-    m = Measured(**json.loads((out / MARKER).read_text(encoding="utf-8"))["measured"])
-    print(
-        f"wrote {out}: α {m.alpha:.2f} (untrained {m.alpha_truncated:.2f}; n-gram "
-        f"{m.alpha_ngram:.2f} on {m.ngram_coverage:.0%} of positions) over {m.positions} "
-        f"held-out positions; draft {m.draft_ms:.1f} ms/token, target {m.target_ms:.1f}"
-    )
-    return 0
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports usage errors as an exception so ``distill_main`` can return 2 itself."""
-
-    def error(self, message: str) -> Any:
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="shard draft", description="Build and find draft models.")
-    sub = parser.add_subparsers(dest="draft_command", required=True, metavar="{distill,path}")
-    p = sub.add_parser(
-        "distill",
-        help="distil a small draft model from a target (minutes, CPU)",
-        description="Train the target's first N layers (+ its norm and tied head) to imitate "
-        "the whole target on text it samples itself, then measure greedy agreement on "
-        "held-out prompts. Writes into the cache unless --out is given.",
-    )
-    p.add_argument(
-        "--target", default="smollm2", help="bundled name, checkpoint dir or .gguf (smollm2)"
-    )
-    p.add_argument(
-        "--layers", type=int, default=DEFAULT_LAYERS, help=f"draft layers ({DEFAULT_LAYERS})"
-    )
-    p.add_argument(
-        "--minutes",
-        type=float,
-        default=DEFAULT_MINUTES,
-        help=f"for sampling and training ({DEFAULT_MINUTES:g}); measuring adds about one",
-    )
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="at most this many steps")
-    p.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling, training")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (1: OpenMP's spin-waits stall when other work shares the cores)",
-    )
-    p.add_argument("--out", type=Path, help="a new directory instead of the cache")
-    p.add_argument("--force", action="store_true", help="rebuild a cached draft")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    path = sub.add_parser("path", help="print the directory of a built draft")
-    path.add_argument("name", help="e.g. smollm2-distilled, smollm2-distilled-4L")
-    return parser
-
-
-def _slug(stem: str) -> str:
-    return re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-.") or "model"

@@ -112,15 +112,12 @@ def train(
     total = steps if budget_s is None else None  # a budget usually ends it before ``steps``
     bar = tqdm(total=total, desc="distilling", unit="step", disable=not progress)
     for step in range(steps):
-        done = step / steps
-        if budget_s is not None:
-            spent = time.perf_counter() - began
-            done = max(done, spent / budget_s if budget_s > 0 else 1.0)
+        done = _fraction_done(step, steps, time.perf_counter() - began, budget_s)
         if done >= 1.0 and step > 0:  # at least one step, so there is a loss to report
             break
         for group in opt.param_groups:
             group["lr"] = lr * _schedule(done)
-        if len(order) < batch:
+        if len(order) < batch:  # epochs in a fresh random order, each row once per epoch
             order = torch.cat([order, torch.randperm(len(corpus.ids), generator=gen)])
         rows, order = order[:batch], order[batch:]
         h = hidden_states(student, corpus.ids[rows])  # [B, S, D]
@@ -135,10 +132,7 @@ def train(
             mse_weight,
             objective,
         )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        _descend(opt, params, loss)
         losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", done=f"{done:.0%}", refresh=False)
@@ -146,6 +140,24 @@ def train(
     for p in params:
         p.requires_grad_(False)
     return losses
+
+
+def _descend(
+    opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor
+) -> None:
+    """One optimizer step on ``loss``, gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def _fraction_done(step: int, steps: int, spent_s: float, budget_s: float | None) -> float:
+    """How far training is, 0..1: by steps, or by the time budget when that is further."""
+    done = step / steps
+    if budget_s is None:
+        return done
+    return max(done, spent_s / budget_s if budget_s > 0 else 1.0)
 
 
 def kd_loss(

@@ -1,0 +1,196 @@
+"""Control-link RTT: the tracker's median and bookkeeping, the scheduler's per-node RTT over
+an emulated WAN, and a node answering probes while it obeys an order (virtual time)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+import trio
+import trio.testing
+
+from shard.failover.control import ControlClient, OnOrder
+from shard.failover.rtt import RttTracker
+from shard.failover.scheduler import Scheduler, Slot
+from shard.messages import (
+    Activate,
+    Heartbeat,
+    Hello,
+    NodeName,
+    Probe,
+    ProbeReply,
+    Ready,
+    Register,
+    Rewire,
+    Welcome,
+)
+from shard.spec.failover import FailoverSpec
+from shard.transport import Connection, DelayNetwork, MemoryNetwork, Network
+from shard.transport.links import accept_peer
+
+SWARM = "rtt-test"
+COORD = NodeName("coord")
+NODE = NodeName("s0")
+#: ``probe`` and ``on_reply`` never touch the connection (only ``run`` sends on it).
+NO_CONN = cast(Connection, None)
+
+
+class Clock:
+    """A settable clock for the tracker."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class NoHooks:
+    """RingHooks that record events and expect no recovery."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def pause(self, detail: str) -> None:
+        raise AssertionError(f"unexpected pause: {detail}")
+
+    async def resume(self, detail: str) -> None:
+        raise AssertionError(f"unexpected resume: {detail}")
+
+    async def fail(self, detail: str) -> None:
+        raise AssertionError(f"unexpected fail: {detail}")
+
+    def event(self, kind: str, detail: str) -> None:
+        self.events.append(f"{kind}: {detail}")
+
+
+def control_client(network: Network, role: str, on_order: OnOrder) -> ControlClient:
+    """Node ``s0``'s control link to ``coord``, registering as ``role`` with layers 0..1."""
+    return ControlClient(
+        NODE,
+        network,
+        "coord",
+        Hello(node=NODE, role=role, swarm=SWARM, link="control"),
+        lambda: Register(node=NODE, role=role, address="s0:1", first=0, last=1),
+        on_order,
+    )
+
+
+def reply_after(tracker: RttTracker, clock: Clock, rtt: float) -> float | None:
+    probe = tracker.probe()
+    clock.now += rtt
+    return tracker.on_reply(ProbeReply(nonce=probe.nonce, sent_at=probe.sent_at))
+
+
+def test_rtt_is_the_median_of_the_last_few() -> None:
+    """rtt_s is None before a reply, then the median of the last ``keep`` round trips, so one
+    late reply does not move it."""
+    clock = Clock()
+    tracker = RttTracker(NO_CONN, keep=5, clock=clock)
+    assert tracker.rtt_s is None
+    for rtt in (0.05, 0.05, 0.9, 0.05, 0.06):
+        assert reply_after(tracker, clock, rtt) == pytest.approx(rtt)
+    assert tracker.rtt_s == pytest.approx(0.05)
+    for rtt in (0.2, 0.2, 0.2):  # the link got slower: the median follows within keep samples
+        reply_after(tracker, clock, rtt)
+    assert tracker.samples == pytest.approx((0.05, 0.06, 0.2, 0.2, 0.2))
+    assert tracker.rtt_s == pytest.approx(0.2)
+
+
+def test_unknown_duplicate_and_forgotten_replies_are_ignored() -> None:
+    """Only a reply to a waiting probe is a sample, timed from this side's own send time (not
+    the echoed one); probes never answered are forgotten after ``keep * 4`` newer ones."""
+    clock = Clock()
+    tracker = RttTracker(NO_CONN, keep=2, clock=clock)
+    probe = tracker.probe()
+    clock.now = 0.1
+    assert tracker.on_reply(ProbeReply(nonce=probe.nonce + 99, sent_at=0.0)) is None
+    assert tracker.on_reply(ProbeReply(nonce=probe.nonce, sent_at=0.09)) == pytest.approx(0.1)
+    assert tracker.on_reply(ProbeReply(nonce=probe.nonce, sent_at=0.09)) is None  # duplicate
+    lost = tracker.probe()
+    for _ in range(8):
+        tracker.probe()
+    assert tracker.on_reply(ProbeReply(nonce=lost.nonce, sent_at=lost.sent_at)) is None
+    assert tracker.samples == pytest.approx((0.1,))
+    with pytest.raises(ValueError, match="keep"):
+        RttTracker(NO_CONN, keep=0)
+
+
+async def test_scheduler_reports_each_nodes_control_rtt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A node whose control link crosses 30 ms each way shows rtt_s of 60 ms in the
+    scheduler's statistics, measured with Probe/ProbeReply while it heartbeats."""
+    hooks = NoHooks()
+    scheduler = Scheduler(
+        node=COORD,
+        slots=[Slot(NODE, 0, 1, NODE, "s0:1")],
+        return_address="coord:ret",
+        ring_link=None,
+        hooks=hooks,
+        policy=FailoverSpec(probe_s=0.5),
+    )
+    welcome = Welcome(node=COORD, role="coordinator", swarm=SWARM)
+
+    async def control(conn: Connection) -> None:
+        await scheduler.serve(conn, await accept_peer(conn, welcome))
+
+    async def no_orders(order: Activate | Rewire) -> None:
+        raise AssertionError(f"unexpected order {order}")
+
+    memory = MemoryNetwork()
+    wan = DelayNetwork(memory, 0.03, local_name=NODE)
+    async with memory, wan, trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await nursery.start(memory.serve, "coord", control)
+        await nursery.start(control_client(wan, "stage", no_orders).run)
+        assert dict(scheduler.statistics().rtt_s) in ({}, {NODE: None})
+        await trio.sleep(3.0)
+        stats = scheduler.statistics()
+        assert stats.members == ((NODE, "stage", True),)
+        assert dict(stats.rtt_s)[NODE] == pytest.approx(0.06)
+        nursery.cancel_scope.cancel()
+    assert any(NODE in e for e in hooks.events)
+
+
+async def test_node_answers_probes_while_obeying_an_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A probe that arrives while the node is still carrying out an Activate is answered at
+    once (the order's 10 s do not inflate the RTT), and the order's Ready still follows."""
+    activated = trio.Event()
+    finish = trio.Event()
+
+    async def slow_activate(order: Activate | Rewire) -> None:
+        activated.set()
+        await finish.wait()
+
+    got: trio.MemorySendChannel[Ready | ProbeReply]
+    got, replies = trio.open_memory_channel[Ready | ProbeReply](8)
+
+    async def fake_scheduler(conn: Connection) -> None:
+        await accept_peer(conn, Welcome(node=COORD, role="coordinator", swarm=SWARM))
+        assert isinstance(await conn.receive(), Register)
+        await conn.send(Activate(NODE, 0, 1, "next:1"))
+        await activated.wait()
+        await conn.send(Probe(nonce=7, sent_at=trio.current_time()))
+        while True:
+            msg = await conn.receive()
+            if isinstance(msg, Ready | ProbeReply):
+                await got.send(msg)
+            else:
+                assert isinstance(msg, Heartbeat)
+                await conn.send(Heartbeat(node=COORD, sent_at=0.0))
+
+    network = MemoryNetwork()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(network.serve, "coord", fake_scheduler)
+        await nursery.start(control_client(network, "standby", slow_activate).run)
+        t0 = trio.current_time()
+        with trio.fail_after(5):  # a node that reads only between orders never answers
+            assert await replies.receive() == ProbeReply(nonce=7, sent_at=t0)
+        assert trio.current_time() == t0
+        await trio.sleep(10.0)
+        finish.set()
+        assert await replies.receive() == Ready(node=NODE, action="activate")
+        nursery.cancel_scope.cancel()
