@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import io
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -239,3 +241,50 @@ def test_node_on_a_taken_port_is_one_line(
         "there); stop it, or give this node another port"
     ], err
     assert "Traceback" not in err
+
+
+# --- the monitor on a secure swarm --------------------------------------------------------------
+
+
+def test_monitor_joins_a_secure_swarm_with_key_and_token(
+    tmp_path: Path,
+    tiny_checkpoint: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`monitor --spec SECURE --key K --token T` watches on the secure wire as role monitor;
+    `swarm up --monitor` presents the spec's client credentials; a token without role monitor
+    is refused in one line."""
+    import time
+
+    import shard.observe.tui.main as tui
+    from shard.transport.secure import SecureWebSocketNetwork
+    from shard.trust.compose import provision_local
+
+    root = Path(__file__).resolve().parents[1]
+    spec = tmp_path / "spec.toml"
+    shutil.copy(root / "specs" / "local-secure.toml", spec)
+    nodes = {"coord": ["coordinator"], "s0": ["stage"], "s1": ["stage"], "s2": ["stage"]}
+    roles = {**nodes, "client": ["client", "monitor"], "watcher": ["monitor"], "cli": ["client"]}
+    keys = tmp_path / "local-secure"
+    provision_local(keys, swarm="local-secure", nodes=roles, now=time.time())
+    seen: list[tuple[str, SecureWebSocketNetwork]] = []
+
+    def watch(address: str, *, network: SecureWebSocketNetwork, **_: object) -> None:
+        seen.append((address, network))
+
+    def watch_swarm(*_: object, address: str, network: SecureWebSocketNetwork, **__: Any) -> None:
+        seen.append((address, network))
+
+    monkeypatch.setattr(tui, "monitor", watch)
+    monkeypatch.setattr(tui, "monitor_swarm", watch_swarm)
+    watcher = ["--key", str(keys / "watcher.key"), "--token", str(keys / "watcher.token")]
+    assert main(["monitor", "--spec", str(spec), *watcher]) == 0
+    model = str(tiny_checkpoint(seed=3, n_layers=2))
+    assert main(["swarm", "up", str(spec), "--monitor", "--model", model]) == 0
+    assert [address for address, _ in seen] == ["127.0.0.1:7740", "127.0.0.1:7740"]
+    assert all(isinstance(net, SecureWebSocketNetwork) for _, net in seen)
+    client_only = ["--key", str(keys / "cli.key"), "--token", str(keys / "cli.token")]
+    assert main(["monitor", "--spec", str(spec), *client_only]) == 1
+    assert "allows the roles client, not 'monitor'" in one_error(capsys)
+    assert len(seen) == 2
