@@ -16,6 +16,8 @@ from shard import __version__
 EPILOG = """\
 examples:
   shard swarm run specs/local.toml --prompt "The capital of France is"
+  shard swarm run specs/local.toml --prompts specs/prompts.txt --json
+  echo "Hello" | shard generate --local - --ignore-eos --max-tokens 32
   shard generate --local "The capital of France is"
   shard swarm up specs/wan-sim.toml          # then, elsewhere:
   shard generate --spec specs/wan-sim.toml "Write a haiku about rivers" --chat
@@ -23,6 +25,7 @@ examples:
   shard monitor --spec specs/local.toml       # watch a running swarm live
   shard convert model.gguf out_dir/
   shard bench specs/local.toml --latencies 0,25 --json out.json
+  shard keygen --out keys/authority.key      # the swarm's authority
   shard keygen --out keys/s0.key
   shard admit --authority keys/authority.key --node-pub keys/s0.key.pub --swarm lab \\
       --roles stage --expires 30d --out keys/s0.token
