@@ -1,8 +1,10 @@
 """Which errors an operator can hit, and how the command reports them.
 
 Every handler returns an exit code. Errors an operator can hit (a bad spec, a missing model,
-an unreachable node, a failed request) are printed as one ``shard: error: ...`` line with exit
-code 1 (2 for usage errors); anything else is a bug and propagates with its traceback.
+an unreachable node, a port already in use, input that is not UTF-8, a failed request) are
+printed as one ``shard: error: ...`` line with exit code 1; options that do not go together
+(``UsageError``) as one ``shard COMMAND: error: ...`` line with exit code 2, as argparse
+reports a bad flag. Anything else is a bug and propagates with its traceback.
 """
 
 from __future__ import annotations
