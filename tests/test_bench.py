@@ -164,3 +164,26 @@ def test_summary_divides_by_plain_at_the_same_set_and_latency() -> None:
     spec = next(r for r in rows if r["mode"] == "spec" and r["set"] == "copy")
     assert spec["ratio_decode_tok_s"] == 5.0
     assert [r["set"] for r in rows] == ["copy", "copy", "all", "all"]
+
+
+def test_default_output_is_new_and_committed_results_are_kept() -> None:
+    """By default `shard bench` writes a new timestamped JSON (and PNG) under bench/results;
+    an existing --json or --plot (committed results) is refused unless --force."""
+    import datetime
+
+    from shard.bench.options import parse
+
+    now = datetime.datetime(2031, 2, 3, 4, 5, 6, tzinfo=datetime.UTC)
+    opts = parse([], root=REPO, prog="shard bench", now=now)
+    assert opts.json_out == REPO / "bench/results/spec_ring-20310203T040506Z.json"
+    assert opts.plot_out == REPO / "bench/results/spec_ring-20310203T040506Z.png"
+    assert not opts.json_out.exists() and not opts.ignore_eos
+    committed = REPO / "bench/results/spec_ring.json"
+    assert committed.exists()
+    with pytest.raises(OptionsError, match=r"spec_ring.json exists .*--force to replace it"):
+        parse(["--json", str(committed)], root=REPO, prog="shard bench", now=now)
+    plot = REPO / "bench/results/spec_ring.png"
+    with pytest.raises(OptionsError, match=r"spec_ring.png exists"):
+        parse(["--plot", str(plot)], root=REPO, prog="shard bench", now=now)
+    forced = parse(["--json", str(committed), "--force", "--ignore-eos"], root=REPO, prog="x")
+    assert (forced.json_out, forced.plot_out, forced.ignore_eos) == (committed, plot, True)

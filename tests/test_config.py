@@ -96,6 +96,20 @@ def test_local_spec_ports_and_latency() -> None:
     assert all(hop.latency_ms == 0.0 for hop in spec.hops())
 
 
+def test_shipped_specs_share_no_port() -> None:
+    """No two shipped specs (nor two nodes of one, standbys included) listen on the same
+    port, so any two of them can run at once on one machine."""
+    owners: dict[int, str] = {}
+    paths = sorted(SPECS.glob("*.toml"))
+    assert {p.name for p in paths} >= {"local.toml", "wan-sim.toml", "failover.toml"}
+    for path in paths:
+        spec = load_spec(path)
+        for node in (spec.coordinator, *spec.stages, *spec.standbys):
+            port = node.listen.port
+            assert port not in owners, f"{path.name} {node.name} and {owners[port]}: port {port}"
+            owners[port] = f"{path.name} {node.name}"
+
+
 def test_wan_sim_spec_delays_every_hop() -> None:
     """specs/wan-sim.toml uses ports 7710-7713 and 25 ms on each of the 4 ring hops."""
     spec = load_spec(SPECS / "wan-sim.toml")

@@ -122,7 +122,8 @@ def test_ops_script_provisions_the_local_secure_spec(tmp_path: Path) -> None:
     specs/local-secure.toml and its client accept; running it again overwrites nothing."""
     shutil.copy(ROOT / "specs" / "local-secure.toml", tmp_path / "spec.toml")
     script = ROOT / "ops" / "local-secure-keys"
-    env = {**os.environ, "NODES": "coord:coordinator s2:stage client:client"}  # 7 CLI runs
+    # 7 CLI runs; the client's token admits the monitor too, as the script's default does
+    env = {**os.environ, "NODES": "coord:coordinator s2:stage client:client,monitor"}
     done = subprocess.run(
         [script, tmp_path / "local-secure"], capture_output=True, text=True, timeout=120, env=env
     )
@@ -133,6 +134,7 @@ def test_ops_script_provisions_the_local_secure_spec(tmp_path: Path) -> None:
     assert isinstance(node_network(spec, "s2", "stage"), SecureWebSocketNetwork)
     assert isinstance(node_network(spec, "coord", "coordinator"), SecureWebSocketNetwork)
     assert isinstance(client_network(spec), SecureWebSocketNetwork)
+    assert isinstance(client_network(spec, role="monitor"), SecureWebSocketNetwork)
     again = subprocess.run(
         [script, tmp_path / "local-secure"], capture_output=True, text=True, timeout=60, env=env
     )

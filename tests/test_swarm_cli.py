@@ -331,3 +331,29 @@ def test_spec_writer_round_trips(llama_dir: Path, tmp_path: Path) -> None:
     assert spec.edge("coord", "s0").latency_ms == 10
     assert spec.limits.max_len == MAX_LEN
     assert Path(spec.model) == llama_dir.resolve()
+
+
+async def test_swarm_run_with_a_port_in_use_fails_in_one_line_per_node(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """A stage whose listen port is taken says so in one line (no traceback), and `swarm run`
+    exits 1 with no process left behind."""
+    import socket
+
+    spec = write_spec(
+        tmp_path / "spec.toml", model_dir=llama_dir, blocks=[(0, 2), (2, 4)], limits=TINY_LIMITS
+    )
+    s1 = [line.split('"')[1] for line in spec.read_text().splitlines() if "listen" in line][2]
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as trio binds
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        taken = f"127.0.0.1:{port}"
+        spec.write_text(spec.read_text().replace(s1, taken))
+        done = await run_shard("swarm", "run", str(spec), "--prompt", "hi", timeout_s=RUN_S)
+    assert done.returncode == 1, done.describe()
+    line = f"shard: error: cannot listen on {taken}: port {port} is already in use"
+    assert line in done.stderr, done.describe()
+    assert "Traceback" not in done.stderr, done.describe()
+    assert done.stragglers == ()

@@ -63,12 +63,18 @@ class Candidate:
 
 
 def run_references(
-    model_dir: Path, prompts: Sequence[Prompt], max_tokens: int, limits: Limits
+    model_dir: Path,
+    prompts: Sequence[Prompt],
+    max_tokens: int,
+    limits: Limits,
+    *,
+    ignore_eos: bool = False,
 ) -> tuple[list[Reference], StageModel]:
-    """Generate every prompt greedily with the whole model; also returns the model."""
+    """Generate every prompt greedily with the whole model (past EOS with ``ignore_eos``);
+    also returns the model."""
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
+    eos = () if ignore_eos else tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
     model = load_stage(model_dir, 0, config.n_layers)
 
     def run(ids: Sequence[int], n: int) -> ReferenceResult:

@@ -97,7 +97,9 @@ def bench_main(argv: Sequence[str], *, root: Path | None = None, prog: str = "sh
 def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> tuple[Plan, Record]:
     """References, the oracle file, the best draft and each ring's [speculation]."""
     progress(f"single-process references: {len(opts.prompts)} prompts")
-    refs, model = drafts.run_references(model_dir, opts.prompts, opts.max_tokens, base.limits)
+    refs, model = drafts.run_references(
+        model_dir, opts.prompts, opts.max_tokens, base.limits, ignore_eos=opts.ignore_eos
+    )
     del model  # the rings need the memory
     oracle = workdir / "oracle.json"
     drafts.write_oracle(oracle, refs)
@@ -186,6 +188,7 @@ def _config(opts: Options, base: SwarmSpec, model_dir: Path, plan: Plan) -> Reco
         "drafts": list(opts.drafts),
         "latencies_ms": list(opts.latencies_ms),
         "max_tokens": opts.max_tokens,
+        "ignore_eos": opts.ignore_eos,
         "sampling": "greedy (temperature 0)",
         "speculation": {d: dict(s) for d, s in plan.speculation.items() if d in opts.drafts},
         "draft_token_s": dict(plan.draft_token_s),

@@ -12,6 +12,7 @@ The prompt file is TOML, one ``[[prompt]]`` table per prompt::
 from __future__ import annotations
 
 import argparse
+import datetime
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,8 +42,10 @@ D = depth_max (alpha = 1 is known: there is nothing to adapt) unless --oracle-po
 Every run is recorded with tok/s (end to end and decode only), alpha, tokens per lap, lap
 time, per-stage compute, per-edge transit, its analytical bound (docs/benchmarks.md) and
 whether its tokens equal the single-process reference's (recorded, never asserted).
-Writes JSON (--json) and a PNG plot of decode tok/s against latency (--plot; needs
-matplotlib, e.g. pip install -e '.[bench]'), prints Markdown tables. Needs an insecure spec.
+Writes JSON (--json; default a new bench/results/spec_ring-<UTC time>.json) and a PNG plot of
+decode tok/s against latency (--plot; needs matplotlib, e.g. pip install -e '.[bench]'),
+prints Markdown tables. Never replaces an existing file (committed results) unless --force.
+Needs an insecure spec.
 """
 
 
@@ -75,16 +78,21 @@ class Options:
     threads: int
     request_timeout_s: float
     oracle_policy: str
+    ignore_eos: bool = False  # every request runs max_tokens: EOS does not stop it
 
 
 class OptionsError(Exception):
     """A bad flag or prompt file: one line saying what and where."""
 
 
-def parse(argv: Sequence[str], *, root: Path, prog: str) -> Options:
-    """Parse ``argv``; default paths resolve against ``root`` (the repository).
+def parse(
+    argv: Sequence[str], *, root: Path, prog: str, now: datetime.datetime | None = None
+) -> Options:
+    """Parse ``argv``; default paths resolve against ``root`` (the repository), and the
+    default output is named after ``now`` (UTC; default the current time).
 
-    Errors: ``OptionsError`` for bad values or a bad prompt file; argparse exits on bad flags.
+    Errors: ``OptionsError`` for bad values, a bad prompt file, or an output file that exists
+    without ``--force``; argparse exits on bad flags.
     """
     args = _parser(root, prog).parse_args(list(argv))
     modes = _choices(args.modes, MODES, "--modes")
@@ -99,8 +107,15 @@ def parse(argv: Sequence[str], *, root: Path, prog: str) -> Options:
     if any(n < 1 for n in layers):
         raise OptionsError("--best-layers: layer counts are >= 1")
     prompts = load_prompts(args.prompts, sets=args.sets, per_set=args.per_set)
-    json_out: Path = args.json
+    json_out: Path = args.json or default_output(root, now)
     plot = None if args.plot == "none" else Path(args.plot or json_out.with_suffix(".png"))
+    if not args.force:
+        for path in (json_out, plot):
+            if path is not None and path.exists():
+                raise OptionsError(
+                    f"{path} exists (committed results?); write elsewhere with --json/--plot, "
+                    "or pass --force to replace it"
+                )
     return Options(
         spec=args.spec,
         prompts_file=args.prompts,
@@ -117,6 +132,7 @@ def parse(argv: Sequence[str], *, root: Path, prog: str) -> Options:
         threads=args.threads,
         request_timeout_s=args.request_timeout,
         oracle_policy=args.oracle_policy,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -158,10 +174,15 @@ def _parser(root: Path, prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         type=Path,
-        default=root / "bench/results/spec_ring.json",
-        help="output (default bench/results/spec_ring.json)",
+        help="output (default: a new bench/results/spec_ring-<UTC time>.json)",
     )
     p.add_argument("--plot", help="PNG of tok/s against latency (default: --json's .png; none)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request (and reference) runs exactly --max-tokens: EOS does not stop it",
+    )
+    p.add_argument("--force", action="store_true", help="replace --json / --plot files that exist")
     p.add_argument(
         "--threads",
         type=int,
@@ -177,6 +198,13 @@ def _parser(root: Path, prog: str) -> argparse.ArgumentParser:
         help="oracle K and depth: fixed at k_max / depth_max (default) or the spec's policy",
     )
     return p
+
+
+def default_output(root: Path, now: datetime.datetime | None = None) -> Path:
+    """``root/bench/results/spec_ring-<UTC time>.json``: a new name per run, so a default run
+    never replaces committed results."""
+    stamp = (now or datetime.datetime.now(datetime.UTC)).strftime("%Y%m%dT%H%M%SZ")
+    return root / "bench" / "results" / f"spec_ring-{stamp}.json"
 
 
 def _choices(text: str, allowed: Sequence[str], flag: str) -> tuple[str, ...]:

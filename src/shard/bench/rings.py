@@ -100,12 +100,15 @@ async def ask(
     max_tokens: int,
     rid: int,
     timeout_s: float,
+    ignore_eos: bool = False,
 ) -> Reply:
     """One request; a request the ring fails is an error, not a data point."""
     from shard.coordinator.client import request
 
     k, depth = MODE_REQUEST[mode]
-    req = GenerateRequest(rid, prompt.text, max_tokens, chat=prompt.chat, k=k, depth=depth)
+    req = GenerateRequest(
+        rid, prompt.text, max_tokens, chat=prompt.chat, k=k, depth=depth, ignore_eos=ignore_eos
+    )
     arrivals: list[tuple[float, int]] = []
     began = trio.current_time()
 

@@ -77,6 +77,7 @@ async def _one_latency(
                 max_tokens=n,
                 rid=next(rids),
                 timeout_s=opts.request_timeout_s,
+                ignore_eos=opts.ignore_eos,
             )
 
         for ring in rings:

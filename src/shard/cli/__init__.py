@@ -48,7 +48,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
 
 def dispatch(args: argparse.Namespace) -> int:
     """Run the parsed command; an operator error is one ``shard: error:`` line and exit 1."""
-    from shard.cli.errors import leaves, operator_errors
+    from shard.cli.errors import UsageError, leaves, operator_errors
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -65,6 +65,10 @@ def dispatch(args: argparse.Namespace) -> int:
         found = list(leaves(exc))
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in found):
             return 130
+        if found and all(isinstance(leaf, UsageError) for leaf in found):
+            for leaf in found:
+                print(f"shard {args.command}: error: {leaf}", file=sys.stderr)
+            return 2
         if found and all(isinstance(leaf, known) for leaf in found):
             for leaf in found:
                 print(f"shard: error: {leaf}", file=sys.stderr)

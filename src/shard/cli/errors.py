@@ -1,8 +1,10 @@
 """Which errors an operator can hit, and how the command reports them.
 
 Every handler returns an exit code. Errors an operator can hit (a bad spec, a missing model,
-an unreachable node, a failed request) are printed as one ``shard: error: ...`` line with exit
-code 1 (2 for usage errors); anything else is a bug and propagates with its traceback.
+an unreachable node, a port already in use, input that is not UTF-8, a failed request) are
+printed as one ``shard: error: ...`` line with exit code 1; options that do not go together
+(``UsageError``) as one ``shard COMMAND: error: ...`` line with exit code 2, as argparse
+reports a bad flag. Anything else is a bug and propagates with its traceback.
 """
 
 from __future__ import annotations
@@ -12,12 +14,22 @@ from collections.abc import Iterator
 import trio
 
 
+class UsageError(Exception):
+    """Options that do not go together, or one that does not apply here: exit code 2."""
+
+
+class InputError(Exception):
+    """Input the command cannot use (a prompts file that cannot be read, text that is not
+    UTF-8): one line naming it, exit code 1."""
+
+
 def operator_errors() -> tuple[type[BaseException], ...]:
     from shard.coordinator.client import ClientError
     from shard.coordinator.router import RingError
     from shard.decode.state import BadRequest
     from shard.failover.control import NodeReplaced
     from shard.model.bundled import ModelNotFound
+    from shard.model.gguf_import import ConvertError
     from shard.model.loader import ModelLoadError
     from shard.nodes.launcher import SwarmError
     from shard.spec.swarm import SpecError
@@ -31,8 +43,10 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         SpecError,
         ModelLoadError,
         ModelNotFound,
+        ConvertError,  # a bad .gguf given to --model / --local
+        InputError,
         SwarmError,
-        TransportError,
+        TransportError,  # includes ListenError: a port already in use
         HandshakeError,  # also every refusal of the secure wire (shard.trust.admission, channel)
         IdentityError,
         RingError,

@@ -13,6 +13,9 @@ from typing import Any
 import attrs
 import trio
 
+from shard.cli.errors import UsageError
+from shard.cli.inputs import prompt_arg
+from shard.cli.inputs import read_prompts as read_prompts
 from shard.messages import GenerateDone, GenerateRequest, Sampling, TokensOut
 
 
@@ -46,29 +49,54 @@ def print_done(done: GenerateDone, *, as_json: bool, streamed: bool) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
+    """``shard generate``: ``--local`` runs the reference here, ``--spec`` asks a swarm.
+
+    Errors: ``UsageError`` for an option the chosen mode does not use (refused, never
+    silently ignored); ``InputError`` for a prompt that is not UTF-8.
+    """
+    refuse_inapplicable(args)
+    prompt = prompt_arg(args.prompt)
     if args.local:
-        return _generate_local(args)
+        return _generate_local(args, prompt)
     from shard.spec.swarm import load_spec
 
     spec = load_spec(args.spec)
-    if args.receipt and args.local:
-        print(
-            "shard: error: --receipt needs a ring (--spec); --local has no stages", file=sys.stderr
-        )
-        return 2
     request = GenerateRequest(
         request=1,
-        prompt=args.prompt,
+        prompt=prompt,
         max_tokens=args.max_tokens,
         sampling=sampling(args),
         chat=args.chat,
         receipt=bool(args.receipt),
         k=-1 if args.k is None else args.k,
         depth=args.depth or 0,
+        ignore_eos=args.ignore_eos,
     )
     address = client_address(str(spec.coordinator.listen))
     done = trio.run(ask, spec, address, request, args, spec.limits.connect_timeout_s)
     return 0 if done.finish_reason != "error" else 1
+
+
+#: Options of one mode only: (flag, its ``args`` attribute, why the other mode has no use).
+_RING_ONLY = (
+    ("--receipt", "receipt", "--local has no stages to sign one"),
+    ("--key", "key", "--local talks to no swarm"),
+    ("--token", "token", "--local talks to no swarm"),
+    ("--k", "k", "--local runs no speculation"),
+    ("--depth", "depth", "--local runs no speculation"),
+)
+_LOCAL_ONLY = (
+    ("--model", "model", "a swarm's model is its spec's swarm.model"),
+    ("--max-len", "max_len", "a swarm's KV length is its spec's limits.max_len"),
+)
+
+
+def refuse_inapplicable(args: argparse.Namespace) -> None:
+    """Errors: ``UsageError`` naming an option given that the chosen mode would ignore."""
+    other = "--spec" if args.local else "--local"
+    for flag, attr, why in _RING_ONLY if args.local else _LOCAL_ONLY:
+        if getattr(args, attr, None) is not None:
+            raise UsageError(f"{flag} applies only with {other}: {why}")
 
 
 def client_address(address: str) -> str:
@@ -127,7 +155,7 @@ def _receipt_path(out: Path, request: int) -> Path:
     return out if request == 1 else out.with_name(f"{out.name}.{request}.json")
 
 
-def _generate_local(args: argparse.Namespace) -> int:
+def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     from shard.coordinator.service import prompt_ids
     from shard.decode.reference import generate_reference
     from shard.model.bundled import resolve_model
@@ -135,7 +163,7 @@ def _generate_local(args: argparse.Namespace) -> int:
     from shard.model.loader import load_stage
     from shard.model.tokenizer import StreamDecoder, Tokenizer
 
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model or "smollm2")
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     model = load_stage(model_dir, 0, config.n_layers)
@@ -147,7 +175,9 @@ def _generate_local(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    req = GenerateRequest(1, args.prompt, args.max_tokens, sampling(args), chat=args.chat)
+    req = GenerateRequest(
+        1, prompt, args.max_tokens, sampling(args), chat=args.chat, ignore_eos=args.ignore_eos
+    )
     stream = StreamDecoder(tokenizer)
 
     def show(ids: list[int]) -> None:
@@ -158,7 +188,7 @@ def _generate_local(args: argparse.Namespace) -> int:
         model,
         prompt_ids(tokenizer, req),
         max_tokens=args.max_tokens,
-        eos_ids=(*config.eos_token_ids, *tokenizer.eos_ids),
+        eos_ids=() if req.ignore_eos else (*config.eos_token_ids, *tokenizer.eos_ids),
         sampling=req.sampling,
         max_len=max_len,
         on_tokens=show,
@@ -172,8 +202,3 @@ def _generate_local(args: argparse.Namespace) -> int:
     )
     print_done(done, as_json=args.json, streamed=True)
     return 0
-
-
-def read_prompts(path: Path) -> list[str]:
-    lines = [line.strip() for line in path.read_text().splitlines()]
-    return [line for line in lines if line]

@@ -10,12 +10,28 @@ from pathlib import Path
 def keygen(args: argparse.Namespace) -> int:
     from shard.trust.compose import keygen
 
-    return keygen(Path(args.out))
+    out = Path(args.out)
+    _make_parent(out)
+    return keygen(out)
+
+
+def _make_parent(out: Path) -> None:
+    """Create ``out``'s missing folders (``keys/`` in ``--out keys/s0.key``), private: they
+    hold secret keys. An existing folder is left as it is.
+
+    Errors: ``InputError`` when a folder cannot be created."""
+    from shard.cli.errors import InputError
+
+    try:
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{out.parent}: cannot create the folder: {exc.strerror}") from None
 
 
 def admit(args: argparse.Namespace) -> int:
     from shard.trust.compose import admit
 
+    _make_parent(Path(args.out))
     try:
         return admit(
             authority=Path(args.authority),

@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from shard import __version__
+
 EPILOG = """\
 examples:
   shard swarm run specs/local.toml --prompt "The capital of France is"
+  shard swarm run specs/local.toml --prompts specs/prompts.txt --json
+  echo "Hello" | shard generate --local - --ignore-eos --max-tokens 32
   shard generate --local "The capital of France is"
   shard swarm up specs/wan-sim.toml          # then, elsewhere:
   shard generate --spec specs/wan-sim.toml "Write a haiku about rivers" --chat
@@ -21,6 +25,7 @@ examples:
   shard monitor --spec specs/local.toml       # watch a running swarm live
   shard convert model.gguf out_dir/
   shard bench specs/local.toml --latencies 0,25 --json out.json
+  shard keygen --out keys/authority.key      # the swarm's authority
   shard keygen --out keys/s0.key
   shard admit --authority keys/authority.key --node-pub keys/s0.key.pub --swarm lab \\
       --roles stage --expires 30d --out keys/s0.token
@@ -85,6 +90,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
+def _ignore_eos_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at end-of-sequence: generate exactly --max-tokens (benchmarks)",
+    )
+
+
 def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
@@ -98,8 +111,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     where.add_argument("--spec", help="swarm spec (TOML) of a running swarm")
     p.add_argument(
         "--model",
-        default="smollm2",
-        help="'smollm2' (bundled, default), a checkpoint dir or a .gguf file (with --local)",
+        help="with --local: 'smollm2' (bundled, default), a checkpoint dir or a .gguf file",
     )
     p.add_argument(
         "--max-len",
@@ -117,8 +129,9 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="with --spec: write the run's signed receipt (JSON) to OUT; check it with "
         "`shard receipt verify OUT`",
     )
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", help="the prompt text; - reads it from standard input")
     _sampling_args(p)
+    _ignore_eos_arg(p)
 
 
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -172,8 +185,8 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     run.add_argument("spec", help="swarm spec (TOML), e.g. specs/local.toml")
     what = run.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="one prompt")
-    what.add_argument("--prompts", help="a file with one prompt per line")
+    what.add_argument("--prompt", help="one prompt; - reads it from standard input")
+    what.add_argument("--prompts", help="a UTF-8 file with one prompt per line")
     run.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
     run.add_argument(
         "--receipt",
@@ -181,6 +194,7 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="write each run's signed receipt (JSON) to OUT (OUT.2.json, ... for more prompts)",
     )
     _sampling_args(run)
+    _ignore_eos_arg(run)
 
 
 def _add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -225,6 +239,15 @@ def _add_monitor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("address", nargs="?", help="the coordinator's HOST:PORT (with --swarm)")
     p.add_argument("--swarm", help="the swarm's name (the handshake checks it)")
     p.add_argument("--spec", help="swarm spec (TOML): its coordinator address and name")
+    p.add_argument(
+        "--key",
+        help="with --spec of a secure swarm: this monitor's secret key (else [trust] client_key)",
+    )
+    p.add_argument(
+        "--token",
+        help="with --spec of a secure swarm: its token admitting role monitor (else [trust] "
+        "client_token)",
+    )
 
 
 def _add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -345,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (to stderr)")
+    parser.add_argument("--version", action="version", version=f"shard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_swarm(sub)

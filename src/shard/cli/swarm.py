@@ -9,7 +9,9 @@ from typing import Any
 
 import trio
 
+from shard.cli.errors import UsageError
 from shard.cli.generate import ask, client_address, read_prompts, sampling
+from shard.cli.inputs import prompt_arg
 from shard.messages import GenerateRequest
 
 
@@ -109,47 +111,64 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
 def swarm(args: argparse.Namespace) -> int:
     from shard.spec.swarm import load_spec
 
+    prompts: list[str] = []
+    if args.swarm_command == "run":  # bad input fails before any model or process starts
+        if args.prompt is not None:
+            prompts = [prompt_arg(args.prompt)]
+        else:
+            prompts = read_prompts(Path(args.prompts))
     spec = load_spec(args.spec)
     model_dir = _model_dir(getattr(args, "model", None), spec.model)
     if args.swarm_command == "up" and args.monitor:
         from shard.observe.tui.main import monitor_swarm
-        from shard.transport import WebSocketNetwork
+        from shard.trust.compose import client_network
 
         address = client_address(str(spec.coordinator.listen))
-        network = WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+        network = client_network(spec, role="monitor")  # secure: [trust] client_key/_token
         monitor_swarm(Path(args.spec), spec, model_dir=model_dir, address=address, network=network)
         return 0
     if args.swarm_command == "up":
         trio.run(_swarm_up, Path(args.spec), spec, model_dir)
         return 0
-    prompts = [args.prompt] if args.prompt is not None else read_prompts(Path(args.prompts))
     failed = trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
     return 1 if failed else 0
 
 
 def monitor(args: argparse.Namespace) -> int:
-    """``shard monitor ADDRESS --swarm NAME`` or ``shard monitor --spec SPEC``."""
-    timeout_s = 10.0
+    """``shard monitor ADDRESS --swarm NAME`` or ``shard monitor --spec SPEC`` (a secure
+    swarm's spec: with ``--key``/``--token``, or its ``[trust] client_key``/``client_token``,
+    admitting role monitor).
+
+    Errors: ``UsageError`` for a missing address or ``--key``/``--token`` without ``--spec``
+    (the secure wire needs the spec's authority).
+    """
+    from shard.observe.tui.main import monitor
+    from shard.transport import Network, WebSocketNetwork
+
+    network: Network
     if args.spec is not None:
         from shard.spec.swarm import load_spec
+        from shard.trust.compose import client_network
 
         spec = load_spec(args.spec)
         address = args.address or client_address(str(spec.coordinator.listen))
         swarm = args.swarm or spec.name
         timeout_s = spec.limits.connect_timeout_s
-    elif args.address is None or args.swarm is None:
-        print(
-            "shard: error: give --spec SPEC, or ADDRESS and --swarm NAME (the handshake names "
-            "the swarm), e.g. shard monitor 127.0.0.1:7700 --swarm local",
-            file=sys.stderr,
+        key, token = (Path(p) if p else None for p in (args.key, args.token))
+        network = client_network(spec, key=key, token=token, role="monitor")
+    elif args.key is not None or args.token is not None:
+        raise UsageError(
+            "--key/--token need --spec: the secure wire checks the coordinator against the "
+            "spec's [trust] authority"
         )
-        return 2
+    elif args.address is None or args.swarm is None:
+        raise UsageError(
+            "give --spec SPEC, or ADDRESS and --swarm NAME (the handshake names the swarm), "
+            "e.g. shard monitor 127.0.0.1:7700 --swarm local"
+        )
     else:
-        address, swarm = args.address, args.swarm
-    from shard.observe.tui.main import monitor
-    from shard.transport import WebSocketNetwork
-
-    network = WebSocketNetwork(connect_timeout_s=timeout_s)
+        address, swarm, timeout_s = args.address, args.swarm, 10.0
+        network = WebSocketNetwork(connect_timeout_s=timeout_s)
     monitor(address, swarm=swarm, network=network, connect_timeout_s=timeout_s)
     return 0
 
@@ -204,6 +223,7 @@ async def _swarm_run(
                 receipt=bool(args.receipt),
                 k=-1 if args.k is None else args.k,
                 depth=args.depth or 0,
+                ignore_eos=args.ignore_eos,
             )
             timeout_s = spec.limits.connect_timeout_s
             progress.begin()

@@ -290,8 +290,12 @@ class Coordinator:
         speculation: SpecConfig | None = None,
         receipt: bool = False,
         request_id: str | None = None,
+        ignore_eos: bool = False,
     ) -> Completion:
         """Run one request through the ring; ``on_tokens`` sees ids as they are committed.
+
+        ``ignore_eos`` generates exactly ``max_tokens`` ids: an end-of-sequence id is output
+        like any other (benchmarks of a fixed length).
 
         ``receipt`` asks every stage for a signed receipt of the job and returns the signed
         run receipt in ``Completion.receipt`` (needs a coordinator key: ``signer``).
@@ -306,8 +310,9 @@ class Coordinator:
         ``RingError`` when the ring fails the request.
         """
         check_sampling(sampling)
+        eos_ids = () if ignore_eos else self._eos_ids
         state = DecodeState.start(
-            len(prompt_ids), max_tokens, self._eos_ids, max_len=self._limits.max_len
+            len(prompt_ids), max_tokens, eos_ids, max_len=self._limits.max_len
         )
         async with self._slots:
             if self._ring_fault is not None:

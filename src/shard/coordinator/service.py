@@ -51,6 +51,7 @@ async def complete(
             on_tokens=on_tokens,
             receipt=request.receipt,
             speculation=request_speculation(coordinator, request),
+            ignore_eos=request.ignore_eos,
         )
     except (RingError, BadRequest) as exc:
         done = error_message(request.request, exc, committed, tokenizer.decode(committed))

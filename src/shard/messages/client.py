@@ -23,6 +23,7 @@ class GenerateRequest:
     receipt: bool = False  # ask for a signed run receipt (``GenerateDone.receipt``)
     k: int = -1  # drafted tokens per chunk for this request; -1: the swarm's policy, 0: plain
     depth: int = 0  # verify chunks in flight; 0: the swarm's policy
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks): EOS does not stop it
 
 
 @attrs.frozen

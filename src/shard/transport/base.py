@@ -8,7 +8,9 @@ decided by the composition root, never by the actor.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from types import TracebackType
@@ -32,6 +34,12 @@ class TransportError(Exception):
 
 class ConnectionClosed(TransportError):
     """The connection is closed: the peer closed it, or this side already did."""
+
+
+class ListenError(TransportError):
+    """This process cannot listen on an address: the port is taken, the host is not one of
+    this machine's, or the port needs privileges. The message names the address and what to
+    do."""
 
 
 class Connection(Protocol):
@@ -141,6 +149,34 @@ def split_address(address: str) -> tuple[str, int]:
 def join_address(host: str, port: int) -> str:
     """``(host, port)`` -> ``"host:port"``, bracketing IPv6 hosts."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def open_listeners(address: str) -> list[trio.SocketListener]:
+    """TCP listeners on ``host:port`` (port 0: any free port).
+
+    Errors: ``ValueError`` when ``address`` is not host:port; ``ListenError`` when it cannot
+    be bound, in one line naming the address and what to do.
+    """
+    host, port = split_address(address)
+    try:
+        return await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {address}: {_why(host, port, exc)}") from None
+
+
+def _why(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} is already in use (another node, a swarm from the same spec or "
+            "another program is listening there); stop it, or give this node another port"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine; listen on one of its own addresses"
+    if exc.errno == errno.EACCES:
+        return f"permission denied for port {port}; use a port from 1024 up"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve host {host!r} ({exc.strerror})"
+    return exc.strerror or str(exc)
 
 
 async def run_handler(handler: Handler, conn: Connection) -> None:

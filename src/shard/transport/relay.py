@@ -19,7 +19,7 @@ import sys
 import attrs
 import trio
 
-from shard.transport.base import join_address, split_address
+from shard.transport.base import ListenError, join_address, open_listeners, split_address
 
 log = logging.getLogger("shard.transport.relay")
 
@@ -81,9 +81,11 @@ class DelayRelay:
         return RelayStatistics(self._connections, self._open, self._to_target, self._to_client)
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Relay until cancelled; reports the bound ``host:port`` once listening."""
+        """Relay until cancelled; reports the bound ``host:port`` once listening.
+
+        Errors: ``ListenError`` when the listen address cannot be bound."""
         host, port = self._listen
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners = await open_listeners(join_address(host, port))
         bound = join_address(host, listeners[0].socket.getsockname()[1])
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._relay, listeners)
@@ -207,9 +209,7 @@ def relay_main(argv: list[str] | None = None) -> int:
         trio.run(main)
     except* KeyboardInterrupt:
         pass
-    except* OSError as group:
-        print(
-            f"shard relay: cannot listen on {args.listen}: {group.exceptions[0]}", file=sys.stderr
-        )
+    except* ListenError as group:
+        print(f"shard relay: error: {group.exceptions[0]}", file=sys.stderr)
         status = 1
     return status

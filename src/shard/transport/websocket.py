@@ -31,6 +31,7 @@ from shard.transport.base import (
     HostedNetwork,
     TransportError,
     join_address,
+    open_listeners,
     run_handler,
     split_address,
 )
@@ -301,12 +302,13 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         """Listen on ``host:port`` (port 0: any free port) until cancelled.
 
         Reports the bound ``host:port`` through ``task_status``. Cancellation: stops
-        listening, cancels the handlers and closes their connections. Errors: ``OSError``
-        when the address cannot be bound; a handler's ``WireError``/``TransportError`` ends
-        only its connection (logged); any other exception propagates and ends the server.
+        listening, cancels the handlers and closes their connections. Errors: ``ListenError``
+        (one line: which address, why, what to do) when the address cannot be bound; a
+        handler's ``WireError``/``TransportError`` ends only its connection (logged); any
+        other exception propagates and ends the server.
         """
-        host, port = split_address(address)
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        host, _ = split_address(address)
+        listeners = await open_listeners(address)
         bound = join_address(host, listeners[0].socket.getsockname()[1])
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, partial(self._accept, handler), listeners)
