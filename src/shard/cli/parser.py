@@ -146,6 +146,14 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="torch threads for this node's forward pass (default: torch's choice; "
         "`swarm up/run` give each node its share of the cores)",
     )
+    p.add_argument(
+        "--die-with-parent",
+        type=int,
+        metavar="PID",
+        default=None,
+        help="exit as soon as process PID exits (the launcher of `swarm up/run` passes its own "
+        "PID, so no node outlives it, even when it is SIGKILLed; Linux)",
+    )
 
 
 def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
