@@ -278,6 +278,17 @@ async def started_shard(
         await _reap(proc)
 
 
+@asynccontextmanager
+async def started_python(code: str, *args: str) -> AsyncIterator[trio.Process]:
+    """Start ``python -c CODE ARGS`` (stdout piped) for the body, cleaned up as
+    ``started_shard`` does."""
+    proc = await _open([sys.executable, "-c", code, *args], stdout=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        await _reap(proc)
+
+
 class LineReader:
     """Reads a process's stdout line by line (the caller bounds each read with a deadline)."""
 
@@ -300,3 +311,20 @@ class LineReader:
             if not chunk:
                 raise EOFError(f"stdout ended before a {prefix!r} line; saw {self.seen[-5:]}")
             self._buffer += chunk
+
+
+async def wait_gone(pids: Sequence[int], *, timeout_s: float) -> list[int]:
+    """Wait until every process in ``pids`` has exited (ours or not: through its pidfd); returns
+    those still running after ``timeout_s``."""
+    fds = {}
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            fds[pid] = os.pidfd_open(pid)
+    try:
+        with trio.move_on_after(timeout_s):
+            for fd in fds.values():
+                await trio.lowlevel.wait_readable(fd)
+        return [pid for pid in pids if alive(pid)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
