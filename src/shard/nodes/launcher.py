@@ -45,7 +45,8 @@ _GRACE_S = 5.0
 
 
 class SwarmError(Exception):
-    """A node of the swarm failed to start or died."""
+    """The swarm did not come up (a node exited first, or was not ready in time), or its
+    coordinator died."""
 
 
 @attrs.frozen
@@ -54,7 +55,7 @@ class SwarmHandle:
 
     ``relay_of`` maps a node to the relay in front of its downstream edge (``sever`` cuts
     there); ``expect_exit(name)`` tells the launcher a node is about to be killed on purpose
-    (a scripted fault), so its exit does not end the swarm.
+    (a scripted fault), so its exit is reported as scripted.
     """
 
     spec: SwarmSpec
