@@ -32,7 +32,7 @@ def up(args: argparse.Namespace) -> int:
     if args.die_with_parent is not None:  # first, so even a slow start is covered
         from shard.nodes.lifeline import die_with_parent
 
-        die_with_parent(args.die_with_parent, args.node or "node")
+        die_with_parent(args.die_with_parent, args.node or args.role)
     if args.role == "seeder":  # serves manifest chunks; no ring role (shard.cli.weights)
         from shard.cli.weights import seeder_main
 
