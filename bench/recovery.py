@@ -405,7 +405,7 @@ async def _one_request(
     def fire() -> None:
         assert fault is not None
         if fault == "sigkill":
-            handle.expect_exit(victim)  # a scripted death: not a swarm error
+            handle.expect_exit(victim)  # a scripted death: logged as such
         os.kill(pid, SIGNALS[fault])
 
     stream = Stream(trio.current_time(), fault_at=args.fault_at if fault else None, on_fault=fire)

@@ -1,13 +1,17 @@
 """Real processes in tests: free loopback ports, spec files, and bounded runs that clean up.
 
 Every process started here runs in a session of its own (``start_new_session=True``), so its
-process group id is its PID. On every way out — success, failure, timeout, cancellation — the
-helpers kill that whole group by that PID, which takes its children (swarm nodes) with it; a
-test never leaves processes behind. Only 127.0.0.1 is used.
+process group id is its PID, and this test process is a child subreaper
+(``PR_SET_CHILD_SUBREAPER``): a process whose parent exits is re-parented to us, not to init.
+So whatever a CLI run leaves behind — in its group, or in sessions of their own like the swarm
+nodes ``shard swarm up|run`` starts — is found (``stragglers``, ``orphans()``), and on every way
+out (success, failure, timeout, cancellation) the helpers kill it by PID and reap it; a test
+never leaves processes behind. Only 127.0.0.1 is used.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -27,6 +31,10 @@ SHARD = (sys.executable, "-m", "shard")
 LOOPBACK = "127.0.0.1"
 #: How long a killed process group gets to be reaped before we stop waiting.
 _REAP_S = 10.0
+_PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+#: PIDs of the processes these helpers started (ours to wait for, through Trio); any other
+#: child of this process is an orphan re-parented to us.
+_STARTED: set[int] = set()
 
 
 def child_env() -> dict[str, str]:
@@ -108,14 +116,24 @@ class Finished:
         return f"`{command}` exited {self.returncode}; stderr:\n{self.stderr[-3000:]}"
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """``(state, pgrp)`` of a live process from /proc, or None when it does not exist."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, pgrp)`` of a process from /proc, or None when it does not exist."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     fields = text.rpartition(")")[2].split()  # after "pid (comm)": state ppid pgrp ...
-    return fields[0], int(fields[2])
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _processes() -> list[tuple[int, tuple[str, int, int]]]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                found.append((int(entry.name), stat))
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -126,13 +144,29 @@ def alive(pid: int) -> bool:
 
 def group_members(pgid: int) -> list[int]:
     """PIDs of the live (not zombie) processes in process group ``pgid``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            if stat is not None and stat[1] == pgid and stat[0] != "Z":
-                members.append(int(entry.name))
-    return members
+    return [pid for pid, (state, _, pgrp) in _processes() if pgrp == pgid and state != "Z"]
+
+
+def become_subreaper() -> None:
+    """Make this process the one orphans of its descendants are re-parented to (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def orphans() -> list[int]:
+    """Live processes that outlived the parent that started them (re-parented to us); reaps
+    the dead ones."""
+    me, found = os.getpid(), []
+    for pid, (state, ppid, _) in _processes():
+        if ppid != me or pid in _STARTED:
+            continue
+        if state == "Z":
+            with suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        else:
+            found.append(pid)
+    return found
 
 
 def kill_group(pgid: int) -> None:
@@ -141,10 +175,31 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def kill_orphans() -> None:
+    """SIGKILL every orphan re-parented to us, by PID, and reap it."""
+    for pid in orphans():
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+async def _open(cmd: list[str], **options: Any) -> trio.Process:
+    """Start ``cmd`` in a session of its own, with ``child_env()``; tracked for ``orphans``."""
+    become_subreaper()
+    proc = await trio.lowlevel.open_process(
+        cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env(), **options
+    )
+    _STARTED.add(proc.pid)
+    return proc
+
+
 async def _reap(proc: trio.Process) -> None:
     kill_group(proc.pid)
     with trio.CancelScope(shield=True), trio.move_on_after(_REAP_S):
         await proc.wait()
+    _STARTED.discard(proc.pid)
+    kill_orphans()  # the children of a launcher we just killed
 
 
 async def _drain(stream: trio.abc.ReceiveStream | None, into: bytearray) -> None:
@@ -170,22 +225,16 @@ async def run_python(code: str, *args: str, timeout_s: float) -> Finished:
 async def _run(cmd: list[str], args: tuple[str, ...], timeout_s: float) -> Finished:
     out, err = bytearray(), bytearray()
     stragglers: list[int] = []
-    proc = await trio.lowlevel.open_process(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        env=child_env(),
-    )
+    proc = await _open(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         with trio.move_on_after(timeout_s) as waited:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_drain, proc.stdout, out)
                 nursery.start_soon(_drain, proc.stderr, err)
                 await proc.wait()
-                stragglers = group_members(proc.pid)
+                stragglers = group_members(proc.pid) + orphans()
                 kill_group(proc.pid)  # a straggler holding our pipes would stall the drains
+                kill_orphans()
     finally:
         await _reap(proc)
     if waited.cancelled_caught:
@@ -203,23 +252,37 @@ async def _run(cmd: list[str], args: tuple[str, ...], timeout_s: float) -> Finis
     )
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _log_file(path: Path) -> BinaryIO:
     return path.open("wb")
 
 
 @asynccontextmanager
-async def started_shard(*args: str, stderr_path: Path) -> AsyncIterator[trio.Process]:
+async def started_shard(
+    *args: str, stderr_path: Path, background: bool = False
+) -> AsyncIterator[trio.Process]:
     """Start ``shard ARGS`` (stdout piped, stderr to ``stderr_path``) for the body; on the way
-    out, whatever happened, kill its whole process group and reap it."""
+    out, whatever happened, kill its whole process group and every orphan, and reap them.
+
+    ``background``: start it as a shell starts ``shard ARGS &``, with SIGINT ignored.
+    """
+    options: dict[str, Any] = {"preexec_fn": _ignore_sigint} if background else {}
     with _log_file(stderr_path) as stderr:
-        proc = await trio.lowlevel.open_process(
-            [*SHARD, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            start_new_session=True,
-            env=child_env(),
-        )
+        proc = await _open([*SHARD, *args], stdout=subprocess.PIPE, stderr=stderr, **options)
+    try:
+        yield proc
+    finally:
+        await _reap(proc)
+
+
+@asynccontextmanager
+async def started_python(code: str, *args: str) -> AsyncIterator[trio.Process]:
+    """Start ``python -c CODE ARGS`` (stdout piped) for the body, cleaned up as
+    ``started_shard`` does."""
+    proc = await _open([sys.executable, "-c", code, *args], stdout=subprocess.PIPE)
     try:
         yield proc
     finally:
@@ -248,3 +311,20 @@ class LineReader:
             if not chunk:
                 raise EOFError(f"stdout ended before a {prefix!r} line; saw {self.seen[-5:]}")
             self._buffer += chunk
+
+
+async def wait_gone(pids: Sequence[int], *, timeout_s: float) -> list[int]:
+    """Wait until every process in ``pids`` has exited (ours or not: through its pidfd); returns
+    those still running after ``timeout_s``."""
+    fds = {}
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            fds[pid] = os.pidfd_open(pid)
+    try:
+        with trio.move_on_after(timeout_s):
+            for fd in fds.values():
+                await trio.lowlevel.wait_readable(fd)
+        return [pid for pid in pids if alive(pid)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -10,14 +10,16 @@ way out (``tests/procs.py``); every run is bounded.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
 
-from procs import LOOPBACK, free_ports, run_shard
+from procs import LOOPBACK, LineReader, alive, free_ports, orphans, run_shard, started_shard
 from shard.spec.swarm import load_spec
 
 pytestmark = pytest.mark.slow
@@ -47,7 +49,8 @@ def failover_spec(
     max_len: int = MAX_LEN,
 ) -> Path:
     """Three stages of two layers, a hot standby for ``victim``, and a scripted fault:
-    SIGKILL, a ``stall`` (SIGSTOP for ``stall_s``) or a ``sever`` of its downstream edge."""
+    SIGKILL, a ``stall`` (SIGSTOP for ``stall_s``) or a ``sever`` of its downstream edge
+    (``kind=""``: none)."""
     ports = free_ports(5)
     lines = [
         "[swarm]",
@@ -66,7 +69,9 @@ def failover_spec(
         lines.append(f"layers = [{2 * i}, {2 * i + 2}]")
     lines += ["[[standby]]", 'name = "spare"', f'listen = "{LOOPBACK}:{ports[4]}"']
     lines += [f'layers_of = "{victim}"']
-    lines += ["[[faults]]", f'kind = "{kind}"', f'node = "{victim}"', f"at_token = {at_token}"]
+    if kind:
+        lines += ["[[faults]]", f'kind = "{kind}"', f'node = "{victim}"']
+        lines.append(f"at_token = {at_token}")
     if stall_s:
         lines.append(f"seconds = {stall_s!r}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -189,6 +194,61 @@ async def test_a_severed_edge_is_redialled_without_a_splice(
     pause = re.search(r"longest pause between tokens after sever s0: ([0-9.]+) s", stderr)
     assert pause is not None, stderr
     report(f"sever s0 -> s1 (re-dialled): longest pause between tokens {pause.group(1)} s")
+
+
+async def generate(spec: Path) -> list[int]:
+    """``shard generate --spec SPEC --json`` of PROMPT against a running swarm: its tokens."""
+    done = await run_shard(
+        "generate",
+        "--spec",
+        str(spec),
+        "--json",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        PROMPT,
+        timeout_s=RUN_S,
+    )
+    assert done.returncode == 0, done.describe()
+    (record,) = done.json_records()
+    assert record["finish_reason"] != "error", done.describe()
+    return list(record["token_ids"])
+
+
+async def test_swarm_up_serves_on_when_a_stage_is_sigkilled(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """`swarm up` with a hot standby for s1: SIGKILL s1's process and the launcher reports it
+    (``SHARD NODE EXITED``) and keeps every other node; the standby is spliced in and the
+    swarm serves the local tokens, before and after. SIGTERM then stops every node."""
+    spec = failover_spec(tmp_path / "up.toml", llama_dir, victim="s1", at_token=0, kind="")
+    log = tmp_path / "launcher.log"
+    reference = await local_reference(llama_dir)
+    async with started_shard("swarm", "up", str(spec), stderr_path=log) as launcher:
+        stdout = LineReader(launcher.stdout)
+        with trio.fail_after(RUN_S):
+            up = await stdout.line_starting("SHARD SWARM UP")
+        fields = dict(part.split("=", 1) for part in up.split()[3:])
+        children = {name: int(pid) for name, pid in fields.items() if name != "coordinator"}
+        assert set(children) == {"coord", "s0", "s1", "s2", "spare"}
+        assert await generate(spec) == reference["token_ids"]
+
+        os.kill(children["s1"], signal.SIGKILL)
+        with trio.fail_after(30):
+            exited = await stdout.line_starting("SHARD NODE EXITED")
+        assert exited == f"SHARD NODE EXITED node=s1 pid={children['s1']} code=-9"
+        assert await generate(spec) == reference["token_ids"], log.read_text()[-3000:]
+        assert launcher.returncode is None, "swarm up ended when a stage died"
+        assert re.search(r"spare replaced s1 \(hot\)", log.read_text()), log.read_text()[-3000:]
+        others = {name: pid for name, pid in children.items() if name != "s1"}
+        assert all(alive(pid) for pid in others.values())
+
+        launcher.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            code = await launcher.wait()
+        left = [name for name, pid in others.items() if alive(pid)]
+        assert left == [], f"still running after the launcher exited: {left}"
+        assert orphans() == []
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
 
 
 def test_failover_spec_ships_a_standby_and_a_scripted_kill() -> None:

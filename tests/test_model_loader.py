@@ -215,3 +215,15 @@ def test_tied_full_model_shares_one_matrix(tiny_checkpoint: Callable[..., Path])
     assert model.embed_tokens is not None
     assert model.lm_head.weight is model.embed_tokens.weight
     assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_live_in_aligned_memory(
+    tiny_checkpoint: Callable[..., Path], dtype: torch.dtype
+) -> None:
+    """Every loaded weight starts on a 64-byte boundary, wherever safetensors put it: CPU
+    matrix-vector kernels sum in an alignment-dependent order, so a weight at another
+    offset decodes different low bits (tests/test_model_split.py compares them exactly)."""
+    model = load_stage(tiny_checkpoint(arch="llama", tie_word_embeddings=False), 0, 4, dtype=dtype)
+    misaligned = [n for n, p in model.named_parameters() if p.data_ptr() % 64]
+    assert misaligned == []

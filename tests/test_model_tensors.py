@@ -95,3 +95,10 @@ def test_round_trip_property(name: str, shape: list[int], seed: int) -> None:
     assert back.shape == t.shape
     assert back.dtype == t.dtype
     assert torch.equal(back, t)
+
+
+def test_result_lives_in_aligned_memory() -> None:
+    """from_wire's tensor starts on a 64-byte boundary (a matmul's summation order depends
+    on its operands' alignment, so activations must not inherit a bytearray's)."""
+    for n in (1, 3, 17, 576):
+        assert from_wire(to_wire(torch.ones(2, n))).data_ptr() % 64 == 0

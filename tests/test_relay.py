@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 
+import pytest
 import trio
 import trio.testing
 
@@ -155,8 +156,11 @@ async def _run_in_scope(
         await relay.run(task_status=task_status)
 
 
-async def test_relay_main_cli_runs_until_ctrl_c() -> None:
-    """`relay_main` prints its status line, relays, and exits 0 on Ctrl-C (SIGINT)."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+async def test_relay_main_cli_runs_until_ctrl_c(sig: signal.Signals) -> None:
+    """`relay_main` prints its status line, relays, and exits 0 on Ctrl-C (SIGINT), SIGTERM
+    or SIGHUP — SIGINT also when the run inherited it ignored (a shell's `&`, or a
+    backgrounded test run)."""
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(partial(trio.serve_tcp, _echo, 0, host="127.0.0.1"))
@@ -170,18 +174,24 @@ async def test_relay_main_cli_runs_until_ctrl_c() -> None:
             process = await trio.lowlevel.open_process(
                 argv, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
             )
-            assert process.stdout is not None
-            line = b""
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some(1)
-                assert chunk, "relay exited before printing its status line"
-                line += chunk
-            fields = dict(item.split("=", 1) for item in line.decode().split()[1:])
-            stream = await trio.open_tcp_stream(*split_address(fields["listening"]))
-            async with stream:
-                await stream.send_all(b"hello")
-                assert await _read_exactly(stream, 5) == b"hello"
-            process.send_signal(signal.SIGINT)
-            assert await process.wait() == 0
-            await process.stdout.aclose()
+            try:
+                assert process.stdout is not None
+                line = b""
+                while not line.endswith(b"\n"):
+                    chunk = await process.stdout.receive_some(1)
+                    assert chunk, "relay exited before printing its status line"
+                    line += chunk
+                fields = dict(item.split("=", 1) for item in line.decode().split()[1:])
+                stream = await trio.open_tcp_stream(*split_address(fields["listening"]))
+                async with stream:
+                    await stream.send_all(b"hello")
+                    assert await _read_exactly(stream, 5) == b"hello"
+                process.send_signal(sig)
+                assert await process.wait() == 0
+                await process.stdout.aclose()
+            finally:  # whatever failed, the relay does not outlive the test
+                if process.returncode is None:
+                    process.kill()
+                    with trio.CancelScope(shield=True):
+                        await process.wait()
             nursery.cancel_scope.cancel()

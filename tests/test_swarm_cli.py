@@ -21,9 +21,11 @@ from procs import (
     LineReader,
     alive,
     group_members,
+    orphans,
     run_python,
     run_shard,
     started_shard,
+    wait_gone,
     write_spec,
 )
 
@@ -253,7 +255,59 @@ async def test_swarm_up_serves_generate_and_sigint_stops_every_node(
         left = [name for name, pid in children.items() if alive(pid)]
         assert left == [], f"still running after the launcher exited: {left}"
         assert group_members(launcher.pid) == []
+        assert orphans() == []
     assert code == 130, log.read_text()[-3000:]
+
+
+async def swarm_up_children(launcher: trio.Process) -> dict[str, int]:
+    """Wait for `swarm up`'s ``SHARD SWARM UP`` line; returns node -> PID from it."""
+    with trio.fail_after(RUN_S):
+        up = await LineReader(launcher.stdout).line_starting("SHARD SWARM UP")
+    fields = dict(part.split("=", 1) for part in up.split()[3:])
+    return {name: int(pid) for name, pid in fields.items() if name != "coordinator"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+async def test_backgrounded_swarm_up_stops_every_node_on_a_signal(
+    llama_dir: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Started as a shell's `&` starts it (SIGINT ignored), `swarm up` stops every node on
+    SIGTERM, SIGHUP and SIGINT alike, and exits 128 + the signal; no process is left."""
+    spec = write_spec(
+        tmp_path / "spec.toml", model_dir=llama_dir, blocks=[(0, 4)], limits=TINY_LIMITS
+    )
+    log = tmp_path / "launcher.log"
+    async with started_shard("swarm", "up", str(spec), stderr_path=log, background=True) as up:
+        children = await swarm_up_children(up)
+        assert set(children) == {"coord", "s0"}
+        assert all(alive(pid) for pid in children.values())
+        up.send_signal(sig)
+        with trio.fail_after(30):
+            code = await up.wait()
+        left = [name for name, pid in children.items() if alive(pid)]
+        assert left == [], f"still running after the launcher exited: {left}"
+        assert orphans() == []
+    assert code == 128 + sig, log.read_text()[-3000:]
+
+
+async def test_a_sigkilled_swarm_up_takes_its_nodes_with_it(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL, which the launcher cannot act on: every node notices its launcher is gone
+    (``--die-with-parent``) and stops by itself, within seconds."""
+    spec = write_spec(
+        tmp_path / "spec.toml", model_dir=llama_dir, blocks=[(0, 3), (3, 4)], limits=TINY_LIMITS
+    )
+    log = tmp_path / "launcher.log"
+    async with started_shard("swarm", "up", str(spec), stderr_path=log) as up:
+        children = await swarm_up_children(up)
+        assert set(children) == {"coord", "s0", "s1"}
+        up.kill()
+        with trio.fail_after(30):
+            await up.wait()
+        left = await wait_gone(list(children.values()), timeout_s=30)
+        assert left == [], f"outlived their SIGKILLed launcher: {left}"
+    assert log.read_text().count("exited; stopping") == len(children), log.read_text()[-3000:]
 
 
 async def test_bad_spec_is_one_line_error_naming_the_key(llama_dir: Path, tmp_path: Path) -> None:

@@ -159,6 +159,14 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="torch threads for this node's forward pass (default: torch's choice; "
         "`swarm up/run` give each node its share of the cores)",
     )
+    p.add_argument(
+        "--die-with-parent",
+        type=int,
+        metavar="PID",
+        default=None,
+        help="exit as soon as process PID exits (the launcher of `swarm up/run` passes its own "
+        "PID, so no node outlives it, even when it is SIGKILLed; Linux)",
+    )
 
 
 def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -168,7 +176,10 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "up",
         help="start every node of SPEC and keep them running until Ctrl-C",
         description="Start every node of SPEC as a local process (with delaying relays where "
-        "the spec sets link latency) and keep them running until Ctrl-C, which stops them all.",
+        "the spec sets link latency) and keep them running until Ctrl-C, SIGTERM or SIGHUP, "
+        "which stops them all (exit 128 + the signal). A stage or standby that dies is "
+        "reported (SHARD NODE EXITED) and replaced by a standby; the swarm serves on "
+        "(docs/failover.md). Only the coordinator's death ends it.",
     )
     up.add_argument("spec", help="swarm spec (TOML), e.g. specs/local.toml")
     up.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")

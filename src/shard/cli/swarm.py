@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,11 @@ from shard.cli.errors import UsageError
 from shard.cli.generate import ask, client_address, read_prompts, sampling
 from shard.cli.inputs import prompt_arg
 from shard.messages import GenerateRequest
+
+#: What stops ``swarm up|run``, every node with it: Ctrl-C, ``kill``, a closed terminal. SIGINT
+#: is taken even when a shell started us in the background with it ignored: sent on purpose,
+#: it is a request to stop (a terminal's Ctrl-C reaches only foreground jobs either way).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _model_dir(model: str | None, spec_model: str) -> Path:
@@ -24,6 +31,10 @@ def _model_dir(model: str | None, spec_model: str) -> Path:
 
 
 def up(args: argparse.Namespace) -> int:
+    if args.die_with_parent is not None:  # first, so even a slow start is covered
+        from shard.nodes.lifeline import die_with_parent
+
+        die_with_parent(args.die_with_parent, args.node or args.role)
     if args.role == "seeder":  # serves manifest chunks; no ring role (shard.cli.weights)
         from shard.cli.weights import seeder_main
 
@@ -128,10 +139,8 @@ def swarm(args: argparse.Namespace) -> int:
         monitor_swarm(Path(args.spec), spec, model_dir=model_dir, address=address, network=network)
         return 0
     if args.swarm_command == "up":
-        trio.run(_swarm_up, Path(args.spec), spec, model_dir)
-        return 0
-    failed = trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
-    return 1 if failed else 0
+        return trio.run(_swarm_up, Path(args.spec), spec, model_dir)
+    return trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
 
 
 def monitor(args: argparse.Namespace) -> int:
@@ -173,31 +182,59 @@ def monitor(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path) -> None:
-    from shard.nodes.launcher import launch
+async def _stop_on_signal(
+    signals: AsyncIterator[int], scope: trio.CancelScope, stopped: list[int]
+) -> None:
+    """Cancel ``scope`` (which stops every node) on the first of ``STOP_SIGNALS``."""
+    async for signum in signals:
+        stopped.append(signum)
+        scope.cancel()
+        return
 
-    async with trio.open_nursery() as nursery:
-        handle = await nursery.start(
-            lambda task_status: launch(
-                spec_path, spec, model_dir=model_dir, task_status=task_status
+
+def _exit_code(stopped: list[int], failed: int = 0) -> int:
+    """128 + the signal that stopped the swarm (the shell's convention), else 1 if a request
+    failed, else 0."""
+    if stopped:
+        return 128 + stopped[0]
+    return 1 if failed else 0
+
+
+async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path) -> int:
+    """Run the swarm until a stop signal or an error; a stage's or standby's death is one
+    ``SHARD NODE EXITED`` line and failover, not the end."""
+    from shard.nodes.launcher import NodeExit, launch
+
+    def exited(node: NodeExit) -> None:
+        print(node.line(), flush=True)
+
+    stopped: list[int] = []
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
+            handle = await nursery.start(
+                lambda task_status: launch(
+                    spec_path, spec, model_dir=model_dir, on_exit=exited, task_status=task_status
+                )
             )
-        )
-        pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
-        print(f"SHARD SWARM UP coordinator={handle.coordinator} {pids}", flush=True)
-        for relay in handle.relays:
-            print(f"  relay {relay}", file=sys.stderr)
-        print("swarm is up; Ctrl-C stops every node", file=sys.stderr)
+            pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
+            print(f"SHARD SWARM UP coordinator={handle.coordinator} {pids}", flush=True)
+            for relay in handle.relays:
+                print(f"  relay {relay}", file=sys.stderr)
+            print("swarm is up; Ctrl-C (or SIGTERM, SIGHUP) stops every node", file=sys.stderr)
+    return _exit_code(stopped)
 
 
 async def _swarm_run(
     spec_path: Path, spec: Any, model_dir: Path, prompts: list[str], args: argparse.Namespace
 ) -> int:
-    from shard.failover.script import Progress, run_faults
+    from shard.failover.script import Fired, Progress, run_faults
     from shard.nodes.launcher import launch
 
     failed = 0
     progress = Progress()
-    fired: list[Any] = []
+    fired: list[Fired] = []
+    stopped: list[int] = []
 
     def report(line: str) -> None:
         print(f"shard: fault: {line}", file=sys.stderr, flush=True)
@@ -205,34 +242,47 @@ async def _swarm_run(
     async def faults() -> None:
         await run_faults(handle, progress, report, fired)
 
-    async with trio.open_nursery() as nursery:
-        handle = await nursery.start(
-            lambda task_status: launch(
-                spec_path, spec, model_dir=model_dir, task_status=task_status
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
+            handle = await nursery.start(
+                lambda task_status: launch(
+                    spec_path, spec, model_dir=model_dir, task_status=task_status
+                )
             )
-        )
-        if spec.faults:
-            nursery.start_soon(faults)
-        for i, prompt in enumerate(prompts, start=1):
-            req = GenerateRequest(
-                i,
-                prompt,
-                args.max_tokens,
-                sampling(args),
-                chat=args.chat,
-                receipt=bool(args.receipt),
-                k=-1 if args.k is None else args.k,
-                depth=args.depth or 0,
-                ignore_eos=args.ignore_eos,
-            )
-            timeout_s = spec.limits.connect_timeout_s
-            progress.begin()
-            done = await ask(spec, handle.coordinator, req, args, timeout_s, progress.add)
-            failed += done.finish_reason == "error"
-        nursery.cancel_scope.cancel()
+            if spec.faults:
+                nursery.start_soon(faults)
+            for i, prompt in enumerate(prompts, start=1):
+                progress.begin()
+                done = await ask(
+                    spec,
+                    handle.coordinator,
+                    _request(i, prompt, args),
+                    args,
+                    spec.limits.connect_timeout_s,
+                    progress.add,
+                )
+                failed += done.finish_reason == "error"
+            nursery.cancel_scope.cancel()
+    if stopped:
+        return _exit_code(stopped)
     for f in fired:
         pause = progress.longest_pause_after(f.at)
         report(f"longest pause between tokens after {f.fault.kind} {f.fault.node}: {pause:.3f} s")
     if spec.faults and len(fired) < len(spec.faults):
         report(f"{len(spec.faults) - len(fired)} scripted fault(s) never triggered")
-    return failed
+    return _exit_code(stopped, failed)
+
+
+def _request(i: int, prompt: str, args: argparse.Namespace) -> GenerateRequest:
+    return GenerateRequest(
+        i,
+        prompt,
+        args.max_tokens,
+        sampling(args),
+        chat=args.chat,
+        receipt=bool(args.receipt),
+        k=-1 if args.k is None else args.k,
+        depth=args.depth or 0,
+        ignore_eos=args.ignore_eos,
+    )

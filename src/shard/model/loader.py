@@ -153,7 +153,11 @@ def _load_file(
                         f"tensor {remote!r} in {path.name} has shape {list(got)} but the config "
                         f"expects {list(param.shape)}; config.json and weights disagree"
                     )
-                tensor = f.get_tensor(remote).to(dtype)
+                # A copy in torch's own (64-byte aligned) memory: safetensors hands out tensors
+                # at whatever address its buffer got, and CPU matrix-vector kernels sum in an
+                # order that depends on the weights' alignment, so a stage loaded here and one
+                # whose weights were copied elsewhere would decode different low bits.
+                tensor = f.get_tensor(remote).to(dtype=dtype, copy=True)
                 _set_parameter(stage, local, nn.Parameter(tensor, requires_grad=False))
     except ModelLoadError:
         raise

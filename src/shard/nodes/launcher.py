@@ -3,9 +3,20 @@
 One ``shard up`` child process per node, plus — when the spec gives edge latencies — one
 delaying TCP relay per ring edge, run inside this launcher process, so the children see real
 latency without root or kernel modules. Each child prints one machine-readable line when it is
-ready (``SHARD READY node=NAME pid=PID address=HOST:PORT``); the launcher waits for every node,
-and on exit (Ctrl-C, an error, the end of ``swarm run``) terminates every child by PID:
-SIGTERM, then SIGKILL after a grace period. No orphans.
+ready (``SHARD READY node=NAME pid=PID address=HOST:PORT``); the launcher waits for every node.
+
+Once the swarm is up the launcher supervises as the scheduler does: a stage or standby that
+exits is reported (``SHARD NODE EXITED node=NAME pid=PID code=CODE``, via ``on_exit``) and
+left to failover — the coordinator's scheduler splices a standby in its place — and the rest
+serve on. Only the coordinator's exit, or any exit before the swarm is up, ends the swarm
+(``SwarmError``): nothing can replace a coordinator.
+
+No child outlives the launcher. Each runs in a session of its own (so a terminal's Ctrl-C or
+hang-up reaches the launcher, which stops the nodes in order, not every node at once), and on
+every way out (cancellation, an error, the end of ``swarm run``) the launcher terminates each
+child's process group by PID: SIGTERM, then SIGKILL after a grace period. For the ways out it
+does not live through (SIGKILL, a crash) each child watches the launcher's PID and stops
+itself (``shard up --die-with-parent``, ``shard.nodes.lifeline``).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -28,11 +40,13 @@ from shard.transport.relay import DelayRelay
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "SHARD READY"
+EXITED_PREFIX = "SHARD NODE EXITED"
 _GRACE_S = 5.0
 
 
 class SwarmError(Exception):
-    """A node of the swarm failed to start or died."""
+    """The swarm did not come up (a node exited first, or was not ready in time), or its
+    coordinator died."""
 
 
 @attrs.frozen
@@ -41,7 +55,7 @@ class SwarmHandle:
 
     ``relay_of`` maps a node to the relay in front of its downstream edge (``sever`` cuts
     there); ``expect_exit(name)`` tells the launcher a node is about to be killed on purpose
-    (a scripted fault), so its exit does not end the swarm.
+    (a scripted fault), so its exit is reported as scripted.
     """
 
     spec: SwarmSpec
@@ -58,6 +72,56 @@ class SwarmHandle:
 def ready_line(node: str, address: str) -> str:
     """The line a node prints on stdout once it serves (parsed by ``launch``)."""
     return f"{READY_PREFIX} node={node} pid={os.getpid()} address={address}"
+
+
+@attrs.frozen
+class NodeExit:
+    """A stage or standby that exited while the swarm ran (``scripted``: by a ``[[faults]]``
+    entry); the swarm serves on, failover replacing it."""
+
+    node: str
+    pid: int
+    code: int  # negative: killed by that signal
+    scripted: bool = False
+
+    def line(self) -> str:
+        """The machine-readable form ``swarm up`` prints on stdout."""
+        return f"{EXITED_PREFIX} node={self.node} pid={self.pid} code={self.code}"
+
+
+@attrs.define
+class Supervisor:
+    """What a child's exit means: ``exited`` raises ``SwarmError`` when it ends the swarm
+    (before every node was ready, or the coordinator), else reports it to ``on_exit``."""
+
+    coordinator: str
+    expected: set[str]
+    on_exit: Callable[[NodeExit], None]
+    up: bool = False
+
+    def exited(self, name: str, pid: int, code: int) -> None:
+        if not self.up:
+            raise SwarmError(
+                f"node {name} (pid {pid}) exited with code {code} before the swarm was up; "
+                "see its log above"
+            )
+        if name == self.coordinator:
+            raise SwarmError(
+                f"coordinator {name} (pid {pid}) exited with code {code}; a swarm cannot "
+                "replace its coordinator, so every node is stopped; see its log above"
+            )
+        scripted = name in self.expected
+        if scripted:
+            log.info("node %s (pid %d) exited with code %d, as scripted", name, pid, code)
+        else:
+            log.warning(
+                "node %s (pid %d) exited with code %d; the swarm serves on if a standby "
+                "replaces it (docs/failover.md)",
+                name,
+                pid,
+                code,
+            )
+        self.on_exit(NodeExit(name, pid, code, scripted))
 
 
 def _parse_ready(line: str) -> dict[str, str] | None:
@@ -101,6 +165,7 @@ def _command(
 ) -> list[str]:
     cmd = [sys.executable, "-m", "shard", "up", "--role", role, "--spec", str(spec_path)]
     cmd += ["--node", node, "--model", str(model_dir), "--threads", str(threads)]
+    cmd += ["--die-with-parent", str(os.getpid())]
     if via is not None:
         cmd += ["--successor", via]
     return cmd
@@ -110,10 +175,10 @@ async def _watch(
     name: str,
     proc: trio.Process,
     ready: trio.MemorySendChannel[dict[str, str]],
-    expected: set[str],
+    supervisor: Supervisor,
 ) -> None:
-    """Read a child's stdout for its READY line, then keep draining; a child that exits
-    while the swarm runs is an error, unless a scripted fault killed it (``expected``)."""
+    """Read a child's stdout for its READY line, then keep draining; when the child exits,
+    ``supervisor`` decides whether that ends the swarm."""
     assert proc.stdout is not None
     buffer = b""
     async with ready:
@@ -124,26 +189,32 @@ async def _watch(
                 fields = _parse_ready(raw.decode(errors="replace").strip())
                 if fields is not None:
                     await ready.send(fields)
-    code = await proc.wait()
-    if name in expected:
-        log.info("node %s (pid %d) exited with code %d, as scripted", name, proc.pid, code)
-        return
-    raise SwarmError(f"node {name} (pid {proc.pid}) exited with code {code}; see its log above")
+    supervisor.exited(name, proc.pid, await proc.wait())
+
+
+def _signal_group(proc: trio.Process, sig: signal.Signals) -> None:
+    """``sig`` to the child's process group (its PID: it leads its own session), while the
+    child is unreaped, so that PID cannot belong to anyone else yet."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # exited since; reaped below
+            pass
 
 
 async def _terminate(procs: list[trio.Process]) -> None:
-    """SIGTERM every child, wait up to the grace period, SIGKILL what is left."""
+    """SIGTERM every child (and SIGCONT, for one a ``stall`` fault stopped), wait up to the
+    grace period, SIGKILL what is left."""
     with trio.CancelScope(shield=True):
         for proc in procs:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM)
+            _signal_group(proc, signal.SIGCONT)
         with trio.move_on_after(_GRACE_S):
             for proc in procs:
                 await proc.wait()
         for proc in procs:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+            _signal_group(proc, signal.SIGKILL)
+            await proc.wait()
 
 
 async def launch(
@@ -153,20 +224,25 @@ async def launch(
     model_dir: Path,
     startup_timeout_s: float = 180.0,
     stderr: int | IO[bytes] | None = None,
+    on_exit: Callable[[NodeExit], None] = lambda exit: None,
     task_status: trio.TaskStatus[SwarmHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start every node of ``spec`` and keep them running until cancelled.
+    """Start every node of ``spec`` and keep them running until cancelled; a stage or standby
+    that exits once the swarm is up is passed to ``on_exit`` and left to failover.
 
     The children's stderr is ours unless ``stderr`` (a file, ``subprocess.DEVNULL``) is given:
     ``swarm up --monitor`` sends it to a log file, away from the monitor's screen.
 
-    Errors: ``SwarmError`` when a node exits or the swarm is not ready in time.
+    Cancellation: stops every child (``_terminate``), shielded, before returning.
+
+    Errors: ``SwarmError`` when a node exits before the swarm is up, the coordinator exits, or
+    the swarm is not ready in time.
     """
     procs: list[trio.Process] = []
+    supervisor = Supervisor(spec.coordinator.name, set(), on_exit)
     try:
         async with trio.open_nursery() as nursery:
             overrides, relays, relay_of = await _start_relays(spec, nursery)
-            expected: set[str] = set()
             ready_send, ready_recv = trio.open_memory_channel[dict[str, str]](0)
             nodes = [(s.name, "stage") for s in spec.stages]
             nodes.append((spec.coordinator.name, "coordinator"))
@@ -178,21 +254,33 @@ async def launch(
                 for name, role in nodes:
                     cmd = _command(spec_path, name, role, model_dir, overrides.get(name), threads)
                     proc = await trio.lowlevel.open_process(
-                        cmd, stdout=subprocess.PIPE, stderr=stderr
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=stderr,
+                        start_new_session=True,
                     )
                     procs.append(proc)
-                    nursery.start_soon(_watch, name, proc, ready_send.clone(), expected)
-            seen: dict[str, dict[str, str]] = {}
-            with trio.move_on_after(startup_timeout_s) as waited:
-                async for fields in ready_recv:
-                    seen[fields["node"]] = fields
-                    if len(seen) == len(nodes):
-                        break
-            if waited.cancelled_caught:
-                missing = sorted({n for n, _ in nodes} - seen.keys())
-                raise SwarmError(f"nodes not ready after {startup_timeout_s:g} s: {missing}")
+                    nursery.start_soon(_watch, name, proc, ready_send.clone(), supervisor)
+            seen = await _wait_ready(ready_recv, [n for n, _ in nodes], startup_timeout_s)
+            supervisor.up = True
             pids = {name: int(f["pid"]) for name, f in seen.items()}
             address = seen[spec.coordinator.name]["address"]
-            task_status.started(SwarmHandle(spec, address, pids, relays, relay_of, expected))
+            handle = SwarmHandle(spec, address, pids, relays, relay_of, supervisor.expected)
+            task_status.started(handle)
     finally:
         await _terminate(procs)
+
+
+async def _wait_ready(
+    ready: trio.MemoryReceiveChannel[dict[str, str]], nodes: list[str], timeout_s: float
+) -> dict[str, dict[str, str]]:
+    """Every node's READY fields, by node. Errors: ``SwarmError`` after ``timeout_s``."""
+    seen: dict[str, dict[str, str]] = {}
+    with trio.move_on_after(timeout_s):
+        async for fields in ready:
+            seen[fields["node"]] = fields
+            if len(seen) == len(nodes):
+                return seen
+    missing = sorted(set(nodes) - seen.keys())
+    raise SwarmError(f"nodes not ready after {timeout_s:g} s: {missing}")

@@ -46,4 +46,6 @@ def from_wire(w: WireTensor) -> torch.Tensor:
     if w.nbytes == 0:
         return torch.empty(w.shape, dtype=dtype)
     buf = bytearray(w.data)  # writable copy: torch.frombuffer warns on read-only buffers
-    return torch.frombuffer(buf, dtype=dtype).reshape(w.shape)
+    # Cloned into torch's own 64-byte aligned memory: CPU matmul kernels sum in an order that
+    # depends on their operands' alignment, and a bytearray's is the allocator's whim.
+    return torch.frombuffer(buf, dtype=dtype).reshape(w.shape).clone()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 
 import attrs
@@ -178,7 +179,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def relay_main(argv: list[str] | None = None) -> int:
-    """``shard relay``: run one ``DelayRelay`` until Ctrl-C; 0 on Ctrl-C, 1 on a bind error.
+    """``shard relay``: run one ``DelayRelay`` until Ctrl-C, SIGTERM or SIGHUP (then 0); 1 on a
+    bind error.
 
     Prints one status line once listening:
     ``relay listening=HOST:PORT target=HOST:PORT latency_ms=X bandwidth_mbps=Y``.
@@ -196,13 +198,20 @@ def relay_main(argv: list[str] | None = None) -> int:
         return 2
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(relay.run)
-            print(
-                f"relay listening={bound} target={args.target} latency_ms={args.latency_ms:g}"
-                f" bandwidth_mbps={args.bandwidth_mbps:g}",
-                flush=True,
-            )
+        # SIGINT too when started in the background (`shard relay ... &` ignores it): a
+        # signal sent on purpose is a request to stop, whatever the shell decided for Ctrl-C.
+        stop = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        with trio.open_signal_receiver(*stop) as signals:
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(relay.run)
+                print(
+                    f"relay listening={bound} target={args.target} "
+                    f"latency_ms={args.latency_ms:g} bandwidth_mbps={args.bandwidth_mbps:g}",
+                    flush=True,
+                )
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
 
     status = 0
     try:

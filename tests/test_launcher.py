@@ -1,0 +1,132 @@
+"""The launcher's supervision (what a node's exit means), its child command line, and the
+lifeline that stops a node when its launcher dies (``shard.nodes.lifeline``).
+
+The lifeline tests run small Python processes, no torch; every one is killed by PID on the
+way out (``tests/procs.py``), and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from procs import LineReader, alive, orphans, run_python, run_shard, started_python, wait_gone
+from shard.nodes.launcher import (
+    EXITED_PREFIX,
+    NodeExit,
+    Supervisor,
+    SwarmError,
+    _command,
+)
+
+
+def _supervisor() -> tuple[Supervisor, list[NodeExit]]:
+    seen: list[NodeExit] = []
+    return Supervisor("coord", set(), seen.append), seen
+
+
+def test_an_exit_before_the_swarm_is_up_ends_it() -> None:
+    """A node that exits while the swarm starts is a failed start, naming the node."""
+    supervisor, seen = _supervisor()
+    with pytest.raises(SwarmError, match=r"node s1 \(pid 42\) exited with code 1 before"):
+        supervisor.exited("s1", 42, 1)
+    assert seen == []
+
+
+def test_a_stage_that_dies_once_up_is_reported_and_left_to_failover() -> None:
+    """Up, a stage's or standby's exit is reported (no error): the swarm serves on."""
+    supervisor, seen = _supervisor()
+    supervisor.up = True
+    supervisor.exited("s1", 42, -9)
+    supervisor.exited("spare", 43, 0)
+    assert seen == [NodeExit("s1", 42, -9), NodeExit("spare", 43, 0)]
+
+
+def test_a_scripted_death_is_marked_as_such() -> None:
+    """A node a [[faults]] entry kills (``expect_exit``) is reported as scripted."""
+    supervisor, seen = _supervisor()
+    supervisor.up = True
+    supervisor.expected.add("s1")
+    supervisor.exited("s1", 42, -9)
+    assert seen == [NodeExit("s1", 42, -9, scripted=True)]
+
+
+def test_the_coordinators_death_ends_the_swarm() -> None:
+    """Nothing replaces a coordinator: its exit stops the swarm, and says so."""
+    supervisor, seen = _supervisor()
+    supervisor.up = True
+    with pytest.raises(SwarmError, match=r"coordinator coord \(pid 7\) exited .* cannot replace"):
+        supervisor.exited("coord", 7, -9)
+    assert seen == []
+
+
+def test_exit_line_is_machine_readable() -> None:
+    """``SHARD NODE EXITED node= pid= code=``: the fields parse back."""
+    line = NodeExit("s1", 42, -9).line()
+    assert line.startswith(EXITED_PREFIX)
+    fields = dict(part.split("=", 1) for part in line[len(EXITED_PREFIX) :].split())
+    assert fields == {"node": "s1", "pid": "42", "code": "-9"}
+
+
+def test_every_node_is_told_to_die_with_the_launcher() -> None:
+    """Each child's command line names this process as the parent it dies with."""
+    cmd = _command(Path("s.toml"), "s0", "stage", Path("m"), None, 1)
+    i = cmd.index("--die-with-parent")
+    assert cmd[i + 1] == str(os.getpid())
+
+
+#: A node stand-in: dies with the parent named in argv[1], prints its PID, then waits forever.
+_NODE = """
+import os, signal, sys
+from shard.nodes.lifeline import die_with_parent
+die_with_parent(int(sys.argv[1]), "n")
+print(os.getpid(), flush=True)
+signal.pause()
+"""
+#: A launcher stand-in: starts a _NODE from a short-lived thread (as Trio does), prints the
+#: node's PID, then waits forever.
+_PARENT = """
+import os, signal, subprocess, sys, threading
+started = []
+def spawn():
+    started.append(subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())]))
+thread = threading.Thread(target=spawn)
+thread.start()
+thread.join()  # the forking thread is gone: a PR_SET_PDEATHSIG node would die here
+print(started[0].pid, flush=True)
+signal.pause()
+"""
+
+
+async def test_a_node_outlives_its_forking_thread_but_not_its_launcher() -> None:
+    """A node started from a thread that then ends runs on; SIGKILL its launcher and the
+    node stops too, within seconds, without anyone signalling it."""
+    async with started_python(_PARENT, _NODE) as parent:
+        with trio.fail_after(30):
+            node = int(await LineReader(parent.stdout).line_starting(""))
+        assert alive(node)
+        os.kill(parent.pid, signal.SIGKILL)
+        assert await wait_gone([node], timeout_s=30) == []
+    assert orphans() == []
+
+
+async def test_a_node_whose_launcher_is_already_gone_stops_at_once() -> None:
+    """``die_with_parent`` of a PID that is not this process's parent stops it at once."""
+    done = await run_python(_NODE, "1", timeout_s=30)
+    assert done.returncode == -signal.SIGKILL, done.describe()
+    assert "launcher (pid 1) exited; stopping" in done.stderr
+    assert done.stdout == ""
+
+
+async def test_shard_up_dies_with_parent_before_reading_its_spec(tmp_path: Path) -> None:
+    """``shard up --die-with-parent PID`` acts first: with its parent gone it stops, even
+    with a spec that does not exist."""
+    missing = tmp_path / "none.toml"
+    args = ("up", "--role", "stage", "--spec", str(missing), "--die-with-parent", "1")
+    done = await run_shard(*args, timeout_s=60)
+    assert done.returncode == -signal.SIGKILL, done.describe()
+    assert "launcher (pid 1) exited; stopping" in done.stderr
