@@ -42,6 +42,7 @@ from shard.messages import (
     Rewire,
 )
 from shard.transport import Connection, TransportError, abandon
+from shard.transport.guard import CONNECTION_ERRORS, ProtocolViolation
 
 log = logging.getLogger(__name__)
 
@@ -235,15 +236,15 @@ class Scheduler:
                         msg = await conn.receive()
                         member.last_seen = self._clock()
                         if isinstance(msg, Ready):
-                            await replies_send.send(msg)
+                            _forward_reply(replies_send, msg, member.node)
                         elif isinstance(msg, Fault):
                             self._hooks.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
                             if msg.kind == "link":
                                 await self.link_fault(member.node)
                         elif not isinstance(msg, Heartbeat):
                             log.warning("scheduler: unexpected %s from %s", msg, member.node)
-                except TransportError as exc:
-                    reason = f"control link closed: {exc}"
+                except CONNECTION_ERRORS as exc:  # that link's failure, not this node's
+                    reason = f"control link closed: {type(exc).__name__}: {exc}"
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
@@ -470,6 +471,17 @@ class Scheduler:
 
 class _RecoveryFailed(Exception):
     pass
+
+
+def _forward_reply(replies: trio.MemorySendChannel[Ready], reply: Ready, node: NodeName) -> None:
+    """Hand a member's ``Ready`` to the order waiting for it; replies come one per order, so
+    a full buffer means the member sent replies nobody asked for.
+
+    Errors: ``ProtocolViolation`` then (its control link is closed)."""
+    try:
+        replies.send_nowait(reply)
+    except trio.WouldBlock:
+        raise ProtocolViolation(f"{node} sent a Ready that no order asked for") from None
 
 
 __all__ = ["FailoverPolicy", "Recovery", "RingHooks", "Scheduler", "SchedulerStatistics", "Slot"]

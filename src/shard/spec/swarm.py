@@ -188,6 +188,9 @@ class Limits:
     connect_timeout_s: float = 10.0
     verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
     retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
+    idle_timeout_s: float = 300.0  # a client with no request running this long is cut
+    message_timeout_s: float = 30.0  # a client or monitor must take each message within this
+    max_peer_connections: int = 64  # connections a node holds open per remote host
 
 
 _LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
@@ -450,6 +453,11 @@ def _read_limits(table: Table) -> Limits:
             "verdict_timeout_s", default=d.verdict_timeout_s, positive=True
         ),
         retry_after_s=table.number("retry_after_s", default=d.retry_after_s, positive=True),
+        idle_timeout_s=table.number("idle_timeout_s", default=d.idle_timeout_s, positive=True),
+        message_timeout_s=table.number(
+            "message_timeout_s", default=d.message_timeout_s, positive=True
+        ),
+        max_peer_connections=table.integer("max_peer_connections", default=d.max_peer_connections),
     )
     if limits.prefill_chunk > limits.max_len:
         raise table.error(

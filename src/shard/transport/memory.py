@@ -20,8 +20,8 @@ from shard.transport.base import (
     Counters,
     Handler,
     TransportError,
-    run_handler,
 )
+from shard.transport.guard import serve_one
 from shard.wire import WireError, WireLimits, decode, encode
 
 #: Frames one direction buffers before ``send`` blocks. A socket buffers too: with a
@@ -146,8 +146,8 @@ class MemoryNetwork:
         """Serve ``address`` until cancelled, running ``handler`` once per connection.
 
         Cancellation: stops accepting, cancels the handlers and closes their connections.
-        Errors: a handler's ``WireError``/``TransportError`` ends only its connection (logged);
-        any other exception propagates and ends the server.
+        Errors: a handler's connection errors end only its connection (logged:
+        ``shard.transport.guard.serve_one``); any other exception propagates and ends the server.
         """
         if address in self._listeners:
             raise TransportError(f"{address}: address already in use on this memory network")
@@ -157,7 +157,7 @@ class MemoryNetwork:
             async with accept_recv, trio.open_nursery() as nursery:
                 task_status.started(address)
                 async for conn in accept_recv:
-                    nursery.start_soon(run_handler, handler, conn)
+                    nursery.start_soon(serve_one, conn, handler)
         finally:
             del self._listeners[address]
             accept_send.close()
