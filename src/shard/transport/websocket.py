@@ -177,6 +177,14 @@ def max_message_size(limits: WireLimits) -> int:
     return limits.max_frame_bytes + SEAL_OVERHEAD_BYTES
 
 
+def _why(failure: BaseException) -> str:
+    """A failed dial's reason; a refused upgrade says the server's reason (its HTTP body)."""
+    if isinstance(failure, trio_websocket.ConnectionRejected):
+        body = (failure.body or b"").decode(errors="replace")[:300]
+        return f"refused (HTTP {failure.status_code}: {body})"
+    return repr(failure)
+
+
 def _describe(exc: trio_websocket.ConnectionClosed) -> str:
     reason = exc.reason
     if reason is None:
@@ -269,7 +277,7 @@ class WebSocketNetwork:
         if failure is None:
             return
         if not opened:
-            raise TransportError(f"{address}: could not connect: {failure!r}") from failure
+            raise TransportError(f"{address}: could not connect: {_why(failure)}") from failure
         log.debug("connection to %s ended: %r", address, failure)
 
     async def _client(
