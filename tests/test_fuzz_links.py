@@ -70,12 +70,12 @@ SEED = 1_300_013
 FRAMES_PER_KIND = 10_000
 KINDS = ("client", "control", "monitor", "return", "ring")
 WORKERS_PER_KIND = 5
-PRE_HELLO = 0.3  # share of connections whose first frame is hostile
+PRE_HELLO = 0.5  # share of connections whose first frame is hostile
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
 MAX_LEN = 256
 RUN_S = 150.0
-STEP_S = 15.0  # bound on one fuzz connection's exchange
+STEP_S = 60.0  # bound on one fuzz connection's exchange (a busy node drains its queue first)
 LIMITS = {"max_len": MAX_LEN, "connect_timeout_s": 5.0, "max_peer_connections": 512}
 SWARM = "fuzz-links"
 
@@ -106,6 +106,10 @@ class Peer:
 
 def plain_spec(path: Path, model_dir: Path) -> Path:
     write_spec(path, model_dir=model_dir, blocks=[(0, 2), (2, 4)], name=SWARM, limits=LIMITS)
+    # A flood can starve a node's heartbeats on a small machine; this test is about exits
+    # and outputs, not about how fast a silent node is declared dead.
+    with path.open("a", encoding="utf-8") as spec:
+        spec.write("\n[failover]\nheartbeat_s = 0.5\ndead_after_s = 30.0\n")
     return path
 
 
@@ -244,19 +248,19 @@ class Link:
             await self.ws.send_message(frame)
             return False
         r = rng.random()
-        if r < 0.96 or not self.sent:
+        if r < 0.985 or not self.sent:
             record = self.sealer.seal(frame)
             self.sent.append(record)
             await self.ws.send_message(record)
             return False
-        if r < 0.97:
+        if r < 0.99:
             record = bytearray(self.sealer.seal(frame))
             record[rng.randrange(len(record))] ^= 1 << rng.randrange(8)  # a flipped bit
-        elif r < 0.98:
+        elif r < 0.993:
             record = bytearray(rng.choice(self.sent))  # a replay
-        elif r < 0.99 and self.received:
+        elif r < 0.996 and self.received:
             record = bytearray(rng.choice(self.received))  # a reflection
-        elif r < 0.995:
+        elif r < 0.998:
             first, second = self.sealer.seal(frame), self.sealer.seal(frame)
             await self.ws.send_message(second)  # reordered
             record = bytearray(first)
@@ -356,7 +360,7 @@ async def fuzz_connection(spec: SwarmSpec, target: Target, frames: Frames, tally
         if kind == "control" and rng.random() < 0.7:
             node = target.hello.node
             await link.frame(encode(Register(node, "standby", "127.0.0.1:9", -1, -1)), rng)
-        for _ in range(rng.randint(5, 60)):
+        for _ in range(rng.randint(10, 100)):
             bad = await link.frame(kept(frames, kind), rng)
             tally.frames[kind] += 1
             if bad:
