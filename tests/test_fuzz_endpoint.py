@@ -100,6 +100,9 @@ def ring_spec(model_dir: Path) -> SwarmSpec:
         {
             "swarm": {"name": SWARM, "model": str(model_dir), "insecure": True},
             "limits": {"max_len": MAX_LEN, "max_sessions": 16, "connect_timeout_s": 5.0},
+            # The storm can starve a stage's heartbeats on a busy machine; this test is about
+            # hostile frames, not about how soon a silent stage is declared dead.
+            "failover": {"heartbeat_s": 0.5, "dead_after_s": 30.0},
             "coordinator": {"name": "coord", "listen": f"{LOOPBACK}:{coord}"},
             "stage": [
                 {"name": "s0", "listen": f"{LOOPBACK}:{s0}", "layers": [0, 2]},
