@@ -36,6 +36,15 @@ def smollm2_dir() -> Path:
     return converted()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-seed",
+        type=int,
+        default=None,
+        help="seed of the live fuzz tests (test_fuzz_links); default: their fixed SEED",
+    )
+
+
 _MEASURED: list[str] = []
 
 

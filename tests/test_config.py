@@ -160,6 +160,9 @@ def test_limits_read_every_key() -> None:
         "handshake_timeout_s": 2.5,
         "max_resyncs": 0,
         "receipt_timeout_s": 30,
+        "idle_timeout_s": 60,
+        "message_timeout_s": 7.5,
+        "max_peer_connections": 8,
     }
     limits = _load(_data(limits=given)).limits
     assert attrs.asdict(limits) == given
@@ -419,6 +422,10 @@ def test_missing_required_key(path: tuple[Any, ...], key: str) -> None:
         ("limits", "receipt_timeout_s", -1.0, "limits.receipt_timeout_s", "> 0"),
         ("limits", "max_resyncs", -1, "limits.max_resyncs", "must be >= 0"),
         ("limits", "max_resyncs", 2.5, "limits.max_resyncs", "expected an integer, got float"),
+        ("limits", "idle_timeout_s", 0, "limits.idle_timeout_s", "> 0"),
+        ("limits", "message_timeout_s", -1.0, "limits.message_timeout_s", "> 0"),
+        ("limits", "max_peer_connections", 0, "limits.max_peer_connections", "must be >= 1"),
+        ("limits", "max_peer_connections", 2.5, "limits.max_peer_connections", "got float"),
         ("links", "latency_ms", "25", "links.latency_ms", "expected a number, got string"),
         ("links", "edge", {"from": "s0"}, "links.edge", "array of tables"),
     ],

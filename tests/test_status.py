@@ -321,3 +321,57 @@ async def test_watcher_reports_wrong_swarm() -> None:
                     break
             assert "swarm 'other' is not this swarm ('t')" in event.reason
             n.cancel_scope.cancel()
+
+
+class _Scripted:
+    """A monitor's connection: it sends ``script`` (an exception: its malformed frame), then
+    nothing; with ``reading=False`` it never takes a snapshot."""
+
+    def __init__(self, script: list[Any], *, reading: bool = True) -> None:
+        self._script = list(script)
+        self.reading = reading
+        self.closed = False
+        self.sent = 0
+
+    @property
+    def peer(self) -> str:
+        return "10.0.0.9:4242"
+
+    async def send(self, msg: Any) -> None:
+        if not self.reading:
+            await trio.sleep_forever()
+        self.sent += 1
+
+    async def receive(self) -> Any:
+        if not self._script:
+            await trio.sleep_forever()
+        item = self._script.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_monitor_link_failures_end_only_that_link(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A monitor's malformed frame ends its link (the error reaches the link's guard, not
+    the node); a monitor that stops reading is cut after the feed's send deadline."""
+    from shard.transport.guard import serve_one
+    from shard.wire import WireError
+
+    feed = StatusFeed(FakeSource(), swarm="t", ring=RING, interval_s=0.25, send_timeout_s=4.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(feed.run)
+        hostile = _Scripted([StatusReset(NodeName("m")), WireError("header: unknown tag")])
+        await serve_one(hostile, feed.serve, what="monitor link")
+        assert hostile.closed and hostile.sent >= 1
+        stuck = _Scripted([], reading=False)
+        began = trio.current_time()
+        await serve_one(stuck, feed.serve, what="monitor link")
+        assert stuck.closed
+        assert trio.current_time() - began == 4.0
+        assert feed.statistics().monitors == 0
+        nursery.cancel_scope.cancel()

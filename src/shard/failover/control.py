@@ -35,6 +35,7 @@ from shard.messages import (
     Rewire,
 )
 from shard.transport import Connection, Network, TransportError, abandon
+from shard.transport.guard import CONNECTION_ERRORS
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ class ControlClient:
                     return msg.detail
                 elif not isinstance(msg, Heartbeat):
                     log.warning("%s: unexpected %s on the control link", self._node, msg)
-        except TransportError as exc:
+        except CONNECTION_ERRORS as exc:  # a corrupt frame too: re-dial, never exit
             log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
         return None
 

@@ -45,6 +45,7 @@ from shard.messages import (
 )
 from shard.spec.failover import FailoverSpec
 from shard.transport import Connection, TransportError, abandon
+from shard.transport.guard import CONNECTION_ERRORS, ProtocolViolation
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class Scheduler:
                         msg = await conn.receive()
                         member.last_seen = self._clock()
                         if isinstance(msg, Ready):
-                            await replies_send.send(msg)
+                            _forward_reply(replies_send, msg, member.node)
                         elif isinstance(msg, ProbeReply):
                             member.rtt.on_reply(msg)
                         elif isinstance(msg, Fault):
@@ -251,8 +252,8 @@ class Scheduler:
                                 await self.link_fault(member.node)
                         elif not isinstance(msg, Heartbeat):
                             log.warning("scheduler: unexpected %s from %s", msg, member.node)
-                except TransportError as exc:
-                    reason = f"control link closed: {exc}"
+                except CONNECTION_ERRORS as exc:  # that link's failure, not this node's
+                    reason = f"control link closed: {type(exc).__name__}: {exc}"
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
@@ -479,6 +480,17 @@ class Scheduler:
 
 class _RecoveryFailed(Exception):
     pass
+
+
+def _forward_reply(replies: trio.MemorySendChannel[Ready], reply: Ready, node: NodeName) -> None:
+    """Hand a member's ``Ready`` to the order waiting for it; replies come one per order, so
+    a full buffer means the member sent replies nobody asked for.
+
+    Errors: ``ProtocolViolation`` then (its control link is closed)."""
+    try:
+        replies.send_nowait(reply)
+    except trio.WouldBlock:
+        raise ProtocolViolation(f"{node} sent a Ready that no order asked for") from None
 
 
 __all__ = ["Recovery", "RingHooks", "Scheduler", "SchedulerStatistics", "Slot"]

@@ -18,6 +18,7 @@ import json
 import logging
 import secrets
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -51,10 +52,12 @@ from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.status import StatusFeed
+from shard.spec.limits import Limits
 from shard.spec.nodes import CoordinatorSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
-from shard.transport import Connection, Network, TransportError
+from shard.transport import Connection, ConnectionClosed, Network, TransportError
+from shard.transport.guard import IdleDeadline, PeerTooSlow, send_within, serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
 from shard.trust.receipts import RunSigner
@@ -198,6 +201,7 @@ async def run_coordinator(
         swarm=spec.name,
         ring=scheduler.ring,
         standbys=scheduler.standbys,
+        send_timeout_s=spec.limits.message_timeout_s,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     tail_joined = trio.Event()
@@ -209,16 +213,16 @@ async def run_coordinator(
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
+        # Each link's errors end that link only (shard.transport.guard), never this node.
         if hello.link == "control" and hello.role == "stage":
-            await scheduler.serve(conn, hello)
+            await serve_one(conn, partial(scheduler.serve, hello=hello), what="control link")
             return
         if hello.role == "client":
-            await _serve_client(coordinator, tokenizer, conn)
+            serve = partial(_serve_client, coordinator, tokenizer, limits=spec.limits)
+            await serve_one(conn, serve, what="client link", node=name)
             return
-        if (
-            hello.role == "monitor"
-        ):  # the status feed (shard.observe.status): read-only but for reset
-            await feed.serve(conn)
+        if hello.role == "monitor":  # the status feed (shard.observe.status): reads, may reset
+            await serve_one(conn, feed.serve, what="monitor link", node=name)
             return
         tail = scheduler.tail()
         if hello.role != "stage" or hello.node != tail:
@@ -234,7 +238,8 @@ async def run_coordinator(
         coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
         return_links += 1
         try:
-            await pump_in(name, conn, from_ring_send.clone())
+            pump = partial(pump_in, name, sink=from_ring_send.clone())
+            await serve_one(conn, pump, what="return link")
         finally:
             return_links -= 1
 
@@ -250,11 +255,18 @@ async def run_coordinator(
         task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler))
 
 
-async def _serve_client(coordinator: Coordinator, tokenizer: Tokenizer, conn: Connection) -> None:
+async def _serve_client(
+    coordinator: Coordinator, tokenizer: Tokenizer, conn: Connection, *, limits: Limits
+) -> None:
     """Serve one client connection: each ``GenerateRequest`` runs as its own task; replies
     go through one writer so concurrent requests never interleave inside a frame. When the
-    client goes away its requests are cancelled (their sessions end on the ring)."""
+    client goes away its requests are cancelled (their sessions end on the ring).
+
+    Errors: ``PeerTooSlow`` when the client runs no request for ``limits.idle_timeout_s`` or
+    does not take a reply within ``limits.message_timeout_s``; a malformed frame's
+    ``WireError`` (``serve_one`` ends the connection either way)."""
     out_send, out_recv = trio.open_memory_channel[Message](0)
+    idle = IdleDeadline(limits.idle_timeout_s)
 
     async with trio.open_nursery() as nursery:
 
@@ -262,27 +274,39 @@ async def _serve_client(coordinator: Coordinator, tokenizer: Tokenizer, conn: Co
             try:
                 async with out_recv:
                     async for msg in out_recv:
-                        await conn.send(msg)
+                        await send_within(conn, msg, limits.message_timeout_s, what="client")
+            except PeerTooSlow:
+                raise
             except TransportError:
                 log.info("client %s went away", conn.peer)
                 nursery.cancel_scope.cancel()
 
         async def serve(request: GenerateRequest, emit: trio.MemorySendChannel[Message]) -> None:
-            async with emit:
-                await complete(coordinator, tokenizer, request, emit.send)
+            try:
+                async with emit:
+                    await complete(coordinator, tokenizer, request, emit.send)
+            finally:
+                idle.end()
 
         nursery.start_soon(writer)
         async with out_send:
-            while True:
-                try:
-                    msg = await conn.receive()
-                except TransportError:
-                    log.info("client %s closed its connection", conn.peer)
-                    break
-                if isinstance(msg, GenerateRequest):
-                    nursery.start_soon(serve, msg, out_send.clone())
-                else:
-                    log.warning("client %s sent %s; ignored", conn.peer, type(msg).__name__)
+            with idle.scope:
+                while True:
+                    try:
+                        msg = await conn.receive()
+                    except ConnectionClosed:
+                        log.info("client %s closed its connection", conn.peer)
+                        break
+                    if isinstance(msg, GenerateRequest):
+                        idle.begin()
+                        nursery.start_soon(serve, msg, out_send.clone())
+                    else:
+                        log.warning("client %s sent %s; ignored", conn.peer, type(msg).__name__)
+            if idle.fired:
+                raise PeerTooSlow(
+                    f"client {conn.peer} ran no request for {idle.idle_s:g} s "
+                    "(limits.idle_timeout_s)"
+                )
 
 
 __all__ = [

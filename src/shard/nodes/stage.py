@@ -15,6 +15,7 @@ stage 0 succeeds, the ring is connected end to end.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -34,6 +35,7 @@ from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
 from shard.transport import Connection, Network
+from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
 from shard.trust.device import device_identity
@@ -178,7 +180,8 @@ class _StageNode:
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
-        await pump_in(self.name, conn, self.inbox.clone())
+        pump = partial(pump_in, self.name, sink=self.inbox.clone())
+        await serve_one(conn, pump, what="ring link")  # its errors end it, not this node
 
     async def supervise(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -33,8 +33,8 @@ from shard.messages import (
     StatusReset,
     StatusSnapshot,
 )
-from shard.transport import Connection, TransportError
-from shard.wire import WireError
+from shard.transport import Connection, ConnectionClosed
+from shard.transport.guard import send_within
 
 if TYPE_CHECKING:
     from shard.coordinator.router import CoordinatorStatistics
@@ -167,15 +167,19 @@ class StatusFeed:
         standbys: Callable[[], Sequence[NodeName]] = tuple,
         interval_s: float = DEFAULT_INTERVAL_S,
         wall_clock: Callable[[], float] = time.time,
+        send_timeout_s: float = 30.0,
     ) -> None:
         """``ring`` (or a function giving it: the ring changes when a standby is spliced in)
-        runs from the coordinator to the tail; ``standbys`` gives the standbys waiting."""
+        runs from the coordinator to the tail; ``standbys`` gives the standbys waiting. A
+        monitor that does not take a snapshot within ``send_timeout_s`` is cut (it stopped
+        reading: ``limits.message_timeout_s``)."""
         self._source = source
         self._swarm = swarm
         fixed = () if callable(ring) else tuple(ring)
         self._ring: Callable[[], Sequence[NodeName]] = ring if callable(ring) else lambda: fixed
         self._standbys = standbys
         self._interval_s = interval_s
+        self._send_timeout_s = send_timeout_s
         self._wall_clock = wall_clock
         self._started = wall_clock()
         self._seq = 0
@@ -215,7 +219,11 @@ class StatusFeed:
             await trio.sleep(self._interval_s)
 
     async def serve(self, conn: Connection) -> None:
-        """Feed one monitor until it goes away (after its handshake, done by the caller)."""
+        """Feed one monitor until it goes away (after its handshake, done by the caller).
+
+        Errors: what ends this monitor's connection — a malformed frame (``WireError``), a
+        monitor too slow to read (``PeerTooSlow``) — propagates, for the caller's
+        ``shard.transport.guard.serve_one``; an ordinary close returns."""
         self._monitors += 1
         self._wanted.set()
         try:
@@ -238,8 +246,8 @@ class StatusFeed:
                 await changed.wait()
                 continue
             try:
-                await conn.send(latest)
-            except TransportError as exc:
+                await send_within(conn, latest, self._send_timeout_s, what="monitor")
+            except ConnectionClosed as exc:
                 log.info("monitor %s went away: %s", conn.peer, exc)
                 return
             sent = latest.seq
@@ -257,6 +265,6 @@ class StatusFeed:
                     self._publish()
                 else:
                     log.warning("monitor %s sent %s; ignored", conn.peer, type(msg).__name__)
-        except (TransportError, WireError) as exc:
+        except ConnectionClosed as exc:
             log.info("monitor %s: %s", conn.peer, exc)
         done.cancel()

@@ -12,6 +12,9 @@ verdict_timeout_s = 60.0   # a ring silent this long fails the request
 retry_after_s = 10.0       # no verdict this long (no repair under way): re-send the chunk
 max_resyncs = 8            # re-sends one request may need before it fails
 receipt_timeout_s = 10.0   # gathering the stages' signed receipts after a request
+idle_timeout_s = 300.0     # a client with no request running this long is cut
+message_timeout_s = 30.0   # a client or monitor must take each message within this
+max_peer_connections = 64  # connections a node holds open per remote host
 ```
 
 ``Limits`` is what the actors take: the coordinator and each request's driver read it as is
@@ -41,6 +44,9 @@ class Limits:
     handshake_timeout_s: float = 10.0  # Hello -> Welcome on every new connection
     max_resyncs: int = 8  # re-sends one request may need (repaired ring, lost frames)
     receipt_timeout_s: float = 10.0  # the stages' receipts, after the last verdict
+    idle_timeout_s: float = 300.0  # a client with no request running this long is cut
+    message_timeout_s: float = 30.0  # a client or monitor must take each message within this
+    max_peer_connections: int = 64  # connections a node holds open per remote host
 
 
 LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
@@ -64,6 +70,9 @@ def read_limits(table: Table) -> Limits:
         handshake_timeout_s=seconds("handshake_timeout_s", d.handshake_timeout_s),
         max_resyncs=table.integer("max_resyncs", default=d.max_resyncs, minimum=0),
         receipt_timeout_s=seconds("receipt_timeout_s", d.receipt_timeout_s),
+        idle_timeout_s=seconds("idle_timeout_s", d.idle_timeout_s),
+        message_timeout_s=seconds("message_timeout_s", d.message_timeout_s),
+        max_peer_connections=table.integer("max_peer_connections", default=d.max_peer_connections),
     )
     if limits.prefill_chunk > limits.max_len:
         raise table.error(

@@ -4,6 +4,8 @@ One interface, three implementations, one relay::
 
     base.py        Connection and Network (the interface), TransportError, ConnectionClosed;
                    NetworkBase / HostedNetwork, the `async with network:` lifecycle they share
+    guard.py       serve_one: a connection's errors end that connection, never the node;
+                   the idle and per-message deadlines applied to peers
     memory.py      MemoryNetwork: peers in one process over memory channels (optionally
                    passing every message through the wire codec)
     websocket.py   WebSocketNetwork: peers in other processes; sealed wire frames over

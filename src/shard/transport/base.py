@@ -20,7 +20,6 @@ import attrs
 import trio
 
 from shard.messages import Message
-from shard.wire import WireError
 
 log = logging.getLogger("shard.transport")
 
@@ -177,24 +176,6 @@ def _why(host: str, port: int, exc: OSError) -> str:
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve host {host!r} ({exc.strerror})"
     return exc.strerror or str(exc)
-
-
-async def run_handler(handler: Handler, conn: Connection) -> None:
-    """Run a ``serve`` handler for one connection, then close the connection.
-
-    Errors: ``WireError`` and ``TransportError`` end only this connection, logged with the
-    peer (at warning; a peer's ordinary close, ``ConnectionClosed``, at info); anything else
-    propagates, because it is a bug, and ends the server.
-    """
-    try:
-        await handler(conn)
-    except ConnectionClosed as exc:
-        log.info("connection from %s closed: %s", conn.peer, exc)
-    except (WireError, TransportError) as exc:
-        log.warning("connection from %s ended: %s: %s", conn.peer, type(exc).__name__, exc)
-    finally:
-        with trio.CancelScope(shield=True):
-            await conn.aclose()
 
 
 async def abandon(conn: Connection, *, grace_s: float = 0.1) -> None:

@@ -19,8 +19,8 @@ from shard.transport.base import (
     Handler,
     NetworkBase,
     TransportError,
-    run_handler,
 )
+from shard.transport.guard import serve_one
 from shard.wire import WireError, WireLimits, decode, encode
 
 #: Frames one direction buffers before ``send`` blocks. A socket buffers too: with a
@@ -134,8 +134,8 @@ class MemoryNetwork(NetworkBase):
         """Serve ``address`` until cancelled, running ``handler`` once per connection.
 
         Cancellation: stops accepting, cancels the handlers and closes their connections.
-        Errors: a handler's ``WireError``/``TransportError`` ends only its connection (logged);
-        any other exception propagates and ends the server.
+        Errors: a handler's connection errors end only its connection (logged:
+        ``shard.transport.guard.serve_one``); any other exception propagates and ends the server.
         """
         if address in self._listeners:
             raise TransportError(f"{address}: address already in use on this memory network")
@@ -145,7 +145,7 @@ class MemoryNetwork(NetworkBase):
             async with accept_recv, trio.open_nursery() as nursery:
                 task_status.started(address)
                 async for conn in accept_recv:
-                    nursery.start_soon(run_handler, handler, conn)
+                    nursery.start_soon(serve_one, conn, handler)
         finally:
             del self._listeners[address]
             accept_send.close()

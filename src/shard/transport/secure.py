@@ -93,6 +93,7 @@ class SecureWebSocketNetwork(NetworkBase):
     ``role`` is what this node claims on every connection (its token must grant it);
     ``peer_roles`` the roles it talks to (default ``shard.trust.channel.PEER_ROLES[role]``).
     ``clock`` gives Unix seconds for token validity (injected; default ``time.time``).
+    ``max_peer_connections``: as ``WebSocketNetwork``'s (counted before the secure handshake).
 
     Cancellation and errors: as ``WebSocketNetwork``; a refused handshake raises a
     ``HandshakeError`` subclass from ``dial`` (never retried: the answer would not change).
@@ -108,6 +109,7 @@ class SecureWebSocketNetwork(NetworkBase):
         limits: WireLimits | None = None,
         connect_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
+        max_peer_connections: int | None = None,
     ) -> None:
         self._credentials = credentials
         self._policy = policy
@@ -116,7 +118,10 @@ class SecureWebSocketNetwork(NetworkBase):
         self._clock = clock
         self._close_s = connect_timeout_s
         self._inner = WebSocketNetwork(
-            limits=limits, connect_timeout_s=connect_timeout_s, handshake=self._handshake
+            limits=limits,
+            connect_timeout_s=connect_timeout_s,
+            handshake=self._handshake,
+            max_peer_connections=max_peer_connections,
         )
 
     def __repr__(self) -> str:

@@ -32,9 +32,9 @@ from shard.transport.base import (
     TransportError,
     join_address,
     open_listeners,
-    run_handler,
     split_address,
 )
+from shard.transport.guard import serve_one
 from shard.wire import PlainSealer, Sealer, WireError, WireLimits, decode, encode
 
 log = logging.getLogger("shard.transport")
@@ -177,6 +177,14 @@ def max_message_size(limits: WireLimits) -> int:
     return limits.max_frame_bytes + SEAL_OVERHEAD_BYTES
 
 
+def _why(failure: BaseException) -> str:
+    """A failed dial's reason; a refused upgrade says the server's reason (its HTTP body)."""
+    if isinstance(failure, trio_websocket.ConnectionRejected):
+        body = (failure.body or b"").decode(errors="replace")[:300]
+        return f"refused (HTTP {failure.status_code}: {body})"
+    return repr(failure)
+
+
 def _describe(exc: trio_websocket.ConnectionClosed) -> str:
     reason = exc.reason
     if reason is None:
@@ -191,6 +199,8 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
     ``connect_timeout_s`` bounds a dial (TCP connect, WebSocket handshake and ``handshake``),
     a client's opening handshakes on the server, and every close handshake. ``handshake``,
     when given, replaces ``sealer_factory``: each connection's sealer comes out of it.
+    ``max_peer_connections`` caps the connections ``serve`` holds open (or in their
+    handshakes) per remote host; one more is answered HTTP 503 with the reason and closed.
 
     Cancellation: leaving ``async with network:`` closes dialed connections still open.
     Errors: ``dial`` raises ``TransportError`` (refused, unreachable, timed out, rejected);
@@ -204,9 +214,12 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         sealer_factory: Callable[[], Sealer] = PlainSealer,
         connect_timeout_s: float = 10.0,
         handshake: Handshake | None = None,
+        max_peer_connections: int | None = None,
     ) -> None:
         super().__init__()
         self._limits = limits or WireLimits()
+        self._max_peer_connections = max_peer_connections
+        self._per_peer: dict[str, int] = {}  # remote host -> connections open or opening
         self._sealer_factory = sealer_factory
         self._handshake = handshake
         self._timeout_s = connect_timeout_s
@@ -246,7 +259,7 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         if failure is None:
             return
         if not opened:
-            raise TransportError(f"{address}: could not connect: {failure!r}") from failure
+            raise TransportError(f"{address}: could not connect: {_why(failure)}") from failure
         log.debug("connection to %s ended: %r", address, failure)
 
     async def _client(
@@ -316,9 +329,41 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
 
     async def _accept(self, handler: Handler, stream: trio.SocketStream) -> None:
         try:
-            peer = join_address(*stream.socket.getpeername()[:2])
+            host, port = stream.socket.getpeername()[:2]
         except OSError:  # already reset by the client
-            peer = "?"
+            host, port = "?", 0
+        peer = join_address(host, port)
+        cap = self._max_peer_connections
+        if cap is not None and self._per_peer.get(host, 0) >= cap:
+            reason = (
+                f"too many connections from {host}: at most {cap} at once "
+                "(limits.max_peer_connections); close some and retry"
+            )
+            log.warning("refused %s: %s", peer, reason)
+            await self._reject(stream, reason)
+            return
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        try:
+            await self._serve_stream(handler, stream, peer)
+        finally:
+            self._per_peer[host] -= 1
+            if not self._per_peer[host]:
+                del self._per_peer[host]
+
+    async def _reject(self, stream: trio.SocketStream, reason: str) -> None:
+        """Answer the WebSocket upgrade with HTTP 503 and ``reason``, then close."""
+        async with stream, trio.open_nursery() as nursery:
+            with trio.move_on_after(self._timeout_s):
+                try:
+                    request = await trio_websocket.wrap_server_stream(
+                        nursery, stream, message_queue_size=MESSAGE_QUEUE
+                    )
+                    await request.reject(503, body=reason.encode())
+                except trio_websocket.ConnectionClosed:
+                    pass
+            nursery.cancel_scope.cancel()
+
+    async def _serve_stream(self, handler: Handler, stream: trio.SocketStream, peer: str) -> None:
         async with stream, trio.open_nursery() as nursery:
             ws: trio_websocket.WebSocketConnection | None = None
             sealer: Sealer | None = None
@@ -348,6 +393,6 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
                     return
                 conn = WebSocketConnection(ws, peer, sealer, self._limits, self._timeout_s)
                 nursery.start_soon(conn.watch_reader)
-                await run_handler(handler, conn)
+                await serve_one(conn, handler)
             finally:
                 nursery.cancel_scope.cancel()

@@ -80,8 +80,11 @@ def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.t
     Errors: ``IdentityError`` / ``AdmissionError`` when its credentials cannot admit it.
     """
     timeout_s = spec.limits.connect_timeout_s
+    cap = spec.limits.max_peer_connections
     if spec.insecure:
-        return WebSocketNetwork(limits=wire_limits(spec), connect_timeout_s=timeout_s)
+        return WebSocketNetwork(
+            limits=wire_limits(spec), connect_timeout_s=timeout_s, max_peer_connections=cap
+        )
     paths = spec.node(name).credentials
     assert paths.key is not None and paths.token is not None  # checked when the spec loaded
     policy = trust_policy(spec)
@@ -93,6 +96,7 @@ def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.t
         limits=wire_limits(spec),
         connect_timeout_s=timeout_s,
         clock=clock,
+        max_peer_connections=cap,
     )
 
 

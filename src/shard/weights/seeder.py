@@ -34,6 +34,7 @@ from shard.messages import (
     Welcome,
 )
 from shard.transport import Connection, Network
+from shard.transport.guard import serve_one
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, HandshakeError, accept_peer
 from shard.weights.manifest import Manifest, ManifestError, verify_chunk
 from shard.weights.plan import ChunkKey
@@ -182,6 +183,9 @@ class Seeder:
             log.warning("seeder %s: %s", self._node, exc)
             return
         self._counts.connections += 1
+        await serve_one(conn, self._answer_requests, what="fetch link", node=self._node)
+
+    async def _answer_requests(self, conn: Connection) -> None:
         while True:
             msg: Message | None = None
             with trio.move_on_after(IDLE_TIMEOUT_S):

@@ -1,0 +1,189 @@
+"""Connection guard: a connection's failure is that connection's alone.
+
+Every listening point runs each accepted connection through ``serve_one`` (the networks call
+it for every handler; a node's roots call it again per link kind, so the log names the link).
+A hostile or broken peer can make a frame fail to decode or open (``WireError``, the sealer's
+errors included), break or stall its link (``TransportError``, ``PeerTooSlow``), fail a
+handshake (``HandshakeError``) or break its link's protocol (``ProtocolViolation``). Each of
+those ends the one connection it arrived on: logged once, the connection closed with a
+reason, the node serving on. Handlers may raise them from inside their own nurseries: an
+exception group made only of connection errors is one connection error. Anything else is a
+bug and propagates.
+
+``receive_within`` / ``send_within`` / ``IdleDeadline`` are the deadlines a link applies to
+its peer (``[limits] idle_timeout_s`` and ``message_timeout_s``): a peer that stops reading, or
+that keeps a connection open without using it, is cut instead of holding the node's memory
+and tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from shard.errors import HandshakeError
+from shard.messages import Fault, Message, NodeName
+from shard.transport.base import Connection, ConnectionClosed, Handler, TransportError
+from shard.wire import WireError
+
+log = logging.getLogger("shard.transport")
+
+#: How long a connection being cut gets to take the reason (a peer that stops reading never
+#: will; the close does not wait for it).
+REASON_GRACE_S = 0.5
+
+
+class PeerTooSlow(TransportError):
+    """The peer missed a deadline: it sent nothing useful for too long, or did not take a
+    message in time. The message names the deadline and the ``[limits]`` key behind it."""
+
+
+class ProtocolViolation(Exception):
+    """The peer sent a well-formed message that breaks its link's protocol (unsolicited,
+    out of order, or one its role may not send). Ends only that connection."""
+
+
+#: What ends one connection and never a node.
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    WireError,
+    TransportError,
+    HandshakeError,
+    ProtocolViolation,
+)
+
+
+def connection_failure(exc: BaseException) -> Exception | None:
+    """The connection error ``exc`` stands for, or None when it is (or holds) anything else.
+
+    A handler's nursery wraps its tasks' errors in an exception group: the group is a
+    connection failure when every exception in it is one (the most telling is returned: not an
+    ordinary close if there is another). A bug or a cancellation beside them is not.
+    """
+    if isinstance(exc, CONNECTION_ERRORS):
+        return exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    matched, rest = exc.split(CONNECTION_ERRORS)
+    if rest is not None or matched is None:
+        return None
+    leaves = list(_leaves(matched))
+    return next((e for e in leaves if not isinstance(e, ConnectionClosed)), leaves[0])
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[Exception]:
+    out: list[Exception] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            out.extend(_leaves(exc))
+        elif isinstance(exc, Exception):
+            out.append(exc)
+    return out
+
+
+async def serve_one(
+    conn: Connection, handler: Handler, *, what: str = "connection", node: NodeName | None = None
+) -> None:
+    """Run ``handler(conn)``, then close ``conn``; a connection error ends only ``conn``.
+
+    ``what`` names the link in the log (``"client link"``). With ``node``, a peer cut for a
+    deadline or a protocol violation is first told why (a ``Fault`` from ``node``, within
+    ``REASON_GRACE_S``); a malformed frame was already answered by the transport (WebSocket
+    close 1008 with the reason).
+
+    Errors: connection errors (``CONNECTION_ERRORS``, also inside exception groups) are logged
+    once — an ordinary close at info, the rest at warning, naming the peer — and not raised;
+    anything else propagates.
+    """
+    try:
+        await handler(conn)
+    except BaseException as exc:
+        failure = connection_failure(exc)
+        if failure is None:
+            raise
+        await _cut(conn, failure, what=what, node=node)
+    finally:
+        with trio.CancelScope(shield=True):
+            await conn.aclose()
+
+
+async def _cut(conn: Connection, failure: Exception, *, what: str, node: NodeName | None) -> None:
+    if isinstance(failure, ConnectionClosed):
+        log.info("%s from %s closed: %s", what, conn.peer, failure)
+        return
+    log.warning("%s from %s ended: %s: %s", what, conn.peer, type(failure).__name__, failure)
+    if node is None or not isinstance(failure, PeerTooSlow | ProtocolViolation):
+        return
+    kind = "timeout" if isinstance(failure, PeerTooSlow) else "protocol"
+    with trio.move_on_after(REASON_GRACE_S):
+        try:
+            await conn.send(Fault(node=node, kind=kind, detail=str(failure)[:500]))
+        except (TransportError, WireError):
+            pass  # it is being cut anyway; the log has the reason
+
+
+async def receive_within(conn: Connection, timeout_s: float, *, what: str) -> Message:
+    """``conn.receive()``, bounded by ``timeout_s``.
+
+    Errors: ``PeerTooSlow`` when no whole message arrived in time (a silent peer, or one
+    trickling a frame); otherwise as ``conn.receive``.
+    """
+    with trio.move_on_after(timeout_s):
+        return await conn.receive()
+    raise PeerTooSlow(f"{what} {conn.peer}: no message within {timeout_s:g} s")
+
+
+async def send_within(conn: Connection, msg: Message, timeout_s: float, *, what: str) -> None:
+    """``conn.send(msg)``, bounded by ``timeout_s`` (then the connection must be closed: a
+    cut send may leave a partial frame).
+
+    Errors: ``PeerTooSlow`` when the peer did not take it in time (it stopped reading);
+    otherwise as ``conn.send``.
+    """
+    with trio.move_on_after(timeout_s):
+        await conn.send(msg)
+        return
+    raise PeerTooSlow(
+        f"{what} {conn.peer} did not take a {type(msg).__name__} within {timeout_s:g} s "
+        "(limits.message_timeout_s): it stopped reading"
+    )
+
+
+class IdleDeadline:
+    """A cancel scope (``scope``) that fires ``idle_s`` after the last piece of work ended.
+
+    Work is bracketed by ``begin()`` / ``end()``; while any runs, the deadline is off. A link
+    runs its receive loop in ``scope``: a peer that keeps a connection open without asking for
+    anything is cut, however it trickles bytes or messages that start no work.
+    """
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.scope = trio.CancelScope(deadline=trio.current_time() + idle_s)
+        self._running = 0
+
+    def begin(self) -> None:
+        self._running += 1
+        self.scope.deadline = math.inf
+
+    def end(self) -> None:
+        self._running -= 1
+        if self._running == 0:
+            self.scope.deadline = trio.current_time() + self.idle_s
+
+    @property
+    def fired(self) -> bool:
+        return self.scope.cancelled_caught
+
+
+__all__ = [
+    "CONNECTION_ERRORS",
+    "IdleDeadline",
+    "PeerTooSlow",
+    "ProtocolViolation",
+    "connection_failure",
+    "receive_within",
+    "send_within",
+    "serve_one",
+]

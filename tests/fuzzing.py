@@ -1,0 +1,180 @@
+"""Frames for fuzz tests: valid encodings of real messages, and seeded mutations of them.
+
+Shared by ``test_fuzz_endpoint`` (stages in this process) and ``test_fuzz_links`` (every link
+kind of live processes). ``Frames(rng, swarm)`` draws from one seeded ``random.Random``, so a
+printed seed replays a run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from shard.messages import (
+    ChunkSeq,
+    EndSession,
+    Epoch,
+    Fault,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    Message,
+    NodeName,
+    Prefill,
+    Probe,
+    ProbeReply,
+    SessionId,
+    Tensor,
+    TokensOut,
+    Verdict,
+    Verify,
+    Welcome,
+)
+from shard.stage.tensors import to_wire
+from shard.wire import WireError, decode, encode
+
+HIDDEN = 64  # hidden size of the tiny checkpoints
+#: Fuzzed sessions are >= this, so they never touch the coordinator's own (1, 2, 3, ...).
+SAFE_SESSION = 1_000_000
+
+
+# --- frames ----------------------------------------------------------------------------------
+
+
+class Frames:
+    """Seeded source of frames: valid encodings of real messages, and mutations of them."""
+
+    def __init__(self, rng: random.Random, swarm: str = "fuzz") -> None:
+        self.rng = rng
+        self.swarm = swarm
+
+    def session(self) -> SessionId:
+        return SessionId(SAFE_SESSION + self.rng.randrange(1 << 20))
+
+    def ids(self, most: int = 8) -> tuple[int, ...]:
+        return tuple(self.rng.randrange(300) for _ in range(self.rng.randint(1, most)))
+
+    def hidden(self) -> Tensor:
+        s = self.rng.randint(1, 3)
+        values = torch.randn(1, s, HIDDEN, generator=torch.Generator().manual_seed(s))
+        return to_wire(values)
+
+    def message(self) -> Message:
+        r, sid = self.rng, self.session()
+        epoch, seq, start = Epoch(r.randrange(4)), ChunkSeq(r.randrange(100)), r.randrange(300)
+        choices: list[Callable[[], Message]] = [
+            lambda: Prefill(sid, epoch, seq, start, r.random() < 0.5, ids=self.ids()),
+            lambda: Prefill(sid, epoch, seq, start, r.random() < 0.5, hidden=self.hidden()),
+            lambda: Verify(sid, epoch, seq, start, ids=self.ids(3), draft=self.ids(2)),
+            lambda: Verify(sid, epoch, seq, start, hidden=self.hidden()),
+            lambda: Verdict(sid, epoch, seq, start, target_ids=self.ids(3), accepted=0),
+            lambda: EndSession(sid),
+            lambda: Fault(NodeName("evil"), "chunk", "made up", session=sid),
+            lambda: Hello(NodeName("evil"), "stage", self.swarm),
+            lambda: Welcome(NodeName("evil"), "stage", self.swarm),
+            lambda: Heartbeat(NodeName("evil"), sent_at=r.random()),
+            lambda: Probe(r.randrange(1 << 30), r.random()),
+            lambda: ProbeReply(r.randrange(1 << 30), r.random()),
+            lambda: GenerateRequest(r.randrange(100), "hi there", 4),
+            lambda: TokensOut(r.randrange(100), self.ids(), "text"),
+        ]
+        return r.choice(choices)()
+
+    def valid(self) -> bytes:
+        return encode(self.message(), compress=self.rng.random() < 0.5)
+
+    def mutated(self) -> bytes:
+        frame = bytearray(self.valid())
+        for _ in range(self.rng.randint(1, 3)):
+            frame = self.rng.choice(MUTATIONS)(self.rng, frame)
+        return bytes(frame)
+
+    def garbage(self) -> bytes:
+        r = self.rng
+        if r.random() < 0.1:
+            return b""
+        return r.randbytes(r.randint(1, 300))
+
+    def any(self) -> bytes:
+        return self.mutated() if self.rng.random() < 0.8 else self.garbage()
+
+
+def _flip(r: random.Random, f: bytearray) -> bytearray:
+    for _ in range(r.randint(1, 8)):
+        if f:
+            i = r.randrange(len(f))
+            f[i] ^= 1 << r.randrange(8)
+    return f
+
+
+def _truncate(r: random.Random, f: bytearray) -> bytearray:
+    return f[: r.randrange(len(f))] if f else f
+
+
+def _extend(r: random.Random, f: bytearray) -> bytearray:
+    return f + r.randbytes(r.randint(1, 64))
+
+
+def _overwrite(r: random.Random, f: bytearray) -> bytearray:
+    if f:
+        i = r.randrange(len(f))
+        f[i : i + 4] = r.randbytes(4)
+    return f
+
+
+def _prefix(r: random.Random, f: bytearray) -> bytearray:
+    """Corrupt the 6-byte prefix: version, flags or the declared header length."""
+    if len(f) >= 6:
+        field = r.randrange(3)
+        if field == 2:
+            f[2:6] = r.randrange(1 << 32).to_bytes(4, "big")
+        else:
+            f[field] = r.randrange(256)
+    return f
+
+
+def _splice(r: random.Random, f: bytearray) -> bytearray:
+    if len(f) < 2:
+        return f
+    a, b = sorted(r.sample(range(len(f)), 2))
+    return f[:a] + f[b:] if r.random() < 0.5 else f[:b] + f[a:]
+
+
+MUTATIONS = (_flip, _truncate, _extend, _overwrite, _prefix, _splice)
+
+#: Message types a stage may receive from upstream, fuzzed, without hurting other sessions:
+#: computes and ends for unknown sessions fault or pass by; the rest a stage ignores.
+HARMLESS = (
+    Prefill,
+    Verify,
+    Verdict,
+    EndSession,
+    Fault,
+    Hello,
+    Welcome,
+    Heartbeat,
+    Probe,
+    ProbeReply,
+    GenerateRequest,
+    TokensOut,
+)
+
+
+def decoded(frame: bytes) -> Message | None:
+    """What the stage will make of ``frame``: the message, or None when it cannot decode."""
+    try:
+        return decode(frame)
+    except WireError:
+        return None
+
+
+def harmless(msg: Message) -> bool:
+    """Whether a stage may be fed ``msg`` while an honest session shares it."""
+    if not isinstance(msg, HARMLESS):
+        return False  # OpenSession would take capacity; anything else is not fuzzed
+    session = getattr(msg, "session", SAFE_SESSION)
+    if session is None:
+        return False  # a ring-wide Fault: the coordinator would declare the ring down
+    return bool(session >= SAFE_SESSION)
