@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -36,6 +36,7 @@ from shard.decode.draft import (
     Proposer,
 )
 from shard.failover.edge import DownstreamLink
+from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
 from shard.failover.scheduler import FailoverPolicy, Scheduler, Slot
 from shard.messages import (
@@ -115,6 +116,82 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
     return Drafter(factory)
 
 
+class _ReturnEndpoint:
+    """The coordinator's end of the ring's return link: only the ring's current tail may open
+    it (anyone else's verdicts would be taken for the ring's); what it sends goes to the
+    router's ``from_ring``. ``up`` is the scheduler's snapshot read of whether one is open;
+    ``note`` records a ring event (the router's ledger)."""
+
+    def __init__(
+        self,
+        name: NodeName,
+        from_ring: trio.MemorySendChannel[Message],
+        note: Callable[[str, str], None],
+    ) -> None:
+        self._name = name
+        self._from_ring = from_ring
+        self._note = note
+        self._links = 0
+        self.joined = trio.Event()
+
+    def up(self) -> bool:
+        return self._links > 0
+
+    async def serve(self, conn: Connection, hello: Hello, *, tail: NodeName) -> None:
+        """Pump one return link from ``tail`` (the scheduler's view of the ring now)."""
+        if hello.role != "stage" or hello.node != tail:
+            log.warning(
+                "%s: refused %s (%s) on the return link", self._name, hello.node, hello.role
+            )
+            detail = f"only {tail} may open the return link"
+            await conn.send(Fault(node=self._name, kind="handshake", detail=detail))
+            return
+        self.joined.set()
+        self._note("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
+        self._links += 1
+        try:
+            await pump_in(self._name, conn, self._from_ring.clone())
+        finally:
+            self._links -= 1
+
+
+def _limits(spec: SwarmSpec) -> CoordinatorLimits:
+    return CoordinatorLimits(
+        max_len=spec.limits.max_len,
+        prefill_chunk=spec.limits.prefill_chunk,
+        max_sessions=spec.limits.max_sessions,
+        verdict_timeout_s=spec.limits.verdict_timeout_s,
+        retry_after_s=spec.limits.retry_after_s,
+    )
+
+
+def _speculation(spec: SwarmSpec) -> SpecConfig:
+    return SpecConfig(
+        k=spec.speculation.k,
+        depth=spec.speculation.depth,
+        k_max=spec.speculation.k_max,
+        depth_max=spec.speculation.depth_max,
+    )
+
+
+def _failover(spec: SwarmSpec) -> FailoverPolicy:
+    failover = spec.failover
+    return FailoverPolicy(
+        heartbeat_s=failover.heartbeat_s,
+        dead_after_s=failover.dead_after_s,
+        join_deadline_s=failover.join_deadline_s,
+        splice_timeout_s=failover.splice_timeout_s,
+    )
+
+
+def _slots(spec: SwarmSpec, n_layers: int) -> list[Slot]:
+    blocks = spec.blocks(n_layers)
+    return [
+        Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
+        for s, (first, last) in zip(spec.stages, blocks, strict=True)
+    ]
+
+
 async def run_coordinator(
     spec: SwarmSpec,
     *,
@@ -127,7 +204,10 @@ async def run_coordinator(
     """Run the coordinator and its scheduler: serve the return endpoint, control links and
     clients, dial stage 0.
 
-    Ready when stage 0 answered (so the whole ring is up) and the tail has dialled back.
+    The channels: requests -> ring link (``to_ring``), return link -> router (``from_ring``),
+    scheduler -> router (``control``: pause, resume, ring lost, events), ring link ->
+    scheduler (``ring_faults``). Ready when stage 0 answered (so the whole ring is up) and the
+    tail has dialled back.
     """
     me: CoordinatorSpec = spec.coordinator
     name = NodeName(me.name)
@@ -136,27 +216,24 @@ async def run_coordinator(
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
     to_ring_send, to_ring_recv = trio.open_memory_channel[Message](0)
     from_ring_send, from_ring_recv = trio.open_memory_channel[Message](0)
-    limits = CoordinatorLimits(
-        max_len=spec.limits.max_len,
-        prefill_chunk=spec.limits.prefill_chunk,
-        max_sessions=spec.limits.max_sessions,
-        verdict_timeout_s=spec.limits.verdict_timeout_s,
-        retry_after_s=spec.limits.retry_after_s,
-    )
+    control_send, control_recv = trio.open_memory_channel[RingControl](0)
+    faults_send, faults_recv = trio.open_memory_channel[Fault](0)
     drafter = await offload.run_sync(make_drafter, spec, model_dir)
     failover = spec.failover
     checkpoints = None
     if failover.checkpoint_dir is not None:
         checkpoints = CheckpointStore(Path(failover.checkpoint_dir))
+    sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     coordinator = Coordinator(
         checkpoints=checkpoints,
         incarnation=secrets.randbits(20),
-        sent_log=ReplayLog(max_bytes=failover.replay_max_bytes),
+        sent_log=sent_log,
         node=name,
         eos_ids=eos,
         to_ring=to_ring_send,
         from_ring=from_ring_recv,
-        limits=limits,
+        control=control_recv,
+        limits=_limits(spec),
         drafter=drafter,
         signer=RunSigner(
             signing_identity(spec, name),
@@ -165,57 +242,35 @@ async def run_coordinator(
             n_layers=config.n_layers,
             n_stages=len(spec.stages),
         ),
-        speculation=SpecConfig(
-            k=spec.speculation.k,
-            depth=spec.speculation.depth,
-            k_max=spec.speculation.k_max,
-            depth_max=spec.speculation.depth_max,
-        ),
+        speculation=_speculation(spec),
     )
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
         network,
         _hello(spec, name, "coordinator"),
-        replay_log=coordinator.sent_log,  # recorded by the coordinator as it sends
+        replay_log=sent_log,
         records=False,
         heartbeat_s=failover.heartbeat_s,
         send_timeout_s=failover.send_timeout_s,
         connect_timeout_s=startup_timeout_s,
+        faults=faults_send,
     )
-    blocks = spec.blocks(config.n_layers)
+    endpoint = _ReturnEndpoint(name, from_ring_send, coordinator.event)
     scheduler = Scheduler(
         node=name,
-        slots=[
-            Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
-            for s, (first, last) in zip(spec.stages, blocks, strict=True)
-        ],
+        slots=_slots(spec, config.n_layers),
         return_address=str(me.listen),
         ring_link=ring_link,
-        hooks=coordinator,
-        policy=FailoverPolicy(
-            heartbeat_s=failover.heartbeat_s,
-            dead_after_s=failover.dead_after_s,
-            join_deadline_s=failover.join_deadline_s,
-            splice_timeout_s=failover.splice_timeout_s,
-        ),
-        return_up=lambda: return_links > 0,
+        to_router=control_send,
+        ring_faults=faults_recv,
+        policy=_failover(spec),
+        return_up=endpoint.up,
     )
-
-    async def link_fault(fault: Fault) -> None:
-        coordinator.event("fault", f"{fault.node}: {fault.kind}: {fault.detail}")
-        await scheduler.link_fault(name)
-
-    ring_link.on_fault = link_fault
     feed = StatusFeed(
-        coordinator,
-        swarm=spec.name,
-        ring=scheduler.ring,
-        standbys=scheduler.standbys,
+        coordinator, swarm=spec.name, ring=scheduler.ring, standbys=scheduler.standbys
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
-    tail_joined = trio.Event()
-    return_links = 0
 
     async def handler(conn: Connection) -> None:
         try:
@@ -225,32 +280,12 @@ async def run_coordinator(
             return
         if hello.link == "control" and hello.role == "stage":
             await scheduler.serve(conn, hello)
-            return
-        if hello.role == "client":
+        elif hello.role == "client":
             await _serve_client(coordinator, tokenizer, conn)
-            return
-        if (
-            hello.role == "monitor"
-        ):  # the status feed (shard.observe.status): read-only but for reset
+        elif hello.role == "monitor":  # the status feed: read-only but for reset
             await feed.serve(conn)
-            return
-        tail = scheduler.tail()
-        if hello.role != "stage" or hello.node != tail:
-            # Only the ring's current tail may open the return link: anyone else's verdicts
-            # would be taken for the ring's.
-            log.warning("%s: refused %s (%s) on the return link", name, hello.node, hello.role)
-            await conn.send(
-                Fault(node=name, kind="handshake", detail=f"only {tail} may open the return link")
-            )
-            return
-        nonlocal return_links
-        tail_joined.set()
-        coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
-        return_links += 1
-        try:
-            await pump_in(name, conn, from_ring_send.clone())
-        finally:
-            return_links -= 1
+        else:
+            await endpoint.serve(conn, hello, tail=scheduler.tail())
 
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
@@ -260,7 +295,7 @@ async def run_coordinator(
         await ring_link.connect(successor or str(spec.stages[0].listen))
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
-            await tail_joined.wait()
+            await endpoint.joined.wait()
         task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler))
 
 
