@@ -253,6 +253,10 @@ class Coordinator:
         state = DecodeState.start(
             len(prompt_ids), max_tokens, self._eos_ids, max_len=self._limits.max_len
         )
+        spec = speculation or self._spec
+        on_tokens = checkpointing(
+            self._checkpoints, request_id, prompt_ids, max_tokens, sampling, on_tokens
+        )
         async with self._slots:
             if (lost := self._gate.lost) is not None:
                 raise RingError(f"the ring is down: {lost.detail}")
@@ -263,27 +267,9 @@ class Coordinator:
             ended = False
             try:
                 job = self._job(prompt_ids) if receipt else None
-                on_tokens = checkpointing(
-                    self._checkpoints, request_id, prompt_ids, max_tokens, sampling, on_tokens
+                completion = await self._drive(
+                    sid, route, job, prompt_ids, state, sampling, on_tokens, spec
                 )
-                # One message per session, read once the driver returned: never waited on.
-                done_send, done = trio.open_memory_channel[SessionDone](1)
-                driver = RequestDriver(
-                    sid=sid,
-                    route=route,
-                    done=done_send,
-                    ring=self._gate,
-                    ledger=self._ledger,
-                    job=job,
-                    prompt_ids=prompt_ids,
-                    state=state,
-                    sampling=sampling,
-                    on_tokens=on_tokens,
-                    spec=speculation or self._spec,
-                    limits=self._driver_limits,
-                    drafter=self._drafter,
-                )
-                completion = await self._drive(driver, done)
                 if request_id is not None and self._checkpoints is not None:
                     self._checkpoints.done(request_id)
                 if job is not None and self._signer is not None:
@@ -307,13 +293,37 @@ class Coordinator:
             raise BadRequest("this coordinator has no key to sign receipts with")
         return RunJob.start(prompt_ids, os.urandom(16))
 
-    @staticmethod
     async def _drive(
-        driver: RequestDriver, done: trio.MemoryReceiveChannel[SessionDone]
+        self,
+        sid: SessionId,
+        route: trio.MemoryReceiveChannel[RouteEvent],
+        job: RunJob | None,
+        prompt_ids: Sequence[int],
+        state: DecodeState,
+        sampling: Sampling,
+        on_tokens: OnTokens | None,
+        spec: SpecConfig,
     ) -> Completion:
-        """Run the request's driver in this task (a nursery of one child would only wrap
+        """Run the session's driver in this task (a nursery of one child would only wrap
         what it raises in a group) and read its ``SessionDone``. Errors: the ``RingError``
         it ended with."""
+        # One message per session, read once the driver returned: never waited on.
+        done_send, done = trio.open_memory_channel[SessionDone](1)
+        driver = RequestDriver(
+            sid=sid,
+            route=route,
+            done=done_send,
+            ring=self._gate,
+            ledger=self._ledger,
+            job=job,
+            prompt_ids=prompt_ids,
+            state=state,
+            sampling=sampling,
+            on_tokens=on_tokens,
+            spec=spec,
+            limits=self._driver_limits,
+            drafter=self._drafter,
+        )
         async with done:
             await driver.run()
             ended = done.receive_nowait()

@@ -192,6 +192,76 @@ def _slots(spec: SwarmSpec, n_layers: int) -> list[Slot]:
     ]
 
 
+def _router(
+    spec: SwarmSpec,
+    model_dir: Path,
+    config: ModelConfig,
+    drafter: Drafter | None,
+    *,
+    to_ring: trio.MemorySendChannel[Message],
+    from_ring: trio.MemoryReceiveChannel[Message],
+    control: trio.MemoryReceiveChannel[RingControl],
+    sent_log: ReplayLog,
+) -> tuple[Coordinator, Tokenizer]:
+    """The coordinator's router and its tokenizer."""
+    name = NodeName(spec.coordinator.name)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
+    failover = spec.failover
+    checkpoints = None
+    if failover.checkpoint_dir is not None:
+        checkpoints = CheckpointStore(Path(failover.checkpoint_dir))
+    coordinator = Coordinator(
+        checkpoints=checkpoints,
+        incarnation=secrets.randbits(20),
+        sent_log=sent_log,
+        node=name,
+        eos_ids=eos,
+        to_ring=to_ring,
+        from_ring=from_ring,
+        control=control,
+        limits=_limits(spec),
+        drafter=drafter,
+        signer=RunSigner(
+            signing_identity(spec, name),
+            coordinator=name,
+            model=spec.model,
+            n_layers=config.n_layers,
+            n_stages=len(spec.stages),
+        ),
+        speculation=_speculation(spec),
+    )
+    return coordinator, tokenizer
+
+
+@attrs.frozen
+class _Listener:
+    """Hands each connection to the coordinator's listen address to the actor its ``Hello``
+    names: the scheduler (control links), a client, a monitor, or the return endpoint."""
+
+    welcome: Welcome
+    coordinator: Coordinator
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    feed: StatusFeed
+    endpoint: _ReturnEndpoint
+
+    async def handle(self, conn: Connection) -> None:
+        try:
+            hello = await accept_peer(conn, self.welcome)
+        except (HandshakeError, trio.TooSlowError) as exc:
+            log.warning("%s", exc)
+            return
+        if hello.link == "control" and hello.role == "stage":
+            await self.scheduler.serve(conn, hello)
+        elif hello.role == "client":
+            await _serve_client(self.coordinator, self.tokenizer, conn)
+        elif hello.role == "monitor":  # the status feed: read-only but for reset
+            await self.feed.serve(conn)
+        else:
+            await self.endpoint.serve(conn, hello, tail=self.scheduler.tail())
+
+
 async def run_coordinator(
     spec: SwarmSpec,
     *,
@@ -208,41 +278,29 @@ async def run_coordinator(
     scheduler -> router (``control``: pause, resume, ring lost, events), ring link ->
     scheduler (``ring_faults``). Ready when stage 0 answered (so the whole ring is up) and the
     tail has dialled back.
+
+    Longer than most functions on purpose: it is the coordinator's wiring, one construction
+    after another, and reads best in one place.
     """
     me: CoordinatorSpec = spec.coordinator
     name = NodeName(me.name)
-    config = ModelConfig.from_dir(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
     to_ring_send, to_ring_recv = trio.open_memory_channel[Message](0)
     from_ring_send, from_ring_recv = trio.open_memory_channel[Message](0)
     control_send, control_recv = trio.open_memory_channel[RingControl](0)
     faults_send, faults_recv = trio.open_memory_channel[Fault](0)
     drafter = await offload.run_sync(make_drafter, spec, model_dir)
     failover = spec.failover
-    checkpoints = None
-    if failover.checkpoint_dir is not None:
-        checkpoints = CheckpointStore(Path(failover.checkpoint_dir))
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
-    coordinator = Coordinator(
-        checkpoints=checkpoints,
-        incarnation=secrets.randbits(20),
-        sent_log=sent_log,
-        node=name,
-        eos_ids=eos,
+    config = ModelConfig.from_dir(model_dir)
+    coordinator, tokenizer = _router(
+        spec,
+        model_dir,
+        config,
+        drafter,
         to_ring=to_ring_send,
         from_ring=from_ring_recv,
         control=control_recv,
-        limits=_limits(spec),
-        drafter=drafter,
-        signer=RunSigner(
-            signing_identity(spec, name),
-            coordinator=name,
-            model=spec.model,
-            n_layers=config.n_layers,
-            n_stages=len(spec.stages),
-        ),
-        speculation=_speculation(spec),
+        sent_log=sent_log,
     )
     ring_link = DownstreamLink(
         name,
@@ -271,27 +329,12 @@ async def run_coordinator(
         coordinator, swarm=spec.name, ring=scheduler.ring, standbys=scheduler.standbys
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
-
-    async def handler(conn: Connection) -> None:
-        try:
-            hello = await accept_peer(conn, welcome)
-        except (HandshakeError, trio.TooSlowError) as exc:
-            log.warning("%s", exc)
-            return
-        if hello.link == "control" and hello.role == "stage":
-            await scheduler.serve(conn, hello)
-        elif hello.role == "client":
-            await _serve_client(coordinator, tokenizer, conn)
-        elif hello.role == "monitor":  # the status feed: read-only but for reset
-            await feed.serve(conn)
-        else:
-            await endpoint.serve(conn, hello, tail=scheduler.tail())
-
+    listener = _Listener(welcome, coordinator, tokenizer, scheduler, feed, endpoint)
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
         await nursery.start(feed.run)
         await nursery.start(scheduler.run)
-        bound = await nursery.start(network.serve, str(me.listen), handler)
+        bound = await nursery.start(network.serve, str(me.listen), listener.handle)
         await ring_link.connect(successor or str(spec.stages[0].listen))
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
