@@ -71,7 +71,7 @@ class RequestDriver:
 
     Cancellation: cancelling ``run`` stops the request where it is (the router ends the
     session on the ring). Errors: the request's own failures (``RingError``, the ring lost)
-    end it with ``SessionDone.error``; ``on_tokens``'s errors and bugs propagate.
+    end it with a ``SessionDone`` holding the error; ``on_tokens``'s errors and bugs propagate.
     """
 
     def __init__(
@@ -117,14 +117,14 @@ class RequestDriver:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._done:
+            outcome: Completion | RingError
             try:
-                ended = SessionDone(self._sid, completion=await self._drive())
+                outcome = await self._drive()
             except RingDown as exc:
-                error = RingError(str(exc), committed=self._state.output)
-                ended = SessionDone(self._sid, error=error)
+                outcome = RingError(str(exc), committed=self._state.output)
             except RingError as exc:
-                ended = SessionDone(self._sid, error=exc)
-            await self._done.send(ended)
+                outcome = exc
+            await self._done.send(SessionDone(self._sid, outcome))
 
     async def _emit(self, ids: Sequence[int]) -> None:
         self._ledger.committed(len(ids))

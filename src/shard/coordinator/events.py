@@ -57,12 +57,11 @@ class Completion:
 
 @attrs.frozen(eq=False)
 class SessionDone:
-    """Driver -> router: the session's request ended, with its ``completion`` or the
-    ``error`` that ended it (which carries the committed tokens)."""
+    """Driver -> router: the session's request ended, with its completion or the error that
+    ended it (which carries the committed tokens)."""
 
     session: SessionId
-    completion: Completion | None = None
-    error: RingError | None = None
+    outcome: Completion | RingError
 
 
 __all__ = ["Completion", "OnTokens", "Resync", "RingError", "RouteEvent", "SessionDone"]

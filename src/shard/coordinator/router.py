@@ -327,10 +327,9 @@ class Coordinator:
         async with done:
             await driver.run()
             ended = done.receive_nowait()
-        if ended.error is not None:
-            raise ended.error
-        assert ended.completion is not None
-        return ended.completion
+        if isinstance(ended.outcome, RingError):
+            raise ended.outcome
+        return ended.outcome
 
     async def resume_request(
         self,
