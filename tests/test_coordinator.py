@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 from shard.coordinator.router import Coordinator, RingError
+from shard.failover.events import Pause, RingControl, RingLost
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -123,3 +124,42 @@ async def test_open_session_carries_the_limits(autojump_clock: trio.testing.Mock
     assert second == Prefill(
         SessionId(1), Epoch(0), ChunkSeq(0), start=0, final=True, ids=(1, 2, 3)
     )
+
+
+async def test_scheduler_messages_hold_then_fail_the_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While the scheduler's Pause holds, a silent ring does not time the request out; its
+    RingLost then ends it with the scheduler's reason and the committed tokens."""
+    to_send, to_recv = trio.open_memory_channel[Message](16)
+    from_send, from_recv = trio.open_memory_channel[Message](16)
+    control_send, control_recv = trio.open_memory_channel[RingControl](0)
+    coordinator = Coordinator(
+        node=NodeName("coord"),
+        eos_ids=[0],
+        to_ring=to_send,
+        from_ring=from_recv,
+        control=control_recv,
+        limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=30.0),
+    )
+    began = trio.current_time()
+
+    async def repair_that_fails() -> None:
+        await control_send.send(Pause("s1 lost; splicing a standby"))
+        await trio.sleep(90.0)  # the repair takes three verdict timeouts, in virtual time
+        await control_send.send(RingLost("s1 lost and no standby joined"))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(coordinator.run)
+        nursery.start_soon(lambda: _ring(to_recv, from_send, answer=2, then=None))
+        nursery.start_soon(repair_that_fails)
+        with pytest.raises(RingError) as caught:
+            await coordinator.generate([1, 2, 3, 4, 5], max_tokens=20)
+        nursery.cancel_scope.cancel()
+    assert caught.value.committed == (7, 7)
+    assert "s1 lost and no standby joined" in str(caught.value)
+    assert trio.current_time() - began >= 90.0
+    stats = coordinator.statistics()
+    assert stats.requests_failed == 1
+    details = [e.detail for e in stats.events if e.kind == "fault"]
+    assert details[:2] == ["s1 lost; splicing a standby", "s1 lost and no standby joined"]

@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from shard.failover.control import ControlClient, OnOrder
+from shard.failover.events import RingControl, RingNote
 from shard.failover.rtt import RttTracker
 from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
@@ -45,23 +46,17 @@ class Clock:
         return self.now
 
 
-class NoHooks:
-    """RingHooks that record events and expect no recovery."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def pause(self, detail: str) -> None:
-        raise AssertionError(f"unexpected pause: {detail}")
-
-    async def resume(self, detail: str) -> None:
-        raise AssertionError(f"unexpected resume: {detail}")
-
-    async def fail(self, detail: str) -> None:
-        raise AssertionError(f"unexpected fail: {detail}")
-
-    def event(self, kind: str, detail: str) -> None:
-        self.events.append(f"{kind}: {detail}")
+def ring_notes(messages: trio.MemoryReceiveChannel[RingControl]) -> list[str]:
+    """What the scheduler told the router, as ``kind: detail``; anything but a ``RingNote``
+    (a pause, resume or ring lost) is a recovery this test does not expect."""
+    notes: list[str] = []
+    while True:
+        try:
+            msg = messages.receive_nowait()
+        except trio.WouldBlock:
+            return notes
+        assert isinstance(msg, RingNote), f"unexpected {msg}"
+        notes.append(f"{msg.kind}: {msg.detail}")
 
 
 def control_client(network: Network, role: str, on_order: OnOrder) -> ControlClient:
@@ -121,13 +116,13 @@ async def test_scheduler_reports_each_nodes_control_rtt(
 ) -> None:
     """A node whose control link crosses 30 ms each way shows rtt_s of 60 ms in the
     scheduler's statistics, measured with Probe/ProbeReply while it heartbeats."""
-    hooks = NoHooks()
+    to_router, told = trio.open_memory_channel[RingControl](64)
     scheduler = Scheduler(
         node=COORD,
         slots=[Slot(NODE, 0, 1, NODE, "s0:1")],
         return_address="coord:ret",
         ring_link=None,
-        hooks=hooks,
+        to_router=to_router,
         policy=FailoverSpec(probe_s=0.5),
     )
     welcome = Welcome(node=COORD, role="coordinator", swarm=SWARM)
@@ -150,7 +145,7 @@ async def test_scheduler_reports_each_nodes_control_rtt(
         assert stats.members == ((NODE, "stage", True),)
         assert dict(stats.rtt_s)[NODE] == pytest.approx(0.06)
         nursery.cancel_scope.cancel()
-    assert any(NODE in e for e in hooks.events)
+    assert any(NODE in e for e in ring_notes(told))
 
 
 async def test_node_answers_probes_while_obeying_an_order(

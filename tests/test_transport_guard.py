@@ -20,6 +20,7 @@ import trio.testing
 
 import shard.nodes.coordinator as coordinator_root
 from shard.errors import HandshakeError
+from shard.failover.events import RingControl
 from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
     Fault,
@@ -254,23 +255,12 @@ async def test_client_that_stops_reading_is_cut_after_message_timeout(
 # --- the scheduler's control link -------------------------------------------
 
 
-class Hooks:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-
-    def pause(self, detail: str) -> None: ...
-
-    async def resume(self, detail: str) -> None: ...
-
-    async def fail(self, detail: str) -> None: ...
-
-    def event(self, kind: str, detail: str) -> None:
-        self.events.append((kind, detail))
-
-
 def scheduler() -> Scheduler:
+    """A scheduler whose messages to the router (joins, faults) go into a roomy buffer
+    nobody reads: this test watches only the control link."""
+    to_router, _ = trio.open_memory_channel[RingControl](64)
     slot = Slot(NodeName("s0"), 0, 2, NodeName("s0"), "127.0.0.1:1")
-    return Scheduler(node=ME, slots=[slot], return_address="x", ring_link=None, hooks=Hooks())
+    return Scheduler(node=ME, slots=[slot], return_address="x", ring_link=None, to_router=to_router)
 
 
 @pytest.mark.parametrize(

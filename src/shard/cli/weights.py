@@ -138,8 +138,8 @@ def seeder_main(args: argparse.Namespace) -> int:
     """``shard up --role seeder --spec SPEC --node NAME [--model DIR]``: serve until Ctrl-C."""
     from shard.model.bundled import resolve_model
     from shard.nodes.launcher import ready_line
+    from shard.nodes.seeder import run_seeder
     from shard.spec.swarm import load_spec
-    from shard.weights.block import make_seeder
 
     spec = load_spec(args.spec)
     names = [s.name for s in spec.fetch.seeders] if spec.fetch is not None else []
@@ -152,12 +152,10 @@ def seeder_main(args: argparse.Namespace) -> int:
         )
         return 2
     model_dir = Path(args.model) if args.model else resolve_model(spec.model)
-    seeder = make_seeder(spec, args.node, model_dir)
-    assert seeder is not None
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            address = await nursery.start(seeder.run)
+            address = await nursery.start(run_seeder, spec, args.node, model_dir)
             print(ready_line(args.node, address), flush=True)
 
     trio.run(serve)

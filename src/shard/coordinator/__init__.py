@@ -1,6 +1,8 @@
-"""shard.coordinator: the coordinator's actors — the router that owns sessions and links
-(``router.py``), one request's speculative loop (``driver.py``), text in / tokens out
-(``service.py``), the client side of that protocol (``client.py``) and per-request checkpoints
-(``checkpoint.py``). It may import decode, failover's replay log, observe, trust, transport and
-messages; never nodes or cli.
+"""shard.coordinator: the coordinator's actors — the router that owns sessions and their routes
+(``router.py``), one request's speculative loop (``driver.py``), the messages between them
+(``events.py``), the shared send side of the ring link (``gate.py``), statistics and the K/D
+model every request records into (``ledger.py``), text in / tokens out (``service.py``), the
+client side of that protocol (``client.py``), per-request checkpoints (``checkpoint.py``) and
+receipt gathering (``receipts.py``). It may import decode, failover (its replay log and the
+scheduler's messages), observe, trust, transport and messages; never nodes or cli.
 """

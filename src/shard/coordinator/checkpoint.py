@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 
+from shard.coordinator.events import OnTokens
 from shard.messages import Sampling
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -88,3 +90,45 @@ class CheckpointStore:
         """Checkpoints left by requests that never ended (a coordinator died), oldest first."""
         paths = sorted(self._dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
         return [RequestCheckpoint.from_json(p.read_text(), source=str(p)) for p in paths]
+
+
+def checkpointing(
+    store: CheckpointStore | None,
+    request_id: str | None,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    sampling: Sampling,
+    on_tokens: OnTokens | None,
+) -> OnTokens | None:
+    """``on_tokens`` that also saves the request's checkpoint as tokens are committed (as is
+    without a store or a request id)."""
+    if request_id is None or store is None:
+        return on_tokens
+    output: list[int] = []
+    prompt = tuple(int(t) for t in prompt_ids)
+
+    async def emit(ids: list[int]) -> None:
+        output.extend(ids)
+        store.save(RequestCheckpoint(request_id, prompt, tuple(output), max_tokens, sampling))
+        if on_tokens is not None:
+            await on_tokens(ids)
+
+    return emit
+
+
+def resuming(
+    store: CheckpointStore | None, checkpoint: RequestCheckpoint, on_tokens: OnTokens | None
+) -> OnTokens:
+    """``on_tokens`` for the rest of a resumed request: the checkpoint grows by every new
+    token (the ones it held are kept), and ``on_tokens`` sees only the new ones."""
+    done = checkpoint.output_ids
+
+    async def emit(ids: list[int]) -> None:
+        nonlocal done
+        done = (*done, *ids)
+        if store is not None:
+            store.save(attrs.evolve(checkpoint, output_ids=done))
+        if on_tokens is not None:
+            await on_tokens(ids)
+
+    return emit

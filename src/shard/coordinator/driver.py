@@ -1,38 +1,47 @@
 """RequestDriver: one request's session through the ring, from prefill to the last token.
 
-The coordinator (``shard.coordinator.router``) owns what requests share — the ring link, the routes
-that hand each session its verdicts, statistics, the K/D model — and runs one driver per
-request. The driver opens the session, streams the prompt, then runs the speculative loop
-(``shard.decode.speculation``): keep chunks in flight, fold verdicts into the stream, emit committed
-tokens. When the ring fails under it, it re-sends from its committed tokens in a new epoch
-(``Resync``): after a splice or a re-dialled edge, after frames were lost (a stage's ``gap``
-fault: from position 0), or after ``retry_after_s`` of silence. It never commits a token the
-target did not choose, and it never loses one: a request that cannot go on raises
+The router (``shard.coordinator.router``) owns what requests share and starts one driver per
+request, with its channels: the session's route (verdicts, faults and ``Resync`` in), the
+``RingGate`` (messages out, towards stage 0) and ``done`` (one ``SessionDone`` at the end). The
+driver opens the session, streams the prompt, then runs the speculative loop
+(``shard.decode.speculation``): keep chunks in flight, fold verdicts into the stream, emit
+committed tokens. When the ring fails under it, it re-sends from its committed tokens in a new
+epoch (``Resync``): after a splice or a re-dialled edge, after frames were lost (a stage's
+``gap`` fault: from position 0), or after ``retry_after_s`` of silence. It never commits a
+token the target did not choose, and it never loses one: a request that cannot go on ends with
 ``RingError`` carrying what was committed.
+
+What it records for statistics (laps, stale verdicts, K/D, events) goes to the ``Ledger`` by
+direct call, and its K/D controller comes from there: synchronous local records, never a wait
+(``shard.coordinator.ledger`` says why).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
-import attrs
 import trio
 
+from shard.coordinator.events import (
+    Completion,
+    OnTokens,
+    Resync,
+    RingError,
+    RouteEvent,
+    SessionDone,
+)
+from shard.coordinator.gate import RingDown, RingGate
+from shard.coordinator.ledger import Ledger
 from shard.decode.control import SpecConfig, SpecController
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.speculation import Outcome, SpecStream
 from shard.decode.state import DecodeState
-from shard.failover.replay import LoggedChunk
 from shard.messages import (
     ChunkSeq,
     Epoch,
     Fault,
-    Message,
-    NodeName,
     OpenSession,
     Prefill,
-    RunStats,
     Sampling,
     SessionId,
     Truncate,
@@ -41,94 +50,28 @@ from shard.messages import (
 )
 from shard.observe.ringstats import LapRecorder
 from shard.spec.limits import Limits
-from shard.trust.receipts import RunJob, RunReceipt
-
-OnTokens = Callable[[list[int]], Awaitable[None]]
-
-
-class RingDown(Exception):
-    """Raised inside a request when the ring was declared lost; ``Coordinator.generate``
-    turns it into ``RingError`` with the request's committed tokens."""
-
-
-class RingError(Exception):
-    """The ring could not finish a request (a stage fault or a broken link).
-
-    ``committed`` holds the token ids committed before the failure: nothing is lost silently.
-    """
-
-    def __init__(self, message: str, committed: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.committed = tuple(committed)
-
-
-@attrs.frozen
-class Resync:
-    """Scheduler -> request, in process: re-send from the committed tokens in a new epoch.
-
-    After a splice or a re-dialled edge (``full`` False: every stage holds the committed KV)
-    or after a stage reported a gap (``full``: re-send the session from position 0, so every
-    stage rebuilds what it misses)."""
-
-    full: bool
-    reason: str
-
-
-@attrs.frozen
-class Completion:
-    """A finished request: the committed ids, why it stopped, and what it cost."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    stats: RunStats
-    receipt: RunReceipt | None = None
-
-
-class RingPort(Protocol):
-    """What a driver needs from its coordinator (``shard.coordinator.router.Coordinator``)."""
-
-    @property
-    def node(self) -> NodeName: ...
-
-    @property
-    def recovering(self) -> bool: ...
-
-    def wall_clock(self) -> float: ...
-
-    def job(self, sid: SessionId) -> RunJob | None: ...
-
-    def sent_chunks(self, sid: SessionId) -> tuple[LoggedChunk, ...]: ...
-
-    def control_for(self, spec: SpecConfig) -> SpecController: ...
-
-    def note_stale(self) -> None: ...
-
-    def sessions(self) -> int:
-        """Sessions in flight on this ring (they share its stages)."""
-        ...
-
-    def note_kd(self, k: int, depth: int) -> None: ...
-
-    def event(self, kind: str, detail: str) -> None: ...
-
-    def lap(
-        self, laps: LapRecorder, verdict: Verdict, *, committed: int, outcome: Outcome | None = None
-    ) -> None: ...
-
-    async def emit(self, ids: Sequence[int], on_tokens: OnTokens | None) -> None: ...
-
-    async def send(self, msg: Message) -> None: ...
+from shard.trust.receipts import RunJob
 
 
 class RequestDriver:
-    """Drives one session (see the module docstring); ``drive`` runs it to completion."""
+    """Drives one session (see the module docstring); ``run`` runs it to its end.
+
+    The route stays open when the driver ends: the router reads the stages' receipts from it.
+
+    Cancellation: cancelling ``run`` stops the request where it is (the router ends the
+    session on the ring). Errors: the request's own failures (``RingError``, the ring lost)
+    end it with a ``SessionDone`` holding the error; ``on_tokens``'s errors and bugs propagate.
+    """
 
     def __init__(
         self,
-        ring: RingPort,
         *,
         sid: SessionId,
-        verdicts: trio.MemoryReceiveChannel[Message | Resync],
+        route: trio.MemoryReceiveChannel[RouteEvent],
+        done: trio.MemorySendChannel[SessionDone],
+        ring: RingGate,
+        ledger: Ledger,
+        job: RunJob | None,
         prompt_ids: Sequence[int],
         state: DecodeState,
         sampling: Sampling,
@@ -138,16 +81,18 @@ class RequestDriver:
         drafter: Drafter | None,
     ) -> None:
         self._ring = ring
+        self._ledger = ledger
         self._sid = sid
-        self._verdicts = verdicts
+        self._route = route
+        self._done = done
+        self._job = job
         self._prompt = prompt_ids
         self._state = state
         self._on_tokens = on_tokens
         self._spec = spec
         self._limits = limits
         self._drafter = drafter
-        self._laps = LapRecorder(ring.node, ring.wall_clock)
-        job = ring.job(sid)
+        self._laps = LapRecorder(ledger.node, ledger.wall_clock)
         self._opening = OpenSession(
             session=sid,
             max_len=limits.max_len,
@@ -158,11 +103,28 @@ class RequestDriver:
         self._resyncs = 0
         self._progress_at = trio.current_time()
 
-    async def drive(self) -> Completion:
-        state, laps, ring = self._state, self._laps, self._ring
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._done:
+            outcome: Completion | RingError
+            try:
+                outcome = await self._drive()
+            except RingDown as exc:
+                outcome = RingError(str(exc), committed=self._state.output)
+            except RingError as exc:
+                outcome = exc
+            await self._done.send(SessionDone(self._sid, outcome))
+
+    async def _emit(self, ids: Sequence[int]) -> None:
+        self._ledger.committed(len(ids))
+        if ids and self._on_tokens is not None:
+            await self._on_tokens(list(ids))
+
+    async def _drive(self) -> Completion:
+        state, laps, ledger = self._state, self._laps, self._ledger
         first = await self._prefill()
-        ring.lap(laps, first, committed=len(first.target_ids))
-        await ring.emit(state.commit(first.target_ids), self._on_tokens)
+        ledger.lap(laps, first, committed=len(first.target_ids))
+        await self._emit(state.commit(first.target_ids))
         stream = SpecStream(
             decode=state,
             committed=[*self._prompt, *first.target_ids],
@@ -174,7 +136,7 @@ class RequestDriver:
         proposer = None
         if self._drafter is not None and self._spec.enabled:
             proposer = self._drafter.session(self._prompt)
-        control = ring.control_for(self._spec if proposer else SpecConfig(k=0, depth=1))
+        control = ledger.control_for(self._spec if proposer else SpecConfig(k=0, depth=1))
         max_depth = 1
         while not state.done:
             max_depth = max(max_depth, await self._fill(stream, proposer, control))
@@ -189,7 +151,7 @@ class RequestDriver:
             control.observe_lap(laps.last_lap_s, max((h.compute_s for h in event.hops), default=0))
             if proposer is not None:
                 proposer.feedback(outcome.drafted, outcome.accepted)
-            await ring.emit(outcome.emitted, self._on_tokens)
+            await self._emit(outcome.emitted)
         assert state.finish_reason is not None
         return Completion(
             token_ids=tuple(state.output),
@@ -200,24 +162,24 @@ class RequestDriver:
     async def _fold(self, stream: SpecStream, verdict: Verdict) -> Outcome | None:
         """Fold a verdict into the stream; None when it changed nothing (stale, duplicate,
         or out of order — which re-sends)."""
-        ring = self._ring
+        ledger = self._ledger
         head = stream.inflight[0].seq if stream.inflight else None
         if verdict.epoch == stream.epoch and head is not None and verdict.seq != head:
             if verdict.seq < head:  # a duplicate of one already folded in
-                ring.note_stale()
+                ledger.stale()
                 return None
             why = Resync(False, f"verdict {verdict.seq} arrived before {head}")
             await self._resync(stream, why)
             return None
         outcome = stream.on_verdict(verdict)
         if outcome.stale:
-            ring.note_stale()
+            ledger.stale()
             self._laps.discard(verdict.seq)
             return None
-        ring.lap(self._laps, verdict, committed=len(outcome.emitted), outcome=outcome)
+        ledger.lap(self._laps, verdict, committed=len(outcome.emitted), outcome=outcome)
         if outcome.bumped_epoch is not None:
-            ring.event("epoch", f"session {self._sid}: epoch {outcome.bumped_epoch}")
-            await ring.send(
+            ledger.event("epoch", f"session {self._sid}: epoch {outcome.bumped_epoch}")
+            await self._ring.send(
                 Truncate(session=self._sid, epoch=outcome.bumped_epoch, position=stream.feed)
             )
         return outcome
@@ -239,18 +201,20 @@ class RequestDriver:
                 await ring.send(
                     Prefill(sid, epoch, ChunkSeq(seq), start=start, final=final, ids=ids)
                 )
-                if (job := ring.job(sid)) is not None:
-                    job.sent_chunk(0, seq, start, ids)
+                if self._job is not None:
+                    self._job.sent_chunk(0, seq, start, ids)
             while True:
                 event = await self._next_event(epoch)
                 if isinstance(event, Resync) or event.epoch == epoch:
                     break
-                ring.note_stale()
+                self._ledger.stale()
             if isinstance(event, Verdict):
                 return event
             self._count(event.reason)
             epoch = Epoch(epoch + 1)
-            ring.event("resync", f"session {sid}: prefill again in epoch {epoch}: {event.reason}")
+            self._ledger.event(
+                "resync", f"session {sid}: prefill again in epoch {epoch}: {event.reason}"
+            )
             await ring.send(Truncate(session=sid, epoch=epoch, position=0))
 
     async def _resync(self, stream: SpecStream, why: Resync) -> None:
@@ -259,11 +223,11 @@ class RequestDriver:
         self._count(why.reason)
         sid, ring = self._sid, self._ring
         epoch = stream.resync()
-        ring.event("resync", f"session {sid}: epoch {epoch}: {why.reason}")
+        self._ledger.event("resync", f"session {sid}: epoch {epoch}: {why.reason}")
         await ring.send(Truncate(session=sid, epoch=epoch, position=stream.feed))
         if not why.full:
             return
-        chunks = [c for c in ring.sent_chunks(sid) if c.start < stream.feed]
+        chunks = [c for c in ring.chunks(sid) if c.start < stream.feed]
         await ring.send(self._opening)
         for c in chunks:
             seq = ChunkSeq(stream.next_seq)
@@ -275,8 +239,8 @@ class RequestDriver:
     ) -> int:
         """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
         sid, ring = self._sid, self._ring
-        k, depth = control.choose(sessions=ring.sessions())
-        ring.note_kd(k, depth)
+        k, depth = control.choose(sessions=self._ledger.sessions)
+        self._ledger.kd(k, depth)
         while len(stream.inflight) < depth:
             wanted = stream.drafts_wanted(k)
             if wanted and proposer is not None and self._drafter is not None:
@@ -290,8 +254,8 @@ class RequestDriver:
             await ring.send(
                 Verify(sid, chunk.epoch, chunk.seq, chunk.start, ids=chunk.ids, draft=chunk.draft)
             )
-            if (job := ring.job(sid)) is not None:
-                job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
+            if self._job is not None:
+                self._job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
         if not stream.inflight:
             raise RuntimeError(f"session {sid}: nothing in flight and nothing to send")
         return len(stream.inflight)
@@ -304,21 +268,21 @@ class RequestDriver:
         may have been lost), and none for ``verdict_timeout_s`` (measured from the last
         verdict, across re-sends) ends the request.
         """
-        limits, ring, state = self._limits, self._ring, self._state
+        limits, ledger, state = self._limits, self._ledger, self._state
         while True:
             quiet = trio.current_time() - self._progress_at
             slice_s = max(0.0, min(limits.retry_after_s, limits.verdict_timeout_s - quiet))
             with trio.move_on_after(slice_s) as waited:
-                msg = await self._verdicts.receive()
+                msg = await self._route.receive()
             if waited.cancelled_caught:
                 quiet = trio.current_time() - self._progress_at
-                if ring.recovering:
+                if self._ring.repairing:
                     self._progress_at = trio.current_time()  # the repair's deadlines bound it
                     continue
                 if quiet < limits.verdict_timeout_s:
                     return Resync(full=False, reason=f"no verdict for {quiet:g} s")
                 detail = f"no answer from the ring for {quiet:g} s"
-                ring.event("fault", detail)
+                ledger.event("fault", detail)
                 raise RingError(
                     f"{detail}: a stage is stalled or a link is silently dead; "
                     "the request stops here with the tokens committed so far",
@@ -329,17 +293,21 @@ class RequestDriver:
             if isinstance(msg, Fault) and msg.kind == "gap" and msg.session is not None:
                 if msg.epoch is not None and msg.epoch < epoch:
                     continue  # reported before the last re-send
-                ring.event("fault", f"{msg.node}: gap: {msg.detail}")
+                ledger.event("fault", f"{msg.node}: gap: {msg.detail}")
                 return Resync(full=True, reason=f"{msg.node} lacks KV: {msg.detail}")
             if isinstance(msg, Fault):
-                ring.event("fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})")
+                ledger.event(
+                    "fault", f"{msg.node}: {msg.kind}: {msg.detail} (session {msg.session})"
+                )
                 raise RingError(f"{msg.node}: {msg.kind}: {msg.detail}", committed=state.output)
             if not isinstance(msg, Verdict):
                 raise RingError(
                     f"unexpected {type(msg).__name__} mid-request", committed=state.output
                 )
-            if (job := ring.job(msg.session)) is not None:
-                job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
+            if self._job is not None:
+                self._job.received_verdict(
+                    msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted
+                )
             self._progress_at = trio.current_time()
             return msg
 

@@ -1,14 +1,16 @@
-"""Coordinator: sessions, and what the requests driving the ring share.
+"""Coordinator: the router of sessions, and what the requests driving the ring share.
 
 The coordinator holds no transformer layers. Each request gets a session on every stage and a
-``RequestDriver`` (``shard.coordinator.driver``) that streams the prompt through the ring and runs
-the
-(speculative) decoding loop until end-of-sequence or ``max_tokens``. Verdicts come straight
-back from the tail (direct return) on ``from_ring``; a router task hands each one to the
-request that owns its session, so many sessions interleave through one ring. The coordinator
-owns the shared parts: the routes, the send side of the ring link (and the log of what each
-session sent), the K/D model, statistics and events, receipts, checkpoints, and the hooks the
-scheduler (``shard.failover.scheduler``) uses to pause, resume or fail the requests during a repair.
+``RequestDriver`` (``shard.coordinator.driver``) that streams the prompt through the ring and
+runs the (speculative) decoding loop until end-of-sequence or ``max_tokens``. Verdicts come
+straight back from the tail (direct return) on ``from_ring``; the router hands each one to
+the route of the session that owns it, so many sessions interleave through one ring.
+
+The router owns the routes and the shared parts: the ring gate (the send side of the ring
+link, its log, the ring's condition: ``shard.coordinator.gate``), the ledger (statistics,
+events and the K/D model: ``shard.coordinator.ledger``), receipts and checkpoints. The
+scheduler (``shard.failover.scheduler``) tells it about repairs on the ``control`` channel:
+``Pause``, ``Resume``, ``RingLost`` and ``RingNote`` (``shard.failover.events``).
 
 Chunking is identical to the single-process reference (``shard.decode.reference``): the same prefill
 chunk size, then one position per step, so greedy output is token-identical to one machine.
@@ -19,29 +21,36 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
-from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
-from shard.coordinator.driver import (
+from shard.coordinator.checkpoint import (
+    CheckpointStore,
+    RequestCheckpoint,
+    checkpointing,
+    resuming,
+)
+from shard.coordinator.driver import RequestDriver
+from shard.coordinator.events import (
     Completion,
     OnTokens,
-    RequestDriver,
     Resync,
-    RingDown,
     RingError,
+    RouteEvent,
+    SessionDone,
 )
-from shard.decode.control import RunLengths, SpecConfig, SpecController
+from shard.coordinator.gate import RingGate
+from shard.coordinator.ledger import CoordinatorStatistics, Ledger
+from shard.coordinator.receipts import collect_receipts
+from shard.decode.control import SpecConfig
 from shard.decode.draft import Drafter
-from shard.decode.speculation import Outcome
 from shard.decode.state import BadRequest, DecodeState, check_sampling
-from shard.failover.replay import LoggedChunk, ReplayLog
+from shard.failover.events import Pause, Resume, RingControl, RingLost
+from shard.failover.replay import ReplayLog
 from shard.messages import (
     SESSION_BITS,
-    EndSession,
     Fault,
     Message,
     NodeName,
@@ -51,41 +60,21 @@ from shard.messages import (
     StageReceiptOut,
     Verdict,
 )
-from shard.observe.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
 from shard.spec.limits import Limits
-from shard.trust.receipts import EdgeRecord, RunJob, RunSigner
+from shard.trust.receipts import RunJob, RunSigner
 
 # Verdicts a session's route can hold before the router waits: the chunks in flight
 # (depth_max) plus stale ones still arriving after a rejection, and a late Fault.
 _SESSION_BUFFER = 16
-_EVENTS_KEPT = 64
-
-
-@attrs.frozen
-class CoordinatorStatistics:
-    """The coordinator's counters plus the rolling view of the ring (``ring``).
-
-    ``k`` is the current draft length (0: plain decoding) and ``depth`` the verify chunks kept
-    in flight per session; ``events`` are the most recent ring events, oldest first.
-    """
-
-    node: NodeName
-    sessions_open: int
-    requests_done: int
-    requests_failed: int
-    tokens: int
-    k: int
-    depth: int
-    stale_dropped: int
-    ring: RingStatistics
-    events: tuple[RingEvent, ...]
 
 
 class Coordinator:
-    """Drives requests through the ring.
+    """The router: drives requests through the ring.
 
-    ``run`` routes verdicts and faults from the ring to the request that owns the session;
-    ``generate`` serves one request and may be called from many tasks at once.
+    ``run`` routes verdicts and faults from the ring to the request that owns the session, and
+    applies the scheduler's messages from ``control``; ``generate`` serves one request and may
+    be called from many tasks at once. ``statistics``, ``reset_statistics`` and ``event`` are
+    the ledger's snapshot and records (the status feed's calls).
 
     Cancellation: cancelling ``generate`` ends its session on the ring (a shielded
     ``EndSession``, bounded by one second); cancelling ``run`` stops routing, and requests
@@ -102,6 +91,7 @@ class Coordinator:
         eos_ids: Sequence[int],
         to_ring: trio.MemorySendChannel[Message],
         from_ring: trio.MemoryReceiveChannel[Message],
+        control: trio.MemoryReceiveChannel[RingControl] | None = None,
         limits: Limits = Limits(),
         drafter: Drafter | None = None,
         speculation: SpecConfig = SpecConfig(),
@@ -111,40 +101,27 @@ class Coordinator:
         incarnation: int = 0,
         sent_log: ReplayLog | None = None,
     ) -> None:
-        """``checkpoints`` keeps each running request's committed tokens on disk (so a
-        restarted coordinator can ``resume_request`` it); ``incarnation`` goes into the high bits of
-        session ids, so a restarted coordinator's sessions never collide with the ones its
-        predecessor left on the stages (which drop those: ``shard.stage.executor``). ``sent_log`` is
-        the log of what each session sent (default: a fresh one)."""
+        """``control`` carries the scheduler's messages (None: no scheduler, a test's ring).
+        ``checkpoints`` keeps each running request's committed tokens on disk (so a
+        restarted coordinator can ``resume_request`` it); ``incarnation`` goes into the high
+        bits of session ids, so a restarted coordinator's sessions never collide with the ones
+        its predecessor left on the stages (which drop those: ``shard.stage.executor``).
+        ``sent_log`` is the log of what each session sent (default: a fresh one); the ring
+        link replays it to a standby that replaces stage 0."""
         self._node = node
         self._eos_ids = tuple(eos_ids)
-        self._to_ring = to_ring
         self._from_ring = from_ring
+        self._control = control
         self._limits = limits
-        self._wall_clock = wall_clock
         self._drafter = drafter
         self._spec = speculation
         self._signer = signer
-        self._jobs: dict[SessionId, RunJob] = {}
-        self._k, self._depth = 0, 1
-        self._routes: dict[SessionId, trio.MemorySendChannel[Message | Resync]] = {}
-        # What each session sent, in order: full re-sends come from here, and the ring link
-        # replays it to a standby that replaces stage 0 (one log, kept here: ``sent_log``).
-        self._sent = sent_log if sent_log is not None else ReplayLog()
-        # K/D policy state shared by requests: timings and acceptance by run length
-        self._control = SpecController(speculation, runs=RunLengths())
-        self._recovering: str | None = None
-        self._sending: set[trio.CancelScope] = set()
+        self._routes: dict[SessionId, trio.MemorySendChannel[RouteEvent]] = {}
+        self._gate = RingGate(to_ring, sent_log if sent_log is not None else ReplayLog())
+        self._ledger = Ledger(node, speculation, wall_clock)
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
         self._checkpoints = checkpoints
         self._slots = trio.Semaphore(limits.max_sessions)
-        self._ring_fault: Fault | None = None
-        self._done = 0
-        self._failed = 0
-        self._tokens = 0
-        self._stale = 0
-        self._monitor = RingMonitor(node)
-        self._events: deque[RingEvent] = deque(maxlen=_EVENTS_KEPT)
 
     @property
     def limits(self) -> Limits:
@@ -155,116 +132,63 @@ class Coordinator:
         """The swarm's K/D policy (requests may override it)."""
         return self._spec
 
-    def statistics(self) -> CoordinatorStatistics:
-        return CoordinatorStatistics(
-            node=self._node,
-            sessions_open=len(self._routes),
-            requests_done=self._done,
-            requests_failed=self._failed,
-            tokens=self._tokens,
-            k=self._k,
-            depth=self._depth,
-            stale_dropped=self._stale,
-            ring=self._monitor.snapshot(trio.current_time()),
-            events=tuple(self._events),
-        )
-
-    def reset_statistics(self) -> None:
-        """Clear the rolling ring statistics (counters since start are kept)."""
-        self._monitor.reset()
-
-    def event(self, kind: str, detail: str) -> None:
-        """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
-        self._events.append(RingEvent(at=self._wall_clock(), kind=kind, detail=detail))
-
-    # --- what a request's driver uses (shard.coordinator.driver.RingPort) -------------------------
-
     @property
     def sent_log(self) -> ReplayLog:
         """What each session sent towards stage 0 (its ring link replays it after a splice)."""
-        return self._sent
+        return self._gate.log
 
-    @property
-    def node(self) -> NodeName:
-        return self._node
+    def statistics(self) -> CoordinatorStatistics:
+        return self._ledger.statistics()
 
-    @property
-    def recovering(self) -> bool:
-        """The scheduler is repairing the ring: requests wait instead of timing out."""
-        return self._recovering is not None
+    def reset_statistics(self) -> None:
+        """Clear the rolling ring statistics (counters since start are kept)."""
+        self._ledger.reset()
 
-    def wall_clock(self) -> float:
-        return self._wall_clock()
+    def event(self, kind: str, detail: str) -> None:
+        """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
+        self._ledger.event(kind, detail)
 
-    def job(self, sid: SessionId) -> RunJob | None:
-        return self._jobs.get(sid)
+    # --- the router -------------------------------------------------------------------
 
-    def sent_chunks(self, sid: SessionId) -> tuple[LoggedChunk, ...]:
-        return self._sent.chunks(sid)
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self._from_ring, trio.open_nursery() as nursery:
+            if self._control is not None:
+                nursery.start_soon(self._obey, self._control)
+            task_status.started()
+            async for msg in self._from_ring:
+                await self._route(msg)
+            nursery.cancel_scope.cancel()
 
-    def control_for(self, spec: SpecConfig) -> SpecController:
-        """A K/D controller for a new request, starting from the last one's measurements."""
-        self._control = self._control.carry(spec)
-        return self._control
+    async def _obey(self, control: trio.MemoryReceiveChannel[RingControl]) -> None:
+        """Apply the scheduler's messages; never waits on a request (routes get
+        ``send_nowait``), so the scheduler never waits on the router."""
+        async with control:
+            async for msg in control:
+                self._apply(msg)
 
-    def note_stale(self) -> None:
-        self._stale += 1
+    def _apply(self, msg: RingControl) -> None:
+        if isinstance(msg, Pause):  # requests wait instead of timing out
+            self._gate.pause(msg.detail)
+            self._ledger.event("fault", msg.detail)
+        elif isinstance(msg, Resume):  # every request re-sends from its committed tokens
+            self._gate.resume()
+            self._ledger.event("splice", msg.detail)
+            self._notify(Resync(full=False, reason=msg.detail))
+        elif isinstance(msg, RingLost):  # every request ends with RingError
+            fault = Fault(node=self._node, kind="ring", detail=msg.detail)
+            self._gate.resume()
+            self._gate.lose(fault, cancel_sends=True)
+            self._ledger.event("fault", msg.detail)
+            self._notify(fault)
+        else:
+            self._ledger.event(msg.kind, msg.detail)
 
-    def sessions(self) -> int:
-        return len(self._routes)
-
-    def note_kd(self, k: int, depth: int) -> None:
-        self._k, self._depth = k, depth
-
-    # --- what the scheduler asks (shard.failover.scheduler.RingHooks) -----------------------------
-
-    def pause(self, detail: str) -> None:
-        """The ring is being repaired: requests wait instead of timing out."""
-        self._recovering = detail
-        self.event("fault", detail)
-
-    async def resume(self, detail: str) -> None:
-        """The ring is whole again: every request re-sends from its committed tokens."""
-        self._recovering = None
-        self.event("splice", detail)
-        self._notify(Resync(full=False, reason=detail))
-
-    async def fail(self, detail: str) -> None:
-        """The ring cannot be repaired: every request ends with ``RingError``."""
-        self._recovering = None
-        self._ring_fault = Fault(node=self._node, kind="ring", detail=detail)
-        self.event("fault", detail)
-        self._notify(self._ring_fault)
-        for scope in self._sending:
-            scope.cancel()  # a send waiting on a ring link that will never be rewired
-
-    def _notify(self, msg: Message | Resync) -> None:
+    def _notify(self, msg: RouteEvent) -> None:
         for route in list(self._routes.values()):
             try:
                 route.send_nowait(msg)
             except trio.WouldBlock:
                 pass  # that request has a backlog to read first; its retry timer covers it
-
-    async def send(self, msg: Message) -> None:
-        """Send towards stage 0. Errors: ``RingDown`` once the ring is declared lost (also
-        while this send waits on a link being repaired)."""
-        if self._ring_fault is None:
-            with trio.CancelScope() as scope:
-                self._sending.add(scope)
-                try:
-                    self._sent.record(msg)
-                    await self._to_ring.send(msg)
-                    return
-                finally:
-                    self._sending.discard(scope)
-        assert self._ring_fault is not None
-        raise RingDown(f"the ring is down: {self._ring_fault.detail}")
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self._from_ring:
-            task_status.started()
-            async for msg in self._from_ring:
-                await self._route(msg)
 
     async def _route(self, msg: Message) -> None:
         if isinstance(msg, Verdict | Fault | StageReceiptOut) and msg.session is not None:
@@ -275,10 +199,12 @@ class Coordinator:
         if isinstance(msg, Fault) and msg.node == self._node:
             # A fault with no session raised by this node's own links is the ring itself
             # failing: every request is affected. (Stages never relay session-less faults.)
-            self._ring_fault = msg
-            self.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
+            self._gate.lose(msg, cancel_sends=False)
+            self._ledger.event("fault", f"{msg.node}: {msg.kind}: {msg.detail}")
             for route in list(self._routes.values()):
                 await route.send(msg)
+
+    # --- requests ---------------------------------------------------------------------
 
     async def generate(
         self,
@@ -306,6 +232,10 @@ class Coordinator:
         ``request_id`` names the request's checkpoint (with a checkpoint store): its committed
         tokens are saved as they come, and the file is removed when the request ends.
 
+        A call, not a message to the router: the request's driver runs in the caller's own
+        task, so a caller that goes away cancels its request (and ends its session), and
+        ``on_tokens`` runs where the caller can handle what it raises.
+
         Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
         ``RingError`` when the ring fails the request.
         """
@@ -314,74 +244,85 @@ class Coordinator:
         state = DecodeState.start(
             len(prompt_ids), max_tokens, eos_ids, max_len=self._limits.max_len
         )
+        spec = speculation or self._spec
+        on_tokens = checkpointing(
+            self._checkpoints, request_id, prompt_ids, max_tokens, sampling, on_tokens
+        )
         async with self._slots:
-            if self._ring_fault is not None:
-                raise RingError(f"the ring is down: {self._ring_fault.detail}")
+            if (lost := self._gate.lost) is not None:
+                raise RingError(f"the ring is down: {lost.detail}")
             sid = SessionId(next(self._session_ids))
-            send, recv = trio.open_memory_channel[Message | Resync](_SESSION_BUFFER)
-            self._routes[sid] = send
-            if receipt:
-                if self._signer is None:
-                    raise BadRequest("this coordinator has no key to sign receipts with")
-                self._jobs[sid] = RunJob.start(prompt_ids, os.urandom(16))
+            route_send, route = trio.open_memory_channel[RouteEvent](_SESSION_BUFFER)
+            self._routes[sid] = route_send
+            self._ledger.sessions = len(self._routes)
             ended = False
             try:
-                driver = RequestDriver(
-                    self,
-                    sid=sid,
-                    verdicts=recv,
-                    prompt_ids=prompt_ids,
-                    state=state,
-                    sampling=sampling,
-                    on_tokens=self._checkpointing(
-                        request_id, prompt_ids, max_tokens, sampling, on_tokens
-                    ),
-                    spec=speculation or self._spec,
-                    limits=self._limits,
-                    drafter=self._drafter,
+                job = self._job(prompt_ids) if receipt else None
+                completion = await self._drive(
+                    sid, route, job, prompt_ids, state, sampling, on_tokens, spec
                 )
-                completion = await driver.drive()
                 if request_id is not None and self._checkpoints is not None:
                     self._checkpoints.done(request_id)
-                if receipt:
+                if job is not None and self._signer is not None:
                     ended = True
-                    completion = await self._collect_receipts(sid, recv, completion)
-            except RingDown as exc:
-                self._failed += 1
-                raise RingError(str(exc), committed=state.output) from None
+                    await self._gate.end_session(sid)
+                    completion = await collect_receipts(
+                        job, self._signer, route, completion, self._limits.receipt_timeout_s
+                    )
             except RingError:
-                self._failed += 1
+                self._ledger.request_failed()
                 raise
             finally:
                 del self._routes[sid]
-                self._jobs.pop(sid, None)
+                self._ledger.sessions = len(self._routes)
                 if not ended:
-                    await self._end_session(sid)
-                self._sent.record(EndSession(session=sid))
-        self._done += 1
+                    await self._gate.end_session(sid)
+                self._gate.ended(sid)
+        self._ledger.request_done()
         return completion
 
-    def _checkpointing(
+    def _job(self, prompt_ids: Sequence[int]) -> RunJob:
+        if self._signer is None:
+            raise BadRequest("this coordinator has no key to sign receipts with")
+        return RunJob.start(prompt_ids, os.urandom(16))
+
+    async def _drive(
         self,
-        request_id: str | None,
+        sid: SessionId,
+        route: trio.MemoryReceiveChannel[RouteEvent],
+        job: RunJob | None,
         prompt_ids: Sequence[int],
-        max_tokens: int,
+        state: DecodeState,
         sampling: Sampling,
         on_tokens: OnTokens | None,
-    ) -> OnTokens | None:
-        store = self._checkpoints
-        if request_id is None or store is None:
-            return on_tokens
-        output: list[int] = []
-        prompt = tuple(int(t) for t in prompt_ids)
-
-        async def emit(ids: list[int]) -> None:
-            output.extend(ids)
-            store.save(RequestCheckpoint(request_id, prompt, tuple(output), max_tokens, sampling))
-            if on_tokens is not None:
-                await on_tokens(ids)
-
-        return emit
+        spec: SpecConfig,
+    ) -> Completion:
+        """Run the session's driver in this task (a nursery of one child would only wrap
+        what it raises in a group) and read its ``SessionDone``. Errors: the ``RingError``
+        it ended with."""
+        # One message per session, read once the driver returned: never waited on.
+        done_send, done = trio.open_memory_channel[SessionDone](1)
+        driver = RequestDriver(
+            sid=sid,
+            route=route,
+            done=done_send,
+            ring=self._gate,
+            ledger=self._ledger,
+            job=job,
+            prompt_ids=prompt_ids,
+            state=state,
+            sampling=sampling,
+            on_tokens=on_tokens,
+            spec=spec,
+            limits=self._limits,
+            drafter=self._drafter,
+        )
+        async with done:
+            await driver.run()
+            ended = done.receive_nowait()
+        if isinstance(ended.outcome, RingError):
+            raise ended.outcome
+        return ended.outcome
 
     async def resume_request(
         self,
@@ -398,102 +339,28 @@ class Coordinator:
         """
         done = checkpoint.output_ids
         left = checkpoint.max_tokens - len(done)
+        store = self._checkpoints
         if left <= 0 or (done and done[-1] in self._eos_ids):
-            if self._checkpoints is not None:
-                self._checkpoints.done(checkpoint.request)
+            if store is not None:
+                store.done(checkpoint.request)
             reason = "stop" if done and done[-1] in self._eos_ids else "length"
             return Completion(done, reason, RunStats(0, 0.0, 0.0, 0.0, 0, 0.0))
-        store = self._checkpoints
-
-        async def emit(ids: list[int]) -> None:
-            nonlocal done
-            done = (*done, *ids)
-            if store is not None:
-                store.save(attrs.evolve(checkpoint, output_ids=done))
-            if on_tokens is not None:
-                await on_tokens(ids)
-
         rest = await self.generate(
             (*checkpoint.prompt_ids, *checkpoint.output_ids),
             max_tokens=left,
             sampling=checkpoint.sampling,
-            on_tokens=emit,
+            on_tokens=resuming(store, checkpoint, on_tokens),
             speculation=speculation,
         )
         if store is not None:
             store.done(checkpoint.request)
         return attrs.evolve(rest, token_ids=(*checkpoint.output_ids, *rest.token_ids))
 
-    async def _end_session(self, sid: SessionId) -> None:
-        """Free the session on every stage; shielded and bounded (runs during cancellation)."""
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-            try:
-                await self._to_ring.send(EndSession(session=sid))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the ring link is gone: there is no session left to end
 
-    async def _collect_receipts(
-        self,
-        sid: SessionId,
-        route: trio.MemoryReceiveChannel[Message | Resync],
-        completion: Completion,
-    ) -> Completion:
-        """End the session, gather every stage's receipt (recording the verdicts still in
-        flight, which the tail's chain includes), and sign the run receipt."""
-        job, signer = self._jobs[sid], self._signer
-        assert signer is not None
-        await self._end_session(sid)
-        with trio.move_on_after(self._limits.receipt_timeout_s) as waited:
-            while len(job.stages) < signer.n_stages:
-                msg = await route.receive()
-                if isinstance(msg, Verdict):
-                    job.received_verdict(
-                        msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted
-                    )
-                elif isinstance(msg, StageReceiptOut):
-                    job.stage_receipt(msg.receipt)
-                elif isinstance(msg, Fault) and msg.kind != "gap":
-                    raise RingError(f"{msg.node}: {msg.detail}", committed=completion.token_ids)
-                elif isinstance(msg, Resync):
-                    raise RingError(
-                        f"the ring was repaired before every receipt arrived ({msg.reason}); "
-                        "receipts do not span a splice",
-                        committed=completion.token_ids,
-                    )
-        if waited.cancelled_caught:
-            raise RingError(
-                f"only {len(job.stages)} of {signer.n_stages} stage receipts arrived",
-                committed=completion.token_ids,
-            )
-        stats = completion.stats
-        run = job.finish(
-            signer,
-            output_ids=completion.token_ids,
-            edges=[EdgeRecord(e.src, e.dst, round(e.mean_s, 6)) for e in stats.edges],
-            tok_s=stats.tok_s,
-            alpha=stats.accepted / stats.drafted if stats.drafted else None,
-        )
-        return attrs.evolve(completion, receipt=run)
-
-    def lap(
-        self, laps: LapRecorder, verdict: Verdict, *, committed: int, outcome: Outcome | None = None
-    ) -> None:
-        lap_s, sent_wall = laps.received(verdict.seq, verdict.hops, outcome)
-        self._monitor.lap(
-            lap_s=lap_s,
-            sent_wall=sent_wall,
-            arrived_wall=self._wall_clock(),
-            hops=verdict.hops,
-            committed=committed,
-            drafted=outcome.drafted if outcome else 0,
-            accepted=outcome.accepted if outcome else 0,
-        )
-
-    async def emit(self, ids: Sequence[int], on_tokens: OnTokens | None) -> None:
-        self._tokens += len(ids)
-        self._monitor.committed(trio.current_time(), len(ids))
-        if ids and on_tokens is not None:
-            await on_tokens(list(ids))
-
-
-__all__ = ["Completion", "Coordinator", "Resync", "RingError"]
+__all__ = [
+    "Completion",
+    "Coordinator",
+    "CoordinatorStatistics",
+    "Resync",
+    "RingError",
+]

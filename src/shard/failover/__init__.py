@@ -1,6 +1,8 @@
-"""shard.failover: surviving a node that dies — the scheduler (control plane: registry, death
-detection, splicing standbys in, ``scheduler.py``), the control links (``control.py``), a
-supervised ring edge with heartbeats and deadlines (``edge.py``), the replay log of what was
+"""shard.failover: surviving a node that dies — the scheduler (control plane: death detection,
+queueing repairs, ``scheduler.py``), its registry of members and slots (``registry.py``), the
+repairs themselves (splicing standbys in, re-dialling edges: ``splice.py``), the messages it
+queues and sends the coordinator's router (``events.py``), the control links (``control.py``),
+a supervised ring edge with heartbeats and deadlines (``edge.py``), the replay log of what was
 sent downstream (``replay.py``), scripted faults on real processes (``script.py``) and
 seeded fault injection for tests (``faults.py``: test support, which nothing in ``src``
 imports).

@@ -6,7 +6,13 @@ heartbeats both ways. The scheduler watches the heartbeats (a silent node is dea
 orders on the same link: ``Activate`` (a standby joins the ring) and ``Rewire`` (re-dial the
 downstream edge, replaying the log). Each order is answered with ``Ready``, each ``Probe``
 at once with a ``ProbeReply`` (the scheduler's RTT to this node, ``shard.failover.rtt``). Link
-faults the node sees on its ring edges go up the same way, as ``Fault`` messages.
+faults the node sees on its ring edges arrive on the ``faults`` channel and go up the same way,
+as ``Fault`` messages (dropped, and logged, while the control link is down: the scheduler's own
+heartbeats cover a node it cannot hear from).
+
+Orders are carried out through ``on_order``, a call into the node that owns this client: the
+reply (``Ready``, ok or not) must say how the order went, so it is a request with its answer,
+not a message sent and forgotten.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
 finds its warm ring registering again).
@@ -56,7 +62,11 @@ class ControlClient:
     """See the module docstring.
 
     ``register`` builds the ``Register`` sent on each (re)connection, so a standby that was
-    activated re-registers as a stage. Cancellation: cancelling ``run`` closes the link.
+    activated re-registers as a stage (a snapshot of the node's state, read when needed).
+
+    Cancellation: cancelling ``run`` closes the link. Errors: ``NodeReplaced`` when the
+    scheduler refuses this node; the first dial's ``TransportError`` / ``HandshakeError``
+    (later ones are retried).
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class ControlClient:
         register: Callable[[], Register],
         on_order: OnOrder,
         *,
+        faults: trio.MemoryReceiveChannel[Fault] | None = None,
         heartbeat_s: float = 0.25,
         dead_after_s: float = 1.0,
         connect_timeout_s: float = 10.0,
@@ -79,24 +90,43 @@ class ControlClient:
         self._hello = hello
         self._register = register
         self._on_order = on_order
+        self._faults = faults
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._connect_timeout_s = connect_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
         self._conn: Connection | None = None
 
-    async def report(self, fault: Fault) -> None:
-        """Send a fault to the scheduler; dropped (logged) while the link is down."""
-        conn = self._conn
-        if conn is None:
-            log.warning("%s: control link down; fault not reported: %s", self._node, fault.detail)
-            return
-        try:
-            await conn.send(fault)
-        except TransportError as exc:
-            log.warning("%s: could not report %s: %s", self._node, fault.detail, exc)
+    async def _report_faults(self, faults: trio.MemoryReceiveChannel[Fault]) -> None:
+        """Send each fault to the scheduler; dropped (logged) while the link is down."""
+        async with faults:
+            async for fault in faults:
+                conn = self._conn
+                if conn is None:
+                    log.warning(
+                        "%s: control link down; fault not reported: %s", self._node, fault.detail
+                    )
+                    continue
+                try:
+                    await conn.send(fault)
+                except TransportError as exc:
+                    log.warning("%s: could not report %s: %s", self._node, fault.detail, exc)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        ended: NodeReplaced | TransportError | HandshakeError | None = None
+        async with trio.open_nursery() as nursery:
+            if self._faults is not None:
+                nursery.start_soon(self._report_faults, self._faults)
+            try:
+                await self._stay_linked(task_status)
+            except (NodeReplaced, TransportError, HandshakeError) as exc:
+                ended = exc  # raised below, outside the nursery: not wrapped in a group
+            nursery.cancel_scope.cancel()
+        if ended is not None:
+            raise ended
+
+    async def _stay_linked(self, task_status: trio.TaskStatus[None]) -> None:
+        """Dial, register and obey; re-dial whenever the link fails."""
         started = False
         while True:
             try:

@@ -7,12 +7,14 @@ It pumps an actor's outbox to the next node and, on top of a plain pump:
 - sends a ``Heartbeat`` when the edge has been idle for ``heartbeat_s``, so a dead peer shows
   up as a failed send within about that long even when no request is running;
 - bounds every send by ``send_timeout_s`` (a peer that stops reading is as good as dead);
-- on failure reports a ``Fault`` (kind ``link``) through ``on_fault`` and waits, holding the
-  message it could not send, until ``rewire`` names the next node; then it dials, replays its
+- on failure sends a ``Fault`` (kind ``link``) on its ``faults`` channel and waits, holding
+  the message it could not send, until ``rewire`` names the next node; then it dials, replays its
   log if asked, sends the held message and carries on. Nothing queued behind it is lost.
 
 The link never decides anything itself: the scheduler learns of the fault (from this node's
-control link, or from its own heartbeats) and answers with ``rewire``.
+control link, or from its own heartbeats) and answers with ``rewire``. ``rewire`` is a call,
+not a message: it is a request with a reply (the caller must know when the new edge carries
+traffic, or why it cannot), made by the one actor that repairs the ring.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -32,8 +33,6 @@ from shard.transport import Connection, Network, TransportError, abandon
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
 
 log = logging.getLogger(__name__)
-
-OnFault = Callable[[Fault], Awaitable[None]]
 
 
 @attrs.frozen
@@ -75,8 +74,10 @@ class DownstreamLink:
         send_timeout_s: float = 2.0,
         connect_timeout_s: float = 10.0,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-        on_fault: OnFault | None = None,
+        faults: trio.MemorySendChannel[Fault] | None = None,
     ) -> None:
+        """``faults`` receives a ``Fault`` each time the edge fails (the control client of a
+        stage, the scheduler for the coordinator's own link); None: nobody is told."""
         self._node = node
         self._outbox = outbox
         self._network = network
@@ -87,7 +88,7 @@ class DownstreamLink:
         self._send_timeout_s = send_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
-        self.on_fault = on_fault
+        self._faults = faults
         self._conn: Connection | None = None
         self._address: str | None = None
         self._request: _Rewire | None = None
@@ -191,8 +192,8 @@ class DownstreamLink:
         await self._close(abandon_peer=True)
         detail = f"link to {peer} lost: {exc!r}"
         log.warning("%s: %s; waiting for the scheduler to rewire", self._node, detail)
-        if self.on_fault is not None:
-            await self.on_fault(Fault(node=self._node, kind="link", detail=detail))
+        if self._faults is not None:
+            await self._faults.send(Fault(node=self._node, kind="link", detail=detail))
 
     async def _apply(self, request: _Rewire) -> None:
         self._request = None

@@ -1,5 +1,6 @@
-"""shard.nodes: the composition roots. Each module wires one kind of node's actors with channels and
-starts them under one nursery (``coordinator.py``, ``stage.py`` for stages and standbys), or a
-whole swarm (``inprocess.py`` inside one Trio run, ``launcher.py`` as local processes). This is
-the only package that wires actors; it may import every package below the CLI.
+"""shard.nodes: the composition roots. Each module wires one kind of node's actors with
+channels and starts them under one nursery (``coordinator.py``; ``stage.py`` for stages and
+standbys; ``seeder.py``), or a whole swarm (``inprocess.py`` inside one Trio run,
+``launcher.py`` as local processes). This is the only package that wires actors; it may import
+every package below the CLI.
 """

@@ -6,10 +6,9 @@ its job: a stage serves its upstream only after its own downstream link is up, s
 coordinator's dial to stage 0 succeeds the whole ring is connected, end to end.
 
 Supervision: every actor of a node lives in one nursery. The coordinator's process also runs
-the scheduler (``shard.failover.scheduler``): every stage and standby keeps a control link to it,
-and
-a node that dies is replaced by a standby while the requests wait (docs/failover.md). The
-stage and standby roots live in ``shard.nodes.stage``.
+the scheduler (``shard.failover.scheduler``): every stage and standby keeps a control link
+to it, and a node that dies is replaced by a standby while the requests wait
+(docs/failover.md). The stage and standby roots live in ``shard.nodes.stage``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from shard.decode.draft import (
     Proposer,
 )
 from shard.failover.edge import DownstreamLink
+from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
 from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
@@ -118,28 +118,69 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
     return Drafter(factory)
 
 
-async def run_coordinator(
-    spec: SwarmSpec,
-    *,
-    network: Network,
-    model_dir: Path,
-    successor: str | None = None,
-    startup_timeout_s: float = 120.0,
-    task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run the coordinator and its scheduler: serve the return endpoint, control links and
-    clients, dial stage 0.
+class _ReturnEndpoint:
+    """The coordinator's end of the ring's return link: only the ring's current tail may open
+    it (anyone else's verdicts would be taken for the ring's); what it sends goes to the
+    router's ``from_ring``. ``up`` is the scheduler's snapshot read of whether one is open;
+    ``note`` records a ring event (the router's ledger)."""
 
-    Ready when stage 0 answered (so the whole ring is up) and the tail has dialled back.
-    """
-    me: CoordinatorSpec = spec.coordinator
-    name = NodeName(me.name)
-    config = ModelConfig.from_dir(model_dir)
+    def __init__(
+        self,
+        name: NodeName,
+        from_ring: trio.MemorySendChannel[Message],
+        note: Callable[[str, str], None],
+    ) -> None:
+        self._name = name
+        self._from_ring = from_ring
+        self._note = note
+        self._links = 0
+        self.joined = trio.Event()
+
+    def up(self) -> bool:
+        return self._links > 0
+
+    async def serve(self, conn: Connection, hello: Hello, *, tail: NodeName) -> None:
+        """Pump one return link from ``tail`` (the scheduler's view of the ring now)."""
+        if hello.role != "stage" or hello.node != tail:
+            log.warning(
+                "%s: refused %s (%s) on the return link", self._name, hello.node, hello.role
+            )
+            detail = f"only {tail} may open the return link"
+            await conn.send(Fault(node=self._name, kind="handshake", detail=detail))
+            return
+        self.joined.set()
+        self._note("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
+        self._links += 1
+        try:
+            pump = partial(pump_in, self._name, sink=self._from_ring.clone())
+            await serve_one(conn, pump, what="return link")
+        finally:
+            self._links -= 1
+
+
+def _slots(spec: SwarmSpec, n_layers: int) -> list[Slot]:
+    blocks = spec.blocks(n_layers)
+    return [
+        Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
+        for s, (first, last) in zip(spec.stages, blocks, strict=True)
+    ]
+
+
+def _router(
+    spec: SwarmSpec,
+    model_dir: Path,
+    config: ModelConfig,
+    drafter: Drafter | None,
+    *,
+    to_ring: trio.MemorySendChannel[Message],
+    from_ring: trio.MemoryReceiveChannel[Message],
+    control: trio.MemoryReceiveChannel[RingControl],
+    sent_log: ReplayLog,
+) -> tuple[Coordinator, Tokenizer]:
+    """The coordinator's router and its tokenizer."""
+    name = NodeName(spec.coordinator.name)
     tokenizer = Tokenizer.from_dir(model_dir)
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
-    to_ring_send, to_ring_recv = trio.open_memory_channel[Message](0)
-    from_ring_send, from_ring_recv = trio.open_memory_channel[Message](0)
-    drafter = await offload.run_sync(make_drafter, spec, model_dir)
     failover = spec.failover
     checkpoints = None
     if failover.checkpoint_dir is not None:
@@ -147,11 +188,12 @@ async def run_coordinator(
     coordinator = Coordinator(
         checkpoints=checkpoints,
         incarnation=secrets.randbits(20),
-        sent_log=ReplayLog(max_bytes=failover.replay_max_bytes),
+        sent_log=sent_log,
         node=name,
         eos_ids=eos,
-        to_ring=to_ring_send,
-        from_ring=from_ring_recv,
+        to_ring=to_ring,
+        from_ring=from_ring,
+        control=control,
         limits=spec.limits,
         drafter=drafter,
         signer=RunSigner(
@@ -165,37 +207,106 @@ async def run_coordinator(
         ),
         speculation=spec.speculation.policy,
     )
+    return coordinator, tokenizer
+
+
+@attrs.frozen
+class _Listener:
+    """Hands each connection to the coordinator's listen address to the actor its ``Hello``
+    names: the scheduler (control links), a client, a monitor, or the return endpoint."""
+
+    welcome: Welcome
+    limits: Limits
+    coordinator: Coordinator
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    feed: StatusFeed
+    endpoint: _ReturnEndpoint
+
+    async def handle(self, conn: Connection) -> None:
+        try:
+            hello = await accept_peer(conn, self.welcome, timeout_s=self.limits.handshake_timeout_s)
+        except (HandshakeError, trio.TooSlowError) as exc:
+            log.warning("%s", exc)
+            return
+        # Each link's errors end that link only (shard.transport.guard), never this node.
+        node = self.welcome.node
+        if hello.link == "control" and hello.role == "stage":
+            serve = partial(self.scheduler.serve, hello=hello)
+            await serve_one(conn, serve, what="control link")
+        elif hello.role == "client":
+            client = partial(_serve_client, self.coordinator, self.tokenizer, limits=self.limits)
+            await serve_one(conn, client, what="client link", node=node)
+        elif hello.role == "monitor":  # the status feed: reads, may reset
+            await serve_one(conn, self.feed.serve, what="monitor link", node=node)
+        else:
+            await self.endpoint.serve(conn, hello, tail=self.scheduler.tail())
+
+
+async def run_coordinator(
+    spec: SwarmSpec,
+    *,
+    network: Network,
+    model_dir: Path,
+    successor: str | None = None,
+    startup_timeout_s: float = 120.0,
+    task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the coordinator and its scheduler: serve the return endpoint, control links and
+    clients, dial stage 0.
+
+    The channels: requests -> ring link (``to_ring``), return link -> router (``from_ring``),
+    scheduler -> router (``control``: pause, resume, ring lost, events), ring link ->
+    scheduler (``ring_faults``). Ready when stage 0 answered (so the whole ring is up) and the
+    tail has dialled back.
+
+    Longer than most functions on purpose: it is the coordinator's wiring, one construction
+    after another, and reads best in one place.
+    """
+    me: CoordinatorSpec = spec.coordinator
+    name = NodeName(me.name)
+    to_ring_send, to_ring_recv = trio.open_memory_channel[Message](0)
+    from_ring_send, from_ring_recv = trio.open_memory_channel[Message](0)
+    control_send, control_recv = trio.open_memory_channel[RingControl](0)
+    faults_send, faults_recv = trio.open_memory_channel[Fault](0)
+    drafter = await offload.run_sync(make_drafter, spec, model_dir)
+    failover = spec.failover
+    sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
+    config = ModelConfig.from_dir(model_dir)
+    coordinator, tokenizer = _router(
+        spec,
+        model_dir,
+        config,
+        drafter,
+        to_ring=to_ring_send,
+        from_ring=from_ring_recv,
+        control=control_recv,
+        sent_log=sent_log,
+    )
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
         network,
         _hello(spec, name, "coordinator"),
-        replay_log=coordinator.sent_log,  # recorded by the coordinator as it sends
+        replay_log=sent_log,
         records=False,
         heartbeat_s=failover.heartbeat_s,
         send_timeout_s=failover.send_timeout_s,
         connect_timeout_s=startup_timeout_s,
         handshake_timeout_s=spec.limits.handshake_timeout_s,
+        faults=faults_send,
     )
-    blocks = spec.blocks(config.n_layers)
+    endpoint = _ReturnEndpoint(name, from_ring_send, coordinator.event)
     scheduler = Scheduler(
         node=name,
-        slots=[
-            Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
-            for s, (first, last) in zip(spec.stages, blocks, strict=True)
-        ],
+        slots=_slots(spec, config.n_layers),
         return_address=str(me.listen),
         ring_link=ring_link,
-        hooks=coordinator,
-        policy=failover,
-        return_up=lambda: return_links > 0,
+        to_router=control_send,
+        ring_faults=faults_recv,
+        policy=spec.failover,
+        return_up=endpoint.up,
     )
-
-    async def link_fault(fault: Fault) -> None:
-        coordinator.event("fault", f"{fault.node}: {fault.kind}: {fault.detail}")
-        await scheduler.link_fault(name)
-
-    ring_link.on_fault = link_fault
     feed = StatusFeed(
         coordinator,
         swarm=spec.name,
@@ -204,54 +315,16 @@ async def run_coordinator(
         send_timeout_s=spec.limits.message_timeout_s,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
-    tail_joined = trio.Event()
-    return_links = 0
-
-    async def handler(conn: Connection) -> None:
-        try:
-            hello = await accept_peer(conn, welcome, timeout_s=spec.limits.handshake_timeout_s)
-        except (HandshakeError, trio.TooSlowError) as exc:
-            log.warning("%s", exc)
-            return
-        # Each link's errors end that link only (shard.transport.guard), never this node.
-        if hello.link == "control" and hello.role == "stage":
-            await serve_one(conn, partial(scheduler.serve, hello=hello), what="control link")
-            return
-        if hello.role == "client":
-            serve = partial(_serve_client, coordinator, tokenizer, limits=spec.limits)
-            await serve_one(conn, serve, what="client link", node=name)
-            return
-        if hello.role == "monitor":  # the status feed (shard.observe.status): reads, may reset
-            await serve_one(conn, feed.serve, what="monitor link", node=name)
-            return
-        tail = scheduler.tail()
-        if hello.role != "stage" or hello.node != tail:
-            # Only the ring's current tail may open the return link: anyone else's verdicts
-            # would be taken for the ring's.
-            log.warning("%s: refused %s (%s) on the return link", name, hello.node, hello.role)
-            await conn.send(
-                Fault(node=name, kind="handshake", detail=f"only {tail} may open the return link")
-            )
-            return
-        nonlocal return_links
-        tail_joined.set()
-        coordinator.event("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
-        return_links += 1
-        try:
-            pump = partial(pump_in, name, sink=from_ring_send.clone())
-            await serve_one(conn, pump, what="return link")
-        finally:
-            return_links -= 1
-
+    listener = _Listener(welcome, spec.limits, coordinator, tokenizer, scheduler, feed, endpoint)
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
         await nursery.start(feed.run)
         await nursery.start(scheduler.run)
-        bound = await nursery.start(network.serve, str(me.listen), handler)
+        bound = await nursery.start(network.serve, str(me.listen), listener.handle)
         await ring_link.connect(successor or str(spec.stages[0].listen))
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
-            await tail_joined.wait()
+            await endpoint.joined.wait()
         task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler))
 
 

@@ -41,6 +41,7 @@ from shard.trust.compose import signing_identity, signing_token
 from shard.trust.device import device_identity
 from shard.trust.receipts import ReceiptSigner
 from shard.weights.block import fetch_stage, make_seeder
+from shard.weights.seeder import Seeder
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,32 @@ def _successor(spec: SwarmSpec, index: int) -> str:
     return str(spec.coordinator.listen)
 
 
+@attrs.frozen
+class _Block:
+    """A block of layers, loaded."""
+
+    model: StageModel
+    first: int
+    last: int
+
+
+@attrs.frozen
+class _Serving:
+    """What serves a ring slot: the executor and its downstream link, built together."""
+
+    slot: str
+    executor: StageExecutor
+    link: DownstreamLink
+
+
 class _StageNode:
-    """One stage or standby process's actors (see the module docstring)."""
+    """One stage or standby process's actors (see the module docstring).
+
+    Channels: upstream links -> executor (``inbox``), downstream link -> control client
+    (``faults``), and an ``Activate`` carried out -> the task that starts what it built
+    (``starts``). A standby serves no slot (``_serving`` is None) until the scheduler
+    activates it; that is the one thing that changes.
+    """
 
     def __init__(
         self,
@@ -75,142 +100,170 @@ class _StageNode:
         *,
         network: Network,
         model_dir: Path,
-        address: str,
+        listen: str,
         timeout_s: float,
+        block: _Block | None,
+        supervised: bool = True,
     ) -> None:
-        self.spec = spec
-        self.name = NodeName(name)
-        self.network = network
-        self.model_dir = model_dir
-        self.address = address  # where upstream dials us (the bound address once serving)
-        self.timeout_s = timeout_s
-        self.role = "standby"
-        self.slot = ""  # the ring slot served, once a stage
-        self.block: tuple[int, int] = (-1, -1)
-        self.model: StageModel | None = None
-        self.executor: StageExecutor | None = None
-        self.link: DownstreamLink | None = None
-        self.control: ControlClient | None = None
-        self.nursery: trio.Nursery | None = None
-        self.replaced: NodeReplaced | None = None
-        inbox_send, self._inbox_recv = trio.open_memory_channel[Message](0)
-        self.inbox = inbox_send
-        failover = spec.failover
-        self.replay_log = ReplayLog(max_bytes=failover.replay_max_bytes)
+        self._spec = spec
+        self._name = NodeName(name)
+        self._network = network
+        self._model_dir = model_dir
+        self._listen = listen
+        self._address = listen  # where upstream dials us (the bound address once serving)
+        self._timeout_s = timeout_s
+        self._block = block
+        self._supervised = supervised
+        self._serving: _Serving | None = None
+        self._replay_log = ReplayLog(max_bytes=spec.failover.replay_max_bytes)
+        self._inbox_send, self._inbox = trio.open_memory_channel[Message](0)
+        self._faults_send, self._faults = trio.open_memory_channel[Fault](0)
+        self._starts_send, self._starts = trio.open_memory_channel[_Serving](0)
 
-    async def load(self, first: int, last: int) -> None:
-        dtype = DTYPES[self.spec.dtype]
-        self.model = await offload.run_sync(
-            lambda: load_stage(self.model_dir, first, last, dtype=dtype)
-        )
-        self.block = (first, last)
+    def _hello(self, link: str = "ring") -> Hello:
+        return Hello(node=self._name, role="stage", swarm=self._spec.name, link=link)
 
-    def hello(self, link: str = "ring") -> Hello:
-        return Hello(node=self.name, role="stage", swarm=self.spec.name, link=link)
+    def _register(self) -> Register:
+        """What this node registers as now (a snapshot, read on each control connection)."""
+        first, last = (self._block.first, self._block.last) if self._block else (-1, -1)
+        role, slot = ("stage", self._serving.slot) if self._serving else ("standby", "")
+        return Register(self._name, role, self._address, first, last, slot=slot)
 
-    def register(self) -> Register:
-        return Register(self.name, self.role, self.address, *self.block, slot=self.slot)
-
-    async def report(self, fault: Fault) -> None:
-        if self.control is not None:
-            await self.control.report(fault)
-
-    async def connect(self, successor: str) -> None:
-        """Build the executor and the downstream link, and dial ``successor``."""
-        assert self.model is not None
-        first, last = self.block
+    async def build(self, block: _Block, slot: str, successor: str) -> _Serving:
+        """Build the executor and the downstream link for ``slot``, and dial ``successor``."""
         outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
-        node_spec = self.spec.node(self.name)
-        self.executor = StageExecutor(
-            self.model,
-            node=self.name,
-            inbox=self._inbox_recv,
+        node_spec = self._spec.node(self._name)
+        executor = StageExecutor(
+            block.model,
+            node=self._name,
+            inbox=self._inbox,
             outbox=outbox_send,
-            max_sessions=self.spec.limits.max_sessions,
+            max_sessions=self._spec.limits.max_sessions,
             receipts=ReceiptSigner(
-                signing_identity(self.spec, self.name),
-                node=self.name,
+                signing_identity(self._spec, self._name),
+                node=self._name,
                 address=str(node_spec.listen),
-                first=first,
-                last=last,
+                first=block.first,
+                last=block.last,
                 device=device_identity(),
-                token=signing_token(self.spec, self.name),
+                token=signing_token(self._spec, self._name),
             ),
         )
-        failover = self.spec.failover
-        self.link = DownstreamLink(
-            self.name,
+        failover = self._spec.failover
+        link = DownstreamLink(
+            self._name,
             outbox_recv,
-            self.network,
-            self.hello(),
-            replay_log=self.replay_log,
+            self._network,
+            self._hello(),
+            replay_log=self._replay_log,
             heartbeat_s=failover.heartbeat_s,
             send_timeout_s=failover.send_timeout_s,
-            connect_timeout_s=self.timeout_s,
-            handshake_timeout_s=self.spec.limits.handshake_timeout_s,
-            on_fault=self.report,
+            connect_timeout_s=self._timeout_s,
+            handshake_timeout_s=self._spec.limits.handshake_timeout_s,
+            faults=self._faults_send if self._supervised else None,
         )
-        await self.link.connect(successor)
+        await link.connect(successor)
+        return _Serving(slot, executor, link)
 
-    def start(self) -> None:
-        assert self.nursery is not None and self.executor is not None and self.link is not None
-        self.nursery.start_soon(self.executor.run)
-        self.nursery.start_soon(self.link.run)
-        self.role = "stage"
-
-    async def obey(self, order: Activate | Rewire) -> None:
+    async def _obey(self, order: Activate | Rewire) -> None:
+        """Carry out the scheduler's order (the control client's ``on_order``)."""
         if isinstance(order, Rewire):
-            if self.link is None:
-                raise OrderFailed(f"{self.name} is not in the ring; nothing to rewire")
-            await self.link.rewire(order.address, replay=order.replay)
+            if self._serving is None:
+                raise OrderFailed(f"{self._name} is not in the ring; nothing to rewire")
+            await self._serving.link.rewire(order.address, replay=order.replay)
             return
-        if self.executor is not None:
-            raise OrderFailed(f"{self.name} already serves a ring slot")
-        if self.block != (order.first, order.last):
-            log.info("%s: loading layers %d..%d (cold)", self.name, order.first, order.last)
-            await self.load(order.first, order.last)
-        await self.connect(order.successor)
-        self.slot = order.slot
-        self.start()
+        if self._serving is not None:
+            raise OrderFailed(f"{self._name} already serves a ring slot")
+        block = self._block
+        if block is None or (block.first, block.last) != (order.first, order.last):
+            log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)
+            block = await _load(self._spec, self._model_dir, order.first, order.last)
+            self._block = block
+        serving = await self.build(block, order.slot, order.successor)
+        await self._starts_send.send(serving)
+        self._serving = serving
 
-    async def serve_upstream(self, conn: Connection) -> None:
-        welcome = Welcome(node=self.name, role="stage", swarm=self.spec.name)
+    async def _serve_upstream(self, conn: Connection) -> None:
+        welcome = Welcome(node=self._name, role="stage", swarm=self._spec.name)
         try:
-            await accept_peer(conn, welcome, timeout_s=self.spec.limits.handshake_timeout_s)
+            await accept_peer(conn, welcome, timeout_s=self._spec.limits.handshake_timeout_s)
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
-        pump = partial(pump_in, self.name, sink=self.inbox.clone())
+        pump = partial(pump_in, self._name, sink=self._inbox_send.clone())
         await serve_one(conn, pump, what="ring link")  # its errors end it, not this node
 
-    async def supervise(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Run the control link; if the scheduler refuses this node (it was replaced), stop
-        the whole node — ``run_stage`` / ``run_standby`` then raise ``NodeReplaced``."""
-        assert self.nursery is not None
-        try:
-            await self.make_control().run(task_status=task_status)
-        except NodeReplaced as exc:
-            log.error("%s", exc)
-            self.replaced = exc
-            self.nursery.cancel_scope.cancel()
+    async def _start_each(self, nursery: trio.Nursery) -> None:
+        """Start what each ``Activate`` built, in the node's nursery."""
+        async with self._starts:
+            async for serving in self._starts:
+                nursery.start_soon(serving.executor.run)
+                nursery.start_soon(serving.link.run)
 
-    def make_control(self) -> ControlClient:
-        failover = self.spec.failover
-        self.control = ControlClient(
-            self.name,
-            self.network,
-            str(self.spec.coordinator.listen),
-            self.hello("control"),
-            self.register,
-            self.obey,
+    def _control(self) -> ControlClient:
+        failover = self._spec.failover
+        return ControlClient(
+            self._name,
+            self._network,
+            str(self._spec.coordinator.listen),
+            self._hello("control"),
+            self._register,
+            self._obey,
+            faults=self._faults,
             heartbeat_s=failover.heartbeat_s,
             dead_after_s=failover.dead_after_s,
-            connect_timeout_s=self.timeout_s,
-            handshake_timeout_s=self.spec.limits.handshake_timeout_s,
+            connect_timeout_s=self._timeout_s,
+            handshake_timeout_s=self._spec.limits.handshake_timeout_s,
         )
-        return self.control
+
+    async def run(
+        self,
+        serving: _Serving | None,
+        *,
+        seeder: Seeder | None = None,
+        task_status: trio.TaskStatus[StageHandle] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve ``serving``'s slot (a stage) or wait for ``Activate`` (a standby): serve
+        upstream, keep the control link when supervised. Ready once serving and registered.
+
+        Errors: ``NodeReplaced`` when the scheduler refuses this node (it was replaced):
+        the whole node stops.
+        """
+        replaced: list[NodeReplaced] = []
+        async with trio.open_nursery() as nursery:
+
+            async def supervise(*, task_status: trio.TaskStatus[None]) -> None:
+                try:
+                    await self._control().run(task_status=task_status)
+                except NodeReplaced as exc:
+                    log.error("%s", exc)
+                    replaced.append(exc)
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(self._start_each, nursery)
+            if serving is not None:
+                self._serving = serving
+                nursery.start_soon(serving.executor.run)
+                nursery.start_soon(serving.link.run)
+            if seeder is not None:
+                await nursery.start(seeder.run)  # a [[fetch.seeder]] named like this stage
+            self._address = await nursery.start(
+                self._network.serve, self._listen, self._serve_upstream
+            )
+            if self._supervised:
+                await nursery.start(supervise)
+            first, last = (self._block.first, self._block.last) if self._block else (-1, -1)
+            executor = serving.executor if serving is not None else None
+            task_status.started(StageHandle(self._name, first, last, self._address, executor))
+        if replaced:
+            raise replaced[0]
+
+
+async def _load(spec: SwarmSpec, model_dir: Path, first: int, last: int) -> _Block:
+    """Load layers ``first..last`` in a worker thread (the forward pass's boundary)."""
+    dtype = DTYPES[spec.dtype]
+    model = await offload.run_sync(lambda: load_stage(model_dir, first, last, dtype=dtype))
+    return _Block(model, first, last)
 
 
 async def run_stage(
@@ -237,30 +290,20 @@ async def run_stage(
     if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
         model_dir = (await fetch_stage(spec, name)).path
     config = ModelConfig.from_dir(model_dir)
-    first, last = spec.blocks(config.n_layers)[index]
+    block = await _load(spec, model_dir, *spec.blocks(config.n_layers)[index])
     me = _StageNode(
         spec,
         name,
         network=network,
         model_dir=model_dir,
-        address=str(node.listen),
+        listen=str(node.listen),
         timeout_s=startup_timeout_s,
+        block=block,
+        supervised=supervised,
     )
-    await me.load(first, last)
-    me.slot = name
-    await me.connect(successor or _successor(spec, index))
-    async with trio.open_nursery() as nursery:
-        me.nursery = nursery
-        me.start()
-        if (seeder := make_seeder(spec, name, model_dir)) is not None:
-            await nursery.start(seeder.run)  # a [[fetch.seeder]] named like this stage
-        me.address = await nursery.start(network.serve, str(node.listen), me.serve_upstream)
-        if supervised:
-            await nursery.start(me.supervise)
-        assert me.executor is not None
-        task_status.started(StageHandle(name, first, last, me.address, me.executor))
-    if me.replaced is not None:
-        raise me.replaced
+    serving = await me.build(block, name, successor or _successor(spec, index))
+    seeder = make_seeder(spec, name, model_dir)
+    await me.run(serving, seeder=seeder, task_status=task_status)
 
 
 async def run_standby(
@@ -282,16 +325,8 @@ async def run_standby(
         name,
         network=network,
         model_dir=model_dir,
-        address=str(node.listen),
+        listen=str(node.listen),
         timeout_s=startup_timeout_s,
+        block=await _load(spec, model_dir, *block) if block is not None else None,
     )
-    if block is not None:
-        await me.load(*block)
-    async with trio.open_nursery() as nursery:
-        me.nursery = nursery
-        me.address = await nursery.start(network.serve, str(node.listen), me.serve_upstream)
-        await nursery.start(me.supervise)
-        first, last = me.block
-        task_status.started(StageHandle(name, first, last, me.address, None))
-    if me.replaced is not None:
-        raise me.replaced
+    await me.run(None, task_status=task_status)

@@ -1,0 +1,67 @@
+"""The coordinator's in-process messages between the router and a request's driver.
+
+None of these go on the wire (``shard.messages`` is the wire's union). A route (router ->
+driver) carries the ring's ``Verdict``, ``Fault`` and ``StageReceiptOut`` for the session, and
+``Resync`` when the request must re-send; the driver ends with one ``SessionDone``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+
+from shard.messages import Message, RunStats, SessionId
+from shard.trust.receipts import RunReceipt
+
+
+class RingError(Exception):
+    """The ring could not finish a request (a stage fault or a broken link).
+
+    ``committed`` holds the token ids committed before the failure: nothing is lost silently.
+    """
+
+    def __init__(self, message: str, committed: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.committed = tuple(committed)
+
+
+@attrs.frozen
+class Resync:
+    """Router -> request: re-send from the committed tokens in a new epoch.
+
+    After a splice or a re-dialled edge (``full`` False: every stage holds the committed KV)
+    or after a stage reported a gap (``full``: re-send the session from position 0, so every
+    stage rebuilds what it misses)."""
+
+    full: bool
+    reason: str
+
+
+#: Called with each batch of committed token ids, in order.
+OnTokens = Callable[[list[int]], Awaitable[None]]
+
+#: What a session's route delivers to its driver.
+RouteEvent = Message | Resync
+
+
+@attrs.frozen
+class Completion:
+    """A finished request: the committed ids, why it stopped, and what it cost."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: RunStats
+    receipt: RunReceipt | None = None
+
+
+@attrs.frozen(eq=False)
+class SessionDone:
+    """Driver -> router: the session's request ended, with its completion or the error that
+    ended it (which carries the committed tokens)."""
+
+    session: SessionId
+    outcome: Completion | RingError
+
+
+__all__ = ["Completion", "OnTokens", "Resync", "RingError", "RouteEvent", "SessionDone"]

@@ -1,0 +1,106 @@
+"""RingGate: the coordinator's end of the ring link, shared by every request's driver.
+
+Drivers send towards stage 0 through it; it logs every message in the session's
+``ReplayLog`` (full re-sends come from there, and the ring link replays it to a standby that
+replaces stage 0) and knows the ring's condition: up, under repair, or lost. The router sets
+the condition from the scheduler's ``Pause`` / ``Resume`` / ``RingLost``.
+
+Not an actor, and a call, not a message, on purpose: a driver's send blocks its own task on
+the ring link exactly as a send on the channel would (the gate only records it first, and
+turns a lost ring into ``RingDown``), and ``repairing`` is a snapshot the driver reads at the
+moment its wait times out. A ``Pause`` posted on each route instead would either block the
+router behind a request's backlog or be dropped when that backlog is full.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from shard.failover.replay import LoggedChunk, ReplayLog
+from shard.messages import EndSession, Fault, Message, SessionId
+
+#: How long ending a session may take during cancellation (the link may be stuck).
+END_SESSION_TIMEOUT_S = 1.0
+
+
+class RingDown(Exception):
+    """Raised inside a request when the ring was declared lost; the driver turns it into
+    ``RingError`` with the request's committed tokens."""
+
+
+class RingGate:
+    """See the module docstring. Errors: ``send`` raises ``RingDown`` once the ring is lost
+    (also while that send waits on a link that will never be rewired)."""
+
+    def __init__(self, to_ring: trio.MemorySendChannel[Message], sent_log: ReplayLog) -> None:
+        self._to_ring = to_ring
+        self._log = sent_log
+        self._repairing: str | None = None
+        self._lost: Fault | None = None
+        self._sending: set[trio.CancelScope] = set()
+
+    @property
+    def log(self) -> ReplayLog:
+        """What each session sent towards stage 0."""
+        return self._log
+
+    @property
+    def repairing(self) -> bool:
+        """The scheduler is repairing the ring: requests wait instead of timing out."""
+        return self._repairing is not None
+
+    @property
+    def lost(self) -> Fault | None:
+        """Why the ring was declared lost (None while it is not)."""
+        return self._lost
+
+    def chunks(self, sid: SessionId) -> tuple[LoggedChunk, ...]:
+        return self._log.chunks(sid)
+
+    # --- what the router sets -------------------------------------------------------------
+
+    def pause(self, detail: str) -> None:
+        self._repairing = detail
+
+    def resume(self) -> None:
+        self._repairing = None
+
+    def lose(self, fault: Fault, *, cancel_sends: bool) -> None:
+        """The ring is lost; ``cancel_sends`` also ends every send waiting on the link (one
+        that will never be rewired)."""
+        self._lost = fault
+        if cancel_sends:
+            for scope in self._sending:
+                scope.cancel()
+
+    # --- what a driver does ---------------------------------------------------------------
+
+    async def send(self, msg: Message) -> None:
+        """Record ``msg`` and send it towards stage 0."""
+        if self._lost is None:
+            with trio.CancelScope() as scope:
+                self._sending.add(scope)
+                try:
+                    self._log.record(msg)
+                    await self._to_ring.send(msg)
+                    return
+                finally:
+                    self._sending.discard(scope)
+        assert self._lost is not None
+        raise RingDown(f"the ring is down: {self._lost.detail}")
+
+    async def end_session(self, sid: SessionId) -> None:
+        """Free the session on every stage; shielded and bounded (runs during cancellation).
+        Not logged: the router records the end once the session is closed."""
+        with trio.CancelScope(shield=True), trio.move_on_after(END_SESSION_TIMEOUT_S):
+            try:
+                await self._to_ring.send(EndSession(session=sid))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the ring link is gone: there is no session left to end
+
+    def ended(self, sid: SessionId) -> None:
+        """Log the session's end (its log entries can go)."""
+        self._log.record(EndSession(session=sid))
+
+
+__all__ = ["RingDown", "RingGate"]

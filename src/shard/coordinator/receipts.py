@@ -1,0 +1,63 @@
+"""Gathering a request's receipts once its session ended: every stage's signed receipt from
+the session's route, then the coordinator's signed run receipt over them.
+
+A plain coroutine over the route (no actor of its own): the router calls it in the request's
+task, after the driver ended and the session's ``EndSession`` went out.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from shard.coordinator.events import Completion, Resync, RingError, RouteEvent
+from shard.messages import Fault, StageReceiptOut, Verdict
+from shard.trust.receipts import EdgeRecord, RunJob, RunSigner
+
+
+async def collect_receipts(
+    job: RunJob,
+    signer: RunSigner,
+    route: trio.MemoryReceiveChannel[RouteEvent],
+    completion: Completion,
+    timeout_s: float,
+) -> Completion:
+    """Gather every stage's receipt (recording the verdicts still in flight, which the tail's
+    chain includes), and sign the run receipt.
+
+    Errors: ``RingError`` (with the committed tokens) when a stage faults, the ring is
+    repaired meanwhile (receipts do not span a splice), or receipts are missing after
+    ``timeout_s`` (the spec's ``limits.receipt_timeout_s``).
+    """
+    with trio.move_on_after(timeout_s) as waited:
+        while len(job.stages) < signer.n_stages:
+            msg = await route.receive()
+            if isinstance(msg, Verdict):
+                job.received_verdict(msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted)
+            elif isinstance(msg, StageReceiptOut):
+                job.stage_receipt(msg.receipt)
+            elif isinstance(msg, Fault) and msg.kind != "gap":
+                raise RingError(f"{msg.node}: {msg.detail}", committed=completion.token_ids)
+            elif isinstance(msg, Resync):
+                raise RingError(
+                    f"the ring was repaired before every receipt arrived ({msg.reason}); "
+                    "receipts do not span a splice",
+                    committed=completion.token_ids,
+                )
+    if waited.cancelled_caught:
+        raise RingError(
+            f"only {len(job.stages)} of {signer.n_stages} stage receipts arrived",
+            committed=completion.token_ids,
+        )
+    stats = completion.stats
+    run = job.finish(
+        signer,
+        output_ids=completion.token_ids,
+        edges=[EdgeRecord(e.src, e.dst, round(e.mean_s, 6)) for e in stats.edges],
+        tok_s=stats.tok_s,
+        alpha=stats.accepted / stats.drafted if stats.drafted else None,
+    )
+    return attrs.evolve(completion, receipt=run)
+
+
+__all__ = ["collect_receipts"]

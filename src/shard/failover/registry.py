@@ -1,0 +1,166 @@
+"""The scheduler's registry: who is a member, who is alive, and who holds which ring slot.
+
+Plain state with synchronous queries (no I/O but a member's ``order``), owned by the scheduler
+(``shard.failover.scheduler``) and read by its splicer (``shard.failover.splice``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from shard.failover.rtt import RttTracker
+from shard.messages import Activate, NodeName, Ready, Register, Rewire
+from shard.transport import Connection, TransportError
+
+#: A spare standby's block: it holds none and loads the dead node's (the cold path).
+NO_BLOCK = (-1, -1)
+
+
+class RecoveryFailed(Exception):
+    """A repair step failed; the message says which node and why."""
+
+
+@attrs.define
+class Slot:
+    """One ring position: the spec's stage name, its block, and who holds it now."""
+
+    name: NodeName
+    first: int
+    last: int
+    holder: NodeName
+    address: str
+
+
+@attrs.define
+class Member:
+    """A node with a control link: what it registered, when it was last heard from, and the
+    ``Ready`` replies its serve task forwards (in order: one order at a time per member)."""
+
+    node: NodeName
+    role: str
+    address: str
+    first: int
+    last: int
+    conn: Connection
+    last_seen: float
+    replies: trio.MemoryReceiveChannel[Ready]
+    rtt: RttTracker
+    alive: bool = True
+
+    @classmethod
+    def registered(
+        cls,
+        register: Register,
+        conn: Connection,
+        at: float,
+        replies: trio.MemoryReceiveChannel[Ready],
+        rtt: RttTracker,
+    ) -> Member:
+        return cls(
+            register.node,
+            register.role,
+            register.address,
+            register.first,
+            register.last,
+            conn,
+            at,
+            replies,
+            rtt,
+        )
+
+    async def order(self, order: Activate | Rewire, *, timeout_s: float) -> None:
+        """Send ``order`` and wait for its ``Ready``. Errors: ``RecoveryFailed`` (the link
+        failed, or the member reported failure), ``trio.TooSlowError`` (no reply in time)."""
+        try:
+            await self.conn.send(order)
+        except TransportError as exc:
+            raise RecoveryFailed(f"{self.node}: {exc}") from exc
+        with trio.fail_after(timeout_s):
+            reply = await self.replies.receive()
+        if not reply.ok:
+            raise RecoveryFailed(f"{self.node}: {reply.action} failed: {reply.detail}")
+
+
+class Registry:
+    """Members by name, the ring's slots, and the nodes fenced off after being replaced.
+
+    ``node`` is the coordinator (the ring's first node, always alive); ``return_address`` is
+    where the tail sends its verdicts.
+    """
+
+    def __init__(self, node: NodeName, slots: Sequence[Slot], return_address: str) -> None:
+        self.node = node
+        self.slots = list(slots)
+        self.return_address = return_address
+        self.members: dict[NodeName, Member] = {}
+        self.fenced: set[NodeName] = set()
+        self._joined = trio.Event()
+
+    def join(self, member: Member, slot: str) -> Member | None:
+        """Add ``member`` (it registered claiming ring slot ``slot``, or none); returns the
+        member it replaces under the same name, if any. A claim takes a slot only from its
+        own holder or a dead one: a live holder is never displaced (the ring as it stands, a
+        standby spliced in before this coordinator started, wins)."""
+        old = self.members.get(member.node)
+        self.members[member.node] = member
+        for s in self.slots:
+            claims = member.role == "stage" and s.name == slot
+            if claims and (s.holder == member.node or not self.alive(s.holder)):
+                s.holder = member.node
+            if s.holder == member.node:
+                s.address = member.address
+        self._joined.set()
+        self._joined = trio.Event()
+        return old
+
+    async def wait_joined(self) -> None:
+        """Wait until the next member joins."""
+        await self._joined.wait()
+
+    def alive(self, node: NodeName | None) -> bool:
+        if node == self.node:
+            return True
+        member = self.members.get(node) if node is not None else None
+        return member is not None and member.alive
+
+    def live_standbys(self) -> list[Member]:
+        return [m for m in self.members.values() if m.alive and m.role == "standby"]
+
+    def standbys(self) -> tuple[NodeName, ...]:
+        return tuple(m.node for m in self.live_standbys())
+
+    def ring(self) -> tuple[NodeName, ...]:
+        """Node names from the coordinator to the tail, as the ring stands now."""
+        return (self.node, *(s.holder for s in self.slots))
+
+    def tail(self) -> NodeName:
+        """The node that may open the return link now."""
+        return self.slots[-1].holder
+
+    def slot_of(self, node: NodeName) -> int | None:
+        for i, slot in enumerate(self.slots):
+            if slot.holder == node:
+                return i
+        return None
+
+    def successor_of(self, node: NodeName) -> NodeName | None:
+        if node == self.node:
+            return self.slots[0].holder
+        i = self.slot_of(node)
+        if i is None:
+            return None
+        return self.slots[i + 1].holder if i + 1 < len(self.slots) else self.node
+
+    def predecessor_of(self, i: int) -> NodeName:
+        """Who sends into slot ``i``."""
+        return self.slots[i - 1].holder if i > 0 else self.node
+
+    def address_after(self, i: int) -> str:
+        """Where slot ``i`` sends: the next slot, or (the tail) the return address."""
+        return self.slots[i + 1].address if i + 1 < len(self.slots) else self.return_address
+
+
+__all__ = ["NO_BLOCK", "Member", "RecoveryFailed", "Registry", "Slot"]
