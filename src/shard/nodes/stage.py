@@ -123,6 +123,7 @@ class _StageNode:
             inbox=self._inbox_recv,
             outbox=outbox_send,
             max_sessions=self.spec.limits.max_sessions,
+            max_len=self.spec.limits.max_len,
             receipts=ReceiptSigner(
                 signing_identity(self.spec, self.name),
                 node=self.name,
