@@ -88,9 +88,7 @@ async def test_sixteen_oversized_sessions_hold_no_memory(block: Path) -> None:
         Sampling(temperature=1e-40, top_p=1e-40, top_k=1, seed=3),
     ],
 )
-async def test_tail_serves_tiny_sampling_values_as_greedy(
-    block: Path, sampling: Sampling
-) -> None:
+async def test_tail_serves_tiny_sampling_values_as_greedy(block: Path, sampling: Sampling) -> None:
     """A session with a tiny temperature or top-p gets the greedy token; the tail lives on."""
     model = load_stage(block, 0, 2, dtype=torch.float32)
     want = generate_reference(model, list(PROMPT), eos_ids=(), max_tokens=1, max_len=64)
@@ -118,7 +116,7 @@ async def test_tail_serves_tiny_sampling_values_as_greedy(
 async def test_meaningless_sampling_is_refused_at_open(block: Path, sampling: Sampling) -> None:
     """A peer's OpenSession with NaN/inf sampling values is a request fault, no session."""
     sid = SessionId(8)
-    out, executor, kv = await run_stage(block, [OpenSession(sid, max_len=64, sampling=sampling)])
+    out, _, kv = await run_stage(block, [OpenSession(sid, max_len=64, sampling=sampling)])
     assert len(out) == 1 and isinstance(out[0], Fault), out
     assert (out[0].kind, out[0].session) == ("request", sid)
     assert kv == [0]
