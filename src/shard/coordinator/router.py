@@ -69,6 +69,7 @@ class CoordinatorLimits:
     max_sessions: int = 16
     verdict_timeout_s: float = 60.0
     retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send
+    max_prompt_bytes: int = 256 * 1024  # checked before tokenizing (shard.coordinator.service)
 
 
 @attrs.frozen

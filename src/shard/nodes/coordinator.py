@@ -142,6 +142,7 @@ async def run_coordinator(
         max_sessions=spec.limits.max_sessions,
         verdict_timeout_s=spec.limits.verdict_timeout_s,
         retry_after_s=spec.limits.retry_after_s,
+        max_prompt_bytes=spec.limits.max_prompt_bytes,
     )
     drafter = await offload.run_sync(make_drafter, spec, model_dir)
     failover = spec.failover
@@ -216,6 +217,9 @@ async def run_coordinator(
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     tail_joined = trio.Event()
     return_links = 0
+    # Tokenizing runs in a thread (shard.coordinator.service), one request at a time, never
+    # behind a drafter's forward pass.
+    text_limiter = trio.CapacityLimiter(1)
 
     async def handler(conn: Connection) -> None:
         try:
@@ -227,7 +231,7 @@ async def run_coordinator(
             await scheduler.serve(conn, hello)
             return
         if hello.role == "client":
-            await _serve_client(coordinator, tokenizer, conn)
+            await _serve_client(coordinator, tokenizer, conn, text_limiter)
             return
         if (
             hello.role == "monitor"
@@ -264,7 +268,12 @@ async def run_coordinator(
         task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler))
 
 
-async def _serve_client(coordinator: Coordinator, tokenizer: Tokenizer, conn: Connection) -> None:
+async def _serve_client(
+    coordinator: Coordinator,
+    tokenizer: Tokenizer,
+    conn: Connection,
+    text_limiter: trio.CapacityLimiter,
+) -> None:
     """Serve one client connection: each ``GenerateRequest`` runs as its own task; replies
     go through one writer so concurrent requests never interleave inside a frame. When the
     client goes away its requests are cancelled (their sessions end on the ring)."""
@@ -283,7 +292,7 @@ async def _serve_client(coordinator: Coordinator, tokenizer: Tokenizer, conn: Co
 
         async def serve(request: GenerateRequest, emit: trio.MemorySendChannel[Message]) -> None:
             async with emit:
-                await complete(coordinator, tokenizer, request, emit.send)
+                await complete(coordinator, tokenizer, request, emit.send, limiter=text_limiter)
 
         nursery.start_soon(writer)
         async with out_send:

@@ -185,6 +185,9 @@ class Limits:
     max_len: int = 2048  # per-session KV cache length, in positions
     prefill_chunk: int = 128
     max_message_mib: int = 64  # cap on one decompressed wire message
+    max_buffer_mib: int = 256  # cap on received bytes a node buffers, all connections together
+    max_connections: int = 256  # concurrent inbound connections a node serves
+    max_prompt_bytes: int = 256 * 1024  # a prompt's UTF-8 size, checked before tokenizing
     connect_timeout_s: float = 10.0
     verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
     retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
@@ -443,6 +446,9 @@ def _read_limits(table: Table) -> Limits:
         max_len=table.integer("max_len", default=d.max_len),
         prefill_chunk=table.integer("prefill_chunk", default=d.prefill_chunk),
         max_message_mib=table.integer("max_message_mib", default=d.max_message_mib),
+        max_buffer_mib=table.integer("max_buffer_mib", default=d.max_buffer_mib),
+        max_connections=table.integer("max_connections", default=d.max_connections),
+        max_prompt_bytes=table.integer("max_prompt_bytes", default=d.max_prompt_bytes),
         connect_timeout_s=table.number(
             "connect_timeout_s", default=d.connect_timeout_s, positive=True
         ),
@@ -455,6 +461,12 @@ def _read_limits(table: Table) -> Limits:
         raise table.error(
             "prefill_chunk",
             f"{limits.prefill_chunk} exceeds max_len = {limits.max_len}; lower it or raise max_len",
+        )
+    if limits.max_buffer_mib < 2 * limits.max_message_mib:
+        raise table.error(
+            "max_buffer_mib",
+            f"{limits.max_buffer_mib} is less than twice max_message_mib = "
+            f"{limits.max_message_mib}: a node could not hold a message while reading the next",
         )
     return limits
 
