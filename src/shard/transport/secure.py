@@ -27,7 +27,12 @@ import trio_websocket
 from shard.errors import HandshakeError
 from shard.messages import Hello, Message, Welcome
 from shard.transport.base import Connection, ConnectionStatistics, Handler
-from shard.transport.websocket import POLICY_VIOLATION, WebSocketConnection, WebSocketNetwork
+from shard.transport.websocket import (
+    MAX_CONNECTIONS,
+    POLICY_VIOLATION,
+    WebSocketConnection,
+    WebSocketNetwork,
+)
 from shard.trust.admission import Admitted
 from shard.trust.channel import (
     ChannelError,
@@ -109,6 +114,8 @@ class SecureWebSocketNetwork:
         limits: WireLimits | None = None,
         connect_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
+        max_buffer_bytes: int | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._credentials = credentials
         self._policy = policy
@@ -117,7 +124,11 @@ class SecureWebSocketNetwork:
         self._clock = clock
         self._close_s = connect_timeout_s
         self._inner = WebSocketNetwork(
-            limits=limits, connect_timeout_s=connect_timeout_s, handshake=self._handshake
+            limits=limits,
+            connect_timeout_s=connect_timeout_s,
+            handshake=self._handshake,
+            max_buffer_bytes=max_buffer_bytes,
+            max_connections=max_connections,
         )
 
     def __repr__(self) -> str:
