@@ -163,6 +163,9 @@ def test_limits_read_every_key() -> None:
         "idle_timeout_s": 60,
         "message_timeout_s": 7.5,
         "max_peer_connections": 8,
+        "max_buffer_mib": 64,
+        "max_connections": 32,
+        "max_prompt_bytes": 4096,
     }
     limits = _load(_data(limits=given)).limits
     assert attrs.asdict(limits) == given
@@ -620,6 +623,18 @@ def test_prefill_chunk_within_max_len() -> None:
     """prefill_chunk may not exceed max_len."""
     data = _data(limits={"max_len": 64, "prefill_chunk": 128})
     assert "exceeds max_len = 64" in _rejected(data, "limits.prefill_chunk")
+
+
+def test_buffer_budget_holds_two_messages() -> None:
+    """max_buffer_mib must hold two messages of max_message_mib (one read, one being read)."""
+    data = _data(limits={"max_message_mib": 64, "max_buffer_mib": 100})
+    assert "less than twice max_message_mib = 64" in _rejected(data, "limits.max_buffer_mib")
+
+
+@pytest.mark.parametrize("key", ["max_prompt_bytes", "max_connections", "max_buffer_mib"])
+def test_boundary_limits_are_positive(key: str) -> None:
+    """The boundary limits are positive integers."""
+    assert "must be >= 1, got 0" in _rejected(_data(limits={key: 0}), f"limits.{key}")
 
 
 def test_docs_example_loads(tmp_path: Path) -> None:

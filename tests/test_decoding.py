@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from shard.decode.state import BadRequest, DecodeState, RequestTooLong, check_sampling
+from shard.decode.state import (
+    MIN_TEMPERATURE,
+    BadRequest,
+    DecodeState,
+    RequestTooLong,
+    check_sampling,
+    is_greedy,
+)
 from shard.messages import Sampling
 
 
@@ -48,6 +55,11 @@ def test_refuses_requests_that_do_not_fit() -> None:
     [
         Sampling(temperature=-1.0),
         Sampling(temperature=math.nan),
+        Sampling(temperature=math.inf),
+        Sampling(temperature=-math.inf),
+        Sampling(temperature=1e5),
+        Sampling(temperature=1.0, top_p=math.nan),
+        Sampling(temperature=1.0, top_p=-1e-300),
         Sampling(temperature=1.0, top_p=0.0),
         Sampling(temperature=1.0, top_p=1.5),
         Sampling(temperature=1.0, top_k=-1),
@@ -57,3 +69,12 @@ def test_meaningless_sampling_is_refused(sampling: Sampling) -> None:
     """Sampling settings that would poison the tail's draws are a BadRequest."""
     with pytest.raises(BadRequest):
         check_sampling(sampling)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 5e-324, 1e-40, 9.9e-5])
+def test_tiny_temperatures_are_accepted_as_greedy(temperature: float) -> None:
+    """A temperature in [0, MIN_TEMPERATURE) is a valid request and means greedy."""
+    sampling = Sampling(temperature=temperature, top_p=5e-324)
+    check_sampling(sampling)
+    assert is_greedy(sampling)
+    assert not is_greedy(Sampling(temperature=MIN_TEMPERATURE))

@@ -23,10 +23,11 @@ import trio.testing
 
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.router import Completion, RingError
+from shard.coordinator.service import complete
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultInjector, FaultPlan, Injection
 from shard.failover.scheduler import Recovery
-from shard.messages import Fault, Heartbeat, Hello, Message, NodeName
+from shard.messages import Fault, GenerateDone, GenerateRequest, Heartbeat, Hello, Message, NodeName
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_standby
@@ -422,3 +423,45 @@ def test_control_links_that_never_register_are_closed_and_harm_nothing(
     (fault,) = told
     assert isinstance(fault, Fault) and "expected Register" in fault.detail
     assert outputs == [references[0]]
+
+
+def test_a_busy_coordinator_declares_no_healthy_stage_dead(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """The coordinator's event loop stalls for 3 x dead_after_s (as a 900 KB prompt
+    tokenized on it once did): when it runs again the watchdog must not take the stages'
+    queued heartbeats for silence. No stage is declared dead, nothing is spliced, and a
+    900 KB prompt itself is refused by size before it is tokenized."""
+    spec = failover_spec(model_dir)
+    outputs: list[tuple[int, ...]] = []
+    refused: list[GenerateDone] = []
+
+    async def main() -> None:
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, trio.testing.MockClock)
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await start_swarm(nursery, spec, model_dir)
+                outputs.append(
+                    (await handle.coordinator.generate(PROMPTS[0], max_tokens=4)).token_ids
+                )
+                stall = 3 * spec.failover.dead_after_s
+                clock.jump(stall)  # every task wakes late at once, as after a stalled loop
+                await trio.sleep(4 * spec.failover.heartbeat_s)  # let the watchdog look twice
+                request = GenerateRequest(1, "x" * 900_000, 4)
+                refused.append(await complete(handle.coordinator, handle.tokenizer, request, _drop))
+                done = await handle.coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
+                outputs.append(done.token_ids)
+                assert handle.scheduler is not None
+                stats = handle.scheduler.statistics()
+                assert stats.recoveries == (), stats.recoveries
+                assert all(alive for _, _, alive in stats.members), stats.members
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert outputs == [references[0][:4], references[0]]
+    assert refused[0].finish_reason == "error" and "max_prompt_bytes" in refused[0].error
+
+
+async def _drop(msg: Message) -> None:
+    del msg

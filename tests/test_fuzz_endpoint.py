@@ -412,6 +412,17 @@ async def test_valid_but_hostile_messages_are_faults_or_ignored(model_dir: Path)
             refused = await ring.next()
             assert isinstance(refused, Fault), refused
             assert (refused.session, refused.node) == (sid, "s0")
+            # 16 plain-mode sessions asking for the model's whole context, past the spec's
+            # limits.max_len: each refused by stage 0 (none holds KV; tests/test_executor.py).
+            context = ModelConfig.from_dir(model_dir).max_position_embeddings
+            assert context > MAX_LEN
+            for i in range(16):
+                big = SessionId(1000 + i)
+                await ring.send(OpenSession(big, max_len=context))
+                refused = await ring.next()
+                assert isinstance(refused, Fault), refused
+                assert (refused.session, refused.node, refused.kind) == (big, "s0", "request")
+                assert "limits.max_len" in refused.detail
             await ring.send(OpenSession(sid, max_len=64))
             await ring.quiet()
             hostile: list[tuple[Message, str]] = [

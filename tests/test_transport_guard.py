@@ -172,6 +172,8 @@ def fake_complete(monkeypatch: pytest.MonkeyPatch) -> dict[int, trio.Event]:
         _tokenizer: Any,
         request: GenerateRequest,
         emit: Callable[[Message], Awaitable[None]],
+        *,
+        limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         for i in range(request.max_tokens):
             await emit(TokensOut(request.request, (i,), "x"))
@@ -186,7 +188,13 @@ def fake_complete(monkeypatch: pytest.MonkeyPatch) -> dict[int, trio.Event]:
 
 
 async def serve_client(conn: Scripted, limits: Limits = LIMITS) -> None:
-    serve = partial(coordinator_root._serve_client, None, None, limits=limits)  # type: ignore[arg-type]
+    serve = partial(
+        coordinator_root._serve_client,
+        None,  # type: ignore[arg-type]  # the fake ``complete`` needs no coordinator
+        None,  # type: ignore[arg-type]  # nor a tokenizer
+        text_limiter=trio.CapacityLimiter(1),
+        limits=limits,
+    )
     await serve_one(conn, serve, what="client link", node=ME)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from shard.decode.state import MIN_TEMPERATURE
 from shard.decode.verify import choose_token, filter_logits, verify_chunk
 from shard.messages import Sampling
 
@@ -128,3 +131,56 @@ def test_chunk_verdicts_equal_token_by_token_choice() -> None:
             out.extend(verdict.target_ids)
         assert rejected > 0, k
         assert out[:25] == one_by_one[:25], k
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(temperature=1e-40, seed=1),
+        Sampling(temperature=5e-324, seed=1),
+        Sampling(temperature=1.0, top_p=5e-324, seed=1),
+        Sampling(temperature=1e-40, top_p=1e-40, seed=1),
+        Sampling(temperature=1e-4, top_p=1e-9, top_k=1, seed=1),
+        Sampling(temperature=1e4, seed=1),
+        Sampling(temperature=1e300, seed=1),
+        Sampling(temperature=math.inf, top_p=math.nan, seed=1),
+    ],
+)
+def test_extreme_sampling_values_give_a_distribution(sampling: Sampling) -> None:
+    """Tiny or huge temperature / top-p never put inf or NaN into the draw."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 30
+    probs = filter_logits(logits, sampling)
+    assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all())
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+    token = choose_token(logits, sampling, 5)
+    assert 0 <= token < 64
+    if sampling.temperature < MIN_TEMPERATURE or sampling.top_p < 1e-8:
+        assert token == int(torch.argmax(logits))  # greedy, or the nucleus is one token
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hostile_logits_give_a_token(temperature: float) -> None:
+    """NaN and infinite logits (a broken block) still give a token, never an exception."""
+    sampling = Sampling(temperature=temperature, top_p=0.9, top_k=3, seed=2)
+    rows = [
+        torch.full((16,), math.nan),
+        torch.tensor([math.inf, -math.inf] * 8),
+        torch.tensor([math.nan, 1.0, math.inf, -math.inf] * 4),
+        torch.full((16,), -math.inf),
+        torch.tensor([3.4e38, -3.4e38] * 8),
+    ]
+    for row in rows:
+        assert 0 <= choose_token(row, sampling, 0) < 16
+        probs = filter_logits(row, sampling)
+        assert bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0
+    one_inf = torch.tensor([0.0] * 15 + [math.inf])
+    assert choose_token(one_inf, sampling, 0) == 15  # +inf is the likeliest token
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    """A temperature below MIN_TEMPERATURE decides exactly like temperature 0."""
+    logits = torch.randn(20, 50, generator=torch.Generator().manual_seed(4))
+    for row in logits:
+        assert choose_token(row, Sampling(temperature=1e-40, seed=9), 3) == choose_token(
+            row, GREEDY, 3
+        )

@@ -58,7 +58,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         "--temperature",
         type=_bounded(float, 0.0, 100.0, "a temperature in [0, 100]"),
         default=0.0,
-        help="0 = greedy (default); >0 samples",
+        help="0 = greedy (default; so is anything below 1e-4); >0 samples",
     )
     p.add_argument(
         "--top-p",

@@ -4,6 +4,12 @@ Turns a ``GenerateRequest`` into token ids (with the model's own chat template w
 runs it on the ``Coordinator``, and streams ``TokensOut`` as tokens are committed, ending with
 one ``GenerateDone`` — ``finish_reason="error"`` with the committed text when the ring fails,
 never a silent stop.
+
+A prompt is bounded in bytes before it is tokenized (``limits.max_prompt_bytes``) and in
+tokens after (``limits.max_len``, by ``DecodeState.start``). Tokenizing and the final decode
+take time proportional to the text, so they run in a worker thread behind their own
+``CapacityLimiter`` (never queued behind a forward pass): the event loop keeps reading
+heartbeats meanwhile, and a 900 KB prompt cannot make the scheduler think a stage died.
 """
 
 from __future__ import annotations
@@ -12,14 +18,30 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
+import trio
 
 from shard.coordinator.router import Completion, Coordinator, RingError
 from shard.decode.control import SpecConfig
 from shard.decode.state import BadRequest
 from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
-from shard.model.tokenizer import StreamDecoder, Tokenizer
+from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from shard.stage import offload
 
 Emit = Callable[[Message], Awaitable[None]]
+
+
+class PromptTooLarge(BadRequest):
+    """The prompt's text is larger than ``limits.max_prompt_bytes``; refused untokenized."""
+
+
+def check_prompt_size(request: GenerateRequest, max_bytes: int) -> None:
+    """Refuse a prompt over ``max_bytes`` of UTF-8 before any tokenizing is spent on it."""
+    size = len(request.prompt.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise PromptTooLarge(
+            f"the prompt is {size} bytes, limits.max_prompt_bytes is {max_bytes}; "
+            "shorten it or raise the limit in the swarm spec"
+        )
 
 
 def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
@@ -31,9 +53,18 @@ def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
 
 
 async def complete(
-    coordinator: Coordinator, tokenizer: Tokenizer, request: GenerateRequest, emit: Emit
+    coordinator: Coordinator,
+    tokenizer: Tokenizer,
+    request: GenerateRequest,
+    emit: Emit,
+    *,
+    limiter: trio.CapacityLimiter | None = None,
 ) -> GenerateDone:
-    """Serve one request, streaming its tokens through ``emit``; returns (and emits) the end."""
+    """Serve one request, streaming its tokens through ``emit``; returns (and emits) the end.
+
+    ``limiter`` bounds the threads tokenizing at once (one per coordinator: ``nodes``).
+    """
+    text_limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
     stream = StreamDecoder(tokenizer)
     committed: list[int] = []
 
@@ -43,7 +74,8 @@ async def complete(
         await emit(TokensOut(request=request.request, token_ids=tuple(ids), text=text))
 
     try:
-        ids = prompt_ids(tokenizer, request)
+        check_prompt_size(request, coordinator.limits.max_prompt_bytes)
+        ids = await offload.run_sync(prompt_ids, tokenizer, request, limiter=text_limiter)
         completion = await coordinator.generate(
             ids,
             max_tokens=request.max_tokens,
@@ -53,10 +85,12 @@ async def complete(
             speculation=request_speculation(coordinator, request),
             ignore_eos=request.ignore_eos,
         )
-    except (RingError, BadRequest) as exc:
-        done = error_message(request.request, exc, committed, tokenizer.decode(committed))
+    except (RingError, BadRequest, TokenizerError) as exc:
+        text = await offload.run_sync(tokenizer.decode, committed, limiter=text_limiter)
+        done = error_message(request.request, exc, committed, text)
     else:
-        text = tokenizer.decode(completion.token_ids)
+        ids = list(completion.token_ids)
+        text = await offload.run_sync(tokenizer.decode, ids, limiter=text_limiter)
         done = done_message(request.request, completion, text)
     await emit(done)
     return done

@@ -22,10 +22,30 @@ class RequestTooLong(BadRequest):
     """The prompt plus ``max_tokens`` does not fit the session's KV length."""
 
 
+#: Below this a temperature means greedy: at 1e-4 a draw already equals the argmax unless two
+#: logits are within ~1e-3 of each other, and dividing by much less overflows float32.
+MIN_TEMPERATURE = 1e-4
+#: The largest temperature served: far past it every distribution is uniform in float32.
+MAX_TEMPERATURE = 1e4
+
+
+def is_greedy(sampling: Sampling) -> bool:
+    """Whether ``sampling`` means argmax: a temperature below ``MIN_TEMPERATURE`` (or NaN)."""
+    return not sampling.temperature >= MIN_TEMPERATURE
+
+
 def check_sampling(sampling: Sampling) -> None:
-    """Refuse sampling settings that have no meaning (they would poison the tail's draws)."""
-    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-        raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+    """Refuse sampling settings that have no meaning (they would poison the tail's draws).
+
+    Run where a request enters (the coordinator) and where a session opens (every stage).
+    A temperature in [0, ``MIN_TEMPERATURE``) is valid and means greedy (``is_greedy``).
+    """
+    temperature = sampling.temperature
+    if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise BadRequest(
+            f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] "
+            f"(below {MIN_TEMPERATURE:g} is greedy), got {temperature}"
+        )
     if not 0 < sampling.top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
     if sampling.top_k < 0:

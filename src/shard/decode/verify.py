@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from shard.decode.state import MAX_TEMPERATURE, MIN_TEMPERATURE, is_greedy
 from shard.messages import Sampling
 
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads (seed, position) over the seed space
@@ -35,27 +36,45 @@ def position_generator(sampling: Sampling, position: int) -> torch.Generator:
 
 
 def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Temperature, top-k and top-p (nucleus) applied to one row of logits [V] -> probs [V]."""
-    scaled = logits.float() / sampling.temperature  # [V]
+    """Temperature, top-k and top-p (nucleus) applied to one row of logits [V] -> probs [V].
+
+    Robust to whatever arrives: NaN logits count as impossible, infinities are clamped, the
+    temperature is held inside [MIN_TEMPERATURE, MAX_TEMPERATURE] and the likeliest token
+    always survives top-p, so the result is a finite distribution with positive mass (a row
+    with nothing usable falls back to its argmax).
+    """
+    finfo = torch.finfo(torch.float32)
+    clean = torch.nan_to_num(logits.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    temperature = min(max(sampling.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+    # The max is subtracted before dividing, so the likeliest token scales to exactly 0 and a
+    # small temperature can only send the others to -inf (probability 0), never to inf/NaN.
+    scaled = (clean - clean.max()) / temperature  # [V]
     if 0 < sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [V]
     if sampling.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays
+        # (a top_p that rounds to 0 in float32 would otherwise drop every token).
         drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= sampling.top_p
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum()
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        probs = torch.zeros_like(probs)
+        probs[int(torch.argmax(clean))] = 1.0
     return probs
 
 
 def choose_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
     """The target's token at absolute ``position`` (the position it will occupy): argmax when
     greedy, else one draw keyed by (seed, position)."""
-    if sampling.temperature <= 0.0:
-        return int(torch.argmax(logits).item())
+    if is_greedy(sampling):
+        finfo = torch.finfo(torch.float32)
+        clean = torch.nan_to_num(logits.float(), nan=finfo.min)
+        return int(torch.argmax(clean).item())
     probs = filter_logits(logits, sampling)
     generator = position_generator(sampling, position)
     return int(torch.multinomial(probs, 1, generator=generator).item())

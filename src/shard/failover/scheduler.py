@@ -242,10 +242,15 @@ class Scheduler:
                         await self._splicer.relink(problem)
 
     async def _watch(self) -> None:
+        # A watchdog that wakes up late saw its own event loop stalled (a blocking call), and
+        # the members' heartbeats may be waiting unread behind it: judge one heartbeat later.
+        late_after = self._policy.heartbeat_s + self._policy.dead_after_s / 2
+        woke = self._clock()
         while True:
             now = self._clock()
+            slept, woke = now - woke, now
             for member in list(self._registry.members.values()):
-                if not member.alive:
+                if not member.alive or slept > late_after:
                     continue
                 if now - member.last_seen > self._policy.dead_after_s:
                     member.alive = False

@@ -92,7 +92,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; BOS/EOS are added only if the tokenizer's own post-processor
         does so (SmolLM2's does not). Special-token text such as ``<|im_end|>`` maps to its id."""
-        return list(self._backend.encode(text, add_special_tokens=True).ids)
+        # encode_batch releases the GIL while the Rust side works (encode does not), so a long
+        # prompt tokenized in a worker thread leaves the event loop running (bench/loop_stall.py).
+        (encoding,) = self._backend.encode_batch([text], add_special_tokens=True)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; special tokens are kept unless ``skip_special_tokens``."""

@@ -222,6 +222,9 @@ class _Listener:
     scheduler: Scheduler
     feed: StatusFeed
     endpoint: _ReturnEndpoint
+    #: Tokenizing runs in a thread (shard.coordinator.service), one request at a time, never
+    #: behind a drafter's forward pass.
+    text_limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
 
     async def handle(self, conn: Connection) -> None:
         try:
@@ -235,7 +238,13 @@ class _Listener:
             serve = partial(self.scheduler.serve, hello=hello)
             await serve_one(conn, serve, what="control link")
         elif hello.role == "client":
-            client = partial(_serve_client, self.coordinator, self.tokenizer, limits=self.limits)
+            client = partial(
+                _serve_client,
+                self.coordinator,
+                self.tokenizer,
+                text_limiter=self.text_limiter,
+                limits=self.limits,
+            )
             await serve_one(conn, client, what="client link", node=node)
         elif hello.role == "monitor":  # the status feed: reads, may reset
             await serve_one(conn, self.feed.serve, what="monitor link", node=node)
@@ -329,7 +338,12 @@ async def run_coordinator(
 
 
 async def _serve_client(
-    coordinator: Coordinator, tokenizer: Tokenizer, conn: Connection, *, limits: Limits
+    coordinator: Coordinator,
+    tokenizer: Tokenizer,
+    conn: Connection,
+    *,
+    text_limiter: trio.CapacityLimiter,
+    limits: Limits,
 ) -> None:
     """Serve one client connection: each ``GenerateRequest`` runs as its own task; replies
     go through one writer so concurrent requests never interleave inside a frame. When the
@@ -357,7 +371,7 @@ async def _serve_client(
         async def serve(request: GenerateRequest, emit: trio.MemorySendChannel[Message]) -> None:
             try:
                 async with emit:
-                    await complete(coordinator, tokenizer, request, emit.send)
+                    await complete(coordinator, tokenizer, request, emit.send, limiter=text_limiter)
             finally:
                 idle.end()
 

@@ -139,6 +139,7 @@ class _StageNode:
             inbox=self._inbox,
             outbox=outbox_send,
             max_sessions=self._spec.limits.max_sessions,
+            max_len=self._spec.limits.max_len,
             receipts=ReceiptSigner(
                 signing_identity(self._spec, self._name),
                 node=self._name,

@@ -6,6 +6,9 @@ max_sessions = 16          # concurrent sessions per node (each holds a KV cache
 max_len = 2048             # KV cache length per session, in positions
 prefill_chunk = 128        # prompt positions per prefill chunk
 max_message_mib = 64       # largest wire frame a node sends or accepts
+max_buffer_mib = 256       # received bytes a node buffers, all connections together
+max_connections = 256      # inbound connections a node serves at once
+max_prompt_bytes = 262144  # a prompt's UTF-8 size, checked before tokenizing
 connect_timeout_s = 10.0   # dialling a neighbour
 handshake_timeout_s = 10.0 # Hello / Welcome on a fresh connection
 verdict_timeout_s = 60.0   # a ring silent this long fails the request
@@ -38,6 +41,9 @@ class Limits:
     max_len: int = 2048  # per-session KV cache length, in positions
     prefill_chunk: int = 128
     max_message_mib: int = 64  # cap on one decompressed wire message
+    max_buffer_mib: int = 256  # cap on received bytes a node buffers, all connections together
+    max_connections: int = 256  # concurrent inbound connections a node serves
+    max_prompt_bytes: int = 256 * 1024  # a prompt's UTF-8 size, checked before tokenizing
     connect_timeout_s: float = 10.0
     verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
     retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
@@ -64,6 +70,9 @@ def read_limits(table: Table) -> Limits:
         max_len=table.integer("max_len", default=d.max_len),
         prefill_chunk=table.integer("prefill_chunk", default=d.prefill_chunk),
         max_message_mib=table.integer("max_message_mib", default=d.max_message_mib),
+        max_buffer_mib=table.integer("max_buffer_mib", default=d.max_buffer_mib),
+        max_connections=table.integer("max_connections", default=d.max_connections),
+        max_prompt_bytes=table.integer("max_prompt_bytes", default=d.max_prompt_bytes),
         connect_timeout_s=seconds("connect_timeout_s", d.connect_timeout_s),
         verdict_timeout_s=seconds("verdict_timeout_s", d.verdict_timeout_s),
         retry_after_s=seconds("retry_after_s", d.retry_after_s),
@@ -78,5 +87,11 @@ def read_limits(table: Table) -> Limits:
         raise table.error(
             "prefill_chunk",
             f"{limits.prefill_chunk} exceeds max_len = {limits.max_len}; lower it or raise max_len",
+        )
+    if limits.max_buffer_mib < 2 * limits.max_message_mib:
+        raise table.error(
+            "max_buffer_mib",
+            f"{limits.max_buffer_mib} is less than twice max_message_mib = "
+            f"{limits.max_message_mib}: a node could not hold a message while reading the next",
         )
     return limits

@@ -72,6 +72,7 @@ class StageStatistics:
     compute_s: float
     faults: int
     stale_skipped: int
+    kv_bytes: int  # KV cache memory held by the open sessions
 
 
 @attrs.define
@@ -96,7 +97,10 @@ class StageExecutor:
     normally; bugs propagate.
 
     Replayed chunks (``Prefill.replay``, after a splice) are computed into the KV and go no
-    further; a repeated ``OpenSession`` keeps the session's KV.
+    further; a repeated ``OpenSession`` keeps the session's KV. An ``OpenSession`` asking for
+    more than ``max_len`` positions (the spec's ``limits.max_len``) or with sampling settings
+    that mean nothing is refused with a ``request`` fault, so KV memory stays within
+    ``max_sessions`` x ``max_len`` whatever a peer asks.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class StageExecutor:
         inbox: trio.MemoryReceiveChannel[Message],
         outbox: trio.MemorySendChannel[Message],
         max_sessions: int = 16,
+        max_len: int | None = None,
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
         receipts: ReceiptSigner | None = None,
@@ -117,6 +122,10 @@ class StageExecutor:
         self._inbox = inbox
         self._outbox = outbox
         self._max_sessions = max_sessions
+        # A session's KV length is capped by the swarm's limits.max_len (KV memory is
+        # max_sessions x max_len whatever an OpenSession asks) and by the model's context.
+        context = model.config.max_position_embeddings
+        self._max_len = context if max_len is None else min(max_len, context)
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
         # Hop stamps are wall-clock so that hops from different processes line up on one host;
         # they are reported, never used to decide anything.
@@ -140,6 +149,7 @@ class StageExecutor:
             compute_s=self._compute_s,
             faults=self._faults,
             stale_skipped=self._stale,
+            kv_bytes=sum(s.cache.k.nbytes + s.cache.v.nbytes for s in self._sessions.values()),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -254,11 +264,10 @@ class StageExecutor:
         except BadRequest as exc:
             await self._fault(msg.session, "request", f"{self._node}: {exc}")
             return
-        limit = self._model.config.max_position_embeddings
+        limit = self._max_len
         if not 0 < msg.max_len <= limit:
-            await self._fault(
-                msg.session, "request", f"{self._node}: max_len {msg.max_len} not in [1, {limit}]"
-            )
+            detail = f"{self._node}: max_len {msg.max_len} not in [1, {limit}] (limits.max_len)"
+            await self._fault(msg.session, "request", detail)
             return
         cache = self._model.new_cache(msg.max_len)
         self._sessions[msg.session] = _Session(cache, msg.sampling)

@@ -9,7 +9,8 @@ One interface, three implementations, one relay::
     memory.py      MemoryNetwork: peers in one process over memory channels (optionally
                    passing every message through the wire codec)
     websocket.py   WebSocketNetwork: peers in other processes; sealed wire frames over
-                   trio-websocket
+                   trio-websocket (wsconnection.py: one connection; budget.py: the bytes a
+                   node buffers, all connections together)
     delay.py       DelayNetwork: wraps any network, adds one-way latency and a bandwidth cap
                    per edge, in Trio time (virtual under MockClock)
     relay.py       DelayRelay / relay_main: a delaying TCP relay between real processes

@@ -26,7 +26,12 @@ import trio_websocket
 from shard.errors import HandshakeError
 from shard.messages import Hello, Message, Welcome
 from shard.transport.base import Connection, ConnectionStatistics, Handler, NetworkBase
-from shard.transport.websocket import POLICY_VIOLATION, WebSocketConnection, WebSocketNetwork
+from shard.transport.websocket import (
+    MAX_CONNECTIONS,
+    POLICY_VIOLATION,
+    WebSocketConnection,
+    WebSocketNetwork,
+)
 from shard.trust.admission import Admitted
 from shard.trust.channel import (
     ChannelError,
@@ -110,6 +115,8 @@ class SecureWebSocketNetwork(NetworkBase):
         connect_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         max_peer_connections: int | None = None,
+        max_buffer_bytes: int | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._credentials = credentials
         self._policy = policy
@@ -122,6 +129,8 @@ class SecureWebSocketNetwork(NetworkBase):
             connect_timeout_s=connect_timeout_s,
             handshake=self._handshake,
             max_peer_connections=max_peer_connections,
+            max_buffer_bytes=max_buffer_bytes,
+            max_connections=max_connections,
         )
 
     def __repr__(self) -> str:

@@ -83,7 +83,11 @@ def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.t
     cap = spec.limits.max_peer_connections
     if spec.insecure:
         return WebSocketNetwork(
-            limits=wire_limits(spec), connect_timeout_s=timeout_s, max_peer_connections=cap
+            limits=wire_limits(spec),
+            connect_timeout_s=timeout_s,
+            max_peer_connections=cap,
+            max_buffer_bytes=spec.limits.max_buffer_mib << 20,
+            max_connections=spec.limits.max_connections,
         )
     paths = spec.node(name).credentials
     assert paths.key is not None and paths.token is not None  # checked when the spec loaded
@@ -97,6 +101,8 @@ def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.t
         connect_timeout_s=timeout_s,
         clock=clock,
         max_peer_connections=cap,
+        max_buffer_bytes=spec.limits.max_buffer_mib << 20,
+        max_connections=spec.limits.max_connections,
     )
 
 
@@ -116,7 +122,12 @@ def client_network(
     """
     timeout_s = spec.limits.connect_timeout_s
     if spec.insecure:
-        return WebSocketNetwork(limits=wire_limits(spec), connect_timeout_s=timeout_s)
+        return WebSocketNetwork(
+            limits=wire_limits(spec),
+            connect_timeout_s=timeout_s,
+            max_buffer_bytes=spec.limits.max_buffer_mib << 20,
+            max_connections=spec.limits.max_connections,
+        )
     assert spec.trust is not None
     key = key or spec.trust.client_key
     token = token or spec.trust.client_token
@@ -135,6 +146,8 @@ def client_network(
         limits=wire_limits(spec),
         connect_timeout_s=timeout_s,
         clock=clock,
+        max_buffer_bytes=spec.limits.max_buffer_mib << 20,
+        max_connections=spec.limits.max_connections,
     )
 
 
