@@ -13,6 +13,7 @@ import trio
 
 
 def operator_errors() -> tuple[type[BaseException], ...]:
+    from shard.api.keys import KeyFileError
     from shard.coordinator.client import ClientError
     from shard.coordinator.router import RingError
     from shard.decode.state import BadRequest
@@ -41,6 +42,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         ManifestError,
         FetchError,
         NodeReplaced,
+        KeyFileError,
         trio.TooSlowError,
     )
 

@@ -15,6 +15,7 @@ EPILOG = """\
 examples:
   shard swarm run specs/local.toml --prompt "The capital of France is"
   shard generate --local "The capital of France is"
+  shard swarm up specs/local.toml --api 8000  # OpenAI API + chat page: http://127.0.0.1:8000/
   shard swarm up specs/wan-sim.toml          # then, elsewhere:
   shard generate --spec specs/wan-sim.toml "Write a haiku about rivers" --chat
   shard up --role stage --spec specs/local.toml --node s1
@@ -140,6 +141,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds (default 180)")
     p.add_argument(
+        "--api",
+        metavar="HOST:PORT",
+        help="with --role coordinator: serve the OpenAI-compatible HTTP API and the chat page "
+        "at HOST:PORT (a bare PORT binds 127.0.0.1; default: the spec's [api] listen; "
+        "docs/api.md)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -159,6 +167,12 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     up.add_argument("spec", help="swarm spec (TOML), e.g. specs/local.toml")
     up.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
+    up.add_argument(
+        "--api",
+        metavar="HOST:PORT",
+        help="the coordinator serves the OpenAI-compatible HTTP API and the chat page at "
+        "HOST:PORT (a bare PORT binds 127.0.0.1; default: the spec's [api] listen; docs/api.md)",
+    )
     up.add_argument(
         "--monitor",
         action="store_true",

@@ -21,6 +21,24 @@ def _model_dir(model: str | None, spec_model: str) -> Path:
     return resolve_model(spec_model)
 
 
+def with_api(spec: Any, text: str) -> Any:
+    """``spec`` serving the HTTP API at ``--api`` ``HOST:PORT`` (or a bare port: loopback).
+
+    Errors: ``SpecError`` for a bad address, or a public one without keys."""
+    import attrs
+
+    from shard.spec.api import check_exposure, parse_api_address
+    from shard.spec.swarm import SpecError
+
+    try:
+        listen = parse_api_address(text)
+    except ValueError as exc:
+        raise SpecError("--api", "", f"{exc}; e.g. --api 127.0.0.1:8000") from None
+    spec = attrs.evolve(spec, api=spec.api.serving(listen))
+    check_exposure("--api", spec.api)
+    return spec
+
+
 def up(args: argparse.Namespace) -> int:
     if args.role == "seeder":  # serves manifest chunks; no ring role (shard.cli.weights)
         from shard.cli.weights import seeder_main
@@ -50,6 +68,8 @@ def up(args: argparse.Namespace) -> int:
             "for local development only",
             file=sys.stderr,
         )
+    if args.role == "coordinator" and args.api is not None:
+        spec = with_api(spec, args.api)
     model_dir = _model_dir(args.model, spec.model)
     if args.threads:
         import torch
@@ -103,7 +123,7 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
                     task_status=task_status,
                 )
             )
-        print(ready_line(name, handle.address), flush=True)
+        print(ready_line(name, handle.address, getattr(handle, "api", None)), flush=True)
 
 
 def swarm(args: argparse.Namespace) -> int:
@@ -111,6 +131,13 @@ def swarm(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     model_dir = _model_dir(getattr(args, "model", None), spec.model)
+    if args.swarm_command == "up" and args.monitor and args.api is not None:
+        print(
+            "shard: error: --api and --monitor do not go together yet; set [api] listen in "
+            "the spec instead (docs/api.md)",
+            file=sys.stderr,
+        )
+        return 2
     if args.swarm_command == "up" and args.monitor:
         from shard.observe.tui.main import monitor_swarm
         from shard.transport import WebSocketNetwork
@@ -120,7 +147,9 @@ def swarm(args: argparse.Namespace) -> int:
         monitor_swarm(Path(args.spec), spec, model_dir=model_dir, address=address, network=network)
         return 0
     if args.swarm_command == "up":
-        trio.run(_swarm_up, Path(args.spec), spec, model_dir)
+        if args.api is not None:
+            with_api(spec, args.api)  # refuse a bad address here, before any node starts
+        trio.run(_swarm_up, Path(args.spec), spec, model_dir, args.api)
         return 0
     prompts = [args.prompt] if args.prompt is not None else read_prompts(Path(args.prompts))
     failed = trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
@@ -154,17 +183,20 @@ def monitor(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path) -> None:
+async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path, api: str | None) -> None:
     from shard.nodes.launcher import launch
 
     async with trio.open_nursery() as nursery:
         handle = await nursery.start(
             lambda task_status: launch(
-                spec_path, spec, model_dir=model_dir, task_status=task_status
+                spec_path, spec, model_dir=model_dir, api=api, task_status=task_status
             )
         )
         pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
-        print(f"SHARD SWARM UP coordinator={handle.coordinator} {pids}", flush=True)
+        served = f" api={handle.api}" if handle.api else ""
+        print(f"SHARD SWARM UP coordinator={handle.coordinator}{served} {pids}", flush=True)
+        if handle.api:
+            print(f"chat page: {handle.api}/  (OpenAI API: {handle.api}/v1)", file=sys.stderr)
         for relay in handle.relays:
             print(f"  relay {relay}", file=sys.stderr)
         print("swarm is up; Ctrl-C stops every node", file=sys.stderr)

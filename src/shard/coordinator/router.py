@@ -193,6 +193,11 @@ class Coordinator:
         """The scheduler is repairing the ring: requests wait instead of timing out."""
         return self._recovering is not None
 
+    @property
+    def ring_down(self) -> str | None:
+        """Why the ring was declared lost (no request can run any more), or None."""
+        return None if self._ring_fault is None else self._ring_fault.detail
+
     def wall_clock(self) -> float:
         return self._wall_clock()
 

@@ -50,14 +50,17 @@ class SwarmHandle:
     relays: tuple[str, ...] = ()
     relay_of: dict[str, DelayRelay] = attrs.field(factory=dict)
     expected: set[str] = attrs.field(factory=set)
+    api: str | None = None  # the coordinator's HTTP API (http://HOST:PORT), when served
 
     def expect_exit(self, name: str) -> None:
         self.expected.add(name)
 
 
-def ready_line(node: str, address: str) -> str:
-    """The line a node prints on stdout once it serves (parsed by ``launch``)."""
-    return f"{READY_PREFIX} node={node} pid={os.getpid()} address={address}"
+def ready_line(node: str, address: str, api: str | None = None) -> str:
+    """The line a node prints on stdout once it serves (parsed by ``launch``); a coordinator
+    serving the HTTP API adds ``api=http://HOST:PORT``."""
+    line = f"{READY_PREFIX} node={node} pid={os.getpid()} address={address}"
+    return line if api is None else f"{line} api={api}"
 
 
 def _parse_ready(line: str) -> dict[str, str] | None:
@@ -97,12 +100,20 @@ async def _start_relays(
 
 
 def _command(
-    spec_path: Path, node: str, role: str, model_dir: Path, via: str | None, threads: int
+    spec_path: Path,
+    node: str,
+    role: str,
+    model_dir: Path,
+    via: str | None,
+    threads: int,
+    api: str | None = None,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "shard", "up", "--role", role, "--spec", str(spec_path)]
     cmd += ["--node", node, "--model", str(model_dir), "--threads", str(threads)]
     if via is not None:
         cmd += ["--successor", via]
+    if api is not None and role == "coordinator":
+        cmd += ["--api", api]
     return cmd
 
 
@@ -153,9 +164,12 @@ async def launch(
     model_dir: Path,
     startup_timeout_s: float = 180.0,
     stderr: int | IO[bytes] | None = None,
+    api: str | None = None,
     task_status: trio.TaskStatus[SwarmHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start every node of ``spec`` and keep them running until cancelled.
+
+    ``api`` (``HOST:PORT``) makes the coordinator serve the HTTP API there (``--api``).
 
     The children's stderr is ours unless ``stderr`` (a file, ``subprocess.DEVNULL``) is given:
     ``swarm up --monitor`` sends it to a log file, away from the monitor's screen.
@@ -176,7 +190,8 @@ async def launch(
             threads = max(1, (os.cpu_count() or 1) // len(nodes))
             async with ready_send:
                 for name, role in nodes:
-                    cmd = _command(spec_path, name, role, model_dir, overrides.get(name), threads)
+                    via = overrides.get(name)
+                    cmd = _command(spec_path, name, role, model_dir, via, threads, api)
                     proc = await trio.lowlevel.open_process(
                         cmd, stdout=subprocess.PIPE, stderr=stderr
                     )
@@ -193,6 +208,9 @@ async def launch(
                 raise SwarmError(f"nodes not ready after {startup_timeout_s:g} s: {missing}")
             pids = {name: int(f["pid"]) for name, f in seen.items()}
             address = seen[spec.coordinator.name]["address"]
-            task_status.started(SwarmHandle(spec, address, pids, relays, relay_of, expected))
+            api_address = seen[spec.coordinator.name].get("api")
+            task_status.started(
+                SwarmHandle(spec, address, pids, relays, relay_of, expected, api_address)
+            )
     finally:
         await _terminate(procs)
