@@ -66,6 +66,7 @@ from shard.messages.ring import (
 from shard.messages.status import (
     EdgeStatus,
     EventRecord,
+    StageReport,
     StageStatus,
     StatusReset,
     StatusSnapshot,
@@ -101,6 +102,7 @@ Message = (
     | ChunkRequest
     | ChunkData
     | ChunkMissing
+    | StageReport
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -130,6 +132,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ChunkRequest,
     ChunkData,
     ChunkMissing,
+    StageReport,
 )
 
 __all__ = [
@@ -167,6 +170,7 @@ __all__ = [
     "Sampling",
     "SessionId",
     "StageReceiptOut",
+    "StageReport",
     "StageStatus",
     "StatusReset",
     "StatusSnapshot",

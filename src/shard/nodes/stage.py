@@ -24,7 +24,17 @@ import trio
 from shard.failover.control import ControlClient, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
-from shard.messages import Activate, Fault, Hello, Message, NodeName, Register, Rewire, Welcome
+from shard.messages import (
+    Activate,
+    Fault,
+    Hello,
+    Message,
+    NodeName,
+    Register,
+    Rewire,
+    StageReport,
+    Welcome,
+)
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
@@ -32,7 +42,7 @@ from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
-from shard.transport import Connection, Network
+from shard.transport import Connection, Network, TransportError
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity
 from shard.trust.device import device_identity
@@ -42,6 +52,8 @@ from shard.weights.block import fetch_stage, make_seeder
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: How often a stage checks its counters for a connected monitor (``serve_monitor``).
+_REPORT_S = 0.05
 
 
 @attrs.frozen
@@ -172,11 +184,37 @@ class _StageNode:
     async def serve_upstream(self, conn: Connection) -> None:
         welcome = Welcome(node=self.name, role="stage", swarm=self.spec.name)
         try:
-            await accept_peer(conn, welcome, timeout_s=self.spec.limits.handshake_timeout_s)
+            hello = await accept_peer(conn, welcome, timeout_s=self.spec.limits.handshake_timeout_s)
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
+        if hello.role == "monitor":
+            await self.serve_monitor(conn)
+            return
         await pump_in(self.name, conn, self.inbox.clone())
+
+    async def serve_monitor(self, conn: Connection) -> None:
+        """Send this stage's counters (``StageReport``) to a monitor whenever they change,
+        checked every ``_REPORT_S``, until it goes away. Read-only: nothing it sends is read."""
+        sent: StageReport | None = None
+        try:
+            while True:
+                report = self.stage_report()
+                if report != sent:
+                    await conn.send(report)
+                    sent = report
+                await trio.sleep(_REPORT_S)
+        except TransportError:
+            log.info("%s: monitor %s went away", self.name, conn.peer)
+
+    def stage_report(self) -> StageReport:
+        first, last = self.block
+        if self.executor is None:
+            return StageReport(self.name, first, last, 0, 0, 0, 0)
+        stats = self.executor.statistics()
+        return StageReport(
+            self.name, first, last, stats.sessions, stats.chunks, stats.positions, stats.faults
+        )
 
     async def supervise(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
