@@ -68,7 +68,10 @@ def test_content_parts_join_and_developer_is_system() -> None:
             "model": "m",
             "messages": [
                 {"role": "developer", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
             ],
         }
     )

@@ -16,7 +16,7 @@ def run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
 
 
 def test_a_stop_string_split_across_pieces_cuts_there() -> None:
-    """"END" arriving as "E", "N", "D" cuts the text before it."""
+    """ "END" arriving as "E", "N", "D" cuts the text before it."""
     assert run(["END"], ["hello E", "N", "D and more"]) == ("hello ", True)
 
 

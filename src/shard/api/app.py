@@ -185,25 +185,31 @@ class ApiApp:
         )
 
     async def _body(self, scope: Scope, receive: Receive) -> object:
-        """The request's JSON, read within the size and time limits (413, 408, 400)."""
+        """The request's JSON, read within the size and time limits (413, 408, 400).
+
+        A body over the limit is read to its end and dropped (up to ``_DRAIN_BYTES``), so
+        the client, still sending, gets its 413 instead of a broken pipe."""
         limit = self._config.max_body_bytes
-        too_big = ApiError(
-            413, f"the request body exceeds {limit} bytes ([api] max_body_kib)", code="too_large"
-        )
         declared = _header(scope, b"content-length")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_big
+        if declared.isdigit() and int(declared) > _DRAIN_BYTES:
+            raise _too_big(limit)
         data = bytearray()
+        size = 0
         with trio.move_on_after(self._config.body_timeout_s) as waited:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise Disconnected()
-                data += message.get("body", b"")
-                if len(data) > limit:
-                    raise too_big
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > _DRAIN_BYTES:
+                    break
+                if size <= limit:
+                    data += chunk
                 if not message.get("more_body", False):
                     break
+        if size > limit:
+            raise _too_big(limit)
         if waited.cancelled_caught:
             raise ApiError(
                 408,
@@ -309,6 +315,16 @@ class ApiApp:
 
 
 _PROM = "text/plain; version=0.0.4; charset=utf-8"
+#: A body over the limit is read and dropped up to this size before the 413 (see ``_body``).
+_DRAIN_BYTES = 64 << 20
+
+
+def _too_big(limit: int) -> ApiError:
+    return ApiError(
+        413, f"the request body exceeds {limit} bytes ([api] max_body_kib)", code="too_large"
+    )
+
+
 _ROUTES = {
     "/": "GET",
     "/health": "GET",
