@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from shard.api.keys import ApiKeys, KeyFileError, add_key, hash_key
+from shard.cli import main
 from shard.spec.api import parse_api_address
 from shard.spec.nodes import Address
 from shard.spec.swarm import SpecError, SwarmSpec
@@ -108,3 +109,15 @@ def test_api_flag_addresses() -> None:
     assert parse_api_address("[::1]:0") == Address("::1", 0)
     with pytest.raises(ValueError, match="port"):
         parse_api_address("127.0.0.1:http")
+
+
+def test_shard_api_key_prints_the_key_once_and_stores_its_hash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``shard api-key --keys FILE`` prints a key that the file then allows."""
+    path = tmp_path / "keys.txt"
+    assert main(["api-key", "--keys", str(path), "--label", "ci"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("sk-shard-") and key not in path.read_text()
+    assert ApiKeys.from_file(path).allows(key)
+

@@ -23,6 +23,7 @@ examples:
   shard convert model.gguf out_dir/
   shard bench specs/local.toml --latencies 0,25 --json out.json
   shard keygen --out keys/s0.key
+  shard api-key --keys api-keys.txt --label alice   # a bearer key for [api] keys_file
   shard admit --authority keys/authority.key --node-pub keys/s0.key.pub --swarm lab \\
       --roles stage --expires 30d --out keys/s0.token
 """
@@ -205,6 +206,15 @@ def _add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(64 hex digits) to PATH.pub. Never overwrites either file.",
     )
     keygen.add_argument("--out", required=True, help="where to write the secret key")
+    api_key = sub.add_parser(
+        "api-key",
+        help="make a bearer key for the HTTP API: print it, append its hash to KEYS",
+        description="Make a random API key, append its SHA-256 hash (and LABEL) to the keys "
+        "file that [api] keys_file names, and print the key once on stdout. The file never "
+        "holds the key itself.",
+    )
+    api_key.add_argument("--keys", required=True, help="the keys file ([api] keys_file)")
+    api_key.add_argument("--label", help="a note kept beside the hash (who the key is for)")
     admit = sub.add_parser(
         "admit",
         help="as the swarm's authority, sign a token admitting a node's key",

@@ -114,4 +114,3 @@ def ring_unready(coordinator: Coordinator) -> str | None:
     if coordinator.recovering:
         return "the ring is being repaired (a stage failed); retry shortly"
     return None
-
