@@ -298,3 +298,37 @@ async def test_a_disconnect_ends_the_session_on_the_ring(tokenizer: Tokenizer) -
         assert served.app.counters.disconnects == 1
         await healthy(served)
         assert served.app.counters.in_flight == 0
+
+
+async def test_a_ring_failure_mid_stream_is_an_error_event(tokenizer: Tokenizer) -> None:
+    """A stream whose ring is lost under it ends with an error event, never a finish_reason."""
+    async with serve(tokenizer) as served:
+        stream = await trio.open_tcp_stream(*served.address)
+        await stream.send_all(post("/v1/chat/completions", {**CHAT, "stream": True}))
+        with trio.fail_after(10):
+            while not served.ring.opened:
+                await served.ring.changed.wait()
+            await read_until(stream, b'"role":"assistant"')
+            await served.coordinator.fail("every stage is gone")
+            rest = await read_until(stream, b"every stage is gone")
+        event = json.loads(rest.split(b"data: ")[-1].split(b"\n\n")[0])
+        assert event["error"]["code"] == "ring_failed"
+        assert b'finish_reason":"stop' not in rest and b"[DONE]" not in rest
+        await stream.aclose()
+
+
+async def test_a_ring_failure_without_a_stream_is_a_503(tokenizer: Tokenizer) -> None:
+    """A non-streamed request whose ring is lost under it gets a 503 saying so."""
+    async with serve(tokenizer) as served, trio.open_nursery() as nursery:
+        answers: list[Answer] = []
+
+        async def ask() -> None:
+            answers.append(await exchange(served.address, post("/v1/chat/completions", CHAT)))
+
+        nursery.start_soon(ask)
+        with trio.fail_after(10):
+            while not served.ring.opened:
+                await served.ring.changed.wait()
+        await served.coordinator.fail("every stage is gone")
+    assert answers[0].status == 503 and answers[0].error()["code"] == "ring_failed"
+    assert "every stage is gone" in answers[0].error()["message"]

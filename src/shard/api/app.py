@@ -257,14 +257,20 @@ class ApiApp:
             int(self._wall_clock()),
             generation.model,
         )
+        failure: ApiError | None = None
         with self._admit():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch, receive, nursery.cancel_scope)
-                if generation.stream:
-                    await self._stream(request, rid, reply)
-                else:
-                    await self._whole(request, rid, reply)
+                try:
+                    if generation.stream:
+                        await self._stream(request, rid, reply)
+                    else:
+                        await self._whole(request, rid, reply)
+                except ApiError as exc:  # raised out of the nursery, not inside its group
+                    failure = exc
                 nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
         """End the request (and so its ring session) the moment its client goes away."""
