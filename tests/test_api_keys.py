@@ -120,4 +120,3 @@ def test_shard_api_key_prints_the_key_once_and_stores_its_hash(
     key = capsys.readouterr().out.strip()
     assert key.startswith("sk-shard-") and key not in path.read_text()
     assert ApiKeys.from_file(path).allows(key)
-

@@ -62,4 +62,3 @@ def api_key(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
