@@ -11,6 +11,8 @@ The rules (each package's ``__init__`` docstring says the same):
   building the K/D policy record of ``shard.decode.control`` (a pure module);
 - the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
   stage, transport or the CLI;
+- the HTTP API (``shard.api``) serves the coordinator: it imports neither the composition
+  roots (``shard.nodes``) nor the CLI, and no torch;
 - nothing in ``src`` imports the test helpers (``shard.testing``) or fault injection
   (``shard.failover.faults``), except those helpers themselves.
 """
@@ -60,6 +62,7 @@ RULES = (
         # offload is the one thread boundary: drafting runs through it like a forward pass.
         allowed=("shard.stage.offload",),
     ),
+    Rule("shard.api", ("shard.nodes", "shard.cli", "torch")),
     Rule(
         "shard",
         ("shard.testing", "shard.failover.faults", "shard.observe.tui.testing"),

@@ -26,6 +26,7 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     trust/          node keys, admission tokens, the mutual handshake and sealed frames, signed
                     receipts and their offline check, device identity
     weights/        signed content-addressed manifests, chunk-verified block fetch, seeders
+    api/            the OpenAI-compatible HTTP API and the chat page, served by the coordinator
     observe/        rolling ring statistics, the status feed, the Textual monitor (``tui/``)
     bench/          ``shard bench``: rings side by side against the analytical bound
 

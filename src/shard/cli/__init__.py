@@ -33,10 +33,11 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
         from shard.cli.generate import generate
 
         return generate
-    if command in ("keygen", "admit", "receipt"):
+    if command in ("keygen", "admit", "receipt", "api-key"):
         from shard.cli import keys
 
-        return {"keygen": keys.keygen, "admit": keys.admit, "receipt": keys.receipt}[command]
+        handlers = {"keygen": keys.keygen, "admit": keys.admit, "receipt": keys.receipt}
+        return {**handlers, "api-key": keys.api_key}[command]
     if command in ("up", "swarm", "monitor"):
         from shard.cli import swarm
 

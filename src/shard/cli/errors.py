@@ -24,6 +24,7 @@ class InputError(Exception):
 
 
 def operator_errors() -> tuple[type[BaseException], ...]:
+    from shard.api.keys import KeyFileError
     from shard.coordinator.client import ClientError
     from shard.coordinator.router import RingError
     from shard.decode.state import BadRequest
@@ -55,6 +56,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         ManifestError,
         FetchError,
         NodeReplaced,
+        KeyFileError,
         trio.TooSlowError,
     )
 

@@ -1,4 +1,5 @@
-"""``shard keygen``, ``shard admit`` and ``shard receipt verify``: keys, admission, receipts."""
+"""``shard keygen``, ``shard admit``, ``shard receipt verify`` and ``shard api-key``: keys,
+admission, receipts, and the HTTP API's bearer keys."""
 
 from __future__ import annotations
 
@@ -81,5 +82,19 @@ def receipt(args: argparse.Namespace) -> int:
         f"receipt OK ({trust}): job {run.job}, {len(run.output_ids)} tokens, "
         f"{run.n_layers} layers over {stages}; coordinator {run.coordinator} "
         f"ed25519:{run.coordinator_key[:16]}"
+    )
+    return 0
+
+
+def api_key(args: argparse.Namespace) -> int:
+    """Make an HTTP API key: its hash goes into the keys file, the key itself to stdout once."""
+    from shard.api.keys import add_key
+
+    key = add_key(Path(args.keys), args.label or "")
+    print(key)
+    print(
+        f"shard api-key: added its hash to {args.keys}; the key is shown only now "
+        "(clients send it as Authorization: Bearer KEY)",
+        file=sys.stderr,
     )
     return 0

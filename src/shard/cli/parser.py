@@ -19,6 +19,7 @@ examples:
   shard swarm run specs/local.toml --prompts specs/prompts.txt --json
   echo "Hello" | shard generate --local - --ignore-eos --max-tokens 32
   shard generate --local "The capital of France is"
+  shard swarm up specs/local.toml --api 8000  # OpenAI API + chat page: http://127.0.0.1:8000/
   shard swarm up specs/wan-sim.toml          # then, elsewhere:
   shard generate --spec specs/wan-sim.toml "Write a haiku about rivers" --chat
   shard up --role stage --spec specs/local.toml --node s1
@@ -27,6 +28,7 @@ examples:
   shard bench specs/local.toml --latencies 0,25 --json out.json
   shard keygen --out keys/authority.key      # the swarm's authority
   shard keygen --out keys/s0.key
+  shard api-key --keys api-keys.txt --label alice   # a bearer key for [api] keys_file
   shard admit --authority keys/authority.key --node-pub keys/s0.key.pub --swarm lab \\
       --roles stage --expires 30d --out keys/s0.token
 """
@@ -153,6 +155,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds (default 180)")
     p.add_argument(
+        "--api",
+        metavar="HOST:PORT",
+        help="with --role coordinator: serve the OpenAI-compatible HTTP API and the chat page "
+        "at HOST:PORT (a bare PORT binds 127.0.0.1; default: the spec's [api] listen; "
+        "docs/api.md)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -183,6 +192,12 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     up.add_argument("spec", help="swarm spec (TOML), e.g. specs/local.toml")
     up.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
+    up.add_argument(
+        "--api",
+        metavar="HOST:PORT",
+        help="the coordinator serves the OpenAI-compatible HTTP API and the chat page at "
+        "HOST:PORT (a bare PORT binds 127.0.0.1; default: the spec's [api] listen; docs/api.md)",
+    )
     up.add_argument(
         "--monitor",
         action="store_true",
@@ -216,6 +231,15 @@ def _add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(64 hex digits) to PATH.pub. Never overwrites either file.",
     )
     keygen.add_argument("--out", required=True, help="where to write the secret key")
+    api_key = sub.add_parser(
+        "api-key",
+        help="make a bearer key for the HTTP API: print it, append its hash to KEYS",
+        description="Make a random API key, append its SHA-256 hash (and LABEL) to the keys "
+        "file that [api] keys_file names, and print the key once on stdout. The file never "
+        "holds the key itself.",
+    )
+    api_key.add_argument("--keys", required=True, help="the keys file ([api] keys_file)")
+    api_key.add_argument("--label", help="a note kept beside the hash (who the key is for)")
     admit = sub.add_parser(
         "admit",
         help="as the swarm's authority, sign a token admitting a node's key",

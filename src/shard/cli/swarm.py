@@ -30,6 +30,24 @@ def _model_dir(model: str | None, spec_model: str) -> Path:
     return resolve_model(spec_model)
 
 
+def with_api(spec: Any, text: str) -> Any:
+    """``spec`` serving the HTTP API at ``--api`` ``HOST:PORT`` (or a bare port: loopback).
+
+    Errors: ``SpecError`` for a bad address, or a public one without keys."""
+    import attrs
+
+    from shard.spec.api import check_exposure, parse_api_address
+    from shard.spec.swarm import SpecError
+
+    try:
+        listen = parse_api_address(text)
+    except ValueError as exc:
+        raise SpecError("--api", "", f"{exc}; e.g. --api 127.0.0.1:8000") from None
+    spec = attrs.evolve(spec, api=spec.api.serving(listen))
+    check_exposure("--api", spec.api)
+    return spec
+
+
 def up(args: argparse.Namespace) -> int:
     if args.die_with_parent is not None:  # first, so even a slow start is covered
         from shard.nodes.lifeline import die_with_parent
@@ -63,6 +81,8 @@ def up(args: argparse.Namespace) -> int:
             "for local development only",
             file=sys.stderr,
         )
+    if args.role == "coordinator" and args.api is not None:
+        spec = with_api(spec, args.api)
     model_dir = _model_dir(args.model, spec.model)
     if args.threads:
         import torch
@@ -116,7 +136,7 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
                     task_status=task_status,
                 )
             )
-        print(ready_line(name, handle.address), flush=True)
+        print(ready_line(name, handle.address, getattr(handle, "api", None)), flush=True)
 
 
 def swarm(args: argparse.Namespace) -> int:
@@ -130,6 +150,13 @@ def swarm(args: argparse.Namespace) -> int:
             prompts = read_prompts(Path(args.prompts))
     spec = load_spec(args.spec)
     model_dir = _model_dir(getattr(args, "model", None), spec.model)
+    if args.swarm_command == "up" and args.monitor and args.api is not None:
+        print(
+            "shard: error: --api and --monitor do not go together yet; set [api] listen in "
+            "the spec instead (docs/api.md)",
+            file=sys.stderr,
+        )
+        return 2
     if args.swarm_command == "up" and args.monitor:
         from shard.observe.tui.main import monitor_swarm
         from shard.trust.compose import client_network
@@ -139,7 +166,9 @@ def swarm(args: argparse.Namespace) -> int:
         monitor_swarm(Path(args.spec), spec, model_dir=model_dir, address=address, network=network)
         return 0
     if args.swarm_command == "up":
-        return trio.run(_swarm_up, Path(args.spec), spec, model_dir)
+        if args.api is not None:
+            with_api(spec, args.api)  # refuse a bad address here, before any node starts
+        return trio.run(_swarm_up, Path(args.spec), spec, model_dir, args.api)
     return trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
 
 
@@ -200,7 +229,7 @@ def _exit_code(stopped: list[int], failed: int = 0) -> int:
     return 1 if failed else 0
 
 
-async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path) -> int:
+async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path, api: str | None) -> int:
     """Run the swarm until a stop signal or an error; a stage's or standby's death is one
     ``SHARD NODE EXITED`` line and failover, not the end."""
     from shard.nodes.launcher import NodeExit, launch
@@ -214,11 +243,19 @@ async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path) -> int:
             nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
             handle = await nursery.start(
                 lambda task_status: launch(
-                    spec_path, spec, model_dir=model_dir, on_exit=exited, task_status=task_status
+                    spec_path,
+                    spec,
+                    model_dir=model_dir,
+                    api=api,
+                    on_exit=exited,
+                    task_status=task_status,
                 )
             )
             pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
-            print(f"SHARD SWARM UP coordinator={handle.coordinator} {pids}", flush=True)
+            served = f" api={handle.api}" if handle.api else ""
+            print(f"SHARD SWARM UP coordinator={handle.coordinator}{served} {pids}", flush=True)
+            if handle.api:
+                print(f"chat page: {handle.api}/  (OpenAI API: {handle.api}/v1)", file=sys.stderr)
             for relay in handle.relays:
                 print(f"  relay {relay}", file=sys.stderr)
             print("swarm is up; Ctrl-C (or SIGTERM, SIGHUP) stops every node", file=sys.stderr)

@@ -148,6 +148,21 @@ class Coordinator:
         """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
         self._ledger.event(kind, detail)
 
+    @property
+    def recovering(self) -> bool:
+        """A snapshot: the scheduler is repairing the ring (requests wait, new ones too)."""
+        return self._gate.repairing
+
+    def sessions(self) -> int:
+        """A snapshot: sessions open on the ring now (the API's admission control)."""
+        return self._ledger.sessions
+
+    @property
+    def ring_down(self) -> str | None:
+        """Why the ring was declared lost (no request can run any more), or None."""
+        lost = self._gate.lost
+        return None if lost is None else lost.detail
+
     # --- the router -------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

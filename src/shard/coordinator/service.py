@@ -137,3 +137,15 @@ def error_message(
         ),
         error=str(exc),
     )
+
+
+def ring_unready(coordinator: Coordinator) -> str | None:
+    """Why the ring cannot take a new request now (lost, or under repair), or None when it can.
+
+    The HTTP API answers 503 with this reason, and ``/health`` reports it."""
+    down = coordinator.ring_down
+    if down is not None:
+        return f"the ring is down: {down}"
+    if coordinator.recovering:
+        return "the ring is being repaired (a stage failed); retry shortly"
+    return None

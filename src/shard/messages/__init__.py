@@ -73,6 +73,7 @@ from shard.messages.ring import (
 from shard.messages.status import (
     EdgeStatus,
     EventRecord,
+    StageReport,
     StageStatus,
     StatusReset,
     StatusSnapshot,
@@ -108,6 +109,7 @@ Message = (
     | ChunkRequest
     | ChunkData
     | ChunkMissing
+    | StageReport
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -137,6 +139,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ChunkRequest,
     ChunkData,
     ChunkMissing,
+    StageReport,
 )
 
 __all__ = [
@@ -178,6 +181,7 @@ __all__ = [
     "SessionId",
     "StageReceipt",
     "StageReceiptOut",
+    "StageReport",
     "StageStatus",
     "StatusReset",
     "StatusSnapshot",

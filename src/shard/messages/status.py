@@ -90,3 +90,20 @@ class StatusReset:
     """
 
     node: NodeName
+
+
+@attrs.frozen
+class StageReport:
+    """Stage -> monitor: one stage's executor counters, sent when they change.
+
+    A monitor that dials a stage (``Hello`` role ``"monitor"``) reads these; tests use them to
+    see, from outside the stage's process, that a session's KV was freed (``sessions``).
+    """
+
+    node: NodeName
+    first: int
+    last: int
+    sessions: int
+    chunks: int
+    positions: int
+    faults: int

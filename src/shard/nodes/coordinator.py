@@ -23,6 +23,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from shard.api.server import make_server
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.router import Coordinator
 from shard.coordinator.service import complete
@@ -74,6 +75,7 @@ class CoordinatorHandle:
     coordinator: Coordinator
     tokenizer: Tokenizer
     scheduler: Scheduler | None = None
+    api: str | None = None  # the HTTP API's http://host:port when [api] listen is set
 
 
 def _hello(spec: SwarmSpec, name: str, role: str) -> Hello:
@@ -334,7 +336,13 @@ async def run_coordinator(
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
             await endpoint.joined.wait()
-        task_status.started(CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler))
+        api = make_server(
+            spec, coordinator, tokenizer, failovers=lambda: len(scheduler.statistics().recoveries)
+        )
+        api_address = None if api is None else await nursery.start(api.run)
+        task_status.started(
+            CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler, api_address)
+        )
 
 
 async def _serve_client(

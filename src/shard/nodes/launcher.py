@@ -64,14 +64,17 @@ class SwarmHandle:
     relays: tuple[str, ...] = ()
     relay_of: dict[str, DelayRelay] = attrs.field(factory=dict)
     expected: set[str] = attrs.field(factory=set)
+    api: str | None = None  # the coordinator's HTTP API (http://HOST:PORT), when served
 
     def expect_exit(self, name: str) -> None:
         self.expected.add(name)
 
 
-def ready_line(node: str, address: str) -> str:
-    """The line a node prints on stdout once it serves (parsed by ``launch``)."""
-    return f"{READY_PREFIX} node={node} pid={os.getpid()} address={address}"
+def ready_line(node: str, address: str, api: str | None = None) -> str:
+    """The line a node prints on stdout once it serves (parsed by ``launch``); a coordinator
+    serving the HTTP API adds ``api=http://HOST:PORT``."""
+    line = f"{READY_PREFIX} node={node} pid={os.getpid()} address={address}"
+    return line if api is None else f"{line} api={api}"
 
 
 @attrs.frozen
@@ -161,13 +164,21 @@ async def _start_relays(
 
 
 def _command(
-    spec_path: Path, node: str, role: str, model_dir: Path, via: str | None, threads: int
+    spec_path: Path,
+    node: str,
+    role: str,
+    model_dir: Path,
+    via: str | None,
+    threads: int,
+    api: str | None = None,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "shard", "up", "--role", role, "--spec", str(spec_path)]
     cmd += ["--node", node, "--model", str(model_dir), "--threads", str(threads)]
     cmd += ["--die-with-parent", str(os.getpid())]
     if via is not None:
         cmd += ["--successor", via]
+    if api is not None and role == "coordinator":
+        cmd += ["--api", api]
     return cmd
 
 
@@ -225,10 +236,13 @@ async def launch(
     startup_timeout_s: float = 180.0,
     stderr: int | IO[bytes] | None = None,
     on_exit: Callable[[NodeExit], None] = lambda exit: None,
+    api: str | None = None,
     task_status: trio.TaskStatus[SwarmHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start every node of ``spec`` and keep them running until cancelled; a stage or standby
     that exits once the swarm is up is passed to ``on_exit`` and left to failover.
+
+    ``api`` (``HOST:PORT``) makes the coordinator serve the HTTP API there (``--api``).
 
     The children's stderr is ours unless ``stderr`` (a file, ``subprocess.DEVNULL``) is given:
     ``swarm up --monitor`` sends it to a log file, away from the monitor's screen.
@@ -252,7 +266,8 @@ async def launch(
             threads = max(1, (os.cpu_count() or 1) // len(nodes))
             async with ready_send:
                 for name, role in nodes:
-                    cmd = _command(spec_path, name, role, model_dir, overrides.get(name), threads)
+                    via = overrides.get(name)
+                    cmd = _command(spec_path, name, role, model_dir, via, threads, api)
                     proc = await trio.lowlevel.open_process(
                         cmd,
                         stdin=subprocess.DEVNULL,
@@ -266,7 +281,10 @@ async def launch(
             supervisor.up = True
             pids = {name: int(f["pid"]) for name, f in seen.items()}
             address = seen[spec.coordinator.name]["address"]
-            handle = SwarmHandle(spec, address, pids, relays, relay_of, supervisor.expected)
+            api_address = seen[spec.coordinator.name].get("api")
+            handle = SwarmHandle(
+                spec, address, pids, relays, relay_of, supervisor.expected, api_address
+            )
             task_status.started(handle)
     finally:
         await _terminate(procs)

@@ -25,7 +25,17 @@ import trio
 from shard.failover.control import ControlClient, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
-from shard.messages import Activate, Fault, Hello, Message, NodeName, Register, Rewire, Welcome
+from shard.messages import (
+    Activate,
+    Fault,
+    Hello,
+    Message,
+    NodeName,
+    Register,
+    Rewire,
+    StageReport,
+    Welcome,
+)
 from shard.messages.ids import RUN_DTYPES
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
@@ -34,7 +44,7 @@ from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
-from shard.transport import Connection, Network
+from shard.transport import Connection, Network, TransportError
 from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
@@ -46,6 +56,8 @@ from shard.weights.seeder import Seeder
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in RUN_DTYPES}
+#: How often a stage checks its counters for a connected monitor (``_serve_monitor``).
+_REPORT_S = 0.05
 
 
 @attrs.frozen
@@ -187,12 +199,42 @@ class _StageNode:
     async def _serve_upstream(self, conn: Connection) -> None:
         welcome = Welcome(node=self._name, role="stage", swarm=self._spec.name)
         try:
-            await accept_peer(conn, welcome, timeout_s=self._spec.limits.handshake_timeout_s)
+            hello = await accept_peer(
+                conn, welcome, timeout_s=self._spec.limits.handshake_timeout_s
+            )
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
+        if hello.role == "monitor":
+            await self._serve_monitor(conn)
+            return
         pump = partial(pump_in, self._name, sink=self._inbox_send.clone())
         await serve_one(conn, pump, what="ring link")  # its errors end it, not this node
+
+    async def _serve_monitor(self, conn: Connection) -> None:
+        """Send this stage's counters (``StageReport``) to a monitor whenever they change,
+        checked every ``_REPORT_S``, until it goes away. Read-only: nothing it sends is read."""
+        sent: StageReport | None = None
+        try:
+            while True:
+                report = self._stage_report()
+                if report != sent:
+                    await conn.send(report)
+                    sent = report
+                await trio.sleep(_REPORT_S)
+        except TransportError:
+            log.info("%s: monitor %s went away", self._name, conn.peer)
+
+    def _stage_report(self) -> StageReport:
+        name = NodeName(self._name)
+        serving, block = self._serving, self._block
+        first, last = (block.first, block.last) if block is not None else (-1, -1)
+        if serving is None:
+            return StageReport(name, first, last, 0, 0, 0, 0)
+        stats = serving.executor.statistics()
+        return StageReport(
+            name, first, last, stats.sessions, stats.chunks, stats.positions, stats.faults
+        )
 
     async def _start_each(self, nursery: trio.Nursery) -> None:
         """Start what each ``Activate`` built, in the node's nursery."""

@@ -3,9 +3,10 @@
 A spec names the swarm, the model, the coordinator, the stage nodes (ring order is file
 order), their layer blocks and the emulated link latency (``shard.spec.nodes``), the limits
 (``shard.spec.limits``), the speculation policy (``shard.spec.speculation``), trust and fetch
-(``shard.spec.trust``, ``shard.spec.fetch``) and, for failover, its timings, standby nodes and
-scripted faults (``shard.spec.failover``). This module holds the whole-swarm record,
-``SwarmSpec``, and the reader that assembles it from those tables. One file drives every way
+(``shard.spec.trust``, ``shard.spec.fetch``), the HTTP API (``shard.spec.api``) and, for
+failover, its timings, standby nodes and scripted faults (``shard.spec.failover``). This
+module holds the whole-swarm record, ``SwarmSpec``, and the reader that assembles it from
+those tables. One file drives every way
 of running a swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of it),
 ``shard swarm up|run SPEC`` (every node as a local process) and the in-process test swarm.
 
@@ -26,6 +27,7 @@ from typing import Final
 import attrs
 
 from shard.messages import RUN_DTYPES
+from shard.spec.api import API_KEYS, ApiSpec, read_api
 from shard.spec.failover import (
     FAILOVER_KEYS,
     STANDBY_KEYS,
@@ -86,6 +88,7 @@ _TOP_KEYS: Final = (
     "failover",
     "standby",
     "faults",
+    "api",
 )
 _SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
 
@@ -116,6 +119,7 @@ class SwarmSpec:
     failover: FailoverSpec = attrs.field(factory=FailoverSpec)  # shard.spec.failover
     standbys: tuple[StandbySpec, ...] = ()
     faults: tuple[FaultSpec, ...] = ()  # acted on by `shard swarm run` only
+    api: ApiSpec = attrs.field(factory=ApiSpec)  # [api]: the HTTP API (shard.spec.api)
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -191,6 +195,11 @@ class SwarmSpec:
             failover=read_failover(top.table("failover", FAILOVER_KEYS, required=False), base_dir),
             standbys=standbys,
             faults=read_faults(top, names, coordinator.name),
+            api=read_api(
+                top.table("api", API_KEYS, required=False),
+                base_dir,
+                max_sessions=limits.max_sessions,
+            ),
             source=source,
         )
 

@@ -1,0 +1,396 @@
+"""The ASGI app: routes, bearer keys, bounded request bodies, admission, SSE streaming.
+
+One ``ApiApp`` per coordinator; hypercorn (``shard.api.server``) calls it once per request.
+Every refusal is an ``ApiError`` answered in the OpenAI error shape. A completion request
+becomes one ring session (``shard.api.runner``) that lives exactly as long as its client: a
+disconnect, noticed on the ASGI ``receive`` channel, cancels it and so ends the session on
+every stage. Beyond ``max_sessions`` requests in flight the answer is 429 with Retry-After —
+never a queue.
+
+Cancellation: cancelling a request's task ends its session. Errors: bugs propagate to
+hypercorn, which answers 500 for that one request and keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from importlib.resources import files
+from typing import Any
+
+import attrs
+import trio
+
+from shard.api import responses
+from shard.api.errors import ApiError
+from shard.api.keys import ApiKeys
+from shard.api.metrics import ApiCounters, render
+from shard.api.runner import RingFailed, prepare, run
+from shard.api.schema import Generation, parse_chat, parse_completion
+from shard.coordinator.router import Coordinator
+from shard.coordinator.service import ring_unready
+from shard.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_PAGE_HEADERS = (
+    ("content-type", "text/html; charset=utf-8"),
+    # Nothing is fetched from anywhere but here: no CDN, no inline-loaded third party.
+    (
+        "content-security-policy",
+        "default-src 'self'; style-src 'unsafe-inline'; "
+        "script-src 'unsafe-inline'; connect-src 'self'",
+    ),
+    ("cache-control", "no-cache"),
+)
+
+
+@attrs.frozen
+class ApiConfig:
+    """What the app needs to know: the model id it serves, the limits, the keys (None: open)."""
+
+    model_id: str
+    max_len: int
+    max_sessions: int = 16
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0
+    keys: ApiKeys | None = None
+
+
+class Disconnected(Exception):
+    """The client went away before its request body arrived."""
+
+
+class ApiApp:
+    """The HTTP API of one coordinator (see the module docstring)."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        tokenizer: Tokenizer,
+        config: ApiConfig,
+        *,
+        failovers: Callable[[], int] = lambda: 0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._coordinator = coordinator
+        self._tokenizer = tokenizer
+        self._config = config
+        self._failovers = failovers
+        self._wall_clock = wall_clock
+        self.counters = ApiCounters()
+        self._page = files("shard.api").joinpath("page.html").read_bytes()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reply = _Reply(send)
+        path, method = scope.get("path", ""), scope.get("method", "")
+        endpoint = path if path in _ROUTES else "other"
+        try:
+            await self._route(path, method, scope, receive, reply)
+        except ApiError as exc:
+            if reply.started:  # mid-stream: the error becomes an event (never a silent stop)
+                await reply.event({"error": exc.body()["error"]}, last=True)
+            else:
+                await reply.json(exc.status, exc.body(), exc.headers)
+        except Disconnected:
+            self.counters.disconnects += 1
+        self.counters.request(endpoint, reply.status)
+
+    async def _route(
+        self, path: str, method: str, scope: Scope, receive: Receive, reply: _Reply
+    ) -> None:
+        allowed = _ROUTES.get(path)
+        if allowed is None and path.startswith("/v1/models/"):
+            allowed = "GET"
+        if allowed is None:
+            raise ApiError(404, f"no route {path!r}; see /v1/models", code="unknown_url")
+        if method != allowed:
+            raise ApiError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed")
+        if path == "/":
+            await reply.raw(200, self._page, _PAGE_HEADERS)
+        elif path == "/health":
+            reason = ring_unready(self._coordinator)
+            health = {
+                "status": "ok" if reason is None else "unavailable",
+                "ready": reason is None,
+                "reason": reason,
+            }
+            await reply.json(200 if reason is None else 503, health)
+        else:
+            self._authorize(scope)
+            if path == "/metrics":
+                await reply.raw(200, self._metrics().encode(), (("content-type", _PROM),))
+            elif path.startswith("/v1/models"):
+                await reply.json(200, self._models(path.removeprefix("/v1/models")))
+            else:
+                data = await self._body(scope, receive)
+                parse = parse_chat if path == "/v1/chat/completions" else parse_completion
+                await self._complete(parse(data), receive, reply)
+
+    def _authorize(self, scope: Scope) -> None:
+        keys = self._config.keys
+        if keys is None:
+            return
+        header = _header(scope, b"authorization")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not keys.allows(key.strip()):
+            why = "no API key" if not header else "the API key is not valid"
+            raise ApiError(
+                401,
+                f"{why}: send Authorization: Bearer KEY (a key from the operator's keys_file)",
+                code="invalid_api_key",
+                headers=(("www-authenticate", "Bearer"),),
+            )
+
+    def _models(self, rest: str) -> dict[str, Any]:
+        model = {"id": self._config.model_id, "object": "model", "created": 0, "owned_by": "shard"}
+        if not rest:
+            return {"object": "list", "data": [model]}
+        self._check_model(rest.removeprefix("/"))
+        return model
+
+    def _check_model(self, name: str) -> None:
+        if name != self._config.model_id:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist here; this swarm serves "
+                f"{self._config.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _metrics(self) -> str:
+        return render(
+            self.counters,
+            self._coordinator.statistics(),
+            max_sessions=self._config.max_sessions,
+            ready=ring_unready(self._coordinator) is None,
+            failovers=self._failovers(),
+        )
+
+    async def _body(self, scope: Scope, receive: Receive) -> object:
+        """The request's JSON, read within the size and time limits (413, 408, 400).
+
+        A body over the limit is read to its end and dropped (up to ``_DRAIN_BYTES``), so
+        the client, still sending, gets its 413 instead of a broken pipe."""
+        limit = self._config.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared.isdigit() and int(declared) > _DRAIN_BYTES:
+            raise _too_big(limit)
+        data = bytearray()
+        size = 0
+        with trio.move_on_after(self._config.body_timeout_s) as waited:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise Disconnected()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > _DRAIN_BYTES:
+                    break
+                if size <= limit:
+                    data += chunk
+                if not message.get("more_body", False):
+                    break
+        if size > limit:
+            raise _too_big(limit)
+        if waited.cancelled_caught:
+            raise ApiError(
+                408,
+                f"the request body took over {self._config.body_timeout_s:g} s to arrive",
+                code="timeout",
+            )
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+    @contextmanager
+    def _admit(self) -> Iterator[None]:
+        """Hold one of ``max_sessions`` places, or refuse with 429 (never queue)."""
+        counters = self.counters
+        ring = self._coordinator
+        if (
+            counters.in_flight >= self._config.max_sessions
+            or ring.sessions() >= ring.limits.max_sessions
+        ):
+            counters.rejected_busy += 1
+            raise ApiError(
+                429,
+                f"{counters.in_flight} requests in flight, the most this swarm admits "
+                f"([api] max_sessions = {self._config.max_sessions}); retry shortly",
+                code="too_many_sessions",
+                headers=(("retry-after", "1"),),
+            )
+        counters.in_flight += 1
+        try:
+            yield
+        finally:
+            counters.in_flight -= 1
+
+    async def _complete(self, generation: Generation, receive: Receive, reply: _Reply) -> None:
+        self._check_model(generation.model)
+        reason = ring_unready(self._coordinator)
+        if reason is not None:
+            raise ApiError(503, reason, code="ring_unavailable", headers=(("retry-after", "1"),))
+        request = prepare(generation, self._tokenizer, max_len=self._config.max_len)
+        prefix = "chatcmpl-" if generation.chat else "cmpl-"
+        rid = responses.ReplyId(
+            prefix + secrets.token_hex(12),
+            generation.chat,
+            int(self._wall_clock()),
+            generation.model,
+        )
+        failure: ApiError | None = None
+        with self._admit():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch, receive, nursery.cancel_scope)
+                try:
+                    if generation.stream:
+                        await self._stream(request, rid, reply)
+                    else:
+                        await self._whole(request, rid, reply)
+                except ApiError as exc:  # raised out of the nursery, not inside its group
+                    failure = exc
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
+        """End the request (and so its ring session) the moment its client goes away."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.counters.disconnects += 1
+        scope.cancel()
+
+    async def _whole(self, request: Any, rid: responses.ReplyId, reply: _Reply) -> None:
+        pieces: list[str] = []
+
+        async def emit(text: str) -> None:
+            pieces.append(text)
+
+        outcome = await run(self._coordinator, self._tokenizer, request, emit)
+        self._count(outcome.prompt_tokens, outcome.completion_tokens)
+        use = responses.usage(outcome.prompt_tokens, outcome.completion_tokens)
+        extra = responses.shard_stats(outcome.stats, outcome.completion_tokens)
+        body = responses.whole(rid, "".join(pieces), outcome.finish_reason, use, extra)
+        await reply.json(200, body)
+
+    async def _stream(self, request: Any, rid: responses.ReplyId, reply: _Reply) -> None:
+        usage = request.generation.include_usage
+        await reply.start_events()
+        if rid.chat:  # the role first, at once: the client knows it was admitted
+            await reply.event(responses.chunk(rid, role=True, with_usage=usage))
+
+        async def emit(text: str) -> None:
+            await reply.event(responses.chunk(rid, text=text, with_usage=usage))
+
+        try:
+            outcome = await run(self._coordinator, self._tokenizer, request, emit)
+        except RingFailed as exc:
+            self._count(len(request.prompt_ids), exc.completion_tokens)
+            raise
+        self._count(outcome.prompt_tokens, outcome.completion_tokens)
+        last = responses.chunk(rid, finish_reason=outcome.finish_reason, with_usage=usage)
+        last["shard"] = responses.shard_stats(outcome.stats, outcome.completion_tokens)
+        await reply.event(last)
+        if usage:
+            use = responses.usage(outcome.prompt_tokens, outcome.completion_tokens)
+            await reply.event(responses.usage_chunk(rid, use))
+        await reply.event("[DONE]", last=True)
+
+    def _count(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.counters.prompt_tokens += prompt_tokens
+        self.counters.completion_tokens += completion_tokens
+
+
+_PROM = "text/plain; version=0.0.4; charset=utf-8"
+#: A body over the limit is read and dropped up to this size before the 413 (see ``_body``).
+_DRAIN_BYTES = 64 << 20
+
+
+def _too_big(limit: int) -> ApiError:
+    return ApiError(
+        413, f"the request body exceeds {limit} bytes ([api] max_body_kib)", code="too_large"
+    )
+
+
+_ROUTES = {
+    "/": "GET",
+    "/health": "GET",
+    "/metrics": "GET",
+    "/v1/models": "GET",
+    "/v1/completions": "POST",
+    "/v1/chat/completions": "POST",
+}
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1").strip()
+    return ""
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+class _Reply:
+    """The response side of one request: whole responses or a stream of events."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.status = 0
+
+    async def raw(
+        self, status: int, body: bytes, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        await self._start(status, (*headers, ("content-length", str(len(body)))))
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def json(
+        self, status: int, body: dict[str, Any], headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        await self.raw(status, data, (("content-type", "application/json"), *headers))
+
+    async def start_events(self) -> None:
+        headers = (
+            ("content-type", "text/event-stream; charset=utf-8"),
+            ("cache-control", "no-cache"),
+            ("x-accel-buffering", "no"),
+        )
+        await self._start(200, headers)
+
+    async def event(self, event: dict[str, Any] | str, *, last: bool = False) -> None:
+        body = {"type": "http.response.body", "body": responses.sse(event), "more_body": not last}
+        await self._send(body)
+
+    async def _start(self, status: int, headers: tuple[tuple[str, str], ...]) -> None:
+        self.started, self.status = True, status
+        encoded = [(k.encode(), v.encode()) for k, v in headers]
+        await self._send({"type": "http.response.start", "status": status, "headers": encoded})

@@ -1,0 +1,102 @@
+"""Serve an ``ApiApp`` over HTTP with hypercorn's Trio worker, as a startable actor.
+
+Hypercorn does the HTTP (HTTP/1.1 through h11, HTTP/2 through h2): malformed requests, header
+limits (``h11_max_incomplete_size``) and idle or slow-header connections
+(``keep_alive_timeout``) are its business, answered or closed per connection; a slow body is
+the app's (``body_timeout_s``: 408). Nothing a client sends can end the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from shard.api.app import ApiApp, ApiConfig
+from shard.api.keys import ApiKeys
+from shard.coordinator.router import Coordinator
+from shard.model.tokenizer import Tokenizer
+from shard.spec.swarm import BUNDLED_MODELS, SwarmSpec
+
+log = logging.getLogger(__name__)
+
+#: Largest request head (request line plus headers) hypercorn buffers before refusing it.
+MAX_HEAD_BYTES = 16 * 1024
+
+
+def _config(listen: str) -> Config:
+    config = Config()
+    config.bind = [listen]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("shard.api.http")
+    config.include_server_header = False
+    config.h11_max_incomplete_size = MAX_HEAD_BYTES
+    config.keep_alive_timeout = 5.0
+    config.graceful_timeout = 1.0
+    return config
+
+
+class ApiServer:
+    """Serves ``app`` at ``listen`` (``host:port``; port 0 picks a free one).
+
+    ``run`` reports the bound ``http://host:port`` once it accepts connections.
+
+    Cancellation: cancelling ``run`` closes the listener and every connection (streams in
+    flight end, and with them their ring sessions). Errors: ``OSError`` when the address
+    cannot be bound.
+    """
+
+    def __init__(self, app: ApiApp, listen: str) -> None:
+        self._app = app
+        self._listen = listen
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(
+                lambda task_status: serve(
+                    self._app,  # type: ignore[arg-type]
+                    _config(self._listen),
+                    mode="asgi",
+                    task_status=task_status,
+                )
+            )
+            log.info("API listening on %s", binds[0])
+            task_status.started(binds[0])
+
+
+def model_id(spec: SwarmSpec) -> str:
+    """The id clients name: ``[api] model_name``, else the bundled name or the model's
+    directory (or .gguf file) name."""
+    if spec.api.model_name is not None:
+        return spec.api.model_name
+    return spec.model if spec.model in BUNDLED_MODELS else Path(spec.model).stem
+
+
+def make_server(
+    spec: SwarmSpec,
+    coordinator: Coordinator,
+    tokenizer: Tokenizer,
+    *,
+    failovers: Callable[[], int] = lambda: 0,
+) -> ApiServer | None:
+    """The API server ``spec``'s ``[api]`` asks for (None when ``listen`` is not set).
+
+    Errors: ``KeyFileError`` when the keys file is missing or malformed."""
+    api = spec.api
+    if api.listen is None:
+        return None
+    keys = ApiKeys.from_file(api.keys_file) if api.keys_file is not None else None
+    config = ApiConfig(
+        model_id=model_id(spec),
+        max_len=spec.limits.max_len,
+        max_sessions=api.max_sessions,
+        max_body_bytes=api.max_body_kib * 1024,
+        body_timeout_s=api.body_timeout_s,
+        keys=keys,
+    )
+    app = ApiApp(coordinator, tokenizer, config, failovers=failovers)
+    return ApiServer(app, str(api.listen))
