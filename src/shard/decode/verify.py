@@ -53,7 +53,9 @@ def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 def choose_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
     """The target's token at absolute ``position`` (the position it will occupy): argmax when
-    greedy, else one draw keyed by (seed, position)."""
+    greedy, else one draw keyed by (seed, position). Decided in fp32 whatever the logits' dtype
+    (a bf16 tail's ties and near-ties would otherwise round differently from the reference)."""
+    logits = logits.float()  # [V]; a no-op for the fp32 logits StageModel returns
     if sampling.temperature <= 0.0:
         return int(torch.argmax(logits).item())
     probs = filter_logits(logits, sampling)
