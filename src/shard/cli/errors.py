@@ -18,6 +18,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
     from shard.decode.state import BadRequest
     from shard.failover.control import NodeReplaced
     from shard.model.bundled import ModelNotFound
+    from shard.model.device import DeviceUnavailable
     from shard.model.loader import ModelLoadError
     from shard.nodes.launcher import SwarmError
     from shard.spec.swarm import SpecError
@@ -31,6 +32,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         SpecError,
         ModelLoadError,
         ModelNotFound,
+        DeviceUnavailable,
         SwarmError,
         TransportError,
         HandshakeError,  # also every refusal of the secure wire (shard.trust.admission, channel)

@@ -18,7 +18,6 @@ import logging
 from pathlib import Path
 
 import attrs
-import torch
 import trio
 
 from shard.failover.control import ControlClient, NodeReplaced, OrderFailed
@@ -26,12 +25,14 @@ from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
 from shard.messages import Activate, Fault, Hello, Message, NodeName, Register, Rewire, Welcome
 from shard.model.config import ModelConfig
+from shard.model.device import TORCH_DTYPES, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
+from shard.stage.graphs import ChunkGraphs, chunk_rows
 from shard.transport import Connection, Network
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
@@ -41,7 +42,7 @@ from shard.weights.block import fetch_stage, make_seeder
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = TORCH_DTYPES  # kept for importers; shard.model.device owns the mapping
 
 
 @attrs.frozen
@@ -96,11 +97,23 @@ class _StageNode:
         self.replay_log = ReplayLog(max_bytes=failover.replay_max_bytes)
 
     async def load(self, first: int, last: int) -> None:
-        dtype = DTYPES[self.spec.dtype]
+        """Load ``[first, last)`` straight onto this node's device (``DeviceUnavailable``, one
+        line, before anything is read if the machine cannot give it)."""
+        runtime = self.spec.runtime(self.name)
+        device = resolve_device(runtime.device, self.name)
+        dtype = torch_dtype(runtime.dtype or self.spec.dtype)
         self.model = await offload.run_sync(
-            lambda: load_stage(self.model_dir, first, last, dtype=dtype)
+            lambda: load_stage(self.model_dir, first, last, dtype=dtype, device=device)
         )
         self.block = (first, last)
+
+    def graphs(self) -> ChunkGraphs | None:
+        """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``)."""
+        mode = self.spec.runtime(self.name).graphs
+        if mode == "off" or self.model is None:
+            return None
+        policy = self.spec.speculation.policy
+        return ChunkGraphs(self.model, mode=mode, rows=chunk_rows(policy.k, policy.k_max))
 
     def hello(self, link: str = "ring") -> Hello:
         return Hello(node=self.name, role="stage", swarm=self.spec.name, link=link)
@@ -133,6 +146,7 @@ class _StageNode:
                 device=device_identity(),
                 token=signing_token(self.spec, self.name),
             ),
+            graphs=self.graphs(),
         )
         failover = self.spec.failover
         self.link = DownstreamLink(

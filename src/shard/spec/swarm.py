@@ -279,16 +279,17 @@ class SwarmSpec:
         longer matches the ring's."""
         node = self.node(name)
         runtime = node.runtime
-        key = f"{name}.runtime"
-        try:
-            if device is not None:
-                runtime = attrs.evolve(runtime, device=check_device(device))
-            if dtype is not None:
-                runtime = attrs.evolve(runtime, dtype=check_dtype(dtype))
-            if graphs is not None:
-                runtime = attrs.evolve(runtime, graphs=check_graphs(graphs))
-        except ValueError as e:
-            raise SpecError(self.source, key, str(e)) from None
+        for key, value, check in (
+            ("device", device, check_device),
+            ("dtype", dtype, check_dtype),
+            ("graphs", graphs, check_graphs),
+        ):
+            if value is None:
+                continue
+            try:
+                runtime = attrs.evolve(runtime, **{key: check(value)})
+            except ValueError as e:
+                raise SpecError(self.source, f"{name}.{key}", str(e)) from None
         changed = attrs.evolve(node, runtime=runtime)
         spec = attrs.evolve(
             self,

@@ -11,9 +11,13 @@ replays at every position of that session.
 
 ``ChunkGraphs`` decides, per chunk, graph or eager:
 
-- eager (``StageModel.forward``, exactly as without graphs) when the mode is ``off``, the
-  stage is not on CUDA (and no capturer was injected), or the row count is not one of the
-  shapes in use (prefill chunks, a request's own K) — and once ``max_graphs`` exist;
+- ``off``, or a stage not on CUDA (and no capturer injected): every chunk runs
+  ``StageModel.forward``, exactly as without this module;
+- otherwise every chunk runs ``forward_at``: replayed from a graph when its row count is one
+  of the shapes in use (decode, verify) and fewer than ``max_graphs`` exist, else eagerly
+  (prefill chunks, a request's own K). So the arithmetic never depends on which chunks happened
+  to be graphed — graphed and eager ``forward_at`` agree bit for bit, which is what a GPU
+  checks (``tests/test_stage_graphs.py``);
 - ``lazy``: a shape's first chunk in a session captures (its warm-up runs compute the real
   chunk, so nothing is computed twice in vain), later ones replay;
 - ``warm``: every shape in use is captured when the session opens, before its first chunk,
@@ -152,7 +156,9 @@ class ChunkGraphs:
         rows = int(x.shape[1])
         if not self.graphed(rows, cache):
             self._eager += 1
-            return self._model(x, start, cache)
+            if self._mode == "off":
+                return self._model(x, start, cache)
+            return self._model.forward_at(x, _positions(start, rows, x.device), cache)
         graph = self._graphs.get((id(cache), rows))
         if graph is None:
             graph = self._new(x, start, cache)
@@ -186,7 +192,7 @@ class ChunkGraphs:
         rows = int(x.shape[1])
         static = _Graph(
             x=x.clone(),
-            pos=torch.arange(start, start + rows, device=x.device),
+            pos=_positions(start, rows, x.device),
             replay=lambda: torch.empty(0),
         )
         model = self._model
@@ -198,4 +204,8 @@ class ChunkGraphs:
     @staticmethod
     def _load(graph: _Graph, x: Tensor, start: int) -> None:
         graph.x.copy_(x)
-        graph.pos.copy_(torch.arange(start, start + graph.pos.shape[0], device=graph.pos.device))
+        graph.pos.copy_(_positions(start, int(graph.pos.shape[0]), graph.pos.device))
+
+
+def _positions(start: int, rows: int, device: torch.device) -> Tensor:
+    return torch.arange(start, start + rows, device=device)  # [S], int64
