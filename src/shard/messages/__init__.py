@@ -70,6 +70,7 @@ from shard.messages.ring import (
     Welcome,
 )
 from shard.messages.status import (
+    DeviceStatus,
     EdgeStatus,
     EventRecord,
     StageStatus,
@@ -148,6 +149,7 @@ __all__ = [
     "ChunkMissing",
     "ChunkRequest",
     "ChunkSeq",
+    "DeviceStatus",
     "EdgeRecord",
     "EdgeStat",
     "EdgeStatus",

@@ -51,6 +51,7 @@ from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
+from shard.observe.devices import DeviceProbe
 from shard.observe.status import StatusFeed
 from shard.spec.nodes import CoordinatorSpec
 from shard.spec.swarm import SwarmSpec
@@ -201,6 +202,7 @@ async def run_coordinator(
         swarm=spec.name,
         ring=scheduler.ring,
         standbys=scheduler.standbys,
+        devices=DeviceProbe(name).read,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     tail_joined = trio.Event()
