@@ -28,7 +28,7 @@ class DeviceProbe:
 
     def __init__(self, node: NodeName, *, nvml: ModuleType | Any | None = None) -> None:
         self._node = node
-        self._nvml = nvml
+        self._nvml: Any = nvml  # pynvml is untyped: Any, whether the real module or a fake
         self._state = "new"  # new -> ready | absent
         self._warned: set[str] = set()
 

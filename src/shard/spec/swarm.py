@@ -290,14 +290,19 @@ class SwarmSpec:
                 runtime = attrs.evolve(runtime, **{key: check(value)})
             except ValueError as e:
                 raise SpecError(self.source, f"{name}.{key}", str(e)) from None
-        changed = attrs.evolve(node, runtime=runtime)
+        coordinator = self.coordinator
+        if node is coordinator:
+            coordinator = attrs.evolve(coordinator, runtime=runtime)
         spec = attrs.evolve(
             self,
-            coordinator=changed if node is self.coordinator else self.coordinator,
-            stages=tuple(changed if s is node else s for s in self.stages),
-            standbys=tuple(changed if s is node else s for s in self.standbys),
+            coordinator=coordinator,
+            stages=tuple(attrs.evolve(s, runtime=runtime) if s is node else s for s in self.stages),
+            standbys=tuple(
+                attrs.evolve(s, runtime=runtime) if s is node else s for s in self.standbys
+            ),
         )
-        ring_nodes = [(s.name, s.runtime) for s in (*spec.stages, *spec.standbys)]
+        ring: list[StageSpec | StandbySpec] = [*spec.stages, *spec.standbys]
+        ring_nodes = [(s.name, s.runtime) for s in ring]
         check_dtypes(self.source, self.dtype, ring_nodes)
         return spec
 

@@ -68,7 +68,7 @@ def cuda_capture(warmup: int = 2) -> Capturer:
     pool = torch.cuda.graph_pool_handle()
 
     def capture(fn: Callable[[], Tensor]) -> Replay:
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
