@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+import torch
 import trio
 
 from shard.coordinator.router import RingError
@@ -96,6 +98,33 @@ async def test_greedy_ring_matches_reference(
     want = [reference(llama_dir, p, max_tokens=24, max_len=128, prefill_chunk=4) for p in PROMPTS]
     assert got == want
     assert all(len(out) > 0 for out in got)
+
+
+async def test_bfloat16_ring_matches_bfloat16_reference(llama_dir: Path) -> None:
+    """A ring in bf16 (the GPU dtype) chooses in fp32 at the tail and equals the whole model
+    run in bf16 on one machine."""
+    spec = attrs.evolve(tiny_spec(llama_dir, [(0, 2), (2, 4)]), dtype="bfloat16")
+    got = await _ring_outputs(spec, llama_dir, PROMPTS[:2], max_tokens=12)
+    config = ModelConfig.from_dir(llama_dir)
+    model = load_stage(llama_dir, 0, config.n_layers, dtype=torch.bfloat16)
+    want = [
+        generate_reference(
+            model, p, eos_ids=config.eos_token_ids, max_tokens=12, max_len=128, prefill_chunk=4
+        ).token_ids
+        for p in PROMPTS[:2]
+    ]
+    assert got == want
+
+
+async def test_graphs_on_a_cpu_stage_keep_the_output(llama_dir: Path) -> None:
+    """``graphs = "warm"`` / ``"lazy"`` on a CPU stage falls back to eager: output unchanged."""
+    spec = tiny_spec(llama_dir, [(0, 2), (2, 4)])
+    spec = spec.with_runtime("s0", graphs="warm").with_runtime("s1", graphs="lazy")
+    got = await _ring_outputs(spec, llama_dir, PROMPTS[:2], max_tokens=12)
+    want = [
+        reference(llama_dir, p, max_tokens=12, max_len=128, prefill_chunk=4) for p in PROMPTS[:2]
+    ]
+    assert got == want
 
 
 async def test_qwen2_uneven_split_matches_reference(qwen_dir: Path) -> None:

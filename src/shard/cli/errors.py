@@ -30,6 +30,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
     from shard.decode.state import BadRequest
     from shard.failover.control import NodeReplaced
     from shard.model.bundled import ModelNotFound
+    from shard.model.device import DeviceUnavailable
     from shard.model.gguf_import import ConvertError
     from shard.model.loader import ModelLoadError
     from shard.nodes.launcher import SwarmError
@@ -46,6 +47,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         ModelNotFound,
         ConvertError,  # a bad .gguf given to --model / --local
         InputError,
+        DeviceUnavailable,
         SwarmError,
         TransportError,  # includes ListenError: a port already in use
         HandshakeError,  # also every refusal of the secure wire (shard.trust.admission, channel)

@@ -153,6 +153,21 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--successor", help="dial this HOST:PORT downstream instead of the spec's (e.g. a relay)"
     )
+    p.add_argument(
+        "--device",
+        help="cpu, cuda, cuda:N or auto: where this node computes (overrides the spec's device)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and activations (overrides the node's and the swarm's dtype in the spec)",
+    )
+    p.add_argument(
+        "--graphs",
+        choices=["off", "lazy", "warm"],
+        help="CUDA graphs per chunk shape on a GPU stage: lazy (first use), warm (at session "
+        "open) or off (overrides the spec's graphs; docs/model.md)",
+    )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds (default 180)")
     p.add_argument(
         "--api",

@@ -61,6 +61,8 @@ def up(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     name = args.node or spec.coordinator.name
+    if args.role != "seeder" and (args.device or args.dtype or args.graphs):
+        spec = spec.with_runtime(name, device=args.device, dtype=args.dtype, graphs=args.graphs)
     if args.role == "coordinator" and name != spec.coordinator.name:
         print(f"shard: error: {name} is not the coordinator of {args.spec}", file=sys.stderr)
         return 2

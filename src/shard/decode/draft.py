@@ -138,13 +138,14 @@ class ModelProposer:
                 out.append(token)
                 if len(out) == k:
                     return out
-                logits = self._model(torch.tensor([[token]]), len(self._fed), self._cache)
+                ids = torch.tensor([[token]], device=self._model.device)  # [1, 1]
+                logits = self._model(ids, len(self._fed), self._cache)
                 self._fed.append(token)
 
     def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
         logits = torch.empty(0)
         for i in range(0, len(tokens), 128):
-            chunk = torch.tensor([tokens[i : i + 128]])  # [1, S]
+            chunk = torch.tensor([tokens[i : i + 128]], device=self._model.device)  # [1, S]
             logits = self._model(chunk, start + i, self._cache)  # [1, S, V]
         return logits
 

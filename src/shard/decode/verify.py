@@ -70,10 +70,12 @@ def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 def choose_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
     """The target's token at absolute ``position`` (the position it will occupy): argmax when
-    greedy, else one draw keyed by (seed, position)."""
+    greedy, else one draw keyed by (seed, position). Decided in fp32 whatever the logits' dtype
+    (a bf16 tail's ties and near-ties would otherwise round differently from the reference)."""
+    logits = logits.float()  # [V]; a no-op for the fp32 logits StageModel returns
     if is_greedy(sampling):
         finfo = torch.finfo(torch.float32)
-        clean = torch.nan_to_num(logits.float(), nan=finfo.min)
+        clean = torch.nan_to_num(logits, nan=finfo.min)
         return int(torch.argmax(clean).item())
     probs = filter_logits(logits, sampling)
     generator = position_generator(sampling, position)

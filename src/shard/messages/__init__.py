@@ -71,6 +71,7 @@ from shard.messages.ring import (
     Welcome,
 )
 from shard.messages.status import (
+    DeviceStatus,
     EdgeStatus,
     EventRecord,
     StageReport,
@@ -153,6 +154,7 @@ __all__ = [
     "ChunkMissing",
     "ChunkRequest",
     "ChunkSeq",
+    "DeviceStatus",
     "EdgeRecord",
     "EdgeStat",
     "EdgeStatus",

@@ -35,6 +35,19 @@ class StageStatus:
 
 
 @attrs.frozen
+class DeviceStatus:
+    """One GPU of a node, read through NVML: which (``index``, ``name``), its memory in bytes
+    and its utilisation in percent over NVML's last sample (None where NVML gives none)."""
+
+    node: NodeName
+    index: int
+    name: str
+    memory_used: int
+    memory_total: int
+    utilization: int | None = None
+
+
+@attrs.frozen
 class EventRecord:
     """Something that happened to the ring (join, fault, splice, epoch, reset); ``at`` is the
     coordinator's wall clock."""
@@ -54,6 +67,7 @@ class StatusSnapshot:
     values cover the last laps of every request: ``lap_*`` are full laps (the ring's round
     trip), ``alpha`` is accepted / drafted (None before a draft was verified), ``tok_s``
     counts committed tokens over the last seconds. ``tokens``, ``requests_*`` are totals.
+    ``devices``: GPU memory and utilisation (``shard.observe.devices``).
     """
 
     swarm: str
@@ -80,6 +94,7 @@ class StatusSnapshot:
     requests_failed: int
     standbys: tuple[NodeName, ...] = ()
     events: tuple[EventRecord, ...] = ()
+    devices: tuple[DeviceStatus, ...] = ()  # the coordinator's GPUs (none without a driver)
 
 
 @attrs.frozen

@@ -86,5 +86,17 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # [B, KV, end, Dh]
 
+    def update_at(self, layer: int, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v`` ``[B, KV, S, Dh]`` at positions ``pos`` ``[S]`` (a device tensor);
+        return all of K/V ``[B, KV, max_len, Dh]``.
+
+        The static-shape twin of ``update`` for CUDA graphs: no Python int decides a shape or an
+        offset, so one capture replays at any position. The caller's mask hides positions past
+        the chunk (the same rollback rule, enforced by the mask instead of a slice).
+        """
+        self.k[layer].index_copy_(2, pos, k)
+        self.v[layer].index_copy_(2, pos, v)
+        return self.k[layer], self.v[layer]  # [B, KV, max_len, Dh]
+
     def __repr__(self) -> str:
         return f"KVCache(shape={tuple(self.k.shape)}, dtype={self.k.dtype}, device={self.k.device})"

@@ -107,15 +107,21 @@ class Attention(nn.Module):
         mask: Tensor,
         cache: KVCache,
         layer: int,
-        start: int,
+        start: int | Tensor,
     ) -> Tensor:
-        """``x`` ``[B, S, D]`` at positions ``[start, start+S)``; keys are ``[0, start+S)``."""
+        """``x`` ``[B, S, D]`` at positions ``[start, start+S)``; keys are ``[0, start+S)``.
+
+        ``start`` a tensor: the positions ``[S]`` themselves, and keys are the whole cache
+        (``StageModel.forward_at``)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
+        if isinstance(start, Tensor):
+            keys, values = cache.update_at(layer, start, k, v)  # [B, KV, max_len, Dh]
+        else:
+            keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
         y = F.scaled_dot_product_attention(
             q,
             keys,
@@ -161,7 +167,7 @@ class Block(nn.Module):
         mask: Tensor,
         cache: KVCache,
         layer: int,
-        start: int,
+        start: int | Tensor,
     ) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
         out: Tensor = h + self.mlp(self.post_attention_layernorm(h))
@@ -260,6 +266,35 @@ class StageModel(nn.Module):
             return h
         logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]
         return logits.float()
+
+    @torch.no_grad()
+    def forward_at(self, x: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        """``forward`` at the positions ``pos`` ``[S]`` (int64, on this stage's device).
+
+        Static shapes: every tensor's shape depends on ``S`` and the cache's ``max_len`` only,
+        never on where the chunk sits, and nothing reads a value back to the host — so one
+        CUDA-graph capture per ``S`` replays at any position (``shard.stage.graphs``). Attends
+        over the whole cache under a mask, so its rounding may differ from ``forward``'s in the
+        last bit; graphed and eager ``forward_at`` are what must agree bit for bit.
+        """
+        self._check_input(x, 0, cache)
+        h: Tensor = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
+        rope = (
+            self.rope_cos.index_select(0, pos).to(h.dtype),  # [S, Dh/2]
+            self.rope_sin.index_select(0, pos).to(h.dtype),  # [S, Dh/2]
+        )
+        k_pos = torch.arange(cache.max_len, device=h.device)[None, :]  # [1, max_len]
+        mask = self._window(k_pos <= pos[:, None], k_pos, pos[:, None])  # [S, max_len]
+        for j, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, cache, j, pos)
+        if self.norm is None or self.lm_head is None:
+            return h
+        logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]
+        return logits.float()
+
+    def _window(self, mask: Tensor, k_pos: Tensor, q_pos: Tensor) -> Tensor:
+        window = self.config.sliding_window
+        return mask & (k_pos > q_pos - window) if window is not None else mask
 
     def _mask(self, start: int, s: int, device: torch.device) -> Tensor:
         """Boolean ``[S, start+S]``: query ``start+i`` sees key ``j`` iff ``j <= start+i``

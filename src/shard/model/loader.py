@@ -36,14 +36,15 @@ def load_stage(
     last: int,
     *,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
 ) -> StageModel:
     """Build ``StageModel(config, first, last)`` with weights read from ``model_dir``.
 
     The module is built on the meta device (no memory, no random init) and each parameter is
-    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``. ``config``
-    overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
+    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``: safetensors
+    reads each tensor straight onto a GPU, so a CUDA stage never holds a CPU copy of its block.
+    ``config`` overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -75,7 +76,11 @@ def load_stage(
 
 
 def load_truncated(
-    model_dir: Path, n_layers: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: Path,
+    n_layers: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> StageModel:
     """The first ``n_layers`` of a checkpoint plus its final norm and LM head, as one model.
 
@@ -140,11 +145,11 @@ def _load_file(
     path: Path,
     names: dict[str, str],
     dtype: torch.dtype,
-    device: str,
+    device: torch.device | str,
 ) -> None:
     """Read ``names`` (local -> checkpoint name) from one file into ``stage``, checking shapes."""
     try:
-        with safe_open(str(path), framework="pt", device=device) as f:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
             for local, remote in names.items():
                 param = stage.get_parameter(local)
                 got = tuple(f.get_slice(remote).get_shape())

@@ -48,10 +48,12 @@ from shard.messages import (
     Welcome,
 )
 from shard.model.config import ModelConfig
+from shard.model.device import resolve_device
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
+from shard.observe.devices import DeviceProbe
 from shard.observe.status import StatusFeed
 from shard.spec.limits import Limits
 from shard.spec.nodes import CoordinatorSpec
@@ -101,13 +103,15 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
         return Drafter(oracle)
     model: StageModel | None = None
     if plan.uses_model:
-        dtype = DTYPES[spec.dtype]
+        runtime = spec.runtime(spec.coordinator.name)  # the draft's device and dtype
+        dtype = DTYPES[runtime.dtype or spec.dtype]
+        device = resolve_device(runtime.device, spec.coordinator.name)
         if plan.draft_model is not None:
             draft_dir = Path(plan.draft_model)
             layers = ModelConfig.from_dir(draft_dir).n_layers
-            model = load_stage(draft_dir, 0, layers, dtype=dtype)
+            model = load_stage(draft_dir, 0, layers, dtype=dtype, device=device)
         else:
-            model = load_truncated(model_dir, plan.draft_layers, dtype=dtype)
+            model = load_truncated(model_dir, plan.draft_layers, dtype=dtype, device=device)
 
     def factory(prompt: Sequence[int]) -> Proposer:
         proposers: list[Proposer] = []
@@ -324,6 +328,7 @@ async def run_coordinator(
         ring=scheduler.ring,
         standbys=scheduler.standbys,
         send_timeout_s=spec.limits.message_timeout_s,
+        devices=DeviceProbe(name).read,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     listener = _Listener(welcome, spec.limits, coordinator, tokenizer, scheduler, feed, endpoint)

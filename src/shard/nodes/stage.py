@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 
 import attrs
-import torch
 import trio
 
 from shard.failover.control import ControlClient, NodeReplaced, OrderFailed
@@ -36,14 +35,15 @@ from shard.messages import (
     StageReport,
     Welcome,
 )
-from shard.messages.ids import RUN_DTYPES
 from shard.model.config import ModelConfig
+from shard.model.device import TORCH_DTYPES, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
+from shard.stage.graphs import ChunkGraphs, chunk_rows
 from shard.transport import Connection, Network, TransportError
 from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
@@ -55,7 +55,7 @@ from shard.weights.seeder import Seeder
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in RUN_DTYPES}
+DTYPES = TORCH_DTYPES  # kept for importers; shard.model.device owns the mapping
 #: How often a stage checks its counters for a connected monitor (``_serve_monitor``).
 _REPORT_S = 0.05
 
@@ -141,6 +141,14 @@ class _StageNode:
         role, slot = ("stage", self._serving.slot) if self._serving else ("standby", "")
         return Register(self._name, role, self._address, first, last, slot=slot)
 
+    def _graphs(self, block: _Block) -> ChunkGraphs | None:
+        """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``)."""
+        mode = self._spec.runtime(self._name).graphs
+        if mode == "off":
+            return None
+        policy = self._spec.speculation.policy
+        return ChunkGraphs(block.model, mode=mode, rows=chunk_rows(policy.k, policy.k_max))
+
     async def build(self, block: _Block, slot: str, successor: str) -> _Serving:
         """Build the executor and the downstream link for ``slot``, and dial ``successor``."""
         outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
@@ -152,6 +160,7 @@ class _StageNode:
             outbox=outbox_send,
             max_sessions=self._spec.limits.max_sessions,
             max_len=self._spec.limits.max_len,
+            graphs=self._graphs(block),
             receipts=ReceiptSigner(
                 signing_identity(self._spec, self._name),
                 node=self._name,
@@ -190,7 +199,7 @@ class _StageNode:
         block = self._block
         if block is None or (block.first, block.last) != (order.first, order.last):
             log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)
-            block = await _load(self._spec, self._model_dir, order.first, order.last)
+            block = await _load(self._spec, self._name, self._model_dir, order.first, order.last)
             self._block = block
         serving = await self.build(block, order.slot, order.successor)
         await self._starts_send.send(serving)
@@ -302,10 +311,16 @@ class _StageNode:
             raise replaced[0]
 
 
-async def _load(spec: SwarmSpec, model_dir: Path, first: int, last: int) -> _Block:
-    """Load layers ``first..last`` in a worker thread (the forward pass's boundary)."""
-    dtype = DTYPES[spec.dtype]
-    model = await offload.run_sync(lambda: load_stage(model_dir, first, last, dtype=dtype))
+async def _load(spec: SwarmSpec, name: str, model_dir: Path, first: int, last: int) -> _Block:
+    """Load layers ``first..last`` in a worker thread (the forward pass's boundary), straight
+    onto node ``name``'s device (``DeviceUnavailable``, one line, before anything is read if
+    the machine cannot give it)."""
+    runtime = spec.runtime(name)
+    device = resolve_device(runtime.device, name)
+    dtype = torch_dtype(runtime.dtype or spec.dtype)
+    model = await offload.run_sync(
+        lambda: load_stage(model_dir, first, last, dtype=dtype, device=device)
+    )
     return _Block(model, first, last)
 
 
@@ -333,7 +348,7 @@ async def run_stage(
     if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
         model_dir = (await fetch_stage(spec, name)).path
     config = ModelConfig.from_dir(model_dir)
-    block = await _load(spec, model_dir, *spec.blocks(config.n_layers)[index])
+    block = await _load(spec, name, model_dir, *spec.blocks(config.n_layers)[index])
     me = _StageNode(
         spec,
         name,
@@ -370,6 +385,6 @@ async def run_standby(
         model_dir=model_dir,
         listen=str(node.listen),
         timeout_s=startup_timeout_s,
-        block=await _load(spec, model_dir, *block) if block is not None else None,
+        block=await _load(spec, name, model_dir, *block) if block is not None else None,
     )
     await me.run(None, task_status=task_status)

@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from shard.messages import (
+    DeviceStatus,
     EdgeStatus,
     EventRecord,
     NodeName,
@@ -65,6 +66,7 @@ def build_snapshot(
     at: float,
     started: float,
     standbys: Sequence[NodeName] = (),
+    devices: Sequence[DeviceStatus] = (),
 ) -> StatusSnapshot:
     """A ``StatusSnapshot`` of ``stats`` with edges and stages in the order of ``ring``.
 
@@ -100,6 +102,7 @@ def build_snapshot(
         requests_failed=stats.requests_failed,
         standbys=tuple(standbys),
         events=tuple(EventRecord(e.at, e.kind, e.detail) for e in stats.events),
+        devices=tuple(devices),
     )
 
 
@@ -165,12 +168,14 @@ class StatusFeed:
         swarm: str,
         ring: Sequence[NodeName] | Callable[[], Sequence[NodeName]],
         standbys: Callable[[], Sequence[NodeName]] = tuple,
+        devices: Callable[[], Sequence[DeviceStatus]] = tuple,
         interval_s: float = DEFAULT_INTERVAL_S,
         wall_clock: Callable[[], float] = time.time,
         send_timeout_s: float = 30.0,
     ) -> None:
         """``ring`` (or a function giving it: the ring changes when a standby is spliced in)
-        runs from the coordinator to the tail; ``standbys`` gives the standbys waiting. A
+        runs from the coordinator to the tail; ``standbys`` gives the standbys waiting;
+        ``devices`` reads GPU telemetry (``shard.observe.devices.DeviceProbe.read``). A
         monitor that does not take a snapshot within ``send_timeout_s`` is cut (it stopped
         reading: ``limits.message_timeout_s``)."""
         self._source = source
@@ -178,6 +183,7 @@ class StatusFeed:
         fixed = () if callable(ring) else tuple(ring)
         self._ring: Callable[[], Sequence[NodeName]] = ring if callable(ring) else lambda: fixed
         self._standbys = standbys
+        self._devices = devices
         self._interval_s = interval_s
         self._send_timeout_s = send_timeout_s
         self._wall_clock = wall_clock
@@ -203,6 +209,7 @@ class StatusFeed:
             at=self._wall_clock(),
             started=self._started,
             standbys=self._standbys(),
+            devices=self._devices(),
         )
 
     def _publish(self) -> None:

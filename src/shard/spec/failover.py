@@ -39,6 +39,7 @@ from typing import Final
 
 import attrs
 
+from shard.spec.device import STAGE_DEVICE_KEYS
 from shard.spec.trust import CREDENTIAL_KEYS
 from shard.spec.validate import Table
 
@@ -53,7 +54,7 @@ FAILOVER_KEYS: Final = (
     "register_timeout_s",
     "probe_s",
 )
-STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS)
+STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS)
 FAULT_KEYS: Final = ("kind", "node", "at_token", "at_s", "seconds")
 #: ``kill``: SIGKILL a stage's process; ``stall``: SIGSTOP it for ``seconds``, then SIGCONT;
 #: ``sever``: cut the ring edge from ``node`` to its successor (at its relay).

@@ -1,7 +1,8 @@
 """The nodes of a swarm spec and the hops between them: ``[coordinator]``, ``[[stage]]``,
 ``[[standby]]`` and ``[links]``, each as a frozen record with its reader.
 
-A node has a name, a ``listen`` address and its credentials (``shard.spec.trust``); a stage
+A node has a name, a ``listen`` address, its credentials (``shard.spec.trust``) and where it
+computes (``device``, ``dtype``, ``graphs``: ``shard.spec.device``); a stage
 also has its layer block, a standby the stage whose block it holds hot (``layers_of``, read in
 ``shard.spec.failover``). ``check_nodes`` holds the rules that span nodes: unique names,
 unique listen addresses, one layer mode, ordered blocks.
@@ -17,6 +18,7 @@ from typing import Final
 
 import attrs
 
+from shard.spec.device import DEVICE_KEYS, STAGE_DEVICE_KEYS, DeviceSpec, read_device
 from shard.spec.failover import read_layers_of
 from shard.spec.trust import CREDENTIAL_KEYS, CredentialPaths, read_credentials
 from shard.spec.validate import Block, Table, check_layer_mode, check_tiling, check_unique
@@ -25,8 +27,8 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
-NODE_KEYS: Final = ("name", "listen", *CREDENTIAL_KEYS)
-STAGE_KEYS: Final = ("name", "listen", "layers", *CREDENTIAL_KEYS)
+NODE_KEYS: Final = ("name", "listen", *CREDENTIAL_KEYS, *DEVICE_KEYS)
+STAGE_KEYS: Final = ("name", "listen", "layers", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS)
 LINK_KEYS: Final = ("latency_ms", "bandwidth_mbps", "edge")
 EDGE_KEYS: Final = ("from", "to", "latency_ms", "bandwidth_mbps")
 
@@ -79,21 +81,25 @@ class Address:
 class StageSpec:
     """One stage node: its name, where it listens, and its block ``[first, last)`` (None = auto).
 
-    ``credentials``: its key and token files (secure swarms; ``shard.spec.trust``)."""
+    ``credentials``: its key and token files (secure swarms; ``shard.spec.trust``);
+    ``runtime``: its device, dtype and CUDA-graph mode (``shard.spec.device``)."""
 
     name: str
     listen: Address
     layers: Block | None
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
+    runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
 
 
 @attrs.frozen
 class CoordinatorSpec:
-    """The coordinator: its name, the return endpoint the tail dials, its key and token."""
+    """The coordinator: its name, the return endpoint the tail dials, its key and token, and
+    the device and dtype its draft model runs on (``runtime``)."""
 
     name: str
     listen: Address
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
+    runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
 
 
 @attrs.frozen
@@ -101,12 +107,13 @@ class StandbySpec:
     """A standby node, outside the ring until failover splices it in for a dead stage.
 
     ``layers_of``: the stage whose block it loads at start (hot), or None (a spare: it loads
-    the dead stage's block when assigned). ``credentials`` as on a stage."""
+    the dead stage's block when assigned). ``credentials`` and ``runtime`` as on a stage."""
 
     name: str
     listen: Address
     layers_of: str | None = None
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
+    runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
 
 
 NodeSpec = StageSpec | CoordinatorSpec | StandbySpec
@@ -148,6 +155,7 @@ def read_coordinator(table: Table, base_dir: Path | None) -> CoordinatorSpec:
         name=name,
         listen=_address(table, "listen", '"127.0.0.1:7700"'),
         credentials=read_credentials(table, base_dir, name),
+        runtime=read_device(table, graphs=False),
     )
 
 
@@ -159,6 +167,7 @@ def read_stage(table: Table, base_dir: Path | None) -> StageSpec:
         listen=_address(table, "listen", '"127.0.0.1:7701"'),
         layers=table.layers("layers"),
         credentials=read_credentials(table, base_dir, name),
+        runtime=read_device(table, graphs=True),
     )
 
 
@@ -170,6 +179,7 @@ def read_standby(table: Table, base_dir: Path | None, stages: list[str]) -> Stan
         listen=_address(table, "listen", '"127.0.0.1:7711"'),
         layers_of=read_layers_of(table, stages),
         credentials=read_credentials(table, base_dir, name),
+        runtime=read_device(table, graphs=True),
     )
 
 

@@ -26,8 +26,9 @@ from typing import Final
 
 import attrs
 
-from shard.messages import RUN_DTYPES
 from shard.spec.api import API_KEYS, ApiSpec, read_api
+from shard.spec.device import DTYPES as DTYPES  # re-exported: the swarm's dtypes
+from shard.spec.device import DeviceSpec, check_device, check_dtype, check_dtypes, check_graphs
 from shard.spec.failover import (
     FAILOVER_KEYS,
     STANDBY_KEYS,
@@ -71,8 +72,6 @@ from shard.spec.validate import (
     SpecError as SpecError,  # re-exported: callers catch shard.spec.swarm.SpecError
 )
 
-#: Activation / weight dtypes a swarm may run in (defined once, in ``shard.messages``).
-DTYPES: Final = RUN_DTYPES
 #: Model names that need no path: shipped with shard (``shard.model`` knows where).
 BUNDLED_MODELS: Final = ("smollm2",)
 
@@ -175,11 +174,15 @@ class SwarmSpec:
         trust_table = top.table("trust", TRUST_KEYS, required="trust" in data)
         trust = read_trust(trust_table, base_dir) if "trust" in data else None
         check_secure(source, insecure, trust, credentials_of(coordinator, stages, standbys))
+        dtype = _read_dtype(swarm)
+        ring_nodes = [(f"stage[{i}]", s.runtime) for i, s in enumerate(stages)]
+        ring_nodes += [(f"standby[{i}]", s.runtime) for i, s in enumerate(standbys)]
+        check_dtypes(source, dtype, ring_nodes)
         return cls(
             path=None,
             name=node_name(swarm, "name"),
             model=_read_model(swarm, base_dir),
-            dtype=_read_dtype(swarm),
+            dtype=dtype,
             insecure=insecure,
             limits=limits,
             coordinator=coordinator,
@@ -263,6 +266,55 @@ class SwarmSpec:
         index = [s.name for s in self.stages].index(standby.layers_of)
         return self.blocks(n_layers)[index]
 
+    def runtime(self, name: str) -> DeviceSpec:
+        """Node ``name``'s device, graphs mode and dtype, its ``dtype`` resolved (never None).
+
+        Errors: ``SpecError`` if there is no such node."""
+        runtime = self.node(name).runtime
+        return attrs.evolve(runtime, dtype=runtime.dtype or self.dtype)
+
+    def with_runtime(
+        self,
+        name: str,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        graphs: str | None = None,
+    ) -> SwarmSpec:
+        """A copy where node ``name`` runs on ``device`` / in ``dtype`` / with ``graphs``
+        (``shard up --device --dtype --graphs``); None keeps the spec's value.
+
+        Errors: ``SpecError`` for an unknown node, a bad value, or a stage dtype that no
+        longer matches the ring's."""
+        node = self.node(name)
+        runtime = node.runtime
+        for key, value, check in (
+            ("device", device, check_device),
+            ("dtype", dtype, check_dtype),
+            ("graphs", graphs, check_graphs),
+        ):
+            if value is None:
+                continue
+            try:
+                runtime = attrs.evolve(runtime, **{key: check(value)})
+            except ValueError as e:
+                raise SpecError(self.source, f"{name}.{key}", str(e)) from None
+        coordinator = self.coordinator
+        if node is coordinator:
+            coordinator = attrs.evolve(coordinator, runtime=runtime)
+        spec = attrs.evolve(
+            self,
+            coordinator=coordinator,
+            stages=tuple(attrs.evolve(s, runtime=runtime) if s is node else s for s in self.stages),
+            standbys=tuple(
+                attrs.evolve(s, runtime=runtime) if s is node else s for s in self.standbys
+            ),
+        )
+        ring: list[StageSpec | StandbySpec] = [*spec.stages, *spec.standbys]
+        ring_nodes = [(s.name, s.runtime) for s in ring]
+        check_dtypes(self.source, self.dtype, ring_nodes)
+        return spec
+
     def _nodes(self) -> tuple[NodeSpec, ...]:
         return (self.coordinator, *self.stages, *self.standbys)
 
@@ -317,7 +369,7 @@ def _read_dtype(swarm: Table) -> str:
     dtype = swarm.string("dtype", default="float32")
     if dtype not in DTYPES:
         raise swarm.error("dtype", f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return dtype
+    return dtype  # a node may override it: shard.spec.device
 
 
 def _read_insecure(swarm: Table) -> bool:

@@ -42,6 +42,7 @@ from shard.messages import (
 )
 from shard.model.llama import KVCache, StageModel
 from shard.stage import offload
+from shard.stage.graphs import ChunkGraphs
 from shard.stage.tensors import from_wire, to_wire
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
 
@@ -115,8 +116,10 @@ class StageExecutor:
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
         receipts: ReceiptSigner | None = None,
+        graphs: ChunkGraphs | None = None,
     ) -> None:
         self._model = model
+        self._graphs = graphs  # None: every chunk eager (StageModel.forward)
         self._receipts = receipts
         self._node = node
         self._inbox = inbox
@@ -218,7 +221,7 @@ class StageExecutor:
         if isinstance(msg, OpenSession):
             await self._open(msg)
         elif isinstance(msg, EndSession):
-            self._sessions.pop(msg.session, None)
+            self._forget(self._sessions.pop(msg.session, None))
             self._epochs.pop(msg.session, None)
             receipt = self._receipts.close(msg.session) if self._receipts else None
             if receipt is not None:
@@ -270,6 +273,8 @@ class StageExecutor:
             await self._fault(msg.session, "request", detail)
             return
         cache = self._model.new_cache(msg.max_len)
+        if self._graphs is not None:  # warm: capture this session's shapes now
+            await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
         self._sessions[msg.session] = _Session(cache, msg.sampling)
         if not self._model.is_last:
             await self._outbox.send(msg)
@@ -281,10 +286,14 @@ class StageExecutor:
         incarnation = session >> SESSION_BITS
         for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
             log.warning("%s: dropped session %d of a previous coordinator", self._node, sid)
-            self._sessions.pop(sid)
+            self._forget(self._sessions.pop(sid))
             self._epochs.pop(sid, None)
             if self._receipts is not None:
                 self._receipts.close(sid)
+
+    def _forget(self, sess: _Session | None) -> None:
+        if sess is not None and self._graphs is not None:
+            self._graphs.forget(sess.cache)
 
     async def _fault(
         self, session: SessionId, kind: str, detail: str, *, epoch: Epoch | None = None
@@ -348,11 +357,11 @@ class StageExecutor:
             vocab = self._model.config.vocab_size
             if any(not 0 <= t < vocab for t in msg.ids):
                 raise StageFailed(f"{self._node}: token id out of range [0, {vocab})")
-            return torch.tensor([msg.ids], dtype=torch.int64)  # [1, S]
+            return torch.tensor([msg.ids], dtype=torch.int64, device=self._model.device)  # [1, S]
         if msg.hidden is None:
             raise StageFailed(f"{self._node}: a middle or tail stage needs hidden states")
         try:
-            hidden = from_wire(msg.hidden)
+            hidden = from_wire(msg.hidden, device=self._model.device)
         except ValueError as exc:
             raise StageFailed(f"{self._node}: bad hidden payload: {exc}") from exc
         if hidden.dtype != self._model.dtype:
@@ -371,19 +380,20 @@ class StageExecutor:
     ) -> torch.Tensor | tuple[tuple[int, ...], int] | None:
         """Worker-thread body: the block's forward, and the target's choice at the tail."""
         with torch.inference_mode():
-            out = self._model(x, start, sess.cache)
+            run = self._graphs if self._graphs is not None else self._model
+            out = run(x, start, sess.cache)
             if not self._model.is_last:
                 return out
-            logits = out[0]  # [S, V]
+            if isinstance(msg, Prefill) and (not msg.final or msg.replay):
+                return None
+            # The choice is made in fp32 on the CPU whatever the block's dtype and device:
+            # only the rows it reads (1, or K+1) cross, and the sampler's generator is a CPU one.
+            rows = 1 if isinstance(msg, Prefill) else len(msg.draft) + 1
+            logits = out[0, -rows:].to("cpu", torch.float32)  # [rows, V]
             if isinstance(msg, Prefill):
-                if not msg.final or msg.replay:
-                    return None
                 token = choose_token(logits[-1], sess.sampling, msg.start + int(x.shape[1]))
                 return (token,), 0
-            n_draft = len(msg.draft)
-            verdict = verify_chunk(
-                logits[-(n_draft + 1) :], msg.draft, sess.sampling, msg.start + 1
-            )
+            verdict = verify_chunk(logits, msg.draft, sess.sampling, msg.start + 1)
             return verdict.target_ids, verdict.accepted
 
 

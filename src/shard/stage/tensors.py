@@ -29,8 +29,9 @@ def to_wire(t: torch.Tensor) -> WireTensor:
     return WireTensor(dtype=name, shape=tuple(int(d) for d in t.shape), data=data)
 
 
-def from_wire(w: WireTensor) -> torch.Tensor:
-    """Build a CPU tensor from a wire payload; ``ValueError`` if dtype, shape or size is wrong.
+def from_wire(w: WireTensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Build a tensor on ``device`` from a wire payload; ``ValueError`` if dtype, shape or size
+    is wrong (checked before anything is allocated, on the CPU or the GPU).
 
     The result owns its memory (writable, independent of ``w.data``).
     """
@@ -44,8 +45,9 @@ def from_wire(w: WireTensor) -> torch.Tensor:
         )
     dtype = _TORCH_DTYPES[w.dtype]
     if w.nbytes == 0:
-        return torch.empty(w.shape, dtype=dtype)
+        return torch.empty(w.shape, dtype=dtype, device=device)
     buf = bytearray(w.data)  # writable copy: torch.frombuffer warns on read-only buffers
-    # Cloned into torch's own 64-byte aligned memory: CPU matmul kernels sum in an order that
-    # depends on their operands' alignment, and a bytearray's is the allocator's whim.
-    return torch.frombuffer(buf, dtype=dtype).reshape(w.shape).clone()
+    # Copied into torch's own 64-byte aligned memory (on ``device``): CPU matmul kernels sum
+    # in an order that depends on their operands' alignment, and a bytearray's is the
+    # allocator's whim.
+    return torch.frombuffer(buf, dtype=dtype).reshape(w.shape).to(device=device, copy=True)

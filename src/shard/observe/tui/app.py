@@ -54,7 +54,7 @@ class MonitorApp(App[None]):
     #link.reconnecting { background: $warning-darken-2; }
     #body.stale { opacity: 60%; }
     #ring { height: auto; border: round $accent; padding: 0 1; }
-    #summary { height: 2; padding: 0 1; }
+    #summary { height: auto; padding: 0 1; }
     #sparks { height: 3; }
     .spark { width: 1fr; padding: 0 1; }
     .spark Static { height: 1; }
@@ -241,7 +241,7 @@ def ring_text(snap: StatusSnapshot | None) -> Text:
 
 
 def summary_text(snap: StatusSnapshot | None) -> Text:
-    """The headline numbers: two lines."""
+    """The headline numbers: two lines, and one per GPU when the feed reports any."""
     if snap is None:
         return Text("")
     standbys = ", ".join(snap.standbys) if snap.standbys else "none"
@@ -250,7 +250,8 @@ def summary_text(snap: StatusSnapshot | None) -> Text:
         f" ({snap.accepted}/{snap.drafted})  K {snap.k}  D {snap.depth}"
         f"  sessions {snap.sessions}\n"
         f"requests {snap.requests_done} done, {snap.requests_failed} failed"
-        f"  tokens {snap.tokens}  standbys {standbys}",
+        f"  tokens {snap.tokens}  standbys {standbys}"
+        + "".join(f"\n{st.device(d)}" for d in snap.devices),
         no_wrap=True,
         overflow="ellipsis",
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import attrs
 
-from shard.messages import EventRecord, StatusSnapshot
+from shard.messages import DeviceStatus, EventRecord, StatusSnapshot
 
 #: Points kept for each sparkline (at 4 snapshots a second: the last 30 seconds).
 HISTORY = 120
@@ -135,3 +135,13 @@ def rate(value: float) -> str:
 
 def count(value: int | None) -> str:
     return UNKNOWN if value is None else str(value)
+
+
+def device(d: DeviceStatus) -> str:
+    """``gpu0 coord NVIDIA H200  mem 12.3/139.8 GiB  util 45%`` (util ``–`` when unknown)."""
+    gib = 1024**3
+    util = UNKNOWN if d.utilization is None else f"{d.utilization}%"
+    return (
+        f"gpu{d.index} {d.node} {d.name}  mem {d.memory_used / gib:.1f}/"
+        f"{d.memory_total / gib:.1f} GiB  util {util}"
+    )
