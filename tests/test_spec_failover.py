@@ -77,7 +77,7 @@ def test_absent_tables_read_as_defaults() -> None:
     """No [failover], [[standby]] or [[faults]]: default timings, no standbys, no faults."""
     spec = _load(_data())
     assert spec.failover == FailoverSpec()
-    assert spec.failover == FailoverSpec(0.25, 1.0, 2.0, 30.0, 30.0, 1024)
+    assert spec.failover == FailoverSpec(0.25, 4.0, 2.0, 30.0, 30.0, 1024)
     assert spec.failover.replay_max_bytes == 1024 << 20
     assert spec.standbys == ()
     assert spec.faults == ()

@@ -224,8 +224,10 @@ class Coordinator:
         self.event("fault", detail)
 
     async def resume(self, detail: str) -> None:
-        """The ring is whole again: every request re-sends from its committed tokens."""
+        """The ring is whole again: every request re-sends from its committed tokens (a ring
+        that was given up is usable again: a lost node came back into its slot)."""
         self._recovering = None
+        self._ring_fault = None
         self.event("splice", detail)
         self._notify(Resync(full=False, reason=detail))
 

@@ -2,8 +2,10 @@
 ring slot, and what to do when a node dies.
 
 Every stage and standby keeps a control link to the scheduler (``shard.failover.control``): it
-registers, then heartbeats. A node whose link closes, or that is silent for ``dead_after_s``,
-is dead. Recovery, one at a time:
+registers, then heartbeats. A node whose link closes is dead; one that goes silent is first
+suspected, then dead, as the failure detector (``shard.failover.detector``) judges the silence
+against the node's measured heartbeat gaps and net of this scheduler's own loop lag.
+Recovery, one at a time:
 
 - **a ring node died** — pause the requests, pick a standby holding the same block (hot), else
   a spare that loads it (cold), else wait ``join_deadline_s`` for one to register; ``Activate``
@@ -12,6 +14,9 @@ is dead. Recovery, one at a time:
   (stage 0: the coordinator's own link replays token ids). The ring resumes: each request
   bumps its epoch and re-sends from its committed tokens. No standby in time: the requests
   fail with the committed tokens (``RingError``), never a silent stop.
+- **a node declared dead but not replaced registers again** (it was frozen, or restarted) —
+  it is taken back into its slot, re-synced from its predecessor's replay log like a standby,
+  and the requests resume. Only a node whose slot another node really holds is refused.
 - **a ring edge broke between live nodes** (a severed connection, a corrupt frame) — after a
   grace period, if the successor is still alive and still in place, re-dial the same edge
   (no replay: the successor's KV is intact) and resync the requests.
@@ -29,6 +34,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.rtt import RttTracker
 from shard.messages import (
@@ -67,6 +73,7 @@ class Recovery:
     """One recovery: what died, who replaced it, and how long each part took (seconds).
 
     ``kind``: ``hot`` / ``cold`` (a standby with / without the block spliced in for ``lost``),
+    ``rejoin`` (``lost`` was declared dead, was not replaced, and came back into its slot),
     ``relink`` (the edge from ``lost`` — alive — to ``replacement`` was re-dialled; ``slot`` is
     the successor's), ``failed`` (``detail`` says why). ``detect_s`` runs from the failure
     (last heartbeat, closed link, reported fault) to the start of the repair; for a relink it
@@ -76,7 +83,7 @@ class Recovery:
     slot: NodeName
     lost: NodeName
     replacement: NodeName | None
-    kind: str  # "hot" | "cold" | "relink" | "failed"
+    kind: str  # "hot" | "cold" | "rejoin" | "relink" | "failed"
     detect_s: float
     splice_s: float
     total_s: float
@@ -148,7 +155,8 @@ class Scheduler:
         self._policy = policy
         self._clock = clock
         self._members: dict[NodeName, _Member] = {}
-        self._fenced: set[NodeName] = set()
+        self._fenced: dict[NodeName, NodeName] = {}  # replaced node -> who took its slot
+        self._detector = FailureDetector(policy)
         self._problems_send, self._problems = trio.open_memory_channel[
             tuple[str, NodeName, NodeName | None, float]
         ](64)
@@ -198,10 +206,12 @@ class Scheduler:
         if not isinstance(first, Register) or first.node != hello.node:
             await conn.send(Fault(self._node, "control", "expected Register for this node"))
             return
-        if first.node in self._fenced:
-            # Declared dead and replaced: a node that wakes up later must not rejoin with
+        replaced_by = self._replaced_by(first)
+        if replaced_by is not None:
+            # Its slot is held by another: a node that wakes up later must not rejoin with
             # stale sessions. It can restart as a standby under a new name.
-            await conn.send(Fault(self._node, "control", f"{first.node} was replaced"))
+            detail = f"{first.node} was replaced by {replaced_by}"
+            await conn.send(Fault(self._node, "control", detail))
             return
         replies_send, replies = trio.open_memory_channel[Ready](4)
         member = _Member(
@@ -217,6 +227,7 @@ class Scheduler:
         )
         old = self._members.get(first.node)
         self._members[first.node] = member
+        self._detector.watch(member.node, member.last_seen)
         if old is not None:
             await abandon(old.conn)
         for slot in self._slots:
@@ -230,6 +241,9 @@ class Scheduler:
         if member.node == self.tail() and self._nursery is not None:
             self._nursery.start_soon(self._redial_return, member)
         self._hooks.event("join", f"{member.node} ({member.role}) registered")
+        if old is not None and not old.alive and self._slot_of(member.node) is not None:
+            # declared dead, not replaced (it still holds its slot): take it back
+            await self._problems_send.send(("rejoin", member.node, None, old.last_seen))
         self._joined.set()
         self._joined = trio.Event()
         reason = "control link closed"
@@ -241,6 +255,8 @@ class Scheduler:
                     while True:
                         msg = await conn.receive()
                         member.last_seen = self._clock()
+                        beat = isinstance(msg, Heartbeat)
+                        self._detector.heard(member.node, member.last_seen, heartbeat=beat)
                         if isinstance(msg, Ready):
                             await replies_send.send(msg)
                         elif isinstance(msg, ProbeReply):
@@ -258,6 +274,7 @@ class Scheduler:
         finally:
             if self._members.get(member.node) is member and member.alive:
                 member.alive = False
+                self._detector.forget(member.node)
                 log.warning("scheduler: %s is dead (%s)", member.node, reason)
                 try:
                     self._problems_send.send_nowait(("dead", member.node, None, self._clock()))
@@ -268,6 +285,7 @@ class Scheduler:
         """``node``'s downstream edge failed (``node`` may be this coordinator)."""
         successor = self._successor_of(node)
         if successor is not None:
+            self._detector.corroborate(successor, f"{node} reported the edge into it broken")
             await self._problems_send.send(("link", node, successor, self._clock()))
 
     # --- the watchdog and the recoverer ---------------------------------------------------
@@ -285,20 +303,29 @@ class Scheduler:
                         nursery.start_soon(self._relink_later, node, successor, at)
                     elif kind == "relink":
                         await self._relink(node, successor, at)
+                    elif kind == "rejoin":
+                        await self._rejoin(node, at)
 
     async def _watch(self) -> None:
         while True:
-            now = self._clock()
-            for member in list(self._members.values()):
-                if not member.alive:
+            for seen in self._detector.tick(self._clock()):
+                member = self._members.get(NodeName(seen.node))
+                if member is None or not member.alive:
                     continue
-                if now - member.last_seen > self._policy.dead_after_s:
-                    member.alive = False
-                    log.warning(
-                        "scheduler: %s silent for %.2f s: dead", member.node, now - member.last_seen
-                    )
-                    await self._problems_send.send(("dead", member.node, None, member.last_seen))
-                    await abandon(member.conn)  # frozen: do not wait for its close
+                how = f"silent for {seen.silence_s:.2f} s"
+                lag = f"phi {seen.phi:.1f}, scheduler lag {self._detector.lag_s:.2f} s"
+                if seen.state != "dead":
+                    what = "suspected" if seen.state == "suspect" else "no longer suspected"
+                    log.warning("scheduler: %s %s (%s, %s)", member.node, what, how, lag)
+                    self._hooks.event("suspect", f"{member.node} {what} ({how}, {lag})")
+                    continue
+                member.alive = False
+                self._detector.forget(member.node)
+                log.warning(
+                    "scheduler: %s %s: dead (%s; %s)", member.node, how, lag, seen.confirmed_by
+                )
+                await self._problems_send.send(("dead", member.node, None, member.last_seen))
+                await abandon(member.conn)  # frozen: do not wait for its close
             await trio.sleep(self._policy.heartbeat_s)
 
     async def _beat(self, member: _Member) -> None:
@@ -387,12 +414,14 @@ class Scheduler:
             if member is not None and member.role == "standby":
                 self._hooks.event("fault", f"standby {dead} lost")
             return
-        self._fenced.add(dead)
         slot = self._slots[i]
         started = self._clock()
         self._hooks.pause(f"{dead} (layers {slot.first}..{slot.last}) lost; splicing a standby")
         try:
-            standby, kind = await self._pick_standby(slot)
+            picked = await self._pick_standby(slot)
+            if picked is None:
+                return  # it registered again: its queued rejoin takes it back (_rejoin)
+            standby, kind = picked
             with trio.fail_after(self._policy.splice_timeout_s):
                 order = Activate(slot.name, slot.first, slot.last, self._address_after(i))
                 slot_holder_before = slot.holder
@@ -410,6 +439,7 @@ class Scheduler:
             detail = str(exc) or f"splice took longer than {self._policy.splice_timeout_s:g} s"
             await self._give_up(slot.name, dead, at, started, detail)
             return
+        self._fenced[dead] = standby.node
         done = self._clock()
         self._recoveries.append(
             Recovery(slot.name, dead, standby.node, kind, started - at, done - started, done - at)
@@ -421,6 +451,45 @@ class Scheduler:
         log.warning("scheduler: %s", detail)
         await self._hooks.resume(detail)
 
+    async def _rejoin(self, node: NodeName, at: float) -> None:
+        """``node`` was declared dead (at ``at``), nobody took its slot, and it registered
+        again: take it back. Its own edge is re-dialled to its successor (no replay: the
+        successor's KV is intact), then its predecessor's edge into it with replay, so its KV
+        is rebuilt from the log exactly as a standby's would be (a node that only froze keeps
+        its KV and recomputes the same values); then the requests resync."""
+        i = self._slot_of(node)
+        if i is None or not self._alive(node):
+            return
+        slot, started = self._slots[i], self._clock()
+        self._hooks.pause(f"{node} is back and was not replaced; taking it back into {slot.name}")
+        predecessor = self._slots[i - 1].holder if i > 0 else self._node
+        try:
+            await self._rewire(node, self._address_after(i), replay=False)
+            await self._rewire(predecessor, slot.address, replay=True)
+        except (_RecoveryFailed, trio.TooSlowError) as exc:
+            await self._give_up(slot.name, node, at, started, str(exc) or "rejoin timed out")
+            return
+        done = self._clock()
+        self._recoveries.append(
+            Recovery(slot.name, node, node, "rejoin", started - at, done - started, done - at)
+        )
+        detail = (
+            f"{node} rejoined its slot {slot.name} (not replaced) {done - at:.3f} s after it "
+            f"was lost (re-synced in {done - started:.3f} s)"
+        )
+        log.warning("scheduler: %s", detail)
+        await self._hooks.resume(detail)
+
+    def _replaced_by(self, reg: Register) -> NodeName | None:
+        """Who holds the slot ``reg``'s node was replaced in, if it was: a node declared dead
+        whose slot another took, or a stage claiming a slot another live node holds."""
+        if reg.node in self._fenced:
+            return self._fenced[reg.node]
+        for slot in self._slots:
+            if reg.role == "stage" and slot.name == reg.slot and slot.holder != reg.node:
+                return slot.holder if self._alive(slot.holder) else None
+        return None
+
     async def _give_up(
         self, slot: NodeName, lost: NodeName, at: float, started: float, detail: str
     ) -> None:
@@ -430,9 +499,13 @@ class Scheduler:
         )
         await self._hooks.fail(f"{lost} lost and the ring could not be repaired: {detail}")
 
-    async def _pick_standby(self, slot: Slot) -> tuple[_Member, str]:
+    async def _pick_standby(self, slot: Slot) -> tuple[_Member, str] | None:
+        """A live standby for ``slot`` (hot, else cold), waiting for one to register; None
+        once the slot's own (dead) holder has registered again."""
         deadline = self._clock() + self._policy.join_deadline_s
         while True:
+            if self._alive(slot.holder):
+                return None
             live = [m for m in self._members.values() if m.alive and m.role == "standby"]
             for m in live:
                 if (m.first, m.last) == (slot.first, slot.last):
