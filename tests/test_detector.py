@@ -60,7 +60,7 @@ def test_phi_grows_with_silence_and_is_zero_for_none() -> None:
 
 def test_a_silent_node_is_suspected_before_it_is_dead() -> None:
     """Steady beats, then silence: suspect first, dead only past dead_after_s."""
-    d, last = beating(LAN, until=5.0)
+    d, _ = beating(LAN, until=5.0)
     changes = ticks_until(d, 5.0, 8.0, 0.05)
     assert [c.state for c in changes] == ["suspect", "dead"]
     suspect, dead = changes
@@ -82,7 +82,7 @@ def test_a_suspect_that_is_heard_again_is_cleared_and_never_dead() -> None:
 def test_the_schedulers_own_lag_is_not_the_nodes_silence() -> None:
     """The caller's loop does not run for 3 s (a huge prompt tokenized on it): when it wakes,
     the nodes' heartbeats are still unread, yet nobody is suspected or dead."""
-    d, last = beating(LAN, until=5.0)
+    d, _ = beating(LAN, until=5.0)
     woke = 5.0 + 3.0
     assert d.tick(woke) == ()  # the only tick in 3 s, heartbeats not yet read
     assert d.lag_s == pytest.approx(3.0 - LAN.heartbeat_s)
@@ -98,7 +98,7 @@ def test_the_schedulers_own_lag_is_not_the_nodes_silence() -> None:
 def test_a_gap_spanning_the_schedulers_lag_is_not_a_sample() -> None:
     """Beats read after the caller's stall do not widen the node's distribution (a wide one
     would hide a real death for longer)."""
-    d, last = beating(LAN, until=5.0)
+    d, _ = beating(LAN, until=5.0)
     ref, _ = beating(LAN, until=5.0)
     d.tick(8.0)  # 3 s late
     d.heard("s1", 8.01)
@@ -112,7 +112,7 @@ def test_a_gap_spanning_the_schedulers_lag_is_not_a_sample() -> None:
 def test_a_node_that_dies_during_the_schedulers_lag_is_still_found() -> None:
     """Crediting lag only delays the verdict by the lag: a node that stays silent after the
     caller wakes is dead once dead_after_s of silence has been observed."""
-    d, last = beating(LAN, until=5.0)
+    d, _ = beating(LAN, until=5.0)
     d.tick(8.0)
     changes = ticks_until(d, 8.0, 12.0, LAN.heartbeat_s)
     assert [c.state for c in changes] == ["suspect", "dead"]
@@ -149,7 +149,7 @@ def test_wan_defaults_survive_a_tcp_double_retransmit() -> None:
 def test_a_second_signal_confirms_a_suspect_at_once() -> None:
     """A suspected node whose upstream neighbour reports the edge into it broken is dead
     without waiting out dead_after_s; the report alone, on a node heard from, is not."""
-    d, last = beating(WAN, until=5.0)
+    d, _ = beating(WAN, until=5.0)
     d.corroborate("s1", "s0 reported the edge into it broken")
     assert d.tick(5.05) == ()  # heard 0.05 s ago: one signal only
     changes = ticks_until(d, 5.05, 6.0, 0.05)
@@ -160,7 +160,7 @@ def test_a_second_signal_confirms_a_suspect_at_once() -> None:
 
 def test_a_report_is_forgotten_once_the_node_is_heard() -> None:
     """A neighbour's report counts only until the node is heard again."""
-    d, last = beating(WAN, until=5.0)
+    d, _ = beating(WAN, until=5.0)
     d.corroborate("s1", "s0 reported the edge into it broken")
     d.heard("s1", 5.1)
     changes = ticks_until(d, 5.0, 6.0, 0.05)
@@ -170,7 +170,7 @@ def test_a_report_is_forgotten_once_the_node_is_heard() -> None:
 def test_a_dead_node_stays_dead_until_watched_again() -> None:
     """Dead is final for this incarnation: beats after it are ignored until it registers
     (``watch``) again."""
-    d, last = beating(LAN, until=5.0)
+    d, _ = beating(LAN, until=5.0)
     ticks_until(d, 5.0, 8.0, 0.25)
     d.heard("s1", 8.1)
     seen = d.assess("s1", 8.2)
