@@ -32,6 +32,7 @@ from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_standby
 from shard.nodes.inprocess import run_swarm
+from shard.spec.failover import FailoverSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.offload import inline_compute
 from shard.testing import make_tiny_checkpoint
@@ -53,6 +54,7 @@ def failover_spec(
     late: bool = False,
     speculate: bool = False,
     join_deadline_s: float = 5,
+    dead_after_s: float = 1.0,
 ) -> SwarmSpec:
     data: dict[str, Any] = {
         "swarm": {"name": "test", "model": str(model_dir), "insecure": True},
@@ -62,7 +64,8 @@ def failover_spec(
             {"name": f"s{i}", "listen": f"127.0.0.1:{9001 + i}", "layers": [2 * i, 2 * i + 2]}
             for i in range(3)
         ],
-        "failover": {"join_deadline_s": join_deadline_s},
+        # LAN timings (the defaults are for a WAN): a stall of 2-4 s outlasts dead_after_s
+        "failover": {"join_deadline_s": join_deadline_s, "dead_after_s": dead_after_s},
     }
     if standbys:
         data["standby"] = [
@@ -465,3 +468,96 @@ def test_a_busy_coordinator_declares_no_healthy_stage_dead(
 
 async def _drop(msg: Message) -> None:
     del msg
+
+
+def run_requests(
+    spec: SwarmSpec,
+    model_dir: Path,
+    during: Callable[[trio.testing.MockClock], None],
+    *,
+    injector: FaultInjector | None = None,
+) -> Outcome:
+    """The three requests on ``spec``'s swarm; ``during(clock)`` runs (synchronously, in the
+    coordinator's event loop) once 8 tokens have streamed."""
+    injector = injector or FaultInjector(FaultPlan(0, ()))
+    out = Outcome([], injector)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    async def main() -> None:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await start_swarm(
+                    nursery, spec, model_dir, wrap=injector.wrap, scopes=injector.scopes
+                )
+                seen: list[int] = []
+
+                async def tokens(ids: list[int]) -> None:
+                    before = len(seen)
+                    seen.extend(ids)
+                    if before < 8 <= len(seen):
+                        during(clock)
+
+                async def one(i: int) -> None:
+                    try:
+                        done = await handle.coordinator.generate(
+                            PROMPTS[i], max_tokens=MAX_TOKENS, on_tokens=tokens
+                        )
+                        out.results.append(done)
+                    except RingError as exc:
+                        out.results.append(exc)
+
+                async with trio.open_nursery() as requests:
+                    for i in range(len(PROMPTS)):
+                        requests.start_soon(one, i)
+                assert handle.scheduler is not None
+                out.recoveries = handle.scheduler.statistics().recoveries
+                stats = handle.coordinator.statistics()
+                out.events = tuple(f"{e.kind}: {e.detail}" for e in stats.events)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+    return out
+
+
+def test_a_busy_coordinator_declares_no_one_dead(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """The coordinator's event loop is not scheduled for 3 s mid-request (a huge prompt
+    tokenized on it, a loaded host): every node's heartbeats sit unread meanwhile. That
+    silence is the scheduler's, not the nodes': nobody is declared dead or replaced, and the
+    requests complete with identical output."""
+
+    def busy(clock: trio.testing.MockClock) -> None:
+        clock.jump(3.0)  # time passes and nothing else runs: a blocked event loop
+
+    out = run_requests(failover_spec(model_dir), model_dir, busy)
+    assert sorted(r.token_ids for r in out.results if isinstance(r, Completion)) == sorted(
+        references
+    ), out.events
+    assert [r for r in out.recoveries if r.kind != "relink"] == [], out.recoveries
+    assert not any("dead" in e or "replaced" in e for e in out.events), out.events
+
+
+def test_a_stalled_stage_with_no_standby_rejoins_its_slot(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """No standby; s1 freezes for 5 s (past dead_after_s, with the default WAN timings too):
+    it is declared dead, nobody takes its slot, and when it wakes it is taken back into it
+    (re-synced from s0's replay log) — not refused as "replaced". Every request completes
+    with identical output, and the ring serves the next request."""
+    for dead_after_s in (1.0, FailoverSpec().dead_after_s):
+        plan = FaultPlan(8, (Injection("stall", "s1", 20, 5.0),))
+        spec = failover_spec(
+            model_dir, standbys=False, join_deadline_s=30, dead_after_s=dead_after_s
+        )
+        out = run_scenario(spec, model_dir, plan)
+        assert out.injector.fired, f"{plan}: the fault never fired"
+        for i, result in enumerate(out.results):
+            assert isinstance(result, Completion), f"{plan}: request {i} failed: {result}"
+            assert result.token_ids == references[i], f"{plan}: request {i} output differs"
+        kinds = [(r.kind, r.lost, r.replacement) for r in out.recoveries]
+        assert ("rejoin", "s1", "s1") in kinds, f"{plan}: {out.recoveries}"
+        assert all(k[0] in ("rejoin", "relink") for k in kinds), f"{plan}: {kinds}"
+        said = [e for e in out.events if "was replaced by" in e or " replaced s1" in e]
+        assert said == [], f"{plan}: {out.events}"
+        assert any("s1 rejoined its slot s1" in e for e in out.events), out.events

@@ -47,10 +47,13 @@ def failover_spec(
     kind: str = "kill",
     stall_s: float = 0.0,
     max_len: int = MAX_LEN,
+    standby: bool = True,
+    dead_after_s: float | None = 1.0,
 ) -> Path:
-    """Three stages of two layers, a hot standby for ``victim``, and a scripted fault:
-    SIGKILL, a ``stall`` (SIGSTOP for ``stall_s``) or a ``sever`` of its downstream edge
-    (``kind=""``: none)."""
+    """Three stages of two layers, a hot standby for ``victim`` (unless not ``standby``), and
+    a scripted fault: SIGKILL, a ``stall`` (SIGSTOP for ``stall_s``) or a ``sever`` of its
+    downstream edge (``kind=""``: none). ``dead_after_s``: LAN timings by default (loopback);
+    None keeps the spec's defaults (for a WAN)."""
     ports = free_ports(5)
     lines = [
         "[swarm]",
@@ -67,8 +70,11 @@ def failover_spec(
     for i in range(3):
         lines += ["[[stage]]", f'name = "s{i}"', f'listen = "{LOOPBACK}:{ports[1 + i]}"']
         lines.append(f"layers = [{2 * i}, {2 * i + 2}]")
-    lines += ["[[standby]]", 'name = "spare"', f'listen = "{LOOPBACK}:{ports[4]}"']
-    lines += [f'layers_of = "{victim}"']
+    if dead_after_s is not None:
+        lines += ["[failover]", f"dead_after_s = {dead_after_s!r}"]
+    if standby:
+        lines += ["[[standby]]", 'name = "spare"', f'listen = "{LOOPBACK}:{ports[4]}"']
+        lines += [f'layers_of = "{victim}"']
     if kind:
         lines += ["[[faults]]", f'kind = "{kind}"', f'node = "{victim}"']
         lines.append(f"at_token = {at_token}")
@@ -176,6 +182,37 @@ async def test_a_frozen_stage_is_replaced_by_the_standby(
     pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", stderr)
     assert pause is not None, stderr
     report(f"SIGSTOP s1 1.5 s (hot standby): longest pause between tokens {pause.group(1)} s")
+
+
+async def test_a_frozen_stage_with_no_standby_rejoins_and_the_request_completes(
+    llama_dir: Path, tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    """No standby, the default (WAN) timings; SIGSTOP s1 for 5 s, past dead_after_s (4 s): it
+    is declared dead, nobody can take its slot, and after SIGCONT it is taken back into it
+    (re-synced from s0's replay log). The request completes with output identical to the
+    single-process reference, and nothing claims s1 was replaced."""
+    spec = failover_spec(
+        tmp_path / "stall-alone.toml",
+        llama_dir,
+        victim="s1",
+        at_token=12,
+        kind="stall",
+        stall_s=5.0,
+        standby=False,
+        dead_after_s=None,
+    )
+    reference = await local_reference(llama_dir)
+    record = await swarm_run(spec, llama_dir, MAX_TOKENS)
+    stderr = str(record["stderr"])
+    assert record["token_ids"] == reference["token_ids"], stderr
+    assert re.search(r"s1 silent for [0-9.]+ s: dead", stderr), stderr
+    assert re.search(r"s1 rejoined its slot s1 \(not replaced\)", stderr), stderr
+    assert "was replaced by" not in stderr and " replaced s1" not in stderr, stderr
+    pause = re.search(r"longest pause between tokens after stall s1: ([0-9.]+) s", stderr)
+    assert pause is not None, stderr
+    report(
+        f"SIGSTOP s1 5 s (no standby, rejoined): longest pause between tokens {pause.group(1)} s"
+    )
 
 
 async def test_a_severed_edge_is_redialled_without_a_splice(

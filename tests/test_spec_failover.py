@@ -77,7 +77,7 @@ def test_absent_tables_read_as_defaults() -> None:
     """No [failover], [[standby]] or [[faults]]: default timings, no standbys, no faults."""
     spec = _load(_data())
     assert spec.failover == FailoverSpec()
-    assert spec.failover == FailoverSpec(0.25, 1.0, 2.0, 30.0, 30.0, 1024)
+    assert spec.failover == FailoverSpec(0.25, 4.0, 2.0, 30.0, 30.0, 1024)
     assert spec.failover.replay_max_bytes == 1024 << 20
     assert spec.standbys == ()
     assert spec.faults == ()
@@ -87,6 +87,16 @@ def test_empty_failover_table_reads_as_defaults() -> None:
     """An empty [failover] is the defaults; the Register deadline keeps its old 10 s."""
     assert _load(_data(failover={})).failover == FailoverSpec()
     assert FailoverSpec().register_timeout_s == 10.0
+
+
+def test_detector_keys_are_read() -> None:
+    """``suspect_phi``, ``dead_phi`` and ``min_std_s`` land in their fields (defaults: 3, 8,
+    0.1 s)."""
+    d = FailoverSpec()
+    assert (d.suspect_phi, d.dead_phi, d.min_std_s) == (3.0, 8.0, 0.1)
+    spec = _load(_data(failover={"suspect_phi": 2, "dead_phi": 12, "min_std_s": 0.05}))
+    assert (spec.failover.suspect_phi, spec.failover.dead_phi) == (2.0, 12.0)
+    assert spec.failover.min_std_s == 0.05
 
 
 def test_register_timeout_is_read_and_checked() -> None:
@@ -289,6 +299,19 @@ def _with(section: str, change: dict[str, Any], index: int = 0) -> dict[str, Any
             "0.15 is under two heartbeats (heartbeat_s = 0.1); set dead_after_s >= 0.2 "
             "or lower heartbeat_s",
             id="dead-after-under-two-heartbeats",
+        ),
+        pytest.param(
+            _with("failover", {"suspect_phi": 5.0, "dead_phi": 4.0}),
+            "failover.dead_phi",
+            "4.0 is under suspect_phi = 5.0 (a node must be suspected before it is dead); "
+            "set dead_phi >= 5.0",
+            id="dead-phi-under-suspect-phi",
+        ),
+        pytest.param(
+            _with("failover", {"min_std_s": 0}),
+            "failover.min_std_s",
+            "must be a finite number > 0, got 0",
+            id="zero-min-std",
         ),
         pytest.param(
             _with("failover", {"heartbeat_s": -0.25}),

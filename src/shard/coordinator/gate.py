@@ -63,7 +63,10 @@ class RingGate:
         self._repairing = detail
 
     def resume(self) -> None:
+        """The ring is whole again; one that was given up is usable again too (a node
+        declared dead came back into its slot: ``shard.failover.splice``'s rejoin)."""
         self._repairing = None
+        self._lost = None
 
     def lose(self, fault: Fault, *, cancel_sends: bool) -> None:
         """The ring is lost; ``cancel_sends`` also ends every send waiting on the link (one

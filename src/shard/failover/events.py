@@ -47,7 +47,15 @@ class Relink:
     at: float
 
 
-Problem = NodeDead | LinkLost | Relink
+@attrs.frozen
+class Rejoin:
+    """A node declared dead, whose slot nobody took, registered again: take it back."""
+
+    node: NodeName
+    at: float  # when it was lost
+
+
+Problem = NodeDead | LinkLost | Relink | Rejoin
 
 
 @attrs.frozen

@@ -96,7 +96,7 @@ class Registry:
         self.slots = list(slots)
         self.return_address = return_address
         self.members: dict[NodeName, Member] = {}
-        self.fenced: set[NodeName] = set()
+        self.fenced: dict[NodeName, NodeName] = {}  # replaced node -> who took its slot
         self._joined = trio.Event()
 
     def join(self, member: Member, slot: str) -> Member | None:
@@ -115,6 +115,16 @@ class Registry:
         self._joined.set()
         self._joined = trio.Event()
         return old
+
+    def replaced_by(self, reg: Register) -> NodeName | None:
+        """Who holds the slot ``reg``'s node was replaced in, if it was: a node declared dead
+        whose slot another took, or a stage claiming a slot another live node holds."""
+        if reg.node in self.fenced:
+            return self.fenced[reg.node]
+        for slot in self.slots:
+            if reg.role == "stage" and slot.name == reg.slot and slot.holder != reg.node:
+                return slot.holder if self.alive(slot.holder) else None
+        return None
 
     async def wait_joined(self) -> None:
         """Wait until the next member joins."""

@@ -2,13 +2,18 @@
 ring slot, and what to do when a node dies.
 
 Every stage and standby keeps a control link to the scheduler (``shard.failover.control``): it
-registers, then heartbeats. A node whose link closes, or that is silent for ``dead_after_s``,
-is dead. Problems go on the scheduler's own queue as messages (``shard.failover.events``:
-``NodeDead``, ``LinkLost``, ``Relink``) and are repaired one at a time by the splicer
+registers, then heartbeats. A node whose link closes is dead; one that goes silent is first
+suspected, then dead, as the failure detector (``shard.failover.detector``) judges the silence
+against the node's measured heartbeat gaps and net of this scheduler's own loop lag. Problems
+go on the scheduler's own queue as messages (``shard.failover.events``: ``NodeDead``,
+``LinkLost``, ``Relink``, ``Rejoin``) and are repaired one at a time by the splicer
 (``shard.failover.splice``):
 
 - **a ring node died** — splice a standby into its slot, with replay; no standby in time and
   the requests fail with the committed tokens (``RingError``), never a silent stop.
+- **a node declared dead but not replaced registers again** (it was frozen, or restarted) —
+  it is taken back into its slot, re-synced from its predecessor's replay log like a standby.
+  Only a node whose slot another node really holds is refused ("replaced by ...").
 - **a ring edge broke between live nodes** (a severed connection, a corrupt frame; reported
   on a node's control link, or on ``ring_faults`` by this coordinator's own ring link) — after
   a grace period, if the successor is still alive and still in place, re-dial the same edge.
@@ -27,8 +32,17 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
-from shard.failover.events import LinkLost, NodeDead, Problem, Relink, RingControl, RingNote
+from shard.failover.events import (
+    LinkLost,
+    NodeDead,
+    Problem,
+    Rejoin,
+    Relink,
+    RingControl,
+    RingNote,
+)
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
@@ -104,6 +118,7 @@ class Scheduler:
             self._registry, ring_link=ring_link, to_router=to_router, policy=policy, clock=clock
         )
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
+        self._detector = FailureDetector(policy)
 
     # --- views -------------------------------------------------------------------------
 
@@ -148,17 +163,23 @@ class Scheduler:
         if not isinstance(first, Register) or first.node != hello.node:
             await conn.send(Fault(self._node, "control", "expected Register for this node"))
             return
-        if first.node in self._registry.fenced:
-            # Declared dead and replaced: a node that wakes up later must not rejoin with
+        replaced_by = self._registry.replaced_by(first)
+        if replaced_by is not None:
+            # Its slot is held by another: a node that wakes up later must not rejoin with
             # stale sessions. It can restart as a standby under a new name.
-            await conn.send(Fault(self._node, "control", f"{first.node} was replaced"))
+            detail = f"{first.node} was replaced by {replaced_by}"
+            await conn.send(Fault(self._node, "control", detail))
             return
         replies_send, replies = trio.open_memory_channel[Ready](4)
         rtt = RttTracker(conn, interval_s=self._policy.probe_s, clock=self._clock)
         member = Member.registered(first, conn, self._clock(), replies, rtt)
         old = self._registry.join(member, first.slot)
+        self._detector.watch(member.node, member.last_seen)
         if old is not None:
             await abandon(old.conn)
+        if old is not None and not old.alive and self._registry.slot_of(member.node) is not None:
+            # declared dead, not replaced (it still holds its slot): take it back
+            await self._problems_send.send(Rejoin(member.node, old.last_seen))
         reason = "control link closed"
         try:
             async with trio.open_nursery() as nursery:
@@ -184,6 +205,8 @@ class Scheduler:
         while True:
             msg = await member.conn.receive()
             member.last_seen = self._clock()
+            beat = isinstance(msg, Heartbeat)
+            self._detector.heard(member.node, member.last_seen, heartbeat=beat)
             if isinstance(msg, Ready):
                 _forward_reply(replies, msg, member.node)
             elif isinstance(msg, ProbeReply):
@@ -203,6 +226,7 @@ class Scheduler:
         if self._registry.members.get(member.node) is not member or not member.alive:
             return
         member.alive = False
+        self._detector.forget(member.node)
         log.warning("scheduler: %s is dead (%s)", member.node, reason)
         try:
             self._problems_send.send_nowait(NodeDead(member.node, self._clock()))
@@ -213,6 +237,7 @@ class Scheduler:
         """``node``'s downstream edge failed (``node`` may be this coordinator)."""
         successor = self._registry.successor_of(node)
         if successor is not None:
+            self._detector.corroborate(successor, f"{node} reported the edge into it broken")
             await self._problems_send.send(LinkLost(node, successor, self._clock()))
 
     async def _own_link_faults(self, faults: trio.MemoryReceiveChannel[Fault]) -> None:
@@ -238,27 +263,36 @@ class Scheduler:
                         await self._splicer.recover(problem)
                     elif isinstance(problem, LinkLost):
                         nursery.start_soon(self._relink_later, problem)
+                    elif isinstance(problem, Rejoin):
+                        await self._splicer.rejoin(problem)
                     else:
                         await self._splicer.relink(problem)
 
     async def _watch(self) -> None:
-        # A watchdog that wakes up late saw its own event loop stalled (a blocking call), and
-        # the members' heartbeats may be waiting unread behind it: judge one heartbeat later.
-        late_after = self._policy.heartbeat_s + self._policy.dead_after_s / 2
-        woke = self._clock()
+        """Ask the failure detector each heartbeat: a silent member is suspected (an event),
+        then dead (a ``NodeDead``). The detector credits this loop's own lateness (a blocked
+        event loop, a loaded host) to nobody: heartbeats waiting unread are not silence."""
         while True:
-            now = self._clock()
-            slept, woke = now - woke, now
-            for member in list(self._registry.members.values()):
-                if not member.alive or slept > late_after:
+            for seen in self._detector.tick(self._clock()):
+                member = self._registry.members.get(NodeName(seen.node))
+                if member is None or not member.alive:
                     continue
-                if now - member.last_seen > self._policy.dead_after_s:
-                    member.alive = False
-                    log.warning(
-                        "scheduler: %s silent for %.2f s: dead", member.node, now - member.last_seen
+                how = f"silent for {seen.silence_s:.2f} s"
+                lag = f"phi {seen.phi:.1f}, scheduler lag {self._detector.lag_s:.2f} s"
+                if seen.state != "dead":
+                    what = "suspected" if seen.state == "suspect" else "no longer suspected"
+                    log.warning("scheduler: %s %s (%s, %s)", member.node, what, how, lag)
+                    await self._to_router.send(
+                        RingNote("suspect", f"{member.node} {what} ({how}, {lag})")
                     )
-                    await self._problems_send.send(NodeDead(member.node, member.last_seen))
-                    await abandon(member.conn)  # frozen: do not wait for its close
+                    continue
+                member.alive = False
+                self._detector.forget(member.node)
+                log.warning(
+                    "scheduler: %s %s: dead (%s; %s)", member.node, how, lag, seen.confirmed_by
+                )
+                await self._problems_send.send(NodeDead(member.node, member.last_seen))
+                await abandon(member.conn)  # frozen: do not wait for its close
             await trio.sleep(self._policy.heartbeat_s)
 
     async def _beat(self, member: Member) -> None:

@@ -117,8 +117,9 @@ async def run_faults(
             try:
                 await trio.sleep(fault.seconds)
             finally:
-                # Stopped past failover.dead_after_s it was replaced, and exits once it wakes
-                # and the scheduler refuses it (NodeReplaced): expected, not a swarm failure.
+                # Stopped past failover.dead_after_s and replaced by a standby, it exits once
+                # it wakes and the scheduler refuses it (NodeReplaced): expected, not a swarm
+                # failure. Not replaced, it is taken back into its slot and runs on.
                 handle.expect_exit(fault.node)
                 _signal(handle, fault.node, signal.SIGCONT)
             report(f"resumed {fault.node} (SIGCONT)")

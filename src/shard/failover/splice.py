@@ -6,6 +6,9 @@ queues them).
   ``Activate`` it (it dials the dead node's successor), then ``Rewire`` the dead node's
   predecessor to it with replay, so the standby rebuilds every live session's KV from the
   predecessor's log (stage 0: the coordinator's own link replays token ids). Then resume.
+- ``rejoin`` — a node declared dead but not replaced registered again (it froze, or
+  restarted): its own edge is re-dialled, then its predecessor's into it with replay, as for
+  a standby; then resume. Only a node whose slot another really holds is refused.
 - ``relink`` — an edge between live nodes broke: re-dial the same edge (no replay: the
   successor's KV is intact), then resume.
 
@@ -23,7 +26,16 @@ import attrs
 import trio
 
 from shard.failover.edge import DownstreamLink
-from shard.failover.events import NodeDead, Pause, Relink, Resume, RingControl, RingLost, RingNote
+from shard.failover.events import (
+    NodeDead,
+    Pause,
+    Rejoin,
+    Relink,
+    Resume,
+    RingControl,
+    RingLost,
+    RingNote,
+)
 from shard.failover.registry import NO_BLOCK, Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, NodeName, Rewire
 from shard.spec.failover import FailoverSpec
@@ -37,6 +49,7 @@ class Recovery:
     """One recovery: what died, who replaced it, and how long each part took (seconds).
 
     ``kind``: ``hot`` / ``cold`` (a standby with / without the block spliced in for ``lost``),
+    ``rejoin`` (``lost`` was declared dead, was not replaced, and came back into its slot),
     ``relink`` (the edge from ``lost`` — alive — to ``replacement`` was re-dialled; ``slot`` is
     the successor's), ``failed`` (``detail`` says why). ``detect_s`` runs from the failure
     (last heartbeat, closed link, reported fault) to the start of the repair; for a relink it
@@ -46,7 +59,7 @@ class Recovery:
     slot: NodeName
     lost: NodeName
     replacement: NodeName | None
-    kind: str  # "hot" | "cold" | "relink" | "failed"
+    kind: str  # "hot" | "cold" | "rejoin" | "relink" | "failed"
     detect_s: float
     splice_s: float
     total_s: float
@@ -107,20 +120,23 @@ class Splicer:
             if member is not None and member.role == "standby":
                 await self._to_router.send(RingNote("fault", f"standby {dead} lost"))
             return
-        reg.fenced.add(dead)
         slot = reg.slots[i]
         started = self._clock()
         await self._to_router.send(
             Pause(f"{dead} (layers {slot.first}..{slot.last}) lost; splicing a standby")
         )
         try:
-            standby, kind = await self._pick_standby(slot)
+            picked = await self._pick_standby(slot)
+            if picked is None:
+                return  # it registered again: its queued Rejoin takes it back (rejoin)
+            standby, kind = picked
             with trio.fail_after(self._policy.splice_timeout_s):
                 await self._splice(i, standby)
         except (RecoveryFailed, trio.TooSlowError) as exc:
             detail = str(exc) or f"splice took longer than {self._policy.splice_timeout_s:g} s"
             await self._give_up(slot.name, dead, at, started, detail)
             return
+        reg.fenced[dead] = standby.node
         done = self._clock()
         self.recoveries.append(
             Recovery(slot.name, dead, standby.node, kind, started - at, done - started, done - at)
@@ -128,6 +144,37 @@ class Splicer:
         detail = (
             f"{standby.node} replaced {dead} ({kind}) in {done - at:.3f} s "
             f"(detected {started - at:.3f} s, spliced {done - started:.3f} s)"
+        )
+        log.warning("scheduler: %s", detail)
+        await self._to_router.send(Resume(detail))
+
+    async def rejoin(self, problem: Rejoin) -> None:
+        """``node`` was declared dead (at ``at``), nobody took its slot, and it registered
+        again: take it back. Its own edge is re-dialled to its successor (no replay: the
+        successor's KV is intact), then its predecessor's edge into it with replay, so its KV
+        is rebuilt from the log exactly as a standby's would be (a node that only froze keeps
+        its KV and recomputes the same values); then the requests resync."""
+        reg, node, at = self._registry, problem.node, problem.at
+        i = reg.slot_of(node)
+        if i is None or not reg.alive(node):
+            return
+        slot, started = reg.slots[i], self._clock()
+        await self._to_router.send(
+            Pause(f"{node} is back and was not replaced; taking it back into {slot.name}")
+        )
+        try:
+            await self._rewire(node, reg.address_after(i), replay=False)
+            await self._rewire(reg.predecessor_of(i), slot.address, replay=True)
+        except (RecoveryFailed, trio.TooSlowError) as exc:
+            await self._give_up(slot.name, node, at, started, str(exc) or "rejoin timed out")
+            return
+        done = self._clock()
+        self.recoveries.append(
+            Recovery(slot.name, node, node, "rejoin", started - at, done - started, done - at)
+        )
+        detail = (
+            f"{node} rejoined its slot {slot.name} (not replaced) {done - at:.3f} s after it "
+            f"was lost (re-synced in {done - started:.3f} s)"
         )
         log.warning("scheduler: %s", detail)
         await self._to_router.send(Resume(detail))
@@ -159,9 +206,13 @@ class Splicer:
             RingLost(f"{lost} lost and the ring could not be repaired: {detail}")
         )
 
-    async def _pick_standby(self, slot: Slot) -> tuple[Member, str]:
+    async def _pick_standby(self, slot: Slot) -> tuple[Member, str] | None:
+        """A live standby for ``slot`` (hot, else cold), waiting for one to register; None
+        once the slot's own (dead) holder has registered again."""
         deadline = self._clock() + self._policy.join_deadline_s
         while True:
+            if self._registry.alive(slot.holder):
+                return None
             live = self._registry.live_standbys()
             for m in live:
                 if (m.first, m.last) == (slot.first, slot.last):

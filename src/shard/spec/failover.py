@@ -3,7 +3,10 @@
 ```toml
 [failover]
 heartbeat_s = 0.25       # idle ring edges and control links send a heartbeat this often
-dead_after_s = 1.0       # a node silent this long on its control link is declared dead
+dead_after_s = 4.0       # silence alone never convicts a node sooner than this
+suspect_phi = 3.0        # phi (shard.failover.detector) at which a silent node is suspected
+dead_phi = 8.0           # ... and at which, past dead_after_s, it is dead
+min_std_s = 0.1          # floor on the heartbeat gaps' measured standard deviation
 send_timeout_s = 2.0     # a ring send that takes longer fails the link
 join_deadline_s = 30.0   # no standby: wait this long for a spare to register, else fail
 splice_timeout_s = 30.0  # activating a standby and rewiring its predecessor, within this
@@ -53,6 +56,9 @@ FAILOVER_KEYS: Final = (
     "checkpoint_dir",
     "register_timeout_s",
     "probe_s",
+    "suspect_phi",
+    "dead_phi",
+    "min_std_s",
 )
 STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS)
 FAULT_KEYS: Final = ("kind", "node", "at_token", "at_s", "seconds")
@@ -65,10 +71,15 @@ FAULT_KINDS: Final = ("kill", "stall", "sever")
 class FailoverSpec:
     """Typed ``[failover]``: detection and recovery timings, and the replay log bound.
 
-    The scheduler (``shard.failover.scheduler``) and the ring links take this record as is."""
+    The scheduler (``shard.failover.scheduler``), its failure detector
+    (``shard.failover.detector``) and the ring links take this record as is.
+
+    The detector's defaults are for a WAN: ``dead_after_s`` outlasts a TCP stream stalled by
+    two lost segments in a row (retransmission timeouts of 1 s, then 2 s) plus jitter, so a
+    frozen node costs 4 s before it is replaced, a killed one (its sockets close) nothing."""
 
     heartbeat_s: float = 0.25
-    dead_after_s: float = 1.0
+    dead_after_s: float = 4.0
     send_timeout_s: float = 2.0
     join_deadline_s: float = 30.0
     splice_timeout_s: float = 30.0
@@ -76,6 +87,9 @@ class FailoverSpec:
     checkpoint_dir: str | None = None  # absolute; None: no checkpoints
     register_timeout_s: float = 10.0  # a new control connection's Register, within this
     probe_s: float = 1.0  # control-link RTT probes (shard.failover.rtt)
+    suspect_phi: float = 3.0  # a silent node is suspected at this phi
+    dead_phi: float = 8.0  # ... and dead at this one, once silent for dead_after_s
+    min_std_s: float = 0.1  # floor on the measured heartbeat gaps' standard deviation
 
     @property
     def replay_max_bytes(self) -> int:
@@ -119,12 +133,21 @@ def read_failover(table: Table, base_dir: Path | None = None) -> FailoverSpec:
             "register_timeout_s", default=d.register_timeout_s, positive=True
         ),
         probe_s=table.number("probe_s", default=d.probe_s, positive=True),
+        suspect_phi=table.number("suspect_phi", default=d.suspect_phi, positive=True),
+        dead_phi=table.number("dead_phi", default=d.dead_phi, positive=True),
+        min_std_s=table.number("min_std_s", default=d.min_std_s, positive=True),
     )
     if spec.dead_after_s < 2 * spec.heartbeat_s:
         raise table.error(
             "dead_after_s",
             f"{spec.dead_after_s} is under two heartbeats (heartbeat_s = {spec.heartbeat_s}); "
             f"set dead_after_s >= {2 * spec.heartbeat_s} or lower heartbeat_s",
+        )
+    if spec.dead_phi < spec.suspect_phi:
+        raise table.error(
+            "dead_phi",
+            f"{spec.dead_phi} is under suspect_phi = {spec.suspect_phi} (a node must be "
+            f"suspected before it is dead); set dead_phi >= {spec.suspect_phi}",
         )
     return spec
 
