@@ -137,6 +137,8 @@ def parse(
 
 
 def _parser(root: Path, prog: str) -> argparse.ArgumentParser:
+    """One ``add_argument`` per option, in the order ``--help`` lists them: long, and it
+    reads best whole."""
     p = argparse.ArgumentParser(
         prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -253,6 +253,8 @@ class Coordinator:
 
         Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
         ``RingError`` when the ring fails the request.
+
+        Over the house's 60 lines by its docstring: the body is the request's life in order.
         """
         check_sampling(sampling)
         eos_ids = () if ignore_eos else self._eos_ids

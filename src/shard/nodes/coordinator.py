@@ -13,10 +13,9 @@ to it, and a node that dies is replaced by a standby while the requests wait
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -28,12 +27,7 @@ from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.router import Coordinator
 from shard.coordinator.service import complete
 from shard.decode.draft import (
-    AdaptiveProposer,
     Drafter,
-    ModelProposer,
-    NGramProposer,
-    OracleProposer,
-    Proposer,
 )
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
@@ -48,10 +42,8 @@ from shard.messages import (
     Welcome,
 )
 from shard.model.config import ModelConfig
-from shard.model.device import resolve_device
-from shard.model.llama import StageModel
-from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
+from shard.nodes.drafter import make_drafter
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.devices import DeviceProbe
 from shard.observe.status import StatusFeed
@@ -82,46 +74,6 @@ class CoordinatorHandle:
 
 def _hello(spec: SwarmSpec, name: str, role: str) -> Hello:
     return Hello(node=NodeName(name), role=role, swarm=spec.name)
-
-
-def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
-    """The coordinator's draft proposers, per the spec's ``[speculation]`` (None: plain)."""
-    plan = spec.speculation
-    if plan.draft == "none":
-        return None
-    if plan.draft == "oracle":
-        assert plan.oracle_file is not None
-        references = json.loads(Path(plan.oracle_file).read_text())["references"]
-
-        def oracle(prompt: Sequence[int]) -> Proposer:
-            n = len(prompt)
-            for ref in references:
-                if ref[:n] == list(prompt):
-                    return OracleProposer(ref)
-            return OracleProposer([])  # no reference for this prompt: plain decoding
-
-        return Drafter(oracle)
-    model: StageModel | None = None
-    if plan.uses_model:
-        runtime = spec.runtime(spec.coordinator.name)  # the draft's device and dtype
-        dtype = DTYPES[runtime.dtype or spec.dtype]
-        device = resolve_device(runtime.device, spec.coordinator.name)
-        if plan.draft_model is not None:
-            draft_dir = Path(plan.draft_model)
-            layers = ModelConfig.from_dir(draft_dir).n_layers
-            model = load_stage(draft_dir, 0, layers, dtype=dtype, device=device)
-        else:
-            model = load_truncated(model_dir, plan.draft_layers, dtype=dtype, device=device)
-
-    def factory(prompt: Sequence[int]) -> Proposer:
-        proposers: list[Proposer] = []
-        if plan.draft in ("ngram", "auto"):
-            proposers.append(NGramProposer())
-        if model is not None:
-            proposers.append(ModelProposer(model, max_len=spec.limits.max_len))
-        return proposers[0] if len(proposers) == 1 else AdaptiveProposer(proposers)
-
-    return Drafter(factory)
 
 
 class _ReturnEndpoint:
@@ -413,7 +365,6 @@ __all__ = [
     "DTYPES",
     "CoordinatorHandle",
     "StageHandle",
-    "make_drafter",
     "run_coordinator",
     "run_stage",
     "run_standby",

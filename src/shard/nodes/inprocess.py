@@ -73,6 +73,9 @@ async def run_swarm(
     cancelling one kills that node (its connections close, its state is gone). A node the
     scheduler refuses (replaced while frozen, then woken) ends alone, and its name goes to
     ``refused`` when given.
+
+    Long on purpose: it is a whole swarm's wiring, one node started after another, and reads
+    best in one place.
     """
     inner = network if network is not None else MemoryNetwork()
     scopes = scopes if scopes is not None else {}

@@ -149,6 +149,8 @@ class SwarmSpec:
         """Validate parsed TOML. ``base_dir`` anchors a relative model path (default: cwd).
 
         Errors: ``SpecError`` naming ``source`` and the offending key.
+
+        Long on purpose: one reader call per table of the spec, in the order the file is read.
         """
         top = Table.open(source, "", data, _TOP_KEYS)
         swarm = top.table("swarm", _SWARM_KEYS, required=True)

@@ -98,6 +98,8 @@ def train(
     Stops after ``steps`` or ``budget_s`` seconds, whichever comes first (but runs at least
     one step); the learning rate warms up over the first 5 % of that and then decays (cosine)
     to a tenth. ``kl_positions``: positions per step that get the full-vocabulary loss.
+
+    Kept whole (one line over the house limit): it is the training loop, read top to bottom.
     """
     head = _head_weight(student)
     gram = _gram(head)

@@ -1,0 +1,173 @@
+"""The ``shard`` parser's subcommands for keys, receipts, manifests and the tools (``convert``,
+``relay``, ``draft``, ``bench``, ``api-key``): the half of ``shard.cli.parser`` that runs no
+node. Split from it by size only; ``build_parser`` there adds both halves.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def bounded(kind: type[int] | type[float], low: float, high: float, what: str) -> Any:
+    """An argparse type accepting ``kind`` values in [low, high], with a message saying so."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
+def add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keygen = sub.add_parser(
+        "keygen",
+        help="create a node identity: an Ed25519 key (PATH, mode 0600) and PATH.pub",
+        description="Write a new Ed25519 secret key to PATH (mode 0600) and its public key "
+        "(64 hex digits) to PATH.pub. Never overwrites either file.",
+    )
+    keygen.add_argument("--out", required=True, help="where to write the secret key")
+    api_key = sub.add_parser(
+        "api-key",
+        help="make a bearer key for the HTTP API: print it, append its hash to KEYS",
+        description="Make a random API key, append its SHA-256 hash (and LABEL) to the keys "
+        "file that [api] keys_file names, and print the key once on stdout. The file never "
+        "holds the key itself.",
+    )
+    api_key.add_argument("--keys", required=True, help="the keys file ([api] keys_file)")
+    api_key.add_argument("--label", help="a note kept beside the hash (who the key is for)")
+    admit = sub.add_parser(
+        "admit",
+        help="as the swarm's authority, sign a token admitting a node's key",
+        description="Sign an admission token binding a node's public key to a swarm, roles "
+        "and a validity window, with the authority's key. Prints the token's serial (list it "
+        "under [trust] revoked to revoke the token). Never overwrites OUT.",
+    )
+    admit.add_argument("--authority", required=True, help="the authority's secret key file")
+    admit.add_argument("--node-pub", required=True, help="the node's .pub file or 64 hex digits")
+    admit.add_argument("--swarm", required=True, help="swarm name (the spec's swarm.name)")
+    admit.add_argument(
+        "--roles", required=True, help="comma-separated: stage, coordinator, client, monitor"
+    )
+    admit.add_argument("--expires", default="30d", help="lifetime: 30d, 12h, 90m, 2w (default 30d)")
+    admit.add_argument(
+        "--serial",
+        type=bounded(int, 0, (1 << 63) - 1, "an integer >= 0"),
+        help="token serial (default: random)",
+    )
+    admit.add_argument("--out", required=True, help="where to write the token")
+
+
+def add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    conv = sub.add_parser(
+        "convert",
+        help="convert a GGUF checkpoint to a Hugging Face directory (safetensors)",
+        add_help=False,
+    )
+    conv.add_argument("args", nargs=argparse.REMAINDER)
+    relay = sub.add_parser(
+        "relay", help="a delaying TCP relay that emulates a WAN link", add_help=False
+    )
+    relay.add_argument("args", nargs=argparse.REMAINDER)
+    draft = sub.add_parser(
+        "draft",
+        help="distil a small draft model from a target (`shard draft distill`)",
+        add_help=False,
+    )
+    draft.add_argument("args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark plain vs speculative vs pipelined decoding through local rings",
+        add_help=False,
+    )
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def add_receipt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("receipt", help="check a signed run receipt offline")
+    rsub = p.add_subparsers(dest="receipt_command", required=True, metavar="{verify}")
+    verify = rsub.add_parser(
+        "verify",
+        help="verify every signature, who may sign, the layer tiling, the activation hash "
+        "chains, the nonce binding and that the output is what the tail chose",
+        description="Check a run receipt offline: its canonical encoding, every stage's and "
+        "the coordinator's signature, that the stages' blocks tile all layers, that each "
+        "stage's output chain equals the next one's input chain, that the output tokens are "
+        "the tail's signed verdicts, that the nonce binds the job, and the output hash. "
+        "Without --authority or --coordinator, anyone's keys can make a receipt that passes: "
+        "the verdict then says which signers were NOT pinned.",
+    )
+    verify.add_argument("file", help="a receipt written by --receipt")
+    verify.add_argument(
+        "--authority",
+        metavar="PUB",
+        help="the swarm authority's public key (64 hex digits or a .pub file): the coordinator "
+        "and every stage must carry its admission token for the key they signed with",
+    )
+    verify.add_argument(
+        "--coordinator",
+        metavar="PUB",
+        help="the coordinator's public key (64 hex digits or a .pub file): the key that must "
+        "have signed the receipt (pins an insecure swarm's coordinator, which has no token)",
+    )
+    verify.add_argument(
+        "--revoked",
+        metavar="SERIALS",
+        default="",
+        help="with --authority: comma-separated token serials to refuse (the spec's revoked)",
+    )
+
+
+def add_manifest(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "manifest", help="build, sign and verify a model's signed manifest (docs/manifests.md)"
+    )
+    msub = p.add_subparsers(dest="manifest_command", required=True, metavar="{build,sign,verify}")
+    build = msub.add_parser(
+        "build",
+        help="hash a checkpoint directory into a manifest (chunks, roots, tensor map)",
+        description="Hash every file of MODEL_DIR in fixed-size chunks and write the manifest: "
+        "header, chunk hashes, roots and the tensor map. MODEL_DIR may be 'smollm2' (bundled).",
+    )
+    build.add_argument("model_dir", help="checkpoint directory, or 'smollm2'")
+    build.add_argument("--out", required=True, help="where to write the manifest (JSON)")
+    build.add_argument("--id", help="model id (default: the bundled name or the directory name)")
+    build.add_argument(
+        "--version",
+        type=bounded(int, 1, (1 << 63) - 1, "an integer >= 1"),
+        default=1,
+        help="manifest version; every new manifest of a model needs a higher one (default 1)",
+    )
+    build.add_argument(
+        "--chunk-size",
+        type=bounded(int, 1 << 10, 16 << 20, "a size in [1 KiB, 16 MiB] bytes"),
+        default=1 << 20,
+        help="chunk size in bytes (default 1 MiB)",
+    )
+    build.add_argument("--key", help="sign with this publisher key right away")
+    build.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    sign = msub.add_parser("sign", help="sign a manifest with the publisher's key")
+    sign.add_argument("manifest", help="manifest file")
+    sign.add_argument("--key", required=True, help="the publisher's secret key (shard keygen)")
+    sign.add_argument("--out", help="write the signed manifest here (default: in place)")
+    verify = msub.add_parser(
+        "verify",
+        help="check a manifest's hashes and publisher signature (and a directory against it)",
+    )
+    verify.add_argument("manifest", help="manifest file")
+    verify.add_argument("--publisher", required=True, help="publisher .pub file or 64 hex digits")
+    verify.add_argument("--model", help="also check every chunk of this checkpoint directory")
+    verify.add_argument("--previous", help="refuse unless newer than this accepted manifest")
+    fetch = sub.add_parser(
+        "fetch",
+        help="fetch a stage's block now, verified chunk by chunk, showing progress",
+        description="Fetch what stage NODE of SPEC needs (its [fetch] table: manifest, "
+        "publisher, seeders) into the block cache, as `shard up --role stage` would at start.",
+    )
+    fetch.add_argument("--spec", required=True, help="swarm spec (TOML) with a [fetch] table")
+    fetch.add_argument("--node", required=True, help="the stage whose block to fetch")

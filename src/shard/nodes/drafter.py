@@ -1,0 +1,68 @@
+"""The coordinator's draft proposers, built from the spec's ``[speculation]`` table: n-gram
+lookup, a small model (the target truncated, or a distilled draft), both, or the oracle of a
+benchmark. Built once at start, in a worker thread (it may load a model).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from shard.decode.draft import (
+    AdaptiveProposer,
+    Drafter,
+    ModelProposer,
+    NGramProposer,
+    OracleProposer,
+    Proposer,
+)
+from shard.model.config import ModelConfig
+from shard.model.device import resolve_device
+from shard.model.llama import StageModel
+from shard.model.loader import load_stage, load_truncated
+from shard.nodes.stage import DTYPES
+from shard.spec.swarm import SwarmSpec
+
+
+def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
+    """The coordinator's draft proposers, per the spec's ``[speculation]`` (None: plain)."""
+    plan = spec.speculation
+    if plan.draft == "none":
+        return None
+    if plan.draft == "oracle":
+        assert plan.oracle_file is not None
+        references = json.loads(Path(plan.oracle_file).read_text())["references"]
+
+        def oracle(prompt: Sequence[int]) -> Proposer:
+            n = len(prompt)
+            for ref in references:
+                if ref[:n] == list(prompt):
+                    return OracleProposer(ref)
+            return OracleProposer([])  # no reference for this prompt: plain decoding
+
+        return Drafter(oracle)
+    model: StageModel | None = None
+    if plan.uses_model:
+        runtime = spec.runtime(spec.coordinator.name)  # the draft's device and dtype
+        dtype = DTYPES[runtime.dtype or spec.dtype]
+        device = resolve_device(runtime.device, spec.coordinator.name)
+        if plan.draft_model is not None:
+            draft_dir = Path(plan.draft_model)
+            layers = ModelConfig.from_dir(draft_dir).n_layers
+            model = load_stage(draft_dir, 0, layers, dtype=dtype, device=device)
+        else:
+            model = load_truncated(model_dir, plan.draft_layers, dtype=dtype, device=device)
+
+    def factory(prompt: Sequence[int]) -> Proposer:
+        proposers: list[Proposer] = []
+        if plan.draft in ("ngram", "auto"):
+            proposers.append(NGramProposer())
+        if model is not None:
+            proposers.append(ModelProposer(model, max_len=spec.limits.max_len))
+        return proposers[0] if len(proposers) == 1 else AdaptiveProposer(proposers)
+
+    return Drafter(factory)
+
+
+__all__ = ["make_drafter"]
