@@ -14,8 +14,9 @@ node closes is replaced by a new one; one it keeps is reused.
 
 What is asserted: every node process is alive throughout (its PID polled), honest requests
 during and after match the reference, and a malformed frame after Hello is answered by the
-close of its connection. The API link (HTTP) does not exist yet; fetch links (seeders) are
-fuzzed in process by ``test_fetch``.
+close of its connection. The API link (HTTP) is not fuzzed here; fetch links are fuzzed
+against a live seeder process by ``test_fuzz_fetch`` (plain wire only: seeders have no sealed
+wire).
 
 Charter: 127.0.0.1 only, free ports; processes in their own session, killed by PID on every
 way out (``tests/procs.py``); every wait bounded. The seed is fixed (``SEED``) and printed;
