@@ -41,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fuzz-seed",
         type=int,
         default=None,
-        help="seed of the live fuzz tests (test_fuzz_links); default: their fixed SEED",
+        help="seed of the live fuzz tests (test_fuzz_links, test_fuzz_fetch); default: their SEED",
     )
 
 

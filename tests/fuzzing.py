@@ -2,15 +2,22 @@
 
 Shared by ``test_fuzz_endpoint`` (stages in this process) and ``test_fuzz_links`` (every link
 kind of live processes). ``Frames(rng, swarm)`` draws from one seeded ``random.Random``, so a
-printed seed replays a run.
+printed seed replays a run; ``malformed(frames)`` draws one frame the wire must refuse (random
+bytes and mutations that no longer decode, text frames, zstd bombs, negative fields, frames
+over the cap); ``raw_ws(address)`` is a bare WebSocket to throw them down. ``test_fuzz_fetch``
+(a live seeder) uses them too.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import torch
+import trio
+import trio_websocket
+import zstandard
 
 from shard.messages import (
     ChunkSeq,
@@ -33,7 +40,9 @@ from shard.messages import (
     Welcome,
 )
 from shard.stage.tensors import to_wire
-from shard.wire import WireError, decode, encode
+from shard.transport.websocket import max_message_size
+from shard.wire import WireError, WireLimits, decode, encode
+from shard.wire.frame import HEADER_ZSTD, PREFIX, WIRE_VERSION
 
 HIDDEN = 64  # hidden size of the tiny checkpoints
 #: Fuzzed sessions are >= this, so they never touch the coordinator's own (1, 2, 3, ...).
@@ -178,3 +187,62 @@ def harmless(msg: Message) -> bool:
     if session is None:
         return False  # a ring-wide Fault: the coordinator would declare the ring down
     return bool(session >= SAFE_SESSION)
+
+
+# --- frames every link must refuse ------------------------------------------------------
+
+
+def zstd_bomb(rng: random.Random) -> bytes:
+    """A frame whose compressed header declares (or inflates to) far more than allowed."""
+    inflated = b"\x00" * rng.choice((2 << 20, 8 << 20))
+    packed = zstandard.ZstdCompressor(level=1, write_content_size=rng.random() < 0.5).compress(
+        inflated
+    )
+    return PREFIX.pack(WIRE_VERSION, HEADER_ZSTD, len(packed)) + packed
+
+
+def negative(rng: random.Random) -> bytes:
+    """A header that decodes as msgpack but holds a negative count or position."""
+    import msgpack
+
+    field = rng.choice(["session", "seq", "start", "max_tokens", "request", "epoch"])
+    header = msgpack.packb({"t": rng.choice(["Prefill", "GenerateRequest", "Verdict"]), field: -1})
+    return PREFIX.pack(WIRE_VERSION, 0, len(header)) + header
+
+
+def oversized(rng: random.Random) -> bytes:
+    """Larger than the frame cap (the transport refuses it before decoding: close 1009)."""
+    return b"\x01" + bytes(max_message_size(WireLimits()) + rng.randint(1, 4096))
+
+
+def malformed(frames: Frames) -> bytes | str:
+    """One frame the wire must refuse."""
+    r = frames.rng.random()
+    if r < 0.03:
+        return "a text frame"
+    if r < 0.05:
+        return zstd_bomb(frames.rng)
+    if r < 0.09:
+        return negative(frames.rng)
+    if r < 0.0905:
+        return oversized(frames.rng)
+    while True:
+        frame = frames.any()
+        if decoded(frame) is None:
+            return frame
+
+
+# --- a raw connection -------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def raw_ws(address: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    host, _, port = address.rpartition(":")
+    async with (
+        await trio.open_tcp_stream(host, int(port)) as stream,
+        trio.open_nursery() as nursery,
+    ):
+        yield await trio_websocket.wrap_client_stream(
+            nursery, stream, address, "/", max_message_size=2 * max_message_size(WireLimits())
+        )
+        nursery.cancel_scope.cancel()

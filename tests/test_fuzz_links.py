@@ -14,8 +14,9 @@ node closes is replaced by a new one; one it keeps is reused.
 
 What is asserted: every node process is alive throughout (its PID polled), honest requests
 during and after match the reference, and a malformed frame after Hello is answered by the
-close of its connection. The API link (HTTP) does not exist yet; fetch links (seeders) are
-fuzzed in process by ``test_fetch``.
+close of its connection. The API link (HTTP) is not fuzzed here; fetch links are fuzzed
+against a live seeder process by ``test_fuzz_fetch`` (plain wire only: seeders have no sealed
+wire).
 
 Charter: 127.0.0.1 only, free ports; processes in their own session, killed by PID on every
 way out (``tests/procs.py``); every wait bounded. The seed is fixed (``SEED``) and printed;
@@ -35,9 +36,8 @@ import attrs
 import pytest
 import trio
 import trio_websocket
-import zstandard
 
-from fuzzing import MUTATIONS, Frames, decoded, harmless
+from fuzzing import MUTATIONS, Frames, decoded, harmless, malformed, raw_ws
 from procs import LineReader, alive, run_shard, started_shard, write_spec
 from shard.coordinator.client import request
 from shard.errors import HandshakeError
@@ -51,7 +51,6 @@ from shard.messages import (
     Welcome,
 )
 from shard.spec.swarm import SwarmSpec, load_spec
-from shard.transport.websocket import max_message_size
 from shard.trust.compose import (
     LocalTrust,
     client_network,
@@ -61,8 +60,7 @@ from shard.trust.compose import (
 )
 from shard.trust.handshake import DialerHandshake
 from shard.trust.sealer import SessionSealer
-from shard.wire import WireError, WireLimits, encode
-from shard.wire.frame import HEADER_ZSTD, PREFIX, WIRE_VERSION
+from shard.wire import WireError, encode
 
 pytestmark = pytest.mark.slow
 
@@ -156,46 +154,6 @@ async def local_tokens(model_dir: Path) -> list[int]:
 # --- hostile frames --------------------------------------------------------------------------
 
 
-def zstd_bomb(rng: random.Random) -> bytes:
-    """A frame whose compressed header declares (or inflates to) far more than allowed."""
-    inflated = b"\x00" * rng.choice((2 << 20, 8 << 20))
-    packed = zstandard.ZstdCompressor(level=1, write_content_size=rng.random() < 0.5).compress(
-        inflated
-    )
-    return PREFIX.pack(WIRE_VERSION, HEADER_ZSTD, len(packed)) + packed
-
-
-def negative(rng: random.Random) -> bytes:
-    """A header that decodes as msgpack but holds a negative count or position."""
-    import msgpack
-
-    field = rng.choice(["session", "seq", "start", "max_tokens", "request", "epoch"])
-    header = msgpack.packb({"t": rng.choice(["Prefill", "GenerateRequest", "Verdict"]), field: -1})
-    return PREFIX.pack(WIRE_VERSION, 0, len(header)) + header
-
-
-def oversized(rng: random.Random) -> bytes:
-    """Larger than the frame cap (the transport refuses it before decoding: close 1009)."""
-    return b"\x01" + bytes(max_message_size(WireLimits()) + rng.randint(1, 4096))
-
-
-def malformed(frames: Frames) -> bytes | str:
-    """One frame the wire must refuse."""
-    r = frames.rng.random()
-    if r < 0.03:
-        return "a text frame"
-    if r < 0.05:
-        return zstd_bomb(frames.rng)
-    if r < 0.09:
-        return negative(frames.rng)
-    if r < 0.0905:
-        return oversized(frames.rng)
-    while True:
-        frame = frames.any()
-        if decoded(frame) is None:
-            return frame
-
-
 def kept(frames: Frames, kind: str) -> bytes:
     """One frame that decodes and that this link kind may see without harming an honest
     request (another kind's message, a compute for a session no one opened, ...)."""
@@ -287,19 +245,6 @@ class Link:
             except trio_websocket.ConnectionClosed:
                 return True
         return False
-
-
-@asynccontextmanager
-async def raw_ws(address: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
-    host, _, port = address.rpartition(":")
-    async with (
-        await trio.open_tcp_stream(host, int(port)) as stream,
-        trio.open_nursery() as nursery,
-    ):
-        yield await trio_websocket.wrap_client_stream(
-            nursery, stream, address, "/", max_message_size=2 * max_message_size(WireLimits())
-        )
-        nursery.cancel_scope.cancel()
 
 
 async def secure_handshake(
