@@ -74,6 +74,18 @@ def load_credentials(
     return Credentials(identity, admission)
 
 
+def plain_network(spec: SwarmSpec) -> WebSocketNetwork:
+    """A plaintext ``WebSocketNetwork`` under the spec's ``[limits]``: frame size, timeouts,
+    the node-wide byte budget and the caps on connections (in all and per host)."""
+    return WebSocketNetwork(
+        limits=wire_limits(spec),
+        connect_timeout_s=spec.limits.connect_timeout_s,
+        max_peer_connections=spec.limits.max_peer_connections,
+        max_buffer_bytes=spec.limits.max_buffer_mib << 20,
+        max_connections=spec.limits.max_connections,
+    )
+
+
 def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.time) -> Network:
     """The network node ``name`` of ``spec`` runs on, as ``role``.
 
@@ -82,13 +94,7 @@ def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.t
     timeout_s = spec.limits.connect_timeout_s
     cap = spec.limits.max_peer_connections
     if spec.insecure:
-        return WebSocketNetwork(
-            limits=wire_limits(spec),
-            connect_timeout_s=timeout_s,
-            max_peer_connections=cap,
-            max_buffer_bytes=spec.limits.max_buffer_mib << 20,
-            max_connections=spec.limits.max_connections,
-        )
+        return plain_network(spec)
     paths = spec.node(name).credentials
     assert paths.key is not None and paths.token is not None  # checked when the spec loaded
     policy = trust_policy(spec)

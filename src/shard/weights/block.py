@@ -24,7 +24,8 @@ from pathlib import Path
 
 from shard.spec.fetch import FetchSpec
 from shard.spec.swarm import SwarmSpec
-from shard.transport import Network, WebSocketNetwork
+from shard.transport import Network
+from shard.trust.compose import plain_network
 from shard.trust.identity import read_public_key
 from shard.weights.fetch import FetchOptions, FetchProgress, FetchReport, fetch_block
 from shard.weights.manifest import Manifest, check_newer, verify
@@ -89,7 +90,7 @@ async def fetch_stage(
         connect_timeout_s=spec.limits.connect_timeout_s,
         handshake_timeout_s=spec.limits.handshake_timeout_s,
     )
-    network = network or WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+    network = network or plain_network(spec)  # the spec's [limits]: caps and byte budget
     async with network:
         report = await fetch_block(
             manifest,
@@ -128,7 +129,7 @@ def make_seeder(
         return None
     manifest = load_manifest(fetch)
     source = DirectorySource(manifest, entry.model or model_dir)
-    network = network or WebSocketNetwork(connect_timeout_s=spec.limits.connect_timeout_s)
+    network = network or plain_network(spec)  # the spec's [limits]: caps and byte budget
     return Seeder(
         manifest,
         source,
