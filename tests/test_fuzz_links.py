@@ -365,6 +365,17 @@ def log_tail(log: Path, *, whole: bool = False) -> str:
     return text if whole else text[-4000:]
 
 
+#: Log lines every fuzz frame causes (the node answering the fuzzer); left out of a digest.
+FUZZ_NOISE = ("ignored", "unexpected", "refused", "WireError", "ignoring")
+
+
+def log_digest(log: Path, lines: int = 80) -> str:
+    """The swarm log's last ``lines`` lines that are not the nodes answering fuzz frames."""
+    text = log.read_text(errors="replace").splitlines()
+    kept = [line for line in text if not any(noise in line for noise in FUZZ_NOISE)]
+    return "\n".join(kept[-lines:])
+
+
 # --- the test --------------------------------------------------------------------------------
 
 
@@ -404,7 +415,14 @@ async def fuzz_swarm(spec_path: Path, model_dir: Path, peers: dict[str, Peer] | 
             async def honest_during() -> None:
                 n = 1
                 while not done.is_set() or not during:
-                    during.append(await honest(spec, n))
+                    try:
+                        during.append(await honest(spec, n))
+                    except Exception as exc:  # say which node went, and what the log says
+                        up = {name: alive(pid) for name, pid in pids.items()}
+                        raise AssertionError(
+                            f"honest request {n} failed: {exc!r}; alive: {up}; "
+                            f"log without fuzz noise:\n{log_digest(log)}"
+                        ) from exc
                     n += 1
 
             began = trio.current_time()
