@@ -42,11 +42,15 @@ class Best:
 
     def beats(self, other: Best | None) -> bool:
         """Strictly better: a shorter lap, or the same lap with a faster slowest stage."""
-        if other is None:
-            return True
-        if self.lap_ms < other.lap_ms - _EPS:
-            return True
-        return abs(self.lap_ms - other.lap_ms) <= _EPS and self.slowest_ms < other.slowest_ms - _EPS
+        return other is None or _beats(
+            self.lap_ms, self.slowest_ms, (other.lap_ms, other.slowest_ms)
+        )
+
+
+def _beats(lap: float, slowest: float, than: tuple[float, float]) -> bool:
+    if lap < than[0] - _EPS:
+        return True
+    return abs(lap - than[0]) <= _EPS and slowest < than[1] - _EPS
 
 
 class Search:
@@ -64,11 +68,19 @@ class Search:
             i for i, c in enumerate(self.nodes) if c.trusted or not problem.pin_boundaries
         ]
         self.paths = {f: _held_karp(f, self.hop, self.n) for f in self.firsts}
+        model = problem.model
+        # capacity at the head of the ring, at its tail, and as its only stage
+        self.caps = [
+            tuple(
+                capacity(c, model, first=a, last=b)
+                for a, b in ((True, False), (False, True), (True, True))
+            )
+            for c in self.nodes
+        ]
 
     def run(self) -> tuple[Best | None, dict[int, Best], dict[str, Best]]:
         """The best candidate plan overall, the best for each ring size, the best for each
         coordinator location."""
-        best: Best | None = None
         by_size: dict[int, Best] = {}
         by_coordinator: dict[str, Best] = {}
         coordinators = self.mesh.problem.coordinators
@@ -76,16 +88,23 @@ class Search:
             c: [[self.mesh.ms(c, a) + self.mesh.ms(b, c) for b in self.names] for a in self.names]
             for c in coordinators
         }
+        # (lap, slowest) of the current bests, kept as plain floats: this loop is the search
+        size_key: dict[int, tuple[float, float]] = {}
+        coord_key = {c: (math.inf, math.inf) for c in coordinators}
         for mask, f, t, base, slowest in self._rings():
             size = mask.bit_count()
             for c in coordinators:
-                found = Best(base + ends[c][f][t], slowest, mask, f, t, c)
-                if found.beats(by_coordinator.get(c)):
-                    by_coordinator[c] = found
-                if found.beats(by_size.get(size)):
-                    by_size[size] = found
-                if found.beats(best):
-                    best = found
+                lap = base + ends[c][f][t]
+                if _beats(lap, slowest, coord_key[c]):
+                    coord_key[c] = (lap, slowest)
+                    by_coordinator[c] = Best(lap, slowest, mask, f, t, c)
+                if _beats(lap, slowest, size_key.get(size, (math.inf, math.inf))):
+                    size_key[size] = (lap, slowest)
+                    by_size[size] = Best(lap, slowest, mask, f, t, c)
+        best: Best | None = None
+        for found in by_coordinator.values():  # in coordinator order: the first wins a tie
+            if found.beats(best):
+                best = found
         return best, by_size, by_coordinator
 
     def build(self, found: Best, method: str) -> Plan:
@@ -160,12 +179,9 @@ class Search:
             yield tail
 
     def _fits(self, first: int, last: int, n_first: int, n_last: int) -> bool:
-        model = self.mesh.problem.model
         if first == last:
-            return n_first <= capacity(self.nodes[first], model, first=True, last=True)
-        return n_first <= capacity(
-            self.nodes[first], model, first=True, last=False
-        ) and n_last <= capacity(self.nodes[last], model, first=False, last=True)
+            return n_first <= self.caps[first][2]
+        return n_first <= self.caps[first][0] and n_last <= self.caps[last][1]
 
     def _cost(self, members: list[int], counts: Sequence[int]) -> tuple[float, float]:
         stage = [n * self.times[i] for i, n in zip(members, counts, strict=True)]
