@@ -55,7 +55,7 @@ def text(
 
 def as_json(plan: Plan, *, assumed: Sequence[str] = ()) -> dict[str, object]:
     """The plan as a JSON-ready dict (every field of ``Plan``, plus ``ring`` and ``assumed``)."""
-    data = attrs.asdict(plan, recurse=True, retain_collection_types=False)
+    data = attrs.asdict(plan)
     data["ring"] = list(plan.ring())
     data["assumed"] = list(assumed)
     return data
