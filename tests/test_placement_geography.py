@@ -7,6 +7,7 @@ predicted lap is worse (both numbers are reported). A bad geography is one clear
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,29 @@ def test_world_is_twelve_nodes_in_several_regions() -> None:
     assert all(g.rtt.rtt(a, b) == g.rtt.rtt(b, a) for a in names for b in names)
     assert g.rtt.rtt("fra-1", "fra-3") < 5 < 50 < g.rtt.rtt("fra-1", "iad-1")
     assert g.model is not None and g.model.n_layers == 64
+
+
+def test_world_matrix_follows_its_stated_rule() -> None:
+    """Every round trip is the city pair's (the table in the file's comment; 1 ms within a
+    city) plus 8 ms for each end at home behind NAT, as specs/geography/README.md says."""
+    g = world()
+    table = {
+        frozenset(m[:2]): float(m[2])
+        for m in re.findall(r"([A-Z]{3})-([A-Z]{3}) (\d+)", WORLD.read_text())
+    }
+    home = {n.name for n in g.nodes if not n.reachable}
+
+    def city(name: str) -> str:
+        return name.split("-")[-1 if name.startswith("coord-") else 0].upper()
+
+    for a in g.rtt.names:
+        for b in g.rtt.names:
+            if a == b:
+                continue
+            pair = frozenset((city(a), city(b)))
+            base = 1.0 if len(pair) == 1 else table[pair]
+            expected = base + 8.0 * ((a in home) + (b in home))
+            assert g.rtt.rtt(a, b) == expected, (a, b)
 
 
 def test_planner_picks_the_low_latency_cluster_and_its_coordinator(

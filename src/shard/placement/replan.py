@@ -87,17 +87,19 @@ def _options(mesh: Mesh, previous: Plan, dead: str) -> list[Plan]:
             evaluate(mesh, c, order, counts, f"{method}, coordinator at {c}") for c in coordinators
         ]
     i = order.index(dead)
-    coordinator = previous.coordinator
-    if coordinator == dead:
-        coordinator = mesh.problem.coordinators[0]
+    # the coordinator stays, unless it ran on the dead node: then every other place is tried
+    places = [previous.coordinator]
+    if previous.coordinator == dead:
+        places = list(mesh.problem.coordinators)
     found = []
-    for standby in previous.standbys:
-        if standby == dead or not _fits(mesh, standby, i, len(order), counts[i]):
-            continue
-        swapped = [*order[:i], standby, *order[i + 1 :]]
-        method = f"{dead} died: standby {standby} takes layers {_span(previous, i)}"
-        found.append(evaluate(mesh, coordinator, swapped, counts, method))
-    found += _absorbed(mesh, previous, i, coordinator)
+    for coordinator in places:
+        for standby in previous.standbys:
+            if standby == dead or not _fits(mesh, standby, i, len(order), counts[i]):
+                continue
+            swapped = [*order[:i], standby, *order[i + 1 :]]
+            method = f"{dead} died: standby {standby} takes layers {_span(previous, i)}"
+            found.append(evaluate(mesh, coordinator, swapped, counts, method))
+        found += _absorbed(mesh, previous, i, coordinator)
     return found
 
 
