@@ -13,6 +13,8 @@ The rules (each package's ``__init__`` docstring says the same):
   stage, transport or the CLI;
 - the HTTP API (``shard.api``) serves the coordinator: it imports neither the composition
   roots (``shard.nodes``) nor the CLI, and no torch;
+- ``shard.placement`` is pure planning: it imports no other shard package but
+  ``shard.errors``, and nothing of torch or the network;
 - nothing in ``src`` imports the test helpers (``shard.testing``) or fault injection
   (``shard.failover.faults``), except those helpers themselves.
 """
@@ -63,6 +65,11 @@ RULES = (
         allowed=("shard.stage.offload",),
     ),
     Rule("shard.api", ("shard.nodes", "shard.cli", "torch")),
+    Rule(
+        "shard.placement",
+        ("shard.", "torch", "numpy", *NETWORK),
+        allowed=("shard.placement", "shard.errors"),
+    ),
     Rule(
         "shard",
         ("shard.testing", "shard.failover.faults", "shard.observe.tui.testing"),
@@ -155,6 +162,8 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
             "decode/draft.py": "from ..coordinator import router\n",
             "nodes/__init__.py": "",
             "nodes/stage.py": "from shard.testing import make_tiny_checkpoint\n",
+            "placement/__init__.py": "",
+            "placement/search.py": "import trio\nfrom shard.spec.swarm import SwarmSpec\n",
             "testing.py": "from shard.failover import faults\n",
         },
     )
@@ -164,6 +173,8 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
     assert "shard.wire.frame imports shard.nodes" in found
     assert "shard.decode.draft imports shard.coordinator" in found
     assert "shard.nodes.stage imports shard.testing" in found
+    assert "shard.placement.search imports trio" in found
+    assert "shard.placement.search imports shard.spec" in found
     assert "shard.testing imports" not in found  # test support may use fault injection
 
 
@@ -179,6 +190,8 @@ def test_allowed_imports_are_not_reported(tmp_path: Path) -> None:
             "wire/frame.py": "from shard.messages import Message\nfrom . import limits\n",
             "decode/__init__.py": "",
             "decode/draft.py": "from shard.model.llama import StageModel\n",
+            "placement/__init__.py": "",
+            "placement/lap.py": "from shard.placement.problem import Problem\nimport attrs\n",
         },
     )
     assert violations(root) == []

@@ -21,6 +21,8 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
                     the one thread boundary (``offload.py``)
     model/          the Llama-family model in plain torch, loading, GGUF import, tokenizer and
                     chat template, the bundled SmolLM2 (imports nothing of the network)
+    placement/      pure planning: which nodes form the ring, in which order, holding which
+                    layers, the coordinator where; the sticky re-plan after a failure
     failover/       the scheduler (death detection, splicing standbys in), control links,
                     supervised edges with heartbeats, the replay log, scripted faults
     trust/          node keys, admission tokens, the mutual handshake and sealed frames, signed

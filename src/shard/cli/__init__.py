@@ -1,8 +1,8 @@
 """shard.cli: the operator surface — ``main`` (the ``shard`` command), its parser
 (``parser.py``), one module per command family (``generate``, ``swarm``, ``keys``,
-``weights``) and how operator errors are reported (``errors.py``). It may import every other
-package; nothing imports it. Command modules are imported only when their command runs, so
-``shard --help`` stays fast.
+``weights``, ``plan``) and how operator errors are reported (``errors.py``). It may import
+every other package; nothing imports it. Command modules are imported only when their
+command runs, so ``shard --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
 
         handlers = {"keygen": keys.keygen, "admit": keys.admit, "receipt": keys.receipt}
         return {**handlers, "api-key": keys.api_key}[command]
+    if command == "plan":
+        from shard.cli.plan import plan_main
+
+        return plan_main
     if command in ("up", "swarm", "monitor"):
         from shard.cli import swarm
 

@@ -34,6 +34,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
     from shard.model.gguf_import import ConvertError
     from shard.model.loader import ModelLoadError
     from shard.nodes.launcher import SwarmError
+    from shard.placement import PlanError
     from shard.spec.swarm import SpecError
     from shard.transport import TransportError
     from shard.transport.links import HandshakeError
@@ -59,6 +60,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         FetchError,
         NodeReplaced,
         KeyFileError,
+        PlanError,  # shard plan: no ring fits, or a bad --rtt geography (GeographyError)
         trio.TooSlowError,
     )
 

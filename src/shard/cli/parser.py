@@ -1,7 +1,7 @@
 """The ``shard`` command's argument parser.
 
 Each subcommand's work lives in the module that owns it (``shard.cli.generate``, ``swarm``,
-``keys``, ``weights``; ``model.gguf_import``, ``transport.relay``, ``bench``,
+``keys``, ``weights``, ``plan``; ``model.gguf_import``, ``transport.relay``, ``bench``,
 ``decode.distill`` parse their own arguments); this module only builds the parser, so
 ``shard --help`` stays fast.
 """
@@ -26,6 +26,7 @@ examples:
   shard monitor --spec specs/local.toml       # watch a running swarm live
   shard convert model.gguf out_dir/
   shard bench specs/local.toml --latencies 0,25 --json out.json
+  shard plan --rtt specs/geography/world.toml   # where the ring should run, and why
   shard keygen --out keys/authority.key      # the swarm's authority
   shard keygen --out keys/s0.key
   shard api-key --keys api-keys.txt --label alice   # a bearer key for [api] keys_file
@@ -246,6 +247,45 @@ def _add_monitor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
 
 
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="choose the ring's nodes, order, blocks and coordinator place by predicted lap",
+        description="Plan a ring (docs/placement.md): choose which candidates hold layers, in "
+        "which order, with which contiguous blocks (faster nodes take more, within memory), "
+        "and where the coordinator runs, minimising the predicted lap (every hop's one-way "
+        "latency + every stage's compute for a verify chunk). Exact up to 12 candidates "
+        "(Held-Karp), a stated heuristic beyond. Prints the ring, the blocks, the standbys, "
+        "the predicted lap and why the alternatives lost (the even split in file order, "
+        "other coordinator places, one stage more or less). With SPEC the candidates are its "
+        "stages and standbys and the model its model; what the spec does not say (speeds, "
+        "memory) is assumed and printed. Plans only: `swarm up` still runs the spec as "
+        "written.",
+    )
+    p.add_argument(
+        "spec", nargs="?", help="swarm spec (TOML): its stages and standbys are the candidates"
+    )
+    p.add_argument(
+        "--rtt",
+        metavar="FILE",
+        help="a geography (TOML, or JSON by its .json suffix): the RTT matrix in ms, and "
+        "optionally node profiles, the model and coordinator places; alone, it is the whole "
+        "problem (e.g. specs/geography/world.toml)",
+    )
+    p.add_argument("--model", help="with SPEC: this checkpoint dir's config instead of the spec's")
+    p.add_argument(
+        "--coordinator",
+        metavar="PLACE",
+        help="force the coordinator to run at PLACE (a name in the RTT matrix)",
+    )
+    p.add_argument(
+        "--pin-boundaries",
+        action="store_true",
+        help="only trusted nodes may hold the first block (embedding) and the last (head)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shard",
@@ -260,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_swarm(sub)
     _add_up(sub)
     _add_monitor(sub)
+    _add_plan(sub)
     add_trust(sub)
     add_receipt(sub)
     add_manifest(sub)

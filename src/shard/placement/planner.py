@@ -1,0 +1,142 @@
+"""``plan(problem)``: the placement with the least predicted lap, and why the others lost.
+
+Exact up to ``EXACT_LIMIT`` candidates (``search.py``), the stated heuristic beyond it
+(``heuristic.py``). Every plan covers each layer exactly once, fits each node's memory and,
+with ``pin_boundaries``, puts trusted nodes at both ends; when none can, ``PlanError`` says
+what is missing. The even split in file order (the spec's ``"auto"``) is always among the
+alternatives, so an operator sees what the planner saved.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from shard.placement.heuristic import EXACT_LIMIT, pool
+from shard.placement.lap import Alternative, Mesh, Plan, evaluate
+from shard.placement.problem import PlanError, Problem
+from shard.placement.search import Search
+from shard.placement.split import capacity, even_counts
+
+__all__ = ["baseline", "compare", "plan"]
+
+_GIB = float(1 << 30)
+
+
+def plan(problem: Problem) -> Plan:
+    """The best plan for ``problem``, with the alternatives it beat.
+
+    Errors: ``PlanError`` when no ring of the candidates fits the model (memory, layer count,
+    pinning), saying what to add or change."""
+    _check_possible(problem)
+    mesh = Mesh(problem)
+    names = pool(problem)
+    method = "exact"
+    if len(names) < len(problem.candidates):
+        method = f"heuristic: exact among the {len(names)} candidates nearest a coordinator"
+    search = Search(mesh, names)
+    best, by_size, by_coordinator = search.run()
+    if best is None:
+        raise PlanError(_why_none(problem, len(names)))
+    chosen = search.build(best, method)
+    label, even = baseline(mesh)
+    alternatives = [
+        Alternative(label, None, even)
+        if isinstance(even, str)
+        else _alternative(label, even, chosen)
+    ]
+    for c, found in by_coordinator.items():
+        if c != best.coordinator:
+            alternatives.append(
+                _alternative(f"coordinator at {c}", search.build(found, ""), chosen)
+            )
+    size = len(chosen.stages)
+    for k in (size - 1, size + 1):
+        if k in by_size:
+            label = f"best ring of {k} stage{'s' if k != 1 else ''}"
+            alternatives.append(_alternative(label, search.build(by_size[k], ""), chosen))
+    return attrs.evolve(chosen, alternatives=tuple(alternatives))
+
+
+def baseline(mesh: Mesh) -> tuple[str, Plan | str]:
+    """The even split in file order over every candidate, coordinator at the first location
+    (the spec's ``"auto"``): its label, and its plan or why it is not a valid one."""
+    problem = mesh.problem
+    names = [c.name for c in problem.candidates]
+    coordinator = problem.coordinators[0]
+    label = f"even split in file order ({len(names)} stages, coordinator at {coordinator})"
+    counts = even_counts(len(names), problem.model.n_layers)
+    if counts is None:
+        return label, f"{len(names)} stages for {problem.model.n_layers} layers"
+    for i, (name, n) in enumerate(zip(names, counts, strict=True)):
+        node = problem.candidate(name)
+        cap = capacity(node, problem.model, first=(i == 0), last=(i == len(names) - 1))
+        if n > cap:
+            return label, f"does not fit: {name} has room for {max(cap, 0)} of its {n} layers"
+    if problem.pin_boundaries:
+        untrusted = sorted({n for n in (names[0], names[-1]) if not problem.candidate(n).trusted})
+        if untrusted:
+            return label, f"breaks pinning: {', '.join(untrusted)} not trusted"
+    return label, evaluate(mesh, coordinator, names, counts, "even split in file order")
+
+
+def compare(found: Plan, chosen: Plan) -> str:
+    """Why ``found`` lost to ``chosen``, in words: its lap and where the difference is."""
+    parts = f"latency {found.latency_ms:.1f} + compute {found.compute_ms:.1f} ms"
+    gap = found.lap_ms - chosen.lap_ms
+    if abs(gap) <= 1e-9:
+        return (
+            f"{parts}: same lap, slowest stage {found.slowest_stage_ms:.1f} ms vs "
+            f"{chosen.slowest_stage_ms:.1f} ms"
+        )
+    lat = found.latency_ms - chosen.latency_ms
+    comp = found.compute_ms - chosen.compute_ms
+    return f"{parts}: {gap:+.1f} ms ({lat:+.1f} latency, {comp:+.1f} compute)"
+
+
+def _alternative(label: str, found: Plan, chosen: Plan) -> Alternative:
+    return Alternative(label, found.lap_ms, compare(found, chosen))
+
+
+def _check_possible(problem: Problem) -> None:
+    """The reasons no plan can exist that are plain before any search, with what to do."""
+    model = problem.model
+    total = sum(c.memory_bytes for c in problem.candidates)
+    if total < model.total_bytes:
+        raise PlanError(
+            f"the candidates hold {total / _GIB:.1f} GiB of weights in all but the model needs "
+            f"{model.total_bytes / _GIB:.1f} GiB ({model.n_layers} layers, embedding and head); "
+            "add nodes or memory, or use a smaller dtype"
+        )
+    if problem.pin_boundaries:
+        trusted = [c for c in problem.candidates if c.trusted]
+        if not trusted:
+            raise PlanError(
+                "pin_boundaries needs trusted nodes for the first block (embedding) and the "
+                "last (head), but no candidate is trusted; mark nodes trusted or unpin"
+            )
+
+
+def _why_none(problem: Problem, searched: int) -> str:
+    model = problem.model
+    limit = (
+        ""
+        if searched == len(problem.candidates)
+        else (
+            f" among the {searched} candidates the heuristic keeps (>{EXACT_LIMIT} needs more: "
+            "give fewer, larger nodes)"
+        )
+    )
+    if problem.pin_boundaries:
+        trusted = [c.name for c in problem.candidates if c.trusted]
+        return (
+            f"no ring fits {model.n_layers} layers{limit} with trusted nodes at both ends "
+            f"(trusted: {', '.join(trusted)}); the first must also hold the embedding "
+            f"({model.embedding_bytes / _GIB:.2f} GiB) and the last the head "
+            f"({model.head_bytes / _GIB:.2f} GiB): trust more nodes, add memory to these, or "
+            "unpin"
+        )
+    return (
+        f"no ring of the candidates fits {model.n_layers} layers{limit}: each stage needs room "
+        "for at least one layer, the first also for the embedding and the last for the head; "
+        "add nodes or memory"
+    )

@@ -1,0 +1,177 @@
+"""What the planner is given: candidate nodes, the RTT mesh, the model's size, where the
+coordinator may run, and whether the boundaries are pinned to trusted nodes.
+
+Every record validates itself on construction and raises ``PlanError`` with what is wrong
+and what to do, so the search downstream never meets a negative latency, a node missing from
+the mesh or a model of zero layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+__all__ = ["Candidate", "ModelFacts", "PlanError", "Problem", "RttMatrix"]
+
+
+class PlanError(Exception):
+    """No plan can be made from these inputs: ``str(err)`` says why and what to do."""
+
+
+def _positive(what: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise PlanError(f"{what} must be a positive number of ms, got {value!r}")
+
+
+@attrs.frozen
+class Candidate:
+    """A node that may hold a block: its memory for weights (bytes; leave out what the KV
+    cache and activations need), its measured compute per layer for a 1-token chunk and for
+    a (K+1)-token verify chunk (ms), whether it may hold a boundary block (``trusted``) and
+    whether it accepts inbound connections (``reachable``; two unreachable neighbours talk
+    through a relay)."""
+
+    name: str
+    memory_bytes: int
+    ms_per_layer_one: float
+    ms_per_layer_chunk: float
+    trusted: bool = False
+    reachable: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not self.name:
+            raise PlanError("a candidate node needs a name")
+        if self.memory_bytes < 0:
+            raise PlanError(f"{self.name}: memory must be >= 0 bytes, got {self.memory_bytes}")
+        _positive(f"{self.name}: ms per layer (1 token)", self.ms_per_layer_one)
+        _positive(f"{self.name}: ms per layer (K+1 tokens)", self.ms_per_layer_chunk)
+
+
+@attrs.frozen
+class ModelFacts:
+    """The model's shape as placement sees it: ``n_layers`` equal layers of ``layer_bytes``,
+    plus the embedding (on the first stage) and the final norm and head (on the last)."""
+
+    n_layers: int
+    layer_bytes: int
+    embedding_bytes: int = 0
+    head_bytes: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.n_layers < 1:
+            raise PlanError(f"the model needs at least one layer, got {self.n_layers}")
+        for what, value in (
+            ("layer", self.layer_bytes),
+            ("embedding", self.embedding_bytes),
+            ("head", self.head_bytes),
+        ):
+            if value < 0:
+                raise PlanError(f"the model's {what} size must be >= 0 bytes, got {value}")
+
+    @property
+    def total_bytes(self) -> int:
+        """Every weight the ring must hold."""
+        return self.n_layers * self.layer_bytes + self.embedding_bytes + self.head_bytes
+
+
+@attrs.frozen
+class RttMatrix:
+    """Round-trip times (ms) between named places: ``rtt_ms[i][j]`` from ``names[i]`` to
+    ``names[j]``, as a ping from ``i`` measures it (so it may differ from ``[j][i]``). One hop
+    of the ring costs half a round trip (``hop_ms``): data goes one way."""
+
+    names: tuple[str, ...]
+    rtt_ms: tuple[tuple[float, ...], ...]
+    _index: Mapping[str, int] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        if len(set(self.names)) != len(self.names):
+            raise PlanError(f"the RTT matrix names a node twice: {', '.join(self.names)}")
+        if len(self.rtt_ms) != len(self.names):
+            raise PlanError(
+                f"the RTT matrix has {len(self.rtt_ms)} rows for {len(self.names)} nodes; "
+                "give one row per node"
+            )
+        for i, row in enumerate(self.rtt_ms):
+            if len(row) != len(self.names):
+                raise PlanError(
+                    f"RTT row {i} ({self.names[i]}) has {len(row)} entries, expected "
+                    f"{len(self.names)}: the matrix must be square"
+                )
+            for j, value in enumerate(row):
+                if not (math.isfinite(value) and value >= 0):
+                    raise PlanError(
+                        f"RTT {self.names[i]} -> {self.names[j]} is {value!r}; round trips "
+                        "are finite and >= 0 ms"
+                    )
+        object.__setattr__(self, "_index", {n: i for i, n in enumerate(self.names)})
+
+    @classmethod
+    def symmetric(cls, names: Sequence[str], pairs: Mapping[tuple[str, str], float]) -> RttMatrix:
+        """A matrix from ``{(a, b): ms}``, each pair given once (either way round); the
+        diagonal is 0. Errors: ``PlanError`` for a missing pair."""
+        rows = []
+        for a in names:
+            row = []
+            for b in names:
+                if a == b:
+                    row.append(0.0)
+                    continue
+                value = pairs.get((a, b), pairs.get((b, a)))
+                if value is None:
+                    raise PlanError(f"no RTT between {a} and {b}; give every pair")
+                row.append(float(value))
+            rows.append(tuple(row))
+        return cls(tuple(names), tuple(rows))
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a row of the matrix."""
+        return name in self._index
+
+    def rtt(self, src: str, dst: str) -> float:
+        """The round trip from ``src`` to ``dst`` (0 for a node to itself)."""
+        return 0.0 if src == dst else self.rtt_ms[self._index[src]][self._index[dst]]
+
+    def hop_ms(self, src: str, dst: str) -> float:
+        """One-way latency of the hop ``src -> dst``: half the round trip."""
+        return self.rtt(src, dst) / 2.0
+
+
+@attrs.frozen
+class Problem:
+    """Everything one plan depends on. ``candidates`` in file order (the order of the even
+    split the planner is compared with); ``coordinators`` the places the coordinator may run
+    (the first is the default); ``pin_boundaries``: only trusted nodes hold the first block
+    (embedding) and the last (head, acceptance)."""
+
+    candidates: tuple[Candidate, ...]
+    rtt: RttMatrix
+    model: ModelFacts
+    coordinators: tuple[str, ...]
+    pin_boundaries: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not self.candidates:
+            raise PlanError("no candidate nodes; add stage nodes to plan a ring")
+        if not self.coordinators:
+            raise PlanError("no coordinator location; name at least one coordinator candidate")
+        names = [c.name for c in self.candidates]
+        if len(set(names)) != len(names):
+            raise PlanError(f"a candidate is named twice: {', '.join(names)}")
+        if len(set(self.coordinators)) != len(self.coordinators):
+            raise PlanError(f"a coordinator candidate is named twice: {self.coordinators}")
+        missing = [n for n in (*names, *self.coordinators) if not self.rtt.has(n)]
+        if missing:
+            raise PlanError(
+                f"the RTT matrix has no row for {', '.join(missing)}; measure or add them "
+                f"(it has {', '.join(self.rtt.names)})"
+            )
+
+    def candidate(self, name: str) -> Candidate:
+        """The candidate called ``name``. Errors: ``PlanError`` if there is none."""
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise PlanError(f"no candidate node {name!r}")

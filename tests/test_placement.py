@@ -1,0 +1,283 @@
+"""Plain tests of the planner's pieces (``shard.placement``): the inputs' validation, the
+split, the lap model with relays, pinning, the errors an operator sees, the heuristic beyond
+12 candidates and the sticky re-plan. Pure functions: no I/O, no clock."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from shard.placement import (
+    EXACT_LIMIT,
+    Candidate,
+    ModelFacts,
+    PlanError,
+    Problem,
+    RttMatrix,
+    plan,
+    replan,
+)
+from shard.placement.heuristic import pool
+from shard.placement.lap import Mesh, evaluate
+from shard.placement.replan import moved_layers
+from shard.placement.split import balanced_counts, blocks_of, capacity, even_counts
+
+GIB = 1 << 30
+
+
+def node(name: str, mem: int = 100, ms: float = 1.0, **kw: bool) -> Candidate:
+    """A candidate with ``mem`` GiB and ``ms`` per layer for both chunk sizes."""
+    return Candidate(name, mem * GIB, ms, ms, **kw)
+
+
+def line(names: list[str], gaps: list[float]) -> RttMatrix:
+    """Places on a line, ``gaps[i]`` ms of round trip between names[i] and names[i+1]."""
+    at = [0.0]
+    for g in gaps:
+        at.append(at[-1] + g)
+    pairs = {
+        (a, b): abs(x - y)
+        for a, x in zip(names, at, strict=True)
+        for b, y in zip(names, at, strict=True)
+        if a != b
+    }
+    return RttMatrix.symmetric(names, pairs)
+
+
+MODEL = ModelFacts(n_layers=8, layer_bytes=GIB, embedding_bytes=GIB, head_bytes=GIB)
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+def test_rtt_matrix_refuses_what_is_not_a_square_of_round_trips() -> None:
+    """A ragged row, a negative or infinite value, or a repeated name is a PlanError."""
+    with pytest.raises(PlanError, match="must be square"):
+        RttMatrix(("a", "b"), ((0.0, 1.0), (1.0,)))
+    with pytest.raises(PlanError, match="finite and >= 0"):
+        RttMatrix(("a", "b"), ((0.0, -1.0), (1.0, 0.0)))
+    with pytest.raises(PlanError, match="finite and >= 0"):
+        RttMatrix(("a", "b"), ((0.0, float("inf")), (1.0, 0.0)))
+    with pytest.raises(PlanError, match="twice"):
+        RttMatrix(("a", "a"), ((0.0, 1.0), (1.0, 0.0)))
+    with pytest.raises(PlanError, match="2 rows for 3 nodes"):
+        RttMatrix(("a", "b", "c"), ((0.0, 1.0, 1.0), (1.0, 0.0, 1.0)))
+
+
+def test_a_hop_costs_half_a_round_trip_and_may_be_asymmetric() -> None:
+    """``hop_ms`` is half the measured RTT, per direction; a place to itself costs 0."""
+    rtt = RttMatrix(("a", "b"), ((0.0, 10.0), (30.0, 0.0)))
+    assert rtt.hop_ms("a", "b") == 5.0
+    assert rtt.hop_ms("b", "a") == 15.0
+    assert rtt.hop_ms("a", "a") == 0.0
+
+
+def test_problem_names_nodes_the_matrix_lacks() -> None:
+    """A candidate or coordinator place missing from the RTT matrix is named in the error."""
+    rtt = line(["c", "a"], [1.0])
+    with pytest.raises(PlanError, match="no row for b"):
+        Problem((node("a"), node("b")), rtt, MODEL, ("c",))
+    with pytest.raises(PlanError, match="no row for far"):
+        Problem((node("a"),), rtt, MODEL, ("far",))
+
+
+def test_candidates_refuse_nonsense_profiles() -> None:
+    """Zero or negative compute per layer, negative memory, a layerless model: PlanError."""
+    with pytest.raises(PlanError, match="positive"):
+        Candidate("a", GIB, 0.0, 1.0)
+    with pytest.raises(PlanError, match="memory"):
+        Candidate("a", -1, 1.0, 1.0)
+    with pytest.raises(PlanError, match="at least one layer"):
+        ModelFacts(0, GIB)
+
+
+# --- the split --------------------------------------------------------------------------------
+
+
+def test_faster_nodes_take_more_layers() -> None:
+    """Twice as fast holds twice the layers, so both stages take the same time."""
+    assert balanced_counts([1.0, 2.0], [100, 100], 12) == (8, 4)
+    assert balanced_counts([2.0, 1.0, 1.0], [100, 100, 100], 10) == (2, 4, 4)
+
+
+def test_memory_caps_the_split() -> None:
+    """A fast node that is full passes the rest to slower ones; too little room is None."""
+    assert balanced_counts([1.0, 3.0], [3, 100], 8) == (3, 5)
+    assert balanced_counts([1.0, 1.0], [3, 3], 8) is None
+    assert balanced_counts([1.0, 1.0, 1.0], [9, 9, 9], 2) is None  # more stages than layers
+
+
+def test_the_ends_also_hold_embedding_and_head() -> None:
+    """Capacity at the first and last position leaves room for the embedding and head."""
+    n = node("a", mem=5)
+    assert capacity(n, MODEL, first=False, last=False) == 5
+    assert capacity(n, MODEL, first=True, last=False) == 4
+    assert capacity(n, MODEL, first=True, last=True) == 3
+    assert capacity(node("b", mem=0), MODEL, first=True, last=False) == -1
+
+
+def test_even_split_matches_the_specs_auto() -> None:
+    """The remainder goes to the earliest stages, as ``layers = "auto"`` does."""
+    assert even_counts(3, 10) == (4, 3, 3)
+    assert blocks_of((4, 3, 3)) == ((0, 4), (4, 7), (7, 10))
+    assert even_counts(4, 3) is None
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+def test_ring_order_follows_the_map_not_the_file() -> None:
+    """Nodes listed out of geographic order are visited along the line, coordinator at an end."""
+    rtt = line(["c", "a", "b", "d"], [2.0, 2.0, 2.0])
+    cands = (node("d", mem=4), node("a", mem=4), node("b", mem=4))  # file order: d, a, b
+    found = plan(Problem(cands, rtt, MODEL, ("c",)))
+    assert [s.node for s in found.stages] in (["a", "b", "d"], ["d", "b", "a"])
+    assert found.latency_ms == pytest.approx(6.0)  # c->a->b->d->c: (2 + 2 + 2 + 6) / 2
+    even = found.alternatives[0]
+    assert even.label.startswith("even split in file order")
+    assert even.lap_ms is not None and even.lap_ms > found.lap_ms
+
+
+def test_coordinator_goes_where_the_ring_is() -> None:
+    """Of two coordinator places, the one next to the nodes wins; the other is explained."""
+    rtt = line(["near", "a", "b", "far"], [1.0, 1.0, 100.0])
+    found = plan(Problem((node("a", mem=6), node("b", mem=6)), rtt, MODEL, ("far", "near")))
+    assert found.coordinator == "near"
+    lost = [a for a in found.alternatives if a.label == "coordinator at far"]
+    assert lost and lost[0].lap_ms is not None and lost[0].lap_ms > found.lap_ms
+    assert "latency" in lost[0].why
+
+
+def test_spare_nodes_become_standbys() -> None:
+    """A node the best ring does not need is a standby, in file order."""
+    rtt = line(["c", "a", "b", "x"], [1.0, 1.0, 50.0])
+    cands = (node("x", mem=20), node("a", mem=20), node("b", mem=20))
+    found = plan(Problem(cands, rtt, MODEL, ("c",)))
+    assert [s.node for s in found.stages] == ["a"]
+    assert found.standbys == ("x", "b")
+
+
+def test_two_unreachable_neighbours_talk_through_a_relay() -> None:
+    """An edge between two nodes behind NAT is routed via a reachable place and named."""
+    rtt = line(["c", "a", "b"], [1.0, 1.0])
+    cands = (node("a", mem=6, reachable=False), node("b", mem=6, reachable=False))
+    found = plan(Problem(cands, rtt, MODEL, ("c",)))
+    middle = [h for h in found.hops if h.src in ("a", "b") and h.dst in ("a", "b")]
+    assert middle and middle[0].via == "c"
+    assert middle[0].ms > rtt.hop_ms(middle[0].src, middle[0].dst)
+
+
+def test_pinned_boundaries_go_to_trusted_nodes() -> None:
+    """With pinning, the first and last stages are trusted even when others are closer."""
+    rtt = line(["c", "u", "t1", "t2"], [1.0, 20.0, 1.0])
+    cands = (node("u", mem=20), node("t1", mem=5, trusted=True), node("t2", mem=5, trusted=True))
+    free = plan(Problem(cands, rtt, MODEL, ("c",)))
+    assert [s.node for s in free.stages] == ["u"]
+    pinned = plan(Problem(cands, rtt, MODEL, ("c",), pin_boundaries=True))
+    names = [s.node for s in pinned.stages]
+    assert {names[0], names[-1]} <= {"t1", "t2"}
+    assert pinned.lap_ms > free.lap_ms
+
+
+def test_pinning_without_trusted_nodes_says_what_to_do() -> None:
+    """No trusted candidate, or trusted ones too small for the ends: a PlanError with a fix."""
+    rtt = line(["c", "a", "b"], [1.0, 1.0])
+    with pytest.raises(PlanError, match="mark nodes trusted or unpin"):
+        plan(Problem((node("a"), node("b")), rtt, MODEL, ("c",), pin_boundaries=True))
+    tiny = (node("a", mem=1, trusted=True), node("b", mem=100))
+    with pytest.raises(PlanError, match="trusted nodes at both ends"):
+        plan(Problem(tiny, rtt, MODEL, ("c",), pin_boundaries=True))
+
+
+def test_too_little_memory_is_a_clear_error() -> None:
+    """When the candidates cannot hold the model the error gives both sizes and the fix."""
+    rtt = line(["c", "a", "b"], [1.0, 1.0])
+    with pytest.raises(PlanError, match=r"hold 4\.0 GiB .* needs 10\.0 GiB.*add nodes"):
+        plan(Problem((node("a", mem=2), node("b", mem=2)), rtt, MODEL, ("c",)))
+    lumpy = ModelFacts(n_layers=2, layer_bytes=3 * GIB)
+    with pytest.raises(PlanError, match="no ring of the candidates fits"):
+        plan(Problem((node("a", mem=4), node("b", mem=2)), rtt, lumpy, ("c",)))
+
+
+def test_beyond_the_exact_limit_the_nearest_are_searched() -> None:
+    """With more than 12 candidates the 12 nearest a coordinator place are searched and the
+    plan says it used the heuristic; far ones are standbys."""
+    names = [f"n{i:02d}" for i in range(EXACT_LIMIT + 3)]
+    rtt = line(["c", *names], [1.0] * len(names))
+    cands = tuple(node(n, mem=2) for n in reversed(names))
+    problem = Problem(cands, rtt, ModelFacts(6, GIB), ("c",))
+    kept = pool(problem)
+    assert set(kept) == set(names[:EXACT_LIMIT])
+    found = plan(problem)
+    assert found.method.startswith("heuristic")
+    assert set(found.standbys) >= set(names[EXACT_LIMIT:])
+
+
+def test_pool_keeps_trusted_nodes_when_pinned() -> None:
+    """The heuristic's pool always holds the two nearest trusted nodes when pinning."""
+    names = [f"n{i:02d}" for i in range(EXACT_LIMIT + 2)]
+    rtt = line(["c", *names], [1.0] * len(names))
+    cands = tuple(node(n, trusted=n in ("n12", "n13")) for n in names)
+    kept = pool(Problem(cands, rtt, ModelFacts(6, GIB), ("c",), pin_boundaries=True))
+    assert {"n12", "n13"} <= set(kept) and len(kept) == EXACT_LIMIT
+
+
+# --- re-planning ------------------------------------------------------------------------------
+
+
+def _three() -> Problem:
+    rtt = line(["c", "a", "b", "d", "s"], [1.0, 1.0, 1.0, 1.0])
+    cands = (node("a", mem=4), node("b", mem=4), node("d", mem=4), node("s", mem=4))
+    return Problem(cands, rtt, ModelFacts(9, GIB), ("c",))
+
+
+def test_replan_gives_the_dead_block_to_a_standby() -> None:
+    """The standby takes exactly the dead stage's block; nothing else moves."""
+    problem = _three()
+    before = plan(problem)
+    assert len(before.stages) == 3 and before.standbys == ("s",)
+    dead = before.stages[1]
+    after = replan(before, dead.node, problem)
+    assert after.block_of("s") == (dead.first, dead.last)
+    assert moved_layers(before, after) == dead.layers
+    assert after.standbys == ()
+    assert "standby s" in after.method
+    assert any(a.label == "a fresh plan" for a in after.alternatives)
+
+
+def test_replan_lets_neighbours_absorb_when_no_standby_fits() -> None:
+    """With no standby the neighbours split the dead block between them, sticky."""
+    rtt = line(["c", "a", "b", "d"], [1.0, 1.0, 1.0])
+    problem = Problem((node("a", 8), node("b", 8), node("d", 8)), rtt, ModelFacts(9, GIB), ("c",))
+    # the ring as it runs (an operator asked for three stages)
+    before = evaluate(Mesh(problem), "c", ["a", "b", "d"], [3, 3, 3], "given")
+    after = replan(before, "b", problem)
+    assert [s.node for s in after.stages] == ["a", "d"]
+    assert after.block_of("a") == (0, after.stages[0].last) and after.stages[0].last >= 3
+    assert after.block_of("d") == (after.stages[0].last, 9)
+    assert moved_layers(before, after) == 3
+    assert "absorb" in after.method
+
+
+def test_replan_that_cannot_fit_says_what_to_add() -> None:
+    """A dead stage whose block nobody can take: a PlanError asking for a standby."""
+    rtt = line(["c", "a", "b"], [1.0, 1.0])
+    problem = Problem((node("a", 3), node("b", 3)), rtt, ModelFacts(4, GIB), ("c",))
+    before = plan(problem)
+    with pytest.raises(PlanError, match="add a standby with room for"):
+        replan(before, before.stages[0].node, problem)
+
+
+def test_a_dead_standby_or_coordinator_place_moves_no_layer() -> None:
+    """Losing a standby only shortens the list; losing the coordinator's place moves it."""
+    rtt = line(["c", "a", "b", "d", "s", "c2"], [1.0, 1.0, 1.0, 1.0, 10.0])
+    problem = attrs.evolve(_three(), rtt=rtt, coordinators=("c", "c2"))
+    before = plan(problem)
+    assert before.coordinator == "c" and before.standbys == ("s",)
+    after = replan(before, "s", problem)
+    assert after.blocks() == before.blocks() and after.standbys == ()
+    moved = replan(before, "c", problem)
+    assert moved.coordinator == "c2" and moved.blocks() == before.blocks()
+    assert moved.ring()[1:-1] == before.ring()[1:-1]
+    with pytest.raises(PlanError, match="not part of the plan"):
+        replan(before, "nobody", problem)

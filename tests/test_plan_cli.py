@@ -1,0 +1,210 @@
+"""``shard plan``, run in process through ``shard.cli.main``: the plan for the checked-in
+geography, a spec without node profiles (what it assumed), JSON output, and one ``error:``
+line (never a traceback) for every bad input. No model is loaded: a spec's model is read
+from its ``config.json`` only (a directory holding nothing else)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shard.cli import main
+
+WORLD = Path(__file__).resolve().parents[1] / "specs" / "geography" / "world.toml"
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "vocab_size": 300,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": True,
+}
+
+
+def one_error(capsys: pytest.CaptureFixture[str], prefix: str = "shard: error: ") -> str:
+    """The one line on stderr (asserted to be the only one and to start with ``prefix``)."""
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(prefix), lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> Path:
+    """A 3-stage spec (one standby) over a config-only model dir, 10 ms per hop, s1 -> s2 30."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    path = tmp_path / "swarm.toml"
+    path.write_text(
+        f"""
+[swarm]
+name = "t"
+model = "{model}"
+insecure = true
+[coordinator]
+listen = "127.0.0.1:7900"
+[[stage]]
+name = "s0"
+listen = "127.0.0.1:7901"
+layers = "auto"
+[[stage]]
+name = "s1"
+listen = "127.0.0.1:7902"
+layers = "auto"
+[[stage]]
+name = "s2"
+listen = "127.0.0.1:7903"
+layers = "auto"
+[[standby]]
+name = "spare"
+listen = "127.0.0.1:7904"
+[links]
+latency_ms = 10.0
+[[links.edge]]
+from = "s1"
+to = "s2"
+latency_ms = 30.0
+"""
+    )
+    return path
+
+
+def test_plan_of_the_world_prints_ring_blocks_coordinator_and_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`shard plan --rtt world.toml` prints the European ring, its blocks, the coordinator in
+    Frankfurt, the standbys, the predicted lap and the alternatives that lost."""
+    assert main(["plan", "--rtt", str(WORLD)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ring:        coord-fra -> ")
+    assert "coordinator: coord-fra" in out
+    assert "layers [0, " in out and ", 64)" in out
+    assert "standbys:" in out and "tyo-1 (ap-northeast)" in out
+    assert "predicted lap:" in out and "slowest stage:" in out
+    assert "alternatives that lost:" in out
+    assert "even split in file order (12 stages, coordinator at coord-fra):" in out
+    assert "coordinator at coord-iad:" in out
+
+
+def test_plan_json_and_a_forced_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json prints one object; --coordinator forces the place, and the lap is worse."""
+    assert main(["plan", "--rtt", str(WORLD), "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)
+    assert best["ring"][0] == best["ring"][-1] == "coord-fra"
+    assert best["stages"][0]["first"] == 0 and best["stages"][-1]["last"] == 64
+    assert {a["label"] for a in best["alternatives"]} >= {"coordinator at coord-tyo"}
+    assert main(["plan", "--rtt", str(WORLD), "--json", "--coordinator", "coord-tyo"]) == 0
+    forced = json.loads(capsys.readouterr().out)
+    assert forced["coordinator"] == "coord-tyo"
+    assert forced["lap_ms"] > best["lap_ms"]
+
+
+def test_plan_of_a_spec_says_what_it_assumed(
+    spec: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A spec without profiles plans with equal speeds and its [links] latencies, and says so;
+    the slow s1 -> s2 hop is avoided."""
+    assert main(["plan", str(spec)]) == 0
+    out = capsys.readouterr().out
+    assert "assumed: s0, s1, s2, spare: 1.0 ms per layer (equal speeds)" in out
+    assert "assumed: latencies from the spec's [links]" in out
+    ring = out.splitlines()[0]
+    assert "s1 -> s2" not in ring
+    assert "even split in file order (4 stages, coordinator at coord)" in out
+
+
+def test_plan_of_a_spec_with_a_geography(
+    spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Profiles from a JSON geography replace the assumptions for the nodes they name."""
+    names = ["coord", "s0", "s1", "s2", "spare"]
+    geo = {
+        "node": [
+            {"name": "spare", "memory_gib": 1, "ms_per_layer_1": 0.1, "ms_per_layer_k": 0.1},
+        ],
+        "rtt": {"nodes": names, "ms": [[0 if a == b else 4 for b in names] for a in names]},
+    }
+    path = tmp_path / "geo.json"
+    path.write_text(json.dumps(geo))
+    assert main(["plan", str(spec), "--rtt", str(path), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [s["node"] for s in found["stages"]] == ["spare"]  # fast and big enough
+    assert any("s0, s1, s2: 1.0 ms per layer" in line for line in found["assumed"])
+
+
+def test_rtt_file_missing_spec_nodes_is_one_line(
+    spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A geography that lacks nodes of the spec names them."""
+    path = tmp_path / "geo.toml"
+    path.write_text('[rtt]\nnodes = ["coord", "s0"]\nms = [[0, 1], [1, 0]]\n')
+    assert main(["plan", str(spec), "--rtt", str(path)]) == 1
+    line = one_error(capsys)
+    assert "rtt.nodes has no s1, s2, spare" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[rtt]\nnodes = ["a"]\nms = [[-3]]\n', "rtt.ms[0][0]: is negative"),
+        ('[rtt]\nnodes = ["a", "b"]\nms = [[0, 1], [1]]\n', "rtt.ms[1]: not a matrix"),
+        ('[rtt]\nnodes = ["a", "b"]\nms = "wide"\n', "rtt.ms: not a matrix"),
+        ("[rtt\n", "invalid TOML"),
+        ('coordinators = ["a"]\n', "rtt: missing"),
+    ],
+)
+def test_bad_rtt_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    """Negative values, a ragged or non-list matrix, bad TOML, no matrix: one error line."""
+    path = tmp_path / "geo.toml"
+    path.write_text(text)
+    assert main(["plan", "--rtt", str(path)]) == 1
+    assert message in one_error(capsys)
+
+
+def test_missing_inputs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No file, neither SPEC nor --rtt, a geography without nodes, an unknown place."""
+    assert main(["plan", "--rtt", str(tmp_path / "nope.toml")]) == 1
+    assert "no such file" in one_error(capsys)
+    assert main(["plan"]) == 2
+    assert "give a SPEC, an --rtt geography, or both" in one_error(capsys, "shard plan: error: ")
+    path = tmp_path / "geo.toml"
+    path.write_text('[rtt]\nnodes = ["a"]\nms = [[0]]\n')
+    assert main(["plan", "--rtt", str(path)]) == 1
+    assert "no [[node]] tables" in one_error(capsys)
+    assert main(["plan", "--rtt", str(WORLD), "--coordinator", "mars"]) == 1
+    assert "--coordinator mars: not a place" in one_error(capsys)
+
+
+def test_pinning_a_spec_without_trusted_nodes_says_what_to_do(
+    spec: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--pin-boundaries with no trusted node fails with the fix, in one line."""
+    assert main(["plan", str(spec), "--pin-boundaries"]) == 1
+    assert "mark nodes trusted or unpin" in one_error(capsys)
+
+
+def test_plan_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
+    """`shard plan --help` says what is optimised and what the flags are."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("predicted lap", "Held-Karp", "--rtt FILE", "--json", "--pin-boundaries"):
+        assert words in out
