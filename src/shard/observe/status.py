@@ -134,7 +134,16 @@ def _stages(
         if node is None:
             stages.append(StageStatus(name))
         else:
-            stages.append(StageStatus(name, node.last_s, node.median_s, chunks=node.chunks))
+            stages.append(
+                StageStatus(
+                    name,
+                    node.last_s,
+                    node.median_s,
+                    chunks=node.chunks,
+                    queued_median_s=node.queued_median_s,
+                    batch_rows_median=node.rows_median,
+                )
+            )
     return tuple(stages)
 
 
