@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from shard.model.kvcache import KVCache
-from shard.model.llama import StageModel
+from shard.model.llama import Block, StageModel
 
 __all__ = ["Segment", "forward_packed", "segment_bounds"]
 
@@ -95,6 +95,7 @@ def forward_packed(
         )
     bounds = segment_bounds(segments)
     for j, layer in enumerate(model.layers):
+        assert isinstance(layer, Block)
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(h), rope)  # [1, H|KV, T, Dh]
         ys = []

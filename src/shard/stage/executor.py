@@ -401,8 +401,8 @@ class StageExecutor:
         rows = sum(p.rows for p in planned)
         for slot in slots:
             if not isinstance(slot, Planned):
-                msg, exc = slot
-                await self._fault(msg.session, exc.kind, str(exc), epoch=msg.epoch)
+                bad, failed = slot
+                await self._fault(bad.session, failed.kind, str(failed), epoch=bad.epoch)
                 continue
             hop = Hop(
                 node=self._node,
