@@ -152,7 +152,9 @@ async def test_gather_stops_at_a_control_message_and_at_the_row_cap() -> None:
     assert batch == [first] and after == items[1]  # 2 + 3 rows would overflow: it comes back
 
 
-async def test_gather_window_takes_what_arrives_within_it() -> None:
+async def test_gather_window_takes_what_arrives_within_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """With a window, a chunk sent during it joins the batch (virtual time)."""
     send, recv = trio.open_memory_channel[Queued](4)
     late = Queued(_verify(2, 0, (3,)), 0.0)

@@ -140,8 +140,9 @@ def _stages(
                     node.last_s,
                     node.median_s,
                     chunks=node.chunks,
-                    queued_median_s=node.queued_median_s,
-                    batch_rows_median=node.rows_median,
+                    # batch_rows 0: stages that do not report batching (older hops)
+                    queued_median_s=node.queued_median_s if node.rows_median else None,
+                    batch_rows_median=node.rows_median or None,
                 )
             )
     return tuple(stages)
