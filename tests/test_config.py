@@ -166,6 +166,9 @@ def test_limits_read_every_key() -> None:
         "max_buffer_mib": 64,
         "max_connections": 32,
         "max_prompt_bytes": 4096,
+        "max_batch_rows": 64,
+        "gather_window_s": 0.002,
+        "kv_budget_mib": 256,
     }
     limits = _load(_data(limits=given)).limits
     assert attrs.asdict(limits) == given

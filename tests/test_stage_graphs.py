@@ -289,8 +289,15 @@ async def test_executor_replays_per_chunk_and_forgets_at_session_end(
     async def answers(graphs: ChunkGraphs | None) -> list[Verdict]:
         inbox_send, inbox_recv = trio.open_memory_channel[Message](100)
         outbox_send, outbox_recv = trio.open_memory_channel[Message](100)
+        # Unbatched (max_batch_rows=1): the chunks are all queued at once, and this test is
+        # about each chunk replaying its own graph (a batch of several runs packed, eagerly).
         executor = StageExecutor(
-            model, node=NodeName("s"), inbox=inbox_recv, outbox=outbox_send, graphs=graphs
+            model,
+            node=NodeName("s"),
+            inbox=inbox_recv,
+            outbox=outbox_send,
+            graphs=graphs,
+            max_batch_rows=1,
         )
         for msg in msgs:
             inbox_send.send_nowait(msg)

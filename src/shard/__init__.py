@@ -17,8 +17,8 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     wire/           one frame format: msgpack header + raw tensors, zstd, size caps, sealing
     transport/      connections over memory channels, WebSockets (plain or sealed), emulated WAN
                     delay, a delaying TCP relay; the Hello/Welcome handshake (``links.py``)
-    stage/          a stage's executor: one block of layers, its KV caches, early cancellation;
-                    the one thread boundary (``offload.py``)
+    stage/          a stage's executor: one block of layers, its KV caches, early cancellation,
+                    batching of waiting chunks; the one thread boundary (``offload.py``)
     model/          the Llama-family model in plain torch, loading, GGUF import, tokenizer and
                     chat template, the bundled SmolLM2 (imports nothing of the network)
     placement/      pure planning: which nodes form the ring, in which order, holding which

@@ -37,11 +37,15 @@ class TokensOut:
 
 @attrs.frozen
 class NodeStat:
-    """Per-node totals for one request: compute seconds and chunks handled."""
+    """Per-node totals for one request: compute seconds and chunks handled; ``queued_s`` the
+    request's chunks' total wait at the node before their forward, ``batch_rows`` the mean
+    rows of the forwards they rode in (all sessions together; 0: not reported)."""
 
     node: NodeName
     compute_s: float
     chunks: int
+    queued_s: float = 0.0
+    batch_rows: float = 0.0
 
 
 @attrs.frozen

@@ -108,12 +108,19 @@ class Truncate:
 
 @attrs.frozen
 class Hop:
-    """What one stage did for one chunk (for lap accounting)."""
+    """What one stage did for one chunk (for lap accounting).
+
+    ``compute_s`` is the forward the chunk rode in (shared by every chunk of a batch);
+    ``queued_s`` how long the chunk waited at the stage before it; ``batch_rows`` the rows that
+    forward ran, all sessions together (0: not reported).
+    """
 
     node: NodeName
     compute_s: float
     received_at: float
     sent_at: float
+    queued_s: float = 0.0
+    batch_rows: int = 0
 
 
 @attrs.frozen

@@ -24,7 +24,9 @@ class StageStatus:
     """One stage's compute per chunk over the recent window (seconds; None before a sample).
 
     ``chunks`` counts the samples in the window; ``queue`` is the stage's inbox depth, None
-    while stages do not report it (a monitor shows it as unknown, never as 0).
+    while stages do not report it (a monitor shows it as unknown, never as 0);
+    ``queued_median_s`` is a chunk's median wait at the stage before its forward and
+    ``batch_rows_median`` the median rows of those forwards, all sessions together.
     """
 
     node: NodeName
@@ -32,6 +34,8 @@ class StageStatus:
     compute_median_s: float | None = None
     chunks: int = 0
     queue: int | None = None
+    queued_median_s: float | None = None
+    batch_rows_median: float | None = None
 
 
 @attrs.frozen

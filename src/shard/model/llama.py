@@ -113,16 +113,38 @@ class Attention(nn.Module):
 
         ``start`` a tensor: the positions ``[S]`` themselves, and keys are the whole cache
         (``StageModel.forward_at``)."""
+        q, k, v = self.project(x, rope)
+        y = self.attend(q, k, v, mask, cache, layer, start)  # [B, H, S, Dh]
+        b, s, _ = x.shape
+        y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H*Dh]
+        out: Tensor = self.o_proj(y)
+        return out
+
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated ``q`` ``[B, H, S, Dh]`` and ``k``, ``v`` ``[B, KV, S, Dh]`` of ``x``
+        ``[B, S, D]`` (row-wise: ``shard.model.packed`` runs it over many sessions' rows)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor,
+        cache: KVCache,
+        layer: int,
+        start: int | Tensor,
+    ) -> Tensor:
+        """Write ``k, v`` into ``cache`` at ``start``; attend ``q`` over it: ``[B, H, S, Dh]``."""
         if isinstance(start, Tensor):
             keys, values = cache.update_at(layer, start, k, v)  # [B, KV, max_len, Dh]
         else:
             keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
-        y = F.scaled_dot_product_attention(
+        y: Tensor = F.scaled_dot_product_attention(
             q,
             keys,
             values,
@@ -130,9 +152,7 @@ class Attention(nn.Module):
             scale=self.head_dim**-0.5,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )  # [B, H, S, Dh]
-        y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H*Dh]
-        out: Tensor = self.o_proj(y)
-        return out
+        return y
 
 
 class FeedForward(nn.Module):
@@ -259,7 +279,7 @@ class StageModel(nn.Module):
             self.rope_cos[start : start + s].to(h.dtype),  # [S, Dh/2]
             self.rope_sin[start : start + s].to(h.dtype),  # [S, Dh/2]
         )
-        mask = self._mask(start, s, h.device)  # [S, start+S]
+        mask = self.causal_mask(start, s, h.device)  # [S, start+S]
         for j, layer in enumerate(self.layers):
             h = layer(h, rope, mask, cache, j, start)
         if self.norm is None or self.lm_head is None:
@@ -283,8 +303,7 @@ class StageModel(nn.Module):
             self.rope_cos.index_select(0, pos).to(h.dtype),  # [S, Dh/2]
             self.rope_sin.index_select(0, pos).to(h.dtype),  # [S, Dh/2]
         )
-        k_pos = torch.arange(cache.max_len, device=h.device)[None, :]  # [1, max_len]
-        mask = self._window(k_pos <= pos[:, None], k_pos, pos[:, None])  # [S, max_len]
+        mask = self.static_mask(pos, cache.max_len)  # [S, max_len]
         for j, layer in enumerate(self.layers):
             h = layer(h, rope, mask, cache, j, pos)
         if self.norm is None or self.lm_head is None:
@@ -292,11 +311,15 @@ class StageModel(nn.Module):
         logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]
         return logits.float()
 
-    def _window(self, mask: Tensor, k_pos: Tensor, q_pos: Tensor) -> Tensor:
+    def static_mask(self, pos: Tensor, max_len: int) -> Tensor:
+        """Boolean ``[S, max_len]``: queries at ``pos`` ``[S]`` over a whole cache (forward_at)."""
+        k_pos = torch.arange(max_len, device=pos.device)[None, :]  # [1, max_len]
+        q_pos = pos[:, None]  # [S, 1]
+        mask = k_pos <= q_pos
         window = self.config.sliding_window
         return mask & (k_pos > q_pos - window) if window is not None else mask
 
-    def _mask(self, start: int, s: int, device: torch.device) -> Tensor:
+    def causal_mask(self, start: int, s: int, device: torch.device) -> Tensor:
         """Boolean ``[S, start+S]``: query ``start+i`` sees key ``j`` iff ``j <= start+i``
         (and ``j > start+i - sliding_window`` when the model has one)."""
         q_pos = torch.arange(start, start + s, device=device)[:, None]  # [S, 1]

@@ -160,6 +160,9 @@ class _StageNode:
             outbox=outbox_send,
             max_sessions=self._spec.limits.max_sessions,
             max_len=self._spec.limits.max_len,
+            max_batch_rows=self._spec.limits.max_batch_rows,
+            gather_window_s=self._spec.limits.gather_window_s,
+            kv_budget_bytes=self._spec.limits.kv_budget_mib << 20 or None,
             graphs=self._graphs(block),
             receipts=ReceiptSigner(
                 signing_identity(self._spec, self._name),

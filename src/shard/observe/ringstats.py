@@ -32,6 +32,8 @@ class LapRecorder:
         self._laps: list[float] = []
         self._compute: dict[NodeName, float] = defaultdict(float)
         self._chunks: dict[NodeName, int] = defaultdict(int)
+        self._queued: dict[NodeName, float] = defaultdict(float)
+        self._rows: dict[NodeName, int] = defaultdict(int)
         self._edges: dict[tuple[NodeName, NodeName], list[float]] = defaultdict(list)
         self._drafted = 0
         self._accepted = 0
@@ -65,6 +67,8 @@ class LapRecorder:
         for hop in hops:
             self._compute[hop.node] += hop.compute_s
             self._chunks[hop.node] += 1
+            self._queued[hop.node] += hop.queued_s
+            self._rows[hop.node] += hop.batch_rows
             self._edges[(prev_node, hop.node)].append(hop.received_at - prev_sent)
             prev_node, prev_sent = hop.node, hop.sent_at
         if hops:
@@ -82,7 +86,13 @@ class LapRecorder:
             laps=len(self._laps),
             mean_lap_s=statistics.fmean(decode_laps) if decode_laps else 0.0,
             nodes=tuple(
-                NodeStat(node=n, compute_s=self._compute[n], chunks=self._chunks[n])
+                NodeStat(
+                    node=n,
+                    compute_s=self._compute[n],
+                    chunks=self._chunks[n],
+                    queued_s=self._queued[n],
+                    batch_rows=self._rows[n] / self._chunks[n] if self._chunks[n] else 0.0,
+                )
                 for n in self._compute
             ),
             edges=tuple(
@@ -108,12 +118,15 @@ class RingEvent:
 
 @attrs.frozen
 class NodeRolling:
-    """A stage's compute per chunk over the recent window (seconds)."""
+    """A stage's compute per chunk over the recent window (seconds), with the median wait
+    of a chunk there before its forward and the median rows of those forwards."""
 
     node: NodeName
     last_s: float
     median_s: float
     chunks: int
+    queued_median_s: float = 0.0
+    rows_median: float = 0.0
 
 
 @attrs.frozen
@@ -165,6 +178,8 @@ class RingMonitor:
         self._per_lap: deque[int] = deque(maxlen=self._window)
         self._drafts: deque[tuple[int, int]] = deque(maxlen=self._window)
         self._compute: dict[NodeName, deque[float]] = {}
+        self._queue: dict[NodeName, deque[float]] = {}
+        self._batch: dict[NodeName, deque[float]] = {}
         self._edges: dict[tuple[NodeName, NodeName], deque[float]] = {}
         self._commits: deque[tuple[float, int]] = deque()
 
@@ -187,6 +202,8 @@ class RingMonitor:
         prev_node, prev_sent = self._node, sent_wall
         for hop in hops:
             self._series(self._compute, hop.node).append(hop.compute_s)
+            self._series(self._queue, hop.node).append(hop.queued_s)
+            self._series(self._batch, hop.node).append(float(hop.batch_rows))
             self._series(self._edges, (prev_node, hop.node)).append(hop.received_at - prev_sent)
             prev_node, prev_sent = hop.node, hop.sent_at
         if hops:
@@ -215,7 +232,14 @@ class RingMonitor:
             alpha=accepted / drafted if drafted else None,
             tok_s=sum(n for _, n in self._commits) / self._rate_window_s,
             nodes=tuple(
-                NodeRolling(n, s[-1], statistics.median(s), len(s))
+                NodeRolling(
+                    n,
+                    s[-1],
+                    statistics.median(s),
+                    len(s),
+                    queued_median_s=statistics.median(self._queue[n]),
+                    rows_median=statistics.median(self._batch[n]),
+                )
                 for n, s in self._compute.items()
             ),
             edges=tuple(

@@ -134,7 +134,17 @@ def _stages(
         if node is None:
             stages.append(StageStatus(name))
         else:
-            stages.append(StageStatus(name, node.last_s, node.median_s, chunks=node.chunks))
+            stages.append(
+                StageStatus(
+                    name,
+                    node.last_s,
+                    node.median_s,
+                    chunks=node.chunks,
+                    # batch_rows 0: stages that do not report batching (older hops)
+                    queued_median_s=node.queued_median_s if node.rows_median else None,
+                    batch_rows_median=node.rows_median or None,
+                )
+            )
     return tuple(stages)
 
 

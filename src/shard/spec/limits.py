@@ -18,6 +18,9 @@ receipt_timeout_s = 10.0   # gathering the stages' signed receipts after a reque
 idle_timeout_s = 300.0     # a client with no request running this long is cut
 message_timeout_s = 30.0   # a client or monitor must take each message within this
 max_peer_connections = 64  # connections a node holds open per remote host
+max_batch_rows = 512       # rows (positions, all sessions) one stage forward may batch; 1: off
+gather_window_s = 0.0      # a stage waits this long for more chunks to batch (0: never waits)
+kv_budget_mib = 0          # KV cache a stage may hold, all sessions (0: max_sessions x max_len)
 ```
 
 ``Limits`` is what the actors take: the coordinator and each request's driver read it as is
@@ -53,6 +56,9 @@ class Limits:
     idle_timeout_s: float = 300.0  # a client with no request running this long is cut
     message_timeout_s: float = 30.0  # a client or monitor must take each message within this
     max_peer_connections: int = 64  # connections a node holds open per remote host
+    max_batch_rows: int = 512  # rows one stage forward may batch, all sessions together
+    gather_window_s: float = 0.0  # how long a stage waits for more chunks (0: take what waits)
+    kv_budget_mib: int = 0  # KV memory per stage, all sessions (0: no cap but the two above)
 
 
 LIMIT_KEYS: Final = tuple(field.name for field in attrs.fields(Limits))
@@ -82,6 +88,9 @@ def read_limits(table: Table) -> Limits:
         idle_timeout_s=seconds("idle_timeout_s", d.idle_timeout_s),
         message_timeout_s=seconds("message_timeout_s", d.message_timeout_s),
         max_peer_connections=table.integer("max_peer_connections", default=d.max_peer_connections),
+        max_batch_rows=table.integer("max_batch_rows", default=d.max_batch_rows),
+        gather_window_s=table.number("gather_window_s", default=d.gather_window_s),
+        kv_budget_mib=table.integer("kv_budget_mib", default=d.kv_budget_mib, minimum=0),
     )
     if limits.prefill_chunk > limits.max_len:
         raise table.error(

@@ -9,6 +9,10 @@ a session's KV exists before its first chunk and is freed after its last.
 
 A chunk at ``start`` writes K/V at ``[start, start+n)`` and attends to everything before, so
 rollback after a rejected draft is just a later chunk overwriting the same positions.
+
+Chunks of different sessions waiting together run in one forward (``shard.stage.batch``:
+packed rows, each session keeping its own KV cache); each still gets its own checks, output,
+``Hop``, receipt entry and fault, exactly as if it had run alone.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import torch
 import trio
 
 from shard.decode.state import BadRequest, check_sampling
-from shard.decode.verify import choose_token, verify_chunk
 from shard.messages import (
     SESSION_BITS,
     EndSession,
@@ -33,31 +36,32 @@ from shard.messages import (
     NodeName,
     OpenSession,
     Prefill,
-    Sampling,
     SessionId,
     StageReceiptOut,
     Truncate,
     Verdict,
     Verify,
 )
-from shard.model.llama import KVCache, StageModel
+from shard.model.llama import StageModel
 from shard.stage import offload
+from shard.stage.batch import (
+    DEFAULT_MAX_BATCH_ROWS,
+    Choice,
+    Planned,
+    Queued,
+    forward_batch,
+    gather,
+    is_chunk,
+    rows_of,
+)
+from shard.stage.chunks import Session, StageFailed, is_replay, output, plan
 from shard.stage.graphs import ChunkGraphs
-from shard.stage.tensors import from_wire, to_wire
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
 
 log = logging.getLogger(__name__)
 
 _LOOKAHEAD = 64
 _EPOCHS_KEPT = 4  # epochs remembered per allowed session (see _note_epoch)
-
-
-class StageFailed(Exception):
-    """A chunk could not be computed; reported downstream as a ``Fault`` for that session."""
-
-    def __init__(self, message: str, kind: str = "chunk") -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @attrs.frozen
@@ -74,13 +78,16 @@ class StageStatistics:
     faults: int
     stale_skipped: int
     kv_bytes: int  # KV cache memory held by the open sessions
+    forwards: int = 0  # forward passes run (a batch of chunks is one)
+    max_batch_rows: int = 0  # the most rows one forward has run
+    forwards_per_s: float = 0.0  # forwards over the wall time since the executor started
+    queued_s: float = 0.0  # chunks' total wait between arriving here and their forward
+    session_queued_s: tuple[tuple[SessionId, float], ...] = ()  # mean wait per open session
 
-
-@attrs.define
-class _Session:
-    cache: KVCache
-    sampling: Sampling
-    written: int = 0  # positions [0, written) hold KV a later chunk may attend to
+    @property
+    def rows_per_forward(self) -> float:
+        """Mean rows (positions) per forward pass."""
+        return self.positions / self.forwards if self.forwards else 0.0
 
 
 class StageExecutor:
@@ -101,7 +108,15 @@ class StageExecutor:
     further; a repeated ``OpenSession`` keeps the session's KV. An ``OpenSession`` asking for
     more than ``max_len`` positions (the spec's ``limits.max_len``) or with sampling settings
     that mean nothing is refused with a ``request`` fault, so KV memory stays within
-    ``max_sessions`` x ``max_len`` whatever a peer asks.
+    ``max_sessions`` x ``max_len`` whatever a peer asks; with ``kv_budget_bytes`` an
+    ``OpenSession`` whose KV would take the open sessions' total past it is refused with a
+    ``capacity`` fault before anything is allocated.
+
+    Batching: every chunk waiting in the local queue (up to ``max_batch_rows`` rows; also
+    those arriving within ``gather_window_s``, default 0) runs in one forward; a control
+    message ends the gather and is handled after the batch (``shard.stage.batch``). A stale
+    chunk is dropped from its batch, a chunk that fails its checks becomes its own fault,
+    and the others run. ``max_batch_rows = 1`` turns batching off.
     """
 
     def __init__(
@@ -117,7 +132,18 @@ class StageExecutor:
         clock: Callable[[], float] = time.time,
         receipts: ReceiptSigner | None = None,
         graphs: ChunkGraphs | None = None,
+        max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+        gather_window_s: float = 0.0,
+        kv_budget_bytes: int | None = None,
     ) -> None:
+        if max_batch_rows < 1 or not gather_window_s >= 0:
+            raise ValueError(
+                f"max_batch_rows {max_batch_rows} must be >= 1 and gather_window_s "
+                f"{gather_window_s} >= 0"
+            )
+        self._max_batch_rows = max_batch_rows
+        self._gather_window_s = gather_window_s
+        self._kv_budget = kv_budget_bytes
         self._model = model
         self._graphs = graphs  # None: every chunk eager (StageModel.forward)
         self._receipts = receipts
@@ -133,13 +159,17 @@ class StageExecutor:
         # Hop stamps are wall-clock so that hops from different processes line up on one host;
         # they are reported, never used to decide anything.
         self._clock = clock
-        self._sessions: dict[SessionId, _Session] = {}
+        self._sessions: dict[SessionId, Session] = {}
         self._chunks = 0
         self._positions = 0
         self._compute_s = 0.0
         self._faults = 0
         self._stale = 0
         self._epochs: dict[SessionId, int] = {}
+        self._forwards = 0
+        self._max_rows = 0
+        self._queued_s = 0.0
+        self._started = clock()
 
     def statistics(self) -> StageStatistics:
         return StageStatistics(
@@ -152,22 +182,50 @@ class StageExecutor:
             compute_s=self._compute_s,
             faults=self._faults,
             stale_skipped=self._stale,
-            kv_bytes=sum(s.cache.k.nbytes + s.cache.v.nbytes for s in self._sessions.values()),
+            kv_bytes=self._kv_bytes(),
+            forwards=self._forwards,
+            max_batch_rows=self._max_rows,
+            forwards_per_s=self._forwards / max(self._clock() - self._started, 1e-9),
+            queued_s=self._queued_s,
+            session_queued_s=tuple(
+                (sid, s.queued_s / s.chunks) for sid, s in self._sessions.items() if s.chunks
+            ),
         )
+
+    def _kv_bytes(self) -> int:
+        return sum(s.cache.k.nbytes + s.cache.v.nbytes for s in self._sessions.values())
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # The local queue lets the reader look past frames waiting to be computed: when a
         # newer epoch of a session arrives, queued frames of older epochs are skipped
         # (early cancellation). Its size bounds how far ahead the reader may run.
-        queue_send, queue_recv = trio.open_memory_channel[Message](_LOOKAHEAD)
+        queue_send, queue_recv = trio.open_memory_channel[Queued](_LOOKAHEAD)
         async with self._inbox, self._outbox, trio.open_nursery() as nursery:
             nursery.start_soon(self._read, queue_send)
             task_status.started()
             async with queue_recv:
-                async for msg in queue_recv:
-                    await self._handle(msg)
+                await self._serve(queue_recv)
 
-    async def _read(self, queue: trio.MemorySendChannel[Message]) -> None:
+    async def _serve(self, queue: trio.MemoryReceiveChannel[Queued]) -> None:
+        """Handle the queue in order: each chunk with those waiting behind it (one batch),
+        then the control message that ended the gather, if any."""
+        pending: Queued | None = None
+        while True:
+            if pending is None:
+                try:
+                    pending = await queue.receive()
+                except trio.EndOfChannel:
+                    return
+            item, pending = pending, None
+            if is_chunk(item.msg):
+                batch, pending = await gather(
+                    item, queue, max_rows=self._max_batch_rows, window_s=self._gather_window_s
+                )
+                await self._run_batch(batch)
+            else:
+                await self._handle(item.msg)
+
+    async def _read(self, queue: trio.MemorySendChannel[Queued]) -> None:
         """Move frames from the inbox to the local queue, noting each session's newest epoch;
         a ``Truncate`` is applied (and passed downstream) at once, ahead of the queue."""
         async with queue:
@@ -177,12 +235,12 @@ class StageExecutor:
                     if not self._model.is_last:
                         await self._outbox.send(msg)
                     continue
-                if isinstance(msg, Prefill | Verify) and not _is_replay(msg):
+                if isinstance(msg, Prefill | Verify) and not is_replay(msg):
                     self._note_epoch(msg.session, msg.epoch)
                     self._record_input(msg)
                 elif not isinstance(msg, Prefill | Verify):
                     self._record_input(msg)
-                await queue.send(msg)
+                await queue.send(Queued(msg, self._clock()))
 
     def _record_input(self, msg: Message) -> None:
         """Receipts hash inputs as they arrive (skipped stale chunks included), in order."""
@@ -200,7 +258,7 @@ class StageExecutor:
             return
         if isinstance(out, Verdict):
             prefill = isinstance(msg, Prefill)
-            at = msg.start + _chunk_len(msg) if prefill else msg.start + 1  # as _forward keys it
+            at = msg.start + rows_of(msg) if prefill else msg.start + 1  # as the tail keys it
             payload = verdict_payload(out.target_ids, out.accepted, at=at, prefill=prefill)
         elif isinstance(out, Prefill | Verify) and out.hidden is not None:
             payload = out.hidden.data
@@ -228,18 +286,6 @@ class StageExecutor:
                 await self._outbox.send(StageReceiptOut(session=msg.session, receipt=receipt))
             if not self._model.is_last:
                 await self._outbox.send(msg)
-        elif isinstance(msg, Prefill | Verify):
-            if not _is_replay(msg) and msg.epoch < self._epochs.get(msg.session, -1):
-                self._stale += 1  # a newer epoch is queued behind it: skip the stale chunk
-                return
-            try:
-                out = await self._compute(msg)
-            except StageFailed as exc:
-                await self._fault(msg.session, exc.kind, str(exc), epoch=msg.epoch)
-                return
-            if out is not None and not _is_replay(msg):
-                self._record_output(msg, out, out.hops[-1].compute_s if out.hops else 0.0)
-                await self._outbox.send(out)
         elif isinstance(msg, StageReceiptOut) or (isinstance(msg, Fault) and msg.session):
             await self._outbox.send(msg)  # relay towards the coordinator
         elif isinstance(msg, Fault):
@@ -272,12 +318,35 @@ class StageExecutor:
             detail = f"{self._node}: max_len {msg.max_len} not in [1, {limit}] (limits.max_len)"
             await self._fault(msg.session, "request", detail)
             return
+        if not await self._within_budget(msg):
+            return
         cache = self._model.new_cache(msg.max_len)
         if self._graphs is not None:  # warm: capture this session's shapes now
             await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
-        self._sessions[msg.session] = _Session(cache, msg.sampling)
+        self._sessions[msg.session] = Session(cache, msg.sampling)
         if not self._model.is_last:
             await self._outbox.send(msg)
+
+    async def _within_budget(self, msg: OpenSession) -> bool:
+        """Whether the session's KV fits ``kv_budget_bytes``; refuses it (a ``capacity``
+        fault, nothing allocated) if not."""
+        if self._kv_budget is None:
+            return True
+        c = self._model.config
+        elem = torch.empty((), dtype=self._model.dtype).element_size()
+        need = 2 * len(self._model.layers) * c.n_kv_heads * msg.max_len * c.head_dim * elem
+        held = self._kv_bytes()
+        if held + need <= self._kv_budget:
+            return True
+        mib = 1 << 20
+        await self._fault(
+            msg.session,
+            "capacity",
+            f"{self._node}: a session of {msg.max_len} positions needs {need / mib:.1f} MiB of "
+            f"KV; {held / mib:.1f} of {self._kv_budget / mib:.1f} MiB (limits.kv_budget_mib) "
+            "are held by open sessions: retry later or ask for a shorter max_len",
+        )
+        return False
 
     def _drop_orphans(self, session: SessionId) -> None:
         """Sessions opened by an earlier coordinator (another incarnation in the id's high
@@ -291,7 +360,7 @@ class StageExecutor:
             if self._receipts is not None:
                 self._receipts.close(sid)
 
-    def _forget(self, sess: _Session | None) -> None:
+    def _forget(self, sess: Session | None) -> None:
         if sess is not None and self._graphs is not None:
             self._graphs.forget(sess.cache)
 
@@ -303,104 +372,62 @@ class StageExecutor:
             Fault(node=self._node, kind=kind, detail=detail, session=session, epoch=epoch)
         )
 
-    async def _compute(self, msg: Prefill | Verify) -> Prefill | Verify | Verdict | None:
-        received_at = self._clock()
-        sess = self._sessions.get(msg.session)
-        if sess is None:
-            raise StageFailed(f"{self._node}: session {msg.session} is not open here", "gap")
-        x = self._input(msg)
-        n = int(x.shape[1])
-        if msg.start < 0 or msg.start + n > sess.cache.max_len:
-            raise StageFailed(
-                f"{self._node}: positions [{msg.start}, {msg.start + n}) do not fit the "
-                f"session's KV length {sess.cache.max_len}"
+    async def _run_batch(self, items: list[Queued]) -> None:
+        """Check each chunk, run those that pass in one forward, then send each chunk's own
+        output (or fault) in queue order."""
+        began = self._clock()
+        slots: list[Planned | tuple[Prefill | Verify, StageFailed]] = []
+        for item in items:
+            msg = item.msg
+            assert is_chunk(msg)
+            if not is_replay(msg) and msg.epoch < self._epochs.get(msg.session, -1):
+                self._stale += 1  # a newer epoch is queued behind it: skip the stale chunk
+                continue
+            try:
+                slots.append(plan(self._model, self._node, self._sessions, msg, item.arrived))
+            except StageFailed as exc:
+                slots.append((msg, exc))
+        planned = [slot for slot in slots if isinstance(slot, Planned)]
+        outs: list[torch.Tensor | Choice] = []
+        compute_s = 0.0
+        if planned:
+            t0 = time.perf_counter()
+            outs = await offload.run_sync(
+                forward_batch, self._model, self._graphs, planned, limiter=self._limiter
             )
-        if msg.start > sess.written:
-            raise StageFailed(
-                f"{self._node}: session {msg.session} chunk at {msg.start} but only positions "
-                f"< {sess.written} are written here (frames were lost)",
-                "gap",
+            compute_s = time.perf_counter() - t0
+            self._count(planned, compute_s, began)
+        results = iter(outs)
+        rows = sum(p.rows for p in planned)
+        for slot in slots:
+            if not isinstance(slot, Planned):
+                bad, failed = slot
+                await self._fault(bad.session, failed.kind, str(failed), epoch=bad.epoch)
+                continue
+            hop = Hop(
+                node=self._node,
+                compute_s=compute_s,
+                received_at=began,
+                sent_at=self._clock(),
+                queued_s=max(began - slot.arrived, 0.0),
+                batch_rows=rows,
             )
-        if isinstance(msg, Verify) and len(msg.draft) >= n:
-            raise StageFailed(
-                f"{self._node}: {len(msg.draft)} drafted tokens in a chunk of {n} positions"
-            )
-        t0 = time.perf_counter()
-        out = await offload.run_sync(self._forward, x, msg.start, sess, msg, limiter=self._limiter)
-        compute_s = time.perf_counter() - t0
-        sess.written = msg.start + n
-        self._chunks += 1
-        self._positions += n
+            out = output(slot.msg, next(results), (*slot.msg.hops, hop))
+            if out is not None and not is_replay(slot.msg):
+                self._record_output(slot.msg, out, compute_s)
+                await self._outbox.send(out)
+
+    def _count(self, planned: list[Planned], compute_s: float, began: float) -> None:
+        rows = sum(p.rows for p in planned)
+        self._forwards += 1
+        self._max_rows = max(self._max_rows, rows)
+        self._chunks += len(planned)
+        self._positions += rows
         self._compute_s += compute_s
-        hop = Hop(
-            node=self._node, compute_s=compute_s, received_at=received_at, sent_at=self._clock()
-        )
-        hops = (*msg.hops, hop)
-        if isinstance(out, torch.Tensor):
-            return attrs.evolve(msg, ids=(), hidden=to_wire(out), hops=hops)
-        if out is None:
-            return None
-        return Verdict(
-            session=msg.session,
-            epoch=msg.epoch,
-            seq=msg.seq,
-            start=msg.start,
-            target_ids=out[0],
-            accepted=out[1],
-            hops=hops,
-        )
-
-    def _input(self, msg: Prefill | Verify) -> torch.Tensor:
-        if self._model.is_first:
-            if not msg.ids or msg.hidden is not None:
-                raise StageFailed(f"{self._node}: the first stage needs token ids, got hidden")
-            vocab = self._model.config.vocab_size
-            if any(not 0 <= t < vocab for t in msg.ids):
-                raise StageFailed(f"{self._node}: token id out of range [0, {vocab})")
-            return torch.tensor([msg.ids], dtype=torch.int64, device=self._model.device)  # [1, S]
-        if msg.hidden is None:
-            raise StageFailed(f"{self._node}: a middle or tail stage needs hidden states")
-        try:
-            hidden = from_wire(msg.hidden, device=self._model.device)
-        except ValueError as exc:
-            raise StageFailed(f"{self._node}: bad hidden payload: {exc}") from exc
-        if hidden.dtype != self._model.dtype:
-            raise StageFailed(
-                f"{self._node}: hidden states are {msg.hidden.dtype}, this block runs in "
-                f"{self._model.dtype}; every stage of a swarm must use the spec's dtype"
-            )
-        dim = self._model.config.hidden_size
-        shape = tuple(hidden.shape)
-        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != dim:
-            raise StageFailed(f"{self._node}: hidden shape {shape} is not [1, S >= 1, {dim}]")
-        return hidden
-
-    def _forward(
-        self, x: torch.Tensor, start: int, sess: _Session, msg: Prefill | Verify
-    ) -> torch.Tensor | tuple[tuple[int, ...], int] | None:
-        """Worker-thread body: the block's forward, and the target's choice at the tail."""
-        with torch.inference_mode():
-            run = self._graphs if self._graphs is not None else self._model
-            out = run(x, start, sess.cache)
-            if not self._model.is_last:
-                return out
-            if isinstance(msg, Prefill) and (not msg.final or msg.replay):
-                return None
-            # The choice is made in fp32 on the CPU whatever the block's dtype and device:
-            # only the rows it reads (1, or K+1) cross, and the sampler's generator is a CPU one.
-            rows = 1 if isinstance(msg, Prefill) else len(msg.draft) + 1
-            logits = out[0, -rows:].to("cpu", torch.float32)  # [rows, V]
-            if isinstance(msg, Prefill):
-                token = choose_token(logits[-1], sess.sampling, msg.start + int(x.shape[1]))
-                return (token,), 0
-            verdict = verify_chunk(logits, msg.draft, sess.sampling, msg.start + 1)
-            return verdict.target_ids, verdict.accepted
-
-
-def _chunk_len(msg: Prefill | Verify) -> int:
-    """Positions a chunk feeds: its ids on the first edge, else the hidden states' ``[1, S, D]``."""
-    return len(msg.ids) if msg.hidden is None else msg.hidden.shape[1]
-
-
-def _is_replay(msg: Prefill | Verify) -> bool:
-    return isinstance(msg, Prefill) and msg.replay
+        for p in planned:
+            wait = max(began - p.arrived, 0.0)
+            self._queued_s += wait
+            sess = self._sessions.get(p.msg.session)
+            if sess is not None:
+                sess.queued_s += wait
+                sess.chunks += 1

@@ -34,6 +34,7 @@ NON_NEGATIVE_FIELDS = frozenset(
         "tokens",
         "chunks",
         "laps",
+        "batch_rows",
         # receipts (shard.messages.receipts)
         "at",
         "chunks_in",

@@ -1,0 +1,116 @@
+"""One forward for many sessions' chunks: packed rows, each segment attending to its own cache.
+
+A batch is the chunks' rows laid end to end, ``[1, T, D]`` with ``T`` the sum of their lengths
+(packed, not padded: a 1-row decode step next to a 128-row prefill chunk wastes nothing).
+Every op that treats rows independently — the embedding, RMSNorm, the q/k/v/o projections, the
+MLP, the head — runs once over all ``T`` rows, so the block's weights are read once per batch
+instead of once per chunk: that is the whole gain. Attention is the one op that mixes rows,
+and it runs per segment: segment ``i`` writes its K/V into *its own session's* ``KVCache`` at
+its own positions and attends to that cache under its own causal mask. That is a
+block-diagonal causal mask over the packed rows, realised as a loop over segments instead of
+one ``[T, sum of keys]`` mask, because each session keeps its own preallocated cache (batch 1):
+
+- rollback stays overwrite-by-position, per session, with nothing shared to corrupt;
+- a segment's attention is the very computation it runs alone (same shapes, same kernel), so
+  batching changes only the row count the dense layers see;
+- the executor's failover replay, receipts, KV accounting and CUDA-graph captures keep
+  working per session unchanged (a paged cache with block tables would rewrite all of them
+  for a saving — no fragmentation of a cache that is preallocated anyway — not needed here).
+
+Segments are attended in order inside every layer, so two chunks of one session in the same
+batch (pipelined verify chunks) see exactly the KV they would see one after the other: at
+layer ``j`` the later one reads what the earlier one has just written at layer ``j``.
+
+``static``: attend the way ``StageModel.forward_at`` does (the whole cache under a mask,
+positions as a tensor), for stages whose lone chunks run through CUDA graphs — a session's
+arithmetic then does not depend on whether its chunk was batched.
+
+Batch invariance: per row, only the dense layers' matrix products see a different shape; a
+CPU or GPU kernel may sum a row in a different order for a different row count, so a row's
+last bits may differ from its lone run. ``tests/test_batch.py`` measures this and counts where
+a greedy choice could flip (numerical ties only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from shard.model.kvcache import KVCache
+from shard.model.llama import Block, StageModel
+
+__all__ = ["Segment", "forward_packed", "segment_bounds"]
+
+
+@attrs.frozen
+class Segment:
+    """One chunk of a packed batch: ``rows`` positions from ``start`` into ``cache``."""
+
+    start: int
+    rows: int
+    cache: KVCache
+
+
+def segment_bounds(segments: Sequence[Segment]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each segment in the packed rows, in order."""
+    bounds, lo = [], 0
+    for seg in segments:
+        bounds.append((lo, lo + seg.rows))
+        lo += seg.rows
+    return bounds
+
+
+@torch.no_grad()
+def forward_packed(
+    model: StageModel, x: Tensor, segments: Sequence[Segment], *, static: bool = False
+) -> Tensor:
+    """Run ``segments`` packed in ``x``: ids ``[1, T]`` (first stage) or hidden ``[1, T, D]``.
+
+    Returns hidden ``[1, T, D]`` or fp32 logits ``[1, T, V]`` (tail), rows in segment order.
+    Each segment must fit its cache (``StageModel._check_input`` rules; the executor checks
+    before it packs). ``ValueError`` if the rows do not add up.
+    """
+    total = sum(seg.rows for seg in segments)
+    if x.shape[0] != 1 or int(x.shape[1]) != total or not segments:
+        raise ValueError(f"packed input {tuple(x.shape)} does not hold {total} rows in one batch")
+    for seg in segments:
+        model._check_input(x[:, : seg.rows], seg.start, seg.cache)
+    h: Tensor = model.embed_tokens(x) if model.embed_tokens is not None else x  # [1, T, D]
+    dev = h.device
+    pos = [torch.arange(s.start, s.start + s.rows, device=dev) for s in segments]  # [S_i] each
+    if static:
+        masks = [model.static_mask(p, s.cache.max_len) for p, s in zip(pos, segments, strict=True)]
+        rope = (
+            torch.cat([model.rope_cos.index_select(0, p) for p in pos]).to(h.dtype),  # [T, Dh/2]
+            torch.cat([model.rope_sin.index_select(0, p) for p in pos]).to(h.dtype),  # [T, Dh/2]
+        )
+    else:
+        masks = [model.causal_mask(s.start, s.rows, dev) for s in segments]  # [S_i, start+S_i]
+        rope = (
+            torch.cat([model.rope_cos[s.start : s.start + s.rows] for s in segments]).to(h.dtype),
+            torch.cat([model.rope_sin[s.start : s.start + s.rows] for s in segments]).to(h.dtype),
+        )
+    bounds = segment_bounds(segments)
+    for j, layer in enumerate(model.layers):
+        assert isinstance(layer, Block)
+        attn = layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm(h), rope)  # [1, H|KV, T, Dh]
+        ys = []
+        for i, (lo, hi) in enumerate(bounds):
+            seg = segments[i]
+            start: int | Tensor = pos[i] if static else seg.start
+            ys.append(
+                attn.attend(
+                    q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], masks[i], seg.cache, j, start
+                )
+            )  # [1, H, S_i, Dh]
+        y = torch.cat(ys, dim=2).transpose(1, 2).reshape(1, total, -1)  # [1, T, H*Dh]
+        h = h + attn.o_proj(y)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    if model.norm is None or model.lm_head is None:
+        return h
+    logits: Tensor = model.lm_head(model.norm(h))  # [1, T, V]
+    return logits.float()

@@ -1,0 +1,172 @@
+"""Batching for the stage executor: gather the chunks waiting now, run them in one forward.
+
+``gather`` takes the chunk the executor just dequeued and every further chunk already waiting
+(``receive_nowait``; with ``window_s`` > 0 it also waits that long for more), up to
+``max_rows`` rows. It stops at the first control message (``OpenSession``, ``EndSession``, a
+relayed fault or receipt) and hands it back to be handled *after* the batch: control messages
+keep their FIFO place relative to every chunk before and after them, so a session's KV exists
+before its first chunk and is freed after its last. A chunk that would overflow ``max_rows``
+is handed back the same way and starts the next batch (a chunk longer than ``max_rows`` runs
+alone). The default window is 0: take what is waiting, never wait for more, so a lone
+session is never delayed by batching.
+
+``forward_batch`` is the worker-thread body: one chunk runs exactly as an unbatched stage
+runs it (``StageModel.forward``, or the stage's CUDA graphs); several run packed
+(``shard.model.packed``: packed rows, each session's own KV cache, a block-diagonal causal
+mask realised per segment — that module says why). At the tail each chunk's own rows make its
+own choice (``shard.decode.verify``), keyed by its session's sampling and its positions, so a
+seeded request samples the same tokens alone or in a crowd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeGuard
+
+import attrs
+import torch
+import trio
+
+from shard.decode.verify import choose_token, verify_chunk
+from shard.messages import Message, Prefill, Sampling, Verify
+from shard.model.kvcache import KVCache
+from shard.model.llama import StageModel
+from shard.model.packed import Segment, forward_packed, segment_bounds
+from shard.stage.graphs import ChunkGraphs
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_ROWS",
+    "Choice",
+    "Planned",
+    "Queued",
+    "forward_batch",
+    "gather",
+    "is_chunk",
+    "pack",
+    "rows_of",
+]
+
+#: Rows per forward at most, by default: a few prefill chunks' worth (``limits.prefill_chunk``
+#: is 128), far more than any number of decode or verify chunks a ring has in flight.
+DEFAULT_MAX_BATCH_ROWS = 512
+
+#: The tail's answer for one chunk: (target ids, accepted), or None (no answer is due).
+Choice = tuple[tuple[int, ...], int] | None
+
+
+@attrs.frozen
+class Queued:
+    """A message in the executor's local queue and the wall time it arrived at this stage."""
+
+    msg: Message
+    arrived: float
+
+
+@attrs.frozen
+class Planned:
+    """A chunk that passed every check and will run: its input rows and its session's KV."""
+
+    msg: Prefill | Verify
+    x: torch.Tensor  # ids [1, S] (first stage) or hidden [1, S, D]
+    cache: KVCache
+    sampling: Sampling
+    arrived: float
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[1])
+
+
+def is_chunk(msg: Message) -> TypeGuard[Prefill | Verify]:
+    return isinstance(msg, Prefill | Verify)
+
+
+def rows_of(msg: Prefill | Verify) -> int:
+    """Positions a chunk feeds: its ids on the first edge, else the hidden states' ``[1, S, D]``."""
+    return len(msg.ids) if msg.hidden is None else msg.hidden.shape[1]
+
+
+async def gather(
+    first: Queued,
+    queue: trio.MemoryReceiveChannel[Queued],
+    *,
+    max_rows: int,
+    window_s: float = 0.0,
+) -> tuple[list[Queued], Queued | None]:
+    """``first`` (a chunk) and the chunks queued behind it, up to ``max_rows`` rows in all;
+    returns them and the message that ended the gather (handle it next), if any.
+
+    Cancellation: only the window wait is a checkpoint; with ``window_s`` 0 this never blocks.
+    A closed queue just ends the gather.
+    """
+    assert is_chunk(first.msg)
+    batch, rows = [first], rows_of(first.msg)
+    deadline = trio.current_time() + window_s
+    while rows < max_rows:
+        item = await _next(queue, deadline)
+        if item is None:
+            break
+        if not is_chunk(item.msg) or rows + rows_of(item.msg) > max_rows:
+            return batch, item
+        batch.append(item)
+        rows += rows_of(item.msg)
+    return batch, None
+
+
+async def _next(queue: trio.MemoryReceiveChannel[Queued], deadline: float) -> Queued | None:
+    """The next queued message if one is waiting, or arrives before ``deadline``; else None."""
+    try:
+        return queue.receive_nowait()
+    except trio.WouldBlock:
+        pass
+    except trio.EndOfChannel:
+        return None
+    if trio.current_time() >= deadline:
+        return None
+    with trio.move_on_at(deadline):
+        try:
+            return await queue.receive()
+        except trio.EndOfChannel:
+            return None
+    return None
+
+
+def pack(planned: Sequence[Planned]) -> tuple[torch.Tensor, list[Segment]]:
+    """The chunks' rows end to end (``[1, T]`` ids or ``[1, T, D]`` hidden) and their segments."""
+    x = torch.cat([p.x for p in planned], dim=1)
+    return x, [Segment(p.msg.start, p.rows, p.cache) for p in planned]
+
+
+def forward_batch(
+    model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned]
+) -> list[torch.Tensor | Choice]:
+    """Worker-thread body: the block's forward for every planned chunk, in order; per chunk its
+    hidden states ``[1, S, D]`` (not the tail) or its ``Choice`` (the tail)."""
+    with torch.inference_mode():
+        if len(planned) == 1:  # exactly the unbatched path
+            p = planned[0]
+            run = graphs if graphs is not None else model
+            outs = [run(p.x, p.msg.start, p.cache)]
+        else:
+            x, segments = pack(planned)
+            static = graphs is not None and graphs.mode != "off"
+            out = forward_packed(model, x, segments, static=static)
+            outs = [out[:, lo:hi] for lo, hi in segment_bounds(segments)]
+    if not model.is_last:
+        return list(outs)
+    return [_choose(o, p) for o, p in zip(outs, planned, strict=True)]
+
+
+def _choose(out: torch.Tensor, p: Planned) -> Choice:
+    """The target's choice from one chunk's logits ``[1, S, V]`` (the tail)."""
+    msg = p.msg
+    if isinstance(msg, Prefill) and (not msg.final or msg.replay):
+        return None
+    # The choice is made in fp32 on the CPU whatever the block's dtype and device: only the
+    # rows it reads (1, or K+1) cross, and the sampler's generator is a CPU one.
+    rows = 1 if isinstance(msg, Prefill) else len(msg.draft) + 1
+    logits = out[0, -rows:].to("cpu", torch.float32)  # [rows, V]
+    if isinstance(msg, Prefill):
+        return (choose_token(logits[-1], p.sampling, msg.start + p.rows),), 0
+    verdict = verify_chunk(logits, msg.draft, p.sampling, msg.start + 1)
+    return verdict.target_ids, verdict.accepted

@@ -1,0 +1,121 @@
+"""A chunk's checks before it runs, and its output after: what every chunk of a batch gets
+on its own (``shard.stage.executor`` runs them, ``shard.stage.batch`` computes them).
+
+A chunk that cannot run is a ``StageFailed`` for that chunk alone: the executor reports it as
+a ``Fault`` for its session and the rest of the batch runs.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
+from shard.model.kvcache import KVCache
+from shard.model.llama import StageModel
+from shard.stage.batch import Choice, Planned
+from shard.stage.tensors import from_wire, to_wire
+
+__all__ = ["Session", "StageFailed", "chunk_input", "is_replay", "output", "plan"]
+
+
+class StageFailed(Exception):
+    """A chunk could not be computed; reported downstream as a ``Fault`` for that session."""
+
+    def __init__(self, message: str, kind: str = "chunk") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@attrs.define
+class Session:
+    """One session's state at this stage."""
+
+    cache: KVCache
+    sampling: Sampling
+    written: int = 0  # positions [0, written) hold KV a later chunk may attend to
+    queued_s: float = 0.0  # its chunks' total wait before their forward
+    chunks: int = 0
+
+
+def plan(
+    model: StageModel,
+    node: NodeName,
+    sessions: dict[SessionId, Session],
+    msg: Prefill | Verify,
+    arrived: float,
+) -> Planned:
+    """Check a chunk against its session and claim its positions (so a later chunk of the same
+    session in this batch sees them written); ``StageFailed`` if it cannot run."""
+    sess = sessions.get(msg.session)
+    if sess is None:
+        raise StageFailed(f"{node}: session {msg.session} is not open here", "gap")
+    x = chunk_input(model, node, msg)
+    n = int(x.shape[1])
+    if msg.start < 0 or msg.start + n > sess.cache.max_len:
+        raise StageFailed(
+            f"{node}: positions [{msg.start}, {msg.start + n}) do not fit the "
+            f"session's KV length {sess.cache.max_len}"
+        )
+    if msg.start > sess.written:
+        raise StageFailed(
+            f"{node}: session {msg.session} chunk at {msg.start} but only positions "
+            f"< {sess.written} are written here (frames were lost)",
+            "gap",
+        )
+    if isinstance(msg, Verify) and len(msg.draft) >= n:
+        raise StageFailed(f"{node}: {len(msg.draft)} drafted tokens in a chunk of {n} positions")
+    sess.written = msg.start + n
+    return Planned(msg, x, sess.cache, sess.sampling, arrived)
+
+
+def output(
+    msg: Prefill | Verify, out: torch.Tensor | Choice, hops: tuple[Hop, ...]
+) -> Prefill | Verify | Verdict | None:
+    """A planned chunk's message downstream: its hidden states, its ``Verdict`` (the tail),
+    or None (a tail prefill chunk before the last)."""
+    if isinstance(out, torch.Tensor):
+        return attrs.evolve(msg, ids=(), hidden=to_wire(out), hops=hops)
+    if out is None:
+        return None
+    return Verdict(
+        session=msg.session,
+        epoch=msg.epoch,
+        seq=msg.seq,
+        start=msg.start,
+        target_ids=out[0],
+        accepted=out[1],
+        hops=hops,
+    )
+
+
+def chunk_input(model: StageModel, node: NodeName, msg: Prefill | Verify) -> torch.Tensor:
+    """The chunk's rows as a tensor on ``model``'s device, checked: ids ``[1, S]`` in the
+    vocabulary (first stage), else hidden ``[1, S, D]`` in the block's dtype."""
+    if model.is_first:
+        if not msg.ids or msg.hidden is not None:
+            raise StageFailed(f"{node}: the first stage needs token ids, got hidden")
+        vocab = model.config.vocab_size
+        if any(not 0 <= t < vocab for t in msg.ids):
+            raise StageFailed(f"{node}: token id out of range [0, {vocab})")
+        return torch.tensor([msg.ids], dtype=torch.int64, device=model.device)  # [1, S]
+    if msg.hidden is None:
+        raise StageFailed(f"{node}: a middle or tail stage needs hidden states")
+    try:
+        hidden = from_wire(msg.hidden, device=model.device)
+    except ValueError as exc:
+        raise StageFailed(f"{node}: bad hidden payload: {exc}") from exc
+    if hidden.dtype != model.dtype:
+        raise StageFailed(
+            f"{node}: hidden states are {msg.hidden.dtype}, this block runs in "
+            f"{model.dtype}; every stage of a swarm must use the spec's dtype"
+        )
+    dim = model.config.hidden_size
+    shape = tuple(hidden.shape)
+    if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != dim:
+        raise StageFailed(f"{node}: hidden shape {shape} is not [1, S >= 1, {dim}]")
+    return hidden
+
+
+def is_replay(msg: Prefill | Verify) -> bool:
+    return isinstance(msg, Prefill) and msg.replay
