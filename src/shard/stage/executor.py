@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import attrs
 import torch
 import trio
 
@@ -56,38 +55,13 @@ from shard.stage.batch import (
 )
 from shard.stage.chunks import Session, StageFailed, is_replay, output, plan
 from shard.stage.graphs import ChunkGraphs
+from shard.stage.statistics import StageStatistics
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
 
 log = logging.getLogger(__name__)
 
 _LOOKAHEAD = 64
 _EPOCHS_KEPT = 4  # epochs remembered per allowed session (see _note_epoch)
-
-
-@attrs.frozen
-class StageStatistics:
-    """Counters of one executor, for the status feed and benchmarks."""
-
-    node: NodeName
-    first: int
-    last: int
-    sessions: int
-    chunks: int
-    positions: int
-    compute_s: float
-    faults: int
-    stale_skipped: int
-    kv_bytes: int  # KV cache memory held by the open sessions
-    forwards: int = 0  # forward passes run (a batch of chunks is one)
-    max_batch_rows: int = 0  # the most rows one forward has run
-    forwards_per_s: float = 0.0  # forwards over the wall time since the executor started
-    queued_s: float = 0.0  # chunks' total wait between arriving here and their forward
-    session_queued_s: tuple[tuple[SessionId, float], ...] = ()  # mean wait per open session
-
-    @property
-    def rows_per_forward(self) -> float:
-        """Mean rows (positions) per forward pass."""
-        return self.positions / self.forwards if self.forwards else 0.0
 
 
 class StageExecutor:
