@@ -127,6 +127,8 @@ def _format(exc: BaseException, tp: type | None) -> str:
         return str(exc)
     if isinstance(exc, AttributeError):
         return "expected a map"  # cattrs calls .keys() on what should be a nested class's map
+    if isinstance(exc, TypeError) and tp is not None and attrs.has(tp):
+        return "expected a map"  # ... or, for a class with defaults, tests ``key in`` it
     return format_exception(exc, tp)
 
 
