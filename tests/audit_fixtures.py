@@ -16,6 +16,7 @@ from shard.messages import NodeName, OpenSession, SessionId, Verify
 from shard.messages.audit import AuditRequest
 from shard.model.llama import StageModel
 from shard.stage.tensors import from_wire, to_wire
+from shard.trust.audit import audit_nonce
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipts import ReceiptSigner
 from shard.trust.sampler import Accused, AuditSampler
@@ -52,7 +53,8 @@ class Driver:
         sid = SessionId(session)
         vocab = self.head.config.vocab_size
         cache0, cache1 = self.head.new_cache(MAX_LEN), self.accused.new_cache(MAX_LEN)
-        opened = OpenSession(sid, MAX_LEN, job="ab" * 16, nonce="cd" * 16)
+        nonce = audit_nonce(self.sampler.commitment)
+        opened = OpenSession(sid, MAX_LEN, job="ab" * 16, nonce=nonce)
         self.sampler.input(opened)
         if self.signer is not None:
             self.signer.opened(sid, opened.job, opened.nonce)

@@ -6,8 +6,9 @@ An audit re-runs one chunk of a stage's block on another node holding the same b
 the inputs the predecessor keeps, and compares.
 
 - **Commitment.** Before the job the coordinator draws a 32-byte ``seed`` and sends
-  ``commit(seed)``; it reveals the seed with the audit. The seed cannot be chosen after the
-  fact to pick a chunk the coordinator likes, and the stage never learns it in time.
+  ``commit(seed)`` as the job's nonce (``audit_nonce``), which every stage's receipt signs;
+  it reveals the seed with the audit. The seed cannot be chosen after the fact to pick a
+  chunk the coordinator likes, and the stage never learns it in time.
 - **Choice.** Chunk *i* is audited iff ``pick(seed, chain_i) < rate``, where ``chain_i`` is the
   stage's output chain just after chunk *i* — a value the stage fixed when it sent the chunk.
   The stage knows its chain but not the seed, so every chunk is audited with probability
@@ -42,6 +43,7 @@ __all__ = [
     "DEFAULT_RATE",
     "DEFAULT_THRESHOLD",
     "Comparison",
+    "audit_nonce",
     "blob_of",
     "commit",
     "compare",
@@ -70,6 +72,13 @@ def new_seed() -> bytes:
 def commit(seed: bytes) -> str:
     """The commitment sent before the job: a domain-separated hash of the seed (hex)."""
     return _h(b"shard-audit-commit-v1", seed).hex()
+
+
+def audit_nonce(commitment: str) -> str:
+    """The job nonce a coordinator that audits sends (32 hex digits): derived from the
+    commitment, so every stage's signed receipt (which signs the nonce) fixes the commitment
+    before the stage computes anything — a seed cannot be swapped in afterwards."""
+    return _h(b"shard-audit-nonce-v1", bytes.fromhex(commitment)).hex()[:32]
 
 
 def pick(seed: bytes, chain_after: str) -> float:

@@ -9,8 +9,9 @@
 - the comparison, redone from the two results in the file, fails — bytes differ (``exact``)
   or the smallest per-row sketch cosine is below the threshold (``sketch``), and the recorded
   cosine is the recomputed one;
-- with the accused's receipt: its signature, that it is the accused's key, block and session's
-  job, and that the chain proofs fold the audited input and the claimed output into the
+- with the accused's receipt: its signature, that it is the accused's key and block, that
+  its job's nonce derives from the commitment (``audit_nonce``: committed before the job),
+  and that the chain proofs fold the audited input and the claimed output into the
   receipt's signed chains at the stated index — the accused itself signed what it claimed;
 - the auditor's signature over everything else; with ``pins.auditor``, that it is that key;
   with ``pins.authority``, that the receipt's token admits the accused's key as a stage.
@@ -32,7 +33,7 @@ import cattrs
 from shard.messages import StageReceipt
 from shard.messages.audit import AuditedChunk, ChainProof, Evidence
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
-from shard.trust.audit import commit, compare, is_audited, wire_of
+from shard.trust.audit import audit_nonce, commit, compare, is_audited, wire_of
 from shard.trust.identity import NodeIdentity, short, verify_signature
 from shard.trust.receipts import (
     RECEIPT_VERSION,
@@ -217,6 +218,10 @@ def _check_receipt(
         raise EvidenceInvalid(f"{who}: not the accused's key")
     if (receipt.first, receipt.last) != (ev.first, ev.last):
         raise EvidenceInvalid(f"{who}: another block than the accused's")
+    if receipt.nonce != audit_nonce(ev.commitment):
+        raise EvidenceInvalid(
+            f"{who}: its job's nonce does not bind this commitment (it was not sent before the job)"
+        )
     if output_final != receipt.output_chain:
         raise EvidenceInvalid(f"{who}: the claimed output is not the one its output chain signs")
     if ev.index != receipt.chunks_out - 1 - len(ev.output_proof.later):
