@@ -19,12 +19,13 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shard.model.config import ModelConfig, RopeScaling
-from shard.testing_cheats import CHEATS, CheatingBlock, cheating
+from shard.testing_cheats import CHEATS, AuditTap, CheatingBlock, cheating
 
 __all__ = [
     "CHAT_TEMPLATE",
     "CHEATS",
     "SPECIAL_TOKENS",
+    "AuditTap",
     "CheatingBlock",
     "cheating",
     "make_tiny_checkpoint",

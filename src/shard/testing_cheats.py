@@ -24,11 +24,17 @@ from __future__ import annotations
 from typing import Any, Final, cast
 
 import torch
+import trio
 
+from shard.messages import Hello, Message
+from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
+from shard.transport import Connection, Network
+from shard.transport.base import Handler, NetworkBase
+from shard.trust.sampler import AuditSampler
 
-__all__ = ["CHEATS", "CheatingBlock", "cheating"]
+__all__ = ["CHEATS", "AuditTap", "CheatingBlock", "cheating"]
 
 CHEATS: Final = ("skip_layer", "noise", "identity", "stale", "one_in_n", "when_unaudited")
 _BASE_LIES: Final = ("skip_layer", "noise", "identity", "stale")
@@ -123,3 +129,78 @@ class CheatingBlock:
 def cheating(inner: StageModel, kind: str, **kw: Any) -> StageModel:
     """``CheatingBlock(inner, kind, **kw)`` typed as the block it stands in for."""
     return cast(StageModel, CheatingBlock(inner, kind, **kw))
+
+
+class AuditTap:
+    """Spot checks on one in-process stage, fed from the traffic itself: ``run_swarm``'s
+    ``wrap`` hook. What ``upstream`` sends on its ring link into ``accused_address`` goes to
+    ``sampler.input`` (the predecessor's view, as its replay log keeps it); what ``accused``
+    sends on its ring link goes to ``sampler.output``, and each request the sampler makes is
+    sent to ``requests`` (an auditor's inbox). The production coordinator does not yet
+    collect these itself (docs/security.md, spot checks: what is wired)."""
+
+    def __init__(
+        self,
+        sampler: AuditSampler,
+        requests: trio.MemorySendChannel[AuditRequest],
+        *,
+        upstream: str,
+        accused: str,
+        accused_address: str,
+    ) -> None:
+        self._sampler = sampler
+        self._requests = requests
+        self._upstream = upstream
+        self._accused = accused
+        self._address = accused_address
+
+    def wrap(self, node: str, network: Network) -> Network:
+        return _TapNetwork(network, self, node)  # every node: run_swarm enters each wrapper
+
+    async def sent(self, node: str, address: str, msg: Message) -> None:
+        if node == self._upstream and address == self._address:
+            self._sampler.input(msg)
+        elif node == self._accused:
+            req = self._sampler.output(msg)
+            if req is not None:
+                await self._requests.send(req)
+
+
+class _TapNetwork(NetworkBase):
+    def __init__(self, inner: Network, tap: AuditTap, node: str) -> None:
+        self._inner, self._tap, self._node = inner, tap, node
+
+    async def dial(self, address: str) -> Connection:
+        return _TapConnection(await self._inner.dial(address), self._tap, self._node, address)
+
+    async def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self._inner.serve(address, handler, task_status=task_status)
+
+
+class _TapConnection:
+    def __init__(self, inner: Connection, tap: AuditTap, node: str, address: str) -> None:
+        self._inner, self._tap, self._node, self._address = inner, tap, node, address
+        self._ring = False
+
+    @property
+    def peer(self) -> str:
+        return self._inner.peer
+
+    async def receive(self) -> Message:
+        return await self._inner.receive()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def send(self, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._ring = msg.link == "ring"
+        elif self._ring:
+            await self._tap.sent(self._node, self._address, msg)
+        await self._inner.send(msg)

@@ -46,6 +46,7 @@ from shard.failover.events import (
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
+from shard.failover.strikes import AuditStatistics, StrikeBook
 from shard.messages import (
     Fault,
     Heartbeat,
@@ -57,6 +58,8 @@ from shard.messages import (
     Register,
     Rewire,
 )
+from shard.messages.audit import AuditVerdict
+from shard.spec.audit import AuditSpec
 from shard.spec.failover import FailoverSpec
 from shard.transport import Connection, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS, ProtocolViolation
@@ -76,6 +79,7 @@ class SchedulerStatistics:
     recoveries: tuple[Recovery, ...]
     #: (node, median control-link round trip in seconds, None until measured)
     rtt_s: tuple[tuple[NodeName, float | None], ...] = ()
+    audits: AuditStatistics = attrs.field(factory=AuditStatistics)  # spot checks
 
 
 class Scheduler:
@@ -103,6 +107,7 @@ class Scheduler:
         policy: FailoverSpec = FailoverSpec(),
         clock: Callable[[], float] = trio.current_time,
         return_up: Callable[[], bool] = lambda: True,
+        audit: AuditSpec | None = None,
     ) -> None:
         """``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
@@ -119,6 +124,7 @@ class Scheduler:
         )
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
+        self.strikes = StrikeBook((audit or AuditSpec()).strikes)
 
     # --- views -------------------------------------------------------------------------
 
@@ -130,6 +136,7 @@ class Scheduler:
             standbys=reg.standbys(),
             recoveries=tuple(self._splicer.recoveries),
             rtt_s=tuple((m.node, m.rtt.rtt_s) for m in reg.members.values()),
+            audits=self.strikes.statistics(),
         )
 
     def standbys(self) -> tuple[NodeName, ...]:
@@ -248,6 +255,29 @@ class Scheduler:
                     RingNote("fault", f"{fault.node}: {fault.kind}: {fault.detail}")
                 )
                 await self._link_lost(self._node)
+
+    # --- spot checks ---------------------------------------------------------------------
+
+    async def audited(self, verdict: AuditVerdict) -> None:
+        """An auditor's verdict on a ring node. A failed audit is a strike; at ``audit.strikes``
+        the node is evicted: declared dead and replaced by a standby exactly as after a crash
+        (the predecessor replays its log, so no committed token is lost)."""
+        evict = self.strikes.record(verdict)
+        if verdict.ok:
+            return
+        node = verdict.accused
+        note = f"{node} failed an audit ({verdict.detail}); strike {self.strikes.strikes(node)}"
+        log.warning("scheduler: %s", note)
+        await self._to_router.send(RingNote("audit", note))
+        member = self._registry.members.get(node)
+        if not evict or member is None or not member.alive:
+            return
+        member.alive = False
+        self._detector.forget(node)
+        log.warning("scheduler: %s evicted after failed audits", node)
+        await self._to_router.send(RingNote("audit", f"{node} evicted after failed audits"))
+        await self._problems_send.send(NodeDead(node, self._clock()))
+        await abandon(member.conn)
 
     # --- the watchdog and the recoverer ---------------------------------------------------
 

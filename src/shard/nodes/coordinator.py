@@ -273,6 +273,7 @@ async def run_coordinator(
         ring_faults=faults_recv,
         policy=spec.failover,
         return_up=endpoint.up,
+        audit=spec.audit,
     )
     feed = StatusFeed(
         coordinator,

@@ -15,6 +15,7 @@ stage 0 succeeds, the ring is connected end to end.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -333,6 +334,7 @@ async def run_stage(
     successor: str | None = None,
     startup_timeout_s: float = 120.0,
     supervised: bool = True,
+    wrap_block: Callable[[str, StageModel], StageModel] | None = None,
     task_status: trio.TaskStatus[StageHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run stage ``name`` of ``spec``: load its block, dial its successor, serve upstream.
@@ -349,6 +351,8 @@ async def run_stage(
         model_dir = (await fetch_stage(spec, name)).path
     config = ModelConfig.from_dir(model_dir)
     block = await _load(spec, name, model_dir, *spec.blocks(config.n_layers)[index])
+    if wrap_block is not None:  # tests only: a cheating stage (shard.testing.cheating)
+        block = attrs.evolve(block, model=wrap_block(name, block.model))
     me = _StageNode(
         spec,
         name,
