@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from shard.failover.audits import AuditHub, Holder
 from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import (
@@ -58,7 +59,7 @@ from shard.messages import (
     Register,
     Rewire,
 )
-from shard.messages.audit import AuditVerdict
+from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.spec.audit import AuditSpec
 from shard.spec.failover import FailoverSpec
 from shard.transport import Connection, TransportError, abandon
@@ -124,7 +125,10 @@ class Scheduler:
         )
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
-        self.strikes = StrikeBook((audit or AuditSpec()).strikes)
+        audit = audit or AuditSpec()
+        self.strikes = StrikeBook(audit.strikes)
+        #: spot checks in a real swarm (``[audit] enabled``): None when nodes copy nothing
+        self.audits = AuditHub(audit, node) if audit.enabled else None
 
     # --- views -------------------------------------------------------------------------
 
@@ -224,6 +228,10 @@ class Scheduler:
                 )
                 if msg.kind == "link":
                     await self._link_lost(member.node)
+            elif isinstance(msg, AuditCopy):
+                await self.copied(member.node, msg)
+            elif isinstance(msg, AuditVerdict) and msg.auditor == member.node:
+                await self.audited(msg)
             elif not isinstance(msg, Heartbeat):
                 log.warning("scheduler: unexpected %s from %s", msg, member.node)
 
@@ -257,6 +265,34 @@ class Scheduler:
                 await self._link_lost(self._node)
 
     # --- spot checks ---------------------------------------------------------------------
+
+    def _holders(self) -> list[Holder]:
+        return [Holder(s.holder, s.first, s.last) for s in self._registry.slots]
+
+    async def copied(self, sender: NodeName, copy: AuditCopy) -> None:
+        """A node's copy of a ring chunk (``shard.trust.mirror``): send each audit it makes
+        due to a live standby holding the audited block (none: the audit is skipped, logged)."""
+        if self.audits is None:
+            return
+        for req in self.audits.copied(sender, copy, self._holders()):
+            await self._send_audit(req)
+
+    async def _send_audit(self, req: AuditRequest) -> None:
+        for m in self._registry.live_standbys():
+            if (m.first, m.last) == (req.first, req.last) and m.node != req.accused:
+                try:
+                    await m.conn.send(req)
+                except TransportError as exc:
+                    log.warning(
+                        "scheduler: audit of %s not sent to %s: %s", req.accused, m.node, exc
+                    )
+                return
+        log.warning(
+            "scheduler: no standby holds [%d, %d); audit of %s skipped",
+            req.first,
+            req.last,
+            req.accused,
+        )
 
     async def audited(self, verdict: AuditVerdict) -> None:
         """An auditor's verdict on a ring node. A failed audit is a strike; at ``audit.strikes``

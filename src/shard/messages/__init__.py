@@ -19,6 +19,11 @@ integers travel back to the coordinator (direct return, one hop).
 
 from __future__ import annotations
 
+from shard.messages.audit import (
+    AuditCopy,
+    AuditRequest,
+    AuditVerdict,
+)
 from shard.messages.client import (
     EdgeStat,
     GenerateDone,
@@ -111,6 +116,9 @@ Message = (
     | ChunkData
     | ChunkMissing
     | StageReport
+    | AuditCopy
+    | AuditRequest
+    | AuditVerdict
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -141,6 +149,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ChunkData,
     ChunkMissing,
     StageReport,
+    AuditCopy,
+    AuditRequest,
+    AuditVerdict,
 )
 
 __all__ = [
@@ -150,6 +161,9 @@ __all__ = [
     "SESSION_BITS",
     "TENSOR_DTYPES",
     "Activate",
+    "AuditCopy",
+    "AuditRequest",
+    "AuditVerdict",
     "ChunkData",
     "ChunkMissing",
     "ChunkRequest",

@@ -16,6 +16,7 @@ import attrs
 
 from shard.messages.ids import NodeName
 from shard.messages.receipts import StageReceipt
+from shard.messages.values import Tensor
 
 
 @attrs.frozen
@@ -130,3 +131,26 @@ class AuditVerdict:
     cosine: float | None
     detail: str
     evidence: Evidence | None = None
+
+
+@attrs.frozen
+class AuditCopy:
+    """Node -> scheduler (on its control link), only when the swarm audits: a copy of one ring
+    chunk as this node sent it downstream (``side`` "sent") or received it from upstream
+    ("received"). The scheduler feeds an audited stage's sampler from what its predecessor
+    sent (its input) and what its successor received (its output), never from the audited
+    stage's own word. ``kind`` is "chunk" (``hidden`` or ``ids`` set) or "end" (the session
+    ended). ``n`` counts the node's copies from 0, so a gap (a copy lost while the control link
+    was down) is seen, and the sessions it touches are no longer audited.
+    """
+
+    side: str
+    kind: str
+    n: int
+    session: int
+    epoch: int = 0
+    seq: int = 0
+    start: int = 0
+    replay: bool = False
+    ids: tuple[int, ...] = ()
+    hidden: Tensor | None = None

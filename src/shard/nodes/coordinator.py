@@ -41,6 +41,7 @@ from shard.messages import (
     NodeName,
     Welcome,
 )
+from shard.messages.audit import AuditCopy
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.drafter import make_drafter
@@ -55,6 +56,7 @@ from shard.transport import Connection, ConnectionClosed, Network, TransportErro
 from shard.transport.guard import IdleDeadline, PeerTooSlow, send_within, serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
+from shard.trust.mirror import MirrorNetwork
 from shard.trust.receipts import RunSigner
 
 log = logging.getLogger(__name__)
@@ -250,10 +252,15 @@ async def run_coordinator(
         control=control_recv,
         sent_log=sent_log,
     )
+    scheduler_box: list[Scheduler] = []  # the ring link's copies go to the scheduler below
+
+    async def to_scheduler(copy: AuditCopy) -> None:
+        await scheduler_box[0].copied(name, copy)
+
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
-        network,
+        MirrorNetwork(network, to_scheduler) if spec.audit.enabled else network,
         _hello(spec, name, "coordinator"),
         replay_log=sent_log,
         records=False,
@@ -275,6 +282,7 @@ async def run_coordinator(
         return_up=endpoint.up,
         audit=spec.audit,
     )
+    scheduler_box.append(scheduler)
     feed = StatusFeed(
         coordinator,
         swarm=spec.name,

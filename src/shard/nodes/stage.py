@@ -40,6 +40,7 @@ from shard.model.config import ModelConfig
 from shard.model.device import TORCH_DTYPES, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
+from shard.nodes.auditing import auditing
 from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
@@ -120,7 +121,9 @@ class _StageNode:
     ) -> None:
         self._spec = spec
         self._name = NodeName(name)
-        self._network = network
+        model = block.model if block is not None else None
+        self._auditing = auditing(spec, name, network, model, supervised=supervised)
+        self._network = self._auditing.network  # mirrored when the swarm audits
         self._model_dir = model_dir
         self._listen = listen
         self._address = listen  # where upstream dials us (the bound address once serving)
@@ -263,6 +266,8 @@ class _StageNode:
             self._register,
             self._obey,
             faults=self._faults,
+            copies=self._auditing.copies,
+            on_audit=self._auditing.on_audit,
             heartbeat_s=failover.heartbeat_s,
             dead_after_s=failover.dead_after_s,
             connect_timeout_s=self._timeout_s,

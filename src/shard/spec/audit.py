@@ -2,6 +2,7 @@
 
 ```toml
 [audit]
+enabled = true            # audit in a real swarm (absent or false: in-process taps only)
 rate = 0.05               # each chunk a stage sends is audited with this probability
 strikes = 2               # failed audits after which the scheduler evicts the stage
 sketch_dims = 256         # random-projection sketch size (mixed hardware or dtypes)
@@ -20,7 +21,7 @@ import attrs
 
 from shard.spec.validate import Table
 
-AUDIT_KEYS: Final = ("rate", "strikes", "sketch_dims", "cosine_threshold")
+AUDIT_KEYS: Final = ("enabled", "rate", "strikes", "sketch_dims", "cosine_threshold")
 
 
 @attrs.frozen
@@ -29,6 +30,8 @@ class AuditSpec:
     failed audits evict a stage."""
 
     rate: float = 0.05
+    #: nodes copy ring chunks to the scheduler, which has standbys audit them (nodes/audits)
+    enabled: bool = False
     strikes: int = 2
     sketch_dims: int = 256
     cosine_threshold: float = 0.99
@@ -39,6 +42,7 @@ def read_audit(table: Table) -> AuditSpec:
     d = AuditSpec()
     spec = AuditSpec(
         rate=table.number("rate", default=d.rate),
+        enabled=table.boolean("enabled", default=d.enabled),
         strikes=table.integer("strikes", default=d.strikes, minimum=1),
         sketch_dims=table.integer("sketch_dims", default=d.sketch_dims, minimum=1),
         cosine_threshold=table.number("cosine_threshold", default=d.cosine_threshold),

@@ -33,7 +33,14 @@ from shard.trust.identity import NodeIdentity
 
 _DEFAULT = AuditSpec()
 
-__all__ = ["Auditor", "AuditorStatistics", "audit_chunk", "dtype_name", "recompute"]
+__all__ = [
+    "Auditor",
+    "AuditorStatistics",
+    "audit_chunk",
+    "audit_offloaded",
+    "dtype_name",
+    "recompute",
+]
 
 
 class AuditFailed(Exception):
@@ -142,6 +149,34 @@ def audit_chunk(
         detail=result.detail,
         evidence=evidence,
     )
+
+
+async def audit_offloaded(
+    model: StageModel,
+    req: AuditRequest,
+    *,
+    node: NodeName,
+    identity: NodeIdentity,
+    device_class: str,
+    policy: AuditSpec,
+    limiter: trio.CapacityLimiter,
+    now: int,
+) -> AuditVerdict:
+    """``audit_chunk`` in the forward pass's worker thread; a request that cannot be run comes
+    back as a verdict with ``ok`` True and ``method`` "error" (it accuses nobody)."""
+
+    def work() -> AuditVerdict:
+        return audit_chunk(
+            model, req, node=node, identity=identity, device_class=device_class,
+            policy=policy, now=now,
+        )  # fmt: skip
+
+    try:
+        return await offload.run_sync(work, limiter=limiter)
+    except AuditFailed as exc:
+        return AuditVerdict(
+            req.accused, node, req.session, req.index, True, "error", None, str(exc)
+        )
 
 
 @attrs.frozen

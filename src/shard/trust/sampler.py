@@ -148,6 +148,11 @@ class AuditSampler:
             return None
         return self._request(msg.session, sess, index, pending, None)
 
+    def has_input(self, msg: Prefill | Verify) -> bool:
+        """Whether the input of the output chunk ``msg`` has been seen (and not yet matched)."""
+        sess = self._sessions.get(msg.session)
+        return sess is not None and (msg.epoch, msg.seq, msg.start) in sess.pending
+
     def chosen(self, session: SessionId, index: int) -> bool:
         sess = self._sessions[session]
         return is_audited(self._seed, sess.outputs.after(index), self._rate)
