@@ -33,7 +33,7 @@ import attrs
 from shard.messages import ChunkSeq, Epoch, NodeName, Prefill, SessionId
 from shard.messages.audit import AuditCopy, AuditRequest
 from shard.spec.audit import AuditSpec
-from shard.trust.audit import new_seed
+from shard.trust.audit import audit_nonce, commit, new_seed
 from shard.trust.sampler import Accused, AuditSampler
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,12 @@ class AuditHub:
     def seed(self, session: SessionId) -> bytes:
         """The session's seed, drawn on first use (the router asks when the job opens)."""
         return self._seeds.setdefault(session, new_seed())
+
+    def nonce(self, session: SessionId) -> bytes:
+        """The job nonce for ``session``: derived from its seed's commitment
+        (``shard.trust.audit.audit_nonce``), so each stage's signed receipt fixes the
+        commitment before the stage computes anything."""
+        return bytes.fromhex(audit_nonce(commit(self.seed(session))))
 
     def copied(
         self, sender: NodeName, copy: AuditCopy, ring: Sequence[Holder]

@@ -109,6 +109,7 @@ class Scheduler:
         clock: Callable[[], float] = trio.current_time,
         return_up: Callable[[], bool] = lambda: True,
         audit: AuditSpec | None = None,
+        audits: AuditHub | None = None,
     ) -> None:
         """``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
@@ -128,7 +129,7 @@ class Scheduler:
         audit = audit or AuditSpec()
         self.strikes = StrikeBook(audit.strikes)
         #: spot checks in a real swarm (``[audit] enabled``): None when nodes copy nothing
-        self.audits = AuditHub(audit, node) if audit.enabled else None
+        self.audits = audits
 
     # --- views -------------------------------------------------------------------------
 

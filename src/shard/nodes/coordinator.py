@@ -29,6 +29,7 @@ from shard.coordinator.service import complete
 from shard.decode.draft import (
     Drafter,
 )
+from shard.failover.audits import AuditHub
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
@@ -39,6 +40,7 @@ from shard.messages import (
     Hello,
     Message,
     NodeName,
+    SessionId,
     Welcome,
 )
 from shard.messages.audit import AuditCopy
@@ -136,6 +138,7 @@ def _router(
     from_ring: trio.MemoryReceiveChannel[Message],
     control: trio.MemoryReceiveChannel[RingControl],
     sent_log: ReplayLog,
+    nonces: Callable[[SessionId], bytes] | None,
 ) -> tuple[Coordinator, Tokenizer]:
     """The coordinator's router and its tokenizer."""
     name = NodeName(spec.coordinator.name)
@@ -149,6 +152,7 @@ def _router(
         checkpoints=checkpoints,
         incarnation=secrets.randbits(20),
         sent_log=sent_log,
+        nonces=nonces,
         node=name,
         eos_ids=eos,
         to_ring=to_ring,
@@ -242,6 +246,7 @@ async def run_coordinator(
     failover = spec.failover
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     config = ModelConfig.from_dir(model_dir)
+    hub = AuditHub(spec.audit, name) if spec.audit.enabled else None  # spot checks
     coordinator, tokenizer = _router(
         spec,
         model_dir,
@@ -251,6 +256,7 @@ async def run_coordinator(
         from_ring=from_ring_recv,
         control=control_recv,
         sent_log=sent_log,
+        nonces=hub.nonce if hub is not None else None,
     )
     scheduler_box: list[Scheduler] = []  # the ring link's copies go to the scheduler below
 
@@ -281,6 +287,7 @@ async def run_coordinator(
         policy=spec.failover,
         return_up=endpoint.up,
         audit=spec.audit,
+        audits=hub,
     )
     scheduler_box.append(scheduler)
     feed = StatusFeed(
