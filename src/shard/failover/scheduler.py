@@ -49,6 +49,7 @@ from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
 from shard.failover.strikes import AuditStatistics, StrikeBook
 from shard.messages import (
+    AuditCounts,
     Fault,
     Heartbeat,
     Hello,
@@ -143,6 +144,11 @@ class Scheduler:
             rtt_s=tuple((m.node, m.rtt.rtt_s) for m in reg.members.values()),
             audits=self.strikes.statistics(),
         )
+
+    def audit_counts(self) -> AuditCounts:
+        """Spot-check counters for the status feed."""
+        a = self.strikes.statistics()
+        return AuditCounts(a.audits, a.strikes, a.evictions)
 
     def standbys(self) -> tuple[NodeName, ...]:
         return self._registry.standbys()

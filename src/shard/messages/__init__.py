@@ -76,6 +76,7 @@ from shard.messages.ring import (
     Welcome,
 )
 from shard.messages.status import (
+    AuditCounts,
     DeviceStatus,
     EdgeStatus,
     EventRecord,
@@ -162,6 +163,7 @@ __all__ = [
     "TENSOR_DTYPES",
     "Activate",
     "AuditCopy",
+    "AuditCounts",
     "AuditRequest",
     "AuditVerdict",
     "ChunkData",

@@ -297,6 +297,7 @@ async def run_coordinator(
         standbys=scheduler.standbys,
         send_timeout_s=spec.limits.message_timeout_s,
         devices=DeviceProbe(name).read,
+        audits=scheduler.audit_counts,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     listener = _Listener(welcome, spec.limits, coordinator, tokenizer, scheduler, feed, endpoint)
