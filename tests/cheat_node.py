@@ -3,8 +3,9 @@
 
 ``cheat_node.py KIND NODE swarm run SPEC ...`` runs a whole swarm whose node NODE is started by
 this same script (``up --role stage --node NODE``); every other node is an ordinary
-``python -m shard up``. There is no production flag for this: the seams are the stage's
-``wrap_block`` (``shard.nodes.stage.run_stage``) and the launcher's command, patched here only.
+``python -m shard up`` (the coordinator's with ``-v``, so every audit it hears of is logged).
+There is no production flag for this: the seams are the stage's ``wrap_block``
+(``shard.nodes.stage.run_stage``) and the launcher's command, patched here only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _run(kind: str, node: str, argv: Sequence[str]) -> int:
 
     def cheat_command(spec_path: Path, name: str, role: str, *rest: object) -> list[str]:
         cmd = command(spec_path, name, role, *rest)  # type: ignore[arg-type]
+        if role == "coordinator":  # -v: the scheduler logs every audit, passed ones too
+            return [*cmd[:3], "-v", *cmd[3:]]
         if name != node:
             return cmd
         return [sys.executable, __file__, kind, node, *cmd[3:]]  # drop "python -m shard"

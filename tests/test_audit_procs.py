@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import run_python
+from procs import LOOPBACK, free_ports, run_python
 from test_failover_procs import MAX_TOKENS, PROMPT, RUN_S, failover_spec, local_reference
 from test_failover_procs import llama_dir as llama_dir
 
@@ -30,11 +30,14 @@ RUNNER = (
 async def test_a_cheating_stage_process_is_evicted_and_replaced_with_identical_output(
     llama_dir: Path, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
-    """s1 lies on every chunk; two failed audits evict it; the spare takes over; same output.
+    """s1 lies on every chunk; two failed audits evict it; the spare takes over; same output;
+    the honest s0, audited all along by spare0, is never accused.
 
     Every chunk is audited (rate 1.0), so the run does not depend on the per-session seed."""
     spec = failover_spec(tmp_path / "audit.toml", llama_dir, victim="s1", at_token=0, kind="")
-    with spec.open("a", encoding="utf-8") as f:
+    (port,) = free_ports(1)
+    with spec.open("a", encoding="utf-8") as f:  # spare0 audits the honest s0 meanwhile
+        f.write(f'[[standby]]\nname = "spare0"\nlisten = "{LOOPBACK}:{port}"\nlayers_of = "s0"\n')
         f.write("[audit]\nenabled = true\nrate = 1.0\nstrikes = 2\n")
     reference = await local_reference(llama_dir)
     done = await run_python(
@@ -65,4 +68,9 @@ async def test_a_cheating_stage_process_is_evicted_and_replaced_with_identical_o
     assert "s1 evicted after failed audits" in stderr, stderr
     assert re.search(r"spare replaced s1 \(hot\)", stderr), stderr
     assert "failed an audit" not in stderr.replace("s1 failed an audit", ""), stderr
-    report(f"cheating s1 evicted after {len(strikes)} failed audits; output identical")
+    honest = re.findall(r"audit of s0 \(session \d+, chunk \d+\) by spare0: ok", stderr)
+    assert honest, stderr  # the honest stage was audited across processes, bit-exactly
+    report(
+        f"cheating s1 evicted after {len(strikes)} failed audits; honest s0 passed"
+        f" {len(honest)} audits; output identical"
+    )

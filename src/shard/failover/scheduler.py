@@ -307,6 +307,10 @@ class Scheduler:
         (the predecessor replays its log, so no committed token is lost)."""
         evict = self.strikes.record(verdict)
         if verdict.ok:
+            log.info(
+                "scheduler: audit of %s (session %d, chunk %d) by %s: ok (%s)",
+                verdict.accused, verdict.session, verdict.index, verdict.auditor, verdict.detail,
+            )  # fmt: skip
             return
         node = verdict.accused
         note = f"{node} failed an audit ({verdict.detail}); strike {self.strikes.strikes(node)}"
