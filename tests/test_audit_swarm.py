@@ -140,3 +140,53 @@ def test_strike_book_evicts_once_at_the_limit_and_ignores_unrunnable_audits() ->
     assert not book.record(verdict(False))  # already evicted
     stats = book.statistics()
     assert (stats.audits, stats.strikes, stats.evictions) == (5, 3, 1)
+
+
+def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
+    model_dir: Path,
+    references: list[tuple[int, ...]],
+) -> None:
+    """``[audit] enabled``, no test tap: the nodes' copies, the scheduler's hub and the
+    standbys' auditors (the production wiring, in one process) evict s1; s0 passes every
+    audit; every output equals the reference."""
+    policy = AuditSpec(enabled=True, rate=1.0, strikes=2)
+    spec = attrs.evolve(failover_spec(model_dir), audit=policy)
+    results: list[Completion] = []
+
+    def wrap_block(name: str, model: StageModel) -> StageModel:
+        return cheating(model, "noise", noise=1e-4, seed=SEED) if name == "s1" else model
+
+    async def main() -> None:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(
+                    partial(
+                        run_swarm,
+                        spec,
+                        model_dir=model_dir,
+                        network=MemoryNetwork(),
+                        wrap_block=wrap_block,
+                    )
+                )
+                scheduler = handle.scheduler
+                assert scheduler is not None
+
+                async def one(i: int) -> None:
+                    results.append(
+                        await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
+                    )
+
+                async with trio.open_nursery() as requests:
+                    for i in range(len(PROMPTS)):
+                        requests.start_soon(one, i)
+                stats = scheduler.statistics()
+                nursery.cancel_scope.cancel()
+        recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
+        print(f"audits {stats.audits}, recoveries {recoveries}")
+        assert ("hot", "s1", "s1-standby") in recoveries
+        assert stats.audits.evictions == 1
+        assert dict(stats.audits.by_node) == {NodeName("s1"): stats.audits.strikes}
+        assert stats.audits.audits > stats.audits.strikes  # s0's passed audits counted too
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(r.token_ids for r in results) == sorted(references)

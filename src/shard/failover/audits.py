@@ -31,7 +31,7 @@ from typing import Final, cast
 import attrs
 
 from shard.messages import ChunkSeq, Epoch, NodeName, Prefill, SessionId
-from shard.messages.audit import AuditCopy, AuditRequest
+from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.spec.audit import AuditSpec
 from shard.trust.audit import audit_nonce, commit, new_seed
 from shard.trust.sampler import Accused, AuditSampler
@@ -42,6 +42,8 @@ __all__ = ["AuditHub", "Holder"]
 
 #: Outputs held back waiting for their input's copy (the two arrive on different links).
 _EARLY_MAX: Final = 256
+#: Audit requests awaiting a verdict, at most.
+_ASKED_MAX: Final = 4096
 
 
 @attrs.frozen
@@ -73,11 +75,29 @@ class AuditHub:
         self._seeds: dict[SessionId, bytes] = {}
         self._seen: dict[tuple[SessionId, NodeName], _Seen] = {}
         self._next: dict[NodeName, int] = {}
+        #: requests out, by (auditor, accused, session, chunk): only these are answered
+        self._asked: dict[tuple[NodeName, NodeName, int, int], None] = {}
         self.copies = 0
 
     def seed(self, session: SessionId) -> bytes:
         """The session's seed, drawn on first use (the router asks when the job opens)."""
         return self._seeds.setdefault(session, new_seed())
+
+    def asked(self, auditor: NodeName, req: AuditRequest) -> None:
+        """``req`` is going to ``auditor``: its verdict will be taken (the oldest of too many
+        unanswered requests is forgotten)."""
+        self._asked[(auditor, req.accused, req.session, req.index)] = None
+        while len(self._asked) > _ASKED_MAX:
+            del self._asked[next(iter(self._asked))]
+
+    def answered(self, auditor: NodeName, verdict: AuditVerdict) -> bool:
+        """Whether ``verdict`` answers a request this hub sent ``auditor`` (once): any other
+        is a node accusing on its own word, and is ignored."""
+        key = (auditor, verdict.accused, verdict.session, verdict.index)
+        if verdict.auditor != auditor or key not in self._asked:
+            return False
+        del self._asked[key]
+        return True
 
     def nonce(self, session: SessionId) -> bytes:
         """The job nonce for ``session``: derived from its seed's commitment

@@ -237,8 +237,8 @@ class Scheduler:
                     await self._link_lost(member.node)
             elif isinstance(msg, AuditCopy):
                 await self.copied(member.node, msg)
-            elif isinstance(msg, AuditVerdict) and msg.auditor == member.node:
-                await self.audited(msg)
+            elif isinstance(msg, AuditVerdict):
+                await self._verdict(member.node, msg)
             elif not isinstance(msg, Heartbeat):
                 log.warning("scheduler: unexpected %s from %s", msg, member.node)
 
@@ -287,6 +287,8 @@ class Scheduler:
     async def _send_audit(self, req: AuditRequest) -> None:
         for m in self._registry.live_standbys():
             if (m.first, m.last) == (req.first, req.last) and m.node != req.accused:
+                assert self.audits is not None  # requests come from the hub
+                self.audits.asked(m.node, req)
                 try:
                     await m.conn.send(req)
                 except TransportError as exc:
@@ -300,6 +302,14 @@ class Scheduler:
             req.last,
             req.accused,
         )
+
+    async def _verdict(self, node: NodeName, verdict: AuditVerdict) -> None:
+        """A verdict from ``node``'s control link: taken only as the answer to a request
+        sent to it (a node cannot accuse another on its own word)."""
+        if self.audits is None or not self.audits.answered(node, verdict):
+            log.warning("scheduler: %s sent a verdict nobody asked it for; ignored", node)
+            return
+        await self.audited(verdict)
 
     async def audited(self, verdict: AuditVerdict) -> None:
         """An auditor's verdict on a ring node. A failed audit is a strike; at ``audit.strikes``
