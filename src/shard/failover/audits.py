@@ -12,6 +12,10 @@ commitment before any chunk is computed) and revealed only to the auditor: a sta
 the same block, which re-runs the chunk and answers with an ``AuditVerdict`` on its own control
 link. Strikes and eviction are ``StrikeBook`` and the splice, as for a crash.
 
+Whom it trusts: a verdict only from the standby it asked, for that chunk (``answered``);
+copies as the neighbours' word (the control link says who sent one, not that it is true: a
+lying neighbour can frame a stage; docs/security.md says so).
+
 What it does not audit: the tail (its output is token ids sent to the coordinator, checked by
 nobody else's copy); a stage for a session it joined mid-way (a spliced-in standby: its KV was
 rebuilt by replays, in other chunk shapes, so the replay the auditor would run differs); a
