@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 import attrs
+import pytest
 import trio
 import trio.testing
 
@@ -29,6 +30,7 @@ from shard.stage.auditor import Auditor
 from shard.stage.offload import inline_compute
 from shard.testing import AuditTap, cheating
 from shard.transport import MemoryNetwork
+from shard.trust.audit import audit_nonce, commit
 from shard.trust.evidence import EvidencePins, verify_evidence
 from shard.trust.identity import NodeIdentity
 from shard.trust.sampler import Accused, AuditSampler
@@ -190,3 +192,35 @@ def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert sorted(r.token_ids for r in results) == sorted(references)
+
+
+def test_an_auditing_coordinator_derives_the_job_nonce_from_the_seed_commitment(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``[audit] enabled`` the run receipt and every stage receipt sign
+    ``audit_nonce(commit(seed))``: the seed was fixed before any chunk was computed."""
+    seed = random.Random(SEED).randbytes(32)
+    monkeypatch.setattr("shard.failover.audits.new_seed", lambda: seed)
+    spec = attrs.evolve(
+        failover_spec(model_dir), audit=AuditSpec(enabled=True, rate=0.5, strikes=2)
+    )
+    done: list[Completion] = []
+
+    async def main() -> None:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(
+                    partial(run_swarm, spec, model_dir=model_dir, network=MemoryNetwork())
+                )
+                done.append(
+                    await handle.coordinator.generate(
+                        PROMPTS[0], max_tokens=MAX_TOKENS, receipt=True
+                    )
+                )
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    receipt = done[0].receipt
+    assert receipt is not None
+    assert receipt.nonce == audit_nonce(commit(seed))
+    assert receipt.stages and all(s.nonce == receipt.nonce for s in receipt.stages)
