@@ -20,6 +20,9 @@ import trio_websocket
 import zstandard
 
 from shard.messages import (
+    AuditCopy,
+    AuditRequest,
+    AuditVerdict,
     ChunkSeq,
     EndSession,
     Epoch,
@@ -39,6 +42,7 @@ from shard.messages import (
     Verify,
     Welcome,
 )
+from shard.messages.audit import AuditedChunk, Blob, ChainProof
 from shard.stage.tensors import to_wire
 from shard.transport.websocket import max_message_size
 from shard.wire import WireError, WireLimits, decode, encode
@@ -88,8 +92,21 @@ class Frames:
             lambda: ProbeReply(r.randrange(1 << 30), r.random()),
             lambda: GenerateRequest(r.randrange(100), "hi there", 4),
             lambda: TokensOut(r.randrange(100), self.ids(), "text"),
+            lambda: AuditCopy("sent", "chunk", r.randrange(9), sid, hidden=self.hidden()),
+            lambda: AuditVerdict(
+                NodeName("s1"), NodeName("evil"), sid, 0, False, "exact", None, ""
+            ),
+            lambda: self.audit_request(sid),
         ]
         return r.choice(choices)()
+
+    def audit_request(self, sid: SessionId) -> AuditRequest:
+        blob = Blob("float32", (1, 1, 1), "AAAAAA==")
+        chunk = AuditedChunk(0, 0, 0, ids=self.ids())
+        return AuditRequest(
+            NodeName("s1"), "00" * 32, 0, 2, sid, 0, "00" * 32, "00" * 32, 1.0, (), chunk, blob,
+            ChainProof("00" * 32), ChainProof("00" * 32), "cpu", "float32",
+        )  # fmt: skip
 
     def valid(self) -> bytes:
         return encode(self.message(), compress=self.rng.random() < 0.5)
@@ -168,6 +185,9 @@ HARMLESS = (
     ProbeReply,
     GenerateRequest,
     TokensOut,
+    AuditCopy,  # control-link messages a stage's ring link ignores
+    AuditRequest,
+    AuditVerdict,
 )
 
 

@@ -15,7 +15,8 @@ The rules (each package's ``__init__`` docstring says the same):
   roots (``shard.nodes``) nor the CLI, and no torch;
 - ``shard.placement`` is pure planning: it imports no other shard package but
   ``shard.errors``, and nothing of torch or the network;
-- nothing in ``src`` imports the test helpers (``shard.testing``) or fault injection
+- nothing in ``src`` imports the test helpers (``shard.testing``, its cheating stages in
+  ``shard.testing_cheats``) or fault injection
   (``shard.failover.faults``), except those helpers themselves.
 """
 
@@ -72,12 +73,22 @@ RULES = (
     ),
     Rule(
         "shard",
-        ("shard.testing", "shard.failover.faults", "shard.observe.tui.testing"),
+        (
+            "shard.testing",
+            "shard.testing_cheats",
+            "shard.failover.faults",
+            "shard.observe.tui.testing",
+        ),
         allowed=(),
     ),
 )
 #: Test support may import itself and each other.
-TEST_SUPPORT = ("shard.testing", "shard.failover.faults", "shard.observe.tui.testing")
+TEST_SUPPORT = (
+    "shard.testing",
+    "shard.testing_cheats",
+    "shard.failover.faults",
+    "shard.observe.tui.testing",
+)
 
 
 def module_name(root: Path, path: Path) -> str:

@@ -19,6 +19,7 @@ import trio.testing
 
 from shard.coordinator.router import CoordinatorStatistics
 from shard.messages import (
+    AuditCounts,
     EdgeStatus,
     Hello,
     NodeName,
@@ -375,3 +376,13 @@ async def test_monitor_link_failures_end_only_that_link(
         assert trio.current_time() - began == 4.0
         assert feed.statistics().monitors == 0
         nursery.cancel_scope.cancel()
+
+
+def test_build_snapshot_carries_the_audit_counters() -> None:
+    """Audits, strikes and evictions go into the snapshot as given (zero by default)."""
+    stats = coordinator_stats(ring_stats())
+    plain = build_snapshot(stats, swarm="t", ring=RING, seq=1, at=0, started=0)
+    assert plain.audit == AuditCounts()
+    counts = AuditCounts(audits=9, strikes=2, evictions=1)
+    snap = build_snapshot(stats, swarm="t", ring=RING, seq=1, at=0, started=0, audit=counts)
+    assert snap.audit == counts

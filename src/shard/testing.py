@@ -3,6 +3,7 @@
 ``make_tiny_checkpoint`` writes a complete Hugging Face checkpoint directory (config.json,
 safetensors, tokenizer.json, tokenizer_config.json with a chat template) that both shard and
 transformers load, so tests can compare the two on a model small enough for CPU in milliseconds.
+Cheating stages for spot-check tests (``CheatingBlock``) come from ``shard.testing_cheats``.
 Like ``structlog.testing``, these helpers are API: other packages' tests may use them.
 """
 
@@ -18,10 +19,15 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shard.model.config import ModelConfig, RopeScaling
+from shard.testing_cheats import CHEATS, AuditTap, CheatingBlock, cheating
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "CHEATS",
     "SPECIAL_TOKENS",
+    "AuditTap",
+    "CheatingBlock",
+    "cheating",
     "make_tiny_checkpoint",
     "scale_upper_layers",
     "tiny_tokenizer",

@@ -53,6 +53,8 @@ def receipt(args: argparse.Namespace) -> int:
     from shard.trust.receipt_check import ReceiptPins, receipt_from_json, verify_run
     from shard.trust.receipts import ReceiptInvalid
 
+    if args.evidence is not None or args.file is None:
+        return _evidence(args)
     try:
         pins = ReceiptPins(
             authority=read_public_key(args.authority) if args.authority else None,
@@ -82,6 +84,50 @@ def receipt(args: argparse.Namespace) -> int:
         f"receipt OK ({trust}): job {run.job}, {len(run.output_ids)} tokens, "
         f"{run.n_layers} layers over {stages}; coordinator {run.coordinator} "
         f"ed25519:{run.coordinator_key[:16]}"
+    )
+    return 0
+
+
+def _evidence(args: argparse.Namespace) -> int:
+    """``shard receipt verify --evidence FILE``: 0 valid, 1 invalid, 2 bad arguments."""
+    from shard.trust.evidence import (
+        EvidenceInvalid,
+        EvidencePins,
+        evidence_from_json,
+        verify_evidence,
+    )
+    from shard.trust.identity import IdentityError, read_public_key, short
+
+    if args.evidence is None or args.file is not None:
+        what = "give a receipt FILE or --evidence FILE (not both)"
+        print(f"shard receipt verify: error: {what}", file=sys.stderr)
+        return 2
+    try:
+        pins = EvidencePins(
+            auditor=read_public_key(args.auditor) if args.auditor else None,
+            authority=read_public_key(args.authority) if args.authority else None,
+            revoked=frozenset(int(s) for s in args.revoked.split(",") if s.strip()),
+        )
+    except (IdentityError, ValueError) as exc:
+        print(f"shard receipt verify: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        checked = verify_evidence(evidence_from_json(Path(args.evidence).read_text()), pins)
+    except (OSError, UnicodeDecodeError, EvidenceInvalid) as exc:
+        print(f"shard: evidence INVALID: {args.evidence}: {exc}", file=sys.stderr)
+        return 1
+    ev = checked.evidence
+    how = "bit-exact" if ev.method == "exact" else f"sketch cosine {ev.cosine:.6f} < {ev.threshold}"
+    bound = (
+        "the accused's signed receipt backs its claim"
+        if checked.bound
+        else ("NO receipt of the accused: the auditor's word only")
+    )
+    pinned = f"; NOT pinned: {', '.join(checked.unpinned)}" if checked.unpinned else ""
+    print(
+        f"evidence OK: {ev.accused} [{ev.first}, {ev.last}) lied on chunk {ev.index} of session "
+        f"{ev.session} ({how} mismatch); {bound}; auditor {ev.auditor} "
+        f"ed25519:{short(bytes.fromhex(ev.auditor_key))}{pinned}"
     )
     return 0
 

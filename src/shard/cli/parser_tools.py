@@ -102,7 +102,19 @@ def add_receipt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "Without --authority or --coordinator, anyone's keys can make a receipt that passes: "
         "the verdict then says which signers were NOT pinned.",
     )
-    verify.add_argument("file", help="a receipt written by --receipt")
+    verify.add_argument("file", nargs="?", help="a receipt written by --receipt")
+    verify.add_argument(
+        "--evidence",
+        metavar="FILE",
+        help="check a failed audit's signed evidence instead (docs/security.md, spot checks): "
+        "the seed commitment and the chunk it chose, the comparison redone, the accused's "
+        "receipt and the auditor's signature",
+    )
+    verify.add_argument(
+        "--auditor",
+        metavar="PUB",
+        help="with --evidence: the auditor's public key (64 hex digits or a .pub file)",
+    )
     verify.add_argument(
         "--authority",
         metavar="PUB",

@@ -100,6 +100,7 @@ class Coordinator:
         checkpoints: CheckpointStore | None = None,
         incarnation: int = 0,
         sent_log: ReplayLog | None = None,
+        nonces: Callable[[SessionId], bytes] | None = None,
     ) -> None:
         """``control`` carries the scheduler's messages (None: no scheduler, a test's ring).
         ``checkpoints`` keeps each running request's committed tokens on disk (so a
@@ -107,7 +108,10 @@ class Coordinator:
         bits of session ids, so a restarted coordinator's sessions never collide with the ones
         its predecessor left on the stages (which drop those: ``shard.stage.executor``).
         ``sent_log`` is the log of what each session sent (default: a fresh one); the ring
-        link replays it to a standby that replaces stage 0."""
+        link replays it to a standby that replaces stage 0. ``nonces(session)`` is the job
+        nonce a receipt-signing session sends (default: 16 random bytes); a swarm that audits
+        derives it from the session's committed audit seed (``shard.failover.audits``)."""
+        self._nonces = nonces
         self._node = node
         self._eos_ids = tuple(eos_ids)
         self._from_ring = from_ring
@@ -274,7 +278,7 @@ class Coordinator:
             self._ledger.sessions = len(self._routes)
             ended = False
             try:
-                job = self._job(prompt_ids) if receipt else None
+                job = self._job(prompt_ids, sid) if receipt else None
                 completion = await self._drive(
                     sid, route, job, prompt_ids, state, sampling, on_tokens, spec
                 )
@@ -298,10 +302,11 @@ class Coordinator:
         self._ledger.request_done()
         return completion
 
-    def _job(self, prompt_ids: Sequence[int]) -> RunJob:
+    def _job(self, prompt_ids: Sequence[int], sid: SessionId) -> RunJob:
         if self._signer is None:
             raise BadRequest("this coordinator has no key to sign receipts with")
-        return RunJob.start(prompt_ids, os.urandom(16))
+        nonce = self._nonces(sid) if self._nonces is not None else os.urandom(16)
+        return RunJob.start(prompt_ids, nonce)
 
     async def _drive(
         self,

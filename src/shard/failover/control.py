@@ -40,6 +40,7 @@ from shard.messages import (
     Register,
     Rewire,
 )
+from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.transport import Connection, Network, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
@@ -47,6 +48,10 @@ from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
 log = logging.getLogger(__name__)
 
 OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
+OnAudit = Callable[[AuditRequest], Awaitable[AuditVerdict]]
+#: Audit requests waiting for this standby's auditor; more are dropped (an audit not run
+#: accuses nobody) rather than stop the link being read.
+_AUDITS_BUFFER = 16
 
 
 class NodeReplaced(Exception):
@@ -79,6 +84,8 @@ class ControlClient:
         on_order: OnOrder,
         *,
         faults: trio.MemoryReceiveChannel[Fault] | None = None,
+        copies: trio.MemoryReceiveChannel[AuditCopy] | None = None,
+        on_audit: OnAudit | None = None,
         heartbeat_s: float = 0.25,
         dead_after_s: float = 1.0,
         connect_timeout_s: float = 10.0,
@@ -91,32 +98,38 @@ class ControlClient:
         self._register = register
         self._on_order = on_order
         self._faults = faults
+        self._copies = copies
+        self._on_audit = on_audit
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._connect_timeout_s = connect_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
         self._conn: Connection | None = None
 
-    async def _report_faults(self, faults: trio.MemoryReceiveChannel[Fault]) -> None:
-        """Send each fault to the scheduler; dropped (logged) while the link is down."""
+    async def _report_faults(
+        self, faults: trio.MemoryReceiveChannel[Fault] | trio.MemoryReceiveChannel[AuditCopy]
+    ) -> None:
+        """Send each fault (or audit copy) to the scheduler; dropped (logged) while the link
+        is down (a dropped copy leaves a gap the scheduler sees: ``AuditCopy.n``)."""
         async with faults:
             async for fault in faults:
+                what = fault.detail if isinstance(fault, Fault) else "an audit copy"
                 conn = self._conn
                 if conn is None:
-                    log.warning(
-                        "%s: control link down; fault not reported: %s", self._node, fault.detail
-                    )
+                    log.warning("%s: control link down; not reported: %s", self._node, what)
                     continue
                 try:
                     await conn.send(fault)
                 except TransportError as exc:
-                    log.warning("%s: could not report %s: %s", self._node, fault.detail, exc)
+                    log.warning("%s: could not report %s: %s", self._node, what, exc)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ended: NodeReplaced | TransportError | HandshakeError | None = None
         async with trio.open_nursery() as nursery:
             if self._faults is not None:
                 nursery.start_soon(self._report_faults, self._faults)
+            if self._copies is not None:
+                nursery.start_soon(self._report_faults, self._copies)
             try:
                 await self._stay_linked(task_status)
             except (NodeReplaced, TransportError, HandshakeError) as exc:
@@ -172,21 +185,40 @@ class ControlClient:
         the link ends still runs to completion, as when orders ran in the reading loop.
         """
         orders_send, orders = trio.open_memory_channel[Activate | Rewire](0)
+        audits_send, audits = trio.open_memory_channel[AuditRequest](_AUDITS_BUFFER)
         link = trio.CancelScope()
         async with trio.open_nursery() as obeying:
             obeying.start_soon(self._obey_all, conn, orders, link)
-            async with orders_send:
+            obeying.start_soon(self._audit_all, conn, audits)
+            async with orders_send, audits_send:
                 with link:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._beat, conn, nursery.cancel_scope)
                         try:
-                            return await self._read(conn, orders_send)
+                            return await self._read(conn, orders_send, audits_send)
                         finally:
                             nursery.cancel_scope.cancel()
         return None
 
+    async def _audit_all(
+        self, conn: Connection, audits: trio.MemoryReceiveChannel[AuditRequest]
+    ) -> None:
+        """Run each audit request (``on_audit``) and send its verdict back."""
+        async with audits:
+            async for req in audits:
+                if self._on_audit is None:
+                    continue
+                verdict = await self._on_audit(req)
+                try:
+                    await conn.send(verdict)
+                except TransportError as exc:
+                    log.warning("%s: audit verdict not sent: %s", self._node, exc)
+
     async def _read(
-        self, conn: Connection, orders: trio.MemorySendChannel[Activate | Rewire]
+        self,
+        conn: Connection,
+        orders: trio.MemorySendChannel[Activate | Rewire],
+        audits: trio.MemorySendChannel[AuditRequest],
     ) -> str | None:
         try:
             while True:
@@ -197,6 +229,11 @@ class ControlClient:
                     return None
                 if isinstance(msg, Activate | Rewire):
                     await orders.send(msg)
+                elif isinstance(msg, AuditRequest):
+                    try:
+                        audits.send_nowait(msg)
+                    except trio.WouldBlock:
+                        log.warning("%s: audit of %s dropped (busy)", self._node, msg.accused)
                 elif isinstance(msg, Probe):
                     await conn.send(ProbeReply(nonce=msg.nonce, sent_at=msg.sent_at))
                 elif isinstance(msg, Fault) and msg.kind == "control":

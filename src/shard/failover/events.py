@@ -82,7 +82,7 @@ class RingLost:
 
 @attrs.frozen
 class RingNote:
-    """A ring event for the status feed (``kind``: ``join``, ``fault``)."""
+    """A ring event for the status feed (``kind``: ``join``, ``fault``, ``suspect``, ``audit``)."""
 
     kind: str
     detail: str

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from shard.failover.audits import AuditHub, Holder
 from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import (
@@ -46,7 +47,9 @@ from shard.failover.events import (
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
+from shard.failover.strikes import AuditStatistics, StrikeBook
 from shard.messages import (
+    AuditCounts,
     Fault,
     Heartbeat,
     Hello,
@@ -57,6 +60,8 @@ from shard.messages import (
     Register,
     Rewire,
 )
+from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
+from shard.spec.audit import AuditSpec
 from shard.spec.failover import FailoverSpec
 from shard.transport import Connection, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS, ProtocolViolation
@@ -76,6 +81,7 @@ class SchedulerStatistics:
     recoveries: tuple[Recovery, ...]
     #: (node, median control-link round trip in seconds, None until measured)
     rtt_s: tuple[tuple[NodeName, float | None], ...] = ()
+    audits: AuditStatistics = attrs.field(factory=AuditStatistics)  # spot checks
 
 
 class Scheduler:
@@ -103,6 +109,8 @@ class Scheduler:
         policy: FailoverSpec = FailoverSpec(),
         clock: Callable[[], float] = trio.current_time,
         return_up: Callable[[], bool] = lambda: True,
+        audit: AuditSpec | None = None,
+        audits: AuditHub | None = None,
     ) -> None:
         """``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
@@ -119,6 +127,10 @@ class Scheduler:
         )
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
+        audit = audit or AuditSpec()
+        self.strikes = StrikeBook(audit.strikes)
+        #: spot checks in a real swarm (``[audit] enabled``): None when nodes copy nothing
+        self.audits = audits
 
     # --- views -------------------------------------------------------------------------
 
@@ -130,7 +142,13 @@ class Scheduler:
             standbys=reg.standbys(),
             recoveries=tuple(self._splicer.recoveries),
             rtt_s=tuple((m.node, m.rtt.rtt_s) for m in reg.members.values()),
+            audits=self.strikes.statistics(),
         )
+
+    def audit_counts(self) -> AuditCounts:
+        """Spot-check counters for the status feed."""
+        a = self.strikes.statistics()
+        return AuditCounts(a.audits, a.strikes, a.evictions)
 
     def standbys(self) -> tuple[NodeName, ...]:
         return self._registry.standbys()
@@ -217,6 +235,10 @@ class Scheduler:
                 )
                 if msg.kind == "link":
                     await self._link_lost(member.node)
+            elif isinstance(msg, AuditCopy):
+                await self.copied(member.node, msg)
+            elif isinstance(msg, AuditVerdict):
+                await self._verdict(member.node, msg)
             elif not isinstance(msg, Heartbeat):
                 log.warning("scheduler: unexpected %s from %s", msg, member.node)
 
@@ -248,6 +270,71 @@ class Scheduler:
                     RingNote("fault", f"{fault.node}: {fault.kind}: {fault.detail}")
                 )
                 await self._link_lost(self._node)
+
+    # --- spot checks ---------------------------------------------------------------------
+
+    def _holders(self) -> list[Holder]:
+        return [Holder(s.holder, s.first, s.last) for s in self._registry.slots]
+
+    async def copied(self, sender: NodeName, copy: AuditCopy) -> None:
+        """A node's copy of a ring chunk (``shard.trust.mirror``): send each audit it makes
+        due to a live standby holding the audited block (none: the audit is skipped, logged)."""
+        if self.audits is None:
+            return
+        for req in self.audits.copied(sender, copy, self._holders()):
+            await self._send_audit(req)
+
+    async def _send_audit(self, req: AuditRequest) -> None:
+        for m in self._registry.live_standbys():
+            if (m.first, m.last) == (req.first, req.last) and m.node != req.accused:
+                assert self.audits is not None  # requests come from the hub
+                self.audits.asked(m.node, req)
+                try:
+                    await m.conn.send(req)
+                except TransportError as exc:
+                    log.warning(
+                        "scheduler: audit of %s not sent to %s: %s", req.accused, m.node, exc
+                    )
+                return
+        log.warning(
+            "scheduler: no standby holds [%d, %d); audit of %s skipped",
+            req.first,
+            req.last,
+            req.accused,
+        )
+
+    async def _verdict(self, node: NodeName, verdict: AuditVerdict) -> None:
+        """A verdict from ``node``'s control link: taken only as the answer to a request
+        sent to it (a node cannot accuse another on its own word)."""
+        if self.audits is None or not self.audits.answered(node, verdict):
+            log.warning("scheduler: %s sent a verdict nobody asked it for; ignored", node)
+            return
+        await self.audited(verdict)
+
+    async def audited(self, verdict: AuditVerdict) -> None:
+        """An auditor's verdict on a ring node. A failed audit is a strike; at ``audit.strikes``
+        the node is evicted: declared dead and replaced by a standby exactly as after a crash
+        (the predecessor replays its log, so no committed token is lost)."""
+        evict = self.strikes.record(verdict)
+        if verdict.ok:
+            log.info(
+                "scheduler: audit of %s (session %d, chunk %d) by %s: ok (%s)",
+                verdict.accused, verdict.session, verdict.index, verdict.auditor, verdict.detail,
+            )  # fmt: skip
+            return
+        node = verdict.accused
+        note = f"{node} failed an audit ({verdict.detail}); strike {self.strikes.strikes(node)}"
+        log.warning("scheduler: %s", note)
+        await self._to_router.send(RingNote("audit", note))
+        member = self._registry.members.get(node)
+        if not evict or member is None or not member.alive:
+            return
+        member.alive = False
+        self._detector.forget(node)
+        log.warning("scheduler: %s evicted after failed audits", node)
+        await self._to_router.send(RingNote("audit", f"{node} evicted after failed audits"))
+        await self._problems_send.send(NodeDead(node, self._clock()))
+        await abandon(member.conn)
 
     # --- the watchdog and the recoverer ---------------------------------------------------
 

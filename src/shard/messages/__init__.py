@@ -19,6 +19,11 @@ integers travel back to the coordinator (direct return, one hop).
 
 from __future__ import annotations
 
+from shard.messages.audit import (
+    AuditCopy,
+    AuditRequest,
+    AuditVerdict,
+)
 from shard.messages.client import (
     EdgeStat,
     GenerateDone,
@@ -71,6 +76,7 @@ from shard.messages.ring import (
     Welcome,
 )
 from shard.messages.status import (
+    AuditCounts,
     DeviceStatus,
     EdgeStatus,
     EventRecord,
@@ -111,6 +117,9 @@ Message = (
     | ChunkData
     | ChunkMissing
     | StageReport
+    | AuditCopy
+    | AuditRequest
+    | AuditVerdict
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -141,6 +150,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ChunkData,
     ChunkMissing,
     StageReport,
+    AuditCopy,
+    AuditRequest,
+    AuditVerdict,
 )
 
 __all__ = [
@@ -150,6 +162,10 @@ __all__ = [
     "SESSION_BITS",
     "TENSOR_DTYPES",
     "Activate",
+    "AuditCopy",
+    "AuditCounts",
+    "AuditRequest",
+    "AuditVerdict",
     "ChunkData",
     "ChunkMissing",
     "ChunkRequest",

@@ -62,6 +62,16 @@ class EventRecord:
 
 
 @attrs.frozen
+class AuditCounts:
+    """Spot checks so far (``shard.failover.strikes``): audits answered, failed audits
+    (strikes) and stages evicted for them."""
+
+    audits: int = 0
+    strikes: int = 0
+    evictions: int = 0
+
+
+@attrs.frozen
 class StatusSnapshot:
     """The coordinator's view of the ring, published to monitors a few times a second.
 
@@ -99,6 +109,7 @@ class StatusSnapshot:
     standbys: tuple[NodeName, ...] = ()
     events: tuple[EventRecord, ...] = ()
     devices: tuple[DeviceStatus, ...] = ()  # the coordinator's GPUs (none without a driver)
+    audit: AuditCounts = AuditCounts()  # spot checks (all zero in a swarm that does not audit)
 
 
 @attrs.frozen

@@ -29,6 +29,7 @@ from shard.coordinator.service import complete
 from shard.decode.draft import (
     Drafter,
 )
+from shard.failover.audits import AuditHub
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
@@ -39,8 +40,10 @@ from shard.messages import (
     Hello,
     Message,
     NodeName,
+    SessionId,
     Welcome,
 )
+from shard.messages.audit import AuditCopy
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.drafter import make_drafter
@@ -55,6 +58,7 @@ from shard.transport import Connection, ConnectionClosed, Network, TransportErro
 from shard.transport.guard import IdleDeadline, PeerTooSlow, send_within, serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
+from shard.trust.mirror import MirrorNetwork
 from shard.trust.receipts import RunSigner
 
 log = logging.getLogger(__name__)
@@ -134,6 +138,7 @@ def _router(
     from_ring: trio.MemoryReceiveChannel[Message],
     control: trio.MemoryReceiveChannel[RingControl],
     sent_log: ReplayLog,
+    nonces: Callable[[SessionId], bytes] | None,
 ) -> tuple[Coordinator, Tokenizer]:
     """The coordinator's router and its tokenizer."""
     name = NodeName(spec.coordinator.name)
@@ -147,6 +152,7 @@ def _router(
         checkpoints=checkpoints,
         incarnation=secrets.randbits(20),
         sent_log=sent_log,
+        nonces=nonces,
         node=name,
         eos_ids=eos,
         to_ring=to_ring,
@@ -240,6 +246,7 @@ async def run_coordinator(
     failover = spec.failover
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     config = ModelConfig.from_dir(model_dir)
+    hub = AuditHub(spec.audit, name) if spec.audit.enabled else None  # spot checks
     coordinator, tokenizer = _router(
         spec,
         model_dir,
@@ -249,11 +256,17 @@ async def run_coordinator(
         from_ring=from_ring_recv,
         control=control_recv,
         sent_log=sent_log,
+        nonces=hub.nonce if hub is not None else None,
     )
+    scheduler_box: list[Scheduler] = []  # the ring link's copies go to the scheduler below
+
+    async def to_scheduler(copy: AuditCopy) -> None:
+        await scheduler_box[0].copied(name, copy)
+
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
-        network,
+        MirrorNetwork(network, to_scheduler) if spec.audit.enabled else network,
         _hello(spec, name, "coordinator"),
         replay_log=sent_log,
         records=False,
@@ -273,7 +286,10 @@ async def run_coordinator(
         ring_faults=faults_recv,
         policy=spec.failover,
         return_up=endpoint.up,
+        audit=spec.audit,
+        audits=hub,
     )
+    scheduler_box.append(scheduler)
     feed = StatusFeed(
         coordinator,
         swarm=spec.name,
@@ -281,6 +297,7 @@ async def run_coordinator(
         standbys=scheduler.standbys,
         send_timeout_s=spec.limits.message_timeout_s,
         devices=DeviceProbe(name).read,
+        audits=scheduler.audit_counts,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
     listener = _Listener(welcome, spec.limits, coordinator, tokenizer, scheduler, feed, endpoint)

@@ -13,11 +13,13 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from shard.failover.control import NodeReplaced
+from shard.model.llama import StageModel
 from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_stage, run_standby
 from shard.spec.swarm import SwarmSpec
 from shard.transport import DelayNetwork, MemoryNetwork, Network
@@ -62,6 +64,7 @@ async def run_swarm(
     wrap: Callable[[str, Network], Network] | None = None,
     scopes: dict[str, trio.CancelScope] | None = None,
     refused: trio.MemorySendChannel[str] | None = None,
+    wrap_block: Callable[[str, StageModel], StageModel] | None = None,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run every node of ``spec`` (stages, standbys, coordinator) in this process until
@@ -72,7 +75,8 @@ async def run_swarm(
     ``shard.failover.faults``). ``scopes``, when given, is filled with each node's cancel scope:
     cancelling one kills that node (its connections close, its state is gone). A node the
     scheduler refuses (replaced while frozen, then woken) ends alone, and its name goes to
-    ``refused`` when given.
+    ``refused`` when given. ``wrap_block(node, block)`` replaces the block a ring stage
+    runs (spot-check tests put a cheating stage in: ``shard.testing.cheating``).
 
     Long on purpose: it is a whole swarm's wiring, one node started after another, and reads
     best in one place.
@@ -94,10 +98,11 @@ async def run_swarm(
         nursery = await stack.enter_async_context(trio.open_nursery())
         for stage in spec.stages:
             scopes[stage.name] = trio.CancelScope()
+            run = run_stage if wrap_block is None else partial(run_stage, wrap_block=wrap_block)
             nursery.start_soon(
                 _node,
                 scopes[stage.name],
-                run_stage,
+                run,
                 spec,
                 stage.name,
                 nets,

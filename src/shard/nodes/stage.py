@@ -15,6 +15,7 @@ stage 0 succeeds, the ring is connected end to end.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from shard.model.config import ModelConfig
 from shard.model.device import TORCH_DTYPES, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
+from shard.nodes.auditing import auditing
 from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
@@ -119,7 +121,9 @@ class _StageNode:
     ) -> None:
         self._spec = spec
         self._name = NodeName(name)
-        self._network = network
+        model = block.model if block is not None else None
+        self._auditing = auditing(spec, name, network, model, supervised=supervised)
+        self._network = self._auditing.network  # mirrored when the swarm audits
         self._model_dir = model_dir
         self._listen = listen
         self._address = listen  # where upstream dials us (the bound address once serving)
@@ -265,6 +269,8 @@ class _StageNode:
             self._register,
             self._obey,
             faults=self._faults,
+            copies=self._auditing.copies,
+            on_audit=self._auditing.on_audit,
             heartbeat_s=failover.heartbeat_s,
             dead_after_s=failover.dead_after_s,
             connect_timeout_s=self._timeout_s,
@@ -336,6 +342,7 @@ async def run_stage(
     successor: str | None = None,
     startup_timeout_s: float = 120.0,
     supervised: bool = True,
+    wrap_block: Callable[[str, StageModel], StageModel] | None = None,
     task_status: trio.TaskStatus[StageHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run stage ``name`` of ``spec``: load its block, dial its successor, serve upstream.
@@ -352,6 +359,8 @@ async def run_stage(
         model_dir = (await fetch_stage(spec, name)).path
     config = ModelConfig.from_dir(model_dir)
     block = await _load(spec, name, model_dir, *spec.blocks(config.n_layers)[index])
+    if wrap_block is not None:  # tests only: a cheating stage (shard.testing.cheating)
+        block = attrs.evolve(block, model=wrap_block(name, block.model))
     me = _StageNode(
         spec,
         name,

@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from shard.messages import (
+    AuditCounts,
     DeviceStatus,
     EdgeStatus,
     EventRecord,
@@ -57,6 +58,9 @@ class StatusSource(Protocol):
     def event(self, kind: str, detail: str) -> None: ...
 
 
+_NO_AUDITS = AuditCounts()
+
+
 def build_snapshot(
     stats: CoordinatorStatistics,
     *,
@@ -67,6 +71,7 @@ def build_snapshot(
     started: float,
     standbys: Sequence[NodeName] = (),
     devices: Sequence[DeviceStatus] = (),
+    audit: AuditCounts = _NO_AUDITS,
 ) -> StatusSnapshot:
     """A ``StatusSnapshot`` of ``stats`` with edges and stages in the order of ``ring``.
 
@@ -103,6 +108,7 @@ def build_snapshot(
         standbys=tuple(standbys),
         events=tuple(EventRecord(e.at, e.kind, e.detail) for e in stats.events),
         devices=tuple(devices),
+        audit=audit,
     )
 
 
@@ -179,6 +185,7 @@ class StatusFeed:
         ring: Sequence[NodeName] | Callable[[], Sequence[NodeName]],
         standbys: Callable[[], Sequence[NodeName]] = tuple,
         devices: Callable[[], Sequence[DeviceStatus]] = tuple,
+        audits: Callable[[], AuditCounts] = AuditCounts,
         interval_s: float = DEFAULT_INTERVAL_S,
         wall_clock: Callable[[], float] = time.time,
         send_timeout_s: float = 30.0,
@@ -187,13 +194,15 @@ class StatusFeed:
         runs from the coordinator to the tail; ``standbys`` gives the standbys waiting;
         ``devices`` reads GPU telemetry (``shard.observe.devices.DeviceProbe.read``). A
         monitor that does not take a snapshot within ``send_timeout_s`` is cut (it stopped
-        reading: ``limits.message_timeout_s``)."""
+        reading: ``limits.message_timeout_s``). ``audits`` reads the spot-check counters
+        (the scheduler's strike book)."""
         self._source = source
         self._swarm = swarm
         fixed = () if callable(ring) else tuple(ring)
         self._ring: Callable[[], Sequence[NodeName]] = ring if callable(ring) else lambda: fixed
         self._standbys = standbys
         self._devices = devices
+        self._audits = audits
         self._interval_s = interval_s
         self._send_timeout_s = send_timeout_s
         self._wall_clock = wall_clock
@@ -220,6 +229,7 @@ class StatusFeed:
             started=self._started,
             standbys=self._standbys(),
             devices=self._devices(),
+            audit=self._audits(),
         )
 
     def _publish(self) -> None:

@@ -27,6 +27,7 @@ from typing import Final
 import attrs
 
 from shard.spec.api import API_KEYS, ApiSpec, read_api
+from shard.spec.audit import AUDIT_KEYS, AuditSpec, read_audit
 from shard.spec.device import DTYPES as DTYPES  # re-exported: the swarm's dtypes
 from shard.spec.device import DeviceSpec, check_device, check_dtype, check_dtypes, check_graphs
 from shard.spec.failover import (
@@ -88,6 +89,7 @@ _TOP_KEYS: Final = (
     "standby",
     "faults",
     "api",
+    "audit",
 )
 _SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
 
@@ -119,6 +121,7 @@ class SwarmSpec:
     standbys: tuple[StandbySpec, ...] = ()
     faults: tuple[FaultSpec, ...] = ()  # acted on by `shard swarm run` only
     api: ApiSpec = attrs.field(factory=ApiSpec)  # [api]: the HTTP API (shard.spec.api)
+    audit: AuditSpec = attrs.field(factory=AuditSpec)  # [audit]: spot checks (shard.spec.audit)
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -205,6 +208,7 @@ class SwarmSpec:
                 base_dir,
                 max_sessions=limits.max_sessions,
             ),
+            audit=read_audit(top.table("audit", AUDIT_KEYS, required=False)),
             source=source,
         )
 

@@ -240,6 +240,14 @@ def ring_text(snap: StatusSnapshot | None) -> Text:
     return text
 
 
+def _audit_line(snap: StatusSnapshot) -> str:
+    """Spot checks, once there are any (a swarm that does not audit shows nothing)."""
+    a = snap.audit
+    if not (a.audits or a.strikes or a.evictions):
+        return ""
+    return f"\naudits {a.audits}  strikes {a.strikes}  evictions {a.evictions}"
+
+
 def summary_text(snap: StatusSnapshot | None) -> Text:
     """The headline numbers: two lines, and one per GPU when the feed reports any."""
     if snap is None:
@@ -251,6 +259,7 @@ def summary_text(snap: StatusSnapshot | None) -> Text:
         f"  sessions {snap.sessions}\n"
         f"requests {snap.requests_done} done, {snap.requests_failed} failed"
         f"  tokens {snap.tokens}  standbys {standbys}"
+        + _audit_line(snap)
         + "".join(f"\n{st.device(d)}" for d in snap.devices),
         no_wrap=True,
         overflow="ellipsis",

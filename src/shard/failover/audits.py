@@ -1,0 +1,204 @@
+"""AuditHub: the scheduler's side of spot checks in a real swarm — per-session seeds, one
+sampler per (session, audited stage), fed from the neighbours' copies of ring chunks.
+
+Why this design (the smallest that is correct): the scheduler already knows the ring order,
+every node's block, and which standbys hold which block, and has a control link to each. So
+every node of a swarm that audits copies the ring chunks it sends and receives up its control
+link (``shard.trust.mirror``); the hub takes an audited stage's inputs from what its
+predecessor *sent* (the coordinator for stage 0) and its outputs from what its successor
+*received* — never from the stage itself. The seed of each session is drawn here when the job
+opens (the coordinator derives the job nonce from its commitment, so every receipt signs the
+commitment before any chunk is computed) and revealed only to the auditor: a standby holding
+the same block, which re-runs the chunk and answers with an ``AuditVerdict`` on its own control
+link. Strikes and eviction are ``StrikeBook`` and the splice, as for a crash.
+
+Whom it trusts: a verdict only from the standby it asked, for that chunk (``answered``);
+copies as the neighbours' word (the control link says who sent one, not that it is true: a
+lying neighbour can frame a stage; docs/security.md says so).
+
+What it does not audit: the tail (its output is token ids sent to the coordinator, checked by
+nobody else's copy); a stage for a session it joined mid-way (a spliced-in standby: its KV was
+rebuilt by replays, in other chunk shapes, so the replay the auditor would run differs); a
+session whose copies have a gap (a control link that went down). Costs: each activation
+crosses to the coordinator twice more (sent and received copies), and a stage waits for its
+copies to be queued.
+
+Pure and synchronous: ``copied`` returns the requests to send; the scheduler sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Final, cast
+
+import attrs
+
+from shard.messages import ChunkSeq, Epoch, NodeName, Prefill, SessionId
+from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
+from shard.spec.audit import AuditSpec
+from shard.trust.audit import audit_nonce, commit, new_seed
+from shard.trust.sampler import Accused, AuditSampler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AuditHub", "Holder"]
+
+#: Outputs held back waiting for their input's copy (the two arrive on different links).
+_EARLY_MAX: Final = 256
+#: Audit requests awaiting a verdict, at most.
+_ASKED_MAX: Final = 4096
+
+
+@attrs.frozen
+class Holder:
+    """A ring node as the hub sees it: its name, block, and the key its receipts name."""
+
+    node: NodeName
+    first: int
+    last: int
+    key: str = "00" * 32
+    device_class: str = "cpu"
+    dtype: str = "float32"
+
+
+@attrs.define
+class _Seen:
+    sampler: AuditSampler
+    complete: bool  # saw the session from its first chunk, with no gap since
+    started: bool = False  # its first input is in
+    early: list[AuditCopy] = attrs.field(factory=list)  # outputs whose input is not in yet
+
+
+class AuditHub:
+    """See the module docstring. ``coordinator`` names the node that feeds stage 0."""
+
+    def __init__(self, policy: AuditSpec, coordinator: NodeName) -> None:
+        self._policy = policy
+        self._coordinator = coordinator
+        self._seeds: dict[SessionId, bytes] = {}
+        self._seen: dict[tuple[SessionId, NodeName], _Seen] = {}
+        self._next: dict[NodeName, int] = {}
+        #: requests out, by (auditor, accused, session, chunk): only these are answered
+        self._asked: dict[tuple[NodeName, NodeName, int, int], None] = {}
+        self.copies = 0
+
+    def seed(self, session: SessionId) -> bytes:
+        """The session's seed, drawn on first use (the router asks when the job opens)."""
+        return self._seeds.setdefault(session, new_seed())
+
+    def asked(self, auditor: NodeName, req: AuditRequest) -> None:
+        """``req`` is going to ``auditor``: its verdict will be taken (the oldest of too many
+        unanswered requests is forgotten)."""
+        self._asked[(auditor, req.accused, req.session, req.index)] = None
+        while len(self._asked) > _ASKED_MAX:
+            del self._asked[next(iter(self._asked))]
+
+    def answered(self, auditor: NodeName, verdict: AuditVerdict) -> bool:
+        """Whether ``verdict`` answers a request this hub sent ``auditor`` (once): any other
+        is a node accusing on its own word, and is ignored."""
+        key = (auditor, verdict.accused, verdict.session, verdict.index)
+        if verdict.auditor != auditor or key not in self._asked:
+            return False
+        del self._asked[key]
+        return True
+
+    def nonce(self, session: SessionId) -> bytes:
+        """The job nonce for ``session``: derived from its seed's commitment
+        (``shard.trust.audit.audit_nonce``), so each stage's signed receipt fixes the
+        commitment before the stage computes anything."""
+        return bytes.fromhex(audit_nonce(commit(self.seed(session))))
+
+    def copied(
+        self, sender: NodeName, copy: AuditCopy, ring: Sequence[Holder]
+    ) -> list[AuditRequest]:
+        """Take ``sender``'s copy; the audit requests it makes due (for ``ring`` as it is)."""
+        self.copies += 1
+        if self._next.get(sender, copy.n) != copy.n:
+            log.warning("audit: copies from %s have a gap; its sessions are not audited", sender)
+            for (_, node), seen in self._seen.items():
+                seen.complete = seen.complete and node not in _neighbours(sender, ring)
+        self._next[sender] = copy.n + 1
+        if copy.kind == "end" and sender == self._coordinator:
+            self._seeds.pop(SessionId(copy.session), None)
+        names = [self._coordinator, *(h.node for h in ring)]
+        if sender not in names:
+            return []
+        at = names.index(sender)
+        if copy.side == "sent" and at + 1 < len(names):
+            accused = ring[at]  # names[at + 1]
+        elif copy.side == "received" and at >= 2:
+            accused = ring[at - 2]  # names[at - 1]
+        else:
+            return []
+        if accused.node == ring[-1].node:
+            return []  # the tail: its output is not a chunk anyone else receives
+        return self._feed(copy, accused)
+
+    def _feed(self, copy: AuditCopy, accused: Holder) -> list[AuditRequest]:
+        key = (SessionId(copy.session), accused.node)
+        if copy.kind == "end":
+            if copy.side == "sent":
+                self._seen.pop(key, None)
+            return []
+        seen = self._seen.get(key)
+        if copy.replay:
+            return []  # rebuilds a spliced-in node's KV; no receipt or audit counts it
+        if seen is None:
+            sampler = AuditSampler(
+                Accused(
+                    accused.node, accused.key, accused.first, accused.last,
+                    accused.device_class, accused.dtype,
+                ),
+                seed=self.seed(SessionId(copy.session)),
+                rate=self._policy.rate,
+            )  # fmt: skip
+            seen = self._seen[key] = _Seen(sampler, complete=True)
+        if copy.side == "sent":
+            if not seen.started:
+                seen.started, seen.complete = True, seen.complete and copy.start == 0
+            seen.sampler.input(_chunk(copy))
+            return self._drain(seen) if seen.complete else []
+        seen.early.append(copy)
+        if len(seen.early) > _EARLY_MAX:  # outputs with no input: the two streams disagree
+            log.warning("audit: %s sent chunks it was not given; not audited", accused.node)
+            seen.complete, seen.early = False, []
+        return self._drain(seen) if seen.complete else []
+
+    def _drain(self, seen: _Seen) -> list[AuditRequest]:
+        """Outputs in the order the successor received them, each once its input is in."""
+        out: list[AuditRequest] = []
+        while seen.early and seen.sampler.has_input(_chunk(seen.early[0])):
+            req = seen.sampler.output(_chunk(seen.early.pop(0)))
+            if req is not None:
+                out.append(req)
+        return out
+
+    def ended(self, session: SessionId) -> None:
+        """The session is over: forget its seed and samplers."""
+        self._seeds.pop(session, None)
+        for key in [k for k in self._seen if k[0] == session]:
+            del self._seen[key]
+
+
+def _neighbours(node: NodeName, ring: Sequence[Holder]) -> set[NodeName]:
+    """The ring nodes whose audits ``node``'s copies feed (its predecessor and successor)."""
+    names = [h.node for h in ring]
+    if node not in names:  # the coordinator: it feeds stage 0
+        return set(names[:1])
+    i = names.index(node)
+    return set(names[max(i - 1, 0) : i]) | set(names[i + 1 : i + 2])
+
+
+def _chunk(copy: AuditCopy) -> Prefill:
+    """A copied chunk as the sampler reads it (its kind does not enter the chain)."""
+    return Prefill(
+        session=SessionId(copy.session),
+        epoch=cast(Epoch, copy.epoch),
+        seq=cast(ChunkSeq, copy.seq),
+        start=copy.start,
+        final=False,
+        ids=copy.ids,
+        hidden=copy.hidden,
+        replay=copy.replay,
+    )

@@ -1,0 +1,58 @@
+"""Spot checks in a node process: what a stage or standby adds when its swarm audits.
+
+A swarm with ``[audit] enabled`` has every supervised stage copy its ring chunks up its control
+link (``shard.trust.mirror``; the scheduler's ``AuditHub`` says why) and every standby that
+holds a block answer audit requests for it (``shard.stage.auditor``). Without it, nothing here
+runs and the node's network is its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from shard.messages import NodeName
+from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
+from shard.model.llama import StageModel
+from shard.spec.swarm import SwarmSpec
+from shard.stage.auditor import audit_offloaded
+from shard.transport import Network
+from shard.trust.compose import signing_identity
+from shard.trust.mirror import MirrorNetwork
+
+
+@attrs.frozen
+class Auditing:
+    """A node's network (mirrored when the swarm audits), the copies its control link carries
+    (None: none), and how it answers an audit request (None: it cannot)."""
+
+    network: Network
+    copies: trio.MemoryReceiveChannel[AuditCopy] | None = None
+    on_audit: Callable[[AuditRequest], Awaitable[AuditVerdict]] | None = None
+
+
+def auditing(
+    spec: SwarmSpec, name: str, network: Network, model: StageModel | None, *, supervised: bool
+) -> Auditing:
+    """How node ``name`` takes part in spot checks (``model``: the block it holds, if any)."""
+    if not spec.audit.enabled or not supervised:  # no control link: nobody to copy to
+        return Auditing(network)
+    # Unbuffered: a ring send waits until its copy is on the control link's queue.
+    copies_send, copies = trio.open_memory_channel[AuditCopy](0)
+    mirrored = MirrorNetwork(network, copies_send.send)
+    if model is None:
+        return Auditing(mirrored, copies)
+    identity = signing_identity(spec, name)
+    limiter = trio.CapacityLimiter(1)  # a standby audits; once in the ring it is sent none
+    device_class = "cuda" if model.device.type == "cuda" else "cpu"
+
+    async def on_audit(req: AuditRequest) -> AuditVerdict:
+        return await audit_offloaded(
+            model, req, node=NodeName(name), identity=identity, device_class=device_class,
+            policy=spec.audit, limiter=limiter, now=int(time.time()),
+        )  # fmt: skip
+
+    return Auditing(mirrored, copies, on_audit)

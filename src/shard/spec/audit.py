@@ -1,0 +1,56 @@
+"""Spot checks in a swarm spec: the ``[audit]`` table.
+
+```toml
+[audit]
+enabled = true            # audit in a real swarm (absent or false: in-process taps only)
+rate = 0.05               # each chunk a stage sends is audited with this probability
+strikes = 2               # failed audits after which the scheduler evicts the stage
+sketch_dims = 256         # random-projection sketch size (mixed hardware or dtypes)
+cosine_threshold = 0.99   # a sketch's smallest per-row cosine must reach this
+```
+
+An absent table reads as these defaults. What the keys mean, and how the threshold was
+calibrated, is in ``docs/security.md`` (spot checks) and ``shard.trust.audit``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+
+from shard.spec.validate import Table
+
+AUDIT_KEYS: Final = ("enabled", "rate", "strikes", "sketch_dims", "cosine_threshold")
+
+
+@attrs.frozen
+class AuditSpec:
+    """Typed ``[audit]``: how often chunks are audited, how they are compared, and how many
+    failed audits evict a stage."""
+
+    rate: float = 0.05
+    #: nodes copy ring chunks to the scheduler, which has standbys audit them (nodes/audits)
+    enabled: bool = False
+    strikes: int = 2
+    sketch_dims: int = 256
+    cosine_threshold: float = 0.99
+
+
+def read_audit(table: Table) -> AuditSpec:
+    """Validate ``[audit]`` (absent: the defaults). Errors: ``SpecError`` naming the key."""
+    d = AuditSpec()
+    spec = AuditSpec(
+        rate=table.number("rate", default=d.rate),
+        enabled=table.boolean("enabled", default=d.enabled),
+        strikes=table.integer("strikes", default=d.strikes, minimum=1),
+        sketch_dims=table.integer("sketch_dims", default=d.sketch_dims, minimum=1),
+        cosine_threshold=table.number("cosine_threshold", default=d.cosine_threshold),
+    )
+    if not 0.0 <= spec.rate <= 1.0:
+        raise table.error("rate", f"must be in [0, 1] (a probability), not {spec.rate}")
+    if spec.sketch_dims > 65536:
+        raise table.error("sketch_dims", f"must be at most 65536, not {spec.sketch_dims}")
+    if not 0.0 < spec.cosine_threshold <= 1.0:
+        raise table.error("cosine_threshold", f"must be in (0, 1], not {spec.cosine_threshold}")
+    return spec

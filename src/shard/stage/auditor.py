@@ -1,0 +1,260 @@
+"""Auditor: re-runs a sampled chunk of another stage's block and says whether it told the truth.
+
+Any node holding the same block can audit (a standby, a spare, a dedicated auditor). For each
+``AuditRequest`` it builds a fresh KV cache, replays the session's earlier chunks into it (the
+ones the predecessor's replay log keeps: same inputs, same shapes, same order, so the KV is the
+one an honest stage would hold), runs the audited chunk, and compares its output with the
+claimed one (``shard.trust.audit.compare``: bit-exact when both ends declare the same device
+class and dtype, else by seeded sketch). A failed audit comes back with signed ``Evidence``
+(``shard.trust.evidence``) that anyone can check offline.
+
+``audit_chunk`` is the synchronous core (tests call it directly); ``Auditor`` is the actor
+around it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+import trio
+
+from shard.messages import NodeName
+from shard.messages.audit import AuditedChunk, AuditRequest, AuditVerdict, Evidence
+from shard.model.llama import StageModel
+from shard.spec.audit import AuditSpec
+from shard.stage import offload
+from shard.stage.tensors import to_wire
+from shard.trust.audit import blob_of, compare, tensor_of, wire_of
+from shard.trust.evidence import sign_evidence
+from shard.trust.identity import NodeIdentity
+
+_DEFAULT = AuditSpec()
+
+__all__ = [
+    "Auditor",
+    "AuditorStatistics",
+    "audit_chunk",
+    "audit_offloaded",
+    "dtype_name",
+    "recompute",
+]
+
+
+class AuditFailed(Exception):
+    """A request the auditor cannot run (another block, a malformed chunk)."""
+
+
+def dtype_name(model: StageModel) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+def _input(model: StageModel, chunk: AuditedChunk) -> torch.Tensor:
+    if chunk.hidden is None:
+        return torch.tensor([chunk.ids], dtype=torch.int64, device=model.device)  # [1, S]
+    try:
+        hidden = tensor_of(chunk.hidden)
+    except ValueError as exc:
+        raise AuditFailed(f"bad hidden payload in an audit request: {exc}") from None
+    return hidden.to(model.device, model.dtype)  # [1, S, D]
+
+
+def recompute(
+    model: StageModel, prior: Sequence[AuditedChunk], chunk: AuditedChunk
+) -> torch.Tensor:
+    """``chunk``'s output on ``model`` after replaying ``prior`` into a fresh cache."""
+    every = (*prior, chunk)
+    end = max(c.start + int(_input(model, c).shape[1]) for c in every)
+    cache = model.new_cache(min(end, model.config.max_position_embeddings))
+    with torch.inference_mode():
+        for c in prior:
+            model(_input(model, c), c.start, cache)
+        return model(_input(model, chunk), chunk.start, cache)
+
+
+def audit_chunk(
+    model: StageModel,
+    req: AuditRequest,
+    *,
+    node: NodeName,
+    identity: NodeIdentity,
+    device_class: str,
+    policy: AuditSpec = _DEFAULT,
+    now: int = 0,
+) -> AuditVerdict:
+    """Recompute and compare one chunk; a failure carries signed evidence.
+
+    Errors: ``AuditFailed`` for a request of another block or with malformed inputs."""
+    if (model.first, model.last) != (req.first, req.last):
+        raise AuditFailed(
+            f"{node} holds layers [{model.first}, {model.last}), not [{req.first}, {req.last})"
+        )
+    out = recompute(model, req.prior, req.chunk)
+    # A float64 auditor (a reference run) reports in float32: evidence holds wire dtypes only.
+    recomputed = to_wire(out.float() if out.dtype == torch.float64 else out)
+    exact = (req.device_class, req.dtype) == (device_class, dtype_name(model))
+    seed = bytes.fromhex(req.seed)
+    try:
+        claimed = wire_of(req.claimed)
+    except ValueError as exc:
+        raise AuditFailed(str(exc)) from None
+    result = compare(
+        claimed,
+        recomputed,
+        exact=exact,
+        seed=seed,
+        dims=policy.sketch_dims,
+        threshold=policy.cosine_threshold,
+    )
+    evidence = None
+    if not result.ok:
+        evidence = sign_evidence(
+            Evidence(
+                accused=req.accused,
+                accused_key=req.accused_key,
+                first=req.first,
+                last=req.last,
+                session=req.session,
+                index=req.index,
+                commitment=req.commitment,
+                seed=req.seed,
+                prior=req.prior,
+                chunk=req.chunk,
+                claimed=req.claimed,
+                recomputed=blob_of(recomputed),
+                method=result.method,
+                rate=req.rate,
+                dims=policy.sketch_dims,
+                threshold=policy.cosine_threshold,
+                cosine=result.cosine,
+                input_proof=req.input_proof,
+                output_proof=req.output_proof,
+                receipt=req.receipt,
+                auditor=node,
+                auditor_key=identity.public.hex(),
+                signed_at=now,
+            ),
+            identity,
+        )
+    return AuditVerdict(
+        accused=req.accused,
+        auditor=node,
+        session=req.session,
+        index=req.index,
+        ok=result.ok,
+        method=result.method,
+        cosine=result.cosine,
+        detail=result.detail,
+        evidence=evidence,
+    )
+
+
+async def audit_offloaded(
+    model: StageModel,
+    req: AuditRequest,
+    *,
+    node: NodeName,
+    identity: NodeIdentity,
+    device_class: str,
+    policy: AuditSpec,
+    limiter: trio.CapacityLimiter,
+    now: int,
+) -> AuditVerdict:
+    """``audit_chunk`` in the forward pass's worker thread; a request that cannot be run comes
+    back as a verdict with ``ok`` True and ``method`` "error" (it accuses nobody)."""
+
+    def work() -> AuditVerdict:
+        return audit_chunk(
+            model, req, node=node, identity=identity, device_class=device_class,
+            policy=policy, now=now,
+        )  # fmt: skip
+
+    try:
+        return await offload.run_sync(work, limiter=limiter)
+    except AuditFailed as exc:
+        return AuditVerdict(
+            req.accused, node, req.session, req.index, True, "error", None, str(exc)
+        )
+
+
+@attrs.frozen
+class AuditorStatistics:
+    """Counters of one auditor: audits run, failed, and requests it could not run."""
+
+    audits: int
+    failed: int
+    errors: int
+
+
+class Auditor:
+    """Answers each ``AuditRequest`` from ``requests`` with an ``AuditVerdict`` on ``verdicts``.
+
+    The recomputation runs in the forward pass's worker thread behind ``limiter`` (share the
+    node's limiter: an auditor that is also a standby must not race its own stage).
+
+    Cancellation: cancelling ``run`` abandons the audit in progress after its thread returns.
+    Errors: a request the auditor cannot run (another block, a malformed payload) is logged
+    as a verdict with ``ok`` True and ``method`` "error" — an unrunnable audit accuses nobody
+    — and counted in ``statistics().errors``; bugs propagate. A closed ``requests`` ends
+    ``run``.
+    """
+
+    def __init__(
+        self,
+        model: StageModel,
+        *,
+        node: NodeName,
+        identity: NodeIdentity,
+        device_class: str,
+        requests: trio.MemoryReceiveChannel[AuditRequest],
+        verdicts: trio.MemorySendChannel[AuditVerdict],
+        policy: AuditSpec = _DEFAULT,
+        limiter: trio.CapacityLimiter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._model = model
+        self._node = node
+        self._identity = identity
+        self._device_class = device_class
+        self._requests = requests
+        self._verdicts = verdicts
+        self._policy = policy
+        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        self._clock = clock
+        self._audits = self._failed = self._errors = 0
+
+    def statistics(self) -> AuditorStatistics:
+        return AuditorStatistics(self._audits, self._failed, self._errors)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self._requests, self._verdicts:
+            task_status.started()
+            async for req in self._requests:
+                await self._verdicts.send(await self._one(req))
+
+    async def _one(self, req: AuditRequest) -> AuditVerdict:
+        now = int(self._clock())
+
+        def work() -> AuditVerdict:
+            return audit_chunk(
+                self._model,
+                req,
+                node=self._node,
+                identity=self._identity,
+                device_class=self._device_class,
+                policy=self._policy,
+                now=now,
+            )
+
+        self._audits += 1
+        try:
+            verdict = await offload.run_sync(work, limiter=self._limiter)
+        except AuditFailed as exc:
+            self._errors += 1
+            return AuditVerdict(
+                req.accused, self._node, req.session, req.index, True, "error", None, str(exc)
+            )
+        self._failed += not verdict.ok
+        return verdict

@@ -1,0 +1,206 @@
+"""Cheating stages for tests of spot checks (re-exported by ``shard.testing``; never imported
+by production code — ``tests/test_import_boundaries.py`` enforces it).
+
+A ``CheatingBlock`` wraps a real ``StageModel`` and lies in one of the ways a dishonest stage
+could, while still signing perfectly valid receipts (it computes, and writes its KV, honestly
+underneath, so its lies are only in what it sends on):
+
+==================  ==========================================================================
+``skip_layer``      the block's last layer is skipped
+``noise``           small Gaussian noise (``noise`` x the output's std) is added
+``identity``        the input is sent on unchanged (the block did nothing)
+``stale``           the previous chunk's output is replayed (when the shapes allow)
+``one_in_n``        lies (``lie``, default noise) on one chunk in ``every``, honest otherwise
+``when_unaudited``  lies (``lie``) only when no audit was seen in the last ``window`` chunks
+==================  ==========================================================================
+
+``when_unaudited`` models a stage that somehow learns when it was audited: the test calls
+``audited()`` for each chosen chunk. Audits are chosen by a seed the stage never sees, so
+honesty right after an audit buys it nothing about the next chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, cast
+
+import torch
+import trio
+
+from shard.messages import Hello, Message
+from shard.messages.audit import AuditRequest
+from shard.model.kvcache import KVCache
+from shard.model.llama import StageModel
+from shard.transport import Connection, Network
+from shard.transport.base import Handler, NetworkBase
+from shard.trust.sampler import AuditSampler
+
+__all__ = ["CHEATS", "AuditTap", "CheatingBlock", "cheating"]
+
+CHEATS: Final = ("skip_layer", "noise", "identity", "stale", "one_in_n", "when_unaudited")
+_BASE_LIES: Final = ("skip_layer", "noise", "identity", "stale")
+
+
+class CheatingBlock:
+    """A real block that lies (see the module docstring); every attribute but the call is the
+    wrapped block's, so a ``StageExecutor`` runs it as it runs a ``StageModel``."""
+
+    def __init__(
+        self,
+        inner: StageModel,
+        kind: str,
+        *,
+        lie: str = "noise",
+        every: int = 4,
+        window: int = 8,
+        noise: float = 1e-3,
+        seed: int = 0,
+    ) -> None:
+        if kind not in CHEATS or lie not in _BASE_LIES:
+            raise ValueError(f"unknown cheat {kind!r}/{lie!r}; kinds: {', '.join(CHEATS)}")
+        if kind in ("identity", "skip_layer") and inner.is_first:
+            raise ValueError(f"{kind}: a first stage's input is token ids; cheat a later one")
+        self._inner = inner
+        self.kind = kind
+        self._lie_kind = kind if kind in _BASE_LIES else lie
+        self._every = every
+        self._window = window
+        self._noise = noise
+        self._gen = torch.Generator().manual_seed(seed)
+        self._last: torch.Tensor | None = None
+        self._since_audit = window  # nothing audited yet
+        self.calls = 0
+        self.lies = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def audited(self, *_: object) -> None:
+        """An audit was seen (``when_unaudited`` stays honest for ``window`` chunks)."""
+        self._since_audit = 0
+
+    def _lies_now(self) -> bool:
+        if self.kind == "one_in_n":
+            return self.calls % self._every == 0
+        if self.kind == "when_unaudited":
+            return self._since_audit >= self._window
+        return True
+
+    def __call__(self, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        self.calls += 1
+        honest = self._inner(x, start, cache)
+        lying = self._lies_now()
+        self._since_audit += 1
+        out = self._lie(x, start, cache, honest) if lying else None
+        self._last = honest
+        if out is None:
+            return honest
+        self.lies += 1
+        return out
+
+    def _lie(
+        self, x: torch.Tensor, start: int, cache: KVCache, honest: torch.Tensor
+    ) -> torch.Tensor | None:
+        kind = self._lie_kind
+        if kind == "identity":
+            return x.clone()
+        if kind == "stale":
+            last = self._last
+            return last.clone() if last is not None and last.shape == honest.shape else None
+        if kind == "noise":
+            scale = float(honest.float().std()) * self._noise
+            noise = torch.randn(honest.shape, generator=self._gen) * scale
+            return honest + noise.to(honest.dtype)
+        return self._skip_last_layer(x, start, cache)
+
+    def _skip_last_layer(self, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """The block's forward with its last layer left out (a middle block only)."""
+        m = self._inner
+        s = int(x.shape[1])
+        cos, sin = m.rope_cos[start : start + s], m.rope_sin[start : start + s]  # [S, Dh/2]
+        rope = (cos.to(x.dtype), sin.to(x.dtype))
+        mask = m._mask(start, s, x.device)
+        h = x
+        with torch.inference_mode():
+            for j, layer in enumerate(list(m.layers)[:-1]):
+                h = layer(h, rope, mask, cache, j, start)
+        return h
+
+
+def cheating(inner: StageModel, kind: str, **kw: Any) -> StageModel:
+    """``CheatingBlock(inner, kind, **kw)`` typed as the block it stands in for."""
+    return cast(StageModel, CheatingBlock(inner, kind, **kw))
+
+
+class AuditTap:
+    """Spot checks on one in-process stage, fed from the traffic itself: ``run_swarm``'s
+    ``wrap`` hook. What ``upstream`` sends on its ring link into ``accused_address`` goes to
+    ``sampler.input`` (the predecessor's view, as its replay log keeps it); what ``accused``
+    sends on its ring link goes to ``sampler.output``, and each request the sampler makes is
+    sent to ``requests`` (an auditor's inbox). The production coordinator does not yet
+    collect these itself (docs/security.md, spot checks: what is wired)."""
+
+    def __init__(
+        self,
+        sampler: AuditSampler,
+        requests: trio.MemorySendChannel[AuditRequest],
+        *,
+        upstream: str,
+        accused: str,
+        accused_address: str,
+    ) -> None:
+        self._sampler = sampler
+        self._requests = requests
+        self._upstream = upstream
+        self._accused = accused
+        self._address = accused_address
+
+    def wrap(self, node: str, network: Network) -> Network:
+        return _TapNetwork(network, self, node)  # every node: run_swarm enters each wrapper
+
+    async def sent(self, node: str, address: str, msg: Message) -> None:
+        if node == self._upstream and address == self._address:
+            self._sampler.input(msg)
+        elif node == self._accused:
+            req = self._sampler.output(msg)
+            if req is not None:
+                await self._requests.send(req)
+
+
+class _TapNetwork(NetworkBase):
+    def __init__(self, inner: Network, tap: AuditTap, node: str) -> None:
+        self._inner, self._tap, self._node = inner, tap, node
+
+    async def dial(self, address: str) -> Connection:
+        return _TapConnection(await self._inner.dial(address), self._tap, self._node, address)
+
+    async def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self._inner.serve(address, handler, task_status=task_status)
+
+
+class _TapConnection:
+    def __init__(self, inner: Connection, tap: AuditTap, node: str, address: str) -> None:
+        self._inner, self._tap, self._node, self._address = inner, tap, node, address
+        self._ring = False
+
+    @property
+    def peer(self) -> str:
+        return self._inner.peer
+
+    async def receive(self) -> Message:
+        return await self._inner.receive()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def send(self, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._ring = msg.link == "ring"
+        elif self._ring:
+            await self._tap.sent(self._node, self._address, msg)
+        await self._inner.send(msg)

@@ -1,0 +1,89 @@
+"""Shared set-up for the spot-check tests: a tiny model cut into a head block and an audited
+middle block, and a driver that pushes one session through them as the ring would — the
+head's hidden states into the accused, the accused's output on — with an ``AuditSampler``
+watching both edges, as the coordinator's does."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+
+from shard.messages import NodeName, OpenSession, SessionId, Verify
+from shard.messages.audit import AuditRequest
+from shard.model.llama import StageModel
+from shard.stage.tensors import from_wire, to_wire
+from shard.trust.audit import audit_nonce
+from shard.trust.identity import NodeIdentity
+from shard.trust.receipts import ReceiptSigner
+from shard.trust.sampler import Accused, AuditSampler
+
+MAX_LEN = 512
+PROMPT = 4  # the first chunk of a session: 4 prompt positions, then 1-token decode chunks
+ACCUSED_KEY = NodeIdentity.from_seed(b"\x01" * 32)
+AUDITOR_KEY = NodeIdentity.from_seed(b"\x02" * 32)
+
+
+def accused_record(block: StageModel, dtype: str = "float32") -> Accused:
+    return Accused(NodeName("s1"), ACCUSED_KEY.public.hex(), block.first, block.last, "cpu", dtype)
+
+
+@attrs.define
+class Driver:
+    """Pushes sessions through ``head`` -> ``accused`` (see the module docstring)."""
+
+    head: StageModel
+    accused: StageModel
+    sampler: AuditSampler
+    signer: ReceiptSigner | None = None
+
+    def session(
+        self,
+        session: int,
+        rng: random.Random,
+        *,
+        chunks: int,
+        stop: Callable[[AuditRequest], bool] = lambda r: False,
+    ) -> list[AuditRequest]:
+        """Run ``chunks`` chunks (a prompt chunk, then decode chunks); return the requests
+        the sampler made, stopping early when ``stop(request)`` says so."""
+        sid = SessionId(session)
+        vocab = self.head.config.vocab_size
+        cache0, cache1 = self.head.new_cache(MAX_LEN), self.accused.new_cache(MAX_LEN)
+        nonce = audit_nonce(self.sampler.commitment)
+        opened = OpenSession(sid, MAX_LEN, job="ab" * 16, nonce=nonce)
+        self.sampler.input(opened)
+        if self.signer is not None:
+            self.signer.opened(sid, opened.job, opened.nonce)
+        out: list[AuditRequest] = []
+        start = 0
+        for seq in range(chunks):
+            ids = [rng.randrange(vocab) for _ in range(PROMPT if seq == 0 else 1)]
+            with torch.inference_mode():
+                h = self.head(torch.tensor([ids]), start, cache0)  # [1, S, D]
+            msg = Verify(sid, 0, seq, start, hidden=to_wire(h))  # type: ignore[arg-type]
+            self.sampler.input(msg)
+            with torch.inference_mode():
+                y = self.accused(from_wire(msg.hidden), start, cache1)  # type: ignore[arg-type]
+            sent = attrs.evolve(msg, hidden=to_wire(y))
+            if self.signer is not None:
+                assert msg.hidden is not None and sent.hidden is not None
+                self.signer.received(sid, 0, seq, start, msg.hidden.data)
+                self.signer.sent(sid, 0, seq, start, sent.hidden.data, 0.0)
+            req = self.sampler.output(sent)
+            start += len(ids)
+            if req is not None:
+                out.append(req)
+                if stop(req):
+                    break
+        return out
+
+
+def tiny_blocks(model_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[StageModel, ...]:
+    """(head [0, 2), middle [2, 4)) of the 6-layer tiny model, in ``dtype``."""
+    from shard.model.loader import load_stage
+
+    return load_stage(model_dir, 0, 2, dtype=dtype), load_stage(model_dir, 2, 4, dtype=dtype)

@@ -1,0 +1,226 @@
+"""A cheating stage in an in-process swarm is audited, struck twice, evicted and replaced by its
+hot standby mid-request; every request's output is identical to the single-process reference.
+
+In virtual time with compute inline, like ``tests/test_failover.py`` (whose swarm this reuses):
+s1 adds small noise to every chunk it sends on (caught bit-exactly, too small to change a
+greedy token), an ``AuditTap`` feeds the sampler from s0's and s1's ring traffic, an
+``Auditor`` holding s1's block re-runs the chosen chunks, and its verdicts go to the scheduler.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from shard.coordinator.router import Completion
+from shard.failover.strikes import StrikeBook
+from shard.messages import NodeName
+from shard.messages.audit import AuditRequest, AuditVerdict
+from shard.model.llama import StageModel
+from shard.model.loader import load_stage
+from shard.nodes.inprocess import run_swarm
+from shard.spec.audit import AuditSpec
+from shard.stage.auditor import Auditor
+from shard.stage.offload import inline_compute
+from shard.testing import AuditTap, cheating
+from shard.transport import MemoryNetwork
+from shard.trust.audit import audit_nonce, commit
+from shard.trust.evidence import EvidencePins, verify_evidence
+from shard.trust.identity import NodeIdentity
+from shard.trust.sampler import Accused, AuditSampler
+from test_failover import MAX_TOKENS, PROMPTS, failover_spec
+from test_failover import model_dir as model_dir
+from test_failover import references as references
+
+POLICY = AuditSpec(rate=0.25, strikes=2)
+SEED = 18
+
+
+def test_cheater_is_evicted_and_replaced_with_identical_output(
+    model_dir: Path,
+    references: list[tuple[int, ...]],
+) -> None:
+    """Two failed audits evict s1; its standby takes over; outputs equal the reference."""
+    spec = attrs.evolve(failover_spec(model_dir), audit=POLICY)
+    auditor_key = NodeIdentity.from_seed(b"\x05" * 32)
+    s1 = spec.stages[1]
+    block = load_stage(model_dir, 2, 4)
+    sampler = AuditSampler(
+        Accused(NodeName("s1"), "00" * 32, 2, 4, "cpu", "float32"),
+        seed=random.Random(SEED).randbytes(32),
+        rate=POLICY.rate,
+    )
+    results: list[Completion] = []
+    verdicts: list[AuditVerdict] = []
+
+    def wrap_block(name: str, model: StageModel) -> StageModel:
+        return cheating(model, "noise", noise=1e-4, seed=SEED) if name == "s1" else model
+
+    async def main() -> None:
+        req_send, req_recv = trio.open_memory_channel[AuditRequest](
+            64
+        )  # audits queue, sends don't wait
+        ver_send, ver_recv = trio.open_memory_channel[AuditVerdict](0)
+        tap = AuditTap(
+            sampler, req_send, upstream="s0", accused="s1", accused_address=str(s1.listen)
+        )
+        auditor = Auditor(
+            block,
+            node=NodeName("auditor"),
+            identity=auditor_key,
+            device_class="cpu",
+            requests=req_recv,
+            verdicts=ver_send,
+            policy=POLICY,
+        )
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(
+                    partial(
+                        run_swarm,
+                        spec,
+                        model_dir=model_dir,
+                        network=MemoryNetwork(),
+                        wrap=tap.wrap,
+                        wrap_block=wrap_block,
+                    )
+                )
+                scheduler = handle.scheduler
+                assert scheduler is not None
+                await nursery.start(auditor.run)
+
+                async def judge() -> None:
+                    async for v in ver_recv:
+                        verdicts.append(v)
+                        await scheduler.audited(v)
+
+                nursery.start_soon(judge)
+
+                async def one(i: int) -> None:
+                    results.append(
+                        await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
+                    )
+
+                async with trio.open_nursery() as requests:
+                    for i in range(len(PROMPTS)):
+                        requests.start_soon(one, i)
+                stats = scheduler.statistics()
+                nursery.cancel_scope.cancel()
+        recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
+        print(f"seed {SEED}: audits {stats.audits}, recoveries {recoveries}")
+        assert ("hot", "s1", "s1-standby") in recoveries
+        assert stats.audits.evictions == 1 and stats.audits.strikes >= POLICY.strikes
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(r.token_ids for r in results) == sorted(references)
+    failed = [v for v in verdicts if not v.ok]
+    assert failed and all(v.accused == "s1" and v.method == "exact" for v in failed)
+    assert all(v.ok for v in verdicts if v.accused != "s1")
+    evidence = failed[0].evidence
+    assert evidence is not None
+    checked = verify_evidence(evidence, EvidencePins(auditor=auditor_key.public))
+    assert not checked.bound  # evicted mid-request: no receipt, the auditor's word
+
+
+def test_strike_book_evicts_once_at_the_limit_and_ignores_unrunnable_audits() -> None:
+    """Strikes count failed audits only; the node is evicted once, at ``strikes``."""
+    book = StrikeBook(2)
+
+    def verdict(ok: bool, method: str = "exact") -> AuditVerdict:
+        return AuditVerdict(NodeName("s1"), NodeName("a"), 1, 0, ok, method, None, "")
+
+    assert not book.record(verdict(True))
+    assert not book.record(verdict(True, "error"))
+    assert not book.record(verdict(False))
+    assert book.record(verdict(False))
+    assert not book.record(verdict(False))  # already evicted
+    stats = book.statistics()
+    assert (stats.audits, stats.strikes, stats.evictions) == (5, 3, 1)
+
+
+def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
+    model_dir: Path,
+    references: list[tuple[int, ...]],
+) -> None:
+    """``[audit] enabled``, no test tap: the nodes' copies, the scheduler's hub and the
+    standbys' auditors (the production wiring, in one process) evict s1; s0 passes every
+    audit; every output equals the reference."""
+    policy = AuditSpec(enabled=True, rate=1.0, strikes=2)
+    spec = attrs.evolve(failover_spec(model_dir), audit=policy)
+    results: list[Completion] = []
+
+    def wrap_block(name: str, model: StageModel) -> StageModel:
+        return cheating(model, "noise", noise=1e-4, seed=SEED) if name == "s1" else model
+
+    async def main() -> None:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(
+                    partial(
+                        run_swarm,
+                        spec,
+                        model_dir=model_dir,
+                        network=MemoryNetwork(),
+                        wrap_block=wrap_block,
+                    )
+                )
+                scheduler = handle.scheduler
+                assert scheduler is not None
+
+                async def one(i: int) -> None:
+                    results.append(
+                        await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
+                    )
+
+                async with trio.open_nursery() as requests:
+                    for i in range(len(PROMPTS)):
+                        requests.start_soon(one, i)
+                stats = scheduler.statistics()
+                nursery.cancel_scope.cancel()
+        recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
+        print(f"audits {stats.audits}, recoveries {recoveries}")
+        assert ("hot", "s1", "s1-standby") in recoveries
+        assert stats.audits.evictions == 1
+        assert dict(stats.audits.by_node) == {NodeName("s1"): stats.audits.strikes}
+        assert stats.audits.audits > stats.audits.strikes  # s0's passed audits counted too
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(r.token_ids for r in results) == sorted(references)
+
+
+def test_an_auditing_coordinator_derives_the_job_nonce_from_the_seed_commitment(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``[audit] enabled`` the run receipt and every stage receipt sign
+    ``audit_nonce(commit(seed))``: the seed was fixed before any chunk was computed."""
+    seed = random.Random(SEED).randbytes(32)
+    monkeypatch.setattr("shard.failover.audits.new_seed", lambda: seed)
+    spec = attrs.evolve(
+        failover_spec(model_dir), audit=AuditSpec(enabled=True, rate=0.5, strikes=2)
+    )
+    done: list[Completion] = []
+
+    async def main() -> None:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(
+                    partial(run_swarm, spec, model_dir=model_dir, network=MemoryNetwork())
+                )
+                done.append(
+                    await handle.coordinator.generate(
+                        PROMPTS[0], max_tokens=MAX_TOKENS, receipt=True
+                    )
+                )
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    receipt = done[0].receipt
+    assert receipt is not None
+    assert receipt.nonce == audit_nonce(commit(seed))
+    assert receipt.stages and all(s.nonce == receipt.nonce for s in receipt.stages)
