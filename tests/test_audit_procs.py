@@ -39,6 +39,10 @@ async def test_a_cheating_stage_process_is_evicted_and_replaced_with_identical_o
     with spec.open("a", encoding="utf-8") as f:  # spare0 audits the honest s0 meanwhile
         f.write(f'[[standby]]\nname = "spare0"\nlisten = "{LOOPBACK}:{port}"\nlayers_of = "s0"\n')
         f.write("[audit]\nenabled = true\nrate = 1.0\nstrikes = 2\n")
+    # Batching off, so audits are bit-exact and catch noise too small to change a token (a
+    # batched forward matches a lone recomputation only to rounding: audits then use the
+    # sketch, which such noise passes; tests/test_audit_swarm.py covers that case).
+    spec.write_text(spec.read_text().replace("[limits]\n", "[limits]\nmax_batch_rows = 1\n", 1))
     reference = await local_reference(llama_dir)
     done = await run_python(
         RUNNER,

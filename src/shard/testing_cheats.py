@@ -118,7 +118,7 @@ class CheatingBlock:
         s = int(x.shape[1])
         cos, sin = m.rope_cos[start : start + s], m.rope_sin[start : start + s]  # [S, Dh/2]
         rope = (cos.to(x.dtype), sin.to(x.dtype))
-        mask = m._mask(start, s, x.device)
+        mask = m.causal_mask(start, s, x.device)
         h = x
         with torch.inference_mode():
             for j, layer in enumerate(list(m.layers)[:-1]):

@@ -73,9 +73,10 @@ class _Seen:
 class AuditHub:
     """See the module docstring. ``coordinator`` names the node that feeds stage 0."""
 
-    def __init__(self, policy: AuditSpec, coordinator: NodeName) -> None:
+    def __init__(self, policy: AuditSpec, coordinator: NodeName, *, batched: bool = False) -> None:
         self._policy = policy
         self._coordinator = coordinator
+        self._batched = batched  # stages batch across sessions: audits compare by sketch
         self._seeds: dict[SessionId, bytes] = {}
         self._seen: dict[tuple[SessionId, NodeName], _Seen] = {}
         self._next: dict[NodeName, int] = {}
@@ -148,7 +149,7 @@ class AuditHub:
             sampler = AuditSampler(
                 Accused(
                     accused.node, accused.key, accused.first, accused.last,
-                    accused.device_class, accused.dtype,
+                    accused.device_class, accused.dtype, self._batched,
                 ),
                 seed=self.seed(SessionId(copy.session)),
                 rate=self._policy.rate,

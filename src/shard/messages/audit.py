@@ -116,6 +116,9 @@ class AuditRequest:
     device_class: str
     dtype: str
     receipt: StageReceipt | None = None
+    #: the swarm batches chunks across sessions (``[limits] max_batch_rows`` > 1): a batched
+    #: forward's output matches a lone recomputation only to rounding, so never bit-exact
+    batched: bool = False
 
 
 @attrs.frozen

@@ -246,7 +246,8 @@ async def run_coordinator(
     failover = spec.failover
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     config = ModelConfig.from_dir(model_dir)
-    hub = AuditHub(spec.audit, name) if spec.audit.enabled else None  # spot checks
+    batched = spec.limits.max_batch_rows > 1  # then no audit can be bit-exact
+    hub = AuditHub(spec.audit, name, batched=batched) if spec.audit.enabled else None
     coordinator, tokenizer = _router(
         spec,
         model_dir,

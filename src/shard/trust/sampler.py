@@ -73,6 +73,7 @@ class Accused:
     last: int
     device_class: str
     dtype: str
+    batched: bool = False  # the swarm batches: compare by sketch (``AuditRequest.batched``)
 
 
 @attrs.define
@@ -200,4 +201,5 @@ class AuditSampler:
             device_class=a.device_class,
             dtype=a.dtype,
             receipt=receipt,
+            batched=a.batched,
         )
