@@ -14,6 +14,7 @@ import trio
 from shard.failover.rtt import RttTracker
 from shard.messages import Activate, NodeName, Ready, Register, Rewire
 from shard.transport import Connection, TransportError
+from shard.transport.guard import ProtocolViolation
 
 #: A spare standby's block: it holds none and loads the dead node's (the cold path).
 NO_BLOCK = (-1, -1)
@@ -142,6 +143,13 @@ class Registry:
     def standbys(self) -> tuple[NodeName, ...]:
         return tuple(m.node for m in self.live_standbys())
 
+    def auditor_for(self, first: int, last: int, accused: NodeName) -> Member | None:
+        """A live standby holding ``[first, last)`` that is not ``accused``, or None."""
+        for m in self.live_standbys():
+            if (m.first, m.last) == (first, last) and m.node != accused:
+                return m
+        return None
+
     def ring(self) -> tuple[NodeName, ...]:
         """Node names from the coordinator to the tail, as the ring stands now."""
         return (self.node, *(s.holder for s in self.slots))
@@ -173,4 +181,15 @@ class Registry:
         return self.slots[i + 1].address if i + 1 < len(self.slots) else self.return_address
 
 
-__all__ = ["NO_BLOCK", "Member", "RecoveryFailed", "Registry", "Slot"]
+def forward_reply(replies: trio.MemorySendChannel[Ready], reply: Ready, node: NodeName) -> None:
+    """Hand a member's ``Ready`` to the order waiting for it; replies come one per order, so
+    a full buffer means the member sent replies nobody asked for.
+
+    Errors: ``ProtocolViolation`` then (its control link is closed)."""
+    try:
+        replies.send_nowait(reply)
+    except trio.WouldBlock:
+        raise ProtocolViolation(f"{node} sent a Ready that no order asked for") from None
+
+
+__all__ = ["NO_BLOCK", "Member", "RecoveryFailed", "Registry", "Slot", "forward_reply"]

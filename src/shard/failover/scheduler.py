@@ -44,7 +44,7 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
-from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
+from shard.failover.registry import Member, RecoveryFailed, Registry, Slot, forward_reply
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
 from shard.failover.strikes import AuditStatistics, StrikeBook
@@ -64,7 +64,7 @@ from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.spec.audit import AuditSpec
 from shard.spec.failover import FailoverSpec
 from shard.transport import Connection, TransportError, abandon
-from shard.transport.guard import CONNECTION_ERRORS, ProtocolViolation
+from shard.transport.guard import CONNECTION_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class Scheduler:
             beat = isinstance(msg, Heartbeat)
             self._detector.heard(member.node, member.last_seen, heartbeat=beat)
             if isinstance(msg, Ready):
-                _forward_reply(replies, msg, member.node)
+                forward_reply(replies, msg, member.node)
             elif isinstance(msg, ProbeReply):
                 member.rtt.on_reply(msg)
             elif isinstance(msg, Fault):
@@ -285,23 +285,17 @@ class Scheduler:
             await self._send_audit(req)
 
     async def _send_audit(self, req: AuditRequest) -> None:
-        for m in self._registry.live_standbys():
-            if (m.first, m.last) == (req.first, req.last) and m.node != req.accused:
-                assert self.audits is not None  # requests come from the hub
-                self.audits.asked(m.node, req)
-                try:
-                    await m.conn.send(req)
-                except TransportError as exc:
-                    log.warning(
-                        "scheduler: audit of %s not sent to %s: %s", req.accused, m.node, exc
-                    )
-                return
-        log.warning(
-            "scheduler: no standby holds [%d, %d); audit of %s skipped",
-            req.first,
-            req.last,
-            req.accused,
-        )
+        m = self._registry.auditor_for(req.first, req.last, req.accused)
+        if m is None:
+            log.warning("scheduler: no standby holds [%d, %d); audit of %s skipped",
+                        req.first, req.last, req.accused)  # fmt: skip
+            return
+        assert self.audits is not None  # requests come from the hub
+        self.audits.asked(m.node, req)
+        try:
+            await m.conn.send(req)
+        except TransportError as exc:
+            log.warning("scheduler: audit of %s not sent to %s: %s", req.accused, m.node, exc)
 
     async def _verdict(self, node: NodeName, verdict: AuditVerdict) -> None:
         """A verdict from ``node``'s control link: taken only as the answer to a request
@@ -415,17 +409,6 @@ class Scheduler:
             problem.successor
         ):
             await self._problems_send.send(Relink(problem.node, problem.successor, problem.at))
-
-
-def _forward_reply(replies: trio.MemorySendChannel[Ready], reply: Ready, node: NodeName) -> None:
-    """Hand a member's ``Ready`` to the order waiting for it; replies come one per order, so
-    a full buffer means the member sent replies nobody asked for.
-
-    Errors: ``ProtocolViolation`` then (its control link is closed)."""
-    try:
-        replies.send_nowait(reply)
-    except trio.WouldBlock:
-        raise ProtocolViolation(f"{node} sent a Ready that no order asked for") from None
 
 
 __all__ = [
