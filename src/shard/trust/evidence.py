@@ -28,12 +28,12 @@ import re
 from typing import Any
 
 import attrs
-import cattrs
 
 from shard.messages import StageReceipt
 from shard.messages.audit import AuditedChunk, ChainProof, Evidence
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
 from shard.trust.audit import audit_nonce, commit, compare, is_audited, wire_of
+from shard.trust.canonical import from_canonical_json, to_canonical_json
 from shard.trust.identity import NodeIdentity, short, verify_signature
 from shard.trust.receipts import (
     RECEIPT_VERSION,
@@ -43,8 +43,6 @@ from shard.trust.receipts import (
     payload_of,
     stage_signed_bytes,
 )
-from shard.wire import converter
-from shard.wire.convert import explain
 
 __all__ = [
     "Checked",
@@ -121,36 +119,20 @@ def sign_evidence(evidence: Evidence, identity: NodeIdentity) -> Evidence:
 
 def evidence_to_json(evidence: Evidence) -> str:
     """The evidence file: every field, sorted keys, two-space indent, ASCII, and a newline."""
-    body = attrs.asdict(evidence, recurse=True)
-    return json.dumps(body, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n"
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise EvidenceInvalid(f"duplicate JSON key {key!r}")
-        out[key] = value
-    return out
+    return to_canonical_json(evidence)
 
 
 def evidence_from_json(text: str) -> Evidence:
     """Parse an evidence file, strictly (exactly what ``evidence_to_json`` writes).
 
     Errors: ``EvidenceInvalid`` saying what is wrong."""
-    try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
-    except ValueError as exc:
-        raise EvidenceInvalid(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise EvidenceInvalid("not shard audit evidence: expected a JSON object")
-    try:
-        evidence = converter().structure(data, Evidence)
-    except (cattrs.BaseValidationError, ValueError, TypeError, AttributeError) as exc:
-        raise EvidenceInvalid(f"not shard audit evidence: {explain(exc)}") from None
-    if evidence_to_json(evidence) != text:
-        raise EvidenceInvalid("not in the canonical encoding (the file must be exactly as written)")
-    return evidence
+    return from_canonical_json(
+        text,
+        Evidence,
+        error=EvidenceInvalid,
+        what="shard audit evidence",
+        canonical="not in the canonical encoding (the file must be exactly as written)",
+    )
 
 
 def _hex(value: str, digits: int, what: str) -> bytes:

@@ -26,16 +26,14 @@ internally consistent receipt for one tied to known keys. What a receipt does no
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
-from typing import Any
 
 import attrs
-import cattrs
 
 from shard.messages import RunReceipt, StageReceipt
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
+from shard.trust.canonical import from_canonical_json, to_canonical_json
 from shard.trust.identity import short, verify_signature
 from shard.trust.receipts import (
     Chain,
@@ -46,8 +44,6 @@ from shard.trust.receipts import (
     stage_signed_bytes,
     verdict_chunk_record,
 )
-from shard.wire import converter
-from shard.wire.convert import explain
 
 
 @attrs.frozen
@@ -105,22 +101,7 @@ def _token(text: str, who: str) -> AdmissionToken:
 def receipt_to_json(receipt: RunReceipt) -> str:
     """The receipt file: every field, sorted keys, two-space indent, ASCII, and a newline.
     This is the one spelling ``receipt_from_json`` accepts."""
-    body = attrs.asdict(receipt, recurse=True)
-    text = json.dumps(body, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False)
-    return text + "\n"
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ReceiptInvalid(f"duplicate JSON key {key!r} (a receipt has one value per key)")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str) -> float:
-    raise ReceiptInvalid(f"{name} is not a number a receipt may hold")
+    return to_canonical_json(receipt)
 
 
 def receipt_from_json(text: str) -> RunReceipt:
@@ -129,22 +110,14 @@ def receipt_from_json(text: str) -> RunReceipt:
 
     Errors: ``ReceiptInvalid`` saying what is wrong.
     """
-    try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except ValueError as exc:
-        raise ReceiptInvalid(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ReceiptInvalid("not a shard run receipt: expected a JSON object")
-    try:
-        receipt = converter().structure(data, RunReceipt)
-    except (cattrs.BaseValidationError, ValueError, TypeError, AttributeError) as exc:
-        raise ReceiptInvalid(f"not a shard run receipt (version 2): {explain(exc)}") from None
-    if receipt_to_json(receipt) != text:
-        raise ReceiptInvalid(
-            "not in the canonical encoding (the file must be exactly what `--receipt` wrote: "
-            "sorted keys, two-space indent, one spelling per number)"
-        )
-    return receipt
+    return from_canonical_json(
+        text,
+        RunReceipt,
+        error=ReceiptInvalid,
+        what="a shard run receipt (version 2)",
+        canonical="not in the canonical encoding (the file must be exactly what `--receipt` "
+        "wrote: sorted keys, two-space indent, one spelling per number)",
+    )
 
 
 # --- verification ----------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""Strict canonical JSON for signed record files (run receipts, audit evidence).
+
+A record file is written one way only — every field, sorted keys, two-space indent, ASCII,
+no NaN, a final newline — and read back only if it is exactly that: no duplicate keys, no
+NaN/Infinity, every field of the right type and no other, and the same bytes when written
+again. So two spellings of one record cannot both verify.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+
+from shard.wire.convert import converter, explain
+
+T = TypeVar("T")
+
+__all__ = ["from_canonical_json", "to_canonical_json"]
+
+
+def to_canonical_json(record: Any) -> str:
+    """``record`` (an attrs instance) as its one file spelling."""
+    body = attrs.asdict(record, recurse=True)
+    return json.dumps(body, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n"
+
+
+def from_canonical_json(
+    text: str, cls: type[T], *, error: type[Exception], what: str, canonical: str
+) -> T:
+    """Parse ``text`` as a ``cls`` file, strictly (see the module docstring).
+
+    ``what`` names the record in messages ("a shard run receipt (version 2)"); ``canonical``
+    is the message for a file that parses but is not spelt canonically.
+
+    Errors: ``error`` saying what is wrong.
+    """
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise error(f"duplicate JSON key {key!r} (a record has one value per key)")
+            out[key] = value
+        return out
+
+    def no_constant(name: str) -> float:
+        raise error(f"{name} is not a number {what} may hold")
+
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+    except ValueError as exc:
+        raise error(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"not {what}: expected a JSON object")
+    try:
+        record = converter().structure(data, cls)
+    except (cattrs.BaseValidationError, ValueError, TypeError, AttributeError) as exc:
+        raise error(f"not {what}: {explain(exc)}") from None
+    if to_canonical_json(record) != text:
+        raise error(canonical)
+    return record
