@@ -57,3 +57,18 @@ def test_only_verdicts_the_hub_asked_for_are_taken() -> None:
     assert not hub.answered(S0, verdict)  # claims to be spare, on s0's link
     assert hub.answered(spare, verdict)
     assert not hub.answered(spare, verdict)  # once
+
+
+def test_sessions_that_never_end_cannot_grow_the_hub() -> None:
+    """Copies for ever-new sessions with no end: the hub follows at most its cap of them
+    (the oldest dropped, seed and all), and an ended session is forgotten."""
+    from shard.failover.audits import _SESSIONS_MAX
+
+    hub = AuditHub(AuditSpec(rate=1.0, enabled=True), C)
+    for session in range(1, _SESSIONS_MAX + 200):
+        hub.copied(S2, chunk("received", session - 1, 0, 2.0, session=session), RING)
+    assert len(hub._seen) == _SESSIONS_MAX
+    assert len(hub._seeds) <= _SESSIONS_MAX
+    newest = _SESSIONS_MAX + 199
+    hub.ended(newest)  # type: ignore[arg-type]
+    assert all(key[0] != newest for key in hub._seen)

@@ -48,6 +48,9 @@ __all__ = ["AuditHub", "Holder"]
 _EARLY_MAX: Final = 256
 #: Audit requests awaiting a verdict, at most.
 _ASKED_MAX: Final = 4096
+#: (session, audited stage) pairs followed at once: a peer copying chunks of sessions that
+#: never end (made up, or whose end was lost) cannot grow the hub past this.
+_SESSIONS_MAX: Final = 1024
 
 
 @attrs.frozen
@@ -155,6 +158,11 @@ class AuditHub:
                 rate=self._policy.rate,
             )  # fmt: skip
             seen = self._seen[key] = _Seen(sampler, complete=True)
+            if len(self._seen) > _SESSIONS_MAX:  # copies for sessions that never end
+                (old_session, old_node), _ = next(iter(self._seen.items()))
+                log.warning("audit: tracking too many sessions; session %d of %s dropped",
+                            old_session, old_node)  # fmt: skip
+                self.ended(old_session)
         if copy.side == "sent":
             if not seen.started:
                 seen.started, seen.complete = True, seen.complete and copy.start == 0
