@@ -57,6 +57,31 @@ def test_one_segment_is_bit_identical_to_the_unbatched_forward(block: Path, stat
     assert torch.equal(packed.k, alone.k) and torch.equal(packed.v, alone.v)
 
 
+def test_head_rows_are_the_last_rows_of_the_whole_chunk(block: Path) -> None:
+    """The tail's head on only the rows a choice reads: those rows' logits, within float
+    noise of the whole chunk's (the head treats rows alike; a kernel may sum a 1-row product
+    in another order), with the same argmax; alone and packed; a bad count is refused."""
+    model = load_stage(block, 0, 2)
+    x = _ids(9, 4)
+    whole = model(x, 0, model.new_cache(32))  # [1, 9, V]
+    for n in (0, 1, 3, 9):
+        got = model(x, 0, model.new_cache(32), head_rows=n)
+        assert got.shape == (1, n, whole.shape[-1])
+        torch.testing.assert_close(got, whole[:, 9 - n :], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), whole[:, 9 - n :].argmax(-1))
+    with pytest.raises(ValueError, match="head_rows 10"):
+        model(x, 0, model.new_cache(32), head_rows=10)
+    xs = [_ids(n, 5 + i) for i, (_, n) in enumerate(CHUNKS)]
+    segs = [Segment(s, n, model.new_cache(32)) for s, n in CHUNKS]
+    full = forward_packed(model, torch.cat(xs, dim=1), segs)
+    segs = [Segment(s, n, model.new_cache(32)) for s, n in CHUNKS]
+    got = forward_packed(model, torch.cat(xs, dim=1), segs, head_rows=[0, 1, 2])
+    _, (_, b), (_, c) = segment_bounds(segs)
+    torch.testing.assert_close(got, torch.cat([full[:, b - 1 : b], full[:, c - 2 : c]], dim=1))
+    with pytest.raises(ValueError, match="do not fit"):
+        forward_packed(model, torch.cat(xs, dim=1), segs, head_rows=[0, 2, 0])
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_packed_segments_match_each_chunk_alone(
     block: Path, static: bool, report: Callable[[str], None]

@@ -84,9 +84,25 @@ def test_shows_the_snapshot() -> None:
         summary = feed.text("#summary")
         assert "tok/s 30.0  α 0.80 (768/1024)  K 4  D 2  sessions 2" in summary
         assert "requests 14 done, 1 failed  tokens 2519  standbys none" in summary
+        # s0 reports no batching (None: "–"); s1 and s2 their rows, forwards/s and wait
         assert feed.rows() == [
-            [s.node, st.ms(s.compute_last_s), st.ms(s.compute_median_s), "64", "–"]
-            for s in last.stages
+            [
+                s.node,
+                st.ms(s.compute_last_s),
+                st.ms(s.compute_median_s),
+                "64",
+                "–",
+                rows,
+                fwd,
+                wait,
+            ]
+            for s, rows, fwd, wait in zip(
+                last.stages,
+                ("–", "5.0", "6.0"),
+                ("–", "30.0", "20.0"),
+                ("–", "2.1", "2.6"),
+                strict=True,
+            )
         ]
         assert feed.spark("#tok-s") == [10.0, 20.0, 30.0]
         assert feed.spark("#alpha") == [0.6, 0.7, 0.8]

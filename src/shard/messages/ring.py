@@ -112,7 +112,8 @@ class Hop:
 
     ``compute_s`` is the forward the chunk rode in (shared by every chunk of a batch);
     ``queued_s`` how long the chunk waited at the stage before it; ``batch_rows`` the rows that
-    forward ran, all sessions together (0: not reported).
+    forward ran, all sessions together (0: not reported); ``forward`` the stage's count of
+    forwards, this one included (chunks of one batch share it; 0: not reported).
     """
 
     node: NodeName
@@ -121,6 +122,7 @@ class Hop:
     sent_at: float
     queued_s: float = 0.0
     batch_rows: int = 0
+    forward: int = 0
 
 
 @attrs.frozen

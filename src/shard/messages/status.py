@@ -25,8 +25,9 @@ class StageStatus:
 
     ``chunks`` counts the samples in the window; ``queue`` is the stage's inbox depth, None
     while stages do not report it (a monitor shows it as unknown, never as 0);
-    ``queued_median_s`` is a chunk's median wait at the stage before its forward and
-    ``batch_rows_median`` the median rows of those forwards, all sessions together.
+    ``queued_median_s`` is a chunk's median wait at the stage before its forward,
+    ``batch_rows_median`` the median rows of those forwards, all sessions together, and
+    ``forwards_per_s`` the stage's forward passes per second over the window (None: unknown).
     """
 
     node: NodeName
@@ -36,6 +37,7 @@ class StageStatus:
     queue: int | None = None
     queued_median_s: float | None = None
     batch_rows_median: float | None = None
+    forwards_per_s: float | None = None
 
 
 @attrs.frozen

@@ -263,15 +263,21 @@ class StageModel(nn.Module):
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is typed ``Any``; callers get ``forward``'s signature instead.
-        def __call__(self, x: Tensor, start: int, cache: KVCache) -> Tensor: ...
+        def __call__(
+            self, x: Tensor, start: int, cache: KVCache, *, head_rows: int | None = None
+        ) -> Tensor: ...
 
     @torch.no_grad()
-    def forward(self, x: Tensor, start: int, cache: KVCache) -> Tensor:
+    def forward(
+        self, x: Tensor, start: int, cache: KVCache, *, head_rows: int | None = None
+    ) -> Tensor:
         """Run positions ``[start, start+S)``: ids ``[B, S]`` (first stage) or hidden ``[B, S, D]``.
 
         Writes K/V at ``[start, start+S)`` and attends causally to ``[0, start+S)`` only. Returns
-        hidden ``[B, S, D]``, or fp32 logits ``[B, S, V]`` on the last stage. Runs without
-        autograd: an inference engine never wants a graph hanging off its KV cache.
+        hidden ``[B, S, D]``, or fp32 logits ``[B, S, V]`` on the last stage — only of the last
+        ``head_rows`` positions when given (``[B, head_rows, V]``; the head is the largest
+        matrix of a small model, and a prefill chunk reads one row of it, or none). Runs
+        without autograd: an inference engine never wants a graph hanging off its KV cache.
         """
         s = self._check_input(x, start, cache)
         h: Tensor = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
@@ -284,7 +290,17 @@ class StageModel(nn.Module):
             h = layer(h, rope, mask, cache, j, start)
         if self.norm is None or self.lm_head is None:
             return h
-        logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]
+        if head_rows is None:
+            return self.head(h)
+        if not 0 <= head_rows <= s:
+            raise ValueError(f"head_rows {head_rows} not in [0, {s}]")
+        return self.head(h[:, s - head_rows :])
+
+    def head(self, h: Tensor) -> Tensor:
+        """The last stage's final norm and head: hidden ``[B, S, D]`` -> logits ``[B, S, V]``."""
+        if self.norm is None or self.lm_head is None:
+            raise ValueError("only the last stage has the head")
+        logits: Tensor = self.lm_head(self.norm(h))
         return logits.float()
 
     @torch.no_grad()

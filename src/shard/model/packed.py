@@ -65,11 +65,18 @@ def segment_bounds(segments: Sequence[Segment]) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def forward_packed(
-    model: StageModel, x: Tensor, segments: Sequence[Segment], *, static: bool = False
+    model: StageModel,
+    x: Tensor,
+    segments: Sequence[Segment],
+    *,
+    static: bool = False,
+    head_rows: Sequence[int] | None = None,
 ) -> Tensor:
     """Run ``segments`` packed in ``x``: ids ``[1, T]`` (first stage) or hidden ``[1, T, D]``.
 
-    Returns hidden ``[1, T, D]`` or fp32 logits ``[1, T, V]`` (tail), rows in segment order.
+    Returns hidden ``[1, T, D]`` or fp32 logits ``[1, T, V]`` (tail), rows in segment order;
+    with ``head_rows`` (one count per segment) the tail's logits are only of each segment's
+    last ``head_rows[i]`` rows, ``[1, sum(head_rows), V]``, in segment order.
     Each segment must fit its cache (``StageModel._check_input`` rules; the executor checks
     before it packs). ``ValueError`` if the rows do not add up.
     """
@@ -112,5 +119,11 @@ def forward_packed(
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     if model.norm is None or model.lm_head is None:
         return h
-    logits: Tensor = model.lm_head(model.norm(h))  # [1, T, V]
-    return logits.float()
+    if head_rows is None:
+        return model.head(h)  # [1, T, V]
+    if len(head_rows) != len(segments) or any(
+        not 0 <= n <= seg.rows for n, seg in zip(head_rows, segments, strict=True)
+    ):
+        raise ValueError(f"head_rows {list(head_rows)} do not fit the segments' rows")
+    rows = [h[:, hi - n : hi] for n, (_lo, hi) in zip(head_rows, bounds, strict=True)]
+    return model.head(torch.cat(rows, dim=1))  # [1, sum(head_rows), V]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -119,7 +119,8 @@ class RingEvent:
 @attrs.frozen
 class NodeRolling:
     """A stage's compute per chunk over the recent window (seconds), with the median wait
-    of a chunk there before its forward and the median rows of those forwards."""
+    of a chunk there before its forward, the median rows of those forwards and the forwards
+    per second they show (None: fewer than two forwards seen, or stages that do not count)."""
 
     node: NodeName
     last_s: float
@@ -127,6 +128,7 @@ class NodeRolling:
     chunks: int
     queued_median_s: float = 0.0
     rows_median: float = 0.0
+    forwards_per_s: float | None = None
 
 
 @attrs.frozen
@@ -137,6 +139,19 @@ class EdgeRolling:
     dst: NodeName
     last_s: float
     median_s: float
+
+
+def forward_rate(seen: Iterable[tuple[float, int]]) -> float | None:
+    """Forwards per second of one stage from ``(received_at, forward)`` of the chunks seen:
+    forwards counted between the first and the last seen, over the stage's own clock between
+    them (None with fewer than two forwards, or when they share one instant)."""
+    first = last = None
+    for stamp in seen:
+        first = stamp if first is None or stamp[1] < first[1] else first
+        last = stamp if last is None or stamp[1] > last[1] else last
+    if first is None or last is None or last[1] == first[1] or last[0] <= first[0]:
+        return None
+    return (last[1] - first[1]) / (last[0] - first[0])
 
 
 @attrs.frozen
@@ -180,6 +195,7 @@ class RingMonitor:
         self._compute: dict[NodeName, deque[float]] = {}
         self._queue: dict[NodeName, deque[float]] = {}
         self._batch: dict[NodeName, deque[float]] = {}
+        self._forwards: dict[NodeName, deque[tuple[float, int]]] = {}
         self._edges: dict[tuple[NodeName, NodeName], deque[float]] = {}
         self._commits: deque[tuple[float, int]] = deque()
 
@@ -204,6 +220,8 @@ class RingMonitor:
             self._series(self._compute, hop.node).append(hop.compute_s)
             self._series(self._queue, hop.node).append(hop.queued_s)
             self._series(self._batch, hop.node).append(float(hop.batch_rows))
+            if hop.forward:
+                self._series(self._forwards, hop.node).append((hop.received_at, hop.forward))
             self._series(self._edges, (prev_node, hop.node)).append(hop.received_at - prev_sent)
             prev_node, prev_sent = hop.node, hop.sent_at
         if hops:
@@ -239,6 +257,7 @@ class RingMonitor:
                     len(s),
                     queued_median_s=statistics.median(self._queue[n]),
                     rows_median=statistics.median(self._batch[n]),
+                    forwards_per_s=forward_rate(self._forwards.get(n, ())),
                 )
                 for n, s in self._compute.items()
             ),

@@ -149,6 +149,7 @@ def _stages(
                     # batch_rows 0: stages that do not report batching (older hops)
                     queued_median_s=node.queued_median_s if node.rows_median else None,
                     batch_rows_median=node.rows_median or None,
+                    forwards_per_s=node.forwards_per_s,
                 )
             )
     return tuple(stages)

@@ -20,6 +20,7 @@ seeded request samples the same tokens alone or in a crowd.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TypeGuard
 
@@ -141,30 +142,54 @@ def forward_batch(
     model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned]
 ) -> list[torch.Tensor | Choice]:
     """Worker-thread body: the block's forward for every planned chunk, in order; per chunk its
-    hidden states ``[1, S, D]`` (not the tail) or its ``Choice`` (the tail)."""
+    hidden states ``[1, S, D]`` (not the tail) or its ``Choice`` (the tail).
+
+    The tail runs its head only on the rows a choice reads (``head_rows``): none for a
+    prefill chunk that is not the last, one for the last, ``K+1`` for a verify chunk — a
+    chunk's choice is the same either way (the head treats rows independently), and a
+    128-row prefill chunk no longer pays for 127 rows of the largest matrix it holds. Captured
+    CUDA graphs keep their whole-chunk logits."""
     with torch.inference_mode():
         if len(planned) == 1:  # exactly the unbatched path
             p = planned[0]
-            run = graphs if graphs is not None else model
-            outs = [run(p.x, p.msg.start, p.cache)]
+            if graphs is not None:
+                outs = [graphs(p.x, p.msg.start, p.cache)]
+            else:
+                n = head_rows(p) if model.is_last else None
+                outs = [model(p.x, p.msg.start, p.cache, head_rows=n)]
         else:
             x, segments = pack(planned)
             static = graphs is not None and graphs.mode != "off"
-            out = forward_packed(model, x, segments, static=static)
-            outs = [out[:, lo:hi] for lo, hi in segment_bounds(segments)]
+            if model.is_last:
+                needed = [head_rows(p) for p in planned]
+                out = forward_packed(model, x, segments, static=static, head_rows=needed)
+                ends = list(itertools.accumulate(needed))
+                outs = [out[:, hi - n : hi] for n, hi in zip(needed, ends, strict=True)]
+            else:
+                out = forward_packed(model, x, segments, static=static)
+                outs = [out[:, lo:hi] for lo, hi in segment_bounds(segments)]
     if not model.is_last:
         return list(outs)
     return [_choose(o, p) for o, p in zip(outs, planned, strict=True)]
 
 
-def _choose(out: torch.Tensor, p: Planned) -> Choice:
-    """The target's choice from one chunk's logits ``[1, S, V]`` (the tail)."""
+def head_rows(p: Planned) -> int:
+    """Rows of a chunk whose logits the tail's choice reads (its last ones)."""
     msg = p.msg
-    if isinstance(msg, Prefill) and (not msg.final or msg.replay):
+    if isinstance(msg, Prefill):
+        return 1 if msg.final and not msg.replay else 0
+    return len(msg.draft) + 1
+
+
+def _choose(out: torch.Tensor, p: Planned) -> Choice:
+    """The target's choice from one chunk's logits ``[1, R, V]``, its last ``R >=
+    head_rows(p)`` rows (the tail)."""
+    msg = p.msg
+    rows = head_rows(p)
+    if not rows:
         return None
     # The choice is made in fp32 on the CPU whatever the block's dtype and device: only the
     # rows it reads (1, or K+1) cross, and the sampler's generator is a CPU one.
-    rows = 1 if isinstance(msg, Prefill) else len(msg.draft) + 1
     logits = out[0, -rows:].to("cpu", torch.float32)  # [rows, V]
     if isinstance(msg, Prefill):
         return (choose_token(logits[-1], p.sampling, msg.start + p.rows),), 0

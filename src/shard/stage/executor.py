@@ -385,6 +385,7 @@ class StageExecutor:
                 sent_at=self._clock(),
                 queued_s=max(began - slot.arrived, 0.0),
                 batch_rows=rows,
+                forward=self._forwards,
             )
             out = output(slot.msg, next(results), (*slot.msg.hops, hop))
             if out is not None and not is_replay(slot.msg):

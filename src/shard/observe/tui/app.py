@@ -105,7 +105,9 @@ class MonitorApp(App[None]):
 
     def on_mount(self) -> None:
         table = self.query_one("#stages", DataTable)
-        table.add_columns("stage", "compute ms", "median ms", "chunks", "queue")
+        table.add_columns(
+            "stage", "compute ms", "median ms", "chunks", "queue", "rows/fwd", "fwd/s", "wait ms"
+        )
         self.query_one("#ring", Static).border_title = "ring · one-way ms, last/median"
         self.query_one("#events", Static).border_title = "events, newest first"
         self._drawable = True
@@ -204,6 +206,9 @@ class MonitorApp(App[None]):
                 st.ms(stage.compute_median_s),
                 str(stage.chunks),
                 st.count(stage.queue),
+                st.number(stage.batch_rows_median),
+                st.number(stage.forwards_per_s),
+                st.ms(stage.queued_median_s),
             )
 
     def _events_text(self, log: tuple[EventRecord, ...]) -> Text:

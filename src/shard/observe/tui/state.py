@@ -137,6 +137,11 @@ def count(value: int | None) -> str:
     return UNKNOWN if value is None else str(value)
 
 
+def number(value: float | None) -> str:
+    """Rows per forward, forwards per second: one decimal; None -> ``"–"``."""
+    return UNKNOWN if value is None else f"{value:.1f}"
+
+
 def device(d: DeviceStatus) -> str:
     """``gpu0 coord NVIDIA H200  mem 12.3/139.8 GiB  util 45%`` (util ``–`` when unknown)."""
     gib = 1024**3

@@ -35,8 +35,16 @@ def sample_snapshot(
         )
     )
     stages = tuple(
-        StageStatus(name, compute_last_s=c * scale, compute_median_s=c * scale * 0.95, chunks=64)
-        for name, c in zip(names[1:], compute, strict=True)
+        StageStatus(
+            name,
+            compute_last_s=c * scale,
+            compute_median_s=c * scale * 0.95,
+            chunks=64,
+            queued_median_s=c * scale * 0.2 if i else None,
+            batch_rows_median=4.0 + i if i else None,
+            forwards_per_s=60.0 / (1 + i) if i else None,
+        )
+        for i, (name, c) in enumerate(zip(names[1:], compute, strict=True))
     )
     if events is None:
         events = (
