@@ -43,8 +43,8 @@ def agreeable(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _prompts() -> list[list[int]]:
-    return [[(5 * i + 3 * j) % 240 + 1 for j in range(3 + i % 5)] * 2 for i in range(SESSIONS)]
+def _prompts(sessions: int = SESSIONS) -> list[list[int]]:
+    return [[(5 * i + 3 * j) % 240 + 1 for j in range(3 + i % 5)] * 2 for i in range(sessions)]
 
 
 def _batched_rows(stats: list[RunStats]) -> float:
@@ -58,47 +58,51 @@ def _batched_rows(stats: list[RunStats]) -> float:
         ("tiny", None),  # plain decoding: one-row steps
         ("agreeable", SpecConfig(k=3, depth=2)),  # speculative, pipelined
         ("tiny", SpecConfig(k=3, depth=1)),  # a draft that is often wrong: rejections
+        ("smollm2", None),  # the real model, plain
+        ("smollm2", SpecConfig(k=3, depth=2)),  # and speculative (its first 2 layers draft)
     ],
-    ids=["plain", "speculative", "rejections"],
+    ids=["plain", "speculative", "rejections", "smollm2-plain", "smollm2-speculative"],
 )
 async def test_concurrent_sessions_get_their_lone_output(
-    tiny: Path,
-    agreeable: Path,
+    request: pytest.FixtureRequest,
     model: str,
     speculation: SpecConfig | None,
     report: Callable[[str], None],
 ) -> None:
     """Eight sessions at once through a 3-stage ring: each gets the reference output (what it
     gets alone) or diverges only at a checked tie; their chunks really shared forwards."""
-    model_dir = tiny if model == "tiny" else agreeable
-    spec = spec_for(model_dir, "model" if speculation else "ngram")
-    prompts = _prompts()
-    refs = [reference(model_dir, p, MAX_TOKENS) for p in prompts]
+    model_dir: Path = request.getfixturevalue("smollm2_dir" if model == "smollm2" else model)
+    layers = ModelConfig.from_dir(model_dir).n_layers
+    spec = spec_for(model_dir, "model" if speculation else "ngram", n_layers=layers)
+    # SmolLM2 is ~100x the tiny model's compute: fewer sessions and tokens keep it short
+    sessions, tokens = (4, 8) if model == "smollm2" else (SESSIONS, MAX_TOKENS)
+    prompts = _prompts(sessions)
+    refs = [reference(model_dir, p, tokens) for p in prompts]
     done: dict[int, Completion] = {}
 
     async def body(coordinator: Coordinator) -> None:
         async def one(i: int) -> None:
             done[i] = await coordinator.generate(
                 prompts[i],
-                max_tokens=MAX_TOKENS,
+                max_tokens=tokens,
                 speculation=speculation or SpecConfig(k=0, depth=1),
             )
 
         async with trio.open_nursery() as clients:
-            for i in range(SESSIONS):
+            for i in range(sessions):
                 clients.start_soon(one, i)
 
     await with_ring(spec, model_dir, body)
-    ties = sum(ties_or_equal(done[i].token_ids, refs[i]) for i in range(SESSIONS))
-    stats = [done[i].stats for i in range(SESSIONS)]
+    ties = sum(ties_or_equal(done[i].token_ids, refs[i]) for i in range(sessions))
+    stats = [done[i].stats for i in range(sessions)]
     rows = _batched_rows(stats)
     own = 1 + (speculation.k if speculation and speculation.k else 0)
     assert rows > own, f"no forward ran more than one chunk's {own} rows: {rows}"
-    if model == "tiny" and speculation:
+    if model != "agreeable" and speculation:
         assert sum(s.accepted for s in stats) < sum(s.drafted for s in stats)  # rejections
     queued = max(n.queued_s for s in stats for n in s.nodes)
     report(
-        f"batched ring ({model}, {speculation}): numerical ties {ties} of {SESSIONS}, "
+        f"batched ring ({model}, {speculation}): numerical ties {ties} of {sessions}, "
         f"mean rows per forward up to {rows:.1f}, most queueing {queued * 1e3:.1f} ms"
     )
 

@@ -1,5 +1,6 @@
-"""Batched stages across processes: concurrent SmolLM2 sessions through a swarm of stage
-processes each give the token ids they give alone, with speculation off and on.
+"""Batched stages across processes: concurrent sessions (SmolLM2 and a tiny random model)
+through a swarm of stage processes each give the token ids they give alone, with speculation
+off and on.
 
 A session's greedy output must not depend on who shares its forwards (``shard.stage.batch``).
 The lone runs and the crowd run go through the same swarm; ``NodeStat.batch_rows`` (the mean
@@ -14,12 +15,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 import trio
 
 from procs import LineReader, started_shard, write_spec
 from shard.coordinator.client import request
 from shard.messages import GenerateDone, GenerateRequest
 from shard.spec.swarm import SwarmSpec, load_spec
+from shard.testing import make_tiny_checkpoint
 from shard.trust.compose import client_network
 
 PROMPTS = (
@@ -69,21 +72,24 @@ def rows(done: GenerateDone) -> dict[str, float]:
     return {stat.node: stat.batch_rows for stat in done.stats.nodes}
 
 
-async def test_concurrent_smollm2_sessions_in_a_swarm_give_their_lone_tokens(
-    smollm2_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("model", ["smollm2", "tiny"])
+async def test_concurrent_sessions_in_a_swarm_give_their_lone_tokens(
+    smollm2_dir: Path, tmp_path: Path, model: str
 ) -> None:
-    """Four concurrent SmolLM2 sessions over three stage processes, plain and speculative
-    (n-gram, K = 3): each gives the token ids it gives alone, and the stages batched them."""
+    """Four concurrent sessions over three stage processes, plain and speculative (n-gram,
+    K = 3): each gives the token ids it gives alone, and the stages batched them."""
+    if model == "smollm2":
+        model_dir, blocks = smollm2_dir, [(0, 7), (7, 19), (19, 30)]
+    else:
+        model_dir = make_tiny_checkpoint(tmp_path / "tiny", seed=31, n_layers=4)
+        blocks = [(0, 1), (1, 3), (3, 4)]
     spec_path = write_spec(
-        tmp_path / "spec.toml",
-        model_dir=smollm2_dir,
-        blocks=[(0, 7), (7, 19), (19, 30)],
-        limits=LIMITS,
+        tmp_path / "spec.toml", model_dir=model_dir, blocks=blocks, limits=LIMITS
     )
     with spec_path.open("a", encoding="utf-8") as f:
         f.write('\n[speculation]\ndraft = "ngram"\nk = 3\ndepth = 1\n')
     with trio.fail_after(3 * RUN_S):
-        async with swarm(spec_path, smollm2_dir, tmp_path / "swarm.log") as spec:
+        async with swarm(spec_path, model_dir, tmp_path / "swarm.log") as spec:
             for k in (0, 3):
                 alone = [await run_one(spec, i, p, k) for i, p in enumerate(PROMPTS)]
                 together = await crowd(spec, k)
@@ -95,5 +101,8 @@ async def test_concurrent_smollm2_sessions_in_a_swarm_give_their_lone_tokens(
                     for node, mean in rows(crowded).items()
                     if mean > rows(lone).get(node, 0.0)
                 ]
-                print(f"k={k}: stages where a crowded request shared forwards: {sorted(shared)}")
+                print(
+                    f"{model} k={k}: stages where a crowded request shared forwards: "
+                    f"{sorted(shared)}"
+                )
                 assert shared, "no request ever shared a forward: the crowd was not batched"
