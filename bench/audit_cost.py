@@ -17,10 +17,10 @@ real swarm an auditor is another machine), so the audited figure includes their 
 
 Writes JSON (``--json``): per request decode tok/s (1 / mean lap) and end-to-end tok/s, their
 medians per mode and the ratio audited / off, the audits each coordinator counted (its status
-feed), the load, machine, git and config. Benchmarks are not tests: nothing here asserts a
-speed.
+feed), the load, machine, git and config; it is rewritten after every round, so a run cut
+short keeps its rounds. Benchmarks are not tests: nothing here asserts a speed.
 
-    .venv/bin/python bench/audit_cost.py                                  # SmolLM2, ~6 min
+    .venv/bin/python bench/audit_cost.py --rounds 3 --max-tokens 24      # SmolLM2, ~6 min
     .venv/bin/python bench/audit_cost.py --model tiny --rounds 2          # a quick check
 """
 
@@ -35,7 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ import attrs
 import trio
 
 from plain_ring import REPO, Prompt, Ring, ask, free_ports, git_info, machine_info, ring_spec_toml
-from shard.messages import AuditCounts, Hello, NodeName, StatusSnapshot
+from shard.messages import AuditCounts, GenerateDone, Hello, NodeName, StatusSnapshot
 from shard.model.config import ModelConfig
 from shard.spec.audit import AuditSpec
 from shard.spec.swarm import load_spec
@@ -115,13 +115,18 @@ async def audit_counts(network: Network, ring: Ring) -> AuditCounts:
         await conn.aclose()
 
 
-async def run_all(model_dir: Path, prompts: list[Prompt], args: argparse.Namespace) -> Record:
+async def run_all(
+    model_dir: Path, prompts: list[Prompt], args: argparse.Namespace, save: Callable[[Record], None]
+) -> Record:
+    """Both rings up, then the interleaved rounds; ``save`` gets the run so far after each
+    round (a run cut short still leaves its rounds on disk)."""
     from shard.transport import WebSocketNetwork
 
-    requests: list[Record] = []
-    load: list[Record] = []
+    run: Record = {"rounds_done": 0, "requests": [], "load": []}
     async with trio.open_nursery() as nursery:
         rings = {mode: await start(nursery, model_dir, args, mode) for mode in MODES}
+        run["specs"] = {m: ring.spec_text for m, ring in rings.items()}
+        run["startup_s"] = {m: ring.startup_s for m, ring in rings.items()}
         async with WebSocketNetwork() as network:
             for ring in rings.values():  # warm-up, discarded
                 await ask(network, ring, prompts[0], 4, timeout_s=args.request_timeout, rid=0)
@@ -130,25 +135,31 @@ async def run_all(model_dir: Path, prompts: list[Prompt], args: argparse.Namespa
                     for j, prompt in enumerate(prompts):
                         done = await ask(network, ring, prompt, args.max_tokens,
                                          timeout_s=args.request_timeout, rid=1 + j)  # fmt: skip
-                        lap = done.stats.mean_lap_s
-                        requests.append({
-                            "mode": mode, "round": r, "prompt": prompt.name,
-                            "tokens": done.stats.tokens, "laps": done.stats.laps,
-                            "decode_tok_s": 1.0 / lap if lap > 0 else None,
-                            "tok_s": done.stats.tok_s, "token_ids": list(done.token_ids),
-                        })  # fmt: skip
-                load.append({"round": r, "loadavg": os.getloadavg()})
+                        run["requests"].append(_request_record(mode, r, prompt, done))
+                run["load"].append({"round": r, "loadavg": os.getloadavg()})
+                run["audit_counts"] = {
+                    m: attrs.asdict(await audit_counts(network, ring)) for m, ring in rings.items()
+                }
+                run["rounds_done"] = r + 1
+                save(run)
                 _progress(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}")
-            counts = {m: attrs.asdict(await audit_counts(network, r)) for m, r in rings.items()}
-            specs = {m: ring.spec_text for m, ring in rings.items()}
-            up = {m: ring.startup_s for m, ring in rings.items()}
         nursery.cancel_scope.cancel()
-    return {"requests": requests, "load": load, "audit_counts": counts, "specs": specs,
-            "startup_s": up}  # fmt: skip
+    return run
+
+
+def _request_record(mode: str, r: int, prompt: Prompt, done: GenerateDone) -> Record:
+    lap = done.stats.mean_lap_s
+    return {
+        "mode": mode, "round": r, "prompt": prompt.name,
+        "tokens": done.stats.tokens, "laps": done.stats.laps,
+        "decode_tok_s": 1.0 / lap if lap > 0 else None,
+        "tok_s": done.stats.tok_s, "token_ids": list(done.token_ids),
+    }  # fmt: skip
 
 
 def summarize(requests: list[Record]) -> Record:
-    """Medians per mode, the ratios audited / off, and whether both gave the same tokens."""
+    """Medians per mode, the ratios audited / off (of the medians, and round by round), and
+    whether both gave the same tokens."""
     med: Record = {}
     for key in ("decode_tok_s", "tok_s"):
         for m in MODES:
@@ -156,7 +167,14 @@ def summarize(requests: list[Record]) -> Record:
                 q[key] for q in requests if q["mode"] == m and q[key]
             )
     ids = {m: [q["token_ids"] for q in requests if q["mode"] == m] for m in MODES}
+    by_round = []  # paired: each round's two modes ran back to back, under about the same load
+    for r in sorted({q["round"] for q in requests}):
+        rm = {m: [q["decode_tok_s"] for q in requests if (q["round"], q["mode"]) == (r, m)]
+              for m in MODES}  # fmt: skip
+        if all(rm.values()):
+            by_round.append(statistics.median(rm["audited"]) / statistics.median(rm["off"]))
     return {
+        "ratio_decode_per_round": by_round,
         "median_decode_tok_s": med["decode_tok_s"],
         "median_tok_s": med["tok_s"],
         "ratio_decode_audited_to_off": med["decode_tok_s"]["audited"] / med["decode_tok_s"]["off"],
@@ -184,27 +202,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = [Prompt.from_file(p) for p in sorted(args.prompts.glob("*.txt"))]
     began, load_start = time.perf_counter(), os.getloadavg()
+    config = {k: str(v) for k, v in vars(args).items()}
+    machine, git = machine_info(), git_info()
+
+    def save(run: Record) -> None:
+        result = {
+            "benchmark": "audit_cost",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.orig_argv),
+            "wall_s": time.perf_counter() - began,
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "git": git,
+            "machine": machine,
+            "config": config,
+            "summary": summarize(run["requests"]),
+            **run,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="shard-audit-") as tmp:
         args.workdir = tmp
         model_dir = _model_dir(args.model, Path(tmp))
-        run = trio.run(run_all, model_dir, prompts, args)
-    summary = summarize(run["requests"])
-    result = {
-        "benchmark": "audit_cost",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-        "wall_s": time.perf_counter() - began,
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-        "git": git_info(),
-        "machine": machine_info(),
-        "config": {k: str(v) for k, v in vars(args).items() if k != "workdir"},
-        "summary": summary,
-        **run,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    print(json.dumps({**summary, "audit_counts": run["audit_counts"]}))
+        run = trio.run(run_all, model_dir, prompts, args, save)
+    print(json.dumps({**summarize(run["requests"]), "audit_counts": run["audit_counts"]}))
     _progress(f"wrote {args.json}")
     return 0
 
