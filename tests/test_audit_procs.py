@@ -31,13 +31,15 @@ async def test_a_cheating_stage_process_is_evicted_and_replaced_with_identical_o
     llama_dir: Path, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
     """s1 lies on every chunk; two failed audits evict it; the spare takes over; same output;
-    the honest s0, audited all along by spare0, is never accused.
+    the honest s0, audited all along by auditor0 (``shard up --role auditor``), is never
+    accused, and the auditor is never spliced in.
 
     Every chunk is audited (rate 1.0), so the run does not depend on the per-session seed."""
     spec = failover_spec(tmp_path / "audit.toml", llama_dir, victim="s1", at_token=0, kind="")
     (port,) = free_ports(1)
-    with spec.open("a", encoding="utf-8") as f:  # spare0 audits the honest s0 meanwhile
-        f.write(f'[[standby]]\nname = "spare0"\nlisten = "{LOOPBACK}:{port}"\nlayers_of = "s0"\n')
+    with spec.open("a", encoding="utf-8") as f:  # a dedicated auditor audits s0 meanwhile
+        f.write(f'[[standby]]\nname = "auditor0"\nlisten = "{LOOPBACK}:{port}"\nlayers_of = "s0"\n')
+        f.write('role = "auditor"\n')  # shard up --role auditor: never spliced in
         f.write("[audit]\nenabled = true\nrate = 1.0\nstrikes = 2\n")
     # Batching off, so audits are bit-exact and catch noise too small to change a token (a
     # batched forward matches a lone recomputation only to rounding: audits then use the
@@ -71,8 +73,9 @@ async def test_a_cheating_stage_process_is_evicted_and_replaced_with_identical_o
     assert len(strikes) >= 2, stderr
     assert "s1 evicted after failed audits" in stderr, stderr
     assert re.search(r"spare replaced s1 \(hot\)", stderr), stderr
+    assert "auditor0 replaced" not in stderr, stderr
     assert "failed an audit" not in stderr.replace("s1 failed an audit", ""), stderr
-    honest = re.findall(r"audit of s0 \(session \d+, chunk \d+\) by spare0: ok", stderr)
+    honest = re.findall(r"audit of s0 \(session \d+, chunk \d+\) by auditor0: ok", stderr)
     assert honest, stderr  # the honest stage was audited across processes, bit-exactly
     report(
         f"cheating s1 evicted after {len(strikes)} failed audits; honest s0 passed"

@@ -26,6 +26,7 @@ from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.nodes.inprocess import run_swarm
 from shard.spec.audit import AuditSpec
+from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.auditor import Auditor
 from shard.stage.offload import inline_compute
@@ -151,16 +152,27 @@ def unbatched(spec: SwarmSpec) -> SwarmSpec:
     return attrs.evolve(spec, limits=attrs.evolve(spec.limits, max_batch_rows=1))
 
 
+def with_auditors(spec: SwarmSpec) -> SwarmSpec:
+    """``spec`` plus a dedicated auditor (``[[standby]] role = "auditor"``) for s0's and s1's
+    blocks."""
+    auditors = tuple(
+        StandbySpec(f"auditor{i}", Address.parse(f"127.0.0.1:{9031 + i}"), f"s{i}", "auditor")
+        for i in range(2)
+    )
+    return attrs.evolve(spec, standbys=(*spec.standbys, *auditors))
+
+
 @pytest.mark.parametrize(
-    ("batched", "lie"),
-    [(False, "noise"), (True, "skip_layer")],
-    ids=["unbatched-exact-noise", "batched-sketch-skip"],
+    ("batched", "lie", "auditors"),
+    [(False, "noise", False), (True, "skip_layer", False), (False, "noise", True)],
+    ids=["unbatched-exact-noise", "batched-sketch-skip", "unbatched-exact-noise-auditors"],
 )
 def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
     model_dir: Path,
     references: list[tuple[int, ...]],
     batched: bool,
     lie: str,
+    auditors: bool,
 ) -> None:
     """``[audit] enabled``, no test tap: the nodes' copies, the scheduler's hub and the
     standbys' auditors (the production wiring, in one process) evict s1; s0 and the standby
@@ -168,11 +180,16 @@ def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
     small to change a token: every output equals the reference. Batched (the default), they
     compare by sketch and must not accuse an honest stage whose rows were batched; a skipped
     layer is caught (its tokens before the eviction may differ: not compared). The cheating
-    wrapper lies on the chunks it runs alone; a batched forward goes through its real block."""
+    wrapper lies on the chunks it runs alone; a batched forward goes through its real block.
+    With ``auditors``, dedicated auditors hold s0's and s1's blocks: they answer every audit
+    (asked before the standbys holding the same blocks), and the splice still takes s1's
+    standby, never an auditor."""
     policy = AuditSpec(enabled=True, rate=1.0, strikes=2)
     spec = attrs.evolve(failover_spec(model_dir), audit=policy)
     if not batched:
         spec = unbatched(spec)
+    if auditors:
+        spec = with_auditors(spec)
     results: list[Completion] = []
 
     def wrap_block(name: str, model: StageModel) -> StageModel:
@@ -213,6 +230,12 @@ def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
         assert stats.audits.evictions == 1
         assert dict(stats.audits.by_node) == {NodeName("s1"): stats.audits.strikes}
         assert stats.audits.audits > stats.audits.strikes  # s0's passed audits counted too
+        answered_by = {node for node, _ in stats.audits.by_auditor}
+        if auditors:
+            assert answered_by == {NodeName("auditor0"), NodeName("auditor1")}
+            assert ("auditor0", "auditor", True) in stats.members
+        else:
+            assert answered_by <= {NodeName(f"s{i}-standby") for i in range(3)}
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert len(results) == len(PROMPTS)

@@ -243,6 +243,20 @@ def test_node_on_a_taken_port_is_one_line(
     assert "Traceback" not in err
 
 
+def test_up_as_an_auditor_that_the_spec_does_not_declare_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`shard up --role auditor` for a node that is a standby (no `role = "auditor"`) exits 2
+    with one line naming the spec's auditors (none here), before any model loads."""
+    spec = Path(__file__).parent.parent / "specs" / "failover.toml"
+    assert main(["up", "--role", "auditor", "--spec", str(spec), "--node", "s1-standby"]) == 2
+    line = one_error(capsys)
+    assert line == (
+        f"shard: error: no auditor 's1-standby' in {spec} ([[standby]] tables with "
+        'role = "auditor": none)'
+    ), line
+
+
 # --- the monitor on a secure swarm --------------------------------------------------------------
 
 

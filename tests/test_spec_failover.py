@@ -123,6 +123,9 @@ def test_full_example_reads_into_records() -> None:
     hot, spare = spec.standbys
     assert (hot.name, str(hot.listen), hot.layers_of) == ("s1-standby", "127.0.0.1:7711", "s1")
     assert (spare.name, str(spare.listen), spare.layers_of) == ("spare", "[::1]:7712", None)
+    assert hot.role == spare.role == "standby"  # the default
+    auditor = _load(_with("standby", {"role": "auditor"})).standbys[0]
+    assert (auditor.name, auditor.layers_of, auditor.role) == ("s1-standby", "s1", "auditor")
     assert hot.credentials == CredentialPaths()
     assert spec.faults == (
         FaultSpec("kill", "s1", at_token=12),
@@ -262,6 +265,19 @@ def _with(section: str, change: dict[str, Any], index: int = 0) -> dict[str, Any
             "no stage named 's7'; name the stage whose block this standby loads (s0, s1), "
             "or omit layers_of for a spare",
             id="unknown-layers-of",
+        ),
+        pytest.param(
+            _with("standby", {"role": "judge"}),
+            "standby[0].role",
+            "unknown role 'judge'; use one of standby, auditor",
+            id="unknown-standby-role",
+        ),
+        pytest.param(
+            _with("standby", {"role": "auditor"}, index=1),
+            "standby[1].layers_of",
+            "an auditor re-runs a stage's block, so it must hold one: add layers_of = "
+            '"<stage name>"',
+            id="auditor-without-a-block",
         ),
         pytest.param(
             _with("standby", {"name": "s1"}),

@@ -130,9 +130,17 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "loads its block, dials its successor and then serves its predecessor; the "
         "coordinator serves the tail's return link, control links and clients, and dials "
         "stage 0; a standby ([[standby]] in the spec) loads its block, registers with the "
-        "coordinator and waits to replace a stage that dies (docs/failover.md).",
+        "coordinator and waits to replace a stage that dies (docs/failover.md); an auditor "
+        '([[standby]] with role = "auditor") loads the block of its layers_of stage and only '
+        "re-runs the chunks the scheduler sends it to audit ([audit] enabled): it is never "
+        "spliced into the ring (docs/security.md, spot checks).",
     )
-    p.add_argument("--role", required=True, choices=["stage", "coordinator", "standby", "seeder"])
+    p.add_argument(
+        "--role",
+        required=True,
+        choices=["stage", "coordinator", "standby", "auditor", "seeder"],
+        help="which node this is; auditor: audits its block's stage, never joins the ring",
+    )
     p.add_argument("--spec", required=True, help="swarm spec (TOML)")
     p.add_argument("--node", help="node name in the spec (default: the coordinator's name)")
     p.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")

@@ -111,7 +111,7 @@ def _from_spec(
 
     spec = load_spec(args.spec)
     model = _model_facts(args.model or spec.model, spec.dtype)
-    names = [s.name for s in spec.stages] + [s.name for s in spec.standbys]
+    names = [s.name for s in spec.stages] + [s.name for s in spec.standbys if s.role != "auditor"]
     unprofiled = [n for n in names if geography is None or geography.node(n) is None]
     largest = max(last - first for first, last in spec.blocks(model.n_layers))
     room = largest * model.layer_bytes + model.embedding_bytes + model.head_bytes

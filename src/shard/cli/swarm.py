@@ -70,13 +70,16 @@ def up(args: argparse.Namespace) -> int:
         names = ", ".join(s.name for s in spec.stages)
         print(f"shard: error: no stage {name!r} in {args.spec} (stages: {names})", file=sys.stderr)
         return 2
-    if args.role == "standby" and name not in {s.name for s in spec.standbys}:
-        names = ", ".join(s.name for s in spec.standbys) or "none"
-        print(
-            f"shard: error: no standby {name!r} in {args.spec} ([[standby]] tables: {names})",
-            file=sys.stderr,
-        )
-        return 2
+    if args.role in ("standby", "auditor"):
+        found = [s for s in spec.standbys if s.role == args.role]
+        if name not in {s.name for s in found}:
+            names = ", ".join(s.name for s in found) or "none"
+            print(
+                f"shard: error: no {args.role} {name!r} in {args.spec} ([[standby]] tables "
+                f'with role = "{args.role}": {names})',
+                file=sys.stderr,
+            )
+            return 2
     if spec.insecure:
         print(
             f"shard: WARNING: {name}: insecure = true — plaintext, unauthenticated wire; "
@@ -100,11 +103,12 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
     from shard.trust.compose import node_network
 
     # WebSocketNetwork when insecure = true, else the node's key + token on the secure wire
-    # (a standby is admitted as a stage: it becomes one when the scheduler activates it)
-    role = "stage" if args.role == "standby" else args.role
+    # (a standby is admitted as a stage: it becomes one when the scheduler activates it; an
+    # auditor holds a stage's block and talks to the scheduler as a standby does)
+    role = "stage" if args.role in ("standby", "auditor") else args.role
     network = node_network(spec, name, role)
     async with network, trio.open_nursery() as nursery:
-        if args.role == "standby":
+        if args.role in ("standby", "auditor"):
             handle = await nursery.start(
                 lambda task_status: run_standby(
                     spec,

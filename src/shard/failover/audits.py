@@ -8,11 +8,12 @@ link (``shard.trust.mirror``); the hub takes an audited stage's inputs from what
 predecessor *sent* (the coordinator for stage 0) and its outputs from what its successor
 *received* — never from the stage itself. The seed of each session is drawn here when the job
 opens (the coordinator derives the job nonce from its commitment, so every receipt signs the
-commitment before any chunk is computed) and revealed only to the auditor: a standby holding
-the same block, which re-runs the chunk and answers with an ``AuditVerdict`` on its own control
-link. Strikes and eviction are ``StrikeBook`` and the splice, as for a crash.
+commitment before any chunk is computed) and revealed only to the auditor: a node out of the
+ring holding the same block (a dedicated ``role = "auditor"`` one first, else a standby), which
+re-runs the chunk and answers with an ``AuditVerdict`` on its own control link. Strikes and
+eviction are ``StrikeBook`` and the splice, as for a crash.
 
-Whom it trusts: a verdict only from the standby it asked, for that chunk (``answered``);
+Whom it trusts: a verdict only from the node it asked, for that chunk (``answered``);
 copies as the neighbours' word (the control link says who sent one, not that it is true: a
 lying neighbour can frame a stage; docs/security.md says so).
 

@@ -138,17 +138,22 @@ class Registry:
         return member is not None and member.alive
 
     def live_standbys(self) -> list[Member]:
+        """Live nodes a splice may put in the ring (never an ``auditor``)."""
         return [m for m in self.members.values() if m.alive and m.role == "standby"]
 
     def standbys(self) -> tuple[NodeName, ...]:
         return tuple(m.node for m in self.live_standbys())
 
     def auditor_for(self, first: int, last: int, accused: NodeName) -> Member | None:
-        """A live standby holding ``[first, last)`` that is not ``accused``, or None."""
-        for m in self.live_standbys():
-            if (m.first, m.last) == (first, last) and m.node != accused:
-                return m
-        return None
+        """A live node out of the ring holding ``[first, last)`` that is not ``accused`` — a
+        dedicated auditor first, else a standby — or None."""
+        able = [
+            m
+            for m in self.members.values()
+            if m.alive and m.role in ("auditor", "standby") and m.node != accused
+            if (m.first, m.last) == (first, last)
+        ]
+        return min(able, key=lambda m: m.role != "auditor", default=None)
 
     def ring(self) -> tuple[NodeName, ...]:
         """Node names from the coordinator to the tail, as the ring stands now."""

@@ -278,7 +278,8 @@ class Scheduler:
 
     async def copied(self, sender: NodeName, copy: AuditCopy) -> None:
         """A node's copy of a ring chunk (``shard.trust.mirror``): send each audit it makes
-        due to a live standby holding the audited block (none: the audit is skipped, logged)."""
+        due to a live auditor (else standby) holding the audited block (none: the audit is
+        skipped, logged)."""
         if self.audits is None:
             return
         for req in self.audits.copied(sender, copy, self._holders()):
@@ -287,7 +288,7 @@ class Scheduler:
     async def _send_audit(self, req: AuditRequest) -> None:
         m = self._registry.auditor_for(req.first, req.last, req.accused)
         if m is None:
-            log.warning("scheduler: no standby holds [%d, %d); audit of %s skipped",
+            log.warning("scheduler: no auditor or standby holds [%d, %d); audit of %s skipped",
                         req.first, req.last, req.accused)  # fmt: skip
             return
         assert self.audits is not None  # requests come from the hub

@@ -117,8 +117,8 @@ class Splicer:
         i = reg.slot_of(dead)
         member = reg.members.get(dead)
         if i is None:
-            if member is not None and member.role == "standby":
-                await self._to_router.send(RingNote("fault", f"standby {dead} lost"))
+            if member is not None and member.role in ("standby", "auditor"):
+                await self._to_router.send(RingNote("fault", f"{member.role} {dead} lost"))
             return
         slot = reg.slots[i]
         started = self._clock()

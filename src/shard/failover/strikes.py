@@ -15,12 +15,14 @@ from shard.messages.audit import AuditVerdict, Evidence
 
 @attrs.frozen
 class AuditStatistics:
-    """Audits answered, strikes and evictions so far, with the strikes per node."""
+    """Audits answered, strikes and evictions so far, with the strikes per node and the
+    audits each auditor answered."""
 
     audits: int = 0
     strikes: int = 0
     evictions: int = 0
     by_node: tuple[tuple[NodeName, int], ...] = ()
+    by_auditor: tuple[tuple[NodeName, int], ...] = ()
 
 
 class StrikeBook:
@@ -29,6 +31,7 @@ class StrikeBook:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._audits = 0
+        self._answered: dict[NodeName, int] = {}  # by auditor
         self._strikes: dict[NodeName, int] = {}
         self._evicted: set[NodeName] = set()
         self.evidence: list[Evidence] = []
@@ -36,6 +39,7 @@ class StrikeBook:
     def record(self, verdict: AuditVerdict) -> bool:
         """Count ``verdict``; True when its node must be evicted now."""
         self._audits += 1
+        self._answered[verdict.auditor] = self._answered.get(verdict.auditor, 0) + 1
         if verdict.ok or verdict.method == "error":
             return False
         if verdict.evidence is not None:
@@ -56,4 +60,5 @@ class StrikeBook:
             strikes=sum(self._strikes.values()),
             evictions=len(self._evicted),
             by_node=tuple(sorted(self._strikes.items())),
+            by_auditor=tuple(sorted(self._answered.items())),
         )

@@ -13,7 +13,8 @@ from shard.messages.ids import NodeName
 class Register:
     """Node -> scheduler, first message on a control link: who it is and what it holds.
 
-    ``role`` is ``"stage"`` (in the ring, serving ``slot``) or ``"standby"``; ``address`` is
+    ``role`` is ``"stage"`` (in the ring, serving ``slot``), ``"standby"`` or ``"auditor"``
+    (holds a block to audit, never spliced in); ``address`` is
     where it accepts its upstream; ``first``/``last`` the block it has loaded (both -1: a spare
     that loads the block it is given by ``Activate``, the cold path). A restarted coordinator
     learns the ring as it stands (spliced standbys included) from these.

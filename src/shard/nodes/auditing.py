@@ -1,9 +1,9 @@
-"""Spot checks in a node process: what a stage or standby adds when its swarm audits.
+"""Spot checks in a node process: what a stage, standby or auditor adds when its swarm audits.
 
 A swarm with ``[audit] enabled`` has every supervised stage copy its ring chunks up its control
-link (``shard.trust.mirror``; the scheduler's ``AuditHub`` says why) and every standby that
-holds a block answer audit requests for it (``shard.stage.auditor``). Without it, nothing here
-runs and the node's network is its own.
+link (``shard.trust.mirror``; the scheduler's ``AuditHub`` says why) and every standby or
+auditor (``[[standby]] role = "auditor"``) that holds a block answer audit requests for it
+(``shard.stage.auditor``). Without it, nothing here runs and the node's network is its own.
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ async def launch(
             ready_send, ready_recv = trio.open_memory_channel[dict[str, str]](0)
             nodes = [(s.name, "stage") for s in spec.stages]
             nodes.append((spec.coordinator.name, "coordinator"))
-            nodes += [(s.name, "standby") for s in spec.standbys]
+            nodes += [(s.name, s.role) for s in spec.standbys]  # standby | auditor
             # Every node computes on this machine: give each its share of the cores, since
             # torch's default (all cores per process) thrashes when processes compete.
             threads = max(1, (os.cpu_count() or 1) // len(nodes))

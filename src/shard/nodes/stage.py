@@ -6,7 +6,8 @@ a supervised ``DownstreamLink`` to its successor (with the replay log), and a ``
 to the scheduler. A standby wires the same parts but leaves the executor and the downstream
 link unstarted until the scheduler sends ``Activate``: it holds its block loaded (hot), or
 loads it then (a spare: the cold path), dials the successor it was given and serves whoever
-the scheduler rewires to it.
+the scheduler rewires to it. An auditor (``[[standby]] role = "auditor"``) is a standby that
+registers as ``auditor`` and refuses ``Activate``: it only answers audit requests.
 
 A stage reports ready only when its downstream link is up, so when the coordinator's dial to
 stage 0 succeeds, the ring is connected end to end.
@@ -41,7 +42,7 @@ from shard.model.device import TORCH_DTYPES, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.nodes.auditing import auditing
-from shard.spec.nodes import StageSpec
+from shard.spec.nodes import StageSpec, StandbySpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage import offload
 from shard.stage.executor import StageExecutor
@@ -142,8 +143,14 @@ class _StageNode:
     def _register(self) -> Register:
         """What this node registers as now (a snapshot, read on each control connection)."""
         first, last = (self._block.first, self._block.last) if self._block else (-1, -1)
-        role, slot = ("stage", self._serving.slot) if self._serving else ("standby", "")
+        role, slot = ("stage", self._serving.slot) if self._serving else (self._idle_role, "")
         return Register(self._name, role, self._address, first, last, slot=slot)
+
+    @property
+    def _idle_role(self) -> str:
+        """Out of the ring: ``standby``, or ``auditor`` (a ``[[standby]] role = "auditor"``)."""
+        node = self._spec.node(self._name)
+        return node.role if isinstance(node, StandbySpec) else "standby"
 
     def _graphs(self, block: _Block) -> ChunkGraphs | None:
         """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``)."""
@@ -203,6 +210,8 @@ class _StageNode:
             return
         if self._serving is not None:
             raise OrderFailed(f"{self._name} already serves a ring slot")
+        if self._idle_role == "auditor":
+            raise OrderFailed(f"{self._name} is an auditor: it never joins the ring")
         block = self._block
         if block is None or (block.first, block.last) != (order.first, order.last):
             log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)

@@ -19,6 +19,8 @@ checkpoint_dir = "ckpt"  # the coordinator saves each request's committed tokens
 name = "s1-standby"
 listen = "127.0.0.1:7711"
 layers_of = "s1"         # hot: loads s1's block at start; omit for a spare (loads when assigned)
+# role = "auditor"       # a dedicated auditor: holds layers_of's block, answers audits, is
+                         # never spliced in (`shard up --role auditor`); default "standby"
 key = "keys/s1-standby.key"      # key / token as on [[stage]] (secure swarms)
 token = "keys/s1-standby.token"
 
@@ -60,7 +62,12 @@ FAILOVER_KEYS: Final = (
     "dead_phi",
     "min_std_s",
 )
-STANDBY_KEYS: Final = ("name", "listen", "layers_of", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS)
+STANDBY_KEYS: Final = (
+    "name", "listen", "layers_of", "role", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS
+)  # fmt: skip
+#: ``standby``: spliced in for a dead stage (and audits while it waits); ``auditor``: only
+#: audits (``[audit] enabled``), never spliced in, so it must hold a block (``layers_of``).
+STANDBY_ROLES: Final = ("standby", "auditor")
 FAULT_KEYS: Final = ("kind", "node", "at_token", "at_s", "seconds")
 #: ``kill``: SIGKILL a stage's process; ``stall``: SIGSTOP it for ``seconds``, then SIGCONT;
 #: ``sever``: cut the ring edge from ``node`` to its successor (at its relay).
@@ -164,6 +171,20 @@ def read_layers_of(table: Table, stages: Sequence[str]) -> str | None:
             f"({', '.join(stages)}), or omit layers_of for a spare",
         )
     return name
+
+
+def read_standby_role(table: Table, layers_of: str | None) -> str:
+    """A ``[[standby]]``'s ``role``: ``standby`` (the default) or ``auditor``."""
+    role = table.string("role", default="standby", example='"auditor"')
+    if role not in STANDBY_ROLES:
+        raise table.error("role", f"unknown role {role!r}; use one of {', '.join(STANDBY_ROLES)}")
+    if role == "auditor" and layers_of is None:
+        raise table.error(
+            "layers_of",
+            "an auditor re-runs a stage's block, so it must hold one: add layers_of = "
+            '"<stage name>" (or make it a spare: role = "standby")',
+        )
+    return role
 
 
 def read_faults(top: Table, stages: Sequence[str], coordinator: str) -> tuple[FaultSpec, ...]:

@@ -2,10 +2,10 @@
 ``[[standby]]`` and ``[links]``, each as a frozen record with its reader.
 
 A node has a name, a ``listen`` address, its credentials (``shard.spec.trust``) and where it
-computes (``device``, ``dtype``, ``graphs``: ``shard.spec.device``); a stage
-also has its layer block, a standby the stage whose block it holds hot (``layers_of``, read in
-``shard.spec.failover``). ``check_nodes`` holds the rules that span nodes: unique names,
-unique listen addresses, one layer mode, ordered blocks.
+computes (``device``, ``dtype``, ``graphs``: ``shard.spec.device``); a stage also has its layer
+block, a standby the stage whose block it holds hot (``layers_of``) and its ``role`` (a standby,
+or a dedicated auditor; both read in ``shard.spec.failover``). ``check_nodes`` holds the rules
+that span nodes: unique names, unique listen addresses, one layer mode, ordered blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Final
 import attrs
 
 from shard.spec.device import DEVICE_KEYS, STAGE_DEVICE_KEYS, DeviceSpec, read_device
-from shard.spec.failover import read_layers_of
+from shard.spec.failover import read_layers_of, read_standby_role
 from shard.spec.trust import CREDENTIAL_KEYS, CredentialPaths, read_credentials
 from shard.spec.validate import Block, Table, check_layer_mode, check_tiling, check_unique
 
@@ -107,11 +107,14 @@ class StandbySpec:
     """A standby node, outside the ring until failover splices it in for a dead stage.
 
     ``layers_of``: the stage whose block it loads at start (hot), or None (a spare: it loads
-    the dead stage's block when assigned). ``credentials`` and ``runtime`` as on a stage."""
+    the dead stage's block when assigned). ``role``: ``standby``, or ``auditor`` (it answers
+    audits of ``layers_of``'s block and is never spliced in). ``credentials`` and ``runtime``
+    as on a stage."""
 
     name: str
     listen: Address
     layers_of: str | None = None
+    role: str = "standby"
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
     runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
 
@@ -174,10 +177,12 @@ def read_stage(table: Table, base_dir: Path | None) -> StageSpec:
 def read_standby(table: Table, base_dir: Path | None, stages: list[str]) -> StandbySpec:
     """Validate one ``[[standby]]``; ``stages`` are the names ``layers_of`` may give."""
     name = node_name(table, "name")
+    layers_of = read_layers_of(table, stages)
     return StandbySpec(
         name=name,
         listen=_address(table, "listen", '"127.0.0.1:7711"'),
-        layers_of=read_layers_of(table, stages),
+        layers_of=layers_of,
+        role=read_standby_role(table, layers_of),
         credentials=read_credentials(table, base_dir, name),
         runtime=read_device(table, graphs=True),
     )
