@@ -68,8 +68,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _spec_toml(name: str, ports: Sequence[int], latency_ms: float, max_rows: int) -> str:
+def _spec_toml(
+    name: str, ports: Sequence[int], latency_ms: float, max_rows: int, sessions: int
+) -> str:
     text = ring_spec_toml(name, ports, latency_ms)
+    text = text.replace("max_sessions = 16\n", f"max_sessions = {max(16, sessions)}\n", 1)
     return text.replace("[limits]\n", f"[limits]\nmax_batch_rows = {max_rows}\n", 1)
 
 
@@ -81,7 +84,8 @@ async def start(
     label = f"{mode}-{latency:g}ms"
     path = Path(args.workdir) / f"{label}.toml"
     name = f"batch-{label}".replace(".", "_")
-    path.write_text(_spec_toml(name, free_ports(args.stages + 1), latency, MODES[mode]))
+    most = max(int(x) for x in args.streams.split(",") if x.strip())
+    path.write_text(_spec_toml(name, free_ports(args.stages + 1), latency, MODES[mode], most))
     spec = load_spec(path)
     began = trio.current_time()
     handle = await nursery.start(
@@ -150,6 +154,7 @@ async def point(
         "tpot_p95_s": tpot[min(len(tpot) - 1, round(0.95 * (len(tpot) - 1)))],
         "batch_rows": max((s.batch_rows for d in runs for s in d.stats.nodes), default=0.0),
         "stage_rss_mib": stage_rss_mib(path),
+        "loadavg_after": list(os.getloadavg()),
         "token_ids": [list(d.token_ids) for d in runs],
     }
 
