@@ -24,7 +24,7 @@ import trio
 from shard.messages import NodeProfile
 from shard.model.config import ModelConfig
 from shard.model.device import resolve_device, torch_dtype
-from shard.model.profile import available_memory_bytes, measure_layer_ms
+from shard.model.profile import available_memory_bytes, measure_layer_ms, warm_loader
 from shard.nodes.stage import StageHandle, _StageNode
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
@@ -78,6 +78,7 @@ def measure_profile(
     """Time one scratch layer on node ``name``'s device for a 1-token and a (K+1)-token chunk
     (K: the spec's fixed K, else 4), and offer ``memory_bytes`` (default: half of what is
     free). Runs torch: call it in a worker thread."""
+    warm_loader()
     config = ModelConfig.from_dir(model_dir)
     runtime = spec.runtime(name)
     device = resolve_device(runtime.device, name)
