@@ -265,7 +265,7 @@ def test_replan_with_standbys_only_never_grows_a_running_block() -> None:
     rtt = line(["c", "a", "b", "d"], [1.0, 1.0, 1.0])
     problem = Problem((node("a", 8), node("b", 8), node("d", 8)), rtt, ModelFacts(9, GIB), ("c",))
     before = evaluate(Mesh(problem), "c", ["a", "b", "d"], [3, 3, 3], "given")
-    with pytest.raises(PlanError, match="standbys only were asked.*add a standby"):
+    with pytest.raises(PlanError, match=r"standbys only were asked.*add a standby"):
         replan(before, "b", problem, neighbours=False)
     with_standby = _three()
     first = plan(with_standby)
