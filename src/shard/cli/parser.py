@@ -23,6 +23,7 @@ examples:
   shard swarm up specs/wan-sim.toml          # then, elsewhere:
   shard generate --spec specs/wan-sim.toml "Write a haiku about rivers" --chat
   shard up --role stage --spec specs/local.toml --node s1
+  shard up --role stage --join 127.0.0.1:7790 --spec specs/formed.toml --node gpu-a
   shard monitor --spec specs/local.toml       # watch a running swarm live
   shard convert model.gguf out_dir/
   shard bench specs/local.toml --latencies 0,25 --json out.json
