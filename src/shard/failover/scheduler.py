@@ -128,22 +128,13 @@ class Scheduler:
         self._policy = policy
         self._clock = clock
         self._return_up = return_up
-        self.formation: Formation | None = None
-        if formation is not None:
-            spec, model = formation
-            self.formation = Formation(
-                spec, self._registry, model=model, policy=policy, clock=clock
-            )
-        chooser = self.formation
+        self.formation = None if formation is None else Formation(
+            formation[0], self._registry, model=formation[1], policy=policy, clock=clock
+        )  # fmt: skip
         self._splicer = Splicer(
-            self._registry,
-            ring_link=ring_link,
-            to_router=to_router,
-            policy=policy,
-            clock=clock,
-            choose=chooser.choose if chooser is not None else None,
-            spliced=chooser.spliced if chooser is not None else None,
-        )
+            self._registry, ring_link=ring_link, to_router=to_router, policy=policy, clock=clock,
+            replanner=self.formation,
+        )  # fmt: skip
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
         audit = audit or AuditSpec()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import trio
@@ -66,10 +67,13 @@ class Recovery:
     detail: str = ""
 
 
-#: Which live standby takes a slot whose holder died (None: none can, wait for one), and
-#: what to do once it has (a formed swarm's re-plan: ``shard.failover.formation``).
-Choose = Callable[[Slot, Sequence[Member]], Member | None]
-Spliced = Callable[[NodeName, NodeName], None]
+class Replanner(Protocol):
+    """Which live standby takes a slot whose holder died (None: none can, wait for one), and
+    what follows once it has: a formed swarm's re-plan (``shard.failover.formation``)."""
+
+    def choose(self, slot: Slot, live: Sequence[Member]) -> Member | None: ...
+
+    def spliced(self, dead: NodeName, standby: NodeName) -> None: ...
 
 
 class Splicer:
@@ -77,7 +81,7 @@ class Splicer:
 
     Not an actor: the scheduler's problem loop calls it, one repair at a time, and waits for
     each to finish before the next (a repair must see the ring the last one left).
-    ``choose`` replaces the default pick (a standby holding the block, else any spare).
+    ``replanner`` replaces the default pick (a standby holding the block, else any spare).
     """
 
     def __init__(
@@ -88,11 +92,9 @@ class Splicer:
         to_router: trio.MemorySendChannel[RingControl],
         policy: FailoverSpec,
         clock: Callable[[], float],
-        choose: Choose | None = None,
-        spliced: Spliced | None = None,
+        replanner: Replanner | None = None,
     ) -> None:
-        self._choose = choose
-        self._spliced = spliced
+        self._replanner = replanner
         self._registry = registry
         self._ring_link = ring_link
         self._to_router = to_router
@@ -148,8 +150,8 @@ class Splicer:
             await self._give_up(slot.name, dead, at, started, detail)
             return
         reg.fenced[dead] = standby.node
-        if self._spliced is not None:
-            self._spliced(dead, standby.node)
+        if self._replanner is not None:
+            self._replanner.spliced(dead, standby.node)
         done = self._clock()
         self.recoveries.append(
             Recovery(slot.name, dead, standby.node, kind, started - at, done - started, done - at)
@@ -244,8 +246,8 @@ class Splicer:
     def _pick_now(self, slot: Slot) -> tuple[Member, str] | None:
         live = self._registry.live_standbys()
         hot = [m for m in live if (m.first, m.last) == (slot.first, slot.last)]
-        if self._choose is not None:
-            chosen = self._choose(slot, live)
+        if self._replanner is not None:
+            chosen = self._replanner.choose(slot, live)
             return None if chosen is None else (chosen, "hot" if chosen in hot else "cold")
         if hot:
             return hot[0], "hot"
