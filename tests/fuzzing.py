@@ -30,11 +30,13 @@ from shard.messages import (
     GenerateRequest,
     Heartbeat,
     Hello,
+    MeasureRtt,
     Message,
     NodeName,
     Prefill,
     Probe,
     ProbeReply,
+    RttReport,
     SessionId,
     Tensor,
     TokensOut,
@@ -97,6 +99,8 @@ class Frames:
                 NodeName("s1"), NodeName("evil"), sid, 0, False, "exact", None, ""
             ),
             lambda: self.audit_request(sid),
+            lambda: MeasureRtt(("s1", "coord"), ("127.0.0.1:9", "127.0.0.1:9"), 3),
+            lambda: RttReport(NodeName("evil"), ("s1",), (r.random(),)),
         ]
         return r.choice(choices)()
 
@@ -188,6 +192,8 @@ HARMLESS = (
     AuditCopy,  # control-link messages a stage's ring link ignores
     AuditRequest,
     AuditVerdict,
+    MeasureRtt,  # a joining node's mesh, on the control link only
+    RttReport,
 )
 
 

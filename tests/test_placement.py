@@ -259,6 +259,20 @@ def test_replan_lets_neighbours_absorb_when_no_standby_fits() -> None:
     assert "absorb" in after.method
 
 
+def test_replan_with_standbys_only_never_grows_a_running_block() -> None:
+    """``neighbours=False`` (the live scheduler): with no standby there is no plan, and the
+    error says standbys only were asked and what to add."""
+    rtt = line(["c", "a", "b", "d"], [1.0, 1.0, 1.0])
+    problem = Problem((node("a", 8), node("b", 8), node("d", 8)), rtt, ModelFacts(9, GIB), ("c",))
+    before = evaluate(Mesh(problem), "c", ["a", "b", "d"], [3, 3, 3], "given")
+    with pytest.raises(PlanError, match=r"standbys only were asked.*add a standby"):
+        replan(before, "b", problem, neighbours=False)
+    with_standby = _three()
+    first = plan(with_standby)
+    after = replan(first, first.stages[1].node, with_standby, neighbours=False)
+    assert after.block_of("s") == (first.stages[1].first, first.stages[1].last)
+
+
 def test_replan_that_cannot_fit_says_what_to_add() -> None:
     """A dead stage whose block nobody can take: a PlanError asking for a standby."""
     rtt = line(["c", "a", "b"], [1.0, 1.0])

@@ -11,12 +11,13 @@ import trio.testing
 
 from shard.failover.control import ControlClient, OnOrder
 from shard.failover.events import RingControl, RingNote
-from shard.failover.rtt import RttTracker
+from shard.failover.rtt import RttTracker, measure_row, serve_probes
 from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
     Activate,
     Heartbeat,
     Hello,
+    MeasureRtt,
     NodeName,
     Probe,
     ProbeReply,
@@ -26,8 +27,8 @@ from shard.messages import (
     Welcome,
 )
 from shard.spec.failover import FailoverSpec
-from shard.transport import Connection, DelayNetwork, MemoryNetwork, Network
-from shard.transport.links import accept_peer
+from shard.transport import Connection, ConnectionClosed, DelayNetwork, MemoryNetwork, Network
+from shard.transport.links import accept_peer, dial_peer
 
 SWARM = "rtt-test"
 COORD = NodeName("coord")
@@ -188,4 +189,32 @@ async def test_node_answers_probes_while_obeying_an_order(
         await trio.sleep(10.0)
         finish.set()
         assert await replies.receive() == Ready(node=NODE, action="activate")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_joining_node_measures_its_row_of_the_mesh_with_probes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``measure_row`` times probes to each address on a probe link ``serve_probes`` answers:
+    60 ms across a 30 ms-each-way WAN, -1 for an address nobody listens on; a probe link
+    carries nothing else (a Heartbeat ends it)."""
+    welcome = Welcome(node=NodeName("peer"), role="stage", swarm=SWARM)
+
+    async def peer(conn: Connection) -> None:
+        await accept_peer(conn, welcome)
+        await serve_probes(conn)
+
+    memory = MemoryNetwork()
+    wan = DelayNetwork(memory, 0.03, local_name=NODE)
+    hello = Hello(node=NODE, role="stage", swarm=SWARM, link="probe")
+    async with memory, wan, trio.open_nursery() as nursery:
+        await nursery.start(memory.serve, "peer:1", peer)
+        order = MeasureRtt(("peer", "gone"), ("peer:1", "gone:1"), 3)
+        report = await measure_row(wan, hello, order, timeout_s=2.0)
+        assert report.names == ("peer", "gone") and report.node == NODE
+        assert report.rtt_ms[0] == pytest.approx(60.0) and report.rtt_ms[1] == -1.0
+        conn = await dial_peer(memory, "peer:1", hello, timeout_s=1.0)
+        await conn.send(Heartbeat(node=NODE, sent_at=0.0))
+        with pytest.raises(ConnectionClosed):
+            await conn.receive()
         nursery.cancel_scope.cancel()

@@ -28,7 +28,8 @@ def operator_errors() -> tuple[type[BaseException], ...]:
     from shard.coordinator.client import ClientError
     from shard.coordinator.router import RingError
     from shard.decode.state import BadRequest
-    from shard.failover.control import NodeReplaced
+    from shard.failover.control import JoinRefused, NodeReplaced
+    from shard.failover.formation import FormationError
     from shard.model.bundled import ModelNotFound
     from shard.model.device import DeviceUnavailable
     from shard.model.gguf_import import ConvertError
@@ -59,6 +60,8 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         ManifestError,
         FetchError,
         NodeReplaced,
+        JoinRefused,  # a --join node whose registration the scheduler refused
+        FormationError,  # a [formation] swarm whose nodes never came, or cannot hold the model
         KeyFileError,
         PlanError,  # shard plan: no ring fits, or a bad --rtt geography (GeographyError)
         trio.TooSlowError,

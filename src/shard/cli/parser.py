@@ -23,6 +23,7 @@ examples:
   shard swarm up specs/wan-sim.toml          # then, elsewhere:
   shard generate --spec specs/wan-sim.toml "Write a haiku about rivers" --chat
   shard up --role stage --spec specs/local.toml --node s1
+  shard up --role stage --join 127.0.0.1:7790 --spec specs/formed.toml --node gpu-a
   shard monitor --spec specs/local.toml       # watch a running swarm live
   shard convert model.gguf out_dir/
   shard bench specs/local.toml --latencies 0,25 --json out.json
@@ -143,6 +144,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--spec", required=True, help="swarm spec (TOML)")
     p.add_argument("--node", help="node name in the spec (default: the coordinator's name)")
+    _join_args(p)
     p.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
     p.add_argument(
         "--successor", help="dial this HOST:PORT downstream instead of the spec's (e.g. a relay)"
@@ -184,6 +186,30 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="exit as soon as process PID exits (the launcher of `swarm up/run` passes its own "
         "PID, so no node outlives it, even when it is SIGKILLed; Linux)",
+    )
+
+
+def _join_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--join",
+        metavar="HOST:PORT",
+        help="with --role stage: join the coordinator at HOST:PORT with no layer range; its "
+        "scheduler places this node (a block, or standby) from its measured profile and RTTs "
+        "(a spec with [formation]; --node names this node; docs/placement.md)",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default="127.0.0.1:0",
+        help="with --join: where this node accepts its predecessor and probes (default "
+        "127.0.0.1:0; give an address the other nodes can reach)",
+    )
+    p.add_argument("--key", help="with --join: this node's secret key (secure swarms)")
+    p.add_argument("--token", help="with --join: this node's admission token (secure swarms)")
+    p.add_argument(
+        "--memory-gib",
+        type=bounded(float, 0.0, 1 << 20, "a size in GiB >= 0"),
+        help="with --join: memory offered for weights (default: half of what is free)",
     )
 
 

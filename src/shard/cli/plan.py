@@ -33,7 +33,6 @@ from shard.placement import (
 )
 from shard.placement.report import as_json, text
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ASSUMED_MS_PER_LAYER = 1.0
 
 
@@ -175,13 +174,7 @@ def _model_facts(model: str, dtype: str) -> ModelFacts:
     ``dtype``, from its ``config.json`` (no weights are read)."""
     from shard.model.bundled import resolve_model
     from shard.model.config import ModelConfig
+    from shard.model.profile import weight_bytes
 
     config = ModelConfig.from_dir(resolve_model(model, progress=sys.stderr.isatty()))
-    h, hd = config.hidden_size, config.head_dim
-    attention = h * hd * (2 * config.n_heads + 2 * config.n_kv_heads)
-    if config.attention_bias:
-        attention += hd * (config.n_heads + 2 * config.n_kv_heads)
-    layer = attention + 3 * h * config.intermediate_size + 2 * h
-    size = _BYTES[dtype]
-    embedding = config.vocab_size * h
-    return ModelFacts(config.n_layers, layer * size, embedding * size, (embedding + h) * size)
+    return ModelFacts(config.n_layers, *weight_bytes(config, dtype))

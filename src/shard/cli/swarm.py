@@ -61,12 +61,14 @@ def up(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     name = args.node or spec.coordinator.name
+    if args.join is not None:
+        spec = _joined(spec, args)
     if args.role != "seeder" and (args.device or args.dtype or args.graphs):
         spec = spec.with_runtime(name, device=args.device, dtype=args.dtype, graphs=args.graphs)
     if args.role == "coordinator" and name != spec.coordinator.name:
         print(f"shard: error: {name} is not the coordinator of {args.spec}", file=sys.stderr)
         return 2
-    if args.role == "stage" and name not in {s.name for s in spec.stages}:
+    if args.role == "stage" and not args.join and name not in {s.name for s in spec.stages}:
         names = ", ".join(s.name for s in spec.stages)
         print(f"shard: error: no stage {name!r} in {args.spec} (stages: {names})", file=sys.stderr)
         return 2
@@ -97,6 +99,18 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _joined(spec: Any, args: argparse.Namespace) -> Any:
+    """The spec as a node started with ``--join`` sees it (``shard.nodes.joining``).
+
+    Errors: ``UsageError`` for ``--join`` without ``--role stage`` or ``--node``."""
+    from shard.nodes.joining import joined_spec
+
+    if args.role != "stage" or not args.node:
+        raise UsageError("--join needs --role stage and --node NAME (this node's name)")
+    key, token = (Path(p).resolve() if p else None for p in (args.key, args.token))
+    return joined_spec(spec, args.node, join=args.join, listen=args.listen, key=key, token=token)
+
+
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:
     from shard.nodes.coordinator import run_coordinator, run_stage, run_standby
     from shard.nodes.launcher import ready_line
@@ -108,7 +122,22 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
     role = "stage" if args.role in ("standby", "auditor") else args.role
     network = node_network(spec, name, role)
     async with network, trio.open_nursery() as nursery:
-        if args.role in ("standby", "auditor"):
+        if args.join:
+            from shard.nodes.joining import run_joined
+
+            memory = None if args.memory_gib is None else int(args.memory_gib * (1 << 30))
+            handle = await nursery.start(
+                lambda task_status: run_joined(
+                    spec,
+                    name,
+                    network=network,
+                    model_dir=model_dir,
+                    memory_bytes=memory,
+                    startup_timeout_s=args.startup_timeout,
+                    task_status=task_status,
+                )
+            )
+        elif args.role in ("standby", "auditor"):
             handle = await nursery.start(
                 lambda task_status: run_standby(
                     spec,

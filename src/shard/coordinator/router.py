@@ -148,6 +148,11 @@ class Coordinator:
         """Clear the rolling ring statistics (counters since start are kept)."""
         self._ledger.reset()
 
+    def formed(self, n_stages: int) -> None:
+        """A formed swarm's ring has ``n_stages`` stages (run receipts wait for that many)."""
+        if self._signer is not None:
+            self._signer = attrs.evolve(self._signer, n_stages=n_stages)
+
     def event(self, kind: str, detail: str) -> None:
         """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
         self._ledger.event(kind, detail)

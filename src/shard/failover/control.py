@@ -12,7 +12,9 @@ heartbeats cover a node it cannot hear from).
 
 Orders are carried out through ``on_order``, a call into the node that owns this client: the
 reply (``Ready``, ok or not) must say how the order went, so it is a request with its answer,
-not a message sent and forgotten.
+not a message sent and forgotten. A joining node's ``MeasureRtt`` is one too: ``on_measure``
+measures, and its ``RttReport`` is the answer. A registration the scheduler refuses (a
+``Fault`` of kind ``register``: a malformed profile) ends the client with ``JoinRefused``.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
 finds its warm ring registering again).
@@ -32,6 +34,7 @@ from shard.messages import (
     Fault,
     Heartbeat,
     Hello,
+    MeasureRtt,
     Message,
     NodeName,
     Probe,
@@ -39,6 +42,7 @@ from shard.messages import (
     Ready,
     Register,
     Rewire,
+    RttReport,
 )
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.transport import Connection, Network, TransportError, abandon
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 
 OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
 OnAudit = Callable[[AuditRequest], Awaitable[AuditVerdict]]
+OnMeasure = Callable[[MeasureRtt], Awaitable[RttReport]]
+Order = Activate | Rewire | MeasureRtt
 #: Audit requests waiting for this standby's auditor; more are dropped (an audit not run
 #: accuses nobody) rather than stop the link being read.
 _AUDITS_BUFFER = 16
@@ -57,6 +63,11 @@ _AUDITS_BUFFER = 16
 class NodeReplaced(Exception):
     """The scheduler refused this node: it was declared dead and replaced (a node that froze,
     then woke). It must not serve its old sessions; restart it as a standby, under a new name."""
+
+
+class JoinRefused(Exception):
+    """The scheduler refused this node's registration (its profile or address is malformed);
+    the message says why. Fix the node's flags and start it again."""
 
 
 class OrderFailed(Exception):
@@ -86,6 +97,7 @@ class ControlClient:
         faults: trio.MemoryReceiveChannel[Fault] | None = None,
         copies: trio.MemoryReceiveChannel[AuditCopy] | None = None,
         on_audit: OnAudit | None = None,
+        on_measure: OnMeasure | None = None,
         heartbeat_s: float = 0.25,
         dead_after_s: float = 1.0,
         connect_timeout_s: float = 10.0,
@@ -100,6 +112,7 @@ class ControlClient:
         self._faults = faults
         self._copies = copies
         self._on_audit = on_audit
+        self._on_measure = on_measure
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._connect_timeout_s = connect_timeout_s
@@ -124,7 +137,7 @@ class ControlClient:
                     log.warning("%s: could not report %s: %s", self._node, what, exc)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        ended: NodeReplaced | TransportError | HandshakeError | None = None
+        ended: NodeReplaced | JoinRefused | TransportError | HandshakeError | None = None
         async with trio.open_nursery() as nursery:
             if self._faults is not None:
                 nursery.start_soon(self._report_faults, self._faults)
@@ -132,7 +145,7 @@ class ControlClient:
                 nursery.start_soon(self._report_faults, self._copies)
             try:
                 await self._stay_linked(task_status)
-            except (NodeReplaced, TransportError, HandshakeError) as exc:
+            except (NodeReplaced, JoinRefused, TransportError, HandshakeError) as exc:
                 ended = exc  # raised below, outside the nursery: not wrapped in a group
             nursery.cancel_scope.cancel()
         if ended is not None:
@@ -163,10 +176,12 @@ class ControlClient:
                     started = True
                     task_status.started()
                 refused = await self._serve(conn)
+                if refused is not None and refused.kind == "register":
+                    raise JoinRefused(f"{self._node}: the scheduler refused it: {refused.detail}")
                 if refused is not None:
                     raise NodeReplaced(
-                        f"{self._node}: the scheduler refused this node: {refused}; restart it "
-                        "as a standby under a new name"
+                        f"{self._node}: the scheduler refused this node: {refused.detail}; "
+                        "restart it as a standby under a new name"
                     )
             except TransportError as exc:
                 log.warning("%s: control link to %s lost: %s", self._node, self._address, exc)
@@ -175,7 +190,7 @@ class ControlClient:
                 await abandon(conn)
             await trio.sleep(self._heartbeat_s)
 
-    async def _serve(self, conn: Connection) -> str | None:
+    async def _serve(self, conn: Connection) -> Fault | None:
         """Obey orders until the link fails (returns None; the caller re-dials) or the
         scheduler refuses this node (returns why).
 
@@ -184,7 +199,7 @@ class ControlClient:
         inflated by the load) and a silent scheduler is noticed. An order in progress when
         the link ends still runs to completion, as when orders ran in the reading loop.
         """
-        orders_send, orders = trio.open_memory_channel[Activate | Rewire](0)
+        orders_send, orders = trio.open_memory_channel[Order](0)
         audits_send, audits = trio.open_memory_channel[AuditRequest](_AUDITS_BUFFER)
         link = trio.CancelScope()
         async with trio.open_nursery() as obeying:
@@ -217,9 +232,9 @@ class ControlClient:
     async def _read(
         self,
         conn: Connection,
-        orders: trio.MemorySendChannel[Activate | Rewire],
+        orders: trio.MemorySendChannel[Order],
         audits: trio.MemorySendChannel[AuditRequest],
-    ) -> str | None:
+    ) -> Fault | None:
         try:
             while True:
                 with trio.move_on_after(self._dead_after_s * 4) as quiet:
@@ -227,7 +242,7 @@ class ControlClient:
                 if quiet.cancelled_caught:
                     log.warning("%s: the scheduler at %s went silent", self._node, self._address)
                     return None
-                if isinstance(msg, Activate | Rewire):
+                if isinstance(msg, Activate | Rewire | MeasureRtt):
                     await orders.send(msg)
                 elif isinstance(msg, AuditRequest):
                     try:
@@ -236,8 +251,8 @@ class ControlClient:
                         log.warning("%s: audit of %s dropped (busy)", self._node, msg.accused)
                 elif isinstance(msg, Probe):
                     await conn.send(ProbeReply(nonce=msg.nonce, sent_at=msg.sent_at))
-                elif isinstance(msg, Fault) and msg.kind == "control":
-                    return msg.detail
+                elif isinstance(msg, Fault) and msg.kind in ("control", "register"):
+                    return msg
                 elif not isinstance(msg, Heartbeat):
                     log.warning("%s: unexpected %s on the control link", self._node, msg)
         except CONNECTION_ERRORS as exc:  # a corrupt frame too: re-dial, never exit
@@ -247,17 +262,25 @@ class ControlClient:
     async def _obey_all(
         self,
         conn: Connection,
-        orders: trio.MemoryReceiveChannel[Activate | Rewire],
+        orders: trio.MemoryReceiveChannel[Order],
         link: trio.CancelScope,
     ) -> None:
         async with orders:
             async for order in orders:
-                ready = await self._obey(order)
+                if isinstance(order, MeasureRtt):
+                    ready: Message = await self._measure(order)
+                else:
+                    ready = await self._obey(order)
                 try:
                     await conn.send(ready)
                 except TransportError as exc:
                     log.warning("%s: could not answer %s: %s", self._node, order, exc)
                     link.cancel()  # the reading loop ends too; the caller re-dials
+
+    async def _measure(self, order: MeasureRtt) -> RttReport:
+        if self._on_measure is None:  # not a joining node: it measures nothing
+            return RttReport(self._node, order.names, tuple(-1.0 for _ in order.names))
+        return await self._on_measure(order)
 
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()

@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from shard.failover.rtt import RttTracker
-from shard.messages import Activate, NodeName, Ready, Register, Rewire
+from shard.messages import Activate, NodeName, NodeProfile, Ready, Register, Rewire
 from shard.transport import Connection, TransportError
 from shard.transport.guard import ProtocolViolation
 
@@ -50,6 +50,7 @@ class Member:
     replies: trio.MemoryReceiveChannel[Ready]
     rtt: RttTracker
     alive: bool = True
+    profile: NodeProfile | None = None  # a node started with --join: for placement
 
     @classmethod
     def registered(
@@ -70,6 +71,7 @@ class Member:
             at,
             replies,
             rtt,
+            profile=register.profile,
         )
 
     async def order(self, order: Activate | Rewire, *, timeout_s: float) -> None:
@@ -160,8 +162,8 @@ class Registry:
         return (self.node, *(s.holder for s in self.slots))
 
     def tail(self) -> NodeName:
-        """The node that may open the return link now."""
-        return self.slots[-1].holder
+        """The node that may open the return link now (nobody's while a ring forms)."""
+        return self.slots[-1].holder if self.slots else self.node
 
     def slot_of(self, node: NodeName) -> int | None:
         for i, slot in enumerate(self.slots):
@@ -170,6 +172,8 @@ class Registry:
         return None
 
     def successor_of(self, node: NodeName) -> NodeName | None:
+        if node == self.node and not self.slots:
+            return None
         if node == self.node:
             return self.slots[0].holder
         i = self.slot_of(node)

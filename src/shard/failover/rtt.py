@@ -9,6 +9,10 @@ task that ran late) does not move it; placement reads it from ``Scheduler.statis
 The send time is remembered here, by nonce, not read back from the reply: a node cannot make
 itself look closer than it is. A probe never answered is forgotten once ``keep * 4`` newer
 ones are waiting, so a silent peer costs bounded memory.
+
+For the mesh between joining nodes (``shard.failover.formation``), ``measure_rtt`` dials a
+peer's listen address with ``Hello(link="probe")`` and times a few probes there, and
+``serve_probes`` is what the peer (a stage node, or the coordinator) answers them with.
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ from collections.abc import Callable
 
 import trio
 
-from shard.messages import Probe, ProbeReply
-from shard.transport import Connection, TransportError
+from shard.messages import Hello, MeasureRtt, Probe, ProbeReply, RttReport
+from shard.transport import Connection, Network, TransportError
+from shard.transport.guard import CONNECTION_ERRORS
+from shard.transport.links import dial_peer
+
+#: A probe link answers at most this many probes, then closes (a peer cannot keep it forever).
+MAX_PROBES = 128
+#: A joining node measures at most this many peers (a bigger swarm plans from a subset).
+MAX_PEERS = 256
 
 
 class RttTracker:
@@ -86,3 +97,74 @@ class RttTracker:
                 await trio.sleep(self._interval_s)
         except TransportError:
             return
+
+
+async def serve_probes(conn: Connection, *, idle_s: float = 5.0) -> None:
+    """Answer each ``Probe`` on a probe link with its ``ProbeReply``, up to ``MAX_PROBES`` or
+    until the peer closes, goes quiet for ``idle_s`` or sends anything else (then it ends: a
+    probe link carries nothing but probes). Errors: ``TransportError`` from the link."""
+    for _ in range(MAX_PROBES):
+        with trio.move_on_after(idle_s):
+            msg = await conn.receive()
+            if not isinstance(msg, Probe):
+                return
+            await conn.send(ProbeReply(nonce=msg.nonce, sent_at=msg.sent_at))
+            continue
+        return
+
+
+async def measure_rtt(
+    network: Network,
+    address: str,
+    hello: Hello,
+    *,
+    probes: int,
+    timeout_s: float,
+    clock: Callable[[], float] = trio.current_time,
+) -> float | None:
+    """The median round trip (seconds) of ``probes`` probes to the node listening at
+    ``address``, one after another on one probe link; None when it cannot be reached, or does
+    not answer within ``timeout_s`` in all (the handshake included)."""
+    tracker_samples: list[float] = []
+    with trio.move_on_after(timeout_s):
+        try:
+            conn = await dial_peer(
+                network, address, hello, timeout_s=timeout_s, handshake_timeout_s=timeout_s
+            )
+        except CONNECTION_ERRORS:
+            return None
+        try:
+            for nonce in range(1, probes + 1):
+                sent = clock()
+                await conn.send(Probe(nonce=nonce, sent_at=sent))
+                reply = await conn.receive()
+                if not isinstance(reply, ProbeReply) or reply.nonce != nonce:
+                    return None
+                tracker_samples.append(clock() - sent)
+        except CONNECTION_ERRORS:
+            return None
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+    if len(tracker_samples) < probes:
+        return None
+    return statistics.median(tracker_samples)
+
+
+async def measure_row(
+    network: Network, hello: Hello, order: MeasureRtt, *, timeout_s: float = 10.0
+) -> RttReport:
+    """A joining node's row of the mesh: the median round trip (ms) to each address of
+    ``order``, all measured at once, each within ``timeout_s`` (-1.0: not reached)."""
+    found = [-1.0] * len(order.names)
+    probes = max(1, min(order.probes, MAX_PROBES))
+
+    async def one(i: int, address: str) -> None:
+        rtt = await measure_rtt(network, address, hello, probes=probes, timeout_s=timeout_s)
+        if rtt is not None:
+            found[i] = rtt * 1000.0
+
+    async with trio.open_nursery() as nursery:
+        for i, address in enumerate(order.addresses[: min(len(order.names), MAX_PEERS)]):
+            nursery.start_soon(one, i, address)
+    return RttReport(hello.node, order.names, tuple(found))

@@ -44,6 +44,7 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
+from shard.failover.formation import Formation, check_register
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot, forward_reply
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
@@ -59,10 +60,13 @@ from shard.messages import (
     Ready,
     Register,
     Rewire,
+    RttReport,
 )
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
+from shard.placement import ModelFacts
 from shard.spec.audit import AuditSpec
 from shard.spec.failover import FailoverSpec
+from shard.spec.formation import FormationSpec
 from shard.transport import Connection, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
 
@@ -111,10 +115,12 @@ class Scheduler:
         return_up: Callable[[], bool] = lambda: True,
         audit: AuditSpec | None = None,
         audits: AuditHub | None = None,
+        formation: tuple[FormationSpec, ModelFacts] | None = None,
     ) -> None:
         """``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
-        re-dial it."""
+        re-dial it. ``formation``: the ring forms from joining nodes (``slots`` empty), for
+        this model (``shard.failover.formation``; ``self.formation``)."""
         self._node = node
         self._registry = Registry(node, slots, return_address)
         self._to_router = to_router
@@ -122,9 +128,13 @@ class Scheduler:
         self._policy = policy
         self._clock = clock
         self._return_up = return_up
+        self.formation = None if formation is None else Formation(
+            formation[0], self._registry, model=formation[1], policy=policy, clock=clock
+        )  # fmt: skip
         self._splicer = Splicer(
-            self._registry, ring_link=ring_link, to_router=to_router, policy=policy, clock=clock
-        )
+            self._registry, ring_link=ring_link, to_router=to_router, policy=policy, clock=clock,
+            replanner=self.formation,
+        )  # fmt: skip
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
         audit = audit or AuditSpec()
@@ -181,6 +191,11 @@ class Scheduler:
         if not isinstance(first, Register) or first.node != hello.node:
             await conn.send(Fault(self._node, "control", "expected Register for this node"))
             return
+        refused = check_register(first) if self.formation is not None else None
+        if refused is not None:  # a malformed joiner: told why; nothing else is touched
+            log.warning("scheduler: refused %s's registration: %s", first.node, refused)
+            await conn.send(Fault(self._node, "register", refused))
+            return
         replaced_by = self._registry.replaced_by(first)
         if replaced_by is not None:
             # Its slot is held by another: a node that wakes up later must not rejoin with
@@ -235,6 +250,8 @@ class Scheduler:
                 )
                 if msg.kind == "link":
                     await self._link_lost(member.node)
+            elif isinstance(msg, RttReport) and self.formation is not None:
+                self.formation.reported(member.node, msg)
             elif isinstance(msg, AuditCopy):
                 await self.copied(member.node, msg)
             elif isinstance(msg, AuditVerdict):

@@ -20,7 +20,8 @@ on its control channel; each repair's timings go into ``recoveries``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import trio
@@ -66,11 +67,21 @@ class Recovery:
     detail: str = ""
 
 
+class Replanner(Protocol):
+    """Which live standby takes a slot whose holder died (None: none can, wait for one), and
+    what follows once it has: a formed swarm's re-plan (``shard.failover.formation``)."""
+
+    def choose(self, slot: Slot, live: Sequence[Member]) -> Member | None: ...
+
+    def spliced(self, dead: NodeName, standby: NodeName) -> None: ...
+
+
 class Splicer:
     """Carries out repairs on the registry's ring (see the module docstring).
 
     Not an actor: the scheduler's problem loop calls it, one repair at a time, and waits for
     each to finish before the next (a repair must see the ring the last one left).
+    ``replanner`` replaces the default pick (a standby holding the block, else any spare).
     """
 
     def __init__(
@@ -81,7 +92,9 @@ class Splicer:
         to_router: trio.MemorySendChannel[RingControl],
         policy: FailoverSpec,
         clock: Callable[[], float],
+        replanner: Replanner | None = None,
     ) -> None:
+        self._replanner = replanner
         self._registry = registry
         self._ring_link = ring_link
         self._to_router = to_router
@@ -137,6 +150,8 @@ class Splicer:
             await self._give_up(slot.name, dead, at, started, detail)
             return
         reg.fenced[dead] = standby.node
+        if self._replanner is not None:
+            self._replanner.spliced(dead, standby.node)
         done = self._clock()
         self.recoveries.append(
             Recovery(slot.name, dead, standby.node, kind, started - at, done - started, done - at)
@@ -213,13 +228,9 @@ class Splicer:
         while True:
             if self._registry.alive(slot.holder):
                 return None
-            live = self._registry.live_standbys()
-            for m in live:
-                if (m.first, m.last) == (slot.first, slot.last):
-                    return m, "hot"
-            for m in live:
-                if (m.first, m.last) == NO_BLOCK:
-                    return m, "cold"
+            picked = self._pick_now(slot)
+            if picked is not None:
+                return picked
             wait = deadline - self._clock()
             if wait <= 0:
                 raise RecoveryFailed(
@@ -231,6 +242,19 @@ class Splicer:
             )
             with trio.move_on_after(wait):
                 await self._registry.wait_joined()
+
+    def _pick_now(self, slot: Slot) -> tuple[Member, str] | None:
+        live = self._registry.live_standbys()
+        hot = [m for m in live if (m.first, m.last) == (slot.first, slot.last)]
+        if self._replanner is not None:
+            chosen = self._replanner.choose(slot, live)
+            return None if chosen is None else (chosen, "hot" if chosen in hot else "cold")
+        if hot:
+            return hot[0], "hot"
+        for m in live:
+            if (m.first, m.last) == NO_BLOCK:
+                return m, "cold"
+        return None
 
     async def _rewire(self, node: NodeName, address: str, *, replay: bool) -> None:
         if node == self._registry.node:

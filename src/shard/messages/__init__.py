@@ -34,9 +34,12 @@ from shard.messages.client import (
 )
 from shard.messages.control import (
     Activate,
+    MeasureRtt,
+    NodeProfile,
     Ready,
     Register,
     Rewire,
+    RttReport,
 )
 from shard.messages.fetch import (
     ChunkData,
@@ -120,6 +123,8 @@ Message = (
     | AuditCopy
     | AuditRequest
     | AuditVerdict
+    | MeasureRtt
+    | RttReport
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -153,6 +158,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AuditCopy,
     AuditRequest,
     AuditVerdict,
+    MeasureRtt,
+    RttReport,
 )
 
 __all__ = [
@@ -183,8 +190,10 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Hop",
+    "MeasureRtt",
     "Message",
     "NodeName",
+    "NodeProfile",
     "NodeStat",
     "OpenSession",
     "Prefill",
@@ -193,6 +202,7 @@ __all__ = [
     "Ready",
     "Register",
     "Rewire",
+    "RttReport",
     "RunReceipt",
     "RunStats",
     "Sampling",

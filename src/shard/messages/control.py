@@ -1,4 +1,5 @@
-"""Control-plane messages between a node and the scheduler: registration, activation of a
+"""Control-plane messages between a node and the scheduler: registration (with a joining
+node's measured profile), the RTT mesh a joining node measures for placement, activation of a
 standby, rewiring a predecessor after a splice, readiness.
 """
 
@@ -7,6 +8,23 @@ from __future__ import annotations
 import attrs
 
 from shard.messages.ids import NodeName
+
+
+@attrs.frozen
+class NodeProfile:
+    """What a node started with ``--join`` tells the scheduler about itself, for placement:
+    its device (a label, printed only), the memory it offers for weights (bytes, net of its
+    KV cache), and its measured compute per layer (ms) for a 1-token chunk and for a
+    ``chunk_tokens``-token verify chunk (K+1), timed on its own device at start-up.
+
+    The node's word, checked for shape only (``shard.failover.formation``): a node can claim
+    to be fast, never to be trusted (trust comes from the coordinator's spec)."""
+
+    device: str
+    memory_bytes: int
+    ms_per_layer_one: float
+    ms_per_layer_chunk: float
+    chunk_tokens: int
 
 
 @attrs.frozen
@@ -26,6 +44,28 @@ class Register:
     first: int = -1
     last: int = -1
     slot: str = ""  # the ring slot (spec stage name) a stage serves; "" for a standby
+    profile: NodeProfile | None = None  # a node started with --join (None: a spec's node)
+
+
+@attrs.frozen
+class MeasureRtt:
+    """Scheduler -> joining node: measure the round trip to each of ``addresses`` (the other
+    candidates' listen addresses and the coordinator's, named ``names``) with ``probes``
+    ``Probe``/``ProbeReply`` exchanges each, and answer ``RttReport``."""
+
+    names: tuple[str, ...]
+    addresses: tuple[str, ...]
+    probes: int
+
+
+@attrs.frozen
+class RttReport:
+    """Node -> scheduler: the median round trip (ms) to each of ``names``, in the order asked;
+    -1.0 for a peer it could not reach."""
+
+    node: NodeName
+    names: tuple[str, ...]
+    rtt_ms: tuple[float, ...]
 
 
 @attrs.frozen

@@ -33,6 +33,7 @@ from shard.failover.audits import AuditHub
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
+from shard.failover.rtt import serve_probes
 from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
     Fault,
@@ -45,11 +46,14 @@ from shard.messages import (
 )
 from shard.messages.audit import AuditCopy
 from shard.model.config import ModelConfig
+from shard.model.profile import weight_bytes
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.drafter import make_drafter
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.devices import DeviceProbe
 from shard.observe.status import StatusFeed
+from shard.placement import ModelFacts
+from shard.spec.formation import FormationSpec
 from shard.spec.limits import Limits
 from shard.spec.nodes import CoordinatorSpec
 from shard.spec.swarm import SwarmSpec
@@ -121,6 +125,8 @@ class _ReturnEndpoint:
 
 
 def _slots(spec: SwarmSpec, n_layers: int) -> list[Slot]:
+    if spec.formation is not None:
+        return []  # the scheduler fills them when the ring forms
     blocks = spec.blocks(n_layers)
     return [
         Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
@@ -212,6 +218,8 @@ class _Listener:
             await serve_one(conn, client, what="client link", node=node)
         elif hello.role == "monitor":  # the status feed: reads, may reset
             await serve_one(conn, self.feed.serve, what="monitor link", node=node)
+        elif hello.link == "probe":  # a joining node measuring its RTT to the coordinator
+            await serve_one(conn, serve_probes, what="probe link")
         else:
             await self.endpoint.serve(conn, hello, tail=self.scheduler.tail())
 
@@ -289,6 +297,7 @@ async def run_coordinator(
         return_up=endpoint.up,
         audit=spec.audit,
         audits=hub,
+        formation=_formation(spec, config),
     )
     scheduler_box.append(scheduler)
     feed = StatusFeed(
@@ -307,6 +316,10 @@ async def run_coordinator(
         await nursery.start(feed.run)
         await nursery.start(scheduler.run)
         bound = await nursery.start(network.serve, str(me.listen), listener.handle)
+        if scheduler.formation is not None:  # the joined nodes' ring, planned and activated
+            formed = await scheduler.formation.form()
+            coordinator.formed(len(formed.stages))
+            successor = successor or scheduler.formation.entry
         await ring_link.connect(successor or str(spec.stages[0].listen))
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
@@ -318,6 +331,13 @@ async def run_coordinator(
         task_status.started(
             CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler, api_address)
         )
+
+
+def _formation(spec: SwarmSpec, config: ModelConfig) -> tuple[FormationSpec, ModelFacts] | None:
+    """What the scheduler forms a ring with, for a spec with ``[formation]``."""
+    if spec.formation is None:
+        return None
+    return spec.formation, ModelFacts(config.n_layers, *weight_bytes(config, spec.dtype))
 
 
 async def _serve_client(

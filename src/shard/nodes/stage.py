@@ -23,17 +23,21 @@ from pathlib import Path
 import attrs
 import trio
 
-from shard.failover.control import ControlClient, NodeReplaced, OrderFailed
+from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
+from shard.failover.rtt import measure_row, serve_probes
 from shard.messages import (
     Activate,
     Fault,
     Hello,
+    MeasureRtt,
     Message,
     NodeName,
+    NodeProfile,
     Register,
     Rewire,
+    RttReport,
     StageReport,
     Welcome,
 )
@@ -119,8 +123,11 @@ class _StageNode:
         timeout_s: float,
         block: _Block | None,
         supervised: bool = True,
+        profile: NodeProfile | None = None,
     ) -> None:
+        """``profile``: a node started with ``--join`` registers it (and measures RTTs)."""
         self._spec = spec
+        self._profile = profile
         self._name = NodeName(name)
         model = block.model if block is not None else None
         self._auditing = auditing(spec, name, network, model, supervised=supervised)
@@ -144,11 +151,15 @@ class _StageNode:
         """What this node registers as now (a snapshot, read on each control connection)."""
         first, last = (self._block.first, self._block.last) if self._block else (-1, -1)
         role, slot = ("stage", self._serving.slot) if self._serving else (self._idle_role, "")
-        return Register(self._name, role, self._address, first, last, slot=slot)
+        return Register(
+            self._name, role, self._address, first, last, slot=slot, profile=self._profile
+        )
 
     @property
     def _idle_role(self) -> str:
         """Out of the ring: ``standby``, or ``auditor`` (a ``[[standby]] role = "auditor"``)."""
+        if self._profile is not None:  # a joining node: not in the spec, never an auditor
+            return "standby"
         node = self._spec.node(self._name)
         return node.role if isinstance(node, StandbySpec) else "standby"
 
@@ -163,7 +174,6 @@ class _StageNode:
     async def build(self, block: _Block, slot: str, successor: str) -> _Serving:
         """Build the executor and the downstream link for ``slot``, and dial ``successor``."""
         outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
-        node_spec = self._spec.node(self._name)
         executor = StageExecutor(
             block.model,
             node=self._name,
@@ -178,7 +188,7 @@ class _StageNode:
             receipts=ReceiptSigner(
                 signing_identity(self._spec, self._name),
                 node=self._name,
-                address=str(node_spec.listen),
+                address=self._address,
                 first=block.first,
                 last=block.last,
                 device=device_identity(),
@@ -233,6 +243,9 @@ class _StageNode:
         if hello.role == "monitor":
             await self._serve_monitor(conn)
             return
+        if hello.link == "probe":  # a joining node measuring its RTT to this one
+            await serve_one(conn, serve_probes, what="probe link")
+            return
         pump = partial(pump_in, self._name, sink=self._inbox_send.clone())
         await serve_one(conn, pump, what="ring link")  # its errors end it, not this node
 
@@ -268,6 +281,9 @@ class _StageNode:
                 nursery.start_soon(serving.executor.run)
                 nursery.start_soon(serving.link.run)
 
+    async def _measure(self, order: MeasureRtt) -> RttReport:
+        return await measure_row(self._network, self._hello("probe"), order)
+
     def _control(self) -> ControlClient:
         failover = self._spec.failover
         return ControlClient(
@@ -280,6 +296,7 @@ class _StageNode:
             faults=self._faults,
             copies=self._auditing.copies,
             on_audit=self._auditing.on_audit,
+            on_measure=self._measure if self._profile is not None else None,
             heartbeat_s=failover.heartbeat_s,
             dead_after_s=failover.dead_after_s,
             connect_timeout_s=self._timeout_s,
@@ -299,13 +316,13 @@ class _StageNode:
         Errors: ``NodeReplaced`` when the scheduler refuses this node (it was replaced):
         the whole node stops.
         """
-        replaced: list[NodeReplaced] = []
+        replaced: list[NodeReplaced | JoinRefused] = []
         async with trio.open_nursery() as nursery:
 
             async def supervise(*, task_status: trio.TaskStatus[None]) -> None:
                 try:
                     await self._control().run(task_status=task_status)
-                except NodeReplaced as exc:
+                except (NodeReplaced, JoinRefused) as exc:
                     log.error("%s", exc)
                     replaced.append(exc)
                     nursery.cancel_scope.cancel()

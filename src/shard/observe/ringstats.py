@@ -11,12 +11,14 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
 from shard.messages import EdgeStat, Hop, NodeName, NodeStat, RunStats
+
+T = TypeVar("T")
 
 
 class LapRecorder:
@@ -230,7 +232,7 @@ class RingMonitor:
     def committed(self, now: float, tokens: int) -> None:
         self._commits.append((now, tokens))
 
-    def _series(self, table: dict[Any, deque[float]], key: Any) -> deque[float]:
+    def _series(self, table: dict[Any, deque[T]], key: Any) -> deque[T]:
         if key not in table:
             table[key] = deque(maxlen=self._window)
         return table[key]

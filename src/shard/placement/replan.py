@@ -22,8 +22,10 @@ from shard.placement.split import capacity
 __all__ = ["moved_layers", "replan"]
 
 
-def replan(previous: Plan, dead: str, problem: Problem) -> Plan:
+def replan(previous: Plan, dead: str, problem: Problem, *, neighbours: bool = True) -> Plan:
     """The plan after ``dead`` (a stage, a standby or the coordinator's place) is lost.
+    ``neighbours`` False considers standbys only (the live scheduler: a running stage cannot
+    yet grow its block).
 
     Errors: ``PlanError`` when no standby can take the dead stage's block and its neighbours
     cannot absorb it (memory or pinning), or no coordinator location is left."""
@@ -38,9 +40,9 @@ def replan(previous: Plan, dead: str, problem: Problem) -> Plan:
         raise PlanError(f"{dead} was the only candidate node; add nodes to re-form the ring")
     rest = attrs.evolve(problem, candidates=survivors, coordinators=coordinators)
     mesh = Mesh(rest)
-    options = _options(mesh, previous, dead)
+    options = _options(mesh, previous, dead, neighbours)
     if not options:
-        raise PlanError(_why_stuck(previous, dead))
+        raise PlanError(_why_stuck(previous, dead, neighbours))
     best = options[0]
     for option in options[1:]:
         if _better(option, best):
@@ -75,7 +77,7 @@ def _better(a: Plan, b: Plan) -> bool:
     return abs(a.lap_ms - b.lap_ms) <= 1e-9 and a.slowest_stage_ms < b.slowest_stage_ms - 1e-9
 
 
-def _options(mesh: Mesh, previous: Plan, dead: str) -> list[Plan]:
+def _options(mesh: Mesh, previous: Plan, dead: str, neighbours: bool) -> list[Plan]:
     order = [s.node for s in previous.stages]
     counts = [s.layers for s in previous.stages]
     if dead not in order:
@@ -99,7 +101,8 @@ def _options(mesh: Mesh, previous: Plan, dead: str) -> list[Plan]:
             swapped = [*order[:i], standby, *order[i + 1 :]]
             method = f"{dead} died: standby {standby} takes layers {_span(previous, i)}"
             found.append(evaluate(mesh, coordinator, swapped, counts, method))
-        found += _absorbed(mesh, previous, i, coordinator)
+        if neighbours:
+            found += _absorbed(mesh, previous, i, coordinator)
     return found
 
 
@@ -145,11 +148,12 @@ def _span(previous: Plan, i: int) -> str:
     return f"[{s.first}, {s.last})"
 
 
-def _why_stuck(previous: Plan, dead: str) -> str:
+def _why_stuck(previous: Plan, dead: str, neighbours: bool) -> str:
     i = [s.node for s in previous.stages].index(dead)
     block = _span(previous, i)
+    absorb = "its neighbours cannot absorb them" if neighbours else "standbys only were asked"
     return (
-        f"no standby can take {dead}'s layers {block} and its neighbours cannot absorb them "
+        f"no standby can take {dead}'s layers {block} and {absorb} "
         "(memory, or pinning at an end of the ring); add a standby with room for "
         f"{previous.stages[i].layers} layers"
     )

@@ -39,6 +39,7 @@ from shard.spec.failover import (
     read_faults,
 )
 from shard.spec.fetch import FetchSpec, read_fetch
+from shard.spec.formation import FORMATION_KEYS, FormationSpec, read_formation
 from shard.spec.limits import LIMIT_KEYS, Limits, read_limits
 from shard.spec.nodes import (
     EDGE_KEYS,
@@ -90,6 +91,7 @@ _TOP_KEYS: Final = (
     "faults",
     "api",
     "audit",
+    "formation",
 )
 _SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
 
@@ -122,6 +124,8 @@ class SwarmSpec:
     faults: tuple[FaultSpec, ...] = ()  # acted on by `shard swarm run` only
     api: ApiSpec = attrs.field(factory=ApiSpec)  # [api]: the HTTP API (shard.spec.api)
     audit: AuditSpec = attrs.field(factory=AuditSpec)  # [audit]: spot checks (shard.spec.audit)
+    #: [formation]: the ring forms from nodes that --join (no [[stage]]); None: as written
+    formation: FormationSpec | None = None
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -160,14 +164,11 @@ class SwarmSpec:
         limits = read_limits(top.table("limits", LIMIT_KEYS, required=False))
         coordinator = read_coordinator(top.table("coordinator", NODE_KEYS, required=True), base_dir)
         stages = tuple(read_stage(t, base_dir) for t in top.tables("stage", STAGE_KEYS))
-        if not stages:
-            raise top.error(
-                "stage", "no stages; add at least one [[stage]] table with name, listen, layers"
-            )
         names = [s.name for s in stages]
         standbys = tuple(
             read_standby(t, base_dir, names) for t in top.tables("standby", STANDBY_KEYS)
         )
+        formation = _read_formation(top, stages, standbys)
         check_nodes(source, coordinator, stages, standbys)
         links = top.table("links", LINK_KEYS, required=False)
         latency = links.number("latency_ms", default=0.0)
@@ -209,6 +210,7 @@ class SwarmSpec:
                 max_sessions=limits.max_sessions,
             ),
             audit=read_audit(top.table("audit", AUDIT_KEYS, required=False)),
+            formation=formation,
             source=source,
         )
 
@@ -218,6 +220,10 @@ class SwarmSpec:
         ``"auto"`` splits evenly (the remainder goes to the earliest stages); explicit blocks
         must tile ``[0, n_layers)``. Errors: ``SpecError`` on gap, overlap, out of range.
         """
+        if not self.stages:
+            raise SpecError(
+                self.source, "formation", "no [[stage]]: the scheduler places joined nodes"
+            )
         explicit = [s.layers for s in self.stages if s.layers is not None]
         if not explicit:
             return even_split(self.source, len(self.stages), n_layers)
@@ -352,6 +358,27 @@ def load_spec(path: str | Path) -> SwarmSpec:
 
 
 # --- readers: one per table ------------------------------------------------------------------
+
+
+def _read_formation(
+    top: Table, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...]
+) -> FormationSpec | None:
+    """``[formation]`` (no stages, no standbys: they join), or stages as written."""
+    if "formation" not in top.data:
+        if not stages:
+            raise top.error(
+                "stage",
+                "no stages; add at least one [[stage]] table with name, listen, layers, or a "
+                "[formation] table to let nodes join with --join",
+            )
+        return None
+    if stages or standbys:
+        raise top.error(
+            "formation",
+            "a formed swarm places its own stages and standbys (they start with --join); "
+            "remove the [[stage]] and [[standby]] tables, or [formation] to run them as written",
+        )
+    return read_formation(top.table("formation", FORMATION_KEYS, required=True))
 
 
 def _read_model(swarm: Table, base_dir: Path | None) -> str:

@@ -1,0 +1,329 @@
+"""Formation: the scheduler's part in a swarm whose ring forms from nodes started with
+``--join`` (a spec with ``[formation]``, no ``[[stage]]``).
+
+A joining node registers on its control link like any standby — after the same admission and
+``Hello`` — with its ``NodeProfile`` (device, memory for weights, measured ms per layer).
+``check_register`` refuses a malformed one (a typed ``Fault`` of kind ``register`` and the
+connection closed; nothing else is affected). ``form`` then:
+
+1. waits until ``expect`` nodes joined and their memory holds the model (or, at ``wait_s``,
+   forms with whoever joined if they hold it; else ``FormationError`` says who came and what
+   is missing);
+2. asks every candidate (``MeasureRtt``) to measure its round trip to every other one and to
+   the coordinator with ``Probe``/``ProbeReply`` (the median of ``probes``) and waits for
+   their ``RttReport``; the coordinator's own row is its control links' median RTTs;
+3. plans with ``shard.placement.plan`` (memory, profiles, the mesh, pinning to the spec's
+   ``trusted`` names — never a node's own word);
+4. fills the ring's slots and sends each ring node ``Activate`` from the tail back to stage 0
+   (each loads its block and dials its successor); the others stay spare standbys.
+
+After a stage dies, ``choose`` re-plans with the sticky ``replan`` (standbys only: a running
+stage cannot grow its block yet), so only the dead stage's layers move; ``spliced`` commits it.
+
+Errors: ``FormationError`` (the ring cannot form; the message says what to do).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
+from shard.messages import Activate, MeasureRtt, NodeName, Register, RttReport
+from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
+from shard.placement.replan import moved_layers, replan
+from shard.spec.failover import FailoverSpec
+from shard.spec.formation import FormationSpec
+from shard.spec.nodes import Address
+from shard.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+#: Stand-in round trip (ms) for a pair nobody could measure: the planner avoids that edge.
+UNREACHABLE_MS = 60_000.0
+#: Bounds a registration must keep (a node's claims, checked for shape, never believed more).
+_MAX_MEMORY = 1 << 50
+_MAX_MS = 1e6
+_MAX_LABEL = 200
+#: How long each candidate may take to measure its row of the mesh.
+MEASURE_TIMEOUT_S = 20.0
+
+
+class FormationError(Exception):
+    """The ring could not form; ``str()`` says who joined, what is missing and what to do."""
+
+
+def check_register(reg: Register) -> str | None:
+    """Why a registration to a forming swarm is refused, or None when it is well formed."""
+    p = reg.profile
+    if p is None:
+        return (
+            "this swarm forms its ring from nodes started with --join; a node needs a "
+            "measured profile (start it with shard up --role stage --join HOST:PORT)"
+        )
+    try:
+        address = Address.parse(reg.address)
+    except ValueError as exc:
+        return f"listen address {reg.address[:80]!r}: {exc}"
+    if address.port == 0:
+        return f"listen address {reg.address!r} has port 0; register the bound port"
+    if not 0 <= p.memory_bytes <= _MAX_MEMORY:
+        return f"memory {p.memory_bytes} bytes is outside 0..{_MAX_MEMORY}"
+    for what, ms in (("1-token", p.ms_per_layer_one), ("chunk", p.ms_per_layer_chunk)):
+        if not (math.isfinite(ms) and 0 < ms <= _MAX_MS):
+            return f"{what} ms per layer {ms!r} is not a number in (0, {_MAX_MS:g}]"
+    if not 1 <= p.chunk_tokens <= 4096:
+        return f"chunk of {p.chunk_tokens} tokens is outside 1..4096"
+    if len(p.device) > _MAX_LABEL:
+        return f"device label longer than {_MAX_LABEL} characters"
+    return None
+
+
+def check_report(asked: MeasureRtt, report: RttReport) -> str | None:
+    """Why an ``RttReport`` does not answer ``asked``, or None."""
+    if report.names != asked.names or len(report.rtt_ms) != len(asked.names):
+        return "names or entries do not match the MeasureRtt it answers"
+    for ms in report.rtt_ms:
+        if not (ms == -1.0 or (math.isfinite(ms) and 0 <= ms <= UNREACHABLE_MS)):
+            return f"round trip {ms!r} is neither -1 nor in [0, {UNREACHABLE_MS:g}] ms"
+    return None
+
+
+class Formation:
+    """See the module docstring. Not an actor: the scheduler routes registrations and
+    reports to it, and the coordinator's composition root awaits ``form``."""
+
+    def __init__(
+        self,
+        spec: FormationSpec,
+        registry: Registry,
+        *,
+        model: ModelFacts,
+        policy: FailoverSpec,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self._spec = spec
+        self._registry = registry
+        self._model = model
+        self._policy = policy
+        self._clock = clock
+        self._asked: dict[NodeName, MeasureRtt] = {}
+        self._rows: dict[NodeName, dict[str, float]] = {}
+        self._reported = trio.Event()
+        self._next: tuple[NodeName, Plan] | None = None
+        #: the ring as planned, re-planned after each death; None until formed
+        self.plan: Plan | None = None
+
+    @property
+    def entry(self) -> str:
+        """Where the coordinator's ring link dials once formed: stage 0's address."""
+        return self._registry.slots[0].address
+
+    # --- what the scheduler hands over -------------------------------------------------
+
+    def reported(self, node: NodeName, report: RttReport) -> None:
+        """A candidate's row of the mesh (ignored, logged, unless it answers what it was
+        asked: a node cannot fill in other nodes' rows)."""
+        asked = self._asked.get(node)
+        why = "nobody asked it" if asked is None else check_report(asked, report)
+        if asked is None or why is not None or report.node != node:
+            log.warning("formation: RTT report from %s ignored: %s", node, why or "wrong node")
+            return
+        self._rows[node] = {
+            n: ms for n, ms in zip(report.names, report.rtt_ms, strict=True) if ms >= 0
+        }
+        self._reported.set()
+        self._reported = trio.Event()
+
+    # --- forming -----------------------------------------------------------------------
+
+    async def form(self) -> Plan:
+        """Wait for the nodes, measure the mesh, plan, and activate the ring (see the module
+        docstring). Errors: ``FormationError``."""
+        joined = await self._wait_joined()
+        await self._measure(joined)
+        try:
+            found = plan(self._problem(joined))
+        except PlanError as exc:
+            raise FormationError(f"the joined nodes cannot form a ring: {exc}") from None
+        reg = self._registry
+        reg.slots = [
+            Slot(NodeName(s.node), s.first, s.last, NodeName(s.node), self._member(s.node).address)
+            for s in found.stages
+        ]
+        for i in reversed(range(len(reg.slots))):  # the tail first: each dials its successor
+            slot = reg.slots[i]
+            member = self._member(slot.holder)
+            order = Activate(slot.name, slot.first, slot.last, reg.address_after(i))
+            try:
+                await member.order(order, timeout_s=self._policy.splice_timeout_s)
+            except (RecoveryFailed, trio.TooSlowError) as exc:
+                raise FormationError(
+                    f"{slot.holder} could not take layers [{slot.first}, {slot.last}): "
+                    f"{exc or 'no answer in time'} (failover.splice_timeout_s)"
+                ) from None
+            member.role = "stage"
+        self.plan = found
+        log.warning("formation: formed the ring %s", describe(found))
+        return found
+
+    async def _wait_joined(self) -> list[Member]:
+        spec, need = self._spec, self._model.total_bytes
+        deadline = self._clock() + spec.wait_s
+        while True:
+            joined = self._candidates()
+            held = sum(m.profile.memory_bytes for m in joined if m.profile is not None)
+            if len(joined) >= spec.expect and held >= need:
+                return joined
+            left = deadline - self._clock()
+            if left <= 0:
+                if joined and held >= need:
+                    log.warning(
+                        "formation: %d of %d expected nodes joined within %g s; forming with "
+                        "them", len(joined), spec.expect, spec.wait_s,
+                    )  # fmt: skip
+                    return joined
+                names = ", ".join(m.node for m in joined) or "none"
+                raise FormationError(
+                    f"{len(joined)} of {spec.expect} expected nodes joined within "
+                    f"{spec.wait_s:g} s (formation.wait_s; joined: {names}), holding "
+                    f"{held / 2**30:.2f} of the {need / 2**30:.2f} GiB the model needs; start "
+                    "more nodes with shard up --role stage --join, or give them more memory"
+                )
+            with trio.move_on_after(left):
+                await self._registry.wait_joined()
+
+    def _candidates(self) -> list[Member]:
+        """Live joined nodes, in the order they registered."""
+        return [m for m in self._registry.members.values() if m.alive and m.profile is not None]
+
+    def _member(self, node: str) -> Member:
+        return self._registry.members[NodeName(node)]
+
+    async def _measure(self, joined: Sequence[Member]) -> None:
+        """Ask every candidate for its row of the mesh; wait (bounded) for the answers."""
+        coordinator = self._registry.node
+        for m in joined:
+            peers = [p for p in joined if p is not m]
+            ask = MeasureRtt(
+                names=(*(p.node for p in peers), coordinator),
+                addresses=(*(p.address for p in peers), self._registry.return_address),
+                probes=self._spec.probes,
+            )
+            self._asked[m.node] = ask
+            try:
+                await m.conn.send(ask)
+            except TransportError as exc:
+                log.warning("formation: could not ask %s for RTTs: %s", m.node, exc)
+        with trio.move_on_after(MEASURE_TIMEOUT_S):
+            while not all(m.node in self._rows for m in joined if m.alive):
+                await self._reported.wait()
+        missing = [m.node for m in joined if m.node not in self._rows]
+        if missing:
+            log.warning("formation: no RTT report from %s; estimated", ", ".join(missing))
+
+    def _problem(self, members: Sequence[Member]) -> Problem:
+        names = [m.node for m in members]
+        coordinator = self._registry.node
+        places = [*names, coordinator]
+        rows = tuple(tuple(self._rtt(a, b) for b in places) for a in places)
+        candidates = []
+        for m in members:
+            p = m.profile
+            assert p is not None  # candidates are joined nodes
+            candidates.append(
+                Candidate(
+                    m.node,
+                    p.memory_bytes,
+                    p.ms_per_layer_one,
+                    p.ms_per_layer_chunk,
+                    trusted=m.node in self._spec.trusted,
+                )
+            )
+        return Problem(
+            tuple(candidates),
+            RttMatrix(tuple(places), rows),
+            self._model,
+            (coordinator,),
+            pin_boundaries=self._spec.pin_boundaries,
+        )
+
+    def _rtt(self, a: str, b: str) -> float:
+        """The round trip ``a -> b`` in ms: ``a``'s report, else ``b``'s the other way, else
+        through the coordinator (a late joiner's, measured by nobody); the coordinator's own
+        row is its control links' median."""
+        if a == b:
+            return 0.0
+        coordinator = self._registry.node
+        if a == coordinator:
+            member = self._registry.members.get(NodeName(b))
+            if member is not None and member.rtt.rtt_s is not None:
+                return member.rtt.rtt_s * 1000.0
+            return self._rows.get(NodeName(b), {}).get(a, UNREACHABLE_MS)
+        for src, dst in ((a, b), (b, a)):
+            row = self._rows.get(NodeName(src), {})
+            if dst in row:
+                return row[dst]
+        if b == coordinator:
+            return self._rtt(b, a)
+        return min(self._rtt(coordinator, a) + self._rtt(coordinator, b), UNREACHABLE_MS)
+
+    # --- after a death -----------------------------------------------------------------
+
+    def choose(self, slot: Slot, live: Sequence[Member]) -> Member | None:
+        """The standby the sticky re-plan puts in ``slot`` (its holder died), or None when no
+        live standby can take it (the splicer waits for one to join, then gives up)."""
+        previous, dead = self.plan, slot.holder
+        if previous is None or dead not in {s.node for s in previous.stages}:
+            return None
+        spares = [m for m in live if m.profile is not None and m.role == "standby"]
+        ring = [self._member(s.node) for s in previous.stages]
+        try:
+            found = replan(
+                attrs.evolve(previous, standbys=tuple(m.node for m in spares)),
+                dead,
+                self._problem([*ring, *spares]),
+                neighbours=False,
+            )
+        except PlanError as exc:
+            log.warning("formation: no re-plan after %s died: %s", dead, exc)
+            return None
+        self._next = (dead, found)
+        i = [s.node for s in previous.stages].index(dead)
+        return self._member(found.stages[i].node)
+
+    def spliced(self, dead: NodeName, standby: NodeName) -> None:
+        """``standby`` took ``dead``'s slot: the re-plan chosen for it is the plan now."""
+        if self._next is None or self._next[0] != dead or self.plan is None:
+            return
+        before, after = self.plan, self._next[1]
+        self.plan, self._next = after, None
+        log.warning(
+            "formation: re-planned after %s died: %s (moved %d layers: %s)",
+            dead, describe(after), moved_layers(before, after), after.method,
+        )  # fmt: skip
+
+
+def describe(p: Plan) -> str:
+    """One line: ``coord -> a [0, 3) -> b [3, 6) -> coord; standbys: c; predicted lap 1.2 ms``."""
+    stages = " -> ".join(f"{s.node} [{s.first}, {s.last})" for s in p.stages)
+    standbys = ", ".join(p.standbys) or "none"
+    return (
+        f"{p.coordinator} -> {stages} -> {p.coordinator}; standbys: {standbys}; "
+        f"predicted lap {p.lap_ms:.2f} ms"
+    )
+
+
+__all__ = [
+    "MEASURE_TIMEOUT_S",
+    "UNREACHABLE_MS",
+    "Formation",
+    "FormationError",
+    "check_register",
+    "check_report",
+    "describe",
+]

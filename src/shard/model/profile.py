@@ -1,0 +1,119 @@
+"""What one layer of a model costs a node: its weight sizes, and its compute time measured on
+this node's own device (the profile a node started with ``--join`` registers for placement).
+
+``weight_bytes`` reads the sizes from the config alone (no weights). ``measure_layer_ms``
+times one transformer layer of the model's shape, with random weights (a scratch layer: a
+joining node need not hold any weights yet), for each chunk size asked: a median of a few
+timed forwards after warm-up. It is a measurement, so it reads the wall clock
+(``time.perf_counter``) and synchronises the GPU; nothing decides anything from it but the
+planner.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+
+from shard.model.config import ModelConfig
+from shard.model.kvcache import KVCache
+from shard.model.llama import Block, rope_tables
+
+__all__ = [
+    "DTYPE_BYTES",
+    "available_memory_bytes",
+    "measure_layer_ms",
+    "warm_loader",
+    "weight_bytes",
+]
+
+DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Positions already in the scratch cache when a chunk is timed (a decode mid-sequence).
+_CONTEXT: Final = 32
+
+
+def weight_bytes(config: ModelConfig, dtype: str) -> tuple[int, int, int]:
+    """``(layer, embedding, head)`` bytes of ``config``'s weights in ``dtype`` (the head also
+    holds the final norm)."""
+    h, hd = config.hidden_size, config.head_dim
+    attention = h * hd * (2 * config.n_heads + 2 * config.n_kv_heads)
+    if config.attention_bias:
+        attention += hd * (config.n_heads + 2 * config.n_kv_heads)
+    layer = attention + 3 * h * config.intermediate_size + 2 * h
+    size = DTYPE_BYTES[dtype]
+    embedding = config.vocab_size * h
+    return layer * size, embedding * size, (embedding + h) * size
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """What this node can offer for weights by default: half of the free GPU memory, or half
+    of the host's available memory on CPU (the rest is for KV caches and activations)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free) // 2
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(pages) * os.sysconf("SC_PAGE_SIZE") // 2 if pages > 0 else 0
+
+
+def warm_loader() -> None:
+    """Do now what a node's first block load would do slowly: the first module built on the
+    meta device (``shard.model.loader``) imports ``torch._dynamo``, seconds of imports that
+    hold the GIL. A joining node loads its block only once activated, while the scheduler
+    waits for its heartbeats; warmed at start-up, that load takes milliseconds."""
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_layer_ms(
+    config: ModelConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 2,
+) -> tuple[float, ...]:
+    """The median ms of one layer's forward for each chunk of ``rows`` tokens, on ``device``.
+
+    Errors: ``ValueError`` for a chunk that does not fit the model's context."""
+    generator = torch.Generator().manual_seed(0)
+    layer = Block(config)
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=generator) * 0.02
+    layer = layer.to(device=device, dtype=dtype)
+    cos, sin = rope_tables(config)
+    longest = _CONTEXT + max(rows)
+    if longest > config.max_position_embeddings:
+        raise ValueError(f"a {max(rows)}-token chunk does not fit the model's context")
+    cache = KVCache.empty(
+        1, 1, config.n_kv_heads, longest, config.head_dim, dtype=dtype, device=device
+    )
+    timings = []
+    for s in rows:
+        x = torch.randn(1, s, config.hidden_size, generator=generator).to(device, dtype)  # [1,S,D]
+        rope = (
+            cos[_CONTEXT : _CONTEXT + s].to(device, dtype),
+            sin[_CONTEXT : _CONTEXT + s].to(device, dtype),
+        )
+        q_pos = torch.arange(_CONTEXT, _CONTEXT + s, device=device)[:, None]  # [S, 1]
+        mask = torch.arange(_CONTEXT + s, device=device)[None, :] <= q_pos  # [S, CONTEXT+S]
+        samples = []
+        for i in range(warmup + repeats):
+            _sync(device)
+            began = time.perf_counter()
+            layer(x, rope, mask, cache, 0, _CONTEXT)
+            _sync(device)
+            if i >= warmup:
+                samples.append((time.perf_counter() - began) * 1000.0)
+        timings.append(max(statistics.median(samples), 1e-3))  # never 0: the planner needs > 0
+    return tuple(timings)

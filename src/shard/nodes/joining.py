@@ -1,0 +1,127 @@
+"""Composition root of a node started with ``shard up --role stage --join HOST:PORT``.
+
+The node holds no layer range: it measures its compute per layer on its own device (a scratch
+layer of the model's shape, ``shard.model.profile``), starts serving upstream (and RTT probes),
+and registers with the coordinator at ``HOST:PORT`` as a spare standby carrying its
+``NodeProfile``. The coordinator's scheduler asks it to measure its round trips to the other
+candidates, plans the ring (``shard.failover.formation``) and either activates it with a block
+(it loads that block and dials its successor, exactly as a cold standby does) or leaves it a
+standby for the sticky re-plan after a death.
+
+The swarm's settings (its name, model, dtype, trust authority, limits, timings) come from the
+swarm's spec; the node itself is added to it here as a spare ``[[standby]]`` with its own
+listen address, key and token, so every part of a stage node reads it as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import attrs
+import trio
+
+from shard.messages import NodeProfile
+from shard.model.config import ModelConfig
+from shard.model.device import resolve_device, torch_dtype
+from shard.model.profile import available_memory_bytes, measure_layer_ms, warm_loader
+from shard.nodes.stage import StageHandle, _StageNode
+from shard.spec.nodes import Address, StandbySpec
+from shard.spec.swarm import SpecError, SwarmSpec
+from shard.spec.trust import CredentialPaths
+from shard.stage import offload
+from shard.transport import Network
+
+log = logging.getLogger(__name__)
+
+__all__ = ["joined_spec", "measure_profile", "run_joined"]
+
+
+def joined_spec(
+    spec: SwarmSpec,
+    name: str,
+    *,
+    join: str,
+    listen: str,
+    key: Path | None = None,
+    token: Path | None = None,
+) -> SwarmSpec:
+    """``spec`` as node ``name`` joining the coordinator at ``join`` sees it: itself a spare
+    standby listening on ``listen`` with ``key``/``token``, the coordinator at ``join``.
+
+    Errors: ``SpecError`` for a name the spec already uses, a bad address, or a secure swarm
+    without ``key`` and ``token``."""
+    source = f"{spec.source} (--join)"
+    taken = {spec.coordinator.name, *(s.name for s in spec.stages)}
+    if name in taken | {s.name for s in spec.standbys}:
+        raise SpecError(source, "--node", f"{name!r} is a node of the spec; pick another name")
+    try:
+        coordinator = Address.parse(join)
+        here = Address.parse(listen)
+    except ValueError as exc:
+        raise SpecError(source, "--join/--listen", str(exc)) from None
+    if not spec.insecure and (key is None or token is None):
+        raise SpecError(
+            source, "--key/--token", "a secure swarm admits a joining node by its key and token"
+        )
+    me = StandbySpec(name, here, credentials=CredentialPaths(key=key, token=token))
+    return attrs.evolve(
+        spec,
+        coordinator=attrs.evolve(spec.coordinator, listen=coordinator),
+        standbys=(*spec.standbys, me),
+    )
+
+
+def measure_profile(
+    spec: SwarmSpec, name: str, model_dir: Path, memory_bytes: int | None
+) -> NodeProfile:
+    """Time one scratch layer on node ``name``'s device for a 1-token and a (K+1)-token chunk
+    (K: the spec's fixed K, else 4), and offer ``memory_bytes`` (default: half of what is
+    free). Runs torch: call it in a worker thread."""
+    warm_loader()
+    config = ModelConfig.from_dir(model_dir)
+    runtime = spec.runtime(name)
+    device = resolve_device(runtime.device, name)
+    policy = spec.speculation.policy
+    chunk = 1 + (policy.k if policy.k is not None else min(4, policy.k_max))  # adaptive: typical
+    one, many = measure_layer_ms(
+        config, device=device, dtype=torch_dtype(runtime.dtype or spec.dtype), rows=(1, chunk)
+    )
+    memory = available_memory_bytes(device) if memory_bytes is None else memory_bytes
+    label = str(device)
+    if device.type == "cuda":
+        import torch
+
+        label = f"{device} ({torch.cuda.get_device_name(device)})"
+    return NodeProfile(label, memory, one, many, chunk)
+
+
+async def run_joined(
+    spec: SwarmSpec,
+    name: str,
+    *,
+    network: Network,
+    model_dir: Path,
+    memory_bytes: int | None = None,
+    startup_timeout_s: float = 120.0,
+    task_status: trio.TaskStatus[StageHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run node ``name`` of ``spec`` (from ``joined_spec``): measure, serve, register and wait
+    for the scheduler's ``Activate``. Ready once registered.
+
+    Errors: ``JoinRefused`` (a registration the scheduler refused), ``NodeReplaced``, the
+    first dial's ``TransportError`` / ``HandshakeError``."""
+    profile = await offload.run_sync(lambda: measure_profile(spec, name, model_dir, memory_bytes))
+    log.info("%s: profile %s", name, profile)
+    node = spec.node(name)
+    me = _StageNode(
+        spec,
+        name,
+        network=network,
+        model_dir=model_dir,
+        listen=str(node.listen),
+        timeout_s=startup_timeout_s,
+        block=None,
+        profile=profile,
+    )
+    await me.run(None, task_status=task_status)
