@@ -85,9 +85,11 @@ class CheatingBlock:
             return self._since_audit >= self._window
         return True
 
-    def __call__(self, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, start: int, cache: KVCache, *, head_rows: int | None = None
+    ) -> torch.Tensor:
         self.calls += 1
-        honest = self._inner(x, start, cache)
+        honest = self._inner(x, start, cache, head_rows=head_rows)
         lying = self._lies_now()
         self._since_audit += 1
         out = self._lie(x, start, cache, honest) if lying else None
