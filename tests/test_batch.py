@@ -180,7 +180,8 @@ async def test_gather_stops_at_a_control_message_and_at_the_row_cap() -> None:
 async def test_gather_window_takes_what_arrives_within_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """With a window, a chunk sent during it joins the batch (virtual time)."""
+    """With a window, a chunk of an expected session sent during it joins the batch, and the
+    gather ends as soon as every expected session is in (virtual time)."""
     send, recv = trio.open_memory_channel[Queued](4)
     late = Queued(_verify(2, 0, (3,)), 0.0)
     async with trio.open_nursery() as nursery:
@@ -190,10 +191,38 @@ async def test_gather_window_takes_what_arrives_within_it(
             send.send_nowait(late)
 
         nursery.start_soon(later)
+        began = trio.current_time()
         batch, after = await gather(
-            Queued(_verify(1, 0, (1,)), 0.0), recv, max_rows=8, window_s=0.01
+            Queued(_verify(1, 0, (1,)), 0.0),
+            recv,
+            max_rows=8,
+            window_s=0.01,
+            expected=[SessionId(1), SessionId(2)],
         )
+        waited = trio.current_time() - began
     assert batch[1:] == [late] and after is None
+    assert waited == pytest.approx(0.001)  # not the whole window: session 2 was all it awaited
+
+
+async def test_gather_waits_only_for_expected_sessions(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lone session (nothing else expected) never waits, whatever the window; an expected
+    session that does not come costs at most the window (virtual time)."""
+    send, recv = trio.open_memory_channel[Queued](4)
+    first = Queued(_verify(1, 0, (1,)), 0.0)
+    for expected in ([], [SessionId(1)]):
+        began = trio.current_time()
+        batch, after = await gather(first, recv, max_rows=8, window_s=0.5, expected=expected)
+        assert (batch, after) == ([first], None)
+        assert trio.current_time() == began  # no wait at all
+    began = trio.current_time()
+    batch, after = await gather(
+        first, recv, max_rows=8, window_s=0.5, expected=[SessionId(1), SessionId(3)]
+    )
+    assert (batch, after) == ([first], None)
+    assert trio.current_time() - began == pytest.approx(0.5)  # session 3 never came
+    send.close()
 
 
 async def run_all(

@@ -19,7 +19,7 @@ idle_timeout_s = 300.0     # a client with no request running this long is cut
 message_timeout_s = 30.0   # a client or monitor must take each message within this
 max_peer_connections = 64  # connections a node holds open per remote host
 max_batch_rows = 512       # rows (positions, all sessions) one stage forward may batch; 1: off
-gather_window_s = 0.0      # a stage waits this long for more chunks to batch (0: never waits)
+gather_window_s = 0.0      # a stage waits up to this for chunks of sessions it expects (0: never)
 kv_budget_mib = 0          # KV cache a stage may hold, all sessions (0: max_sessions x max_len)
 ```
 
@@ -57,7 +57,7 @@ class Limits:
     message_timeout_s: float = 30.0  # a client or monitor must take each message within this
     max_peer_connections: int = 64  # connections a node holds open per remote host
     max_batch_rows: int = 512  # rows one stage forward may batch, all sessions together
-    gather_window_s: float = 0.0  # how long a stage waits for more chunks (0: take what waits)
+    gather_window_s: float = 0.0  # longest wait for expected sessions' chunks (0: take what waits)
     kv_budget_mib: int = 0  # KV memory per stage, all sessions (0: no cap but the two above)
 
 

@@ -21,7 +21,8 @@ seeded request samples the same tokens alone or in a crowd.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from typing import TypeGuard
 
 import attrs
@@ -29,7 +30,7 @@ import torch
 import trio
 
 from shard.decode.verify import choose_token, verify_chunk
-from shard.messages import Message, Prefill, Sampling, Verify
+from shard.messages import Message, Prefill, Sampling, SessionId, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.model.packed import Segment, forward_packed, segment_bounds
@@ -93,24 +94,33 @@ async def gather(
     *,
     max_rows: int,
     window_s: float = 0.0,
+    expected: Collection[SessionId] = (),
 ) -> tuple[list[Queued], Queued | None]:
     """``first`` (a chunk) and the chunks queued behind it, up to ``max_rows`` rows in all;
     returns them and the message that ended the gather (handle it next), if any.
 
-    Cancellation: only the window wait is a checkpoint; with ``window_s`` 0 this never blocks.
+    It waits — at most ``window_s`` — only while a session of ``expected`` (the sessions the
+    stage has seen lately) has no chunk in the batch yet: chunks of one wave of sessions
+    reach a stage spread out (each verdict is handled in turn at the coordinator), and a
+    forward of the first alone would split the wave for good. A lone session, or a batch
+    holding every expected session, never waits.
+
+    Cancellation: only the wait is a checkpoint; with ``window_s`` 0 this never blocks.
     A closed queue just ends the gather.
     """
     assert is_chunk(first.msg)
     batch, rows = [first], rows_of(first.msg)
+    missing = set(expected) - {first.msg.session}
     deadline = trio.current_time() + window_s
     while rows < max_rows:
-        item = await _next(queue, deadline)
+        item = await _next(queue, deadline if missing else -math.inf)
         if item is None:
             break
         if not is_chunk(item.msg) or rows + rows_of(item.msg) > max_rows:
             return batch, item
         batch.append(item)
         rows += rows_of(item.msg)
+        missing.discard(item.msg.session)
     return batch, None
 
 

@@ -7,6 +7,8 @@ a ``Fault`` for its session and the rest of the batch runs.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -36,6 +38,7 @@ class Session:
     written: int = 0  # positions [0, written) hold KV a later chunk may attend to
     queued_s: float = 0.0  # its chunks' total wait before their forward
     chunks: int = 0
+    seen: float = -math.inf  # trio time of its newest chunk here (or its opening)
 
 
 def plan(
@@ -119,3 +122,19 @@ def chunk_input(model: StageModel, node: NodeName, msg: Prefill | Verify) -> tor
 
 def is_replay(msg: Prefill | Verify) -> bool:
     return isinstance(msg, Prefill) and msg.replay
+
+
+def kv_refusal(model: StageModel, max_len: int, held: int, budget: int) -> str | None:
+    """Why a session of ``max_len`` positions does not fit a KV ``budget`` (bytes) of which
+    ``held`` is taken, or None if it fits."""
+    c = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    need = 2 * len(model.layers) * c.n_kv_heads * max_len * c.head_dim * elem
+    if held + need <= budget:
+        return None
+    mib = 1 << 20
+    return (
+        f"a session of {max_len} positions needs {need / mib:.1f} MiB of KV; "
+        f"{held / mib:.1f} of {budget / mib:.1f} MiB (limits.kv_budget_mib) are held by open "
+        "sessions: retry later or ask for a shorter max_len"
+    )

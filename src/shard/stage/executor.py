@@ -53,7 +53,7 @@ from shard.stage.batch import (
     is_chunk,
     rows_of,
 )
-from shard.stage.chunks import Session, StageFailed, is_replay, output, plan
+from shard.stage.chunks import Session, StageFailed, is_replay, kv_refusal, output, plan
 from shard.stage.graphs import ChunkGraphs
 from shard.stage.statistics import StageStatistics
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 _LOOKAHEAD = 64
 _EPOCHS_KEPT = 4  # epochs remembered per allowed session (see _note_epoch)
+_ACTIVE_S = 2.0  # a session seen here this recently (seconds) is one a gather may wait for
 
 
 class StageExecutor:
@@ -86,8 +87,9 @@ class StageExecutor:
     ``OpenSession`` whose KV would take the open sessions' total past it is refused with a
     ``capacity`` fault before anything is allocated.
 
-    Batching: every chunk waiting in the local queue (up to ``max_batch_rows`` rows; also
-    those arriving within ``gather_window_s``, default 0) runs in one forward; a control
+    Batching: every chunk waiting in the local queue (up to ``max_batch_rows`` rows; with
+    ``gather_window_s`` > 0 it also waits up to that long for the chunks of sessions seen here
+    in the last ``_ACTIVE_S``, never for a lone session's) runs in one forward; a control
     message ends the gather and is handled after the batch (``shard.stage.batch``). A stale
     chunk is dropped from its batch, a chunk that fails its checks becomes its own fault,
     and the others run. ``max_batch_rows = 1`` turns batching off.
@@ -193,7 +195,11 @@ class StageExecutor:
             item, pending = pending, None
             if is_chunk(item.msg):
                 batch, pending = await gather(
-                    item, queue, max_rows=self._max_batch_rows, window_s=self._gather_window_s
+                    item,
+                    queue,
+                    max_rows=self._max_batch_rows,
+                    window_s=self._gather_window_s,
+                    expected=self._expected(),
                 )
                 await self._run_batch(batch)
             else:
@@ -212,9 +218,20 @@ class StageExecutor:
                 if isinstance(msg, Prefill | Verify) and not is_replay(msg):
                     self._note_epoch(msg.session, msg.epoch)
                     self._record_input(msg)
+                    sess = self._sessions.get(msg.session)
+                    if sess is not None:
+                        sess.seen = trio.current_time()
                 elif not isinstance(msg, Prefill | Verify):
                     self._record_input(msg)
                 await queue.send(Queued(msg, self._clock()))
+
+    def _expected(self) -> list[SessionId]:
+        """Sessions a gather may wait for: open here, with a chunk (or their opening) seen in
+        the last ``_ACTIVE_S`` — what a wave of sessions looks like to one stage."""
+        if not self._gather_window_s:
+            return []
+        now = trio.current_time()
+        return [sid for sid, sess in self._sessions.items() if now - sess.seen <= _ACTIVE_S]
 
     def _record_input(self, msg: Message) -> None:
         """Receipts hash inputs as they arrive (skipped stale chunks included), in order."""
@@ -297,7 +314,7 @@ class StageExecutor:
         cache = self._model.new_cache(msg.max_len)
         if self._graphs is not None:  # warm: capture this session's shapes now
             await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
-        self._sessions[msg.session] = Session(cache, msg.sampling)
+        self._sessions[msg.session] = Session(cache, msg.sampling, seen=trio.current_time())
         if not self._model.is_last:
             await self._outbox.send(msg)
 
@@ -306,20 +323,10 @@ class StageExecutor:
         fault, nothing allocated) if not."""
         if self._kv_budget is None:
             return True
-        c = self._model.config
-        elem = torch.empty((), dtype=self._model.dtype).element_size()
-        need = 2 * len(self._model.layers) * c.n_kv_heads * msg.max_len * c.head_dim * elem
-        held = self._kv_bytes()
-        if held + need <= self._kv_budget:
+        refusal = kv_refusal(self._model, msg.max_len, self._kv_bytes(), self._kv_budget)
+        if refusal is None:
             return True
-        mib = 1 << 20
-        await self._fault(
-            msg.session,
-            "capacity",
-            f"{self._node}: a session of {msg.max_len} positions needs {need / mib:.1f} MiB of "
-            f"KV; {held / mib:.1f} of {self._kv_budget / mib:.1f} MiB (limits.kv_budget_mib) "
-            "are held by open sessions: retry later or ask for a shorter max_len",
-        )
+        await self._fault(msg.session, "capacity", f"{self._node}: {refusal}")
         return False
 
     def _drop_orphans(self, session: SessionId) -> None:
