@@ -7,7 +7,7 @@ rate = 0.05               # each chunk a stage sends is audited with this probab
 strikes = 2               # failed audits after which the scheduler evicts the stage
 sketch_dims = 256         # random-projection sketch size (mixed hardware or dtypes)
 cosine_threshold = 0.99   # a sketch's smallest per-row cosine must reach this
-token_margin = 0.5        # the tail: a differing token within this many logits is a tie
+token_margin = 1.0        # the tail: a differing token within this many logits is a tie
 ```
 
 An absent table reads as these defaults. What the keys mean, and how the threshold was
@@ -45,7 +45,7 @@ class AuditSpec:
     cosine_threshold: float = 0.99
     #: the tail's verdicts where replay is not bit-exact: a token that differs from the
     #: auditor's is a strike only if raising its logit by this much would not make it chosen
-    token_margin: float = 0.5
+    token_margin: float = 1.0
 
 
 def read_audit(table: Table) -> AuditSpec:

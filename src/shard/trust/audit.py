@@ -52,7 +52,6 @@ from shard.stage.tensors import from_wire, to_wire
 
 __all__ = [
     "DEFAULT_DIMS",
-    "DEFAULT_MARGIN",
     "DEFAULT_RATE",
     "DEFAULT_THRESHOLD",
     "Comparison",
@@ -66,6 +65,7 @@ __all__ = [
     "new_seed",
     "pick",
     "sketch",
+    "tail_choice",
     "tensor_of",
     "verdict_at",
     "verdict_blob",
@@ -75,7 +75,6 @@ __all__ = [
 DEFAULT_RATE: Final = 0.05
 DEFAULT_DIMS: Final = 256
 DEFAULT_THRESHOLD: Final = 0.99
-DEFAULT_MARGIN: Final = 0.5
 SEED_BYTES: Final = 32
 
 
