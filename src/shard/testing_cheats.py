@@ -173,7 +173,8 @@ class OverstatingTail:
         self.lies = 0
 
     def wrap(self, node: str, network: Network) -> Network:
-        return _LyingNetwork(network, self) if node == self._tail else network
+        # every node gets its own wrapper (run_swarm enters each); only the tail's lies
+        return _LyingNetwork(network, self if node == self._tail else None)
 
     def lie(self, msg: Message) -> Message:
         if not isinstance(msg, Verdict):
@@ -183,11 +184,12 @@ class OverstatingTail:
 
 
 class _LyingNetwork(NetworkBase):
-    def __init__(self, inner: Network, tail: OverstatingTail) -> None:
+    def __init__(self, inner: Network, tail: OverstatingTail | None) -> None:
         self._inner, self._tail = inner, tail
 
     async def dial(self, address: str) -> Connection:
-        return _LyingConnection(await self._inner.dial(address), self._tail)
+        conn = await self._inner.dial(address)
+        return conn if self._tail is None else _LyingConnection(conn, self._tail)
 
     async def serve(
         self,
