@@ -238,3 +238,17 @@ def test_forged_tail_evidence_is_refused(evidence: Evidence, name: str) -> None:
     with pytest.raises(EvidenceInvalid) as info:
         verify_evidence(TAIL_FORGERIES[name](evidence), EvidencePins(auditor=AUDITOR_KEY.public))
     print(f"{name}: {info.value}")
+
+
+def test_token_margin_is_a_spec_key_with_its_bounds() -> None:
+    """``[audit] token_margin`` reads as a number of logits in [0, 100]; 1.0 by default."""
+    from shard.spec.audit import AUDIT_KEYS, read_audit
+    from shard.spec.validate import SpecError, Table
+
+    def read(value: object) -> AuditSpec:
+        return read_audit(Table.open("t.toml", "audit", {"token_margin": value}, AUDIT_KEYS))
+
+    assert AuditSpec().token_margin == 1.0 and read(0.25).token_margin == 0.25
+    for bad in (-0.1, 101.0, float("nan")):
+        with pytest.raises(SpecError, match="token_margin"):
+            read(bad)
