@@ -1,5 +1,6 @@
 """A cheating stage in an in-process swarm is audited, struck twice, evicted and replaced by its
 hot standby mid-request; every request's output is identical to the single-process reference.
+The tail too: its verdicts are audited from the coordinator's copies of them.
 
 In virtual time with compute inline, like ``tests/test_failover.py`` (whose swarm this reuses):
 s1 adds small noise to every chunk it sends on (caught bit-exactly, too small to change a
@@ -30,7 +31,7 @@ from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.auditor import Auditor
 from shard.stage.offload import inline_compute
-from shard.testing import AuditTap, cheating
+from shard.testing import AuditTap, OverstatingTail, cheating
 from shard.transport import MemoryNetwork
 from shard.trust.audit import audit_nonce, commit
 from shard.trust.evidence import EvidencePins, verify_evidence
@@ -153,11 +154,11 @@ def unbatched(spec: SwarmSpec) -> SwarmSpec:
 
 
 def with_auditors(spec: SwarmSpec) -> SwarmSpec:
-    """``spec`` plus a dedicated auditor (``[[standby]] role = "auditor"``) for s0's and s1's
-    blocks."""
+    """``spec`` plus a dedicated auditor (``[[standby]] role = "auditor"``) for each stage's
+    block (the tail's too: it is audited)."""
     auditors = tuple(
         StandbySpec(f"auditor{i}", Address.parse(f"127.0.0.1:{9031 + i}"), f"s{i}", "auditor")
-        for i in range(2)
+        for i in range(3)
     )
     return attrs.evolve(spec, standbys=(*spec.standbys, *auditors))
 
@@ -231,8 +232,10 @@ def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
         assert dict(stats.audits.by_node) == {NodeName("s1"): stats.audits.strikes}
         assert stats.audits.audits > stats.audits.strikes  # s0's passed audits counted too
         answered_by = {node for node, _ in stats.audits.by_auditor}
-        if auditors:
-            assert answered_by == {NodeName("auditor0"), NodeName("auditor1")}
+        if auditors:  # every audit by a dedicated auditor; s0's and s1's both (the tail's
+            # few: s1's eviction leaves a gap in its copies, and s2's sessions go unaudited)
+            dedicated = {NodeName(f"auditor{i}") for i in range(3)}
+            assert {NodeName("auditor0"), NodeName("auditor1")} <= answered_by <= dedicated
             assert ("auditor0", "auditor", True) in stats.members
         else:
             assert answered_by <= {NodeName(f"s{i}-standby") for i in range(3)}
@@ -273,3 +276,74 @@ def test_an_auditing_coordinator_derives_the_job_nonce_from_the_seed_commitment(
     assert receipt is not None
     assert receipt.nonce == audit_nonce(commit(seed))
     assert receipt.stages and all(s.nonce == receipt.nonce for s in receipt.stages)
+
+
+@pytest.mark.parametrize(
+    ("lie", "batched"),
+    [("none", False), ("none", True), ("overstate", False), ("wrong_token", False)],
+    ids=["honest", "honest-batched", "overstate", "wrong_token"],
+)
+def test_the_tail_is_audited_and_a_lying_one_is_replaced_mid_request(
+    model_dir: Path, references: list[tuple[int, ...]], lie: str, batched: bool
+) -> None:
+    """The tail's verdicts are audited from the coordinator's copies of them (it is the tail's
+    successor) and the predecessor's copies of its inputs. Speculating (ngram drafts, two
+    chunks in flight). An honest tail passes every audit, batched (margin) or not (bit-exact).
+    A lying one fails: s2 is evicted after two strikes and its standby takes over
+    mid-request, while s0 and s1 are never accused. ``overstate`` claims one more accepted
+    draft than held, with the right tokens: every output equals the reference.
+    ``wrong_token`` chooses the wrong token: caught the same way (the tokens it chose before
+    its eviction are in the outputs: not compared)."""
+    policy = AuditSpec(enabled=True, rate=1.0, strikes=2)
+    spec = attrs.evolve(failover_spec(model_dir, speculate=True), audit=policy)
+    spec = spec if batched else unbatched(spec)
+    overstating = OverstatingTail("s2")
+    results: list[Completion] = []
+
+    def wrap_block(name: str, model: StageModel) -> StageModel:
+        return cheating(model, "wrong_token") if lie == "wrong_token" and name == "s2" else model
+
+    async def main() -> None:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(
+                    partial(
+                        run_swarm,
+                        spec,
+                        model_dir=model_dir,
+                        network=MemoryNetwork(),
+                        wrap=overstating.wrap if lie == "overstate" else None,
+                        wrap_block=wrap_block,
+                    )
+                )
+                scheduler = handle.scheduler
+                assert scheduler is not None
+
+                async def one(i: int) -> None:
+                    results.append(
+                        await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
+                    )
+
+                async with trio.open_nursery() as requests:
+                    for i in range(len(PROMPTS)):
+                        requests.start_soon(one, i)
+                stats = scheduler.statistics()
+                nursery.cancel_scope.cancel()
+        recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
+        print(f"{lie}: audits {stats.audits}, recoveries {recoveries}, lies {overstating.lies}")
+        tail_audits = dict(stats.audits.by_auditor).get(NodeName("s2-standby"), 0)
+        if lie == "none":
+            assert stats.audits.strikes == 0 and not recoveries
+            assert tail_audits >= 20  # every verdict of the three requests
+            return
+        assert ("hot", "s2", "s2-standby") in recoveries
+        assert stats.audits.evictions == 1
+        assert dict(stats.audits.by_node) == {NodeName("s2"): stats.audits.strikes}
+        assert stats.audits.strikes >= policy.strikes and tail_audits >= policy.strikes
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(results) == len(PROMPTS)
+    if lie == "overstate":
+        assert overstating.lies > 0
+    if lie != "wrong_token":
+        assert sorted(r.token_ids for r in results) == sorted(references)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shard.model.config import ModelConfig, RopeScaling
-from shard.testing_cheats import CHEATS, AuditTap, CheatingBlock, cheating
+from shard.testing_cheats import CHEATS, AuditTap, CheatingBlock, OverstatingTail, cheating
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -27,6 +27,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "AuditTap",
     "CheatingBlock",
+    "OverstatingTail",
     "cheating",
     "make_tiny_checkpoint",
     "scale_upper_layers",

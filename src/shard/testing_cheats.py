@@ -12,7 +12,14 @@ underneath, so its lies are only in what it sends on):
 ``stale``           the previous chunk's output is replayed (when the shapes allow)
 ``one_in_n``        lies (``lie``, default noise) on one chunk in ``every``, honest otherwise
 ``when_unaudited``  lies (``lie``) only when no audit was seen in the last ``window`` chunks
+``wrong_token``     the tail only: its logits are shifted one token along the vocabulary, so
+                    it chooses the token after the right one (``lie`` may be it too)
 ==================  ==========================================================================
+
+At the tail the lies apply to the logits its head returns (``skip_layer`` runs the head on
+the block without its last layer; ``identity`` has no tail form). ``OverstatingTail`` lies in
+the verdict itself: it reports one more accepted draft than held, with the right tokens — the
+output is unchanged, the coordinator's speculation statistics are not.
 
 ``when_unaudited`` models a stage that somehow learns when it was audited: the test calls
 ``audited()`` for each chosen chunk. Audits are chosen by a seed the stage never sees, so
@@ -23,10 +30,11 @@ from __future__ import annotations
 
 from typing import Any, Final, cast
 
+import attrs
 import torch
 import trio
 
-from shard.messages import Hello, Message
+from shard.messages import Hello, Message, Verdict
 from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
@@ -34,10 +42,18 @@ from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
 from shard.trust.sampler import AuditSampler
 
-__all__ = ["CHEATS", "AuditTap", "CheatingBlock", "cheating"]
+__all__ = ["CHEATS", "AuditTap", "CheatingBlock", "OverstatingTail", "cheating"]
 
-CHEATS: Final = ("skip_layer", "noise", "identity", "stale", "one_in_n", "when_unaudited")
-_BASE_LIES: Final = ("skip_layer", "noise", "identity", "stale")
+CHEATS: Final = (
+    "skip_layer",
+    "noise",
+    "identity",
+    "stale",
+    "one_in_n",
+    "when_unaudited",
+    "wrong_token",
+)
+_BASE_LIES: Final = ("skip_layer", "noise", "identity", "stale", "wrong_token")
 
 
 class CheatingBlock:
@@ -59,6 +75,9 @@ class CheatingBlock:
             raise ValueError(f"unknown cheat {kind!r}/{lie!r}; kinds: {', '.join(CHEATS)}")
         if kind in ("identity", "skip_layer") and inner.is_first:
             raise ValueError(f"{kind}: a first stage's input is token ids; cheat a later one")
+        lie_kind = kind if kind in _BASE_LIES else lie
+        if (lie_kind == "wrong_token") != inner.is_last and lie_kind in ("wrong_token", "identity"):
+            raise ValueError(f"{lie_kind}: wrong_token is the tail's lie, identity is not")
         self._inner = inner
         self.kind = kind
         self._lie_kind = kind if kind in _BASE_LIES else lie
@@ -92,7 +111,7 @@ class CheatingBlock:
         honest = self._inner(x, start, cache, head_rows=head_rows)
         lying = self._lies_now()
         self._since_audit += 1
-        out = self._lie(x, start, cache, honest) if lying else None
+        out = self._lie(x, start, cache, honest, head_rows) if lying else None
         self._last = honest
         if out is None:
             return honest
@@ -100,9 +119,16 @@ class CheatingBlock:
         return out
 
     def _lie(
-        self, x: torch.Tensor, start: int, cache: KVCache, honest: torch.Tensor
+        self,
+        x: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        honest: torch.Tensor,
+        head_rows: int | None,
     ) -> torch.Tensor | None:
         kind = self._lie_kind
+        if kind == "wrong_token":
+            return honest.roll(1, dims=-1)  # [B, R, V]: each row's argmax moves one token on
         if kind == "identity":
             return x.clone()
         if kind == "stale":
@@ -112,10 +138,13 @@ class CheatingBlock:
             scale = float(honest.float().std()) * self._noise
             noise = torch.randn(honest.shape, generator=self._gen) * scale
             return honest + noise.to(honest.dtype)
-        return self._skip_last_layer(x, start, cache)
+        return self._skip_last_layer(x, start, cache, head_rows)
 
-    def _skip_last_layer(self, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """The block's forward with its last layer left out (a middle block only)."""
+    def _skip_last_layer(
+        self, x: torch.Tensor, start: int, cache: KVCache, head_rows: int | None
+    ) -> torch.Tensor:
+        """The block's forward with its last layer left out (not a first block); at the tail
+        its head runs on the result."""
         m = self._inner
         s = int(x.shape[1])
         cos, sin = m.rope_cos[start : start + s], m.rope_sin[start : start + s]  # [S, Dh/2]
@@ -125,12 +154,69 @@ class CheatingBlock:
         with torch.inference_mode():
             for j, layer in enumerate(list(m.layers)[:-1]):
                 h = layer(h, rope, mask, cache, j, start)
+            if m.is_last:
+                return m.head(h if head_rows is None else h[:, s - head_rows :])
         return h
 
 
 def cheating(inner: StageModel, kind: str, **kw: Any) -> StageModel:
     """``CheatingBlock(inner, kind, **kw)`` typed as the block it stands in for."""
     return cast(StageModel, CheatingBlock(inner, kind, **kw))
+
+
+class OverstatingTail:
+    """``run_swarm``'s ``wrap`` hook: the ``tail`` node's verdicts, as they leave it, claim one
+    more accepted draft than held (see the module docstring); ``lies`` counts them."""
+
+    def __init__(self, tail: str) -> None:
+        self._tail = tail
+        self.lies = 0
+
+    def wrap(self, node: str, network: Network) -> Network:
+        # every node gets its own wrapper (run_swarm enters each); only the tail's lies
+        return _LyingNetwork(network, self if node == self._tail else None)
+
+    def lie(self, msg: Message) -> Message:
+        if not isinstance(msg, Verdict):
+            return msg
+        self.lies += 1
+        return attrs.evolve(msg, accepted=msg.accepted + 1)
+
+
+class _LyingNetwork(NetworkBase):
+    def __init__(self, inner: Network, tail: OverstatingTail | None) -> None:
+        self._inner, self._tail = inner, tail
+
+    async def dial(self, address: str) -> Connection:
+        conn = await self._inner.dial(address)
+        return conn if self._tail is None else _LyingConnection(conn, self._tail)
+
+    async def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self._inner.serve(address, handler, task_status=task_status)
+
+
+class _LyingConnection:
+    def __init__(self, inner: Connection, tail: OverstatingTail) -> None:
+        self._inner, self._tail = inner, tail
+
+    @property
+    def peer(self) -> str:
+        return self._inner.peer
+
+    async def receive(self) -> Message:
+        return await self._inner.receive()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def send(self, msg: Message) -> None:
+        await self._inner.send(self._tail.lie(msg))
 
 
 class AuditTap:

@@ -117,7 +117,12 @@ def _evidence(args: argparse.Namespace) -> int:
         print(f"shard: evidence INVALID: {args.evidence}: {exc}", file=sys.stderr)
         return 1
     ev = checked.evidence
-    how = "bit-exact" if ev.method == "exact" else f"sketch cosine {ev.cosine:.6f} < {ev.threshold}"
+    if ev.method == "tokens":
+        how = f"the tail's verdict, margin {ev.margin}"
+    elif ev.method == "exact":
+        how = "bit-exact"
+    else:
+        how = f"sketch cosine {ev.cosine:.6f} < {ev.threshold}"
     bound = (
         "the accused's signed receipt backs its claim"
         if checked.bound

@@ -17,8 +17,12 @@ Whom it trusts: a verdict only from the node it asked, for that chunk (``answere
 copies as the neighbours' word (the control link says who sent one, not that it is true: a
 lying neighbour can frame a stage; docs/security.md says so).
 
-What it does not audit: the tail (its output is token ids sent to the coordinator, checked by
-nobody else's copy); a stage for a session it joined mid-way (a spliced-in standby: its KV was
+The tail's output is a ``Verdict`` that goes to the coordinator itself: the coordinator is its
+successor, and its copy of each verdict it received ("verdict") is the tail's output; the
+tail's inputs are its predecessor's sent copies as for any stage, and the session's sampling
+the predecessor's copy of the ``OpenSession`` it sent ("open").
+
+What it does not audit: a stage for a session it joined mid-way (a spliced-in standby: its KV was
 rebuilt by replays, in other chunk shapes, so the replay the auditor would run differs); a
 session whose copies have a gap (a control link that went down). Costs: each activation
 crosses to the coordinator twice more (sent and received copies), and a stage waits for its
@@ -35,7 +39,16 @@ from typing import Final, cast
 
 import attrs
 
-from shard.messages import ChunkSeq, Epoch, NodeName, Prefill, SessionId
+from shard.messages import (
+    ChunkSeq,
+    Epoch,
+    NodeName,
+    OpenSession,
+    Prefill,
+    SessionId,
+    Verdict,
+    Verify,
+)
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.spec.audit import AuditSpec
 from shard.trust.audit import audit_nonce, commit, new_seed
@@ -132,12 +145,12 @@ class AuditHub:
         at = names.index(sender)
         if copy.side == "sent" and at + 1 < len(names):
             accused = ring[at]  # names[at + 1]
-        elif copy.side == "received" and at >= 2:
+        elif copy.side == "received" and at >= 2 and copy.kind != "verdict":
             accused = ring[at - 2]  # names[at - 1]
+        elif copy.side == "received" and at == 0 and copy.kind == "verdict" and ring:
+            accused = ring[-1]  # the tail: the coordinator receives its verdicts
         else:
             return []
-        if accused.node == ring[-1].node:
-            return []  # the tail: its output is not a chunk anyone else receives
         return self._feed(copy, accused)
 
     def _feed(self, copy: AuditCopy, accused: Holder) -> list[AuditRequest]:
@@ -147,8 +160,8 @@ class AuditHub:
                 self._seen.pop(key, None)
             return []
         seen = self._seen.get(key)
-        if copy.replay:
-            return []  # rebuilds a spliced-in node's KV; no receipt or audit counts it
+        if copy.replay or (copy.kind == "open" and copy.side != "sent"):
+            return []  # a replay rebuilds a spliced-in node's KV; no receipt or audit counts it
         if seen is None:
             sampler = AuditSampler(
                 Accused(
@@ -164,6 +177,9 @@ class AuditHub:
                 log.warning("audit: tracking too many sessions; session %d of %s dropped",
                             old_session, old_node)  # fmt: skip
                 self.ended(old_session)
+        if copy.kind == "open":
+            seen.sampler.input(OpenSession(SessionId(copy.session), 1, copy.sampling))
+            return []
         if copy.side == "sent":
             if not seen.started:
                 seen.started, seen.complete = True, seen.complete and copy.start == 0
@@ -194,21 +210,19 @@ class AuditHub:
 def _neighbours(node: NodeName, ring: Sequence[Holder]) -> set[NodeName]:
     """The ring nodes whose audits ``node``'s copies feed (its predecessor and successor)."""
     names = [h.node for h in ring]
-    if node not in names:  # the coordinator: it feeds stage 0
-        return set(names[:1])
+    if node not in names:  # the coordinator: it feeds stage 0 and receives the tail's output
+        return set(names[:1]) | set(names[-1:])
     i = names.index(node)
     return set(names[max(i - 1, 0) : i]) | set(names[i + 1 : i + 2])
 
 
-def _chunk(copy: AuditCopy) -> Prefill:
-    """A copied chunk as the sampler reads it (its kind does not enter the chain)."""
+def _chunk(copy: AuditCopy) -> Prefill | Verify | Verdict:
+    """A copied chunk or verdict as the sampler reads it."""
+    session, epoch, seq = SessionId(copy.session), cast(Epoch, copy.epoch), cast(ChunkSeq, copy.seq)
+    if copy.kind == "verdict":
+        return Verdict(session, epoch, seq, copy.start, copy.ids, copy.accepted)
+    if copy.verify:
+        return Verify(session, epoch, seq, copy.start, copy.ids, copy.hidden, copy.draft)
     return Prefill(
-        session=SessionId(copy.session),
-        epoch=cast(Epoch, copy.epoch),
-        seq=cast(ChunkSeq, copy.seq),
-        start=copy.start,
-        final=False,
-        ids=copy.ids,
-        hidden=copy.hidden,
-        replay=copy.replay,
+        session, epoch, seq, copy.start, copy.final, copy.ids, copy.hidden, replay=copy.replay
     )

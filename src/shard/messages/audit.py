@@ -16,7 +16,7 @@ import attrs
 
 from shard.messages.ids import NodeName
 from shard.messages.receipts import StageReceipt
-from shard.messages.values import Tensor
+from shard.messages.values import Sampling, Tensor
 
 
 @attrs.frozen
@@ -31,13 +31,21 @@ class Blob:
 @attrs.frozen
 class AuditedChunk:
     """One chunk as it crossed the edge into the audited stage: token ids on the first edge,
-    else hidden states (exactly one is set), with its routing header."""
+    else hidden states (exactly one is set), with its routing header.
+
+    What the tail's choice also reads: ``verify`` (a ``Verify`` chunk, else a ``Prefill``),
+    ``final`` (a prefill's last chunk: the one the tail answers) and ``draft`` (a verify
+    chunk's drafted ids). None of the three is in the stage's input chain (which hashes the
+    payload only): they are the predecessor's word, like the chunk's copy itself."""
 
     epoch: int
     seq: int
     start: int
     ids: tuple[int, ...] = ()
     hidden: Blob | None = None
+    verify: bool = False
+    final: bool = False
+    draft: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -75,7 +83,7 @@ class Evidence:
     chunk: AuditedChunk
     claimed: Blob
     recomputed: Blob
-    method: str  # "exact" | "sketch"
+    method: str  # "exact" | "sketch" | "tokens"
     rate: float
     dims: int
     threshold: float
@@ -86,6 +94,9 @@ class Evidence:
     auditor: NodeName
     auditor_key: str
     signed_at: int  # Unix seconds, the auditor's clock
+    #: the tail ("tokens"): its session's sampling and the tie margin the comparison allowed
+    sampling: Sampling = Sampling()
+    margin: float = 0.0
     signature: str = ""
 
 
@@ -116,6 +127,8 @@ class AuditRequest:
     device_class: str
     dtype: str
     receipt: StageReceipt | None = None
+    #: the tail's choice: the session's sampling (from the predecessor's ``OpenSession``)
+    sampling: Sampling = Sampling()
     #: the swarm batches chunks across sessions (``[limits] max_batch_rows`` > 1): a batched
     #: forward's output matches a lone recomputation only to rounding, so never bit-exact
     batched: bool = False
@@ -123,7 +136,9 @@ class AuditRequest:
 
 @attrs.frozen
 class AuditVerdict:
-    """Auditor -> scheduler: how one audit came out; ``evidence`` is set when it failed."""
+    """Auditor -> scheduler: how one audit came out; ``evidence`` is set when it failed.
+    ``tie``: the tail's token differed from the auditor's only at a near-tie (within the
+    margin): not a strike."""
 
     accused: NodeName
     auditor: NodeName
@@ -134,6 +149,7 @@ class AuditVerdict:
     cosine: float | None
     detail: str
     evidence: Evidence | None = None
+    tie: bool = False
 
 
 @attrs.frozen
@@ -142,9 +158,12 @@ class AuditCopy:
     chunk as this node sent it downstream (``side`` "sent") or received it from upstream
     ("received"). The scheduler feeds an audited stage's sampler from what its predecessor
     sent (its input) and what its successor received (its output), never from the audited
-    stage's own word. ``kind`` is "chunk" (``hidden`` or ``ids`` set) or "end" (the session
-    ended). ``n`` counts the node's copies from 0, so a gap (a copy lost while the control link
-    was down) is seen, and the sessions it touches are no longer audited.
+    stage's own word. ``kind`` is "chunk" (``hidden`` or ``ids`` set; ``verify``, ``final``
+    and ``draft`` as on ``AuditedChunk``), "end" (the session ended), "open" (an
+    ``OpenSession`` sent: its ``sampling``, which the tail's choice reads) or "verdict" (a
+    ``Verdict`` the coordinator received from the tail: ``ids`` its target ids, ``accepted``).
+    ``n`` counts the node's copies from 0, so a gap (a copy lost while the control link was
+    down) is seen, and the sessions it touches are no longer audited.
     """
 
     side: str
@@ -157,3 +176,8 @@ class AuditCopy:
     replay: bool = False
     ids: tuple[int, ...] = ()
     hidden: Tensor | None = None
+    verify: bool = False
+    final: bool = False
+    draft: tuple[int, ...] = ()
+    accepted: int = 0
+    sampling: Sampling = Sampling()

@@ -95,10 +95,12 @@ class _ReturnEndpoint:
         name: NodeName,
         from_ring: trio.MemorySendChannel[Message],
         note: Callable[[str, str], None],
+        mirror: MirrorNetwork | None = None,
     ) -> None:
         self._name = name
         self._from_ring = from_ring
         self._note = note
+        self._mirror = mirror  # the swarm audits: the tail's verdicts are copied (its audits)
         self._links = 0
         self.joined = trio.Event()
 
@@ -117,6 +119,8 @@ class _ReturnEndpoint:
         self.joined.set()
         self._note("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
         self._links += 1
+        if self._mirror is not None:  # after the check: only the tail's verdicts are copied
+            conn = self._mirror.attach(conn)
         try:
             pump = partial(pump_in, self._name, sink=self._from_ring.clone())
             await serve_one(conn, pump, what="return link")
@@ -272,10 +276,11 @@ async def run_coordinator(
     async def to_scheduler(copy: AuditCopy) -> None:
         await scheduler_box[0].copied(name, copy)
 
+    mirror = MirrorNetwork(network, to_scheduler) if spec.audit.enabled else None
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
-        MirrorNetwork(network, to_scheduler) if spec.audit.enabled else network,
+        mirror if mirror is not None else network,
         _hello(spec, name, "coordinator"),
         replay_log=sent_log,
         records=False,
@@ -285,7 +290,7 @@ async def run_coordinator(
         handshake_timeout_s=spec.limits.handshake_timeout_s,
         faults=faults_send,
     )
-    endpoint = _ReturnEndpoint(name, from_ring_send, coordinator.event)
+    endpoint = _ReturnEndpoint(name, from_ring_send, coordinator.event, mirror)
     scheduler = Scheduler(
         node=name,
         slots=_slots(spec, config.n_layers),

@@ -7,6 +7,7 @@ rate = 0.05               # each chunk a stage sends is audited with this probab
 strikes = 2               # failed audits after which the scheduler evicts the stage
 sketch_dims = 256         # random-projection sketch size (mixed hardware or dtypes)
 cosine_threshold = 0.99   # a sketch's smallest per-row cosine must reach this
+token_margin = 1.0        # the tail: a differing token within this many logits is a tie
 ```
 
 An absent table reads as these defaults. What the keys mean, and how the threshold was
@@ -21,7 +22,14 @@ import attrs
 
 from shard.spec.validate import Table
 
-AUDIT_KEYS: Final = ("enabled", "rate", "strikes", "sketch_dims", "cosine_threshold")
+AUDIT_KEYS: Final = (
+    "enabled",
+    "rate",
+    "strikes",
+    "sketch_dims",
+    "cosine_threshold",
+    "token_margin",
+)
 
 
 @attrs.frozen
@@ -35,6 +43,9 @@ class AuditSpec:
     strikes: int = 2
     sketch_dims: int = 256
     cosine_threshold: float = 0.99
+    #: the tail's verdicts where replay is not bit-exact: a token that differs from the
+    #: auditor's is a strike only if raising its logit by this much would not make it chosen
+    token_margin: float = 1.0
 
 
 def read_audit(table: Table) -> AuditSpec:
@@ -46,6 +57,7 @@ def read_audit(table: Table) -> AuditSpec:
         strikes=table.integer("strikes", default=d.strikes, minimum=1),
         sketch_dims=table.integer("sketch_dims", default=d.sketch_dims, minimum=1),
         cosine_threshold=table.number("cosine_threshold", default=d.cosine_threshold),
+        token_margin=table.number("token_margin", default=d.token_margin),
     )
     if not 0.0 <= spec.rate <= 1.0:
         raise table.error("rate", f"must be in [0, 1] (a probability), not {spec.rate}")
@@ -53,4 +65,6 @@ def read_audit(table: Table) -> AuditSpec:
         raise table.error("sketch_dims", f"must be at most 65536, not {spec.sketch_dims}")
     if not 0.0 < spec.cosine_threshold <= 1.0:
         raise table.error("cosine_threshold", f"must be in (0, 1], not {spec.cosine_threshold}")
+    if not 0.0 <= spec.token_margin <= 100.0:
+        raise table.error("token_margin", f"must be in [0, 100] logits, not {spec.token_margin}")
     return spec

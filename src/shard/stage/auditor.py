@@ -5,7 +5,10 @@ Any node holding the same block can audit (a standby, a spare, a dedicated audit
 ones the predecessor's replay log keeps: same inputs, same shapes, same order, so the KV is the
 one an honest stage would hold), runs the audited chunk, and compares its output with the
 claimed one (``shard.trust.audit.compare``: bit-exact when both ends declare the same device
-class and dtype, else by seeded sketch). A failed audit comes back with signed ``Evidence``
+class and dtype, else by seeded sketch). At the tail it runs the head on the rows the choice
+reads and compares the verdict it chooses from them with the claimed one
+(``shard.trust.audit.compare_tokens``: no margin where replay is bit-exact, else
+``token_margin``). A failed audit comes back with signed ``Evidence``
 (``shard.trust.evidence``) that anyone can check offline.
 
 ``audit_chunk`` is the synchronous core (tests call it directly); ``Auditor`` is the actor
@@ -27,7 +30,15 @@ from shard.model.llama import StageModel
 from shard.spec.audit import AuditSpec
 from shard.stage import offload
 from shard.stage.tensors import to_wire
-from shard.trust.audit import blob_of, compare, tensor_of, wire_of
+from shard.trust.audit import (
+    Comparison,
+    blob_of,
+    choice_rows,
+    compare,
+    compare_tokens,
+    tensor_of,
+    wire_of,
+)
 from shard.trust.evidence import sign_evidence
 from shard.trust.identity import NodeIdentity
 
@@ -64,14 +75,43 @@ def _input(model: StageModel, chunk: AuditedChunk) -> torch.Tensor:
 def recompute(
     model: StageModel, prior: Sequence[AuditedChunk], chunk: AuditedChunk
 ) -> torch.Tensor:
-    """``chunk``'s output on ``model`` after replaying ``prior`` into a fresh cache."""
+    """``chunk``'s output on ``model`` after replaying ``prior`` into a fresh cache: hidden
+    states, or at the tail the logits of the rows its choice reads (``[1, R, V]``, the head
+    run on those rows only, as the tail runs it)."""
     every = (*prior, chunk)
     end = max(c.start + int(_input(model, c).shape[1]) for c in every)
     cache = model.new_cache(min(end, model.config.max_position_embeddings))
+    tail = model.is_last
     with torch.inference_mode():
         for c in prior:
-            model(_input(model, c), c.start, cache)
+            if tail:
+                model(_input(model, c), c.start, cache, head_rows=0)
+            else:
+                model(_input(model, c), c.start, cache)
+        if tail:
+            return model(_input(model, chunk), chunk.start, cache, head_rows=choice_rows(chunk))
         return model(_input(model, chunk), chunk.start, cache)
+
+
+def _compare(
+    model: StageModel, req: AuditRequest, mine: torch.Tensor, *, exact: bool, policy: AuditSpec
+) -> Comparison:
+    """The claim against the auditor's result ``mine`` (see ``audit_chunk``)."""
+    try:
+        claimed = wire_of(req.claimed)
+    except ValueError as exc:
+        raise AuditFailed(str(exc)) from None
+    if model.is_last:
+        margin = _margin(model, exact, policy)
+        return compare_tokens(claimed, mine, req.chunk, req.sampling, margin=margin)
+    return compare(
+        claimed,
+        to_wire(mine),
+        exact=exact,
+        seed=bytes.fromhex(req.seed),
+        dims=policy.sketch_dims,
+        threshold=policy.cosine_threshold,
+    )
 
 
 def audit_chunk(
@@ -91,25 +131,21 @@ def audit_chunk(
         raise AuditFailed(
             f"{node} holds layers [{model.first}, {model.last}), not [{req.first}, {req.last})"
         )
+    if model.is_last and not choice_rows(req.chunk):
+        raise AuditFailed("the tail makes no choice on a prefill chunk before the last")
     out = recompute(model, req.prior, req.chunk)
-    # A float64 auditor (a reference run) reports in float32: evidence holds wire dtypes only.
-    recomputed = to_wire(out.float() if out.dtype == torch.float64 else out)
+    # What the evidence holds: at the tail the logits its choice reads ([R, V], fp32 on the
+    # CPU, as it reads them), else the hidden states (a float64 auditor, a reference run,
+    # reports in float32: evidence holds wire dtypes only).
+    if model.is_last:
+        mine = out[0].to("cpu", torch.float32)
+    else:
+        mine = out.float() if out.dtype == torch.float64 else out
     # Bit-exact only where the accused computed the chunk as the auditor does: same device
     # class and dtype, and no batching (a batched forward sums rows in another order).
     exact = not req.batched and (req.device_class, req.dtype) == (device_class, dtype_name(model))
-    seed = bytes.fromhex(req.seed)
-    try:
-        claimed = wire_of(req.claimed)
-    except ValueError as exc:
-        raise AuditFailed(str(exc)) from None
-    result = compare(
-        claimed,
-        recomputed,
-        exact=exact,
-        seed=seed,
-        dims=policy.sketch_dims,
-        threshold=policy.cosine_threshold,
-    )
+    result = _compare(model, req, mine, exact=exact, policy=policy)
+    recomputed = to_wire(mine)
     evidence = None
     if not result.ok:
         evidence = sign_evidence(
@@ -137,6 +173,8 @@ def audit_chunk(
                 auditor=node,
                 auditor_key=identity.public.hex(),
                 signed_at=now,
+                sampling=req.sampling,
+                margin=_margin(model, exact, policy),
             ),
             identity,
         )
@@ -150,7 +188,12 @@ def audit_chunk(
         cosine=result.cosine,
         detail=result.detail,
         evidence=evidence,
+        tie=result.tie,
     )
+
+
+def _margin(model: StageModel, exact: bool, policy: AuditSpec) -> float:
+    return policy.token_margin if model.is_last and not exact else 0.0
 
 
 async def audit_offloaded(

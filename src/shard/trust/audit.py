@@ -22,6 +22,16 @@ the inputs the predecessor keeps, and compares.
   lie on one position is not diluted by honest ones; seeded after the fact, so a stage cannot
   hide a lie in the projection's null space. The threshold and its measured margins are in
   ``docs/security.md``.
+- **The tail** ("tokens"). Its output is a verdict (target ids, accepted count), compared
+  for equality with the auditor's choice, made from the auditor's logits by the tail's own
+  function (``shard.decode.verify``: greedy argmax, or a draw keyed by (seed, position), so
+  a sampled choice is reproducible too). Where rounding differs honestly (batching, another
+  device or dtype) two honest ends can choose differently at a near-tie, so a differing
+  token is a strike only if the claimed token would still not be chosen with its logit
+  raised by ``margin`` over the auditor's (``tie`` otherwise): no honest tail whose logits
+  are within ``margin / 2`` of the auditor's in every entry is accused. Bit-exact replay
+  allows no margin (0). A verdict whose tokens agree but whose accepted count or length does
+  not is a lie whatever the margin (the walk over the drafts is a function of the tokens).
 """
 
 from __future__ import annotations
@@ -34,8 +44,10 @@ from typing import Final
 import attrs
 import torch
 
+from shard.decode.verify import choose_token, verify_chunk
+from shard.messages import Sampling
 from shard.messages import Tensor as WireTensor
-from shard.messages.audit import Blob
+from shard.messages.audit import AuditedChunk, Blob
 from shard.stage.tensors import from_wire, to_wire
 
 __all__ = [
@@ -45,13 +57,19 @@ __all__ = [
     "Comparison",
     "audit_nonce",
     "blob_of",
+    "choice_rows",
     "commit",
     "compare",
+    "compare_tokens",
     "is_audited",
     "new_seed",
     "pick",
     "sketch",
+    "tail_choice",
     "tensor_of",
+    "verdict_at",
+    "verdict_blob",
+    "verdict_of",
 ]
 
 DEFAULT_RATE: Final = 0.05
@@ -142,10 +160,11 @@ def _min_row_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 class Comparison:
     """How a claimed result compared with the auditor's: ``ok`` False is a failed audit."""
 
-    method: str  # "exact" | "sketch"
+    method: str  # "exact" | "sketch" | "tokens"
     ok: bool
     cosine: float | None  # the smallest per-row cosine (sketch only)
     detail: str
+    tie: bool = False  # tokens: they differ only at a near-tie (ok, no strike)
 
 
 def compare(
@@ -182,3 +201,86 @@ def compare(
     ok = finite and cosine >= threshold
     relation = ">=" if ok else "<"
     return Comparison(method, ok, cosine, f"min row cosine {cosine:.6f} {relation} {threshold}")
+
+
+def _rows(chunk: AuditedChunk) -> int:
+    return len(chunk.ids) if chunk.hidden is None else int(chunk.hidden.shape[1])
+
+
+def choice_rows(chunk: AuditedChunk) -> int:
+    """Rows of ``chunk`` whose logits the tail's choice reads (``shard.stage.batch.head_rows``):
+    none for a prefill chunk before the last, one for the last, ``K+1`` for a verify chunk."""
+    if chunk.verify:
+        return len(chunk.draft) + 1
+    return 1 if chunk.final else 0
+
+
+def verdict_at(chunk: AuditedChunk) -> tuple[int, bool]:
+    """(absolute position of the verdict's first id, whether it answered the prompt): what the
+    tail's receipt keys a verdict by (``shard.trust.receipts.verdict_payload``)."""
+    if chunk.verify:
+        return chunk.start + 1, False
+    return chunk.start + _rows(chunk), True
+
+
+def verdict_blob(target_ids: tuple[int, ...], accepted: int) -> Blob:
+    """A verdict as evidence holds it: int64 ``[*target_ids, accepted]``."""
+    return blob_of(torch.tensor([*target_ids, accepted], dtype=torch.int64))
+
+
+def verdict_of(blob: Blob | WireTensor) -> tuple[tuple[int, ...], int]:
+    """(target ids, accepted) of a ``verdict_blob``. Errors: ``ValueError`` for anything else."""
+    t = from_wire(blob if isinstance(blob, WireTensor) else wire_of(blob))
+    if t.dtype != torch.int64 or t.dim() != 1 or t.numel() < 2:
+        raise ValueError(f"a verdict is int64 [ids..., accepted], not {t.dtype} {tuple(t.shape)}")
+    values = [int(v) for v in t.tolist()]
+    return tuple(values[:-1]), values[-1]
+
+
+def tail_choice(
+    logits: torch.Tensor, chunk: AuditedChunk, sampling: Sampling
+) -> tuple[tuple[int, ...], int]:
+    """The tail's verdict from its chunk's last ``choice_rows`` rows of logits ``[R, V]``, as
+    ``shard.stage.batch`` makes it (a prefill chunk is one row with no draft)."""
+    at, prefill = verdict_at(chunk)
+    rows = logits.to("cpu", torch.float32)  # [R, V]
+    if prefill:
+        return (choose_token(rows[-1], sampling, at),), 0
+    verdict = verify_chunk(rows, chunk.draft, sampling, at)
+    return verdict.target_ids, verdict.accepted
+
+
+def compare_tokens(
+    claimed: Blob | WireTensor,
+    logits: torch.Tensor,
+    chunk: AuditedChunk,
+    sampling: Sampling,
+    *,
+    margin: float,
+) -> Comparison:
+    """Compare the tail's claimed verdict with the choice from the auditor's ``logits``
+    ``[choice_rows(chunk), V]`` (see the module docstring: equality, ties within ``margin``)."""
+    try:
+        ids, accepted = verdict_of(claimed)
+    except ValueError as exc:
+        return Comparison("tokens", False, None, f"the claimed output is not a verdict: {exc}")
+    if logits.dim() != 2 or logits.shape[0] != choice_rows(chunk) or not logits.shape[0]:
+        return Comparison("tokens", False, None, f"logits {tuple(logits.shape)} fit no choice")
+    mine, my_accepted = tail_choice(logits, chunk, sampling)
+    if (ids, accepted) == (mine, my_accepted):
+        return Comparison("tokens", True, None, "the same verdict")
+    at, _ = verdict_at(chunk)
+    j = next((i for i, (a, b) in enumerate(zip(ids, mine, strict=False)) if a != b), None)
+    said = f"claimed {ids} (accepted {accepted}), recomputed {mine} (accepted {my_accepted})"
+    if j is None:  # the same tokens, another walk: no rounding explains it
+        return Comparison("tokens", False, None, f"{said}: not the walk its tokens make")
+    token, vocab = ids[j], int(logits.shape[1])
+    if 0 <= token < vocab:
+        boosted = logits[j].to("cpu", torch.float32).clone()  # [V]
+        boosted[token] += margin
+        if choose_token(boosted, sampling, at + j) == token:
+            detail = f"{said}: a near-tie at position {at + j} (within margin {margin})"
+            return Comparison("tokens", True, None, detail, tie=True)
+    return Comparison(
+        "tokens", False, None, f"{said}: position {at + j} is not within margin {margin}"
+    )

@@ -8,7 +8,9 @@
   (``is_audited(seed, chain just after the chunk, rate)``): the auditor did not pick it;
 - the comparison, redone from the two results in the file, fails — bytes differ (``exact``)
   or the smallest per-row sketch cosine is below the threshold (``sketch``), and the recorded
-  cosine is the recomputed one;
+  cosine is the recomputed one; for the tail (``tokens``) the claim is a verdict, the
+  auditor's result the logits its choice read, and the choice redone from them (with the
+  recorded sampling) differs from the claim beyond the recorded margin;
 - with the accused's receipt: its signature, that it is the accused's key and block, that
   its job's nonce derives from the commitment (``audit_nonce``: committed before the job),
   and that the chain proofs fold the audited input and the claimed output into the
@@ -17,8 +19,10 @@
   with ``pins.authority``, that the receipt's token admits the accused's key as a stage.
 
 What it cannot check offline is the recomputation itself (that needs the block's weights:
-the file holds every input needed to redo it). ``Checked.bound`` says whether the accused's
-own signature backs the claim; ``Checked.unpinned`` whose keys nothing pinned.
+the file holds every input needed to redo it), nor, for the tail, that the draft, the final
+flag and the sampling are what it was sent (its input chain hashes the hidden states only).
+``Checked.bound`` says whether the accused's own signature backs the claim;
+``Checked.unpinned`` whose keys nothing pinned.
 """
 
 from __future__ import annotations
@@ -28,11 +32,24 @@ import re
 from typing import Any
 
 import attrs
+import torch
 
 from shard.messages import StageReceipt
+from shard.messages import Tensor as WireTensor
 from shard.messages.audit import AuditedChunk, ChainProof, Evidence
+from shard.stage.tensors import from_wire
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
-from shard.trust.audit import audit_nonce, commit, compare, is_audited, wire_of
+from shard.trust.audit import (
+    audit_nonce,
+    choice_rows,
+    commit,
+    compare,
+    compare_tokens,
+    is_audited,
+    verdict_at,
+    verdict_of,
+    wire_of,
+)
 from shard.trust.canonical import from_canonical_json, to_canonical_json
 from shard.trust.identity import NodeIdentity, short, verify_signature
 from shard.trust.receipts import (
@@ -42,6 +59,7 @@ from shard.trust.receipts import (
     chunk_record,
     payload_of,
     stage_signed_bytes,
+    verdict_payload,
 )
 
 __all__ = [
@@ -150,10 +168,12 @@ def _check_encoding(ev: Evidence) -> None:
         for record in proof.later:
             if len(record) % 2 or re.fullmatch(r"[0-9a-f]*", record) is None:
                 raise EvidenceInvalid(f"{name}: a later record is not lowercase hex")
-    if ev.method not in ("exact", "sketch"):
+    if ev.method not in ("exact", "sketch", "tokens"):
         raise EvidenceInvalid(f"unknown comparison method {ev.method!r}")
     if not (0.0 < ev.rate <= 1.0 and 1 <= ev.dims <= 65536 and -1.0 <= ev.threshold <= 1.0):
         raise EvidenceInvalid("rate, dims or threshold out of range")
+    if not 0.0 <= ev.margin <= 100.0:
+        raise EvidenceInvalid("margin out of range")
     if (ev.chunk.hidden is None) == (not ev.chunk.ids):
         raise EvidenceInvalid("the audited chunk must carry exactly one of ids and hidden")
 
@@ -169,17 +189,22 @@ def _check_choice_and_mismatch(ev: Evidence) -> str:
     except ValueError as exc:
         raise EvidenceInvalid(str(exc)) from None
     c = ev.chunk
-    after, final = fold(ev.output_proof, chunk_record(c.epoch, c.seq, c.start, claimed.data))
+    payload = _tail_payload(ev, claimed) if ev.method == "tokens" else claimed.data
+    after, final = fold(ev.output_proof, chunk_record(c.epoch, c.seq, c.start, payload))
     if not is_audited(seed, after, ev.rate):
         raise EvidenceInvalid("the revealed seed did not choose this chunk for audit")
-    result = compare(
-        claimed,
-        recomputed,
-        exact=ev.method == "exact",
-        seed=seed,
-        dims=ev.dims,
-        threshold=ev.threshold,
-    )
+    if ev.method == "tokens":
+        logits = from_wire(recomputed)
+        result = compare_tokens(claimed, logits, c, ev.sampling, margin=ev.margin)
+    else:
+        result = compare(
+            claimed,
+            recomputed,
+            exact=ev.method == "exact",
+            seed=seed,
+            dims=ev.dims,
+            threshold=ev.threshold,
+        )
     if result.ok:
         raise EvidenceInvalid(f"the results agree ({result.detail}): no lie is shown")
     if ev.method == "sketch" and (
@@ -187,6 +212,24 @@ def _check_choice_and_mismatch(ev: Evidence) -> str:
     ):
         raise EvidenceInvalid(f"the recorded cosine is not the recomputed {result.cosine}")
     return final
+
+
+def _tail_payload(ev: Evidence, claimed: WireTensor) -> bytes:
+    """What the tail's output chain hashed for the claimed verdict; checks that the claim is a
+    verdict and the auditor's result the logits of the rows the choice reads."""
+    rows = choice_rows(ev.chunk)
+    try:
+        ids, accepted = verdict_of(claimed)
+        logits = from_wire(wire_of(ev.recomputed))
+    except ValueError as exc:
+        raise EvidenceInvalid(f"tail evidence: {exc}") from None
+    if not rows or logits.dtype != torch.float32 or tuple(logits.shape[:1]) != (rows,):
+        raise EvidenceInvalid(
+            f"tail evidence: the recomputed logits {tuple(logits.shape)} are not the float32 "
+            f"rows [{rows}, V] of a chunk's choice"
+        )
+    at, prefill = verdict_at(ev.chunk)
+    return verdict_payload(ids, accepted, at=at, prefill=prefill)
 
 
 def _check_receipt(

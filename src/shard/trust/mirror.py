@@ -5,7 +5,9 @@ neighbours, not from the stage itself: what its predecessor *sent* it and what i
 *received* from it (a stage that lies would lie about its own traffic too). Every node of a
 swarm that audits wraps its network in this: on a link whose ``Hello`` says ``ring``, each
 ``Prefill``/``Verify`` sent becomes an ``AuditCopy`` with ``side`` "sent", each received one
-"received", and each ``EndSession`` an "end" copy. A stage's sink queues copies for its control
+"received", each ``EndSession`` an "end" copy, each ``OpenSession`` sent an "open" copy and
+each ``Verdict`` received (only the coordinator receives one: ``attach`` wraps its return
+link) a "verdict" copy. A stage's sink queues copies for its control
 link (``shard.failover.control``); the coordinator's feeds its scheduler directly.
 
 Copies are awaited, not dropped: a chunk the scheduler never saw would make the sampler's
@@ -21,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from shard.messages import EndSession, Hello, Message, Prefill, Verify
+from shard.messages import EndSession, Hello, Message, OpenSession, Prefill, Verdict, Verify
 from shard.messages.audit import AuditCopy
 from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
@@ -32,15 +34,31 @@ Sink = Callable[[AuditCopy], Awaitable[None]]
 
 
 def copy_of(side: str, n: int, msg: Message) -> AuditCopy | None:
-    """The copy of ``msg`` (None for a message that is not a chunk or a session's end)."""
+    """The copy of ``msg``: a chunk, a session's end, a sent ``OpenSession`` (its sampling)
+    or a received ``Verdict`` (None for anything else: the scheduler reads only the tail's
+    successor's word on a verdict, and only the predecessor's on a session's sampling)."""
     if isinstance(msg, EndSession):
         return AuditCopy(side, "end", n, msg.session)
+    if isinstance(msg, OpenSession):
+        return (
+            AuditCopy(side, "open", n, msg.session, sampling=msg.sampling)
+            if side == "sent"
+            else None
+        )
+    if isinstance(msg, Verdict):
+        if side != "received":
+            return None
+        return AuditCopy(
+            side, "verdict", n, msg.session, msg.epoch, msg.seq, msg.start,
+            ids=tuple(msg.target_ids), accepted=msg.accepted,
+        )  # fmt: skip
     if not isinstance(msg, Prefill | Verify):
         return None
     replay = isinstance(msg, Prefill) and msg.replay
     return AuditCopy(
         side, "chunk", n, msg.session, msg.epoch, msg.seq, msg.start, replay, tuple(msg.ids),
-        msg.hidden,
+        msg.hidden, verify=isinstance(msg, Verify), final=isinstance(msg, Prefill) and msg.final,
+        draft=tuple(msg.draft) if isinstance(msg, Verify) else (),
     )  # fmt: skip
 
 
@@ -50,6 +68,12 @@ class MirrorNetwork(NetworkBase):
     def __init__(self, inner: Network, sink: Sink) -> None:
         self._inner, self._sink = inner, sink
         self._n = 0
+
+    def attach(self, conn: Connection) -> Connection:
+        """``conn``, a ring link whose ``Hello`` was already read, with its traffic copied."""
+        mirrored = _Mirrored(conn, self)
+        mirrored.ring = True
+        return mirrored
 
     async def copy(self, side: str, msg: Message) -> None:
         copy = copy_of(side, self._n, msg)
@@ -76,7 +100,7 @@ class MirrorNetwork(NetworkBase):
 class _Mirrored:
     def __init__(self, inner: Connection, mirror: MirrorNetwork) -> None:
         self._inner, self._mirror = inner, mirror
-        self._ring = False
+        self.ring = False
 
     @property
     def peer(self) -> str:
@@ -85,15 +109,15 @@ class _Mirrored:
     async def receive(self) -> Message:
         msg = await self._inner.receive()
         if isinstance(msg, Hello):
-            self._ring = msg.link == "ring"
-        elif self._ring:
+            self.ring = msg.link == "ring"
+        elif self.ring:
             await self._mirror.copy("received", msg)
         return msg
 
     async def send(self, msg: Message) -> None:
         if isinstance(msg, Hello):
-            self._ring = msg.link == "ring"
-        elif self._ring:
+            self.ring = msg.link == "ring"
+        elif self.ring:
             await self._mirror.copy("sent", msg)
         await self._inner.send(msg)
 

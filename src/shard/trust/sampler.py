@@ -9,6 +9,12 @@ to, pruned exactly like the predecessor's replay log (``shard.failover.replay``)
 output chunk is ``is_audited(seed, output chain just after it, rate)`` — fixed the moment the
 stage sent it, unknowable to the stage without the seed (``shard.trust.audit``).
 
+At the tail the outputs are verdicts (``Verdict``: target ids and the accepted count, as the
+coordinator received them); the chain record is the one the tail's receipt signs
+(``verdict_payload``, keyed by the audited input's position), the claim a ``verdict_blob``,
+and the request carries the session's sampling (from the ``OpenSession`` the predecessor
+sent), which the tail's choice reads.
+
 Two ways to audit: ``output`` returns a request for a chosen chunk at once (mid-request: the
 proofs end at that chunk, and there is no receipt yet, so failed-audit evidence is the
 auditor's word); ``after_receipt`` returns the requests for every chosen chunk of a finished
@@ -28,13 +34,15 @@ from shard.messages import (
     NodeName,
     OpenSession,
     Prefill,
+    Sampling,
     SessionId,
     StageReceipt,
+    Verdict,
     Verify,
 )
 from shard.messages.audit import AuditedChunk, AuditRequest, Blob, ChainProof
-from shard.trust.audit import blob_of, commit, is_audited
-from shard.trust.receipts import Chain, chunk_record, payload_of
+from shard.trust.audit import blob_of, commit, is_audited, verdict_at, verdict_blob
+from shard.trust.receipts import Chain, chunk_record, payload_of, verdict_payload
 
 __all__ = ["Accused", "AuditSampler", "ChainLog"]
 
@@ -91,6 +99,7 @@ class _Session:
     pending: dict[tuple[int, int, int], _Pending] = attrs.field(factory=dict)
     by_output: list[_Pending | None] = attrs.field(factory=list)
     claimed: list[Blob] = attrs.field(factory=list)  # every output, for ``after_receipt``
+    sampling: Sampling = Sampling()  # the tail's choice reads it
 
 
 class AuditSampler:
@@ -117,13 +126,18 @@ class AuditSampler:
         """A message the predecessor sent the accused (replays and other kinds are ignored,
         as the stage's receipt ignores them)."""
         if isinstance(msg, OpenSession):
-            self._sessions.setdefault(msg.session, _Session())
+            self._sessions.setdefault(msg.session, _Session()).sampling = msg.sampling
         elif isinstance(msg, EndSession):
             pass  # kept for ``after_receipt``; ``forget`` drops it
         elif isinstance(msg, Prefill | Verify) and not (isinstance(msg, Prefill) and msg.replay):
             sess = self._sessions.setdefault(msg.session, _Session())
             hidden = blob_of(msg.hidden) if msg.hidden is not None else None
-            chunk = AuditedChunk(msg.epoch, msg.seq, msg.start, tuple(msg.ids), hidden)
+            verify = isinstance(msg, Verify)
+            final = isinstance(msg, Prefill) and msg.final
+            draft = tuple(msg.draft) if isinstance(msg, Verify) else ()
+            chunk = AuditedChunk(
+                msg.epoch, msg.seq, msg.start, tuple(msg.ids), hidden, verify, final, draft
+            )
             data = msg.hidden.data if msg.hidden is not None else None
             index = sess.inputs.add(
                 chunk_record(msg.epoch, msg.seq, msg.start, payload_of(msg.ids, data))
@@ -134,22 +148,35 @@ class AuditSampler:
             sess.live.append(chunk)
 
     def output(self, msg: Message) -> AuditRequest | None:
-        """A chunk the accused sent on (hidden states): the request to audit it, when the seed
-        chooses it."""
-        if not isinstance(msg, Prefill | Verify) or msg.hidden is None:
+        """A chunk the accused sent on (hidden states), or its verdict (the tail): the request
+        to audit it, when the seed chooses it. A verdict is taken only once its input is in
+        (its chain record is keyed by the input's position)."""
+        if not isinstance(msg, Prefill | Verify | Verdict):
             return None
         sess = self._sessions.get(msg.session)
         if sess is None:
             return None
-        index = sess.outputs.add(chunk_record(msg.epoch, msg.seq, msg.start, msg.hidden.data))
-        pending = sess.pending.pop((msg.epoch, msg.seq, msg.start), None)
+        key = (msg.epoch, msg.seq, msg.start)
+        if isinstance(msg, Verdict):
+            pending = sess.pending.get(key)
+            if pending is None:
+                return None
+            at, prefill = verdict_at(pending.chunk)
+            payload = verdict_payload(msg.target_ids, msg.accepted, at=at, prefill=prefill)
+            claimed = verdict_blob(tuple(msg.target_ids), msg.accepted)
+        elif isinstance(msg, Prefill | Verify) and msg.hidden is not None:
+            payload, claimed = msg.hidden.data, blob_of(msg.hidden)
+        else:
+            return None
+        index = sess.outputs.add(chunk_record(msg.epoch, msg.seq, msg.start, payload))
+        pending = sess.pending.pop(key, None)
         sess.by_output.append(pending)
-        sess.claimed.append(blob_of(msg.hidden))
+        sess.claimed.append(claimed)
         if pending is None or not self.chosen(msg.session, index):
             return None
         return self._request(msg.session, sess, index, pending, None)
 
-    def has_input(self, msg: Prefill | Verify) -> bool:
+    def has_input(self, msg: Prefill | Verify | Verdict) -> bool:
         """Whether the input of the output chunk ``msg`` has been seen (and not yet matched)."""
         sess = self._sessions.get(msg.session)
         return sess is not None and (msg.epoch, msg.seq, msg.start) in sess.pending
@@ -201,5 +228,6 @@ class AuditSampler:
             device_class=a.device_class,
             dtype=a.dtype,
             receipt=receipt,
+            sampling=sess.sampling,
             batched=a.batched,
         )
