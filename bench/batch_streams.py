@@ -3,8 +3,10 @@
 In one run, on the bundled SmolLM2 (fp32, CPU) and the prompts in ``bench/prompts/``:
 
 - ``batched-<L>ms``: a ring of ``--stages`` stage processes (generated spec, free loopback
-  ports, ``layers = "auto"``, plain decoding) with ``[limits] max_batch_rows = 512``: every
-  chunk waiting at a stage runs in one forward (``shard.stage.batch``);
+  ports, ``layers = "auto"``, plain decoding) with ``[limits] max_batch_rows = 512`` and
+  ``gather_window_s = --window`` (0.03): every chunk waiting at a stage runs in one forward
+  (``shard.stage.batch``), and a stage waits up to the window for the chunks of the other
+  sessions it has seen lately (never for a lone session);
 - ``unbatched-<L>ms``: the same ring with ``max_batch_rows = 1`` (one forward per chunk, the
   behaviour before batching).
 
@@ -64,16 +66,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--prompts", type=Path, default=REPO / "bench" / "prompts")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per point")
+    p.add_argument(
+        "--window",
+        type=float,
+        default=0.03,
+        help="batched rings' [limits] gather_window_s: the longest a stage waits for the\n"
+        "chunks of sessions it has seen lately (never for a lone session); default 0.03",
+    )
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "batch_streams.json")
     return p.parse_args(argv)
 
 
 def _spec_toml(
-    name: str, ports: Sequence[int], latency_ms: float, max_rows: int, sessions: int
+    name: str, ports: Sequence[int], latency_ms: float, max_rows: int, sessions: int, window: float
 ) -> str:
     text = ring_spec_toml(name, ports, latency_ms)
     text = text.replace("max_sessions = 16\n", f"max_sessions = {max(16, sessions)}\n", 1)
-    return text.replace("[limits]\n", f"[limits]\nmax_batch_rows = {max_rows}\n", 1)
+    limits = f"[limits]\nmax_batch_rows = {max_rows}\ngather_window_s = {window!r}\n"
+    return text.replace("[limits]\n", limits, 1)
 
 
 async def start(
@@ -85,7 +95,9 @@ async def start(
     path = Path(args.workdir) / f"{label}.toml"
     name = f"batch-{label}".replace(".", "_")
     most = max(int(x) for x in args.streams.split(",") if x.strip())
-    path.write_text(_spec_toml(name, free_ports(args.stages + 1), latency, MODES[mode], most))
+    window = args.window if mode == "batched" else 0.0
+    ports = free_ports(args.stages + 1)
+    path.write_text(_spec_toml(name, ports, latency, MODES[mode], most, window))
     spec = load_spec(path)
     began = trio.current_time()
     handle = await nursery.start(
