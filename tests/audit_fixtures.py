@@ -6,15 +6,18 @@ watching both edges, as the coordinator's does."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
+import pytest
 import torch
 
 from shard.messages import NodeName, OpenSession, SessionId, Verify
-from shard.messages.audit import AuditRequest
+from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
+from shard.spec.audit import AuditSpec
+from shard.stage.auditor import audit_chunk
 from shard.stage.tensors import from_wire, to_wire
 from shard.trust.audit import audit_nonce
 from shard.trust.identity import NodeIdentity
@@ -25,6 +28,31 @@ MAX_LEN = 512
 PROMPT = 4  # the first chunk of a session: 4 prompt positions, then 1-token decode chunks
 ACCUSED_KEY = NodeIdentity.from_seed(b"\x01" * 32)
 AUDITOR_KEY = NodeIdentity.from_seed(b"\x02" * 32)
+RATE = 0.1  # the rate the audit tests configure (the default, 0.05, only makes trials longer)
+POLICY = AuditSpec(rate=RATE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: torch's thread pool only contends on a shared machine (12x slower).
+    Autouse in every test module that imports it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_audit(auditor: StageModel, req: AuditRequest) -> AuditVerdict:
+    """``audit_chunk`` as the audit tests' auditor ``aud`` (CPU, ``POLICY``, a fixed clock)."""
+    return audit_chunk(
+        auditor,
+        req,
+        node=NodeName("aud"),
+        identity=AUDITOR_KEY,
+        device_class="cpu",
+        policy=POLICY,
+        now=1_700_000_000,
+    )
 
 
 def accused_record(block: StageModel, dtype: str = "float32") -> Accused:

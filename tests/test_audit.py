@@ -9,34 +9,27 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
 
-from audit_fixtures import AUDITOR_KEY, Driver, accused_record, tiny_blocks
-from shard.messages import NodeName
-from shard.messages.audit import AuditRequest, AuditVerdict
+from audit_fixtures import (  # one_thread: an autouse fixture
+    POLICY,
+    RATE,
+    Driver,
+    accused_record,
+    one_thread,  # noqa: F401
+    run_audit,
+    tiny_blocks,
+)
+from shard.messages.audit import AuditVerdict
 from shard.model.llama import StageModel
-from shard.spec.audit import AuditSpec
-from shard.stage.auditor import audit_chunk, dtype_name
+from shard.stage.auditor import dtype_name
 from shard.testing import cheating, make_tiny_checkpoint
 from shard.trust.audit import commit, is_audited, pick
 from shard.trust.sampler import AuditSampler
-
-RATE = 0.1  # the rate these tests configure (the default, 0.05, only makes trials longer)
-POLICY = AuditSpec(rate=RATE)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: torch's thread pool only contends on a shared machine (12x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +40,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def blocks(model_dir: Path) -> tuple[StageModel, ...]:
     return tiny_blocks(model_dir)
-
-
-def _audit(auditor: StageModel, req: AuditRequest) -> AuditVerdict:
-    return audit_chunk(
-        auditor,
-        req,
-        node=NodeName("aud"),
-        identity=AUDITOR_KEY,
-        device_class="cpu",
-        policy=POLICY,
-        now=1_700_000_000,
-    )
 
 
 def test_commitment_hides_and_binds_the_seed() -> None:
@@ -89,7 +70,7 @@ def _honest_audits(
     verdicts = []
     for s in range(sessions):
         for req in driver.session(s + 1, rng, chunks=11):
-            verdicts.append(_audit(auditor, req))
+            verdicts.append(run_audit(auditor, req))
     return verdicts
 
 
@@ -165,9 +146,9 @@ def test_each_cheat_is_caught_at_the_rate(blocks: tuple[StageModel, ...], kind: 
         caught = [
             r
             for r in Driver(head, cheat, sampler).session(
-                trial + 1, rng, chunks=400, stop=lambda r: not _audit(honest, r).ok
+                trial + 1, rng, chunks=400, stop=lambda r: not run_audit(honest, r).ok
             )
-            if not _audit(honest, r).ok
+            if not run_audit(honest, r).ok
         ]
         assert caught, f"seed {seed} trial {trial}: {kind} never caught in 400 chunks"
         measured.append(caught[0].index + 1)
@@ -193,7 +174,7 @@ def test_a_lie_is_caught_by_sketch_only_above_the_rounding_noise(
         cheat = cheating(honest, kind)
         sampler = AuditSampler(accused_record(honest), seed=rng.randbytes(32), rate=1.0)
         reqs = Driver(head, cheat, sampler).session(1, rng, chunks=6)
-        verdicts = [_audit(auditor, r) for r in reqs]
+        verdicts = [run_audit(auditor, r) for r in reqs]
         found[kind] = min(v.cosine or 1.0 for v in verdicts)
         assert all(v.method == "sketch" for v in verdicts)
         if kind != "noise":
@@ -210,4 +191,4 @@ def test_auditor_refuses_another_block(blocks: tuple[StageModel, ...]) -> None:
     sampler = AuditSampler(accused_record(accused), seed=bytes(32), rate=1.0)
     (req, *_) = Driver(head, accused, sampler).session(1, random.Random(1), chunks=2)
     with pytest.raises(AuditFailed, match="holds layers"):
-        _audit(head, attrs.evolve(req))
+        run_audit(head, attrs.evolve(req))

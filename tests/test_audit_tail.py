@@ -11,21 +11,27 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
 
-from audit_fixtures import ACCUSED_KEY, AUDITOR_KEY
+from audit_fixtures import (  # one_thread: an autouse fixture
+    ACCUSED_KEY,
+    AUDITOR_KEY,
+    POLICY,
+    RATE,
+    one_thread,  # noqa: F401
+    run_audit,
+)
 from audit_tail_fixtures import SAMPLED, TailDriver, tail_blocks, tail_record
 from shard.cli import main
-from shard.messages import NodeName, Sampling, SessionId
-from shard.messages.audit import AuditRequest, AuditVerdict, Evidence
+from shard.messages import Sampling, SessionId
+from shard.messages.audit import AuditVerdict, Evidence
 from shard.model.llama import StageModel
 from shard.spec.audit import AuditSpec
-from shard.stage.auditor import audit_chunk, recompute
+from shard.stage.auditor import recompute
 from shard.testing import cheating, make_tiny_checkpoint
 from shard.trust.audit import blob_of, compare_tokens, verdict_blob
 from shard.trust.evidence import (
@@ -39,18 +45,7 @@ from shard.trust.evidence import (
 from shard.trust.receipts import ReceiptSigner
 from shard.trust.sampler import AuditSampler
 
-RATE = 0.1
-POLICY = AuditSpec(rate=RATE)
 GREEDY = Sampling()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: torch's thread pool only contends on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +56,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def blocks(model_dir: Path) -> tuple[StageModel, ...]:
     return tail_blocks(model_dir)
-
-
-def _audit(auditor: StageModel, req: AuditRequest) -> AuditVerdict:
-    return audit_chunk(
-        auditor,
-        req,
-        node=NodeName("aud"),
-        identity=AUDITOR_KEY,
-        device_class="cpu",
-        policy=POLICY,
-        now=1_700_000_000,
-    )
 
 
 def _sessions(first: int) -> list[tuple[int, Sampling]]:
@@ -106,7 +89,7 @@ def test_no_false_accusation_of_an_honest_tail_in_1000_audits(
         sampler = AuditSampler(tail_record(tail, batched=batched), seed=rng.randbytes(32), rate=1.0)
         driver = TailDriver(head, tail, sampler, batched=batched)
         for req in driver.run(_sessions(10 * round_), rng, steps=13):
-            verdicts.append(_audit(auditor, req))
+            verdicts.append(run_audit(auditor, req))
             if auditor_dtype != torch.float32:  # the two ends' logits (same dtype: identical)
                 mine = recompute(auditor, req.prior, req.chunk)[0].float()
                 theirs = recompute(tail, req.prior, req.chunk)[0].float()
@@ -140,9 +123,9 @@ def test_each_tail_lie_is_caught(blocks: tuple[StageModel, ...]) -> None:
         cheat = cheating(honest, "wrong_token")
         sampler = AuditSampler(tail_record(honest), seed=rng.randbytes(32), rate=RATE)
         reqs = TailDriver(head, cheat, sampler).run(
-            [(trial + 1, GREEDY)], rng, steps=200, stop=lambda r: not _audit(honest, r).ok
+            [(trial + 1, GREEDY)], rng, steps=200, stop=lambda r: not run_audit(honest, r).ok
         )
-        failed = [r for r in reqs if not _audit(honest, r).ok]
+        failed = [r for r in reqs if not run_audit(honest, r).ok]
         assert failed, f"seed {seed} trial {trial}: wrong_token never caught"
         measured.append(failed[0].index + 1)
     mean, se = statistics.fmean(measured), statistics.stdev(measured) / trials**0.5
@@ -153,7 +136,7 @@ def test_each_tail_lie_is_caught(blocks: tuple[StageModel, ...]) -> None:
     assert abs(mean - 1 / RATE) <= 4 * se
     sampler = AuditSampler(tail_record(honest), seed=rng.randbytes(32), rate=1.0)
     reqs = TailDriver(head, cheating(honest, "skip_layer"), sampler).run(_sessions(1), rng, steps=8)
-    verdicts = [_audit(honest, r) for r in reqs]
+    verdicts = [run_audit(honest, r) for r in reqs]
     print(f"skip_layer at the tail: {sum(not v.ok for v in verdicts)} of {len(verdicts)} failed")
     assert any(not v.ok for v in verdicts)
     assert all(v.evidence is not None for v in verdicts if not v.ok)
@@ -192,7 +175,7 @@ def evidence(blocks: tuple[StageModel, ...]) -> Evidence:
     assert receipt is not None
     requests = sampler.after_receipt(SessionId(1), receipt)
     assert requests, "seed 4 audits none of 11 verdicts at rate 0.3"
-    verdict = _audit(honest, requests[-1])
+    verdict = run_audit(honest, requests[-1])
     assert not verdict.ok and verdict.evidence is not None and verdict.method == "tokens"
     return verdict.evidence
 
