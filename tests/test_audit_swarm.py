@@ -11,6 +11,7 @@ greedy token), an ``AuditTap`` feeds the sampler from s0's and s1's ring traffic
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import trio
 import trio.testing
 
 from shard.coordinator.router import Completion
+from shard.failover.scheduler import SchedulerStatistics
 from shard.failover.strikes import StrikeBook
 from shard.messages import NodeName
 from shard.messages.audit import AuditRequest, AuditVerdict
@@ -32,7 +34,7 @@ from shard.spec.swarm import SwarmSpec
 from shard.stage.auditor import Auditor
 from shard.stage.offload import inline_compute
 from shard.testing import AuditTap, OverstatingTail, cheating
-from shard.transport import MemoryNetwork
+from shard.transport import MemoryNetwork, Network
 from shard.trust.audit import audit_nonce, commit
 from shard.trust.evidence import EvidencePins, verify_evidence
 from shard.trust.identity import NodeIdentity
@@ -163,6 +165,41 @@ def with_auditors(spec: SwarmSpec) -> SwarmSpec:
     return attrs.evolve(spec, standbys=(*spec.standbys, *auditors))
 
 
+async def serve_prompts(
+    spec: SwarmSpec,
+    model_dir: Path,
+    results: list[Completion],
+    *,
+    wrap_block: Callable[[str, StageModel], StageModel],
+    wrap: Callable[[str, Network], Network] | None = None,
+) -> SchedulerStatistics:
+    """Every prompt at once through an in-process swarm of ``spec`` (completions appended to
+    ``results``); the scheduler's statistics after."""
+    async with trio.open_nursery() as nursery:
+        handle = await nursery.start(
+            partial(
+                run_swarm,
+                spec,
+                model_dir=model_dir,
+                network=MemoryNetwork(),
+                wrap=wrap,
+                wrap_block=wrap_block,
+            )
+        )
+        scheduler = handle.scheduler
+        assert scheduler is not None
+
+        async def one(i: int) -> None:
+            results.append(await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS))
+
+        async with trio.open_nursery() as requests:
+            for i in range(len(PROMPTS)):
+                requests.start_soon(one, i)
+        stats = scheduler.statistics()
+        nursery.cancel_scope.cancel()
+    return stats
+
+
 @pytest.mark.parametrize(
     ("batched", "lie", "auditors"),
     [(False, "noise", False), (True, "skip_layer", False), (False, "noise", True)],
@@ -202,29 +239,7 @@ def test_wired_audits_evict_the_cheater_and_never_accuse_the_honest(
 
     async def main() -> None:
         with inline_compute(), trio.fail_after(600):
-            async with trio.open_nursery() as nursery:
-                handle = await nursery.start(
-                    partial(
-                        run_swarm,
-                        spec,
-                        model_dir=model_dir,
-                        network=MemoryNetwork(),
-                        wrap_block=wrap_block,
-                    )
-                )
-                scheduler = handle.scheduler
-                assert scheduler is not None
-
-                async def one(i: int) -> None:
-                    results.append(
-                        await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
-                    )
-
-                async with trio.open_nursery() as requests:
-                    for i in range(len(PROMPTS)):
-                        requests.start_soon(one, i)
-                stats = scheduler.statistics()
-                nursery.cancel_scope.cancel()
+            stats = await serve_prompts(spec, model_dir, results, wrap_block=wrap_block)
         recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
         print(f"audits {stats.audits}, recoveries {recoveries}")
         assert ("hot", "s1", "s1-standby") in recoveries
@@ -305,30 +320,8 @@ def test_the_tail_is_audited_and_a_lying_one_is_replaced_mid_request(
 
     async def main() -> None:
         with inline_compute(), trio.fail_after(600):
-            async with trio.open_nursery() as nursery:
-                handle = await nursery.start(
-                    partial(
-                        run_swarm,
-                        spec,
-                        model_dir=model_dir,
-                        network=MemoryNetwork(),
-                        wrap=overstating.wrap if lie == "overstate" else None,
-                        wrap_block=wrap_block,
-                    )
-                )
-                scheduler = handle.scheduler
-                assert scheduler is not None
-
-                async def one(i: int) -> None:
-                    results.append(
-                        await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
-                    )
-
-                async with trio.open_nursery() as requests:
-                    for i in range(len(PROMPTS)):
-                        requests.start_soon(one, i)
-                stats = scheduler.statistics()
-                nursery.cancel_scope.cancel()
+            wrap = overstating.wrap if lie == "overstate" else None
+            stats = await serve_prompts(spec, model_dir, results, wrap_block=wrap_block, wrap=wrap)
         recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
         print(f"{lie}: audits {stats.audits}, recoveries {recoveries}, lies {overstating.lies}")
         tail_audits = dict(stats.audits.by_auditor).get(NodeName("s2-standby"), 0)
