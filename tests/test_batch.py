@@ -29,6 +29,7 @@ from shard.messages import (
 from shard.model.loader import load_stage
 from shard.model.packed import Segment, forward_packed, segment_bounds
 from shard.stage.batch import Queued, gather, pack
+from shard.stage.chunks import Session
 from shard.stage.executor import StageExecutor
 from shard.testing import make_tiny_checkpoint
 
@@ -223,6 +224,26 @@ async def test_gather_waits_only_for_expected_sessions(
     assert (batch, after) == ([first], None)
     assert trio.current_time() - began == pytest.approx(0.5)  # session 3 never came
     send.close()
+
+
+def test_session_rhythm_says_when_its_next_chunk_is_due() -> None:
+    """A session is due one typical spacing of its verify chunks after its last; prefill
+    chunks (back to back once) and the opening say nothing of its rhythm, and a session with
+    no spacing yet is never due (a gather does not wait for it)."""
+    from shard.messages import Sampling
+
+    sess = Session(cache=None, sampling=Sampling(), seen=0.0)  # type: ignore[arg-type]
+    for now in (0.01, 0.02):
+        sess.arrived(now, verify=False)  # prefill chunks
+    assert sess.seen == 0.02 and not sess.due_by(1e9)
+    sess.arrived(0.1, verify=True)
+    assert not sess.due_by(1e9)  # one verify chunk: no spacing yet
+    sess.arrived(0.3, verify=True)
+    assert sess.period == pytest.approx(0.2)
+    assert sess.due_by(0.5) and not sess.due_by(0.49)
+    sess.arrived(0.34, verify=True)  # a pipelined chunk close behind moves the estimate a quarter
+    assert sess.period == pytest.approx(0.2 + 0.25 * (0.04 - 0.2))
+    assert sess.due_by(0.34 + sess.period) and not sess.due_by(0.33 + sess.period)
 
 
 async def run_all(

@@ -39,6 +39,25 @@ class Session:
     queued_s: float = 0.0  # its chunks' total wait before their forward
     chunks: int = 0
     seen: float = -math.inf  # trio time of its newest chunk here (or its opening)
+    verified: float = -math.inf  # trio time of its newest verify (decode) chunk here
+    period: float = math.inf  # the typical spacing of its verify chunks here (EWMA)
+
+    def arrived(self, now: float, *, verify: bool) -> None:
+        """Note a chunk's arrival; a verify chunk also updates the spacing (prefill chunks
+        come back to back once, so they say nothing about the session's rhythm)."""
+        self.seen = now
+        if not verify:
+            return
+        if math.isfinite(self.verified) and now >= self.verified:
+            gap = now - self.verified
+            step = gap - self.period
+            self.period = gap if math.isinf(self.period) else self.period + 0.25 * step
+        self.verified = now
+
+    def due_by(self, deadline: float) -> bool:
+        """Whether its next verify chunk is expected here by ``deadline``: one spacing after
+        its last (never, before it has a spacing)."""
+        return self.verified + self.period <= deadline
 
 
 def plan(

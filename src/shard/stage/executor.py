@@ -220,18 +220,25 @@ class StageExecutor:
                     self._record_input(msg)
                     sess = self._sessions.get(msg.session)
                     if sess is not None:
-                        sess.seen = trio.current_time()
+                        sess.arrived(trio.current_time(), verify=isinstance(msg, Verify))
                 elif not isinstance(msg, Prefill | Verify):
                     self._record_input(msg)
                 await queue.send(Queued(msg, self._clock()))
 
     def _expected(self) -> list[SessionId]:
-        """Sessions a gather may wait for: open here, with a chunk (or their opening) seen in
-        the last ``_ACTIVE_S`` — what a wave of sessions looks like to one stage."""
+        """Sessions a gather may wait for: open here, seen in the last ``_ACTIVE_S``, and due
+        within the window (their last chunk came one typical spacing ago) — the rest of a wave
+        of sessions. A session whose next chunk is not due yet (two streams half a lap apart)
+        is not waited for: waiting would only add the window to every lap."""
         if not self._gather_window_s:
             return []
         now = trio.current_time()
-        return [sid for sid, sess in self._sessions.items() if now - sess.seen <= _ACTIVE_S]
+        due = now + self._gather_window_s
+        return [
+            sid
+            for sid, sess in self._sessions.items()
+            if now - sess.seen <= _ACTIVE_S and sess.due_by(due)
+        ]
 
     def _record_input(self, msg: Message) -> None:
         """Receipts hash inputs as they arrive (skipped stale chunks included), in order."""
