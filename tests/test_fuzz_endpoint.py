@@ -14,6 +14,7 @@ Charter: 127.0.0.1 only; every test under ``trio.fail_after``; the fuzz seed is 
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,6 +34,7 @@ from procs import LOOPBACK, free_ports
 from shard.decode.reference import generate_reference
 from shard.messages import (
     ChunkSeq,
+    DraftQ,
     EndSession,
     Epoch,
     Fault,
@@ -335,8 +337,11 @@ class Harness:
         await self.to_ring.send(msg)
 
     async def next(self) -> Message:
+        """The next answer from the tail (an idle link's heartbeats are not answers)."""
         with trio.fail_after(10):
-            return await self.returned.receive()
+            while isinstance(msg := await self.returned.receive(), Heartbeat):
+                pass
+            return msg
 
     async def quiet(self) -> None:
         """Assert the ring returned nothing for what was sent before: a marker chunk for an
@@ -476,6 +481,16 @@ async def test_hostile_hidden_states_at_the_tail_are_faults(model_dir: Path) -> 
                 # Two drafted tokens but hidden states for one position: nothing to verify.
                 one = tensor(torch.float32, 1, 1, HIDDEN)
                 hostile.append(Verify(sid, e, q, 0, hidden=one, draft=(1, 2)))
+                # Draft distributions (a sampled draft's q) that no draft could have drawn from.
+                two = tensor(torch.float32, 1, 2, HIDDEN)
+                for bad in (
+                    (DraftQ((1,), (1.0,)), DraftQ((1,), (1.0,))),  # two for one drafted token
+                    (DraftQ((1, 2), (0.9, 0.9)),),  # sums to 1.8
+                    (DraftQ((2,), (1.0,)),),  # the drafted token 1 is impossible under it
+                    (DraftQ((10**9,), (1.0,)),),  # outside the vocabulary
+                    (DraftQ((1, 2), (math.inf, 0.0)),),  # not finite
+                ):
+                    hostile.append(Verify(sid, e, q, 0, hidden=two, draft=(1,), q=bad))
                 for msg in hostile:
                     await tail.send(msg)
                     fault = await ring.next()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shard.decode.state import MIN_TEMPERATURE
-from shard.decode.verify import choose_token, filter_logits, verify_chunk
-from shard.messages import Sampling
+from shard.decode.verify import check_q, choose_token, filter_logits, verify_chunk
+from shard.messages import DraftQ, Sampling
 
 GREEDY = Sampling()
 
@@ -184,3 +184,74 @@ def test_tiny_temperature_is_greedy() -> None:
         assert choose_token(row, Sampling(temperature=1e-40, seed=9), 3) == choose_token(
             row, GREEDY, 3
         )
+
+
+def _q(probs: dict[int, float]) -> DraftQ:
+    return DraftQ(ids=tuple(probs), probs=tuple(probs.values()))
+
+
+def test_sampled_draft_with_q_is_lossless_and_accepts_more() -> None:
+    """A draft that samples d ~ q and sends q: the general rule commits a token distributed as
+    p (chi-square over the first committed token), accepts at rate sum(min(p, q)) — above the
+    one-hot rule's sum(q * p) for the same drafts — and never accepts what q could not draw."""
+    logits = torch.tensor([1.5, 0.5, 0.0, -0.5, 1.0])
+    p = torch.softmax(logits, dim=-1).double()
+    q = {0: 0.5, 4: 0.3, 1: 0.2}  # near p, but missing tokens 2 and 3
+    dq = _q(q)
+    qd = torch.zeros(5, dtype=torch.float64)
+    for t, v in q.items():
+        qd[t] = v
+    rows = torch.stack([logits, logits])  # [K+1 = 2, V]
+    sampling = Sampling(temperature=1.0, seed=5)
+    drafts = torch.Generator().manual_seed(1)
+    n, accepted, one_hot = 20000, 0, 0
+    firsts = torch.zeros(5, dtype=torch.float64)
+    for position in range(n):
+        d = int(torch.multinomial(qd.float(), 1, generator=drafts))
+        verdict = verify_chunk(rows, [d], sampling, position, (dq,))
+        accepted += verdict.accepted
+        one_hot += verify_chunk(rows, [d], sampling, position).accepted
+        firsts[verdict.target_ids[0]] += 1
+    rate = float(torch.minimum(p, qd).sum())
+    assert abs(accepted / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5
+    assert accepted > one_hot  # sum(min(p, q)) = 0.83 > sum(q * p) = 0.33 here
+    expected = p * n
+    stat = float((((firsts - expected) ** 2) / expected).sum())
+    assert stat < 23.5, (firsts, expected)  # chi-square, 4 dof: the 99.99th percentile
+
+
+def test_q_rule_is_reproducible_and_greedy_ignores_q() -> None:
+    """The same seed and draft give the same verdict every run; a greedy request decides by
+    argmax whatever q says."""
+    logits = torch.tensor([[0.2, 1.0, 0.1], [0.0, 0.3, 0.9]])
+    dq = _q({1: 0.6, 2: 0.4})
+    sampled = Sampling(temperature=0.7, seed=3)
+    runs = {verify_chunk(logits, [2], sampled, 40, (dq,)) for _ in range(5)}
+    assert len(runs) == 1
+    assert verify_chunk(logits, [2], GREEDY, 40, (dq,)) == verify_chunk(logits, [2], GREEDY, 40)
+    with pytest.raises(ValueError, match="draft distributions"):
+        verify_chunk(logits, [2], sampled, 40, (dq, dq))
+
+
+@pytest.mark.parametrize(
+    ("q", "draft", "why"),
+    [
+        ((_q({1: 1.0}), _q({1: 1.0})), [1], "2 draft distributions for 1"),
+        ((DraftQ(),), [1], "non-empty"),
+        ((DraftQ(ids=(1, 1), probs=(0.5, 0.5)),), [1], "distinct"),
+        ((DraftQ(ids=(1, 2), probs=(1.0,)),), [1], "paired"),
+        ((_q({9: 1.0}),), [9], "out of range"),
+        ((_q({1: math.nan, 2: 1.0}),), [1], "finite"),
+        ((_q({1: -0.5, 2: 1.5}),), [1], ">= 0"),
+        ((_q({1: 0.5, 2: 0.6}),), [1], "sum to 1.1"),
+        ((_q({1: 0.0, 2: 1.0}),), [1], "probability 0"),
+        ((_q({2: 1.0}),), [1], "probability 0"),
+    ],
+)
+def test_check_q_names_what_is_wrong(q: tuple[DraftQ, ...], draft: list[int], why: str) -> None:
+    assert why in (check_q(q, draft, vocab=8) or "")
+
+
+def test_check_q_accepts_a_real_distribution() -> None:
+    assert check_q((), [1, 2], vocab=8) is None
+    assert check_q((_q({1: 0.25, 3: 0.75}),), [3], vocab=8) is None

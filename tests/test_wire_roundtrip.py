@@ -117,6 +117,15 @@ def test_compression_used_for_repetitive_ids() -> None:
     assert decode(frame) == msg
 
 
+def test_a_sampled_drafts_q_round_trips() -> None:
+    """Verify.q (one DraftQ per drafted token) crosses the wire as it was: ids and floats."""
+    q = (m.DraftQ((4, 9, 2), (0.5, 0.25, 0.25)), m.DraftQ((5,), (1.0,)))
+    msg = decode(encode(attrs.evolve(verify(ids=(1, 4, 5)), draft=(4, 5), q=q)))
+    assert isinstance(msg, m.Verify)
+    assert msg.q == q
+    assert type(msg.q) is tuple and type(msg.q[0].probs) is tuple
+
+
 def test_tuples_stay_tuples() -> None:
     """Sequence fields (ids, hops, nested records, shapes) decode as tuples, not lists."""
     hop = m.Hop(m.NodeName("stage-0"), 0.5, 1.0, 2.0)

@@ -13,17 +13,26 @@ rule — accept d with probability min(1, p(d)/q(d)) = p(d), else resample from 
 residual max(0, p - q) — is exactly "draw t ~ p; accept iff t == d": P(accept) = p(d), and a
 rejected draw is distributed as p restricted to tokens != d. So one draw per position serves
 greedy decoding, plain sampling and verification alike.
+
+A draft that *samples* its token from a distribution q it sends along (``DraftQ``) is judged
+by the general rule instead (``verify_chunk`` with ``q``): accept d with probability
+min(1, p(d)/q(d)), else draw from the normalised residual max(0, p - q). The committed token
+is distributed as p either way (lossless), but acceptance rises from Σ q·p to Σ min(p, q):
+a draft as sure as the target is accepted as often, not only when its guess is the draw.
+The uniform and the residual draw come from the same (seed, position) generator, so a seeded
+request with a seeded draft gives the same text every run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
 import torch
 
 from shard.decode.state import MAX_TEMPERATURE, MIN_TEMPERATURE, is_greedy
-from shard.messages import Sampling
+from shard.messages import DraftQ, Sampling
 
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads (seed, position) over the seed space
 
@@ -90,11 +99,50 @@ class ChunkVerdict:
     accepted: int
 
 
+def check_q(q: Sequence[DraftQ], draft: Sequence[int], vocab: int) -> str | None:
+    """Why ``q`` cannot be the distributions ``draft`` was sampled from, or None: one per
+    drafted token (or none at all), ids in the vocabulary and distinct, probabilities finite,
+    non-negative and summing to 1, and each drafted token possible under its own q."""
+    if not q:
+        return None
+    if len(q) != len(draft):
+        return f"{len(q)} draft distributions for {len(draft)} drafted tokens"
+    for i, (dq, token) in enumerate(zip(q, draft, strict=True)):
+        if not dq.ids or len(dq.ids) != len(dq.probs) or len(set(dq.ids)) != len(dq.ids):
+            return f"draft distribution {i}: ids and probs must be non-empty, distinct, paired"
+        if any(not 0 <= t < vocab for t in dq.ids):
+            return f"draft distribution {i}: token id out of range [0, {vocab})"
+        if any(not (math.isfinite(x) and x >= 0.0) for x in dq.probs):
+            return f"draft distribution {i}: probabilities must be finite and >= 0"
+        if abs(math.fsum(dq.probs) - 1.0) > 1e-3:
+            return f"draft distribution {i}: probabilities sum to {math.fsum(dq.probs):.6f}, not 1"
+        if token not in dq.ids or dq.probs[dq.ids.index(token)] <= 0.0:
+            return f"draft distribution {i}: the drafted token {token} has probability 0"
+    return None
+
+
+def _accept_or_resample(
+    probs: torch.Tensor, token: int, dq: DraftQ, generator: torch.Generator
+) -> int:
+    """The general rule at one position: ``token`` if accepted, else a residual draw."""
+    q = torch.zeros_like(probs)
+    q[torch.tensor(dq.ids)] = torch.tensor(dq.probs, dtype=probs.dtype)
+    q = q / q.sum()  # the sender's rounding, removed
+    u = float(torch.rand((), generator=generator))
+    if u * float(q[token]) < float(probs[token]):  # u < p(d)/q(d), without dividing
+        return token
+    residual = (probs - q).clamp_min(0.0)
+    if not float(residual.sum()) > 0.0:  # p <= q everywhere: p == q, never rejected above
+        residual = probs
+    return int(torch.multinomial(residual, 1, generator=generator).item())
+
+
 def verify_chunk(
     logits: torch.Tensor,
     draft: Sequence[int],
     sampling: Sampling,
     position: int,
+    q: Sequence[DraftQ] = (),
 ) -> ChunkVerdict:
     """Decide a chunk of K drafted tokens from the target's logits at its K+1 positions.
 
@@ -104,12 +152,24 @@ def verify_chunk(
     draft is accepted and the walk goes on, otherwise the chosen token replaces it and the
     walk stops. When every draft holds, the last row gives a bonus token. Returns the accepted
     prefix plus one target token, so ``len(target_ids) == accepted + 1``.
+
+    With ``q`` (one ``DraftQ`` per drafted token, checked by ``check_q``) and a sampled
+    request, each drafted token is judged by the general rule (the module docstring); a
+    greedy request ignores q (the target's argmax decides).
     """
     if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
         raise ValueError(f"logits {tuple(logits.shape)} do not fit {len(draft)} drafted tokens")
+    if q and len(q) != len(draft):
+        raise ValueError(f"{len(q)} draft distributions for {len(draft)} drafted tokens")
+    general = bool(q) and not is_greedy(sampling)
     chosen: list[int] = []
     for i in range(len(draft) + 1):
-        token = choose_token(logits[i], sampling, position + i)
+        if general and i < len(draft):
+            probs = filter_logits(logits[i].float(), sampling)
+            generator = position_generator(sampling, position + i)
+            token = _accept_or_resample(probs, int(draft[i]), q[i], generator)
+        else:
+            token = choose_token(logits[i], sampling, position + i)
         chosen.append(token)
         if i == len(draft) or token != draft[i]:
             break

@@ -222,7 +222,7 @@ def _chunk(copy: AuditCopy) -> Prefill | Verify | Verdict:
     if copy.kind == "verdict":
         return Verdict(session, epoch, seq, copy.start, copy.ids, copy.accepted)
     if copy.verify:
-        return Verify(session, epoch, seq, copy.start, copy.ids, copy.hidden, copy.draft)
+        return Verify(session, epoch, seq, copy.start, copy.ids, copy.hidden, copy.draft, q=copy.q)
     return Prefill(
         session, epoch, seq, copy.start, copy.final, copy.ids, copy.hidden, replay=copy.replay
     )

@@ -89,6 +89,7 @@ from shard.messages.status import (
     StatusSnapshot,
 )
 from shard.messages.values import (
+    DraftQ,
     Sampling,
     Tensor,
 )
@@ -178,6 +179,7 @@ __all__ = [
     "ChunkRequest",
     "ChunkSeq",
     "DeviceStatus",
+    "DraftQ",
     "EdgeRecord",
     "EdgeStat",
     "EdgeStatus",

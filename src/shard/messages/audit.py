@@ -16,7 +16,7 @@ import attrs
 
 from shard.messages.ids import NodeName
 from shard.messages.receipts import StageReceipt
-from shard.messages.values import Sampling, Tensor
+from shard.messages.values import DraftQ, Sampling, Tensor
 
 
 @attrs.frozen
@@ -46,6 +46,7 @@ class AuditedChunk:
     verify: bool = False
     final: bool = False
     draft: tuple[int, ...] = ()
+    q: tuple[DraftQ, ...] = ()  # the draft's distributions, when it sampled (Verify.q)
 
 
 @attrs.frozen
@@ -179,5 +180,6 @@ class AuditCopy:
     verify: bool = False
     final: bool = False
     draft: tuple[int, ...] = ()
+    q: tuple[DraftQ, ...] = ()  # the draft's distributions, when it sampled (Verify.q)
     accepted: int = 0
     sampling: Sampling = Sampling()

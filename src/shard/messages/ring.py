@@ -8,7 +8,7 @@ import attrs
 
 from shard.messages.ids import PROTOCOL_VERSION, ChunkSeq, Epoch, NodeName, SessionId
 from shard.messages.receipts import StageReceipt
-from shard.messages.values import Sampling, Tensor
+from shard.messages.values import DraftQ, Sampling, Tensor
 
 
 @attrs.frozen
@@ -152,7 +152,8 @@ class Verify:
     ``draft`` repeats the K drafted ids (``ids[1:]`` on the first edge) because later stages
     only see hidden states and the tail must compare against them. The tail answers with a
     ``Verdict`` holding the target's choice at every position. With no draft (plain decoding)
-    this is a one-token decode step.
+    this is a one-token decode step. ``q``, empty or one per drafted id, is the draft's
+    distribution each was sampled from (``DraftQ``); every stage passes it on to the tail.
     """
 
     session: SessionId
@@ -163,6 +164,7 @@ class Verify:
     hidden: Tensor | None = None
     draft: tuple[int, ...] = ()
     hops: tuple[Hop, ...] = ()
+    q: tuple[DraftQ, ...] = ()
 
 
 @attrs.frozen

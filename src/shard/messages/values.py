@@ -1,4 +1,5 @@
-"""Value types carried inside messages: raw tensor payloads and sampling parameters."""
+"""Value types carried inside messages: raw tensor payloads, sampling parameters and a
+draft's distribution at one drafted position."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+
+
+@attrs.frozen
+class DraftQ:
+    """The draft's distribution q at one drafted position, when it sampled the token from it:
+    the tokens it could have drawn (``ids``) and their probabilities (``probs``, summing to 1).
+
+    With q the tail accepts the drafted token d with probability min(1, p(d)/q(d)) and else
+    draws from the normalised residual max(0, p - q) (``shard.decode.verify``); without it
+    (a greedy draft: q one-hot) it draws t ~ p and accepts iff t == d.
+    """
+
+    ids: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()

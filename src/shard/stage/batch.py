@@ -203,5 +203,5 @@ def _choose(out: torch.Tensor, p: Planned) -> Choice:
     logits = out[0, -rows:].to("cpu", torch.float32)  # [rows, V]
     if isinstance(msg, Prefill):
         return (choose_token(logits[-1], p.sampling, msg.start + p.rows),), 0
-    verdict = verify_chunk(logits, msg.draft, p.sampling, msg.start + 1)
+    verdict = verify_chunk(logits, msg.draft, p.sampling, msg.start + 1, msg.q)
     return verdict.target_ids, verdict.accepted

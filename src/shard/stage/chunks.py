@@ -12,6 +12,7 @@ import math
 import attrs
 import torch
 
+from shard.decode.verify import check_q
 from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
@@ -87,6 +88,10 @@ def plan(
         )
     if isinstance(msg, Verify) and len(msg.draft) >= n:
         raise StageFailed(f"{node}: {len(msg.draft)} drafted tokens in a chunk of {n} positions")
+    if isinstance(msg, Verify) and msg.q and model.is_last:
+        why = check_q(msg.q, msg.draft, model.config.vocab_size)
+        if why is not None:
+            raise StageFailed(f"{node}: {why}")
     sess.written = msg.start + n
     return Planned(msg, x, sess.cache, sess.sampling, arrived)
 

@@ -246,7 +246,7 @@ def tail_choice(
     rows = logits.to("cpu", torch.float32)  # [R, V]
     if prefill:
         return (choose_token(rows[-1], sampling, at),), 0
-    verdict = verify_chunk(rows, chunk.draft, sampling, at)
+    verdict = verify_chunk(rows, chunk.draft, sampling, at, chunk.q)
     return verdict.target_ids, verdict.accepted
 
 
@@ -276,9 +276,10 @@ def compare_tokens(
         return Comparison("tokens", False, None, f"{said}: not the walk its tokens make")
     token, vocab = ids[j], int(logits.shape[1])
     if 0 <= token < vocab:
-        boosted = logits[j].to("cpu", torch.float32).clone()  # [V]
-        boosted[token] += margin
-        if choose_token(boosted, sampling, at + j) == token:
+        boosted = logits.to("cpu", torch.float32).clone()  # [R, V]
+        boosted[j, token] += margin
+        # the whole walk again (a sampled draft's rule reads the row through p/q, not argmax)
+        if tail_choice(boosted, chunk, sampling)[0][j : j + 1] == (token,):
             detail = f"{said}: a near-tie at position {at + j} (within margin {margin})"
             return Comparison("tokens", True, None, detail, tie=True)
     return Comparison(

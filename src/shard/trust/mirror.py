@@ -59,6 +59,7 @@ def copy_of(side: str, n: int, msg: Message) -> AuditCopy | None:
         side, "chunk", n, msg.session, msg.epoch, msg.seq, msg.start, replay, tuple(msg.ids),
         msg.hidden, verify=isinstance(msg, Verify), final=isinstance(msg, Prefill) and msg.final,
         draft=tuple(msg.draft) if isinstance(msg, Verify) else (),
+        q=tuple(msg.q) if isinstance(msg, Verify) else (),
     )  # fmt: skip
 
 

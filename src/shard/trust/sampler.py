@@ -135,8 +135,9 @@ class AuditSampler:
             verify = isinstance(msg, Verify)
             final = isinstance(msg, Prefill) and msg.final
             draft = tuple(msg.draft) if isinstance(msg, Verify) else ()
+            q = tuple(msg.q) if isinstance(msg, Verify) else ()
             chunk = AuditedChunk(
-                msg.epoch, msg.seq, msg.start, tuple(msg.ids), hidden, verify, final, draft
+                msg.epoch, msg.seq, msg.start, tuple(msg.ids), hidden, verify, final, draft, q
             )
             data = msg.hidden.data if msg.hidden is not None else None
             index = sess.inputs.add(
