@@ -138,3 +138,29 @@ def test_broken_fifo_is_detected() -> None:
     s.next_chunk(2)
     with pytest.raises(ValueError, match="FIFO"):
         s.on_verdict(verdict(2, 0, 6, [1], accepted=0))
+
+
+def test_sampled_drafts_carry_their_q_into_the_chunk_and_go_with_their_drafts() -> None:
+    """A chunk carries the q of each of its drafts (not of its first id, which the previous
+    chunk's bonus decides); a chunk mixing sampled and greedy drafts carries none; accepted
+    and rejected drafts take their q with them."""
+    from shard.messages import DraftQ
+
+    q = [DraftQ((11 + i, 50), (0.75, 0.25)) for i in range(4)]
+    s = stream()
+    s.add_drafts([11, 12], q[:2])
+    chunk = s.next_chunk(2)
+    assert chunk is not None and chunk.q == (q[0], q[1])
+    s.add_drafts([13, 14], q[2:])  # pipelined: 13 is the next chunk's first id
+    behind = s.next_chunk(1)
+    assert behind is not None and behind.ids == (13, 14) and behind.q == (q[3],)
+    s.on_verdict(verdict(1, 0, 3, [11, 12, 13], accepted=2))
+    assert s.qs == [q[3]] and s.drafts == [14]
+    s.on_verdict(verdict(2, 0, 6, [77], accepted=0))  # 14 rejected: its q goes too
+    assert s.qs == [] and s.drafts == []
+    s.add_drafts([1])
+    s.add_drafts([2], [q[0]])
+    mixed = s.next_chunk(2)
+    assert mixed is not None and mixed.draft == (1, 2) and mixed.q == ()
+    with pytest.raises(ValueError, match="2 draft distributions for 1"):
+        s.add_drafts([3], q[:2])

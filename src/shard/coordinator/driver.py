@@ -252,7 +252,15 @@ class RequestDriver:
                 break
             self._laps.sent(chunk.seq)
             await ring.send(
-                Verify(sid, chunk.epoch, chunk.seq, chunk.start, ids=chunk.ids, draft=chunk.draft)
+                Verify(
+                    sid,
+                    chunk.epoch,
+                    chunk.seq,
+                    chunk.start,
+                    ids=chunk.ids,
+                    draft=chunk.draft,
+                    q=chunk.q,
+                )
             )
             if self._job is not None:
                 self._job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)

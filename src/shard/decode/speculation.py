@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 
 from shard.decode.state import DecodeState
-from shard.messages import ChunkSeq, Epoch, Verdict
+from shard.messages import ChunkSeq, DraftQ, Epoch, Verdict
 
 
 @attrs.frozen
@@ -33,6 +33,7 @@ class Chunk:
     epoch: Epoch
     start: int
     ids: tuple[int, ...]
+    q: tuple[DraftQ, ...] = ()  # the distributions ``draft`` was sampled from, or none
 
     @property
     def draft(self) -> tuple[int, ...]:
@@ -60,6 +61,7 @@ class SpecStream:
     committed: list[int]
     max_len: int
     drafts: list[int] = attrs.field(factory=list)
+    qs: list[DraftQ | None] = attrs.field(factory=list)  # per draft: what it was sampled from
     feed: int = 0
     epoch: Epoch = attrs.field(factory=lambda: Epoch(0))
     inflight: deque[Chunk] = attrs.field(factory=deque)
@@ -82,6 +84,10 @@ class SpecStream:
         """Committed tokens then drafts: what a proposer continues."""
         return self.committed + self.drafts
 
+    def _q(self, position: int) -> DraftQ | None:
+        i = position - len(self.committed)
+        return self.qs[i] if 0 <= i < len(self.qs) else None
+
     def token(self, position: int) -> int | None:
         if position < len(self.committed):
             return self.committed[position]
@@ -99,8 +105,13 @@ class SpecStream:
 
     # --- acting ----------------------------------------------------------------------------
 
-    def add_drafts(self, tokens: Sequence[int]) -> None:
+    def add_drafts(self, tokens: Sequence[int], qs: Sequence[DraftQ] | None = None) -> None:
+        """Append drafted tokens, with the distributions they were sampled from if they were
+        (``qs``, one per token); a chunk carries q only when every draft in it has one."""
+        if qs is not None and len(qs) != len(tokens):
+            raise ValueError(f"{len(qs)} draft distributions for {len(tokens)} drafted tokens")
         self.drafts.extend(int(t) for t in tokens)
+        self.qs.extend(qs if qs is not None else [None] * len(tokens))
 
     def next_chunk(self, k: int) -> Chunk | None:
         """The next chunk to send (up to ``k`` drafts), or None when nothing can be fed.
@@ -116,7 +127,9 @@ class SpecStream:
             return None
         ids = tuple(self.token(p) for p in range(self.feed, self.feed + n))
         assert all(t is not None for t in ids)
-        chunk = Chunk(ChunkSeq(self.next_seq), self.epoch, self.feed, ids)  # type: ignore[arg-type]
+        qs = [self._q(p) for p in range(self.feed + 1, self.feed + n)]
+        q = tuple(x for x in qs if x is not None) if all(x is not None for x in qs) else ()
+        chunk = Chunk(ChunkSeq(self.next_seq), self.epoch, self.feed, ids, q)  # type: ignore[arg-type]
         self.next_seq += 1
         self.feed += n
         self.inflight.append(chunk)
@@ -172,10 +185,12 @@ class SpecStream:
         self.committed.append(target)
         if self.drafts:
             self.drafts.pop(0)
+            self.qs.pop(0)
 
     def _correct(self, position: int, target: int) -> None:
         """The target disagreed at ``position``: commit its token, drop every draft."""
         assert position == len(self.committed)
         self.committed.append(target)
         self.drafts.clear()
+        self.qs.clear()
         self.feed = position  # the corrected token is not in any stage's KV yet
