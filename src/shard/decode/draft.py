@@ -75,6 +75,11 @@ class NGramProposer:
         self._tolerant = tolerant
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
+        return self.lookup(context, k)[0]
+
+    def lookup(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the best match, and how many context tokens
+        that match lines up (0: no guess) — the confidence a hybrid draft reads."""
         tokens = list(context)
         end = len(tokens)
         exact_n, exact_at = 0, -1
@@ -95,10 +100,10 @@ class NGramProposer:
             if equal > loose_n:
                 loose_n, loose_at = equal, at
         if self._tolerant and loose_n >= 3 and loose_n > exact_n:
-            return tokens[loose_at : loose_at + k]
+            return tokens[loose_at : loose_at + k], loose_n
         if exact_n >= self._min_n:
-            return tokens[exact_at : exact_at + k]
-        return []
+            return tokens[exact_at : exact_at + k], exact_n
+        return [], 0
 
     def feedback(self, drafted: int, accepted: int) -> None:
         return None

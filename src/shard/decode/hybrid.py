@@ -1,0 +1,81 @@
+"""A hybrid draft, per position: prompt lookup where it has a long match, a model elsewhere.
+
+Copy spans (an edit of a file, a quoted paragraph, a log line repeated with a new counter)
+are what prompt lookup guesses for free and almost always right; ordinary text is what it
+guesses nothing of, and where a model draft (the feature-conditioned head) earns its cost.
+``HybridProposer`` decides token by token inside one chunk: while the context's suffix lines
+up with an earlier span over at least ``min_match`` tokens it copies what followed (the whole
+span, up to the chunk's end); elsewhere it asks the model for one token, then looks again.
+The model sees every token either way (a model proposer re-feeds what it has not seen), so
+its state stays the one the chunk's context gives.
+
+``names`` records which draft guessed each token of the last proposal ("ngram" / the
+model's name), for statistics and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shard.decode.draft import NGramProposer, Proposer
+
+__all__ = ["HybridProposer"]
+
+#: Context tokens a lookup match must line up before the hybrid trusts it over the model: a
+#: one- or two-token match is a coincidence on prose, four is a copied span.
+DEFAULT_MIN_MATCH = 4
+
+
+class HybridProposer:
+    """Prompt lookup over long matches, ``model`` elsewhere (see the module docstring)."""
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        model: Proposer,
+        *,
+        lookup: NGramProposer | None = None,
+        min_match: int = DEFAULT_MIN_MATCH,
+    ) -> None:
+        if min_match < 1:
+            raise ValueError(f"min_match must be >= 1, got {min_match}")
+        self._model = model
+        self._lookup = lookup if lookup is not None else NGramProposer()
+        self._min_match = min_match
+        self.names: list[str] = []
+
+    @property
+    def computes(self) -> bool:
+        return self._model.computes
+
+    @property
+    def features(self) -> int:
+        return int(getattr(self._model, "features", 0))
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        observe = getattr(self._model, "observe", None)
+        if observe is not None:
+            observe(position, features)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        tokens = list(context)
+        out: list[int] = []
+        self.names = []
+        while len(out) < k:
+            span, matched = self._lookup.lookup([*tokens, *out], k - len(out))
+            if span and matched >= self._min_match:
+                out.extend(span)
+                self.names.extend(["ngram"] * len(span))
+                continue
+            guess = self._model.propose([*tokens, *out], 1)
+            if not guess:
+                break
+            out.append(guess[0])
+            self.names.append(self._model.name)
+        return out[:k]
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        self._model.feedback(drafted, accepted)
