@@ -7,7 +7,8 @@ in float16):
   without and with features, for a plain decode step (1 row), a verify chunk whose 4 drafts
   all held (5 rows) and the prompt's final verdict with a 16-row window; and the median
   ``encode -> decode`` time of each (what the tail and the coordinator pay per frame, plus
-  the coordinator's check, ``verdict_features``);
+  the coordinator's check, ``verdict_features``), and the tail's own cost of the rows
+  (fp32 -> float16, ``to_wire``; the norm itself is computed anyway, for the head);
 - ``speed``: one in-process ring (``shard.nodes.inprocess.run_swarm``: 3 stages and the
   coordinator in this process, every frame through the wire codec, ``--latency-ms`` one way
   per edge, 25 by default), greedy, ``ignore_eos``, ``--max-tokens`` per prompt, four modes
@@ -119,8 +120,22 @@ def verdicts(hidden: int) -> dict[str, tuple[Verdict, Verdict, int | None]]:
     return out
 
 
+def tail_us(rows: int, hidden: int, reps: int = 2000) -> float:
+    """Median microseconds the tail spends on ``rows`` features after its forward: fp32 ->
+    float16 on the CPU, then the wire payload (``to_wire``)."""
+    feats = torch.randn(1, rows, hidden)
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps // 5):
+            to_wire(feats[0].to("cpu", torch.float16))
+        rounds.append((time.perf_counter() - t0) / (reps // 5) * 1e6)
+    return round(statistics.median(rounds), 1)
+
+
 def byte_costs(hidden: int, reps: int = 2000) -> list[Record]:
-    """Frame bytes and median encode+decode(+check) microseconds, without and with."""
+    """Frame bytes and median encode+decode(+check) microseconds, without and with; and the
+    tail's own conversion of the rows."""
     rows = []
     for name, (plain, rich, prompt_len) in verdicts(hidden).items():
         times: dict[str, list[float]] = {"off": [], "on": []}
@@ -142,6 +157,7 @@ def byte_costs(hidden: int, reps: int = 2000) -> list[Record]:
                 "extra_bytes": on - off,
                 "us_off": round(statistics.median(times["off"]), 1),
                 "us_on": round(statistics.median(times["on"]), 1),
+                "tail_us": tail_us(rich.features.shape[0] if rich.features else 0, hidden),
             }
         )
     return rows
@@ -340,12 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(
-        "| verdict | bytes off | bytes on | + bytes | µs off | µs on |\n|---|---|---|---|---|---|"
+        "| verdict | bytes off | bytes on | + bytes | codec µs off | codec µs on | tail µs |"
+        "\n|---|---|---|---|---|---|---|"
     )
     for r in sizes:
         print(
             f"| {r['verdict']} | {r['bytes_off']} | {r['bytes_on']} | {r['extra_bytes']} "
-            f"| {r['us_off']} | {r['us_on']} |"
+            f"| {r['us_off']} | {r['us_on']} | {r['tail_us']} |"
         )
     print(
         "\n| draft | tok/s off | tok/s on | on/off (paired: median, min-max) | identical |"

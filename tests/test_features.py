@@ -40,6 +40,7 @@ from shard.model.packed import Segment, forward_packed
 from shard.spec.limits import Limits
 from shard.stage.batch import Answer, Planned, forward_batch
 from shard.stage.features import FeatureWindow, wire_dtype
+from shard.stage.graphs import ChunkGraphs
 from shard.stage.tensors import to_wire
 from shard.testing import make_tiny_checkpoint
 from shard.wire import WireError, WireLimits, decode, encode
@@ -137,6 +138,25 @@ def test_a_batch_answers_features_only_to_the_session_that_asked(block: Path) ->
     assert rows is not None and rows.dtype == torch.float16 and rows.shape == (4, 64)
     want = _normed(block, [1, 2, 3, 4, 5, 6])[2:]
     torch.testing.assert_close(rows.float(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["off", "lazy"])
+def test_a_graphed_tail_runs_feature_chunks_eagerly_with_the_same_logits(
+    block: Path, mode: str
+) -> None:
+    """``ChunkGraphs.with_features`` runs the chunk eagerly (counted), with exactly the
+    logits its graph (or, ``off``, plain ``forward``) gives, and the last rows' features."""
+    model = load_stage(block, 0, 2)
+    graphs = ChunkGraphs(model, mode=mode, rows={3}, capture=lambda fn: fn)
+    a, b = model.new_cache(32), model.new_cache(32)
+    x = _ids(3, 9)
+    want = graphs(x, 0, a)
+    before = graphs.statistics()
+    out = graphs.with_features(x, 0, b, 2)
+    assert torch.equal(out.logits, want) and out.features.shape == (1, 2, 64)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    after = graphs.statistics()
+    assert (after.eager - before.eager, after.captures) == (1, before.captures)
 
 
 def test_wire_dtype_is_bf16_for_a_bf16_tail_else_fp16() -> None:

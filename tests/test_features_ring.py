@@ -16,12 +16,17 @@ import trio
 from shard.coordinator.router import Completion
 from shard.decode.control import SpecConfig
 from shard.decode.draft import Drafter, Proposer
+from shard.decode.reference import generate_reference
+from shard.failover.faults import FaultPlan
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
+from test_failover import MAX_TOKENS as FAILOVER_TOKENS
+from test_failover import PREFILL, failover_spec, run_scenario
+from test_failover import PROMPTS as FAILOVER_PROMPTS
 from test_spec_ring import DEADLINE_S, reference, spec_for
 
 WINDOW = 16  # >= K + 1: every committed row of every chunk comes back
@@ -125,7 +130,8 @@ def check_observed(recorder: Recorder, want: torch.Tensor, prompt_len: int, end:
     follow on without a gap or overlap, up to the last committed input (``end - 1``), and
     every row equals the reference's (fp16 on the wire)."""
     first, rows = recorder.observed[0]
-    assert (first, rows.shape[0]) == (prompt_len - WINDOW, WINDOW)
+    window = min(WINDOW, prompt_len)
+    assert (first, rows.shape[0]) == (prompt_len - window, window)
     at = first
     for position, rows in recorder.observed:
         assert position == at, f"features for {position} where {at} comes next"
@@ -193,3 +199,66 @@ async def test_plain_decoding_with_features_gets_one_row_per_step(tiny: Path) ->
     assert done.token_ids == ref.token_ids
     assert [r.shape[0] for _, r in recorder.observed[1:]] == [1] * (MAX_TOKENS - 1)
     check_observed(recorder, reference_features(tiny, whole), len(PROMPT), len(whole))
+
+
+# Frames the tail sends once decoding is under way (one verdict per prompt, then one per
+# chunk): good drafts make fewer chunks than test_failover's plain decoding, so its DECODE
+# window (frames 14-40) would often not be reached. Upstream senders send 10 frames of
+# openings and prompt chunks first, so DECODE is decoding for them.
+TAIL_DECODE = (5, 12)
+DECODE = (14, 20)
+
+
+@pytest.fixture(scope="module")
+def failover_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("failover"), seed=11, n_layers=6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "node", "frames"),
+    [
+        ("kill", "s2", TAIL_DECODE),  # the tail: a standby takes its block and sessions
+        ("kill", "s2", PREFILL),
+        ("kill", "s1", DECODE),
+        ("drop", "coord", DECODE),  # a lost chunk: a gap, a re-send from position 0
+        ("sever", "s2", TAIL_DECODE),  # the return link re-dialled
+        ("duplicate", "s2", TAIL_DECODE),  # a verdict twice
+    ],
+    ids=lambda v: v if isinstance(v, str) else ("prefill" if v == PREFILL else "decode"),
+)
+def test_features_survive_failover(
+    failover_model: Path, kind: str, node: str, frames: tuple[int, int]
+) -> None:
+    """Three requests with features through a fault (virtual time, test_failover's swarm and
+    standbys): every output is the reference's, and each proposer still observes the
+    reference's features at every committed position, once, in order."""
+    config = ModelConfig.from_dir(failover_model)
+    whole = load_stage(failover_model, 0, config.n_layers)
+    wholes = {}
+    for p in FAILOVER_PROMPTS:
+        out = generate_reference(
+            whole,
+            list(p),
+            eos_ids=config.eos_token_ids,
+            max_tokens=FAILOVER_TOKENS,
+            prefill_chunk=4,
+            max_len=96,
+        )
+        wholes[tuple(p)] = [*p, *out.token_ids]
+    recorders = {p: Recorder(w, features=WINDOW) for p, w in wholes.items()}
+    plan = FaultPlan.random(77, kind=kind, node=node, frames=frames)
+    spec = failover_spec(failover_model, speculate=True)
+    out = run_scenario(spec, failover_model, plan, drafts=drafts(recorders))  # type: ignore[arg-type]
+    assert out.injector.fired, f"{plan}: the fault never fired"
+    kinds = [(r.kind, r.lost) for r in out.recoveries]
+    if kind == "kill":
+        assert ("hot", node) in kinds, f"{plan}: {out.recoveries}"
+    elif kind == "sever":
+        assert ("relink", node) in kinds, f"{plan}: {out.recoveries}"
+    elif kind == "drop":
+        assert any(e.startswith("resync") for e in out.events), f"{plan}: {out.events}"
+    for result, (prompt, ids) in zip(out.results, wholes.items(), strict=True):
+        assert isinstance(result, Completion), f"{plan}: {result}"
+        assert [*prompt, *result.token_ids] == ids, f"{plan}: output differs"
+        want = reference_features(failover_model, ids)
+        check_observed(recorders[prompt], want, len(prompt), len(ids))
