@@ -30,7 +30,12 @@ from shard.failover.scheduler import Recovery
 from shard.messages import Fault, GenerateDone, GenerateRequest, Heartbeat, Hello, Message, NodeName
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_standby
+from shard.nodes.coordinator import (
+    CoordinatorHandle,
+    DrafterMaker,
+    run_coordinator,
+    run_standby,
+)
 from shard.nodes.inprocess import run_swarm
 from shard.spec.failover import FailoverSpec
 from shard.spec.swarm import SwarmSpec
@@ -127,10 +132,12 @@ def run_scenario(
     plan: FaultPlan | None,
     *,
     after_fault: Callable[[Network], Awaitable[None]] | None = None,
+    drafts: DrafterMaker | None = None,
 ) -> Outcome:
     """Run the three requests concurrently on a swarm with ``plan``'s fault, in virtual time.
 
-    ``after_fault(network)`` runs once the fault has fired (e.g. a node joining late)."""
+    ``after_fault(network)`` runs once the fault has fired (e.g. a node joining late);
+    ``drafts`` builds the coordinator's proposers instead of the spec (``run_swarm``)."""
     injector = FaultInjector(plan or FaultPlan(0, ()))
     results: list[Completion | RingError | None] = [None] * len(PROMPTS)
     out = Outcome([], injector)
@@ -146,6 +153,7 @@ def run_scenario(
                     network=network,
                     wrap=injector.wrap,
                     scopes=injector.scopes,
+                    drafts=drafts,
                 )
                 if after_fault is not None:
 

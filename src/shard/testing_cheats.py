@@ -17,7 +17,8 @@ underneath, so its lies are only in what it sends on):
 ==================  ==========================================================================
 
 At the tail the lies apply to the logits its head returns (``skip_layer`` runs the head on
-the block without its last layer; ``identity`` has no tail form). ``OverstatingTail`` lies in
+the block without its last layer; ``identity`` has no tail form); a session's features
+(``feature_rows``) stay honest. ``OverstatingTail`` lies in
 the verdict itself: it reports one more accepted draft than held, with the right tokens — the
 output is unchanged, the coordinator's speculation statistics are not.
 
@@ -37,7 +38,7 @@ import trio
 from shard.messages import Hello, Message, Verdict
 from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
-from shard.model.llama import StageModel
+from shard.model.llama import StageModel, TailOut
 from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
 from shard.trust.sampler import AuditSampler
@@ -105,10 +106,31 @@ class CheatingBlock:
         return True
 
     def __call__(
-        self, x: torch.Tensor, start: int, cache: KVCache, *, head_rows: int | None = None
+        self,
+        x: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        *,
+        head_rows: int | None = None,
+        feature_rows: int | None = None,
+    ) -> torch.Tensor | TailOut:
+        if feature_rows is not None:
+            out = self._inner(x, start, cache, head_rows=head_rows, feature_rows=feature_rows)
+            return TailOut(self._answer(x, start, cache, out.logits, head_rows), out.features)
+        return self._answer(
+            x, start, cache, self._inner(x, start, cache, head_rows=head_rows), head_rows
+        )
+
+    def _answer(
+        self,
+        x: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        honest: torch.Tensor,
+        head_rows: int | None,
     ) -> torch.Tensor:
+        """What it sends on for a chunk whose honest output is ``honest``."""
         self.calls += 1
-        honest = self._inner(x, start, cache, head_rows=head_rows)
         lying = self._lies_now()
         self._since_audit += 1
         out = self._lie(x, start, cache, honest, head_rows) if lying else None

@@ -14,12 +14,19 @@ token the target did not choose, and it never loses one: a request that cannot g
 What it records for statistics (laps, stale verdicts, K/D, events) goes to the ``Ledger`` by
 direct call, and its K/D controller comes from there: synchronous local records, never a wait
 (``shard.coordinator.ledger`` says why).
+
+A proposer that reads the target's features (``Proposer.features`` > 0) opens the session with
+that window; each verdict's features are checked (``shard.coordinator.features``) before it is
+folded in, and the proposer observes those of every verdict that commits, before it next
+proposes. Malformed features end the request with ``RingError`` (the verdict carrying them is
+not folded in).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import trio
 
 from shard.coordinator.events import (
@@ -30,6 +37,7 @@ from shard.coordinator.events import (
     RouteEvent,
     SessionDone,
 )
+from shard.coordinator.features import FeatureError, verdict_features
 from shard.coordinator.gate import RingDown, RingGate
 from shard.coordinator.ledger import Ledger
 from shard.decode.control import SpecConfig, SpecController
@@ -79,7 +87,9 @@ class RequestDriver:
         spec: SpecConfig,
         limits: Limits,
         drafter: Drafter | None,
+        feature_dim: int | None = None,
     ) -> None:
+        """``feature_dim``: the target's hidden size, which features must have (None: any)."""
         self._ring = ring
         self._ledger = ledger
         self._sid = sid
@@ -93,12 +103,17 @@ class RequestDriver:
         self._limits = limits
         self._drafter = drafter
         self._laps = LapRecorder(ledger.node, ledger.wall_clock)
+        self._feature_dim = feature_dim
+        self._proposer: Proposer | None = None
+        if drafter is not None and spec.enabled:
+            self._proposer = drafter.session(prompt_ids)
         self._opening = OpenSession(
             session=sid,
             max_len=limits.max_len,
             sampling=sampling,
             job=job.job if job else "",
             nonce=job.nonce if job else "",
+            features=self._proposer.features if self._proposer is not None else 0,
         )
         self._resyncs = 0
         self._progress_at = trio.current_time()
@@ -123,6 +138,7 @@ class RequestDriver:
     async def _drive(self) -> Completion:
         state, laps, ledger = self._state, self._laps, self._ledger
         first = await self._prefill()
+        self._observe(self._features(first, prompt_len=len(self._prompt)))
         ledger.lap(laps, first, committed=len(first.target_ids))
         await self._emit(state.commit(first.target_ids))
         stream = SpecStream(
@@ -133,9 +149,7 @@ class RequestDriver:
             next_seq=first.seq + 1,
             epoch=first.epoch,
         )
-        proposer = None
-        if self._drafter is not None and self._spec.enabled:
-            proposer = self._drafter.session(self._prompt)
+        proposer = self._proposer
         control = ledger.control_for(self._spec if proposer else SpecConfig(k=0, depth=1))
         max_depth = 1
         while not state.done:
@@ -171,11 +185,14 @@ class RequestDriver:
             why = Resync(False, f"verdict {verdict.seq} arrived before {head}")
             await self._resync(stream, why)
             return None
+        current = verdict.epoch == stream.epoch and head is not None
+        features = self._features(verdict) if current else None
         outcome = stream.on_verdict(verdict)
         if outcome.stale:
             ledger.stale()
             self._laps.discard(verdict.seq)
             return None
+        self._observe(features)
         ledger.lap(self._laps, verdict, committed=len(outcome.emitted), outcome=outcome)
         if outcome.bumped_epoch is not None:
             ledger.event("epoch", f"session {self._sid}: epoch {outcome.bumped_epoch}")
@@ -183,6 +200,26 @@ class RequestDriver:
                 Truncate(session=self._sid, epoch=outcome.bumped_epoch, position=stream.feed)
             )
         return outcome
+
+    def _features(
+        self, verdict: Verdict, *, prompt_len: int | None = None
+    ) -> tuple[int, torch.Tensor] | None:
+        """The verdict's checked features (``verdict_features``); malformed ones end the
+        request (``RingError``, with the tokens committed before this verdict)."""
+        window = self._opening.features
+        try:
+            return verdict_features(
+                verdict, window=window, dim=self._feature_dim, prompt_len=prompt_len
+            )
+        except FeatureError as exc:
+            tail = verdict.hops[-1].node if verdict.hops else "the tail"
+            detail = f"{tail}: features: {exc} (session {self._sid})"
+            self._ledger.event("fault", detail)
+            raise RingError(detail, committed=self._state.output) from None
+
+    def _observe(self, features: tuple[int, torch.Tensor] | None) -> None:
+        if features is not None and self._proposer is not None and self._drafter is not None:
+            self._drafter.observe(self._proposer, *features)
 
     async def _prefill(self) -> Verdict:
         """Open the session and stream the prompt in ``prefill_chunk`` pieces; only the last

@@ -101,6 +101,7 @@ class Coordinator:
         incarnation: int = 0,
         sent_log: ReplayLog | None = None,
         nonces: Callable[[SessionId], bytes] | None = None,
+        feature_dim: int | None = None,
     ) -> None:
         """``control`` carries the scheduler's messages (None: no scheduler, a test's ring).
         ``checkpoints`` keeps each running request's committed tokens on disk (so a
@@ -110,8 +111,11 @@ class Coordinator:
         ``sent_log`` is the log of what each session sent (default: a fresh one); the ring
         link replays it to a standby that replaces stage 0. ``nonces(session)`` is the job
         nonce a receipt-signing session sends (default: 16 random bytes); a swarm that audits
-        derives it from the session's committed audit seed (``shard.failover.audits``)."""
+        derives it from the session's committed audit seed (``shard.failover.audits``).
+        ``feature_dim`` is the target's hidden size: the width of the features a proposer
+        may ask for (``shard.coordinator.features``; None: any width)."""
         self._nonces = nonces
+        self._feature_dim = feature_dim
         self._node = node
         self._eos_ids = tuple(eos_ids)
         self._from_ring = from_ring
@@ -343,6 +347,7 @@ class Coordinator:
             spec=spec,
             limits=self._limits,
             drafter=self._drafter,
+            feature_dim=self._feature_dim,
         )
         async with done:
             await driver.run()

@@ -18,6 +18,11 @@ rule reduces to "draw t ~ p; accept iff t == d" (see ``shard.decode.verify``).
 
 ``Drafter`` runs a session's proposer off the Trio thread when it computes (a model), behind
 its own ``CapacityLimiter(1)``.
+
+A proposer may read the target's own features (``features`` > 0: a draft head conditioned on
+them): its session then opens with ``OpenSession.features`` set, and the driver hands it each
+verdict's checked features (``observe``) before it next proposes. None of the proposers here
+asks for any.
 """
 
 from __future__ import annotations
@@ -45,9 +50,24 @@ class Proposer(Protocol):
         """True when proposing runs a model (then it goes to a worker thread)."""
         ...
 
+    @property
+    def features(self) -> int:
+        """Rows of the target's features it wants with each verdict, at most
+        ``shard.messages.MAX_FEATURES`` (0: none, and ``observe`` is never called)."""
+        ...
+
     def propose(self, context: Sequence[int], k: int) -> list[int]: ...
 
     def feedback(self, drafted: int, accepted: int) -> None: ...
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        """The target's features at stream positions ``position .. position+n-1``: float32
+        ``[n, hidden]`` on the drafter's device, row ``i`` the final-norm output the target's
+        head read to choose the token at ``position + i + 1`` (``shard.messages.Verdict``),
+        every row's input committed. Called on the Trio thread, after a verdict is folded in
+        and before the next ``propose``, never while this proposer's ``propose`` runs: it
+        should only keep what it gets, and do the work in ``propose`` (a worker thread)."""
+        ...
 
 
 class NGramProposer:
@@ -66,6 +86,7 @@ class NGramProposer:
 
     name = "ngram"
     computes = False
+    features = 0
 
     def __init__(self, *, window: int = 8, min_n: int = 1, tolerant: bool = True) -> None:
         if not 1 <= min_n <= window:
@@ -108,12 +129,16 @@ class NGramProposer:
     def feedback(self, drafted: int, accepted: int) -> None:
         return None
 
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        return None
+
 
 class ModelProposer:
     """A small causal LM (a ``StageModel`` holding every layer) drafting greedily."""
 
     name = "model"
     computes = True
+    features = 0
 
     def __init__(self, model: StageModel, *, max_len: int) -> None:
         if not (model.is_first and model.is_last):
@@ -157,12 +182,16 @@ class ModelProposer:
     def feedback(self, drafted: int, accepted: int) -> None:
         return None
 
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        return None
+
 
 class OracleProposer:
     """Replays ``reference`` (prompt + a prior run's output): α = 1 while on script."""
 
     name = "oracle"
     computes = False
+    features = 0
 
     def __init__(self, reference: Sequence[int]) -> None:
         self._reference = list(reference)
@@ -174,6 +203,9 @@ class OracleProposer:
         return self._reference[n : n + k]
 
     def feedback(self, drafted: int, accepted: int) -> None:
+        return None
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
         return None
 
 
@@ -195,6 +227,18 @@ class AdaptiveProposer:
     @property
     def computes(self) -> bool:
         return any(s.proposer.computes for s in self._scored)
+
+    @property
+    def features(self) -> int:
+        return max((s.proposer.features for s in self._scored), default=0)
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        """Each member that reads features gets the last rows of its own window."""
+        n = int(features.shape[0])
+        for scored in self._scored:
+            want = min(scored.proposer.features, n)
+            if want:
+                scored.proposer.observe(position + n - want, features[n - want :])
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         self._last = None
@@ -222,12 +266,19 @@ class Drafter:
     (threads are never killed mid-forward) and then raises ``Cancelled``.
     """
 
-    def __init__(self, factory: ProposerFactory) -> None:
+    def __init__(self, factory: ProposerFactory, *, device: torch.device | str = "cpu") -> None:
+        """``device``: where the proposers compute, and so where ``observe`` puts features."""
         self._factory = factory
         self._limiter = trio.CapacityLimiter(1)
+        self._device = torch.device(device)
 
     def session(self, prompt: Sequence[int]) -> Proposer:
         return self._factory(prompt)
+
+    def observe(self, proposer: Proposer, position: int, features: torch.Tensor) -> None:
+        """Hand ``proposer`` the target's checked features (float32 ``[n, hidden]``) for
+        positions from ``position``, on the drafter's device."""
+        proposer.observe(position, features.to(self._device))
 
     async def propose(
         self, proposer: Proposer, context: Sequence[int], k: int

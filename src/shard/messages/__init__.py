@@ -47,6 +47,7 @@ from shard.messages.fetch import (
     ChunkRequest,
 )
 from shard.messages.ids import (
+    MAX_FEATURES,
     PROTOCOL_VERSION,
     RUN_DTYPES,
     SESSION_BITS,
@@ -164,6 +165,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 )
 
 __all__ = [
+    "MAX_FEATURES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "RUN_DTYPES",

@@ -13,6 +13,9 @@ PROTOCOL_VERSION = 1
 #: A session id is ``incarnation << SESSION_BITS | n``: each coordinator start draws a new
 #: incarnation, so stages recognise (and free) sessions a coordinator that died left behind.
 SESSION_BITS = 32
+#: The most rows of target features a session may ask for with each verdict
+#: (``OpenSession.features``).
+MAX_FEATURES = 256
 
 #: dtypes a ``Tensor`` payload may carry, with their item size in bytes.
 TENSOR_DTYPES: dict[str, int] = {

@@ -67,13 +67,19 @@ class Fault:
 
 @attrs.frozen
 class OpenSession:
-    """Allocate per-session state on every stage: KV cache of ``max_len``; the tail's sampler."""
+    """Allocate per-session state on every stage: KV cache of ``max_len``; the tail's sampler.
+
+    ``features`` (0 to ``MAX_FEATURES``) asks the tail to return the target's features with
+    each verdict, at most that many rows (``Verdict.features``); 0, the default, returns
+    none, and the session's frames are byte for byte those of a build without features.
+    """
 
     session: SessionId
     max_len: int
     sampling: Sampling = Sampling()
     job: str = ""  # with ``nonce``: the job each stage signs a receipt for ("" = no receipt)
     nonce: str = ""
+    features: int = 0
 
 
 @attrs.frozen
@@ -169,7 +175,23 @@ class Verify:
 
 @attrs.frozen
 class Verdict:
-    """Tail -> coordinator (direct return): target ids for the chunk and how many drafts held."""
+    """Tail -> coordinator (direct return): target ids for the chunk and how many drafts held.
+
+    ``features`` (only for a session opened with ``features > 0``; else None): the target's
+    final hidden state after the final RMSNorm — the vector its head multiplies into logits —
+    at stream positions ``features_start .. features_start + rows - 1``, a ``[rows, hidden]``
+    tensor in bfloat16 when the tail computes in bfloat16, else float16. Row ``i`` is what the
+    tail read to choose the token at position ``features_start + i + 1``, so the last row
+    chose the verdict's last target id, and every row's input is committed once the verdict
+    is folded in:
+
+    - a ``Verify`` chunk: ``rows = min(features, len(target_ids))``, ending at its last
+      committed input (``features_start + rows == start + len(target_ids)``);
+    - the prompt's final ``Prefill`` chunk: up to ``min(features, len(prompt))`` rows ending
+      at the prompt's last position (``features_start + rows == len(prompt)``), taken from
+      the earlier prompt chunks too (the tail keeps each chunk's last rows); fewer only if the
+      tail did not see the earlier chunks (it joined mid-prompt).
+    """
 
     session: SessionId
     epoch: Epoch
@@ -178,3 +200,5 @@ class Verdict:
     target_ids: tuple[int, ...]
     accepted: int
     hops: tuple[Hop, ...] = ()
+    features: Tensor | None = None
+    features_start: int = 0

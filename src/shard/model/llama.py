@@ -18,7 +18,7 @@ it, and the rotary tables are computed the same way everywhere, so running ``[0,
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,16 @@ from torch import Tensor, nn
 from shard.model.config import ModelConfig
 from shard.model.kvcache import KVCache
 
-__all__ = ["Attention", "Block", "FeedForward", "KVCache", "RMSNorm", "StageModel", "rope_tables"]
+__all__ = [
+    "Attention",
+    "Block",
+    "FeedForward",
+    "KVCache",
+    "RMSNorm",
+    "StageModel",
+    "TailOut",
+    "rope_tables",
+]
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -194,6 +203,13 @@ class Block(nn.Module):
         return out
 
 
+class TailOut(NamedTuple):
+    """The last stage's output when features are asked for (``feature_rows``)."""
+
+    logits: Tensor  # fp32 [B, R, V]: the head at the last R rows
+    features: Tensor  # [B, F, D], compute dtype: the final norm's output at the last F rows
+
+
 class StageModel(nn.Module):
     """Layers ``[first, last)`` of the model, plus the embedding and/or head at the ends.
 
@@ -263,20 +279,48 @@ class StageModel(nn.Module):
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is typed ``Any``; callers get ``forward``'s signature instead.
+        @overload
         def __call__(
             self, x: Tensor, start: int, cache: KVCache, *, head_rows: int | None = None
         ) -> Tensor: ...
+        @overload
+        def __call__(
+            self,
+            x: Tensor,
+            start: int,
+            cache: KVCache,
+            *,
+            head_rows: int | None = None,
+            feature_rows: int,
+        ) -> TailOut: ...
+        def __call__(
+            self,
+            x: Tensor,
+            start: int,
+            cache: KVCache,
+            *,
+            head_rows: int | None = None,
+            feature_rows: int | None = None,
+        ) -> Tensor | TailOut: ...
 
     @torch.no_grad()
     def forward(
-        self, x: Tensor, start: int, cache: KVCache, *, head_rows: int | None = None
-    ) -> Tensor:
+        self,
+        x: Tensor,
+        start: int,
+        cache: KVCache,
+        *,
+        head_rows: int | None = None,
+        feature_rows: int | None = None,
+    ) -> Tensor | TailOut:
         """Run positions ``[start, start+S)``: ids ``[B, S]`` (first stage) or hidden ``[B, S, D]``.
 
         Writes K/V at ``[start, start+S)`` and attends causally to ``[0, start+S)`` only. Returns
         hidden ``[B, S, D]``, or fp32 logits ``[B, S, V]`` on the last stage — only of the last
         ``head_rows`` positions when given (``[B, head_rows, V]``; the head is the largest
-        matrix of a small model, and a prefill chunk reads one row of it, or none). Runs
+        matrix of a small model, and a prefill chunk reads one row of it, or none). With
+        ``feature_rows`` (the last stage only) it returns a ``TailOut``: those logits and the
+        final norm's output at the last ``feature_rows`` positions (``finish``). Runs
         without autograd: an inference engine never wants a graph hanging off its KV cache.
         """
         s = self._check_input(x, start, cache)
@@ -288,6 +332,8 @@ class StageModel(nn.Module):
         mask = self.causal_mask(start, s, h.device)  # [S, start+S]
         for j, layer in enumerate(self.layers):
             h = layer(h, rope, mask, cache, j, start)
+        if feature_rows is not None:
+            return self.finish(h, s if head_rows is None else head_rows, feature_rows)
         if self.norm is None or self.lm_head is None:
             return h
         if head_rows is None:
@@ -303,15 +349,46 @@ class StageModel(nn.Module):
         logits: Tensor = self.lm_head(self.norm(h))
         return logits.float()
 
+    def finish(self, h: Tensor, head_rows: int, feature_rows: int) -> TailOut:
+        """``head`` of the last ``head_rows`` rows of ``h`` ``[B, S, D]`` and the final norm's
+        output at the last ``feature_rows``, the norm run once over the rows either needs.
+
+        When ``feature_rows <= head_rows`` (a verify chunk) the head reads exactly what
+        ``head`` reads; otherwise its rows are copied out, so its operands are laid out as
+        ``head``'s are (CPU matmul kernels may sum differently at another alignment).
+        """
+        if self.norm is None or self.lm_head is None:
+            raise ValueError("only the last stage has the head and its features")
+        s = int(h.shape[1])
+        if not (0 <= head_rows <= s and 0 <= feature_rows <= s):
+            raise ValueError(
+                f"head_rows {head_rows} and feature_rows {feature_rows} not in [0, {s}]"
+            )
+        m = max(head_rows, feature_rows)
+        normed: Tensor = self.norm(h[:, s - m :])  # [B, m, D]
+        rows = normed if m == head_rows else normed[:, m - head_rows :].clone()  # [B, R, D]
+        logits: Tensor = self.lm_head(rows)
+        return TailOut(logits.float(), normed[:, m - feature_rows :])
+
+    @overload
+    def forward_at(self, x: Tensor, pos: Tensor, cache: KVCache) -> Tensor: ...
+    @overload
+    def forward_at(
+        self, x: Tensor, pos: Tensor, cache: KVCache, *, feature_rows: int
+    ) -> TailOut: ...
+
     @torch.no_grad()
-    def forward_at(self, x: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+    def forward_at(
+        self, x: Tensor, pos: Tensor, cache: KVCache, *, feature_rows: int | None = None
+    ) -> Tensor | TailOut:
         """``forward`` at the positions ``pos`` ``[S]`` (int64, on this stage's device).
 
         Static shapes: every tensor's shape depends on ``S`` and the cache's ``max_len`` only,
         never on where the chunk sits, and nothing reads a value back to the host — so one
         CUDA-graph capture per ``S`` replays at any position (``shard.stage.graphs``). Attends
         over the whole cache under a mask, so its rounding may differ from ``forward``'s in the
-        last bit; graphed and eager ``forward_at`` are what must agree bit for bit.
+        last bit; graphed and eager ``forward_at`` are what must agree bit for bit. With
+        ``feature_rows``: a ``TailOut`` of the logits of every row and the last rows' features.
         """
         self._check_input(x, 0, cache)
         h: Tensor = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
@@ -322,6 +399,8 @@ class StageModel(nn.Module):
         mask = self.static_mask(pos, cache.max_len)  # [S, max_len]
         for j, layer in enumerate(self.layers):
             h = layer(h, rope, mask, cache, j, pos)
+        if feature_rows is not None:
+            return self.finish(h, int(h.shape[1]), feature_rows)
         if self.norm is None or self.lm_head is None:
             return h
         logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]

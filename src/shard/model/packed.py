@@ -34,13 +34,14 @@ a greedy choice could flip (numerical ties only).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import attrs
 import torch
 from torch import Tensor
 
 from shard.model.kvcache import KVCache
-from shard.model.llama import Block, StageModel
+from shard.model.llama import Block, StageModel, TailOut
 
 __all__ = ["Segment", "forward_packed", "segment_bounds"]
 
@@ -63,6 +64,27 @@ def segment_bounds(segments: Sequence[Segment]) -> list[tuple[int, int]]:
     return bounds
 
 
+@overload
+def forward_packed(
+    model: StageModel,
+    x: Tensor,
+    segments: Sequence[Segment],
+    *,
+    static: bool = False,
+    head_rows: Sequence[int] | None = None,
+) -> Tensor: ...
+@overload
+def forward_packed(
+    model: StageModel,
+    x: Tensor,
+    segments: Sequence[Segment],
+    *,
+    static: bool = False,
+    head_rows: Sequence[int],
+    feature_rows: Sequence[int],
+) -> TailOut: ...
+
+
 @torch.no_grad()
 def forward_packed(
     model: StageModel,
@@ -71,12 +93,16 @@ def forward_packed(
     *,
     static: bool = False,
     head_rows: Sequence[int] | None = None,
-) -> Tensor:
+    feature_rows: Sequence[int] | None = None,
+) -> Tensor | TailOut:
     """Run ``segments`` packed in ``x``: ids ``[1, T]`` (first stage) or hidden ``[1, T, D]``.
 
     Returns hidden ``[1, T, D]`` or fp32 logits ``[1, T, V]`` (tail), rows in segment order;
     with ``head_rows`` (one count per segment) the tail's logits are only of each segment's
-    last ``head_rows[i]`` rows, ``[1, sum(head_rows), V]``, in segment order.
+    last ``head_rows[i]`` rows, ``[1, sum(head_rows), V]``, in segment order. With
+    ``feature_rows`` too (the tail) it returns a ``TailOut``: those logits and the final
+    norm's output at each segment's last ``feature_rows[i]`` rows, ``[1, sum(feature_rows),
+    D]`` in segment order (``_finish``).
     Each segment must fit its cache (``StageModel._check_input`` rules; the executor checks
     before it packs). ``ValueError`` if the rows do not add up.
     """
@@ -121,9 +147,40 @@ def forward_packed(
         return h
     if head_rows is None:
         return model.head(h)  # [1, T, V]
-    if len(head_rows) != len(segments) or any(
-        not 0 <= n <= seg.rows for n, seg in zip(head_rows, segments, strict=True)
-    ):
-        raise ValueError(f"head_rows {list(head_rows)} do not fit the segments' rows")
+    _check_rows("head_rows", head_rows, segments)
+    if feature_rows is not None:
+        _check_rows("feature_rows", feature_rows, segments)
+        return _finish(model, h, bounds, head_rows, feature_rows)
     rows = [h[:, hi - n : hi] for n, (_lo, hi) in zip(head_rows, bounds, strict=True)]
     return model.head(torch.cat(rows, dim=1))  # [1, sum(head_rows), V]
+
+
+def _check_rows(name: str, counts: Sequence[int], segments: Sequence[Segment]) -> None:
+    if len(counts) != len(segments) or any(
+        not 0 <= n <= seg.rows for n, seg in zip(counts, segments, strict=True)
+    ):
+        raise ValueError(f"{name} {list(counts)} do not fit the segments' rows")
+
+
+def _finish(
+    model: StageModel,
+    h: Tensor,
+    bounds: Sequence[tuple[int, int]],
+    head_rows: Sequence[int],
+    feature_rows: Sequence[int],
+) -> TailOut:
+    """The tail's logits and features of packed ``h`` ``[1, T, D]``, the norm run once over
+    each segment's last ``max(head, feature)`` rows; the head reads a fresh concatenation of
+    its rows, laid out as in the path without features."""
+    assert model.norm is not None and model.lm_head is not None
+    wide = [max(a, b) for a, b in zip(head_rows, feature_rows, strict=True)]
+    normed = model.norm(
+        torch.cat([h[:, hi - m : hi] for m, (_lo, hi) in zip(wide, bounds, strict=True)], 1)
+    )
+    heads, feats, end = [], [], 0  # normed [1, sum(wide), D]; ``end``: a segment's last row + 1
+    for m, n_head, n_feat in zip(wide, head_rows, feature_rows, strict=True):
+        end += m
+        heads.append(normed[:, end - n_head : end])
+        feats.append(normed[:, end - n_feat : end])
+    logits: Tensor = model.lm_head(torch.cat(heads, dim=1))  # [1, sum(head_rows), V]
+    return TailOut(logits.float(), torch.cat(feats, dim=1))  # [1, sum(feature_rows), D]

@@ -67,6 +67,9 @@ from shard.trust.receipts import RunSigner
 
 log = logging.getLogger(__name__)
 
+#: Builds the coordinator's draft proposers from its spec and model (``make_drafter``).
+DrafterMaker = Callable[[SwarmSpec, Path], Drafter | None]
+
 
 @attrs.frozen
 class CoordinatorHandle:
@@ -180,6 +183,7 @@ def _router(
             token=signing_token(spec, name),
         ),
         speculation=spec.speculation.policy,
+        feature_dim=config.hidden_size,
     )
     return coordinator, tokenizer
 
@@ -235,10 +239,11 @@ async def run_coordinator(
     model_dir: Path,
     successor: str | None = None,
     startup_timeout_s: float = 120.0,
+    drafts: DrafterMaker = make_drafter,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the coordinator and its scheduler: serve the return endpoint, control links and
-    clients, dial stage 0.
+    clients, dial stage 0. ``drafts`` builds its draft proposers (the spec's, by default).
 
     The channels: requests -> ring link (``to_ring``), return link -> router (``from_ring``),
     scheduler -> router (``control``: pause, resume, ring lost, events), ring link ->
@@ -254,7 +259,7 @@ async def run_coordinator(
     from_ring_send, from_ring_recv = trio.open_memory_channel[Message](0)
     control_send, control_recv = trio.open_memory_channel[RingControl](0)
     faults_send, faults_recv = trio.open_memory_channel[Fault](0)
-    drafter = await offload.run_sync(make_drafter, spec, model_dir)
+    drafter = await offload.run_sync(drafts, spec, model_dir)
     failover = spec.failover
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     config = ModelConfig.from_dir(model_dir)

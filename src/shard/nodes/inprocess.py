@@ -20,7 +20,14 @@ import trio
 
 from shard.failover.control import NodeReplaced
 from shard.model.llama import StageModel
-from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_stage, run_standby
+from shard.nodes.coordinator import (
+    CoordinatorHandle,
+    DrafterMaker,
+    run_coordinator,
+    run_stage,
+    run_standby,
+)
+from shard.nodes.drafter import make_drafter
 from shard.spec.swarm import SwarmSpec
 from shard.transport import DelayNetwork, MemoryNetwork, Network
 
@@ -65,6 +72,7 @@ async def run_swarm(
     scopes: dict[str, trio.CancelScope] | None = None,
     refused: trio.MemorySendChannel[str] | None = None,
     wrap_block: Callable[[str, StageModel], StageModel] | None = None,
+    drafts: DrafterMaker | None = None,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run every node of ``spec`` (stages, standbys, coordinator) in this process until
@@ -77,6 +85,8 @@ async def run_swarm(
     scheduler refuses (replaced while frozen, then woken) ends alone, and its name goes to
     ``refused`` when given. ``wrap_block(node, block)`` replaces the block a ring stage
     runs (spot-check tests put a cheating stage in: ``shard.testing.cheating``).
+    ``drafts(spec, model_dir)`` builds the coordinator's draft proposers instead of the spec
+    (tests and benchmarks of a proposer the spec cannot name).
 
     Long on purpose: it is a whole swarm's wiring, one node started after another, and reads
     best in one place.
@@ -118,6 +128,7 @@ async def run_swarm(
             nets[spec.coordinator.name],
             model_dir,
             startup_timeout_s,
+            drafts,
         )
         for standby in spec.standbys:
             scopes[standby.name] = trio.CancelScope()
@@ -169,6 +180,7 @@ async def _coordinator(
     network: Network,
     model_dir: Path,
     timeout_s: float,
+    drafts: DrafterMaker | None,
     *,
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -178,5 +190,6 @@ async def _coordinator(
             network=network,
             model_dir=model_dir,
             startup_timeout_s=timeout_s,
+            drafts=drafts or make_drafter,
             task_status=task_status,
         )

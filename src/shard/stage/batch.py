@@ -15,7 +15,11 @@ runs it (``StageModel.forward``, or the stage's CUDA graphs); several run packed
 (``shard.model.packed``: packed rows, each session's own KV cache, a block-diagonal causal
 mask realised per segment — that module says why). At the tail each chunk's own rows make its
 own choice (``shard.decode.verify``), keyed by its session's sampling and its positions, so a
-seeded request samples the same tokens alone or in a crowd.
+seeded request samples the same tokens alone or in a crowd. A chunk whose session asked for
+features (``Planned.features``) also gets the final norm's output at its last rows
+(``feature_rows``), computed once with its logits (``StageModel.finish``) and moved to the CPU
+in the wire's dtype (``shard.stage.features``); the other chunks of its batch are computed as
+before.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ from shard.messages import Message, Prefill, Sampling, SessionId, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.model.packed import Segment, forward_packed, segment_bounds
+from shard.stage.features import wire_dtype
 from shard.stage.graphs import ChunkGraphs
 
 __all__ = [
     "DEFAULT_MAX_BATCH_ROWS",
+    "Answer",
     "Choice",
     "Planned",
     "Queued",
+    "feature_rows",
     "forward_batch",
     "gather",
     "is_chunk",
@@ -52,8 +59,17 @@ __all__ = [
 #: is 128), far more than any number of decode or verify chunks a ring has in flight.
 DEFAULT_MAX_BATCH_ROWS = 512
 
-#: The tail's answer for one chunk: (target ids, accepted), or None (no answer is due).
+#: The tail's choice for one chunk: (target ids, accepted), or None (no answer is due).
 Choice = tuple[tuple[int, ...], int] | None
+
+
+@attrs.frozen
+class Answer:
+    """The tail's result for one chunk: its choice and, when its session asked for features,
+    the final norm's output at its last ``feature_rows`` rows (``[F, D]``, CPU, wire dtype)."""
+
+    choice: Choice
+    features: torch.Tensor | None = None
 
 
 @attrs.frozen
@@ -73,6 +89,7 @@ class Planned:
     cache: KVCache
     sampling: Sampling
     arrived: float
+    features: int = 0  # the session's feature window at the tail (0: none asked)
 
     @property
     def rows(self) -> int:
@@ -150,37 +167,65 @@ def pack(planned: Sequence[Planned]) -> tuple[torch.Tensor, list[Segment]]:
 
 def forward_batch(
     model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned]
-) -> list[torch.Tensor | Choice]:
+) -> list[torch.Tensor | Answer]:
     """Worker-thread body: the block's forward for every planned chunk, in order; per chunk its
-    hidden states ``[1, S, D]`` (not the tail) or its ``Choice`` (the tail).
+    hidden states ``[1, S, D]`` (not the tail) or its ``Answer`` (the tail).
 
     The tail runs its head only on the rows a choice reads (``head_rows``): none for a
     prefill chunk that is not the last, one for the last, ``K+1`` for a verify chunk — a
     chunk's choice is the same either way (the head treats rows independently), and a
     128-row prefill chunk no longer pays for 127 rows of the largest matrix it holds. Captured
-    CUDA graphs keep their whole-chunk logits."""
+    CUDA graphs keep their whole-chunk logits; a chunk that wants features runs eagerly
+    (``ChunkGraphs.with_features``)."""
     with torch.inference_mode():
-        if len(planned) == 1:  # exactly the unbatched path
-            p = planned[0]
-            if graphs is not None:
-                outs = [graphs(p.x, p.msg.start, p.cache)]
-            else:
-                n = head_rows(p) if model.is_last else None
-                outs = [model(p.x, p.msg.start, p.cache, head_rows=n)]
-        else:
+        if not model.is_last:
+            if len(planned) == 1:  # exactly the unbatched path
+                p = planned[0]
+                run = graphs if graphs is not None else model
+                return [run(p.x, p.msg.start, p.cache)]
             x, segments = pack(planned)
             static = graphs is not None and graphs.mode != "off"
-            if model.is_last:
-                needed = [head_rows(p) for p in planned]
-                out = forward_packed(model, x, segments, static=static, head_rows=needed)
-                ends = list(itertools.accumulate(needed))
-                outs = [out[:, hi - n : hi] for n, hi in zip(needed, ends, strict=True)]
-            else:
-                out = forward_packed(model, x, segments, static=static)
-                outs = [out[:, lo:hi] for lo, hi in segment_bounds(segments)]
-    if not model.is_last:
-        return list(outs)
-    return [_choose(o, p) for o, p in zip(outs, planned, strict=True)]
+            out = forward_packed(model, x, segments, static=static)
+            return [out[:, lo:hi] for lo, hi in segment_bounds(segments)]
+        dtype = wire_dtype(model.dtype)
+        return [
+            Answer(_choose(logits, p), None if f is None else f[0].to("cpu", dtype))
+            for (logits, f), p in zip(_tail(model, graphs, planned), planned, strict=True)
+        ]
+
+
+def _tail(
+    model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned]
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per planned chunk, the tail's logits ``[1, R >= head_rows, V]`` and its features
+    ``[1, feature_rows, D]`` (None when not asked); a batch that asks for no features runs
+    exactly as before features existed."""
+    feats = [feature_rows(p) for p in planned]
+    if len(planned) == 1:  # exactly the unbatched path
+        p, f = planned[0], feats[0]
+        if f:
+            out = (
+                graphs.with_features(p.x, p.msg.start, p.cache, f)
+                if graphs is not None
+                else model(p.x, p.msg.start, p.cache, head_rows=head_rows(p), feature_rows=f)
+            )
+            return [(out.logits, out.features)]
+        if graphs is not None:
+            return [(graphs(p.x, p.msg.start, p.cache), None)]
+        return [(model(p.x, p.msg.start, p.cache, head_rows=head_rows(p)), None)]
+    x, segments = pack(planned)
+    static = graphs is not None and graphs.mode != "off"
+    needed = [head_rows(p) for p in planned]
+    ends = list(itertools.accumulate(needed))
+    if not any(feats):
+        logits = forward_packed(model, x, segments, static=static, head_rows=needed)
+        return [(logits[:, hi - n : hi], None) for n, hi in zip(needed, ends, strict=True)]
+    out = forward_packed(model, x, segments, static=static, head_rows=needed, feature_rows=feats)
+    f_ends = list(itertools.accumulate(feats))
+    return [
+        (out.logits[:, hi - n : hi], out.features[:, fhi - f : fhi] if f else None)
+        for n, hi, f, fhi in zip(needed, ends, feats, f_ends, strict=True)
+    ]
 
 
 def head_rows(p: Planned) -> int:
@@ -189,6 +234,16 @@ def head_rows(p: Planned) -> int:
     if isinstance(msg, Prefill):
         return 1 if msg.final and not msg.replay else 0
     return len(msg.draft) + 1
+
+
+def feature_rows(p: Planned) -> int:
+    """Rows of a chunk whose features the tail keeps (its last ones; 0 unless its session
+    asked): every row of a verify chunk (which of them a verdict carries depends on how many
+    drafts hold), up to the window of a prompt chunk, none of a replayed one."""
+    msg = p.msg
+    if not p.features or (isinstance(msg, Prefill) and msg.replay):
+        return 0
+    return p.rows if isinstance(msg, Verify) else min(p.features, p.rows)
 
 
 def _choose(out: torch.Tensor, p: Planned) -> Choice:

@@ -16,7 +16,8 @@ from shard.decode.verify import check_q
 from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
-from shard.stage.batch import Choice, Planned
+from shard.stage.batch import Answer, Planned, rows_of
+from shard.stage.features import FeatureWindow
 from shard.stage.tensors import from_wire, to_wire
 
 __all__ = ["Session", "StageFailed", "chunk_input", "is_replay", "output", "plan"]
@@ -42,6 +43,7 @@ class Session:
     seen: float = -math.inf  # trio time of its newest chunk here (or its opening)
     verified: float = -math.inf  # trio time of its newest verify (decode) chunk here
     period: float = math.inf  # the typical spacing of its verify chunks here (EWMA)
+    features: FeatureWindow | None = None  # the tail's, when the session asked for features
 
     def arrived(self, now: float, *, verify: bool) -> None:
         """Note a chunk's arrival; a verify chunk also updates the spacing (prefill chunks
@@ -93,27 +95,44 @@ def plan(
         if why is not None:
             raise StageFailed(f"{node}: {why}")
     sess.written = msg.start + n
-    return Planned(msg, x, sess.cache, sess.sampling, arrived)
+    window = sess.features.size if sess.features is not None and model.is_last else 0
+    return Planned(msg, x, sess.cache, sess.sampling, arrived, features=window)
 
 
 def output(
-    msg: Prefill | Verify, out: torch.Tensor | Choice, hops: tuple[Hop, ...]
+    msg: Prefill | Verify,
+    out: torch.Tensor | Answer,
+    hops: tuple[Hop, ...],
+    features: FeatureWindow | None = None,
 ) -> Prefill | Verify | Verdict | None:
     """A planned chunk's message downstream: its hidden states, its ``Verdict`` (the tail),
-    or None (a tail prefill chunk before the last)."""
+    or None (a tail prefill chunk before the last). With the session's ``features`` window,
+    the verdict carries the rows ``shard.stage.features`` says (a prompt chunk's rows are kept
+    for the prompt's final verdict)."""
     if isinstance(out, torch.Tensor):
         return attrs.evolve(msg, ids=(), hidden=to_wire(out), hops=hops)
-    if out is None:
+    window = features if out.features is not None else None
+    if window is not None and out.features is not None and isinstance(msg, Prefill):
+        window.prompt_chunk(msg.start, rows_of(msg), out.features)
+    if out.choice is None:
         return None
-    return Verdict(
+    target_ids, accepted = out.choice
+    verdict = Verdict(
         session=msg.session,
         epoch=msg.epoch,
         seq=msg.seq,
         start=msg.start,
-        target_ids=out[0],
-        accepted=out[1],
+        target_ids=target_ids,
+        accepted=accepted,
         hops=hops,
     )
+    if window is None or out.features is None:
+        return verdict
+    if isinstance(msg, Prefill):
+        first, rows = window.take_prompt()
+    else:
+        first, rows = window.verify(msg.start, accepted, out.features)
+    return attrs.evolve(verdict, features=to_wire(rows), features_start=first)
 
 
 def chunk_input(model: StageModel, node: NodeName, msg: Prefill | Verify) -> torch.Tensor:

@@ -26,6 +26,7 @@ import trio
 
 from shard.decode.state import BadRequest, check_sampling
 from shard.messages import (
+    MAX_FEATURES,
     SESSION_BITS,
     EndSession,
     Epoch,
@@ -45,7 +46,7 @@ from shard.model.llama import StageModel
 from shard.stage import offload
 from shard.stage.batch import (
     DEFAULT_MAX_BATCH_ROWS,
-    Choice,
+    Answer,
     Planned,
     Queued,
     forward_batch,
@@ -54,6 +55,7 @@ from shard.stage.batch import (
     rows_of,
 )
 from shard.stage.chunks import Session, StageFailed, is_replay, kv_refusal, output, plan
+from shard.stage.features import FeatureWindow
 from shard.stage.graphs import ChunkGraphs
 from shard.stage.statistics import StageStatistics
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
@@ -83,7 +85,8 @@ class StageExecutor:
     further; a repeated ``OpenSession`` keeps the session's KV. An ``OpenSession`` asking for
     more than ``max_len`` positions (the spec's ``limits.max_len``) or with sampling settings
     that mean nothing is refused with a ``request`` fault, so KV memory stays within
-    ``max_sessions`` x ``max_len`` whatever a peer asks; with ``kv_budget_bytes`` an
+    ``max_sessions`` x ``max_len`` whatever a peer asks (so is one asking for more than
+    ``MAX_FEATURES`` rows of features per verdict); with ``kv_budget_bytes`` an
     ``OpenSession`` whose KV would take the open sessions' total past it is refused with a
     ``capacity`` fault before anything is allocated.
 
@@ -316,12 +319,22 @@ class StageExecutor:
             detail = f"{self._node}: max_len {msg.max_len} not in [1, {limit}] (limits.max_len)"
             await self._fault(msg.session, "request", detail)
             return
+        if not 0 <= msg.features <= MAX_FEATURES:
+            detail = (
+                f"{self._node}: features {msg.features} not in [0, {MAX_FEATURES}]: a verdict "
+                f"carries at most {MAX_FEATURES} rows of target features"
+            )
+            await self._fault(msg.session, "request", detail)
+            return
         if not await self._within_budget(msg):
             return
         cache = self._model.new_cache(msg.max_len)
         if self._graphs is not None:  # warm: capture this session's shapes now
             await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
-        self._sessions[msg.session] = Session(cache, msg.sampling, seen=trio.current_time())
+        window = FeatureWindow(msg.features) if msg.features and self._model.is_last else None
+        self._sessions[msg.session] = Session(
+            cache, msg.sampling, seen=trio.current_time(), features=window
+        )
         if not self._model.is_last:
             await self._outbox.send(msg)
 
@@ -376,7 +389,7 @@ class StageExecutor:
             except StageFailed as exc:
                 slots.append((msg, exc))
         planned = [slot for slot in slots if isinstance(slot, Planned)]
-        outs: list[torch.Tensor | Choice] = []
+        outs: list[torch.Tensor | Answer] = []
         compute_s = 0.0
         if planned:
             t0 = time.perf_counter()
@@ -401,7 +414,9 @@ class StageExecutor:
                 batch_rows=rows,
                 forward=self._forwards,
             )
-            out = output(slot.msg, next(results), (*slot.msg.hops, hop))
+            sess = self._sessions.get(slot.msg.session)
+            window = sess.features if sess is not None else None
+            out = output(slot.msg, next(results), (*slot.msg.hops, hop), window)
             if out is not None and not is_replay(slot.msg):
                 self._record_output(slot.msg, out, compute_s)
                 await self._outbox.send(out)

@@ -23,6 +23,13 @@ replays at every position of that session.
 - ``warm``: every shape in use is captured when the session opens, before its first chunk,
   on dummy rows at positions ``[0, S)``; the cache is zeroed after, so no trace remains.
 
+A tail chunk whose session asked for features (``OpenSession.features``) runs eagerly
+(``with_features``): ``forward_at`` (or ``forward`` when ``off``), the same arithmetic as its
+graph, returning the final norm's output beside the logits. A captured graph's static output
+holds the logits only, and one more static buffer per graph for a few sessions' features is
+not worth its memory yet; so such a session pays the eager launch cost on a GPU (counted in
+``GraphStatistics.eager``), and its output is what its graph would give.
+
 The capturer is injected: ``cuda_capture`` on a GPU; tests on a CPU inject one that runs the
 function eagerly, which exercises the shape-keyed cache, the static buffers and the fallback
 decision without a GPU. Runs in the forward's worker thread (``shard.stage.offload``).
@@ -38,7 +45,7 @@ import torch
 from torch import Tensor
 
 from shard.model.kvcache import KVCache
-from shard.model.llama import StageModel
+from shard.model.llama import StageModel, TailOut
 
 __all__ = ["Capturer", "ChunkGraphs", "GraphStatistics", "chunk_rows", "cuda_capture"]
 
@@ -166,6 +173,17 @@ class ChunkGraphs:
             self._load(graph, x, start)
         self._replays += 1
         return graph.replay().clone()
+
+    def with_features(self, x: Tensor, start: int, cache: KVCache, feature_rows: int) -> TailOut:
+        """The tail's chunk eagerly, with the final norm's output at its last ``feature_rows``
+        (module docstring): the arithmetic of ``__call__``, never a graph."""
+        self._eager += 1
+        if self._mode == "off":
+            return self._model(x, start, cache, feature_rows=feature_rows)
+        rows = int(x.shape[1])
+        return self._model.forward_at(
+            x, _positions(start, rows, x.device), cache, feature_rows=feature_rows
+        )
 
     def opened(self, cache: KVCache) -> None:
         """A session opened with this cache: under ``warm``, capture every shape in use now."""

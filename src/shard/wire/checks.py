@@ -35,6 +35,8 @@ NON_NEGATIVE_FIELDS = frozenset(
         "chunks",
         "laps",
         "batch_rows",
+        "features",  # OpenSession's window (a Verdict's features are a tensor, not checked here)
+        "features_start",
         # receipts (shard.messages.receipts)
         "at",
         "chunks_in",
