@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from shard.decode.draft import NGramProposer
 from shard.decode.hybrid import HybridProposer
@@ -15,9 +16,14 @@ class Counting:
 
     name = "model"
     computes = False
+    features = 3
 
     def __init__(self) -> None:
         self.asked: list[list[int]] = []
+        self.observed: list[tuple[int, torch.Tensor]] = []
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        self.observed.append((position, features))
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         self.asked.append(list(context))
@@ -78,3 +84,12 @@ def test_lookup_reports_how_long_its_match_is() -> None:
 def test_min_match_must_be_positive() -> None:
     with pytest.raises(ValueError, match="min_match"):
         HybridProposer(Counting(), min_match=0)
+
+
+def test_the_model_reads_the_features() -> None:
+    """The hybrid asks for the model's feature window and hands it every observation."""
+    model = Counting()
+    hybrid = HybridProposer(model)
+    rows = torch.ones(2, 4)
+    hybrid.observe(7, rows)
+    assert hybrid.features == 3 and model.observed == [(7, rows)]

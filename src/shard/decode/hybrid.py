@@ -53,12 +53,10 @@ class HybridProposer:
 
     @property
     def features(self) -> int:
-        return int(getattr(self._model, "features", 0))
+        return self._model.features
 
     def observe(self, position: int, features: torch.Tensor) -> None:
-        observe = getattr(self._model, "observe", None)
-        if observe is not None:
-            observe(position, features)
+        self._model.observe(position, features)
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         tokens = list(context)
