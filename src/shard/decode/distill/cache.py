@@ -33,6 +33,7 @@ __all__ = [
     "DraftNotFound",
     "Recipe",
     "cached_draft",
+    "discard",
     "draft_dir",
     "is_complete",
     "resolve_draft",
@@ -91,7 +92,7 @@ def cached_draft(
     if is_complete(out) and not force:
         return out
     if out.exists():
-        _discard(out)
+        discard(out)
     try:
         distill(target_dir, out, progress=progress, **attrs.asdict(recipe))
     except DraftExists:
@@ -132,7 +133,7 @@ def resolve_draft(name_or_path: str, *, build: bool = False, progress: bool = Tr
     return cached_draft(target_dir, target, Recipe(layers=layers), progress=progress)
 
 
-def _discard(path: Path) -> None:
+def discard(path: Path) -> None:
     """Remove a cache entry; rename it aside first so no reader sees it half-deleted."""
     trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".trash", dir=path.parent))
     try:

@@ -1,5 +1,6 @@
-"""``shard draft {distill,path}``: build a draft into the cache (or ``--out``), or print
-where a built one is. Exit status 0, or 2 with one ``shard draft: error:`` line."""
+"""``shard draft {distill,train,path}``: build a draft (``distill``) or a draft head
+(``train``, ``shard.decode.head.cli``) into the cache (or ``--out``), or print where a built
+one is. Exit status 0, or 2 with one ``shard draft: error:`` line."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ from shard.decode.distill.cache import (
     resolve_draft,
 )
 from shard.decode.distill.train import Measured
+from shard.decode.head.build import MARKER as HEAD_MARKER
+from shard.decode.head.cache import resolve_head
+from shard.decode.head.cli import add_train_parser, train_command
+from shard.decode.head.model import HeadError
 from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.model.config import ModelLoadError
 
@@ -43,10 +48,14 @@ def distill_main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     try:
         if args.draft_command == "path":
-            print(resolve_draft(args.name, progress=False))
+            is_head = args.name.endswith("-head") or (Path(args.name) / HEAD_MARKER).is_file()
+            resolve = resolve_head if is_head else resolve_draft
+            print(resolve(args.name, progress=False))
             return 0
+        if args.draft_command == "train":
+            return train_command(args)
         return _distill_command(args)
-    except (DistillError, ModelNotFound, ModelLoadError) as exc:
+    except (DistillError, HeadError, ModelNotFound, ModelLoadError) as exc:
         print(f"shard draft: error: {exc}", file=sys.stderr)
         return 2
 
@@ -90,7 +99,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     parser = _Parser(prog="shard draft", description="Build and find draft models.")
-    sub = parser.add_subparsers(dest="draft_command", required=True, metavar="{distill,path}")
+    sub = parser.add_subparsers(dest="draft_command", required=True, metavar="{distill,train,path}")
     p = sub.add_parser(
         "distill",
         help="distil a small draft model from a target (minutes, CPU)",
@@ -121,8 +130,9 @@ def _parser() -> _Parser:
     p.add_argument("--out", type=Path, help="a new directory instead of the cache")
     p.add_argument("--force", action="store_true", help="rebuild a cached draft")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    path = sub.add_parser("path", help="print the directory of a built draft")
-    path.add_argument("name", help="e.g. smollm2-distilled, smollm2-distilled-4L")
+    add_train_parser(sub)
+    path = sub.add_parser("path", help="print the directory of a built draft or head")
+    path.add_argument("name", help="e.g. smollm2-distilled, smollm2-distilled-4L, smollm2-head")
     return parser
 
 

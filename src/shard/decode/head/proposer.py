@@ -1,0 +1,169 @@
+"""``HeadProposer``: drafting with a ``DraftHead`` from the target's features.
+
+The coordinator hands it the target's features of committed positions (``observe``) and
+asks it to continue a context (``propose``). Head position ``t`` reads the feature ``f_t``
+and the token ``x_{t+1}``; its output predicts ``f_{t+1}``, whose readout is the draft for
+``x_{t+2}``. For a context ``x_0..x_m`` it therefore needs head positions up to ``m - 1``:
+
+- positions with an observed feature read it;
+- positions past the last observed feature (a context that runs ahead of the verdicts, as
+  when chunks are pipelined) read the head's own prediction ``g_{t-1}`` instead;
+- then it drafts ``k`` tokens, each chained on the previous prediction.
+
+Rollback is overwrite-by-position, as for every KV cache here: the proposer remembers the
+tokens and features each cached position was computed from, and recomputes from the first
+position whose inputs changed (a new feature for it, or a different token). Positions more
+than a window behind are never read again, so a prompt needs only its last ``features`` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from shard.decode.head.model import DraftHead, HeadError
+
+__all__ = ["HeadProposer", "SparseQ"]
+
+SparseQ = tuple[Tensor, Tensor]
+"""A draft distribution: token ids ``[n]`` (int64) and their probabilities ``[n]`` (sum 1)."""
+
+_CHUNK = 128  # observed positions fed to the head in one forward
+
+
+class HeadProposer:
+    """Drafts greedily (``propose``) or by sampling its own q (``propose_sampled``).
+
+    ``features``: how many trailing prompt features it wants after prefill (its window).
+    """
+
+    name = "head"
+    computes = True
+
+    def __init__(self, head: DraftHead, *, max_len: int, top_k: int = 32) -> None:
+        self._head = head
+        self._max_len = max_len
+        self._top_k = top_k
+        self._cache = head.new_cache(max_len)
+        d = head.config.target.hidden_size
+        self._feats = torch.zeros(max_len, d)  # observed features by position
+        self._obs_lo = self._obs_hi = 0  # observed positions [lo, hi), contiguous
+        self._g = torch.zeros(max_len, d)  # the head's output by position
+        self._tokens: list[int] = []  # x_0..x_{done}: what positions [first, done) read
+        self._first = 0  # the first head position of this session (= _obs_lo when fed)
+        self._done = 0  # head positions [_first, _done) are computed and current
+
+    @property
+    def features(self) -> int:
+        return self._head.config.window
+
+    def observe(self, position: int, features: Tensor) -> None:
+        """The target's features ``[n, D]`` at stream positions ``position..position+n-1``.
+
+        Overwrites what was observed there and drops anything observed after it (those rows
+        came from a context that is no longer committed). A gap after the observed range
+        starts a new range at ``position``: the head restarts there.
+        """
+        n = int(features.shape[0])
+        d = self._feats.shape[1]
+        if features.dim() != 2 or features.shape[1] != d:
+            raise HeadError(f"features must be [n, {d}], got {tuple(features.shape)}")
+        if position < 0 or position + n > self._max_len:
+            raise HeadError(f"positions [{position}, {position + n}) outside 0..{self._max_len}")
+        if n == 0:
+            return
+        if self._obs_hi == self._obs_lo or position > self._obs_hi or position < self._obs_lo:
+            self._obs_lo = position  # a fresh range (or one reaching further back)
+            self._first = position
+            self._done = position
+        self._feats[position : position + n] = features.to(self._feats.dtype)
+        self._obs_hi = position + n
+        self._done = min(self._done, position)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        tokens, _ = self._draft(context, k, None, 1.0)
+        return tokens
+
+    def propose_sampled(
+        self, context: Sequence[int], k: int, generator: torch.Generator, temperature: float = 1.0
+    ) -> tuple[list[int], list[SparseQ]]:
+        """Up to ``k`` tokens, each drawn from the head's q (softmax of its readout logits at
+        ``temperature``, restricted to its ``top_k`` and renormalized), with the q each was
+        drawn from. The same generator state gives the same draws."""
+        if temperature <= 0:
+            raise HeadError(f"temperature must be positive, got {temperature}")
+        return self._draft(context, k, generator, temperature)
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        return None
+
+    def _draft(
+        self,
+        context: Sequence[int],
+        k: int,
+        generator: torch.Generator | None,
+        temperature: float,
+    ) -> tuple[list[int], list[SparseQ]]:
+        tokens = list(context)
+        m = len(tokens) - 1  # the last token's position; head positions up to m - 1 feed it
+        k = min(k, self._max_len - m)
+        if k <= 0 or self._obs_hi == self._obs_lo or m - 1 < self._first:
+            return [], []
+        with torch.inference_mode():
+            self._catch_up(tokens, m)
+            g = self._g[m - 1 : m]  # [1, D]: predicts f_m
+            out: list[int] = []
+            qs: list[SparseQ] = []
+            for i in range(k):
+                token, q = self._choose(g[0], generator, temperature)
+                out.append(token)
+                if q is not None:
+                    qs.append(q)
+                if i + 1 == k:
+                    break
+                self._feed_one(g, token, m + i)  # position m + i reads x_{m+i+1} = token
+                self._tokens.append(token)
+                self._done = m + i + 1
+                g = self._g[m + i : m + i + 1]
+            return out, qs
+
+    def _catch_up(self, tokens: list[int], m: int) -> None:
+        """Make head positions ``[_first, m)`` current for ``tokens`` (``x_0..x_m``)."""
+        same = 0
+        limit = min(len(self._tokens), len(tokens))
+        while same < limit and self._tokens[same] == tokens[same]:
+            same += 1
+        # position t reads x_{t+1}: a change at x_i invalidates every t >= i - 1
+        start = max(self._first, min(self._done, same - 1, m))
+        real_end = min(self._obs_hi, m)
+        for a in range(start, real_end, _CHUNK):
+            b = min(a + _CHUNK, real_end)
+            ids = torch.tensor([tokens[a + 1 : b + 1]])  # [1, S]
+            g = self._head.step(self._feats[None, a:b], ids, a, self._cache, first=self._first)
+            self._g[a:b] = g[0]
+        for t in range(max(start, real_end), m):  # ahead of the observed features: chain
+            self._feed_one(self._g[t - 1 : t], tokens[t + 1], t)
+        self._tokens = tokens[: m + 1]
+        self._done = m
+
+    def _feed_one(self, feature: Tensor, token: int, t: int) -> None:
+        """Head position ``t`` from ``feature`` ``[1, D]`` and token ``x_{t+1}``."""
+        ids = torch.tensor([[token]])
+        g = self._head.step(feature[None], ids, t, self._cache, first=self._first)
+        self._g[t] = g[0, 0]
+
+    def _choose(
+        self, g: Tensor, generator: torch.Generator | None, temperature: float
+    ) -> tuple[int, SparseQ | None]:
+        logits = self._head.logits(g)  # [N]
+        if generator is None:
+            return int(self._head.to_vocab(logits.argmax())), None
+        top, index = torch.topk(logits.float() / temperature, min(self._top_k, len(logits)))
+        probs = torch.softmax(top, dim=-1)
+        cdf = probs.cumsum(0)
+        u = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
+        pick = int(torch.searchsorted(cdf, u).clamp(max=len(probs) - 1))
+        ids = self._head.to_vocab(index)
+        return int(ids[pick]), (ids, probs)

@@ -1,0 +1,221 @@
+"""``shard draft train``: features cache, resumable training, publishing, the cache, the CLI.
+
+Everything runs on a tiny random checkpoint (a 4-layer target) with budgets of seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from shard.cli import main as cli_main
+from shard.decode.head import cache as head_cache
+from shard.decode.head.build import MARKER, HeadRecipe, train_head, work_dir_for
+from shard.decode.head.cache import HeadNotFound, cached_head, head_dir, resolve_head
+from shard.decode.head.features import MANIFEST, FeatureStore
+from shard.decode.head.measure import chained_acceptance
+from shard.decode.head.model import DraftHead, HeadError
+from shard.decode.head.train import reference_features
+from shard.decode.head.trainer import TrainSettings
+from shard.model.loader import load_stage
+from shard.model.tokenizer import Tokenizer
+
+TINY = HeadRecipe(
+    minutes=1.0,
+    data_share=0.001,  # one chunk of features
+    shortlist=64,
+    seq_len=96,
+    rows_per_chunk=8,
+    train=TrainSettings(batch=4, max_steps=6, checkpoint_every=2, ce_positions=64),
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and OpenMP spin-waits stall a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def target_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint(n_layers=4)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Points ``cache_dir()`` at a temporary directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "shard"
+
+
+def test_train_head_publishes_a_complete_head(target_dir: Path, tmp_path: Path) -> None:
+    """``train_head`` writes a loadable head and a report, and leaves no temporary behind."""
+    out = tmp_path / "h"
+    report = train_head(target_dir, out, tmp_path / "f", TINY, progress=False)
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["steps"] == report.steps == 6 and marker["head_version"] == 1
+    m = marker["measured"]
+    assert len(m["alpha"]) == len(m["committed"]) == 4 and m["starts"] > 0
+    assert all(0.0 <= a <= 1.0 for a in m["alpha"]) and m["draft_ms"] > 0 < m["target_ms"]
+    assert marker["feature_tokens"] > 0 and marker["positions_trained"] > 0
+    head = DraftHead.load(out)
+    assert head.config.shortlist == 64 and len(head.shortlist) == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "h"]
+    with pytest.raises(HeadError, match="already exists"):
+        train_head(target_dir, out, tmp_path / "f", TINY, progress=False)
+
+
+def test_features_are_made_once_and_reused(target_dir: Path, tmp_path: Path) -> None:
+    """A rerun samples nothing new when the cache already holds its budget's worth."""
+    train_head(target_dir, tmp_path / "a", tmp_path / "f", TINY, progress=False)
+    manifest = json.loads((tmp_path / "f" / MANIFEST).read_text())
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").iterdir()}
+    train_head(target_dir, tmp_path / "b", tmp_path / "f", TINY, progress=False)
+    assert json.loads((tmp_path / "f" / MANIFEST).read_text()) == manifest
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").iterdir()} == stamps
+
+
+def test_feature_store_ignores_stray_and_damaged_chunks(target_dir: Path, tmp_path: Path) -> None:
+    """A chunk the manifest does not list is ignored; a listed one that is damaged is
+    dropped and made again; a damaged manifest starts the store over."""
+    target = load_stage(target_dir, 0, 4)
+    tok = Tokenizer.from_dir(target_dir)
+    root = tmp_path / "f"
+
+    def store() -> FeatureStore:
+        return FeatureStore(root, seq_len=96, seed=0, rows_per_chunk=4)
+
+    store().fill(target, tok, 0.0, progress=False)
+    (root / "chunk-00007.safetensors").write_bytes(b"half a chunk")
+    assert [c["file"] for c in store()._manifest["chunks"]] == ["chunk-00000.safetensors"]
+    good = (root / "chunk-00000.safetensors").read_bytes()
+    (root / "chunk-00000.safetensors").write_bytes(good[:100])
+    s = store()
+    assert s.tokens == 0
+    s.fill(target, tok, 0.0, progress=False)
+    assert s.load().corpus.ids.shape == (4, 96)
+    (root / MANIFEST).write_text("{not json")
+    assert store().tokens == 0
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(target_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C mid-training leaves a checkpoint; the next run resumes from it and ends with
+    exactly the head an uninterrupted run trains."""
+
+    def stop_at_3(step: int) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "h"
+    with pytest.raises(KeyboardInterrupt):
+        train_head(target_dir, out, tmp_path / "f", TINY, progress=False, on_step=stop_at_3)
+    assert not out.exists()
+    assert [p.name for p in work_dir_for(out).iterdir()] == ["ckpt-00000003"]
+    report = train_head(target_dir, out, tmp_path / "f", TINY, progress=False)
+    assert report.resumed_from_step == 3 and report.steps == 6
+    assert not work_dir_for(out).exists()  # published: the training state is gone
+    straight = tmp_path / "s"
+    train_head(target_dir, straight, tmp_path / "f", TINY, progress=False)
+    a, b = DraftHead.load(out).state_dict(), DraftHead.load(straight).state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_checkpoint_of_other_settings_is_not_resumed(target_dir: Path, tmp_path: Path) -> None:
+    """Changing the recipe between runs trains from scratch rather than mixing the two."""
+
+    def stop_at_2(step: int) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "h"
+    with pytest.raises(KeyboardInterrupt):
+        train_head(target_dir, out, tmp_path / "f", TINY, progress=False, on_step=stop_at_2)
+    other = attrs.evolve(TINY, train=attrs.evolve(TINY.train, lr=1e-3))
+    assert train_head(target_dir, out, tmp_path / "f", other, progress=False).resumed_from_step == 0
+
+
+def test_cache_rebuilds_an_incomplete_entry(target_dir: Path, cache: Path) -> None:
+    """A cache entry without the marker is never used: it is discarded and rebuilt; a
+    complete one is reused."""
+    entry = head_dir(target_dir, "tiny", TINY)
+    assert entry.parent == cache / "drafts"
+    entry.mkdir(parents=True)
+    (entry / "head.json").write_text("{}")
+    (entry / "junk").write_text("half-written")
+    with pytest.raises(HeadNotFound, match="not a finished draft head"):
+        resolve_head(str(entry))
+    assert cached_head(target_dir, "tiny", TINY, progress=False) == entry
+    assert (entry / MARKER).is_file() and not (entry / "junk").exists()
+    stamp = (entry / MARKER).stat().st_mtime_ns
+    assert cached_head(target_dir, "tiny", TINY, progress=False) == entry
+    assert (entry / MARKER).stat().st_mtime_ns == stamp
+    assert resolve_head(str(entry)) == entry
+
+
+def test_resolve_head_names_and_missing(
+    target_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``smollm2-head`` finds the cached head; a missing one names the command to run."""
+    monkeypatch.setattr(head_cache, "resolve_model", lambda name, progress: target_dir)
+    with pytest.raises(HeadNotFound, match="shard draft train --target smollm2"):
+        resolve_head("smollm2-head")
+    with pytest.raises(HeadNotFound, match="not a head directory or a head name"):
+        resolve_head("nonsense-head")
+    entry = head_dir(target_dir, "smollm2", HeadRecipe())
+    entry.mkdir(parents=True)
+    (entry / MARKER).write_text("{}")
+    (entry / "head.json").write_text("{}")
+    assert resolve_head("smollm2-head") == entry
+
+
+def test_resolve_head_builds_when_asked(
+    target_dir: Path,
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``build=True`` trains the missing head, saying so first."""
+    monkeypatch.setattr(head_cache, "resolve_model", lambda name, progress: target_dir)
+    monkeypatch.setattr(head_cache, "HeadRecipe", lambda: TINY)
+    got = resolve_head("smollm2-head", build=True, progress=False)
+    assert got == head_dir(target_dir, "smollm2", TINY) and (got / MARKER).is_file()
+    assert "building the draft head 'smollm2-head'" in capsys.readouterr().err
+
+
+def test_cli_draft_train_and_path(
+    target_dir: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`shard draft train --out` builds and reports α and cost; `path` fails clearly."""
+    out = tmp_path / "h"
+    argv = ["draft", "train", "--target", str(target_dir), "--shortlist", "64", "--steps", "3"]
+    assert cli_main([*argv, "--out", str(out), "--no-progress", "--minutes", "0.02"]) == 0
+    said = capsys.readouterr().out
+    assert f"wrote {out}: α1..α4" in said and "ms per drafted token" in said
+    assert 1 <= json.loads((out / MARKER).read_text())["steps"] <= 3
+    assert cli_main(["draft", "path", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert cli_main(["draft", "path", "nonsense-head"]) == 2
+    assert "shard draft: error:" in capsys.readouterr().err
+    assert cli_main(["draft", "train", "--minutes", "x"]) == 2
+
+
+def test_measured_acceptance_counts_chains(target_dir: Path) -> None:
+    """Acceptance is scored at every start of the continuation, through the proposer: α in
+    [0, 1], and a verify of more drafts never commits fewer tokens."""
+    target = load_stage(target_dir, 0, 4)
+    head = DraftHead.from_target(target, shortlist=None)
+    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator())
+    refs = reference_features(target, [(ids[0, :10].tolist(), ids[0, 10:].tolist())])
+    starts, alpha, committed = chained_acceptance(head, refs)
+    assert starts == 20 and len(alpha) == 4  # m = 9..28: x_{m+1} in the continuation
+    assert all(0 <= a <= 1 for a in alpha) and all(c >= 1 for c in committed)
+    assert list(committed) == sorted(committed)
