@@ -281,9 +281,11 @@ class RequestDriver:
         while len(stream.inflight) < depth:
             wanted = stream.drafts_wanted(k)
             if wanted and proposer is not None and self._drafter is not None:
-                tokens, seconds = await self._drafter.propose(proposer, stream.context(), wanted)
+                tokens, qs, seconds = await self._drafter.propose_for(
+                    proposer, stream.context(), wanted, self._opening.sampling
+                )
                 control.observe_draft(seconds, len(tokens))
-                stream.add_drafts(tokens)
+                stream.add_drafts(tokens, qs)
             chunk = stream.next_chunk(k)
             if chunk is None:
                 break

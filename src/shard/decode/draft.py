@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 import trio
 
+from shard.decode.state import is_greedy
+from shard.messages import DraftQ, Sampling
 from shard.model.llama import StageModel
 from shard.stage import offload
 
@@ -68,6 +70,45 @@ class Proposer(Protocol):
         and before the next ``propose``, never while this proposer's ``propose`` runs: it
         should only keep what it gets, and do the work in ``propose`` (a worker thread)."""
         ...
+
+
+SparseQ = tuple[torch.Tensor, torch.Tensor]
+"""A draft distribution as a sampling proposer returns it: token ids ``[n]`` (int64) and
+their probabilities ``[n]`` (summing to 1)."""
+
+
+@runtime_checkable
+class SamplingProposer(Protocol):
+    """A proposer that can also draft by sampling from its own distribution q (a model): for
+    a sampled request the tail then judges each token by the general rule with that q
+    (``shard.decode.verify``), accepting more than a greedy draft's one-hot q would."""
+
+    def propose_sampled(
+        self, context: Sequence[int], k: int, generator: torch.Generator, temperature: float
+    ) -> tuple[list[int], list[SparseQ]]:
+        """Up to ``k`` tokens, each drawn from q at ``temperature`` with ``generator``, and
+        the q each was drawn from (one per token)."""
+        ...
+
+
+#: Mixed into a request's seed for its draft's draws: the draft's randomness must be
+#: independent of the tail's (seed, position) draws, or the acceptance rule is biased.
+_DRAFT_SALT = 0xD1B54A32D192ED03
+
+
+def draft_generator(sampling: Sampling, position: int) -> torch.Generator:
+    """The generator a sampled draft starting at stream ``position`` draws with: keyed by
+    (seed, position) like the tail's draws, so a seeded run drafts the same way each time,
+    and salted apart from them."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((sampling.seed * _DRAFT_SALT + 7 * position + 1) % (1 << 63))
+    return gen
+
+
+def as_draft_q(q: SparseQ) -> DraftQ:
+    """A sampling proposer's q as it goes on the wire."""
+    ids, probs = q
+    return DraftQ(ids=tuple(int(t) for t in ids.tolist()), probs=tuple(probs.tolist()))
 
 
 class NGramProposer:
@@ -294,3 +335,24 @@ class Drafter:
         else:
             tokens = proposer.propose(context, k)
         return tokens, time.perf_counter() - began
+
+    async def propose_for(
+        self, proposer: Proposer, context: Sequence[int], k: int, sampling: Sampling
+    ) -> tuple[list[int], list[DraftQ] | None, float]:
+        """Up to ``k`` drafted tokens for a request with ``sampling``: drawn from the
+        proposer's q (returned, one per token) when the request samples and the proposer can
+        (``SamplingProposer``), else greedy (q None). And the seconds it took."""
+        if k <= 0 or is_greedy(sampling) or not isinstance(proposer, SamplingProposer):
+            tokens, seconds = await self.propose(proposer, context, k)
+            return tokens, None, seconds
+        began = time.perf_counter()
+        generator = draft_generator(sampling, len(context))
+        draw = proposer.propose_sampled
+        args = (list(context), k, generator, sampling.temperature)
+        if proposer.computes:
+            tokens, qs = await offload.run_sync(draw, *args, limiter=self._limiter)
+        else:
+            tokens, qs = draw(*args)
+        if len(qs) != len(tokens):
+            raise RuntimeError(f"{proposer.name}: {len(qs)} q for {len(tokens)} drafted tokens")
+        return tokens, [as_draft_q(q) for q in qs], time.perf_counter() - began

@@ -19,13 +19,17 @@ from collections.abc import Sequence
 
 import torch
 
-from shard.decode.draft import NGramProposer, Proposer
+from shard.decode.draft import NGramProposer, Proposer, SamplingProposer, SparseQ
 
 __all__ = ["HybridProposer"]
 
 #: Context tokens a lookup match must line up before the hybrid trusts it over the model: a
 #: one- or two-token match is a coincidence on prose, four is a copied span.
 DEFAULT_MIN_MATCH = 4
+
+
+def _one_hot(token: int) -> SparseQ:
+    return torch.tensor([token]), torch.tensor([1.0])
 
 
 class HybridProposer:
@@ -59,21 +63,46 @@ class HybridProposer:
         self._model.observe(position, features)
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
+        return self._draft(context, k, None, 1.0)[0]
+
+    def propose_sampled(
+        self, context: Sequence[int], k: int, generator: torch.Generator, temperature: float
+    ) -> tuple[list[int], list[SparseQ]]:
+        """As ``propose``, the model's tokens drawn from its q (when it samples; else its
+        greedy guess), the copied ones with a one-hot q: the tail's general rule then
+        accepts a copied token with probability p(token), as for any greedy draft."""
+        return self._draft(context, k, generator, temperature)
+
+    def _draft(
+        self,
+        context: Sequence[int],
+        k: int,
+        generator: torch.Generator | None,
+        temperature: float,
+    ) -> tuple[list[int], list[SparseQ]]:
         tokens = list(context)
         out: list[int] = []
+        qs: list[SparseQ] = []
         self.names = []
+        sampler = self._model if isinstance(self._model, SamplingProposer) else None
         while len(out) < k:
             span, matched = self._lookup.lookup([*tokens, *out], k - len(out))
             if span and matched >= self._min_match:
                 out.extend(span)
+                qs.extend(_one_hot(t) for t in span)
                 self.names.extend(["ngram"] * len(span))
                 continue
-            guess = self._model.propose([*tokens, *out], 1)
+            if generator is not None and sampler is not None:
+                guess, q = sampler.propose_sampled([*tokens, *out], 1, generator, temperature)
+            else:
+                guess = self._model.propose([*tokens, *out], 1)
+                q = [_one_hot(t) for t in guess]
             if not guess:
                 break
             out.append(guess[0])
+            qs.append(q[0])
             self.names.append(self._model.name)
-        return out[:k]
+        return out[:k], qs[:k]
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self._model.feedback(drafted, accepted)

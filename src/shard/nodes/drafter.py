@@ -1,6 +1,8 @@
 """The coordinator's draft proposers, built from the spec's ``[speculation]`` table: n-gram
-lookup, a small model (the target truncated, or a distilled draft), both, or the oracle of a
-benchmark. Built once at start, in a worker thread (it may load a model).
+lookup, a small model (the target truncated, or a distilled draft), both, a draft head on the
+target's features alone or with the n-gram over long matches (``hybrid``), or the oracle of
+a benchmark. Built once at start, in a worker thread (it may load a model, or train a named
+head that is not built yet: ``resolve_head`` says so and shows its progress).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from shard.decode.draft import (
     OracleProposer,
     Proposer,
 )
+from shard.decode.hybrid import HybridProposer
 from shard.model.config import ModelConfig
 from shard.model.device import resolve_device
 from shard.model.llama import StageModel
@@ -30,6 +33,8 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
     plan = spec.speculation
     if plan.draft == "none":
         return None
+    if plan.uses_head:
+        return _head_drafter(spec)
     if plan.draft == "oracle":
         assert plan.oracle_file is not None
         references = json.loads(Path(plan.oracle_file).read_text())["references"]
@@ -63,6 +68,26 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
         return proposers[0] if len(proposers) == 1 else AdaptiveProposer(proposers)
 
     return Drafter(factory)
+
+
+def _head_drafter(spec: SwarmSpec) -> Drafter:
+    """``draft = "head"`` or ``"hybrid"``: the spec's head (built first if it is a name not
+    built yet), on the coordinator's device, in fp32 (a head is small; its readout decides)."""
+    from shard.decode.head.cache import resolve_head
+    from shard.decode.head.model import DraftHead
+    from shard.decode.head.proposer import HeadProposer
+
+    plan = spec.speculation
+    assert plan.draft_head is not None
+    device = resolve_device(spec.runtime(spec.coordinator.name).device, spec.coordinator.name)
+    head = DraftHead.load(resolve_head(plan.draft_head, build=True), device=device)
+    max_len = spec.limits.max_len
+
+    def factory(prompt: Sequence[int]) -> Proposer:
+        proposer = HeadProposer(head, max_len=max_len)
+        return HybridProposer(proposer) if plan.draft == "hybrid" else proposer
+
+    return Drafter(factory, device=device)
 
 
 __all__ = ["make_drafter"]

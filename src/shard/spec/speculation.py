@@ -3,8 +3,12 @@
 ```toml
 [speculation]
 draft = "auto"          # none | ngram | model | auto (n-gram and model, chosen per round)
+                        # | head (a draft head on the target's features) | hybrid (n-gram
+                        # over long matches, the head elsewhere)
 draft_layers = 6        # model draft = the target's first N layers + its head, or
 draft_model = "path"    # a separate checkpoint sharing the target's tokenizer
+draft_head = "smollm2-head"  # head / hybrid: a head directory, or <bundled model>-head (the
+                        # default: built on first use by `shard draft train`, then cached)
 # draft = "oracle" with oracle_file = "refs.json": replays prior reference runs (benchmarks only)
 k = "auto"              # drafted tokens per chunk: "auto" (adaptive) or 0..k_max (0 = plain)
 depth = "auto"          # verify chunks in flight per session: "auto" or 1..depth_max
@@ -23,11 +27,12 @@ import attrs
 from shard.decode.control import SpecConfig
 from shard.spec.validate import Table
 
-DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "oracle")
+DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "head", "hybrid", "oracle")
 SPECULATION_KEYS: Final = (
     "draft",
     "draft_model",
     "draft_layers",
+    "draft_head",
     "k",
     "depth",
     "k_max",
@@ -50,14 +55,22 @@ class SpeculationSpec:
     draft_layers: int = 0
     policy: SpecConfig = attrs.field(factory=SpecConfig)
     oracle_file: str | None = None
+    draft_head: str | None = None  # head / hybrid: a head directory or a head name
+
+    @property
+    def uses_head(self) -> bool:
+        return self.draft in ("head", "hybrid")
 
     @property
     def uses_model(self) -> bool:
         return self.draft in ("model", "auto")
 
 
-def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
-    """Validate ``[speculation]`` (an absent table reads as plain decoding)."""
+def read_speculation(
+    table: Table, base_dir: Path | None, *, swarm_model: str | None = None
+) -> SpeculationSpec:
+    """Validate ``[speculation]`` (an absent table reads as plain decoding); ``swarm_model``
+    is the swarm's (a bundled name gives head drafts their default, ``<model>-head``)."""
     draft = table.string("draft", default="none", example='"auto"')
     if draft not in DRAFT_KINDS:
         raise table.error("draft", f"unknown draft {draft!r}; use one of {', '.join(DRAFT_KINDS)}")
@@ -82,13 +95,16 @@ def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
             f'draft = "{draft}" needs a model: set draft_layers = N (the first N layers of '
             'the target + its head) or draft_model = "path"',
         )
+    head = _draft_head(table, draft, base_dir, swarm_model)
     oracle = table.raw("oracle_file", None)
     if draft == "oracle":
         oracle = _oracle_file(table, base_dir)
     elif oracle is not None:
         raise table.error("oracle_file", 'only meaningful with draft = "oracle"')
     if draft == "none" and k not in (None, 0):
-        raise table.error("k", 'k > 0 needs a draft; set draft = "ngram", "model" or "auto"')
+        raise table.error(
+            "k", 'k > 0 needs a draft; set draft = "ngram", "model", "auto", "head" or "hybrid"'
+        )
     return SpeculationSpec(
         draft=draft,
         draft_model=model,
@@ -100,6 +116,39 @@ def read_speculation(table: Table, base_dir: Path | None) -> SpeculationSpec:
             depth_max=depth_max,
         ),
         oracle_file=oracle,
+        draft_head=head,
+    )
+
+
+def _draft_head(table: Table, draft: str, base_dir: Path | None, model: str | None) -> str | None:
+    """A head draft's head: ``draft_head`` as a directory (relative to the spec) or a head
+    name, by default ``<model>-head`` for a bundled model. Its training is not checked here:
+    the coordinator builds a missing named head when it starts (``resolve_head``)."""
+    text = table.raw("draft_head", None)
+    if draft not in ("head", "hybrid"):
+        if text is not None:
+            raise table.error("draft_head", 'only meaningful with draft = "head" or "hybrid"')
+        return None
+    if text is None:
+        from shard.spec.swarm import BUNDLED_MODELS
+
+        if model not in BUNDLED_MODELS:
+            raise table.error(
+                "draft_head",
+                f'draft = "{draft}" on a model that is not bundled needs draft_head = "DIR" '
+                "(a head trained with `shard draft train --target MODEL --out DIR`)",
+            )
+        return f"{model}-head"
+    text = table.string("draft_head", example='"smollm2-head"')
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = (base_dir if base_dir is not None else Path.cwd()) / path
+    if path.is_dir():
+        return str(path.resolve())
+    if text.endswith("-head") and "/" not in text:
+        return text  # a name: resolved (and built if missing) when the coordinator starts
+    raise table.error(
+        "draft_head", f"{text!r} is neither a head directory nor a head name like smollm2-head"
     )
 
 

@@ -197,7 +197,9 @@ class SwarmSpec:
             default_bandwidth_mbps=bandwidth,
             edges=edges,
             speculation=read_speculation(
-                top.table("speculation", SPECULATION_KEYS, required=False), base_dir
+                top.table("speculation", SPECULATION_KEYS, required=False),
+                base_dir,
+                swarm_model=_read_model(swarm, base_dir),
             ),
             trust=trust,
             fetch=read_fetch(top, base_dir, [(s.name, str(s.listen)) for s in stages]),
