@@ -10,15 +10,19 @@ Charter: memory networks, or 127.0.0.1 and port 0; every I/O test under a deadli
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
 
-from shard.messages import Hello, NodeName, Probe, Welcome
-from shard.testing import Firewall
-from shard.transport import Connection, MemoryNetwork
+from procs import free_ports
+from shard.messages import CallMe, Fault, Hello, NodeName, Probe, Welcome
+from shard.testing import Firewall, TamperingHub
+from shard.testing_nat import SEALED_RECORD, WIRE_FRAME
+from shard.transport import Connection, ConnectionClosed, MemoryNetwork, WebSocketNetwork
 from shard.transport.links import accept_peer, dial_peer
 from shard.transport.nat import (
     Callback,
@@ -28,8 +32,12 @@ from shard.transport.nat import (
     nat_address,
     route_to,
 )
-from shard.transport.paths import PathNetwork
+from shard.transport.paths import PathNetwork, Sealed
 from shard.transport.relayhub import RelayHub
+from shard.transport.secure import SecureWebSocketNetwork
+from shard.trust.sealer import TamperedFrame
+from shard.wire import WireError
+from trust_fixtures import NOW, credentials, policy
 
 DEADLINE_S = 20
 SWARM = "lab"
@@ -165,3 +173,168 @@ def test_firewall_helper_is_a_path_network() -> None:
     """The firewall stands in for the inner network of a NatNetwork."""
     factory: Callable[[], object] = lambda: Firewall(MemoryNetwork(), ())  # noqa: E731
     assert isinstance(factory(), PathNetwork)
+
+
+# --- real WebSockets: what the relay sees ---------------------------------------------------
+
+MARKER = "the-ring-frame-the-relay-must-not-read"
+#: First bytes of the four handshake messages (msgpack arrays of 8, 9, 3 and 2 items).
+HANDSHAKE = (0x98, 0x99, 0x93, 0x92)
+
+
+def wire(name: str, role: str, *, secure: bool) -> PathNetwork:
+    if not secure:
+        return WebSocketNetwork(connect_timeout_s=5.0)
+    creds = credentials(name, (role,))
+    return SecureWebSocketNetwork(
+        creds, policy(), role=role, clock=lambda: NOW, connect_timeout_s=5.0
+    )
+
+
+class Echo:
+    """Answers Hello, then echoes; keeps the error that ended its connection."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.errors: list[BaseException] = []
+
+    async def __call__(self, conn: Connection) -> None:
+        await accept_peer(conn, Welcome(node=NodeName(self.name), role="stage", swarm=SWARM))
+        try:
+            while True:
+                await conn.send(await conn.receive())
+        except WireError as exc:
+            self.errors.append(exc)
+            raise
+
+
+@asynccontextmanager
+async def relayed_pair(
+    hub: TamperingHub, *, secure: bool
+) -> AsyncIterator[tuple[Connection, Echo]]:
+    """Stages a and b behind NAT and a coordinator holding ``hub``, on loopback: a's
+    connection to b (through the relay) and b's echo."""
+    (port,) = free_ports(1)
+    relay = f"127.0.0.1:{port}"
+    echo = Echo("b")
+    nets = {
+        "coord": NatNetwork(
+            wire("coord", "coordinator", secure=secure),
+            node=NodeName("coord"),
+            role="coordinator",
+            swarm=SWARM,
+            advertise=relay,
+            relay=relay,
+            hub=hub,
+            owns_inner=True,
+        )
+    }
+    for name in ("a", "b"):
+        nets[name] = NatNetwork(
+            wire(name, "stage", secure=secure),
+            node=NodeName(name),
+            role="stage",
+            swarm=SWARM,
+            advertise=nat_address(name),
+            relay=relay,
+            owns_inner=True,
+        )
+    async with nets["coord"], nets["a"], nets["b"], trio.open_nursery() as nursery:
+        await nursery.start(nets["coord"].serve, relay, echo)
+        for name in ("a", "b"):
+            await nursery.start(nets[name].serve, "127.0.0.1:0", echo)
+            await hub.wait_registered(NodeName(name))
+        hello = Hello(node=NodeName("a"), role="stage", swarm=SWARM)
+        conn = await dial_peer(nets["a"], nat_address("b"), hello, timeout_s=10.0)
+        yield conn, echo
+        nursery.cancel_scope.cancel()
+
+
+def carried(hub: TamperingHub) -> Counter[int]:
+    return hub.first_bytes
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["sealed", "plain"])
+async def test_the_relay_carries_only_sealed_records_on_the_sealed_wire(secure: bool) -> None:
+    """Through the relay a's frames reach b and come back; on the sealed wire everything the
+    relay carried is a handshake message or a sealed record (never a wire frame, never the
+    marker's bytes); on the plain wire it could read them (the control)."""
+    seen: list[bytes] = []
+
+    class Recording(TamperingHub):
+        def carry(self, item: object, way: int, n: int) -> object:
+            if isinstance(item, bytes):
+                seen.append(item)
+            return super().carry(item, way, n)
+
+    hub = Recording(NodeName("coord"), SWARM, "coordinator", times=0)
+    probe = Fault(node=NodeName("a"), kind="test", detail=MARKER)
+    with trio.fail_after(DEADLINE_S):
+        async with relayed_pair(hub, secure=secure) as (conn, _):
+            for _ in range(3):
+                await conn.send(probe)
+                assert await conn.receive() == probe
+    assert hub.statistics().pairs == 1
+    readable = [item for item in seen if MARKER.encode() in item or item[0] == WIRE_FRAME]
+    if secure:
+        assert readable == []
+        assert carried(hub)[SEALED_RECORD] >= 8  # Hello, Welcome, 3 probes and 3 echoes
+        assert set(carried(hub)) == {SEALED_RECORD, *HANDSHAKE}, carried(hub)
+    else:
+        assert len(readable) >= 6
+
+
+async def test_a_bit_the_relay_flips_is_rejected_by_the_receiver() -> None:
+    """The relay flips one bit of the first large record after Hello: b's sealer rejects it
+    (TamperedFrame), b resets the connection, and a learns its edge is gone — nothing altered
+    ever reaches b's handler."""
+    hub = TamperingHub(NodeName("coord"), SWARM, "coordinator", at=3, min_bytes=200)
+    noise = random.Random(17).randbytes(300).hex()  # incompressible: no zstd below 200 bytes
+    probe = Fault(node=NodeName("a"), kind="test", detail=noise)
+    with trio.fail_after(DEADLINE_S):
+        async with relayed_pair(hub, secure=True) as (conn, echo):
+            await conn.send(probe)
+            with pytest.raises(ConnectionClosed):
+                await conn.receive()
+    assert hub.tampered == 1
+    (error,) = echo.errors
+    assert isinstance(error, TamperedFrame), error
+
+
+async def test_a_hostile_relay_cannot_make_a_callee_dial_garbage_or_exit() -> None:
+    """A relay that sends malformed calls, then a message a relay never sends: the callee
+    dials nothing, drops the link, registers again, and serves on."""
+    shared = MemoryNetwork()
+    links = 0
+    again = trio.Event()
+
+    async def hostile(conn: Connection) -> None:
+        nonlocal links
+        links += 1
+        await accept_peer(conn, Welcome(node=NodeName("coord"), role="stage", swarm=SWARM))
+        if links > 1:
+            again.set()
+            await trio.sleep_forever()
+        await conn.send(CallMe(NodeName("x"), "zz"))  # malformed ticket
+        await conn.send(CallMe(NodeName("x"), "0" * 32, back="no address"))
+        await conn.send(Probe(nonce=1, sent_at=0.0))  # not a relay's message
+
+    def router(path: str) -> Sealed | None:
+        return Sealed(hostile, dialer=False) if path == "/signal" else None
+
+    callee = NatNetwork(
+        shared,
+        node=NodeName("a"),
+        role="stage",
+        swarm=SWARM,
+        advertise=nat_address("a"),
+        relay=RELAY,
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(shared.serve_paths, RELAY, hostile, router)
+            await nursery.start(callee.serve, "192.168.1.2:7701", hostile)
+            await again.wait()
+            stats = callee.statistics()
+            nursery.cancel_scope.cancel()
+    assert stats.answered == 0 and stats.registered

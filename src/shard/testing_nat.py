@@ -13,6 +13,7 @@ production code — ``tests/test_import_boundaries.py`` enforces it).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection
 
 import trio
@@ -73,27 +74,38 @@ class Firewall(NetworkBase):
 
 
 class TamperingHub(RelayHub):
-    """A relay that flips the lowest bit of the last byte of message ``at`` (counting from
-    0) of direction ``way`` (0: from the edge's first end to its second), once per pair;
-    ``first_bytes`` holds the first byte of every binary message it carried."""
+    """A relay that flips the lowest bit of the last byte of a message it carries: the first
+    one, in either direction, that is message ``at`` or later of its direction and at least
+    ``min_bytes`` long, ``times`` times in all (0: never; it then only watches).
 
-    def __init__(self, *args: object, at: int, way: int = 0, **kw: object) -> None:
+    ``first_bytes`` counts the first byte of every binary message carried; a plaintext wire
+    frame (first byte ``WIRE_FRAME``) is logged (the first time), so a test of a process can
+    tell from the log whether the relay could have read the ring's frames."""
+
+    def __init__(
+        self, *args: object, at: int = 0, min_bytes: int = 0, times: int = 1, **kw: object
+    ) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.at = at
-        self.way = way
-        self.first_bytes: list[int] = []
+        self.min_bytes = min_bytes
+        self.times = times
+        self.first_bytes: Counter[int] = Counter()
         self.tampered = 0
 
     def carry(self, item: Item, way: int, n: int) -> Item:
         if not isinstance(item, bytes | bytearray) or not item:
             return item
-        self.first_bytes.append(item[0])
-        if (way, n) != (self.way, self.at):
+        self.first_bytes[item[0]] += 1
+        if item[0] == WIRE_FRAME and self.first_bytes[WIRE_FRAME] == 1:
+            log.warning("watching relay: carried a plaintext wire frame (0x01): readable here")
+        if self.tampered >= self.times or n < self.at or len(item) < self.min_bytes:
             return item
         self.tampered += 1
         log.warning(
-            "tampering relay: flipped a bit of message %d (%d bytes, first byte 0x%02x)",
+            "tampering relay: flipped a bit of message %d of direction %d (%d bytes, first "
+            "byte 0x%02x)",
             n,
+            way,
             len(item),
             item[0],
         )

@@ -324,6 +324,7 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
                 ws, route, sealer = opened
                 if isinstance(route, Piped):
                     pipe = WebSocketPipe(ws, peer, stream, self._timeout_s)
+                    nursery.start_soon(pipe.watch_reader)
                     await serve_pipe(pipe, route.handler)
                     return
                 assert sealer is not None

@@ -172,6 +172,8 @@ class WebSocketPipe:
         self._peer = peer
         self._stream = stream
         self._close_s = close_s
+        self._reader_gone = False
+        self._closing: trio.CancelScope | None = None
 
     @property
     def peer(self) -> str:
@@ -195,8 +197,22 @@ class WebSocketPipe:
             raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
 
     async def aclose(self) -> None:
-        with trio.move_on_after(self._close_s):  # a dead peer never answers the close
+        # As WebSocketConnection._close: bounded, and cut short once the reader is gone (no
+        # one could read the peer's answer).
+        with trio.move_on_after(self._close_s) as scope:
+            self._closing = scope
+            if self._reader_gone:
+                scope.cancel()
             await self._ws.aclose()
+
+    async def watch_reader(self) -> None:
+        """As ``WebSocketConnection.watch_reader``."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._reader_gone = True
+            if self._closing is not None:
+                self._closing.cancel()
 
 
 def max_message_size(limits: WireLimits) -> int:
