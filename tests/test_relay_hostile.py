@@ -373,3 +373,16 @@ async def test_the_sealed_relay_welcomes_no_peer_without_a_token() -> None:
                     await intruder.dial_path(address, "/signal", dialer=True)
             assert hub.statistics().callees == ()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_relayed_edge_outlives_the_pairing_timeout() -> None:
+    """A paired edge carries traffic long after pair_timeout_s (the timeout is for pairing,
+    not for the edge)."""
+    with trio.fail_after(DEADLINE_S):
+        async with relay_up() as relay:
+            hello = Hello(node=NodeName("a"), role="stage", swarm=SWARM)
+            conn = await dial_peer(relay.a, nat_address("b"), hello, timeout_s=10.0)
+            await trio.sleep(1.5)  # three pairing timeouts
+            await conn.send(Probe(nonce=2, sent_at=0.0))
+            assert await conn.receive() == Probe(nonce=2, sent_at=0.0)
+            await conn.aclose()

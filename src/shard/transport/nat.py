@@ -406,6 +406,8 @@ class NatNetwork(NetworkBase):
         finally:
             self._answering -= 1
         self._answered += 1
+        how = f"dialled it back at {address}" if call.back else f"met it at relay {address}"
+        log.info("%s: answered %s's call: %s", self._node, call.caller, how)
         await serve_one(conn, handler, what=f"connection for {call.caller}")
 
 

@@ -97,7 +97,8 @@ class _Pair:
     expires: float
     arrived: int = 0
     pipes: list[Pipe] = attrs.field(factory=list)
-    both: trio.Event = attrs.field(factory=trio.Event)
+    both: trio.Event = attrs.field(factory=trio.Event)  # both ends arrived
+    spliced: trio.Event = attrs.field(factory=trio.Event)  # both accepted: being carried
     done: trio.Event = attrs.field(factory=trio.Event)
 
 
@@ -295,8 +296,11 @@ class RelayHub:
         pair.pipes.append(pipe)
         if len(pair.pipes) == 1:
             with trio.move_on_after(self._pair_timeout_s):  # the other's accept may fail
-                await pair.done.wait()
+                await pair.spliced.wait()
+            if pair.spliced.is_set():
+                await pair.done.wait()  # held open as long as the other end carries it
             return
+        pair.spliced.set()
         first, second = pair.pipes
         self._pairs += 1
         self._open_pairs += 1
