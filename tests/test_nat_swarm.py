@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.failover.faults import FaultInjector, FaultPlan, Injection
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
@@ -144,3 +145,54 @@ def test_a_stage_behind_nat_killed_mid_request_is_replaced_by_a_standby_behind_n
     assert net.refused == []
     assert nats["w1"].statistics().relayed == 1  # its own edge, to s2
     assert nats["s0"].statistics().relayed == 2  # to s1, then rewired to w1
+
+
+@pytest.mark.parametrize(
+    ("sender", "edge"), [("coord", "called back"), ("s0", "relayed")], ids=["callback", "relay"]
+)
+def test_a_severed_edge_behind_nat_is_dialled_again_the_same_way(
+    model_dir: Path, sender: str, edge: str
+) -> None:
+    """The connection under the coordinator's edge to s0 (called back) or s0's edge to s1
+    (relayed) is cut mid-request: the scheduler relinks, the node behind NAT dials out again
+    (a fresh callback, a fresh pair), and the request ends with the reference output."""
+    spec = nat_spec(model_dir)
+    net = firewall(spec)
+    injector = FaultInjector(FaultPlan(0, (Injection("sever", sender, 12),)))
+    prompt = PROMPTS[1]
+    want = reference(model_dir, prompt, max_tokens=24, max_len=128, prefill_chunk=4)
+    nats: dict[str, NatNetwork] = {}
+
+    def wrap(name: str, network: Any) -> Any:
+        assert isinstance(network, NatNetwork)
+        nats[name] = network
+        return injector.wrap(name, network)
+
+    async def main() -> tuple[tuple[int, ...], Any]:
+        with inline_compute(), trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                handle: CoordinatorHandle = await nursery.start(
+                    lambda task_status: run_swarm(
+                        spec,
+                        model_dir=model_dir,
+                        network=net,
+                        emulate_latency=False,
+                        wrap=wrap,
+                        scopes=injector.scopes,
+                        task_status=task_status,
+                    )
+                )
+                done = await handle.coordinator.generate(prompt, max_tokens=24)
+                assert handle.scheduler is not None
+                stats = handle.scheduler.statistics()
+                nursery.cancel_scope.cancel()
+        return done.token_ids, stats
+
+    got, stats = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert injector.fired, f"the sever on {sender}'s {edge} edge never fired"
+    assert got == want
+    (recovery,) = stats.recoveries
+    assert (recovery.lost, recovery.kind) == (sender, "relink")
+    assert net.refused == []
+    routes = nats[sender].statistics()
+    assert (routes.callbacks, routes.relayed) == ((2, 0) if sender == "coord" else (0, 2))
