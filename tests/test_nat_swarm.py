@@ -16,16 +16,18 @@ import pytest
 import trio
 import trio.testing
 
+from procs import free_ports, run_shard
 from shard.failover.faults import FaultInjector, FaultPlan, Injection
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
-from shard.spec.swarm import SwarmSpec
+from shard.spec.swarm import SwarmSpec, load_spec
 from shard.stage.offload import inline_compute
 from shard.testing import Firewall, make_tiny_checkpoint
 from shard.transport import MemoryNetwork
 from shard.transport.nat import NatNetwork
 from test_ring import reference
 
+SPECS = Path(__file__).resolve().parent.parent / "specs"
 PROMPTS = ([5, 17, 99, 3], [200, 31, 7, 7, 7, 64, 12, 1, 150, 9, 44])
 DEADLINE_S = 60.0
 
@@ -196,3 +198,28 @@ def test_a_severed_edge_behind_nat_is_dialled_again_the_same_way(
     assert net.refused == []
     routes = nats[sender].statistics()
     assert (routes.callbacks, routes.relayed) == ((2, 0) if sender == "coord" else (0, 2))
+
+
+@pytest.mark.slow
+async def test_swarm_run_of_the_shipped_nat_spec_matches_local(tmp_path: Path) -> None:
+    """`shard swarm run specs/local-nat.toml` (its ports made free, a tiny model) prints the
+    tokens of `shard generate --local`: the launcher's processes take the NAT routes."""
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", seed=9, n_layers=3)
+    text = (SPECS / "local-nat.toml").read_text()
+    for old, new in zip(range(7750, 7754), free_ports(4), strict=True):
+        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
+    text = text.replace("max_len = 2048", "max_len = 256")  # the tiny model's context: 512
+    spec = tmp_path / "local-nat.toml"
+    spec.write_text(text)
+    assert [s.reachable for s in load_spec(spec).stages] == [False, False, True]
+    prompt = "the river runs to the sea"
+    common = ("--json", "--max-tokens", "12", "--model", str(model_dir))
+    local = await run_shard(
+        "generate", "--local", "--max-len", "256", *common, prompt, timeout_s=120
+    )
+    swarm = await run_shard("swarm", "run", str(spec), "--prompt", prompt, *common, timeout_s=120)
+    assert local.returncode == 0, local.describe()
+    assert swarm.returncode == 0, swarm.describe()
+    assert swarm.stragglers == ()
+    (want,), (got,) = local.json_records(), swarm.json_records()
+    assert got["token_ids"] == want["token_ids"]
