@@ -24,9 +24,10 @@ connection lost on a called-back or relayed edge is re-dialled the same way (the
 dials again, for a fresh ticket), by the same supervision as a direct edge.
 
 The callee side: ``serve`` (a node with ``reachable = false``) listens as usual (its LAN may
-reach it), registers at the relay, and for each ``CallMe`` dials back and serves what it
-dialled with the ordinary handler — to its actors it is one more inbound connection. It
-reports ``nat:NAME`` as its bound address, so that is what it registers with the scheduler.
+reach it) and runs a ``Callee`` (``shard.transport.callee``): registered at the relay, it
+dials out for each call and serves what it dialled with the ordinary handler — to its actors
+it is one more inbound connection. It reports ``nat:NAME`` as its bound address, so that is
+what it registers with the scheduler.
 
 Cancellation: as the inner network's; the signalling link and the connections dialled for
 calls live in ``serve``'s nursery. Errors: ``dial`` raises ``TransportError`` when the relay
@@ -44,13 +45,10 @@ from typing import Final
 import attrs
 import trio
 
-from shard.errors import HandshakeError
 from shard.messages import (
-    CallMe,
     CallPlaced,
     CallRequest,
     Fault,
-    Heartbeat,
     Hello,
     Message,
     NodeName,
@@ -61,33 +59,23 @@ from shard.transport.base import (
     NetworkBase,
     TransportError,
     abandon,
-    split_address,
 )
+from shard.transport.callee import Callee, open_signal
 from shard.transport.guard import (
-    ProtocolViolation,
-    connection_failure,
     receive_within,
     send_within,
-    serve_one,
 )
-from shard.transport.links import shake_hands
 from shard.transport.paths import PathNetwork, Route, Sealed
 from shard.transport.relayhub import (
     REVERSE_PREFIX,
-    SIGNAL_DEAD_AFTER_S,
-    SIGNAL_HEARTBEAT_S,
-    SIGNAL_PATH,
     CallRefused,
     RelayHub,
-    valid_ticket,
 )
 from shard.wire import WireError
 
 log = logging.getLogger("shard.transport")
 
 NAT_PREFIX: Final = "nat:"
-#: Calls a callee answers at once; more are dropped (their callers time out and retry).
-_MAX_ANSWERING: Final = 16
 
 
 def nat_address(node: str) -> str:
@@ -199,8 +187,15 @@ class NatNetwork(NetworkBase):
         self._call_timeout_s = call_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
         self._pending: dict[str, trio.MemorySendChannel[HandedConnection]] = {}
-        self._direct = self._callbacks = self._relayed = self._answered = self._answering = 0
-        self._registered = False
+        self._direct = self._callbacks = self._relayed = 0
+        self._callee = Callee(
+            inner,
+            node=node,
+            role=role,
+            swarm=swarm,
+            relay=relay,
+            handshake_timeout_s=handshake_timeout_s,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -216,8 +211,8 @@ class NatNetwork(NetworkBase):
             self._direct,
             self._callbacks,
             self._relayed,
-            self._answered,
-            self._registered,
+            self._callee.answered,
+            self._callee.registered,
         )
 
     async def _enter(self) -> None:
@@ -284,14 +279,8 @@ class NatNetwork(NetworkBase):
             raise TransportError(f"relay {self._relay} answered {type(reply).__name__}")
 
     async def _signal(self, link: str) -> Connection:
-        """A signalling link to the relay, its Hello/Welcome done. Errors: ``TransportError``
-        (a garbled answer too), ``HandshakeError``."""
-        conn = await self._inner.dial_path(self._relay, SIGNAL_PATH, dialer=True)
         hello = Hello(node=self._node, role=self._role, swarm=self._swarm, link=link)
-        try:
-            return await shake_hands(conn, hello, self._relay, timeout_s=self._handshake_timeout_s)
-        except WireError as exc:
-            raise TransportError(f"relay {self._relay}: {exc}") from None
+        return await open_signal(self._inner, self._relay, hello, self._handshake_timeout_s)
 
     # --- serving ----------------------------------------------------------------------------
 
@@ -312,7 +301,7 @@ class NatNetwork(NetworkBase):
             return
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(self._inner.serve_paths, address, handler, router))
-            nursery.start_soon(self._callee, handler, nursery)
+            nursery.start_soon(self._callee.run, handler, nursery)
             task_status.started(self._advertise)
 
     def _route(self, handler: Handler, path: str) -> Route | None:
@@ -332,83 +321,6 @@ class NatNetwork(NetworkBase):
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return  # that dial gave up
         await handed.closed.wait()
-
-    async def _callee(self, handler: Handler, nursery: trio.Nursery) -> None:
-        """Stay registered at the relay and answer its calls, re-dialling it when the link
-        goes (backing off to 2 s between tries)."""
-        delay = 0.05
-        while True:
-            try:
-                conn = await self._signal("callee")
-            except (TransportError, HandshakeError) as exc:
-                log.info("%s: relay %s not reachable yet: %s", self._node, self._relay, exc)
-                await trio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            delay = 0.05
-            self._registered = True
-            try:
-                await self._take_calls(conn, handler, nursery)
-            except BaseException as exc:
-                failure = connection_failure(exc)
-                if failure is None:
-                    raise
-                log.warning("%s: link to relay %s lost: %s", self._node, self._relay, failure)
-            finally:
-                self._registered = False
-                await abandon(conn)
-
-    async def _take_calls(self, conn: Connection, handler: Handler, nursery: trio.Nursery) -> None:
-        async with trio.open_nursery() as beats:
-            beats.start_soon(self._heartbeats, conn)
-            while True:
-                msg = await receive_within(conn, SIGNAL_DEAD_AFTER_S, what="relay")
-                if isinstance(msg, CallMe):
-                    self._answer_soon(msg, handler, nursery)
-                elif not isinstance(msg, Heartbeat):
-                    raise ProtocolViolation(f"the relay sent {type(msg).__name__} on a callee link")
-
-    async def _heartbeats(self, conn: Connection) -> None:
-        while True:
-            await trio.sleep(SIGNAL_HEARTBEAT_S)
-            beat = Heartbeat(node=self._node, sent_at=0.0)
-            await send_within(conn, beat, SIGNAL_DEAD_AFTER_S, what="relay")
-
-    def _answer_soon(self, call: CallMe, handler: Handler, nursery: trio.Nursery) -> None:
-        if not valid_ticket(call.ticket):
-            log.warning("%s: ignored a call with a malformed ticket", self._node)
-            return
-        if call.back:
-            try:
-                split_address(call.back)
-            except ValueError as exc:
-                log.warning("%s: ignored a call from %s: %s", self._node, call.caller, exc)
-                return
-        if self._answering >= _MAX_ANSWERING:
-            log.warning(
-                "%s: %d calls in progress; dropped %s's", self._node, _MAX_ANSWERING, call.caller
-            )
-            return
-        nursery.start_soon(self._answer, call, handler)
-
-    async def _answer(self, call: CallMe, handler: Handler) -> None:
-        """Dial what ``call`` asks for and serve it as an inbound connection."""
-        address = call.back or self._relay
-        path = f"{REVERSE_PREFIX}{call.ticket}" if call.back else f"/relay/{call.ticket}"
-        self._answering += 1
-        try:
-            conn = await self._inner.dial_path(address, path, dialer=False)
-        except (TransportError, HandshakeError) as exc:
-            log.warning(
-                "%s: could not answer %s's call at %s: %s", self._node, call.caller, address, exc
-            )
-            return
-        finally:
-            self._answering -= 1
-        self._answered += 1
-        how = f"dialled it back at {address}" if call.back else f"met it at relay {address}"
-        log.info("%s: answered %s's call: %s", self._node, call.caller, how)
-        await serve_one(conn, handler, what=f"connection for {call.caller}")
 
 
 __all__ = [
