@@ -295,3 +295,12 @@ async def test_a_tampering_relay_is_caught_on_the_sealed_wire(
     assert "watching relay: carried a plaintext wire frame" not in log["coord"]
     assert "TamperedFrame" in log["s1"], log["s1"]
     assert got == want
+
+
+def test_without_the_tools_the_nat_test_fails_saying_how_to_install_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No ip or iptables: a failure naming the packages and ops/bootstrap, never a skip."""
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(pytest.fail.Exception, match=r"ip and iptables.*ops/bootstrap"):
+        require_lab()
