@@ -208,13 +208,14 @@ async def _drain(stream: trio.abc.ReceiveStream | None, into: bytearray) -> None
         into += chunk
 
 
-async def run_shard(*args: str, timeout_s: float) -> Finished:
+async def run_shard(*args: str, timeout_s: float, prefix: Sequence[str] = ()) -> Finished:
     """Run ``shard ARGS`` to completion within ``timeout_s`` (else ``AssertionError``).
 
     Records which processes of its group were still alive when it exited (``stragglers``),
-    then kills the group, so an orphan is reported rather than left running.
+    then kills the group, so an orphan is reported rather than left running. ``prefix`` runs
+    it through another command that execs it (``ip netns exec NS``: same PID).
     """
-    return await _run([*SHARD, *args], ("shard", *args), timeout_s)
+    return await _run([*prefix, *SHARD, *args], ("shard", *args), timeout_s)
 
 
 async def run_python(code: str, *args: str, timeout_s: float) -> Finished:
@@ -262,16 +263,23 @@ def _log_file(path: Path) -> BinaryIO:
 
 @asynccontextmanager
 async def started_shard(
-    *args: str, stderr_path: Path, background: bool = False
+    *args: str,
+    stderr_path: Path,
+    background: bool = False,
+    prefix: Sequence[str] = (),
+    program: Sequence[str] = SHARD,
 ) -> AsyncIterator[trio.Process]:
     """Start ``shard ARGS`` (stdout piped, stderr to ``stderr_path``) for the body; on the way
     out, whatever happened, kill its whole process group and every orphan, and reap them.
 
     ``background``: start it as a shell starts ``shard ARGS &``, with SIGINT ignored.
+    ``prefix``: a command that execs it (``ip netns exec NS``: the PID stays the same).
+    ``program``: what runs ``ARGS`` instead of ``python -m shard`` (a test-only entry point).
     """
     options: dict[str, Any] = {"preexec_fn": _ignore_sigint} if background else {}
+    cmd = [*prefix, *program, *args]
     with _log_file(stderr_path) as stderr:
-        proc = await _open([*SHARD, *args], stdout=subprocess.PIPE, stderr=stderr, **options)
+        proc = await _open(cmd, stdout=subprocess.PIPE, stderr=stderr, **options)
     try:
         yield proc
     finally:

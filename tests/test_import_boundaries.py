@@ -16,7 +16,8 @@ The rules (each package's ``__init__`` docstring says the same):
 - ``shard.placement`` is pure planning: it imports no other shard package but
   ``shard.errors``, and nothing of torch or the network;
 - nothing in ``src`` imports the test helpers (``shard.testing``, its cheating stages in
-  ``shard.testing_cheats``) or fault injection
+  ``shard.testing_cheats``, its NAT firewall and tampering relay in ``shard.testing_nat``) or
+  fault injection
   (``shard.failover.faults``), except those helpers themselves.
 """
 
@@ -76,6 +77,7 @@ RULES = (
         (
             "shard.testing",
             "shard.testing_cheats",
+            "shard.testing_nat",
             "shard.failover.faults",
             "shard.observe.tui.testing",
         ),
@@ -86,6 +88,7 @@ RULES = (
 TEST_SUPPORT = (
     "shard.testing",
     "shard.testing_cheats",
+    "shard.testing_nat",
     "shard.failover.faults",
     "shard.observe.tui.testing",
 )

@@ -57,6 +57,11 @@ from shard.messages.ids import (
     NodeName,
     SessionId,
 )
+from shard.messages.reach import (
+    CallMe,
+    CallPlaced,
+    CallRequest,
+)
 from shard.messages.receipts import (
     EdgeRecord,
     RunReceipt,
@@ -127,6 +132,9 @@ Message = (
     | AuditVerdict
     | MeasureRtt
     | RttReport
+    | CallRequest
+    | CallMe
+    | CallPlaced
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -162,6 +170,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AuditVerdict,
     MeasureRtt,
     RttReport,
+    CallRequest,
+    CallMe,
+    CallPlaced,
 )
 
 __all__ = [
@@ -176,6 +187,9 @@ __all__ = [
     "AuditCounts",
     "AuditRequest",
     "AuditVerdict",
+    "CallMe",
+    "CallPlaced",
+    "CallRequest",
     "ChunkData",
     "ChunkMissing",
     "ChunkRequest",

@@ -136,7 +136,7 @@ def _slots(spec: SwarmSpec, n_layers: int) -> list[Slot]:
         return []  # the scheduler fills them when the ring forms
     blocks = spec.blocks(n_layers)
     return [
-        Slot(NodeName(s.name), first, last, NodeName(s.name), str(s.listen))
+        Slot(NodeName(s.name), first, last, NodeName(s.name), spec.address_of(s.name))
         for s, (first, last) in zip(spec.stages, blocks, strict=True)
     ]
 
@@ -330,7 +330,7 @@ async def run_coordinator(
             formed = await scheduler.formation.form()
             coordinator.formed(len(formed.stages))
             successor = successor or scheduler.formation.entry
-        await ring_link.connect(successor or str(spec.stages[0].listen))
+        await ring_link.connect(successor or spec.address_of(spec.stages[0].name))
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
             await endpoint.joined.wait()

@@ -30,6 +30,7 @@ from shard.nodes.coordinator import (
 from shard.nodes.drafter import make_drafter
 from shard.spec.swarm import SwarmSpec
 from shard.transport import DelayNetwork, MemoryNetwork, Network
+from shard.trust.compose import with_reach
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def spec_latency(spec: SwarmSpec) -> Callable[[str, str], float]:
     """One-way latency in seconds for (sending node, dialled address), from the spec's edges."""
     by_address = {str(spec.coordinator.listen): spec.coordinator.name}
     by_address.update({str(s.listen): s.name for s in spec.stages})
+    by_address.update({spec.address_of(s.name): s.name for s in spec.stages})  # nat:NAME
     ring = spec.ring()
     hops = set(itertools.pairwise(ring))
 
@@ -51,14 +53,21 @@ def spec_latency(spec: SwarmSpec) -> Callable[[str, str], float]:
 
 
 def node_network(spec: SwarmSpec, inner: Network, node: str, *, emulate: bool) -> Network:
-    """The network one node sees: ``inner``, delayed per the spec's edges when ``emulate``."""
+    """The network one node sees: ``inner`` (reaching ``reachable = false`` nodes through
+    callbacks and the relay when the spec has any: ``shard.trust.compose.with_reach``),
+    delayed per the spec's edges when ``emulate``."""
+    reach = with_reach(spec, node, _role(spec, node), inner, owns_inner=False)
     if not emulate:
-        return inner
+        return reach
     latency = spec_latency(spec)
     bandwidth = spec.default_bandwidth_mbps * 1e6
     return DelayNetwork(
-        inner, lambda src, dst: latency(node, dst), bandwidth_bps=bandwidth, local_name=node
+        reach, lambda src, dst: latency(node, dst), bandwidth_bps=bandwidth, local_name=node
     )
+
+
+def _role(spec: SwarmSpec, node: str) -> str:
+    return "coordinator" if node == spec.coordinator.name else "stage"
 
 
 async def run_swarm(

@@ -80,8 +80,8 @@ class StageHandle:
 
 
 def _successor(spec: SwarmSpec, index: int) -> str:
-    if index + 1 < len(spec.stages):
-        return str(spec.stages[index + 1].listen)
+    if index + 1 < len(spec.stages):  # nat:NAME when it accepts no inbound connection
+        return spec.address_of(spec.stages[index + 1].name)
     return str(spec.coordinator.listen)
 
 

@@ -63,7 +63,7 @@ FAILOVER_KEYS: Final = (
     "min_std_s",
 )
 STANDBY_KEYS: Final = (
-    "name", "listen", "layers_of", "role", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS
+    "name", "listen", "reachable", "layers_of", "role", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS
 )  # fmt: skip
 #: ``standby``: spliced in for a dead stage (and audits while it waits); ``auditor``: only
 #: audits (``[audit] enabled``), never spliced in, so it must hold a block (``layers_of``).

@@ -20,6 +20,7 @@ import attrs
 
 from shard.spec.device import DEVICE_KEYS, STAGE_DEVICE_KEYS, DeviceSpec, read_device
 from shard.spec.failover import read_layers_of, read_standby_role
+from shard.spec.reach import read_reachable
 from shard.spec.trust import CREDENTIAL_KEYS, CredentialPaths, read_credentials
 from shard.spec.validate import Block, Table, check_layer_mode, check_tiling, check_unique
 
@@ -27,8 +28,10 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
-NODE_KEYS: Final = ("name", "listen", *CREDENTIAL_KEYS, *DEVICE_KEYS)
-STAGE_KEYS: Final = ("name", "listen", "layers", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS)
+NODE_KEYS: Final = ("name", "listen", "reachable", *CREDENTIAL_KEYS, *DEVICE_KEYS)
+STAGE_KEYS: Final = (
+    "name", "listen", "reachable", "layers", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS
+)  # fmt: skip
 LINK_KEYS: Final = ("latency_ms", "bandwidth_mbps", "edge")
 EDGE_KEYS: Final = ("from", "to", "latency_ms", "bandwidth_mbps")
 
@@ -82,13 +85,15 @@ class StageSpec:
     """One stage node: its name, where it listens, and its block ``[first, last)`` (None = auto).
 
     ``credentials``: its key and token files (secure swarms; ``shard.spec.trust``);
-    ``runtime``: its device, dtype and CUDA-graph mode (``shard.spec.device``)."""
+    ``runtime``: its device, dtype and CUDA-graph mode (``shard.spec.device``);
+    ``reachable``: whether it accepts inbound connections (``shard.spec.reach``)."""
 
     name: str
     listen: Address
     layers: Block | None
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
     runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
+    reachable: bool = True
 
 
 @attrs.frozen
@@ -100,6 +105,7 @@ class CoordinatorSpec:
     listen: Address
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
     runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
+    reachable: bool = True
 
 
 @attrs.frozen
@@ -117,6 +123,7 @@ class StandbySpec:
     role: str = "standby"
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
     runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
+    reachable: bool = True
 
 
 NodeSpec = StageSpec | CoordinatorSpec | StandbySpec
@@ -159,6 +166,7 @@ def read_coordinator(table: Table, base_dir: Path | None) -> CoordinatorSpec:
         listen=_address(table, "listen", '"127.0.0.1:7700"'),
         credentials=read_credentials(table, base_dir, name),
         runtime=read_device(table, graphs=False),
+        reachable=read_reachable(table),
     )
 
 
@@ -171,6 +179,7 @@ def read_stage(table: Table, base_dir: Path | None) -> StageSpec:
         layers=table.layers("layers"),
         credentials=read_credentials(table, base_dir, name),
         runtime=read_device(table, graphs=True),
+        reachable=read_reachable(table),
     )
 
 
@@ -185,6 +194,7 @@ def read_standby(table: Table, base_dir: Path | None, stages: list[str]) -> Stan
         role=read_standby_role(table, layers_of),
         credentials=read_credentials(table, base_dir, name),
         runtime=read_device(table, graphs=True),
+        reachable=read_reachable(table),
     )
 
 

@@ -60,6 +60,7 @@ from shard.spec.nodes import (
     read_stage,
     read_standby,
 )
+from shard.spec.reach import advertised, check_reach, read_relay
 from shard.spec.speculation import SPECULATION_KEYS, SpeculationSpec, read_speculation
 from shard.spec.trust import TRUST_KEYS, TrustSpec, check_secure, read_trust
 from shard.spec.validate import (
@@ -93,7 +94,7 @@ _TOP_KEYS: Final = (
     "audit",
     "formation",
 )
-_SWARM_KEYS: Final = ("name", "model", "dtype", "insecure")
+_SWARM_KEYS: Final = ("name", "model", "dtype", "insecure", "relay")
 
 
 @attrs.frozen(kw_only=True)
@@ -126,6 +127,7 @@ class SwarmSpec:
     audit: AuditSpec = attrs.field(factory=AuditSpec)  # [audit]: spot checks (shard.spec.audit)
     #: [formation]: the ring forms from nodes that --join (no [[stage]]); None: as written
     formation: FormationSpec | None = None
+    relay: str = ""  # [swarm] relay: the relay's node (shard.spec.reach); "": the coordinator
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -170,6 +172,8 @@ class SwarmSpec:
         )
         formation = _read_formation(top, stages, standbys)
         check_nodes(source, coordinator, stages, standbys)
+        relay = read_relay(swarm, coordinator.name)
+        check_reach(source, relay, coordinator, (*stages, *standbys))
         links = top.table("links", LINK_KEYS, required=False)
         latency = links.number("latency_ms", default=0.0)
         bandwidth = links.number("bandwidth_mbps", default=0.0)
@@ -213,6 +217,7 @@ class SwarmSpec:
             ),
             audit=read_audit(top.table("audit", AUDIT_KEYS, required=False)),
             formation=formation,
+            relay=relay,
             source=source,
         )
 
@@ -328,6 +333,12 @@ class SwarmSpec:
         ring_nodes = [(s.name, s.runtime) for s in ring]
         check_dtypes(self.source, self.dtype, ring_nodes)
         return spec
+
+    def address_of(self, name: str) -> str:
+        """Where others dial node ``name``: its listen address, or ``nat:NAME`` when it has
+        ``reachable = false`` (``shard.spec.reach``). Errors: ``SpecError`` (no such node)."""
+        node = self.node(name)
+        return advertised(node, str(node.listen))
 
     def _nodes(self) -> tuple[NodeSpec, ...]:
         return (self.coordinator, *self.stages, *self.standbys)

@@ -15,6 +15,11 @@ One interface, three implementations, one relay::
                    per edge, in Trio time (virtual under MockClock)
     relay.py       DelayRelay / relay_main: a delaying TCP relay between real processes
                    (WAN emulation without privileges; `shard relay`)
+    paths.py       PathNetwork: more than one kind of connection on one address (a served
+                   connection whose listener speaks first; a raw pipe of whole messages)
+    nat.py         NatNetwork: reaching nodes that accept no inbound connection (nat:NAME),
+                   by a callback or through the relay (callee.py: the side behind NAT;
+                   relayhub.py: RelayHub, the relay role)
 
 An actor gets a ``Connection`` and sends and receives typed messages; the composition root
 picks the ``Network``. Open a network with ``async with network:`` before dialing.

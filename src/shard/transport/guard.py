@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from shard.errors import HandshakeError
 from shard.messages import Fault, Message, NodeName
 from shard.transport.base import Connection, ConnectionClosed, Handler, TransportError
+from shard.transport.paths import Pipe
 from shard.wire import WireError
 
 log = logging.getLogger("shard.transport")
@@ -108,6 +110,22 @@ async def serve_one(
             await conn.aclose()
 
 
+async def serve_pipe(pipe: Pipe, handler: Callable[[Pipe], Awaitable[None]]) -> None:
+    """``serve_one`` for a raw pipe (``shard.transport.paths``): run ``handler(pipe)``, then
+    close it; a connection error ends only this pipe (logged), anything else propagates."""
+    try:
+        await handler(pipe)
+    except BaseException as exc:
+        failure = connection_failure(exc)
+        if failure is None:
+            raise
+        level = logging.INFO if isinstance(failure, ConnectionClosed) else logging.WARNING
+        log.log(level, "pipe from %s ended: %s: %s", pipe.peer, type(failure).__name__, failure)
+    finally:
+        with trio.CancelScope(shield=True):
+            await pipe.aclose()
+
+
 async def _cut(conn: Connection, failure: Exception, *, what: str, node: NodeName | None) -> None:
     if isinstance(failure, ConnectionClosed):
         log.info("%s from %s closed: %s", what, conn.peer, failure)
@@ -186,4 +204,5 @@ __all__ = [
     "receive_within",
     "send_within",
     "serve_one",
+    "serve_pipe",
 ]

@@ -53,8 +53,18 @@ async def dial_peer(
                 ) from exc
             await trio.sleep(delay)
             delay = min(delay * 2, 1.0)
+    return await shake_hands(conn, hello, address, timeout_s=handshake_timeout_s)
+
+
+async def shake_hands(
+    conn: Connection, hello: Hello, address: str, *, timeout_s: float
+) -> Connection:
+    """Dialer side of the handshake on an open ``conn``: send ``hello``, wait for ``Welcome``.
+
+    Errors: ``HandshakeError`` (``conn`` closed) when the peer answers wrongly, or not within
+    ``timeout_s``."""
     try:
-        with trio.fail_after(handshake_timeout_s):
+        with trio.fail_after(timeout_s):
             await conn.send(hello)
             reply = await conn.receive()
     except (TransportError, trio.TooSlowError) as exc:

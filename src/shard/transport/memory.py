@@ -20,7 +20,8 @@ from shard.transport.base import (
     NetworkBase,
     TransportError,
 )
-from shard.transport.guard import serve_one
+from shard.transport.guard import serve_one, serve_pipe
+from shard.transport.paths import Piped, Router, Sealed
 from shard.wire import WireError, WireLimits, decode, encode
 
 #: Frames one direction buffers before ``send`` blocks. A socket buffers too: with a
@@ -59,7 +60,12 @@ class MemoryConnection:
         return self._counters.snapshot()
 
     async def send(self, msg: Message) -> None:
-        frame: _Frame = msg if self._limits is None else encode(msg, limits=self._limits)
+        await self.send_frame(msg if self._limits is None else encode(msg, limits=self._limits))
+
+    async def send_frame(self, frame: object) -> None:
+        """Send one frame as it is (a message, or its encoded bytes): a relay's pipe."""
+        if not isinstance(frame, bytes | Message):
+            raise TypeError(f"a memory frame is a message or bytes, not {type(frame).__name__}")
         try:
             await self._outgoing.send(frame)
         except trio.ClosedResourceError:
@@ -68,13 +74,17 @@ class MemoryConnection:
             raise ConnectionClosed(f"{self._peer}: peer closed the connection") from None
         self._counters.sent(len(frame) if isinstance(frame, bytes) else 0)
 
-    async def receive(self) -> Message:
+    async def receive_frame(self) -> _Frame:
+        """The next frame as it came, not decoded (a relay's pipe)."""
         try:
-            frame = await self._incoming.receive()
+            return await self._incoming.receive()
         except trio.ClosedResourceError:
             raise ConnectionClosed(f"{self._peer}: connection already closed here") from None
         except trio.EndOfChannel:
             raise ConnectionClosed(f"{self._peer}: peer closed the connection") from None
+
+    async def receive(self) -> Message:
+        frame = await self.receive_frame()
         if not isinstance(frame, bytes):
             self._counters.received(0)
             return frame
@@ -94,11 +104,38 @@ class MemoryConnection:
         await trio.lowlevel.checkpoint()
 
 
+class MemoryPipe:
+    """A served memory connection seen as whole frames, never decoded (a relay's end of a
+    relayed edge: ``shard.transport.paths.Pipe``)."""
+
+    def __init__(self, conn: MemoryConnection) -> None:
+        self._conn = conn
+
+    @property
+    def peer(self) -> str:
+        return self._conn.peer
+
+    async def receive(self) -> object:
+        return await self._conn.receive_frame()
+
+    def release(self) -> None:
+        """Nothing to give back: a memory network has no byte budget."""
+
+    async def send(self, item: object) -> None:
+        await self._conn.send_frame(item)
+
+    async def aclose(self) -> None:
+        await self._conn.aclose()
+
+
 class MemoryNetwork(NetworkBase):
     """An in-process ``Network``: ``serve`` registers a name, ``dial`` that name connects.
 
     Any string is an address; ``serve`` reports the same string as bound. Dialing needs no
-    background task, so ``async with network:`` is optional here (but harmless).
+    background task, so ``async with network:`` is optional here (but harmless). Paths
+    (``shard.transport.paths``) travel beside each connection; there is no handshake, so a
+    ``Sealed`` route's ``dialer`` changes nothing here, and a refused path is a connection
+    closed at once.
 
     Errors: ``dial`` raises ``TransportError`` when nothing serves the name; ``serve`` raises
     ``TransportError`` when the name is already served.
@@ -106,10 +143,13 @@ class MemoryNetwork(NetworkBase):
 
     def __init__(self, *, encode_frames: bool = False, limits: WireLimits | None = None) -> None:
         self._limits = (limits or WireLimits()) if encode_frames else None
-        self._listeners: dict[str, trio.MemorySendChannel[MemoryConnection]] = {}
+        self._listeners: dict[str, trio.MemorySendChannel[tuple[MemoryConnection, str]]] = {}
         self._clients = itertools.count(1)
 
     async def dial(self, address: str) -> MemoryConnection:
+        return await self.dial_path(address, "/", dialer=True)
+
+    async def dial_path(self, address: str, path: str, *, dialer: bool) -> MemoryConnection:
         listener = self._listeners.get(address)
         if listener is None:
             raise TransportError(f"{address}: connection refused (nothing serves that name)")
@@ -119,7 +159,7 @@ class MemoryNetwork(NetworkBase):
         name = f"memory-client-{next(self._clients)}->{address}"
         server = MemoryConnection(name, to_client, server_in, self._limits)
         try:
-            await listener.send(server)
+            await listener.send((server, path))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise TransportError(f"{address}: connection refused (listener stopped)") from None
         return client
@@ -137,15 +177,40 @@ class MemoryNetwork(NetworkBase):
         Errors: a handler's connection errors end only its connection (logged:
         ``shard.transport.guard.serve_one``); any other exception propagates and ends the server.
         """
+        await self.serve_paths(address, handler, lambda path: None, task_status=task_status)
+
+    async def serve_paths(
+        self,
+        address: str,
+        handler: Handler,
+        router: Router,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """As ``serve``; a connection dialled to another path than ``/`` goes where
+        ``router`` says (closed at once when it says None)."""
         if address in self._listeners:
             raise TransportError(f"{address}: address already in use on this memory network")
-        accept_send, accept_recv = trio.open_memory_channel[MemoryConnection](0)
+        accept_send, accept_recv = trio.open_memory_channel[tuple[MemoryConnection, str]](0)
         self._listeners[address] = accept_send
         try:
             async with accept_recv, trio.open_nursery() as nursery:
                 task_status.started(address)
-                async for conn in accept_recv:
-                    nursery.start_soon(serve_one, conn, handler)
+                async for conn, path in accept_recv:
+                    route = Sealed(handler, dialer=False) if path == "/" else router(path)
+                    if isinstance(route, Sealed):
+                        nursery.start_soon(serve_one, conn, route.handler)
+                    elif isinstance(route, Piped):
+                        nursery.start_soon(_serve_piped, conn, route)
+                    else:
+                        await conn.aclose()
         finally:
             del self._listeners[address]
             accept_send.close()
+
+
+async def _serve_piped(conn: MemoryConnection, route: Piped) -> None:
+    if route.ready is not None and not await route.ready():
+        await conn.aclose()
+        return
+    await serve_pipe(MemoryPipe(conn), route.handler)

@@ -26,6 +26,7 @@ import trio_websocket
 from shard.errors import HandshakeError
 from shard.messages import Hello, Message, Welcome
 from shard.transport.base import Connection, ConnectionStatistics, Handler, NetworkBase
+from shard.transport.paths import Route, Router, Sealed
 from shard.transport.websocket import (
     MAX_CONNECTIONS,
     POLICY_VIOLATION,
@@ -149,6 +150,10 @@ class SecureWebSocketNetwork(NetworkBase):
     async def dial(self, address: str) -> SecureConnection:
         return SecureConnection(await self._inner.dial(address))
 
+    async def dial_path(self, address: str, path: str, *, dialer: bool) -> SecureConnection:
+        """As ``WebSocketNetwork.dial_path``: the secure handshake runs as ``dialer`` says."""
+        return SecureConnection(await self._inner.dial_path(address, path, dialer=dialer))
+
     async def serve(
         self,
         address: str,
@@ -157,12 +162,27 @@ class SecureWebSocketNetwork(NetworkBase):
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """As ``WebSocketNetwork.serve``; ``handler`` gets ``SecureConnection``s."""
+        await self._inner.serve(address, _secured(handler), task_status=task_status)
 
-        async def secured(conn: Connection) -> None:
-            assert isinstance(conn, WebSocketConnection)
-            await handler(SecureConnection(conn))
+    async def serve_paths(
+        self,
+        address: str,
+        handler: Handler,
+        router: Router,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """As ``WebSocketNetwork.serve_paths``: a ``Sealed`` path's connection is secured
+        (the handshake run as its route says) and handed over as a ``SecureConnection``; a
+        ``Piped`` one is passed through untouched (a relay never opens what it carries)."""
 
-        await self._inner.serve(address, secured, task_status=task_status)
+        def route(path: str) -> Route | None:
+            found = router(path)
+            if isinstance(found, Sealed):
+                return Sealed(_secured(found.handler), dialer=found.dialer)
+            return found
+
+        await self._inner.serve_paths(address, _secured(handler), route, task_status=task_status)
 
     async def _handshake(
         self, ws: trio_websocket.WebSocketConnection, *, peer: str, dialer: bool
@@ -233,6 +253,14 @@ class SecureWebSocketNetwork(NetworkBase):
                 await ws.aclose(POLICY_VIOLATION, f"handshake refused: {exc.reason}")
             except trio_websocket.ConnectionClosed:
                 pass
+
+
+def _secured(handler: Handler) -> Handler:
+    async def secured(conn: Connection) -> None:
+        assert isinstance(conn, WebSocketConnection)
+        await handler(SecureConnection(conn))
+
+    return secured
 
 
 async def _receive(ws: trio_websocket.WebSocketConnection, peer: str) -> bytes:

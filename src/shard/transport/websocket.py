@@ -21,6 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
+import attrs
 import trio
 import trio_websocket
 from trio_websocket import HandshakeError
@@ -35,13 +36,15 @@ from shard.transport.base import (
     split_address,
 )
 from shard.transport.budget import BudgetedStream, ByteBudget
-from shard.transport.guard import serve_one
+from shard.transport.guard import serve_one, serve_pipe
+from shard.transport.paths import Piped, Route, Router, Sealed
 from shard.transport.wsconnection import (
     MESSAGE_TOO_BIG,
     OFFLOAD_BYTES,
     POLICY_VIOLATION,
     SEAL_OVERHEAD_BYTES,
     WebSocketConnection,
+    WebSocketPipe,
     max_message_size,
 )
 from shard.wire import PlainSealer, Sealer, WireLimits
@@ -56,6 +59,17 @@ MESSAGE_QUEUE = 1
 #: being read on each of the two ring links, for instance.
 BUFFER_MESSAGES = 4
 MAX_CONNECTIONS = 256
+
+
+@attrs.frozen
+class _Target:
+    """What a dial asks for: where, which resource, and which side of the handshake."""
+
+    host: str
+    port: int
+    address: str
+    path: str
+    dialer: bool
 
 
 class Handshake(Protocol):
@@ -123,26 +137,31 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         self._timeout_s = connect_timeout_s
 
     async def dial(self, address: str) -> WebSocketConnection:
+        return await self.dial_path(address, "/", dialer=True)
+
+    async def dial_path(self, address: str, path: str, *, dialer: bool) -> WebSocketConnection:
+        """Dial WebSocket resource ``path`` at ``address``, running the handshake hook as
+        ``dialer`` (``shard.transport.paths``). Errors: as ``dial``."""
         try:
             host, port = split_address(address)
         except ValueError as exc:
             raise TransportError(str(exc)) from None
-        conn: WebSocketConnection = await self._nursery.start(self._hold, host, port, address)
+        target = _Target(host, port, address, path, dialer)
+        conn: WebSocketConnection = await self._nursery.start(self._hold, target)
         return conn
 
     async def _hold(
         self,
-        host: str,
-        port: int,
-        address: str,
+        target: _Target,
         *,
         task_status: trio.TaskStatus[WebSocketConnection] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        address = target.address
         opened: list[WebSocketConnection] = []
         failure: BaseException | None = None
         refused: Refusal | None = None
         try:
-            await self._client(host, port, address, opened, task_status)
+            await self._client(target, opened, task_status)
         except* Refusal as group:
             refused = group.exceptions[0]  # type: ignore[assignment]  # a leaf, not a group
         except* (
@@ -162,15 +181,14 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
 
     async def _client(
         self,
-        host: str,
-        port: int,
-        address: str,
+        target: _Target,
         opened: list[WebSocketConnection],
         task_status: trio.TaskStatus[WebSocketConnection],
     ) -> None:
         # We own the socket and the reader task (rather than trio-websocket's open_websocket)
         # so the socket is closed on every path: trio-websocket leaves a client's socket open
         # when the server is the one that closes.
+        host, port, address = target.host, target.port, target.address
         deadline = trio.current_time() + self._timeout_s
         with trio.fail_at(deadline):
             raw = await trio.open_tcp_stream(host, port)
@@ -181,12 +199,12 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
                     nursery,
                     stream,  # type: ignore[arg-type]  # it needs only a trio Stream
                     join_address(host, port),
-                    "/",
+                    target.path,
                     message_queue_size=MESSAGE_QUEUE,
                     max_message_size=max_message_size(self._limits),
                     receive_buffer_size=RECEIVE_BUFFER_BYTES,
                 )
-                sealer = await self._open_sealer(ws, address, dialer=True)
+                sealer = await self._open_sealer(ws, address, dialer=target.dialer)
             conn = WebSocketConnection(ws, address, sealer, self._limits, self._timeout_s, stream)
             nursery.start_soon(conn.watch_reader)
             opened.append(conn)
@@ -226,16 +244,30 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         listening, cancels the handlers and closes their connections. Errors: ``ListenError``
         (one line: which address, why, what to do) when the address cannot be bound; a
         handler's ``WireError``/``TransportError`` ends only its connection (logged); any
-        other exception propagates and ends the server.
+        other exception propagates and ends the server. A path other than ``/`` is refused
+        (HTTP 404).
         """
+        await self.serve_paths(address, handler, _no_paths, task_status=task_status)
+
+    async def serve_paths(
+        self,
+        address: str,
+        handler: Handler,
+        router: Router,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """As ``serve``; a WebSocket resource other than ``/`` is served as ``router`` says
+        (``shard.transport.paths``), or refused with HTTP 404 when it says None."""
         host, _ = split_address(address)
         listeners = await open_listeners(address)
         bound = join_address(host, listeners[0].socket.getsockname()[1])
+        accept = partial(self._accept, handler, router)
         async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, partial(self._accept, handler), listeners)
+            await nursery.start(trio.serve_listeners, accept, listeners)
             task_status.started(bound)
 
-    async def _accept(self, handler: Handler, raw: trio.SocketStream) -> None:
+    async def _accept(self, handler: Handler, router: Router, raw: trio.SocketStream) -> None:
         try:
             host, port = raw.socket.getpeername()[:2]
         except OSError:  # already reset by the client
@@ -260,7 +292,7 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         self._per_peer[host] = self._per_peer.get(host, 0) + 1
         stream = self._budgeted(raw)
         try:
-            await self._serve_stream(handler, stream, peer)
+            await self._serve_stream(handler, router, stream, peer)
         finally:
             self._served -= 1
             self._per_peer[host] -= 1
@@ -281,39 +313,74 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
                     pass
             nursery.cancel_scope.cancel()
 
-    async def _serve_stream(self, handler: Handler, stream: BudgetedStream, peer: str) -> None:
+    async def _serve_stream(
+        self, handler: Handler, router: Router, stream: BudgetedStream, peer: str
+    ) -> None:
         async with stream, trio.open_nursery() as nursery:
-            ws: trio_websocket.WebSocketConnection | None = None
-            sealer: Sealer | None = None
-            refused: Refusal | None = None
-            with trio.move_on_after(self._timeout_s):
-                try:
-                    request = await trio_websocket.wrap_server_stream(
-                        nursery,
-                        stream,
-                        message_queue_size=MESSAGE_QUEUE,
-                        max_message_size=max_message_size(self._limits),
-                        receive_buffer_size=RECEIVE_BUFFER_BYTES,
-                    )
-                    ws = await request.accept()
-                    sealer = await self._open_sealer(ws, peer, dialer=False)
-                except trio_websocket.ConnectionClosed:
-                    pass
-                except Refusal as exc:
-                    refused = exc
             try:
-                if refused is not None:
-                    log.warning("handshake with %s failed: %s", peer, refused)
+                opened = await self._open_server(nursery, handler, router, stream, peer)
+                if opened is None:
                     return
-                if ws is None or sealer is None:
-                    what = "a WebSocket" if ws is None else "the secure"
-                    log.info("client %s did not complete %s handshake", peer, what)
+                ws, route, sealer = opened
+                if isinstance(route, Piped):
+                    pipe = WebSocketPipe(ws, peer, stream, self._timeout_s)
+                    nursery.start_soon(pipe.watch_reader)
+                    await serve_pipe(pipe, route.handler)
                     return
+                assert sealer is not None
                 conn = WebSocketConnection(ws, peer, sealer, self._limits, self._timeout_s, stream)
                 nursery.start_soon(conn.watch_reader)
-                await serve_one(conn, handler)
+                await serve_one(conn, route.handler)
             finally:
                 nursery.cancel_scope.cancel()
+
+    async def _open_server(
+        self,
+        nursery: trio.Nursery,
+        handler: Handler,
+        router: Router,
+        stream: BudgetedStream,
+        peer: str,
+    ) -> tuple[trio_websocket.WebSocketConnection, Route, Sealer | None] | None:
+        """The WebSocket upgrade, the route of its path and (for a ``Sealed`` route) the
+        handshake, within ``connect_timeout_s``; None when any of it failed (logged)."""
+        ws: trio_websocket.WebSocketConnection | None = None
+        route: Route | None = None
+        with trio.move_on_after(self._timeout_s):
+            try:
+                request = await trio_websocket.wrap_server_stream(
+                    nursery,
+                    stream,
+                    message_queue_size=MESSAGE_QUEUE,
+                    max_message_size=max_message_size(self._limits),
+                    receive_buffer_size=RECEIVE_BUFFER_BYTES,
+                )
+                route = (
+                    Sealed(handler, dialer=False) if request.path == "/" else router(request.path)
+                )
+                if route is None:
+                    log.info("refused %s: no such path %r", peer, request.path[:80])
+                    await request.reject(404, body=b"no such path on this node")
+                    return None
+                if isinstance(route, Piped) and route.ready is not None and not await route.ready():
+                    await request.reject(410, body=b"the other end of this edge did not come")
+                    return None
+                ws = await request.accept()
+                if isinstance(route, Piped):
+                    return ws, route, None
+                return ws, route, await self._open_sealer(ws, peer, dialer=route.dialer)
+            except trio_websocket.ConnectionClosed:
+                pass
+            except Refusal as exc:
+                log.warning("handshake with %s failed: %s", peer, exc)
+                return None
+        what = "a WebSocket" if ws is None else "the secure"
+        log.info("client %s did not complete %s handshake", peer, what)
+        return None
+
+
+def _no_paths(path: str) -> Route | None:
+    return None
 
 
 __all__ = [

@@ -156,6 +156,65 @@ class WebSocketConnection:
                 self._closing.cancel()
 
 
+class WebSocketPipe:
+    """A served WebSocket seen as whole messages, never opened or decoded (a relay's end of
+    a relayed edge: ``shard.transport.paths.Pipe``). A message's bytes stay on the node's
+    budget until ``release``."""
+
+    def __init__(
+        self,
+        ws: trio_websocket.WebSocketConnection,
+        peer: str,
+        stream: BudgetedStream,
+        close_s: float,
+    ) -> None:
+        self._ws = ws
+        self._peer = peer
+        self._stream = stream
+        self._close_s = close_s
+        self._reader_gone = False
+        self._closing: trio.CancelScope | None = None
+
+    @property
+    def peer(self) -> str:
+        return self._peer
+
+    async def receive(self) -> object:
+        try:
+            return await self._ws.get_message()
+        except trio_websocket.ConnectionClosed as exc:
+            raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
+
+    def release(self) -> None:
+        self._stream.take_message()
+
+    async def send(self, item: object) -> None:
+        if not isinstance(item, bytes | str):
+            raise TypeError(f"a WebSocket pipe carries bytes or str, not {type(item).__name__}")
+        try:
+            await self._ws.send_message(item)
+        except trio_websocket.ConnectionClosed as exc:
+            raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
+
+    async def aclose(self) -> None:
+        # As WebSocketConnection._close: bounded, and cut short once the reader is gone (no
+        # one could read the peer's answer).
+        with trio.move_on_after(self._close_s) as scope:
+            self._closing = scope
+            if self._reader_gone:
+                scope.cancel()
+            await self._ws.aclose()
+
+    async def watch_reader(self) -> None:
+        """As ``WebSocketConnection.watch_reader``."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._reader_gone = True
+            if self._closing is not None:
+                self._closing.cancel()
+
+
 def max_message_size(limits: WireLimits) -> int:
     """trio-websocket's per-message cap for frames under ``limits``, sealed."""
     return limits.max_frame_bytes + SEAL_OVERHEAD_BYTES

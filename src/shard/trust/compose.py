@@ -5,7 +5,9 @@
 ``WebSocketNetwork`` when the spec says ``insecure = true``, otherwise a
 ``SecureWebSocketNetwork`` holding the node's key and token, checked first against the spec's
 authority, swarm, revocations and the node's role, so a node that could not be admitted
-stops at once with the reason instead of being refused by every peer.
+stops at once with the reason instead of being refused by every peer. When any node has
+``reachable = false``, that network is wrapped in a ``NatNetwork`` (``with_reach``), which
+holds the relay role on the ``[swarm] relay`` node.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ from pathlib import Path
 
 import attrs
 
+from shard.messages import NodeName
+from shard.spec.nodes import NodeSpec
 from shard.spec.swarm import SwarmSpec
 from shard.transport import Network, WebSocketNetwork
+from shard.transport.nat import NatNetwork
+from shard.transport.paths import PathNetwork
+from shard.transport.relayhub import RelayHub
 from shard.transport.secure import SecureWebSocketNetwork
 from shard.trust.admission import (
     AdmissionToken,
@@ -86,11 +93,57 @@ def plain_network(spec: SwarmSpec) -> WebSocketNetwork:
     )
 
 
+def with_reach(
+    spec: SwarmSpec, name: str, role: str, inner: Network, *, owns_inner: bool
+) -> Network:
+    """``inner`` as node ``name`` (``role``) needs it to reach nodes behind NAT: when any node
+    of ``spec`` has ``reachable = false``, a ``NatNetwork`` around ``inner`` (holding the relay
+    role when ``name`` is ``[swarm] relay``); otherwise ``inner`` itself.
+
+    Errors: ``TypeError`` when ``inner`` cannot dial paths (``shard.transport.paths``)."""
+    nodes: list[NodeSpec] = [spec.coordinator, *spec.stages, *spec.standbys]
+    if all(node.reachable for node in nodes):
+        return inner
+    if not isinstance(inner, PathNetwork):
+        raise TypeError(f"{inner!r} cannot carry NAT-friendly edges (it has no dial_path)")
+    limits = spec.limits
+    relay = spec.relay or spec.coordinator.name
+    hub = None
+    if name == relay:
+        pair_s = min(8.0, 0.8 * limits.connect_timeout_s)  # within the dialer's connect time
+        hub = RelayHub(
+            NodeName(name),
+            spec.name,
+            role,
+            pair_timeout_s=pair_s,
+            handshake_timeout_s=limits.handshake_timeout_s,
+        )
+    return NatNetwork(
+        inner,
+        node=NodeName(name),
+        role=role,
+        swarm=spec.name,
+        advertise=spec.address_of(name),
+        relay=str(spec.node(relay).listen),
+        hub=hub,
+        owns_inner=owns_inner,
+        call_timeout_s=limits.connect_timeout_s,
+        handshake_timeout_s=limits.handshake_timeout_s,
+    )
+
+
 def node_network(spec: SwarmSpec, name: str, role: str, *, clock: Clock = time.time) -> Network:
-    """The network node ``name`` of ``spec`` runs on, as ``role``.
+    """The network node ``name`` of ``spec`` runs on, as ``role`` (around it, what reaches
+    nodes behind NAT when the spec has any: ``with_reach``).
 
     Errors: ``IdentityError`` / ``AdmissionError`` when its credentials cannot admit it.
     """
+    inner = _wire_network(spec, name, role, clock)
+    return with_reach(spec, name, role, inner, owns_inner=True)
+
+
+def _wire_network(spec: SwarmSpec, name: str, role: str, clock: Clock) -> Network:
+    """The plain or the sealed network of node ``name``."""
     timeout_s = spec.limits.connect_timeout_s
     cap = spec.limits.max_peer_connections
     if spec.insecure:

@@ -1,0 +1,32 @@
+"""Test-only entry point: ``python tests/nat_node.py MODE [shard args...]`` runs ``shard ARGS``
+with the relay role held by a ``TamperingHub`` (``shard.testing_nat``): MODE ``tamper`` flips
+one bit of the first relayed record of at least ``MIN_BYTES`` bytes after the handshake and
+Hello (a ring frame carrying activations); ``watch`` changes nothing and only logs when it
+carries a plaintext wire frame. There is no production flag for this: the seam is the hub class
+``shard.trust.compose`` builds, patched here only.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from functools import partial
+
+import shard.trust.compose as compose
+from shard.cli import main
+from shard.testing_nat import TamperingHub
+
+#: Message 3 of a direction is the first after the two handshake messages and Hello.
+AT = 3
+#: Larger than any control frame (a sealed heartbeat is ~50 bytes): an activation chunk.
+MIN_BYTES = 300
+
+
+def _run(mode: str, argv: Sequence[str]) -> int:
+    times = {"tamper": 1, "watch": 0}[mode]
+    compose.RelayHub = partial(TamperingHub, at=AT, min_bytes=MIN_BYTES, times=times)  # type: ignore[misc]
+    return main(list(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(_run(sys.argv[1], sys.argv[2:]))
