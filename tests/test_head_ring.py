@@ -1,0 +1,190 @@
+"""The draft head through the in-process ring: the target's features come back with each
+verdict, the head (alone, or in the hybrid) drafts from them, and the output stays the
+reference's for every K and depth; a sampled request drafts from the head's q and still
+follows the target's distribution."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from shard.coordinator.router import Completion, Coordinator
+from shard.decode.control import SpecConfig
+from shard.decode.head.build import HeadRecipe, train_head
+from shard.decode.head.trainer import TrainSettings
+from shard.messages import Sampling
+from shard.model.config import ModelConfig
+from shard.model.loader import load_stage
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.inprocess import run_swarm
+from shard.spec.swarm import SwarmSpec
+from shard.testing import make_tiny_checkpoint, scale_upper_layers
+from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal
+
+DEADLINE_S = 240.0
+RECIPE = HeadRecipe(
+    minutes=1.0,
+    data_share=0.2,
+    shortlist=0,
+    seq_len=96,
+    rows_per_chunk=8,
+    train=TrainSettings(batch=4, max_steps=120, checkpoint_every=1000, ce_positions=64),
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def agreeable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tiny = make_tiny_checkpoint(tmp_path_factory.mktemp("head-ring"), seed=11, n_layers=4)
+    agree = tmp_path_factory.mktemp("agree") / "m"
+    return scale_upper_layers(tiny, agree, from_layer=1, factor=0.05)
+
+
+@pytest.fixture(scope="module")
+def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A head trained for seconds on the target (weak: the ring must be right anyway)."""
+    root = tmp_path_factory.mktemp("head")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_head(agreeable, root / "h", root / "features", RECIPE, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    return root / "h"
+
+
+def spec_for(model_dir: Path, draft: str, head: Path) -> SwarmSpec:
+    """A 3-stage tiny ring drafting with the head (memory network addresses)."""
+    blocks = [(0, 1), (1, 3), (3, 4)]
+    data: dict[str, Any] = {
+        "swarm": {"name": "head", "model": str(model_dir), "insecure": True},
+        "limits": {"max_len": 160, "prefill_chunk": 8, "max_sessions": 16},
+        "coordinator": {"name": "coord", "listen": "127.0.0.1:9200"},
+        "stage": [
+            {"name": f"s{i}", "listen": f"127.0.0.1:{9201 + i}", "layers": list(b)}
+            for i, b in enumerate(blocks)
+        ],
+        "speculation": {"draft": draft, "draft_head": str(head)},
+    }
+    return SwarmSpec.from_dict(data, source="spec.toml")
+
+
+async def with_ring(spec: SwarmSpec, model_dir: Path, body: Any) -> Any:
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            handle: CoordinatorHandle = await nursery.start(
+                lambda task_status: run_swarm(spec, model_dir=model_dir, task_status=task_status)
+            )
+            result = await body(handle.coordinator)
+            nursery.cancel_scope.cancel()
+    return result
+
+
+@pytest.mark.parametrize("draft", ["head", "hybrid"])
+async def test_greedy_identical_for_every_k_and_depth(
+    agreeable: Path, head_dir: Path, draft: str
+) -> None:
+    """For K in 1..8 and D in 1..4, greedy output equals the reference (or a checked tie),
+    the head drafting from the features each verdict brings (and the n-gram in the hybrid)."""
+    spec = spec_for(agreeable, draft, head_dir)
+    refs = [reference(agreeable, p, 24) for p in PROMPTS]
+    ties = drafted = accepted = 0
+
+    async def body(coordinator: Coordinator) -> None:
+        nonlocal ties, drafted, accepted
+        for k in range(1, 9):
+            for depth in range(1, 5):
+                for prompt, ref in zip(PROMPTS, refs, strict=True):
+                    done = await coordinator.generate(
+                        prompt, max_tokens=24, speculation=SpecConfig(k=k, depth=depth)
+                    )
+                    ties += ties_or_equal(done.token_ids, ref)
+                    drafted += done.stats.drafted
+                    accepted += done.stats.accepted
+
+    await with_ring(spec, agreeable, body)
+    print(f"draft={draft}: {accepted} of {drafted} drafts accepted; ties {ties} of 96 runs")
+    assert drafted > 0 and accepted > 0
+
+
+async def test_adaptive_head_and_concurrent_sessions_identical(
+    agreeable: Path, head_dir: Path
+) -> None:
+    """The adaptive K/D with the hybrid, and eight sessions at once (batched stages): each
+    output is the reference's."""
+    spec = spec_for(agreeable, "hybrid", head_dir)
+    prompts = [[(3 * i + j) % 200 + 1 for j in range(4 + i)] * 2 for i in range(8)]
+    refs = [reference(agreeable, p, 16) for p in prompts]
+    results: dict[int, Completion] = {}
+
+    async def body(coordinator: Coordinator) -> None:
+        async def one(i: int) -> None:
+            results[i] = await coordinator.generate(prompts[i], max_tokens=16)
+
+        async with trio.open_nursery() as clients:
+            for i in range(8):
+                clients.start_soon(one, i)
+
+    await with_ring(spec, agreeable, body)
+    for i, ref in enumerate(refs):
+        ties_or_equal(results[i].token_ids, ref)
+    assert sum(r.stats.drafted for r in results.values()) > 0
+
+
+async def test_sampling_with_the_heads_q_follows_the_target(
+    agreeable: Path, head_dir: Path
+) -> None:
+    """1,500 seeded runs at temperature 0.7, the head drafting from its own q (sent with each
+    chunk, judged by the general rule): the first token passes a chi-square test against the
+    target's probabilities; the same seed gives the same text twice."""
+    spec = spec_for(agreeable, "head", head_dir)
+    prompt = PROMPTS[1]
+    temperature, n_runs = 0.7, 1500
+
+    async def body(coordinator: Coordinator) -> tuple[list[tuple[int, ...]], list[Completion]]:
+        outs = []
+        for i in range(n_runs):
+            done = await coordinator.generate(
+                prompt,
+                max_tokens=2,
+                sampling=Sampling(temperature=temperature, seed=7000 + i),
+                speculation=SpecConfig(k=3, depth=1),
+            )
+            outs.append(done.token_ids)
+        again = [
+            await coordinator.generate(
+                prompt,
+                max_tokens=12,
+                sampling=Sampling(temperature=temperature, seed=5),
+                speculation=SpecConfig(k=3, depth=1),
+            )
+            for _ in range(2)
+        ]
+        return outs, again
+
+    outs, again = await with_ring(spec, agreeable, body)
+    assert again[0].token_ids == again[1].token_ids
+    assert again[0].stats.drafted > 0
+    config = ModelConfig.from_dir(agreeable)
+    model = load_stage(agreeable, 0, config.n_layers)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), 0, model.new_cache(64))[0, -1]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    stat, dof = chi_square([o[0] for o in outs if o], probs, len(outs))
+    z = 3.09  # the 99.9th percentile (Wilson-Hilferty), as in test_spec_ring
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    print(f"chi-square {stat:.1f} on {dof} dof, limit {limit:.1f}")
+    assert stat < limit
