@@ -188,3 +188,30 @@ async def test_sampling_with_the_heads_q_follows_the_target(
     limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     print(f"chi-square {stat:.1f} on {dof} dof, limit {limit:.1f}")
     assert stat < limit
+
+
+def test_spec_reads_the_head_draft(tmp_path: Path, head_dir: Path) -> None:
+    """draft_head: a directory, or a head name; the default is <model>-head for a bundled
+    model; a model by path needs a directory; other drafts refuse the key."""
+    from shard.spec.validate import SpecError
+
+    def spec(speculation: dict[str, Any], model: str = "smollm2") -> SwarmSpec:
+        data: dict[str, Any] = {
+            "swarm": {"name": "h", "model": model, "insecure": True},
+            "coordinator": {"name": "coord", "listen": "127.0.0.1:9300"},
+            "stage": [{"name": "s0", "listen": "127.0.0.1:9301"}],
+            "speculation": speculation,
+        }
+        return SwarmSpec.from_dict(data, source="spec.toml")
+
+    assert spec({"draft": "head"}).speculation.draft_head == "smollm2-head"
+    assert spec({"draft": "hybrid", "draft_head": "smollm2-head"}).speculation.uses_head
+    got = spec({"draft": "head", "draft_head": str(head_dir)}, model=str(tmp_path))
+    assert got.speculation.draft_head == str(head_dir.resolve())
+    for bad, model, why in [
+        ({"draft": "head"}, str(tmp_path), "needs draft_head"),
+        ({"draft": "head", "draft_head": "no/such/dir"}, "smollm2", "neither a head directory"),
+        ({"draft": "ngram", "draft_head": "smollm2-head"}, "smollm2", "only meaningful"),
+    ]:
+        with pytest.raises(SpecError, match=why):
+            spec(bad, model=model)
