@@ -255,3 +255,15 @@ def test_sampling_needs_a_positive_temperature(target: StageModel) -> None:
     ids, feats = stream(target, 12)
     with pytest.raises(HeadError, match="temperature"):
         fed(make_head(target), feats, 5).propose_sampled(ids[:6], 2, torch.Generator(), 0.0)
+
+
+def test_ranked_puts_the_greedy_draft_first(target: StageModel) -> None:
+    """``ranked`` (what β is measured with) lists distinct tokens, best first: the first is
+    the greedy draft; nothing before any feature is observed."""
+    head = make_head(target)
+    ids, feats = stream(target, 24)
+    proposer = fed(head, feats, 15)
+    top = proposer.ranked(ids[:16], 5)
+    assert len(top) == len(set(top)) == 5
+    assert top[0] == fed(head, feats, 15).propose(ids[:16], 1)[0]
+    assert HeadProposer(head, max_len=40).ranked(ids[:16], 5) == []

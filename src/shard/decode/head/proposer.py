@@ -99,6 +99,19 @@ class HeadProposer:
     def feedback(self, drafted: int, accepted: int) -> None:
         return None
 
+    def ranked(self, context: Sequence[int], n: int) -> list[int]:
+        """The head's ``n`` likeliest tokens for the first draft after ``context``, best first
+        (its greedy draft is the first): what a tree verify would send (``bench/head_beta``)."""
+        tokens = list(context)
+        m = len(tokens) - 1
+        if m < 1 or self._obs_hi == self._obs_lo or m - 1 < self._first or m >= self._max_len:
+            return []
+        with torch.inference_mode():
+            self._catch_up(tokens, m)
+            logits = self._head.logits(self._g[m - 1])  # [N]
+            top = torch.topk(logits, min(n, int(logits.shape[0]))).indices
+            return [int(t) for t in self._head.to_vocab(top)]
+
     def _draft(
         self,
         context: Sequence[int],
