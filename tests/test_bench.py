@@ -187,3 +187,26 @@ def test_default_output_is_new_and_committed_results_are_kept() -> None:
         parse(["--plot", str(plot)], root=REPO, prog="shard bench", now=now)
     forced = parse(["--json", str(committed), "--force", "--ignore-eos"], root=REPO, prog="x")
     assert (forced.json_out, forced.plot_out, forced.ignore_eos) == (committed, plot, True)
+
+
+def test_head_drafts_are_opt_in_and_need_a_built_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default a bench run compares n-gram, best and oracle; asking for the head or the
+    hybrid without a built head is one clear line, before any reference is computed."""
+    from shard.bench.main import bench_main
+    from shard.bench.options import parse
+
+    opts = parse(["--json", str(tmp_path / "o.json")], root=REPO, prog="shard bench")
+    assert opts.drafts == ("ngram", "best", "oracle") and opts.head is None
+    opts = parse(
+        ["--drafts", "head,hybrid", "--head", "x", "--json", str(tmp_path / "o.json")],
+        root=REPO,
+        prog="shard bench",
+    )
+    assert opts.drafts == ("head", "hybrid") and opts.head == "x"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    argv = ["--drafts", "ngram,head", "--head", str(tmp_path / "none")]
+    code = bench_main([*argv, "--json", str(tmp_path / "o.json")], root=REPO)
+    err = capsys.readouterr().err
+    assert code == 1 and "--drafts head/hybrid" in err and "not a head directory" in err

@@ -39,6 +39,8 @@ def bench_main(argv: Sequence[str], *, root: Path | None = None, prog: str = "sh
         opts = parse(argv, root=root or Path.cwd(), prog=prog)
         base = load_spec(opts.spec)
         check_base(base)
+        if {"head", "hybrid"} & set(opts.drafts):  # before minutes of references, not after
+            opts = attrs.evolve(opts, head=str(_head_dir(opts, base)))
     except (OptionsError, SpecError, BenchSpecError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
@@ -119,6 +121,13 @@ def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> 
         "ngram": {"alpha1": hits / max(guessed, 1), "coverage": guessed / max(positions, 1)},
         "ngram_token_s": cost["ngram"],
     }
+    if {"head", "hybrid"} & set(opts.drafts):
+        head = _head_dir(opts, base)
+        token_s = _head_token_s(head)
+        for kind in ("head", "hybrid"):
+            speculation[kind] = {"draft": kind, "draft_head": str(head), **pol}
+            cost[kind] = token_s  # the hybrid's copied tokens are free: an upper bound
+        picked.update(head=str(head), head_token_s=token_s)
     if "best" in opts.drafts:
         best, candidates = _best_draft(opts, base, model_dir, refs)
         speculation["best"] = {**best.speculation, **pol}
@@ -236,3 +245,24 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(none)"
+
+
+def _head_dir(opts: Options, base: SwarmSpec) -> Path:
+    """The head the head and hybrid drafts use: ``--head``, else ``<model>-head`` (never
+    built here: a bench run that trains for minutes first would time everything wrong)."""
+    from shard.decode.head.cache import HeadNotFound, resolve_head
+
+    name = opts.head or f"{base.model}-head"
+    try:
+        return resolve_head(name, build=False)
+    except HeadNotFound as exc:
+        raise OptionsError(f"--drafts head/hybrid: {exc}") from None
+
+
+def _head_token_s(head: Path) -> float:
+    """Seconds per drafted token, as the head's training run measured it (0: not recorded)."""
+    try:
+        report = json.loads((head / "train.json").read_text(encoding="utf-8"))
+        return float(report["measured"]["draft_ms"]) / 1000.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0

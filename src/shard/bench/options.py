@@ -21,7 +21,10 @@ from typing import Final
 import attrs
 
 MODES: Final = ("plain", "spec", "pipelined")
-DRAFTS: Final = ("ngram", "best", "oracle")
+DRAFTS: Final = ("ngram", "best", "head", "hybrid", "oracle")
+#: What a run compares unless --drafts says otherwise (the head and the hybrid need a trained
+#: head: ``shard draft train``, or --head DIR).
+DEFAULT_DRAFTS: Final = ("ngram", "best", "oracle")
 
 DESCRIPTION = """\
 Plain, speculative (D = 1) and speculative + pipelined decoding, side by side in one run,
@@ -79,6 +82,7 @@ class Options:
     request_timeout_s: float
     oracle_policy: str
     ignore_eos: bool = False  # every request runs max_tokens: EOS does not stop it
+    head: str | None = None  # the head and hybrid drafts' head (None: <model>-head)
 
 
 class OptionsError(Exception):
@@ -133,6 +137,7 @@ def parse(
         request_timeout_s=args.request_timeout,
         oracle_policy=args.oracle_policy,
         ignore_eos=args.ignore_eos,
+        head=args.head,
     )
 
 
@@ -156,7 +161,16 @@ def _parser(root: Path, prog: str) -> argparse.ArgumentParser:
         help="prompt-set file (default bench/prompts/spec_ring.toml)",
     )
     p.add_argument("--modes", default=",".join(MODES), help="subset of plain,spec,pipelined")
-    p.add_argument("--drafts", default=",".join(DRAFTS), help="subset of ngram,best,oracle")
+    p.add_argument(
+        "--drafts",
+        default=",".join(DEFAULT_DRAFTS),
+        help="subset of ngram,best,head,hybrid,oracle (default ngram,best,oracle)",
+    )
+    p.add_argument(
+        "--head",
+        help="the head and hybrid drafts' head: a directory or a head name (default "
+        "<model>-head, which must be built: shard draft train)",
+    )
     p.add_argument(
         "--latencies", default="0,10,25,50", help="one-way ms per ring edge (default 0,10,25,50)"
     )

@@ -9,7 +9,13 @@ from typing import Any
 
 Record = dict[str, Any]
 ALL = "all"
-COLORS = {"ngram": "tab:blue", "best": "tab:green", "oracle": "tab:red"}
+COLORS = {
+    "ngram": "tab:blue",
+    "best": "tab:green",
+    "head": "tab:purple",
+    "hybrid": "tab:orange",
+    "oracle": "tab:red",
+}
 
 
 def summarize(runs: Sequence[Record]) -> list[Record]:
