@@ -6,7 +6,11 @@ Along the target's own greedy continuations of the held-out prompts
 the target's real features up to it (``HeadProposer.observe``, as on the ring) and ranks its
 first draft (``HeadProposer.ranked``). Reported: α₁ = P(top-1 is the target's token),
 β = P(top-2 is | top-1 is not), and the top-k coverage for k = 1..8 (the acceptance a k-way
-tree's first level would reach). A tree verify pays only if β is large enough to buy back
+tree's first level would reach). And, for a sampled request at ``--temperature`` (0.7), the
+first draft's expected acceptance two ways, exactly (no sampling noise): drawn from the
+head's q and judged by the general rule, Σ min(p, q); the head's greedy token judged by the
+one-hot rule, p(argmax q) — p the target's distribution at that temperature.
+A tree verify pays only if β is large enough to buy back
 the extra rows every verify chunk would carry: on this CPU, where a stage's compute grows
 with rows (docs/benchmarks.md, batched stages), the first level of a k-wide tree costs
 about what k - 1 more drafted tokens do.
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", type=Path, required=True, help="a head directory (shard draft train)")
     p.add_argument("--model", default="smollm2", help="the target: bundled name or directory")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "head_beta.json")
+    p.add_argument("--temperature", type=float, default=0.7, help="for the sampled acceptance")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     target_dir = resolve_model(args.model)
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     within = [0] * TOP  # the target's token among the head's top k, k = 1..TOP
     positions = 0
+    with_q = one_hot = 0.0  # expected first-draft acceptance at the temperature, summed
+    assert target.lm_head is not None
     for ids, feats, prompt_len in refs:
         stream = ids.tolist()
         proposer = HeadProposer(head, max_len=len(stream) + 2)
@@ -63,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         for m in range(first, len(stream) - 1):
             proposer.observe(m - 1, feats[m - 1 : m])
             ranked = proposer.ranked(stream[: m + 1], TOP)
+            q = proposer.first_q(stream[: m + 1], args.temperature)
+            with torch.inference_mode():
+                p_logits = target.lm_head(feats[m]).float() / args.temperature  # [V]
+            p = torch.softmax(p_logits, dim=-1)
+            if q is not None:
+                ids, probs = q
+                with_q += float(torch.minimum(p[ids], probs).sum())
+                one_hot += float(p[ranked[0]])
             positions += 1
             if stream[m + 1] in ranked:
                 for k in range(ranked.index(stream[m + 1]), TOP):
@@ -82,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         "alpha1": round(alpha1, 4),
         "beta": round(beta, 4),
         "top_k_coverage": {k + 1: round(within[k] / positions, 4) for k in range(TOP)},
+        "temperature": args.temperature,
+        "sampled_acceptance_with_q": round(with_q / positions, 4),
+        "sampled_acceptance_one_hot": round(one_hot / positions, 4),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("positions", "alpha1", "beta", "top_k_coverage")}))
+    keys = ("positions", "alpha1", "beta", "top_k_coverage", "sampled_acceptance_with_q")
+    print(json.dumps({k: result[k] for k in (*keys, "sampled_acceptance_one_hot")}))
     return 0
 
 

@@ -102,15 +102,26 @@ class HeadProposer:
     def ranked(self, context: Sequence[int], n: int) -> list[int]:
         """The head's ``n`` likeliest tokens for the first draft after ``context``, best first
         (its greedy draft is the first): what a tree verify would send (``bench/head_beta``)."""
+        logits = self._first_logits(context)
+        if logits is None:
+            return []
+        top = torch.topk(logits, min(n, int(logits.shape[0]))).indices
+        return [int(t) for t in self._head.to_vocab(top)]
+
+    def first_q(self, context: Sequence[int], temperature: float) -> SparseQ | None:
+        """The q ``propose_sampled`` would draw the first draft after ``context`` from."""
+        logits = self._first_logits(context)
+        return None if logits is None else self._q(logits, temperature)
+
+    def _first_logits(self, context: Sequence[int]) -> Tensor | None:
         tokens = list(context)
         m = len(tokens) - 1
         if m < 1 or self._obs_hi == self._obs_lo or m - 1 < self._first or m >= self._max_len:
-            return []
+            return None
         with torch.inference_mode():
             self._catch_up(tokens, m)
-            logits = self._head.logits(self._g[m - 1])  # [N]
-            top = torch.topk(logits, min(n, int(logits.shape[0]))).indices
-            return [int(t) for t in self._head.to_vocab(top)]
+            logits: Tensor = self._head.logits(self._g[m - 1])  # [N]
+            return logits
 
     def _draft(
         self,
@@ -173,10 +184,13 @@ class HeadProposer:
         logits = self._head.logits(g)  # [N]
         if generator is None:
             return int(self._head.to_vocab(logits.argmax())), None
-        top, index = torch.topk(logits.float() / temperature, min(self._top_k, len(logits)))
-        probs = torch.softmax(top, dim=-1)
+        ids, probs = self._q(logits, temperature)
         cdf = probs.cumsum(0)
         u = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
         pick = int(torch.searchsorted(cdf, u).clamp(max=len(probs) - 1))
-        ids = self._head.to_vocab(index)
         return int(ids[pick]), (ids, probs)
+
+    def _q(self, logits: Tensor, temperature: float) -> SparseQ:
+        """q: the softmax at ``temperature`` of the readout's ``top_k`` (token ids, probs)."""
+        top, index = torch.topk(logits.float() / temperature, min(self._top_k, len(logits)))
+        return self._head.to_vocab(index), torch.softmax(top, dim=-1)
