@@ -134,7 +134,7 @@ def test_proposer_is_deterministic(target: StageModel) -> None:
     a, b = fed(head, feats, 15), fed(head, feats, 15)
     assert a.propose(ids[:16], 5) == b.propose(ids[:16], 5)
     assert len(a.propose(ids[:16], 5)) == 5
-    assert a.features == head.config.window
+    assert a.features == head.config.window  # one layer
 
 
 def test_propose_after_a_shorter_context_is_a_fresh_proposal(target: StageModel) -> None:

@@ -76,7 +76,7 @@ def add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     relay.add_argument("args", nargs=argparse.REMAINDER)
     draft = sub.add_parser(
         "draft",
-        help="distil a small draft model from a target (`shard draft distill`)",
+        help="build drafts for a target (`shard draft distill`, `shard draft train`)",
         add_help=False,
     )
     draft.add_argument("args", nargs=argparse.REMAINDER)

@@ -204,11 +204,13 @@ class DraftHead(nn.Module):
         (``first``: the session's first fed position; older cache rows are never read).
         """
         s = features.shape[1]
-        h = self.inputs(features.to(self.readout.dtype), next_ids)  # [1, S, D]
+        w = self.readout
+        h = self.inputs(features.to(w.device, w.dtype), next_ids.to(w.device))  # [1, S, D]
         rope = (self.rope_cos[start : start + s], self.rope_sin[start : start + s])
         lo = max(first, start - self.config.window + 1)
-        q_pos = torch.arange(start, start + s)[:, None]  # [S, 1]
-        k_pos = torch.arange(lo, start + s)[None, :]  # [1, T]
+        dev = h.device
+        q_pos = torch.arange(start, start + s, device=dev)[:, None]  # [S, 1]
+        k_pos = torch.arange(lo, start + s, device=dev)[None, :]  # [1, T]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - self.config.window)  # [S, T]
         for j, layer in enumerate(self.layers):
             assert isinstance(layer, Block)

@@ -36,7 +36,8 @@ _CHUNK = 128  # observed positions fed to the head in one forward
 class HeadProposer:
     """Drafts greedily (``propose``) or by sampling its own q (``propose_sampled``).
 
-    ``features``: how many trailing prompt features it wants after prefill (its window).
+    ``features``: how many trailing prompt features it wants after prefill: its window
+    per layer (each layer looks a window further back through the one below).
     """
 
     name = "head"
@@ -48,16 +49,17 @@ class HeadProposer:
         self._top_k = top_k
         self._cache = head.new_cache(max_len)
         d = head.config.target.hidden_size
-        self._feats = torch.zeros(max_len, d)  # observed features by position
+        w = head.readout
+        self._feats = torch.zeros(max_len, d, dtype=w.dtype, device=w.device)  # by position
         self._obs_lo = self._obs_hi = 0  # observed positions [lo, hi), contiguous
-        self._g = torch.zeros(max_len, d)  # the head's output by position
+        self._g = torch.zeros(max_len, d, dtype=w.dtype, device=w.device)  # head outputs
         self._tokens: list[int] = []  # x_0..x_{done}: what positions [first, done) read
         self._first = 0  # the first head position of this session (= _obs_lo when fed)
         self._done = 0  # head positions [_first, _done) are computed and current
 
     @property
     def features(self) -> int:
-        return self._head.config.window
+        return self._head.config.window * self._head.config.layers
 
     def observe(self, position: int, features: Tensor) -> None:
         """The target's features ``[n, D]`` at stream positions ``position..position+n-1``.
@@ -78,7 +80,7 @@ class HeadProposer:
             self._obs_lo = position  # a fresh range (or one reaching further back)
             self._first = position
             self._done = position
-        self._feats[position : position + n] = features.to(self._feats.dtype)
+        self._feats[position : position + n] = features.to(self._feats.device, self._feats.dtype)
         self._obs_hi = position + n
         self._done = min(self._done, position)
 
@@ -191,6 +193,7 @@ class HeadProposer:
         return int(ids[pick]), (ids, probs)
 
     def _q(self, logits: Tensor, temperature: float) -> SparseQ:
-        """q: the softmax at ``temperature`` of the readout's ``top_k`` (token ids, probs)."""
+        """q: the softmax at ``temperature`` of the readout's ``top_k`` (token ids, probs),
+        on the CPU (where the sampler's generator and the wire are)."""
         top, index = torch.topk(logits.float() / temperature, min(self._top_k, len(logits)))
-        return self._head.to_vocab(index), torch.softmax(top, dim=-1)
+        return self._head.to_vocab(index).cpu(), torch.softmax(top, dim=-1).cpu()
