@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -146,6 +147,8 @@ def train_head(
     trainer = Trainer(head, data, recipe.train, work, seed=recipe.seed, fingerprint=fingerprint)
     train_budget = max(recipe.budget_s - recipe.data_budget_s(), 0.0)
     record = trainer.run(train_budget, progress=progress, on_step=on_step)
+    if progress:
+        print("measuring the head on held-out prompts (about a minute)", file=sys.stderr)
     measured = measure_head(target, tokenizer, head)
     report = HeadReport(
         out_dir=str(out_dir),
