@@ -150,8 +150,10 @@ class Trainer:
                 self.wall_s = wall0 + time.perf_counter() - began
                 self.losses.append(loss)
                 self.step += 1
+                bar.set_postfix(
+                    step=self.step, loss=f"{loss:.3f}", top1=f"{accuracy:.2f}", refresh=False
+                )
                 bar.update(min(round(self.train_s), round(budget_s)) - bar.n)
-                bar.set_postfix(step=self.step, loss=f"{loss:.3f}", top1=f"{accuracy:.2f}")
                 if self.step % self._s.checkpoint_every == 0:
                     self.save()
                     saved_at = self.step
