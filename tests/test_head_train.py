@@ -69,6 +69,8 @@ def test_train_head_publishes_a_complete_head(target_dir: Path, tmp_path: Path) 
     assert len(m["alpha"]) == len(m["committed"]) == 4 and m["starts"] > 0
     assert all(0.0 <= a <= 1.0 for a in m["alpha"]) and m["draft_ms"] > 0 < m["target_ms"]
     assert marker["feature_tokens"] > 0 and marker["positions_trained"] > 0
+    parts = marker["data_s"] + marker["train_wall_s"] + marker["measure_s"]
+    assert marker["wall_s"] >= parts - 0.2 and marker["train_wall_s"] >= marker["train_s"] - 0.1
     head = DraftHead.load(out)
     assert head.config.shortlist == 64 and len(head.shortlist) == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "h"]
