@@ -6,6 +6,8 @@ Everything runs on a tiny random checkpoint (a 4-layer target) with budgets of s
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 
 from shard.cli import main as cli_main
 from shard.decode.head import cache as head_cache
+from shard.decode.head import cli as head_cli
 from shard.decode.head.build import MARKER, HeadRecipe, train_head, work_dir_for
 from shard.decode.head.cache import HeadNotFound, cached_head, head_dir, resolve_head
 from shard.decode.head.features import MANIFEST, FeatureStore
@@ -66,6 +69,8 @@ def test_train_head_publishes_a_complete_head(target_dir: Path, tmp_path: Path) 
     assert len(m["alpha"]) == len(m["committed"]) == 4 and m["starts"] > 0
     assert all(0.0 <= a <= 1.0 for a in m["alpha"]) and m["draft_ms"] > 0 < m["target_ms"]
     assert marker["feature_tokens"] > 0 and marker["positions_trained"] > 0
+    parts = marker["data_s"] + marker["train_wall_s"] + marker["measure_s"]
+    assert marker["wall_s"] >= parts - 0.2 and marker["train_wall_s"] >= marker["train_s"] - 0.1
     head = DraftHead.load(out)
     assert head.config.shortlist == 64 and len(head.shortlist) == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "h"]
@@ -219,3 +224,30 @@ def test_measured_acceptance_counts_chains(target_dir: Path) -> None:
     assert starts == 20 and len(alpha) == 4  # m = 9..28: x_{m+1} in the continuation
     assert all(0 <= a <= 1 for a in alpha) and all(c >= 1 for c in committed)
     assert list(committed) == sorted(committed)
+
+
+def test_sigterm_interrupts_training_like_ctrl_c() -> None:
+    """Inside the command, SIGTERM raises ``KeyboardInterrupt`` (so training checkpoints);
+    outside it, the previous handler is back."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), head_cli._sigterm_interrupts():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_cli_interrupted_says_how_to_resume(
+    target_dir: Path,
+    tmp_path: Path,
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An interrupted `shard draft train` exits 130 and says that rerunning resumes."""
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(head_cli, "train_head", interrupted)
+    argv = ["draft", "train", "--target", str(target_dir), "--out", str(tmp_path / "h")]
+    assert cli_main(argv) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -75,7 +76,13 @@ class HeadRecipe:
 
 @attrs.frozen
 class HeadReport:
-    """What ``train_head`` built and how well it drafts."""
+    """What ``train_head`` built and how well it drafts.
+
+    Times add up over every run that contributed (an interrupted run and its resumption):
+    ``data_s`` made the features, ``train_s`` ran training steps (``train_wall_s`` with
+    checkpoints and progress), ``measure_s`` measured; ``wall_s`` is their sum plus this
+    run's loading of the target. Features an earlier head already made count in full.
+    """
 
     out_dir: str
     target: str
@@ -89,6 +96,8 @@ class HeadReport:
     resumed_from_step: int
     loss_first: float
     loss_last: float
+    train_wall_s: float
+    measure_s: float
     wall_s: float
     threads: int
     load_average: float
@@ -132,6 +141,7 @@ def train_head(
     store = FeatureStore(
         features_dir, seq_len=recipe.seq_len, seed=recipe.seed, rows_per_chunk=recipe.rows_per_chunk
     )
+    setup_s = time.perf_counter() - began  # loading the target (this run's; a few seconds)
     store.fill(target, tokenizer, recipe.data_budget_s(), progress=progress)
     data = store.load()
     shortlist = None
@@ -146,7 +156,11 @@ def train_head(
     trainer = Trainer(head, data, recipe.train, work, seed=recipe.seed, fingerprint=fingerprint)
     train_budget = max(recipe.budget_s - recipe.data_budget_s(), 0.0)
     record = trainer.run(train_budget, progress=progress, on_step=on_step)
+    if progress:
+        print("measuring the head on held-out prompts (about a minute)", file=sys.stderr)
+    measure_began = time.perf_counter()
     measured = measure_head(target, tokenizer, head)
+    measure_s = time.perf_counter() - measure_began
     report = HeadReport(
         out_dir=str(out_dir),
         target=str(target_dir),
@@ -160,7 +174,9 @@ def train_head(
         resumed_from_step=record.resumed_from,
         loss_first=round(record.loss_first, 4),
         loss_last=round(record.loss_last, 4),
-        wall_s=round(record.wall_s + time.perf_counter() - began, 1),
+        train_wall_s=round(record.wall_s, 1),
+        measure_s=round(measure_s, 1),
+        wall_s=round(setup_s + store.seconds + record.wall_s + measure_s, 1),
         threads=torch.get_num_threads(),
         load_average=round(os.getloadavg()[0], 2),
         measured=measured,

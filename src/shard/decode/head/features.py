@@ -92,8 +92,8 @@ class FeatureStore:
                 chunk = self._make_chunk(target, tokenizer, index)
                 seconds = time.perf_counter() - began
                 self._add(index, chunk, seconds)
-                bar.update(min(round(seconds), max(round(budget_s) - bar.n, 0)))
                 bar.set_postfix(tokens=self.tokens, refresh=False)
+                bar.update(min(round(seconds), max(round(budget_s) - bar.n, 0)))
         finally:
             bar.close()
 

@@ -147,8 +147,9 @@ class DraftHead(nn.Module):
             raise HeadError("a head is built from the whole target (embedding to head)")
         rows = 0 if shortlist is None else int(shortlist.numel())
         config = HeadConfig(target=target.config, layers=layers, window=window, shortlist=rows)
-        torch.manual_seed(seed)
-        head = cls(config)
+        with torch.random.fork_rng(devices=[]):  # seeded init, the caller's RNG untouched
+            torch.manual_seed(seed)
+            head = cls(config)
         with torch.no_grad():
             head.embed.weight.copy_(target.embed_tokens.weight)
             w = target.lm_head.weight

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
@@ -96,23 +97,25 @@ class Trainer:
         self.losses: list[float] = []
 
     def resume(self) -> bool:
-        """Load the newest checkpoint of the same settings, if there is one."""
+        """Load the newest readable checkpoint, if it is of the same settings."""
         for ckpt in sorted(self._work.glob("ckpt-*"), reverse=True):
             try:
                 state = json.loads((ckpt / _STATE).read_text(encoding="utf-8"))
                 if state.get("fingerprint") != self._fingerprint:
-                    return False
+                    return False  # another recipe's: train afresh (``save`` replaces it)
                 saved = DraftHead.load(ckpt)
                 moments = load_file(str(ckpt / "optim.safetensors"))
-            except (OSError, ValueError, HeadError):
-                continue
+                step, train_s = int(state["step"]), float(state["train_s"])
+                wall_s, positions = float(state["wall_s"]), int(state["positions"])
+                losses = [float(x) for x in state["losses"]]
+            except (OSError, KeyError, TypeError, ValueError, SafetensorError, HeadError):
+                continue  # a damaged checkpoint: try the one before it
             self.head.load_state_dict(saved.state_dict())
             self.head.shortlist = saved.shortlist
             self._table = index_in(saved.shortlist, self.head.config.target.vocab_size)
             self._load_moments(moments)
-            self.step, self.train_s = int(state["step"]), float(state["train_s"])
-            self.wall_s, self.positions = float(state["wall_s"]), int(state["positions"])
-            self.losses = [float(x) for x in state["losses"]]
+            self.step, self.train_s, self.wall_s = step, train_s, wall_s
+            self.positions, self.losses = positions, losses
             return True
         return False
 
@@ -147,8 +150,10 @@ class Trainer:
                 self.wall_s = wall0 + time.perf_counter() - began
                 self.losses.append(loss)
                 self.step += 1
+                bar.set_postfix(
+                    step=self.step, loss=f"{loss:.3f}", top1=f"{accuracy:.2f}", refresh=False
+                )
                 bar.update(min(round(self.train_s), round(budget_s)) - bar.n)
-                bar.set_postfix(step=self.step, loss=f"{loss:.3f}", top1=f"{accuracy:.2f}")
                 if self.step % self._s.checkpoint_every == 0:
                     self.save()
                     saved_at = self.step
