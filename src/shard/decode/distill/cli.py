@@ -37,7 +37,8 @@ __all__ = ["distill_main"]
 
 
 def distill_main(argv: list[str] | None = None) -> int:
-    """``shard draft {distill,path} ...``: build a draft or print where one is; 0 or 2."""
+    """``shard draft {distill,train,path} ...``: build a draft or a head, or print where one
+    is; 0, 2 on an error, 130 when training is interrupted."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)

@@ -131,6 +131,9 @@ def train_head(
 
     Errors: ``HeadError`` when ``out_dir`` exists; ``HeadExists`` when a concurrent run
     published it first. An interrupt (``KeyboardInterrupt``) leaves a checkpoint behind.
+
+    Longer than the house limit on purpose, like ``distill``: it is the recipe read top to
+    bottom, and most of its lines are the report's fields.
     """
     began = time.perf_counter()
     target_dir, out_dir = Path(target_dir), Path(out_dir)
