@@ -49,11 +49,12 @@ def failover_spec(
     max_len: int = MAX_LEN,
     standby: bool = True,
     dead_after_s: float | None = 1.0,
+    latency_ms: float = 0.0,
 ) -> Path:
     """Three stages of two layers, a hot standby for ``victim`` (unless not ``standby``), and
     a scripted fault: SIGKILL, a ``stall`` (SIGSTOP for ``stall_s``) or a ``sever`` of its
     downstream edge (``kind=""``: none). ``dead_after_s``: LAN timings by default (loopback);
-    None keeps the spec's defaults (for a WAN)."""
+    None keeps the spec's defaults (for a WAN). ``latency_ms``: emulated on every edge."""
     ports = free_ports(5)
     lines = [
         "[swarm]",
@@ -72,6 +73,8 @@ def failover_spec(
         lines.append(f"layers = [{2 * i}, {2 * i + 2}]")
     if dead_after_s is not None:
         lines += ["[failover]", f"dead_after_s = {dead_after_s!r}"]
+    if latency_ms:
+        lines += ["[links]", f"latency_ms = {latency_ms!r}"]
     if standby:
         lines += ["[[standby]]", 'name = "spare"', f'listen = "{LOOPBACK}:{ports[4]}"']
         lines += [f'layers_of = "{victim}"']
@@ -190,7 +193,12 @@ async def test_a_frozen_stage_with_no_standby_rejoins_and_the_request_completes(
     """No standby, the default (WAN) timings; SIGSTOP s1 for 5 s, past dead_after_s (4 s): it
     is declared dead, nobody can take its slot, and after SIGCONT it is taken back into it
     (re-synced from s0's replay log). The request completes with output identical to the
-    single-process reference, and nothing claims s1 was replaced."""
+    single-process reference, and nothing claims s1 was replaced.
+
+    The links are intact while s1 is frozen, so the request goes on as soon as s1 wakes, and
+    the rejoin (s1 re-registers, its edges are re-dialled) runs beside it: 20 ms per edge keeps
+    the last 36 tokens longer than that takes (on a fast machine, with no latency, a tiny
+    model's request ended before s1 had re-registered, and the run with it)."""
     spec = failover_spec(
         tmp_path / "stall-alone.toml",
         llama_dir,
@@ -200,6 +208,7 @@ async def test_a_frozen_stage_with_no_standby_rejoins_and_the_request_completes(
         stall_s=5.0,
         standby=False,
         dead_after_s=None,
+        latency_ms=20.0,
     )
     reference = await local_reference(llama_dir)
     record = await swarm_run(spec, llama_dir, MAX_TOKENS)
