@@ -6,7 +6,6 @@ follows the target's distribution."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,11 @@ from shard.decode.head.trainer import TrainSettings
 from shard.messages import Sampling
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.nodes.coordinator import CoordinatorHandle
-from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
-from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal
+from test_head_train import one_thread  # noqa: F401 (autouse: one torch thread)
+from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal, with_ring
 
-DEADLINE_S = 240.0
 RECIPE = HeadRecipe(
     minutes=1.0,
     data_share=0.2,
@@ -36,14 +33,6 @@ RECIPE = HeadRecipe(
     rows_per_chunk=8,
     train=TrainSettings(batch=4, max_steps=120, checkpoint_every=1000, ce_positions=64),
 )
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +69,6 @@ def spec_for(model_dir: Path, draft: str, head: Path) -> SwarmSpec:
         "speculation": {"draft": draft, "draft_head": str(head)},
     }
     return SwarmSpec.from_dict(data, source="spec.toml")
-
-
-async def with_ring(spec: SwarmSpec, model_dir: Path, body: Any) -> Any:
-    with trio.fail_after(DEADLINE_S):
-        async with trio.open_nursery() as nursery:
-            handle: CoordinatorHandle = await nursery.start(
-                lambda task_status: run_swarm(spec, model_dir=model_dir, task_status=task_status)
-            )
-            result = await body(handle.coordinator)
-            nursery.cancel_scope.cancel()
-    return result
 
 
 @pytest.mark.parametrize("draft", ["head", "hybrid"])
