@@ -302,3 +302,22 @@ def test_monitor_joins_a_secure_swarm_with_key_and_token(
     assert main(["monitor", "--spec", str(spec), *client_only]) == 1
     assert "allows the roles client, not 'monitor'" in one_error(capsys)
     assert len(seen) == 2
+
+
+def test_coordinator_with_an_unfinished_head_is_one_line(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`draft = "head"` whose draft_head directory holds no finished head (no train.json):
+    the coordinator exits 1 with one line saying so, not a traceback."""
+    from procs import write_spec
+
+    model = tiny_checkpoint(seed=3, n_layers=2)
+    spec = write_spec(
+        tmp_path / "spec.toml", model_dir=model, blocks=[(0, 2)], limits={"max_len": 256}
+    )
+    (tmp_path / "half-head").mkdir()
+    with spec.open("a", encoding="utf-8") as f:
+        f.write('\n[speculation]\ndraft = "head"\ndraft_head = "half-head"\n')
+    assert main(["up", "--role", "coordinator", "--spec", str(spec)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "is not a finished draft head (no train.json)" in errors[0]

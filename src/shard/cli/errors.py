@@ -27,6 +27,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
     from shard.api.keys import KeyFileError
     from shard.coordinator.client import ClientError
     from shard.coordinator.router import RingError
+    from shard.decode.head.model import HeadError
     from shard.decode.state import BadRequest
     from shard.failover.control import JoinRefused, NodeReplaced
     from shard.failover.formation import FormationError
@@ -64,6 +65,7 @@ def operator_errors() -> tuple[type[BaseException], ...]:
         FormationError,  # a [formation] swarm whose nodes never came, or cannot hold the model
         KeyFileError,
         PlanError,  # shard plan: no ring fits, or a bad --rtt geography (GeographyError)
+        HeadError,  # draft = "head": a draft_head that is no finished head (HeadNotFound)
         trio.TooSlowError,
     )
 
