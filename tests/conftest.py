@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +60,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("measured (reported, not asserted)")
         for line in _MEASURED:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and OpenMP spin-waits stall a busy machine
+    (modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,7 @@ Everything runs on tiny random checkpoints (a 4-layer target), in seconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,14 +18,7 @@ from shard.decode.head.proposer import HeadProposer
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from threads, and OpenMP spin-waits stall a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
-from test_head_train import one_thread  # noqa: F401 (autouse: one torch thread)
 from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal, with_ring
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 RECIPE = HeadRecipe(
     minutes=1.0,
