@@ -23,9 +23,11 @@ from shard.decode.draft import NGramProposer, Proposer, SamplingProposer, Sparse
 
 __all__ = ["HybridProposer"]
 
-#: Context tokens a lookup match must line up before the hybrid trusts it over the model: a
-#: one- or two-token match is a coincidence on prose, four is a copied span.
-DEFAULT_MIN_MATCH = 4
+#: Context tokens a lookup match must line up before the hybrid trusts it over the model:
+#: measured along the target's greedy continuations (``bench/hybrid_match.py``, 10 prompts,
+#: ``bench/results/hybrid_match.json``), a one-token match guesses right 12 % of the time
+#: against the head's 23 %, a two-token match 39 % against 23 %, and longer ones more still.
+DEFAULT_MIN_MATCH = 2
 
 
 def _one_hot(token: int) -> SparseQ:

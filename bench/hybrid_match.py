@@ -1,0 +1,126 @@
+"""Where should the hybrid draft trust prompt lookup over the head? Measured, per match length.
+
+Along the target's own greedy continuations (64 tokens) of the speculative ring benchmark's
+prompts (``bench/prompts/spec_ring.toml``: copy, code, prose, chat) and of the head's held-out
+prompts (``shard.decode.distill.train.HELD_OUT``), at every position: how many context tokens
+the n-gram lookup lines up (``NGramProposer.lookup``, the confidence ``HybridProposer``
+reads; capped at 8, the lookup's window), whether its first guess is the target's next token,
+and whether the head's (fed the target's real features up to that position, as on the ring)
+is. The hybrid's ``min_match`` should be the shortest match at which lookup is right more
+often than the head.
+
+    .venv/bin/python bench/hybrid_match.py --head DIR [--json bench/results/hybrid_match.json]
+
+Writes JSON (per set and over all: positions, lookup precision, head precision, by match
+length); a benchmark, not a test. Small counts at some lengths: read the "n" beside each rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from shard.decode.distill.train import HELD_OUT, reference_runs
+from shard.decode.draft import NGramProposer
+from shard.decode.head.model import DraftHead
+from shard.decode.head.proposer import HeadProposer
+from shard.decode.head.train import reference_features
+from shard.model.bundled import resolve_model
+from shard.model.config import ModelConfig
+from shard.model.loader import load_stage
+from shard.model.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = REPO / "bench" / "prompts" / "spec_ring.toml"
+CAP = 8  # the lookup's window: a match never lines up more tokens than this
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--head", type=Path, required=True, help="a head directory (shard draft train)")
+    p.add_argument("--model", default="smollm2", help="the target: bundled name or directory")
+    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "hybrid_match.json")
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    target_dir = resolve_model(args.model)
+    target = load_stage(target_dir, 0, ModelConfig.from_dir(target_dir).n_layers)
+    head = DraftHead.load(args.head)
+    bench = tomllib.loads(PROMPTS.read_text())["prompt"]
+    prompts = [("chat" if b.get("chat") else "plain", b["text"], b["set"]) for b in bench]
+    prompts += [(kind, text, "held-out") for kind, text in HELD_OUT]
+    runs = reference_runs(
+        target,
+        Tokenizer.from_dir(target_dir),
+        prompts=[(kind, text) for kind, text, _ in prompts],
+        tokens=args.tokens,
+    )
+    lookup = NGramProposer()
+    # set -> match length -> [positions, lookup right, head right]
+    counts: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
+    for (_, _, group), (ids, feats, prompt_len) in zip(
+        prompts, reference_features(target, runs), strict=True
+    ):
+        stream = ids.tolist()
+        proposer = HeadProposer(head, max_len=len(stream) + 2)
+        first = max(prompt_len - 1, 1)
+        lo = max(0, first - 1 - head.config.window)
+        proposer.observe(lo, feats[lo : first - 1])
+        for m in range(first, len(stream) - 1):
+            proposer.observe(m - 1, feats[m - 1 : m])
+            context = stream[: m + 1]
+            span, matched = lookup.lookup(context, 1)
+            guess = proposer.ranked(context, 1)
+            truth = stream[m + 1]
+            for key in (group, "all"):
+                row = counts[key][min(matched, CAP)]
+                row[0] += 1
+                row[1] += int(bool(span) and span[0] == truth)
+                row[2] += int(bool(guess) and guess[0] == truth)
+    by_set = {
+        group: {
+            str(length): {
+                "n": n,
+                "lookup": round(right / n, 3),
+                "head": round(head_right / n, 3),
+            }
+            for length, (n, right, head_right) in sorted(rows.items())
+        }
+        for group, rows in counts.items()
+    }
+    overall = counts["all"]
+    wins = [
+        length
+        for length, (n, right, head_right) in sorted(overall.items())
+        if length > 0 and right > head_right
+    ]
+    result = {
+        "benchmark": "hybrid_match",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.orig_argv),
+        "head": str(args.head),
+        "tokens_per_prompt": args.tokens,
+        "prompts": len(prompts),
+        "shortest_match_where_lookup_wins": min(wins) if wins else None,
+        "by_set": by_set,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    for group, rows in by_set.items():
+        cells = " ".join(
+            f"{length}:{r['lookup']:.2f}/{r['head']:.2f}(n={r['n']})" for length, r in rows.items()
+        )
+        print(f"{group:9s} {cells}")
+    print("shortest match where lookup beats the head:", result["shortest_match_where_lookup_wins"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
