@@ -46,11 +46,16 @@ def agreeable(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A head trained for seconds on the target (weak: the ring must be right anyway)."""
-    root = tmp_path_factory.mktemp("head")
+    return train_tiny_head(agreeable, tmp_path_factory.mktemp("head"))
+
+
+def train_tiny_head(model_dir: Path, root: Path) -> Path:
+    """``RECIPE``'s head for ``model_dir`` under ``root``, trained on one thread so that the
+    same target always gives the same head (and the same guesses)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train_head(agreeable, root / "h", root / "features", RECIPE, progress=False)
+        train_head(model_dir, root / "h", root / "features", RECIPE, progress=False)
     finally:
         torch.set_num_threads(before)
     return root / "h"

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from procs import LineReader, run_python, run_shard, started_shard, write_spec
-from shard.coordinator.client import request
+from shard.coordinator.client import request as ask_swarm
 from shard.decode.reference import generate_reference
 from shard.messages import GenerateRequest
 from shard.model.config import ModelConfig
@@ -27,6 +27,10 @@ from shard.trust.compose import client_network
 pytestmark = pytest.mark.slow
 
 PROMPTS = ("in in in the the river river", "Hello, world! Hello, world! Hello")
+#: Prompts on which the n-gram, the head trained for seconds and the hybrid guess some of
+#: the tiny model's tokens right, so accepted drafts cross the processes too (on PROMPTS
+#: they guess none: the tiny model's continuations of them never repeat).
+GUESSABLE = ("a a a a a a a a", "1 2 3 1 2 3 1 2 3")
 MAX_TOKENS = 20
 MAX_LEN = 256
 RUN_S = 150.0
@@ -58,12 +62,9 @@ def agreeable(
 @pytest.fixture(scope="module")
 def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A draft head trained for seconds on ``agreeable`` (``tests/test_head_ring.py``'s)."""
-    from shard.decode.head.build import train_head
-    from test_head_ring import RECIPE
+    from test_head_ring import train_tiny_head
 
-    root = tmp_path_factory.mktemp("head")
-    train_head(agreeable, root / "h", root / "features", RECIPE, progress=False)
-    return root / "h"
+    return train_tiny_head(agreeable, tmp_path_factory.mktemp("head"))
 
 
 def speculative_spec(path: Path, model_dir: Path, speculation: str) -> Path:
@@ -166,42 +167,68 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
 
 
 @pytest.mark.parametrize(
-    "speculation", ['draft = "ngram"', 'draft = "model"\ndraft_layers = 2'], ids=["ngram", "model"]
+    "speculation",
+    [
+        'draft = "ngram"',
+        'draft = "model"\ndraft_layers = 2',
+        'draft = "head"\ndraft_head = "{head}"',
+        'draft = "hybrid"\ndraft_head = "{head}"',
+    ],
+    ids=["ngram", "model", "head", "hybrid"],
 )
 async def test_swarm_greedy_identical_for_every_k_and_depth(
-    agreeable: Path, tmp_path: Path, speculation: str, report: Callable[[str], None]
+    agreeable: Path,
+    tmp_path: Path,
+    speculation: str,
+    report: Callable[[str], None],
+    request: pytest.FixtureRequest,
 ) -> None:
     """Through a running swarm of processes (`shard swarm up`), every K in 1..8 and D in 1..4,
-    asked per request, gives the reference's tokens (or diverges only at a checked tie)."""
+    asked per request, gives the reference's tokens (or diverges only at a checked tie); for
+    the head and the hybrid the tail's features cross real processes to the coordinator."""
+    prompts = PROMPTS if "draft_layers" in speculation else GUESSABLE
+    if "{head}" in speculation:
+        speculation = speculation.replace("{head}", str(request.getfixturevalue("head_dir")))
     path = speculative_spec(tmp_path / "spec.toml", agreeable, speculation)
     spec = load_spec(path)
-    local = await run_python(_LOCAL, str(agreeable), *PROMPTS, timeout_s=RUN_S)
+    local = await run_python(_LOCAL, str(agreeable), *prompts, timeout_s=RUN_S)
     assert local.returncode == 0, local.describe()
     refs = local.json_records()
     tokenizer = Tokenizer.from_dir(agreeable)
-    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    drafted = runs = deepest = ties = 0
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    drafted = accepted = runs = deepest = ties = 0
     async with started_shard("swarm", "up", str(path), stderr_path=tmp_path / "up.log") as up:
         with trio.fail_after(RUN_S):
             await LineReader(up.stdout).line_starting("SHARD SWARM UP")
         async with client_network(spec) as network:
+
+            async def one(i: int, k: int, depth: int) -> None:
+                nonlocal runs, drafted, accepted, deepest, ties
+                runs += 1
+                req = GenerateRequest(runs, prompts[i], MAX_TOKENS, k=k, depth=depth)
+                with trio.fail_after(60):
+                    done = await ask_swarm(
+                        network, str(spec.coordinator.listen), req, swarm=spec.name
+                    )
+                assert done.finish_reason != "error", (k, depth, done.error)
+                ties += check_same_or_tie(
+                    agreeable, prompt_ids[i], list(done.token_ids), refs[i]["token_ids"]
+                )
+                drafted += done.stats.drafted
+                accepted += done.stats.accepted
+                assert done.stats.max_depth <= depth, (k, depth, done.stats)
+                deepest = max(deepest, done.stats.max_depth)
+
             for k in range(1, 9):
                 for depth in range(1, 5):
-                    for i, prompt in enumerate(PROMPTS):
-                        runs += 1
-                        req = GenerateRequest(runs, prompt, MAX_TOKENS, k=k, depth=depth)
-                        with trio.fail_after(60):
-                            done = await request(
-                                network, str(spec.coordinator.listen), req, swarm=spec.name
-                            )
-                        assert done.finish_reason != "error", (k, depth, done.error)
-                        ties += check_same_or_tie(
-                            agreeable, prompt_ids[i], list(done.token_ids), refs[i]["token_ids"]
-                        )
-                        drafted += done.stats.drafted
-                        assert done.stats.max_depth <= depth, (k, depth, done.stats)
-                        deepest = max(deepest, done.stats.max_depth)
-    assert runs == 8 * 4 * len(PROMPTS)
+                    async with trio.open_nursery() as nursery:  # the prompts side by side
+                        for i in range(len(prompts)):
+                            nursery.start_soon(one, i, k, depth)
+    assert runs == 8 * 4 * len(prompts)
     assert drafted > 0 and deepest > 1  # drafts were verified, and chunks were pipelined
+    assert accepted > 0  # and some were right (the head's: from features across processes)
     draft = speculation.split('"')[1]
-    report(f"swarm of processes, draft={draft}, K 1..8 x D 1..4: numerical ties {ties} of {runs}")
+    report(
+        f"swarm of processes, draft={draft}, K 1..8 x D 1..4: numerical ties {ties} of {runs}, "
+        f"drafts accepted {accepted} of {drafted}"
+    )
