@@ -200,3 +200,17 @@ def test_layout_text_round_trips_and_bad_layouts_are_refused(
         apply_layout(written, Layout.parse("s9=0:6"))
     with pytest.raises(SpecError, match="starts at layer 1"):
         apply_layout(written, Layout.parse("s0=1:6"))
+
+
+def test_a_spec_no_plan_fits_runs_as_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Thirteen "auto" stages are more than the exact search takes with the stage count
+    kept: swarm up runs them as written and says why, instead of refusing to start."""
+    model = tmp_path / "big"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 14}))
+    names = [f"s{i}" for i in range(13)]
+    written = load_spec(write(tmp_path, model, stages(*names) + "[links]\nlatency_ms = 5.0\n"))
+    assert planned(written, model, args()) == (written, None)
+    assert "swarm up:    the spec as written (no plan: " in capsys.readouterr().err

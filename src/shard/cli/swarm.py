@@ -119,8 +119,9 @@ def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, 
     and the decision printed on stderr; with ``--rtt`` the ring's hops get the geography's
     latencies. Nothing is planned for ``--as-written`` or a ``[formation]`` swarm.
 
-    Errors: ``PlanError``, ``GeographyError``, ``InputError`` (a bad ``--rtt`` file),
-    ``UsageError`` (``--rtt`` with a formation swarm)."""
+    A spec no plan can be made for (``PlanError`` from the planner) runs as written, saying
+    why. Errors: ``PlanError`` (a geography without the spec's nodes), ``GeographyError``,
+    ``InputError`` (a bad ``--rtt`` file), ``UsageError`` (``--rtt`` with a formation swarm)."""
     rtt = getattr(args, "rtt", None)
     if spec.formation is not None:
         if rtt is not None:
@@ -129,17 +130,21 @@ def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, 
     if getattr(args, "as_written", False):
         return spec, None
     from shard.cli.plan import model_facts, read_geography_file
-    from shard.placement import plan
+    from shard.placement import PlanError, plan
     from shard.placement.report import text
-    from shard.spec.layout import apply_layout, decide, problem_of, with_links
+    from shard.spec.layout import Decision, apply_layout, decide, problem_of, with_links
 
     geography = read_geography_file(Path(rtt)) if rtt is not None else None
     model = model_facts(str(model_dir), spec.dtype)
     problem, assumed = problem_of(spec, model, geography, rtt_source=rtt or "--rtt")
-    chosen = plan(problem)
-    decision = decide(spec, problem, chosen)
-    regions = geography.regions if geography is not None else None
-    print(text(chosen, assumed=assumed, regions=regions), file=sys.stderr)
+    try:
+        chosen = plan(problem)
+        decision = decide(spec, problem, chosen)
+    except PlanError as exc:  # e.g. more stages than the exact search takes: run as written
+        decision = Decision(None, f"no plan: {exc}")
+    else:
+        regions = geography.regions if geography is not None else None
+        print(text(chosen, assumed=assumed, regions=regions), file=sys.stderr)
     print(decision.line(), file=sys.stderr, flush=True)
     if decision.layout is not None:
         spec = apply_layout(spec, decision.layout)

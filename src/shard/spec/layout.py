@@ -45,7 +45,16 @@ from shard.spec.nodes import EdgeSpec, StageSpec, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.validate import Block, check_tiling, even_split
 
-__all__ = ["ASSUMED_MS_PER_LAYER", "Decision", "Layout", "apply_layout", "decide", "problem_of"]
+__all__ = [
+    "ASSUMED_MS_PER_LAYER",
+    "Decision",
+    "Layout",
+    "apply_layout",
+    "decide",
+    "problem_of",
+    "spec_rtt",
+    "with_links",
+]
 
 #: What an unprofiled node is assumed to take per layer (ms): only its equality matters.
 ASSUMED_MS_PER_LAYER = 1.0
