@@ -214,3 +214,16 @@ def test_a_spec_no_plan_fits_runs_as_written(
     written = load_spec(write(tmp_path, model, stages(*names) + "[links]\nlatency_ms = 5.0\n"))
     assert planned(written, model, args()) == (written, None)
     assert "swarm up:    the spec as written (no plan: " in capsys.readouterr().err
+
+
+def test_shard_up_with_a_bad_layout_is_one_line(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`shard up --layout` that is malformed, or names no such node, fails in one error line
+    before anything starts."""
+    path = str(write(tmp_path, model_dir, BAD_ORDER))
+    for layout, says in (("s0:0:6", "NAME=FIRST:LAST"), ("s9=0:6", "not a stage or standby")):
+        argv = ["up", "--role", "stage", "--spec", path, "--node", "s0", "--layout", layout]
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shard: error: ") and says in err[0], err

@@ -284,7 +284,8 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
     placement.add_argument(
         "--as-written",
         action="store_true",
-        help="run the ring as the spec writes it: file order, even split (no planning)",
+        help="run the ring as the spec writes it (file order; its blocks, or the even split "
+        'for "auto"): no planning',
     )
 
 

@@ -48,7 +48,7 @@ def plan_main(args: argparse.Namespace) -> int:
 
         spec = load_spec(args.spec)
         model = model_facts(args.model or spec.model, spec.dtype)
-        problem, assumed = problem_of(spec, model, geography, rtt_source=args.rtt)
+        problem, assumed = problem_of(spec, model, geography, rtt_source=args.rtt or "--rtt")
     if args.pin_boundaries:
         problem = attrs.evolve(problem, pin_boundaries=True)
     if args.coordinator is not None:
