@@ -294,8 +294,9 @@ def test_monitor_joins_a_secure_swarm_with_key_and_token(
     monkeypatch.setattr(tui, "monitor_swarm", watch_swarm)
     watcher = ["--key", str(keys / "watcher.key"), "--token", str(keys / "watcher.token")]
     assert main(["monitor", "--spec", str(spec), *watcher]) == 0
-    model = str(tiny_checkpoint(seed=3, n_layers=2))
+    model = str(tiny_checkpoint(seed=3, n_layers=3))  # one layer per stage: swarm up plans
     assert main(["swarm", "up", str(spec), "--monitor", "--model", model]) == 0
+    assert "swarm up:    the spec as written" in capsys.readouterr().err  # its plan, first
     assert [address for address, _ in seen] == ["127.0.0.1:7740", "127.0.0.1:7740"]
     assert all(isinstance(net, SecureWebSocketNetwork) for _, net in seen)
     client_only = ["--key", str(keys / "cli.key"), "--token", str(keys / "cli.token")]

@@ -8,7 +8,8 @@ The rules (each package's ``__init__`` docstring says the same):
 - ``shard.wire`` is the one frame codec: it imports only ``shard.messages`` and ``shard.errors``;
 - ``shard.messages`` is plain data and imports no other shard package; ``shard.spec`` is plain
   data too (no torch, no network), reading public keys with ``shard.trust.identity`` and
-  building the K/D policy record of ``shard.decode.control`` (a pure module);
+  building the K/D policy record of ``shard.decode.control`` (a pure module) and planning its
+  ring with ``shard.placement`` (pure: ``shard.spec.layout``);
 - the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
   stage, transport or the CLI;
 - the HTTP API (``shard.api``) serves the coordinator: it imports neither the composition
@@ -46,11 +47,18 @@ RULES = (
     Rule("shard.wire", ("shard.",), allowed=("shard.wire", "shard.messages", "shard.errors")),
     Rule("shard.messages", ("shard.",), allowed=("shard.messages",)),
     # A spec names public keys: it parses them with the identity module (pure crypto). Its
-    # [speculation] K/D policy is the controller's own record (shard.decode.control: pure).
+    # [speculation] K/D policy is the controller's own record (shard.decode.control: pure);
+    # its ring is planned by shard.placement (pure: shard.spec.layout).
     Rule(
         "shard.spec",
         ("shard.", "torch", "trio", "trio_websocket", "msgpack", "zstandard"),
-        allowed=("shard.spec", "shard.messages", "shard.trust.identity", "shard.decode.control"),
+        allowed=(
+            "shard.spec",
+            "shard.messages",
+            "shard.trust.identity",
+            "shard.decode.control",
+            "shard.placement",
+        ),
     ),
     Rule(
         "shard.decode",

@@ -117,15 +117,20 @@ def test_plan_json_and_a_forced_coordinator(capsys: pytest.CaptureFixture[str]) 
 def test_plan_of_a_spec_says_what_it_assumed(
     spec: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A spec without profiles plans with equal speeds and its [links] latencies, and says so;
-    the slow s1 -> s2 hop is avoided."""
+    """A spec without profiles plans with equal speeds and its [links] latencies, keeps its
+    three stages, and says so; the slow s1 -> s2 hop is avoided, and the last line is the
+    layout `swarm up` runs: the plan's."""
     assert main(["plan", str(spec)]) == 0
     out = capsys.readouterr().out
     assert "assumed: s0, s1, s2, spare: 1.0 ms per layer (equal speeds)" in out
+    assert "assumed: no node is profiled: the ring keeps the spec's 3 stages" in out
     assert "assumed: latencies from the spec's [links]" in out
     ring = out.splitlines()[0]
     assert "s1 -> s2" not in ring
-    assert "even split in file order (4 stages, coordinator at coord)" in out
+    assert ring.count("->") == 4
+    assert "even split in file order (3 stages, coordinator at coord): 66.0 ms" in out
+    assert "best ring of 4 stages (not taken: the ring keeps 3)" in out
+    assert out.splitlines()[-1].startswith("swarm up:    --layout s0=0:2,s2=2:4,s1=4:6 ")
 
 
 def test_plan_of_a_spec_with_a_geography(

@@ -164,6 +164,14 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="CUDA graphs per chunk shape on a GPU stage: lazy (first use), warm (at session "
         "open) or off (overrides the spec's graphs; docs/model.md)",
     )
+    p.add_argument(
+        "--layout",
+        metavar="NAME=FIRST:LAST,...",
+        help="run the spec with this ring: its stages in this order holding these blocks, "
+        "the other stages and standbys standing by (what `shard plan SPEC` prints as "
+        "`swarm up: --layout ...`; `swarm up/run` pass it to every node; every node of a "
+        "swarm needs the same; docs/placement.md)",
+    )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds (default 180)")
     p.add_argument(
         "--api",
@@ -223,10 +231,15 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the spec sets link latency) and keep them running until Ctrl-C, SIGTERM or SIGHUP, "
         "which stops them all (exit 128 + the signal). A stage or standby that dies is "
         "reported (SHARD NODE EXITED) and replaced by a standby; the swarm serves on "
-        "(docs/failover.md). Only the coordinator's death ends it.",
+        "(docs/failover.md). Only the coordinator's death ends it. First it plans the ring "
+        "as `shard plan SPEC` does and prints that plan on stderr: when every stage is "
+        '"auto" and the plan beats the ring as written (a shorter predicted lap), the '
+        "nodes run the plan's order, blocks and standbys; a tie keeps the spec as written "
+        "(docs/placement.md).",
     )
     up.add_argument("spec", help="swarm spec (TOML), e.g. specs/local.toml")
     up.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
+    _placement_args(up)
     up.add_argument(
         "--api",
         metavar="HOST:PORT",
@@ -242,13 +255,15 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "run",
         help="start SPEC, run prompt(s), print the output, tear everything down",
         description="Start every node of SPEC, run the prompt(s) through the ring, print the "
-        "completions (or JSON with --json) and stop every process.",
+        "completions (or JSON with --json) and stop every process. The ring is planned as "
+        "for `swarm up`.",
     )
     run.add_argument("spec", help="swarm spec (TOML), e.g. specs/local.toml")
     what = run.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; - reads it from standard input")
     what.add_argument("--prompts", help="a UTF-8 file with one prompt per line")
     run.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
+    _placement_args(run)
     run.add_argument(
         "--receipt",
         metavar="OUT",
@@ -256,6 +271,22 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     _sampling_args(run)
     _ignore_eos_arg(run)
+
+
+def _placement_args(p: argparse.ArgumentParser) -> None:
+    placement = p.add_mutually_exclusive_group()
+    placement.add_argument(
+        "--rtt",
+        metavar="FILE",
+        help="plan the ring over this geography (as `shard plan SPEC --rtt FILE`) and "
+        "emulate its latencies on the ring's hops in place of the spec's [links] latency",
+    )
+    placement.add_argument(
+        "--as-written",
+        action="store_true",
+        help="run the ring as the spec writes it (file order; its blocks, or the even split "
+        'for "auto"): no planning',
+    )
 
 
 def _add_monitor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -293,8 +324,10 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "the predicted lap and why the alternatives lost (the even split in file order, "
         "other coordinator places, one stage more or less). With SPEC the candidates are its "
         "stages and standbys and the model its model; what the spec does not say (speeds, "
-        "memory) is assumed and printed. Plans only: `swarm up` still runs the spec as "
-        "written.",
+        "memory) is assumed and printed; when no node is profiled the ring keeps the "
+        "spec's number of stages. The last line says what `swarm up` runs: this plan's "
+        "layout (with the coordinator where the spec puts it) when it beats the ring as "
+        'written and every stage is "auto", else the spec as written, and why.',
     )
     p.add_argument(
         "spec", nargs="?", help="swarm spec (TOML): its stages and standbys are the candidates"

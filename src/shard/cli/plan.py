@@ -1,11 +1,11 @@
 """``shard plan [SPEC] [--rtt FILE]``: where the ring should run, and why (``shard.placement``).
 
 The edge of the pure planner: it reads the spec and the geography file, turns them into a
-``placement.Problem``, plans and prints. With SPEC the candidates are its stages and standbys
-and the model is its model; a node the geography does not profile is assumed (and the output
-says so): as fast as every other, with room for the whole model, untrusted. Without ``--rtt``
-the latencies are the spec's emulated ones (``[links]``: a hop's override, else the default).
-With ``--rtt`` alone the geography is the whole problem (nodes, model, coordinator places).
+``placement.Problem``, plans and prints. With SPEC the problem is ``shard.spec.layout``'s, the
+one ``shard swarm up|run`` plan too (its candidates are the spec's stages and standbys, the
+model its model, what the spec does not say assumed and printed), and the output ends with
+the layout ``swarm up`` would run (``swarm up:``). With ``--rtt`` alone the geography is the
+whole problem (nodes, model, coordinator places).
 """
 
 from __future__ import annotations
@@ -22,31 +22,33 @@ import attrs
 
 from shard.cli.errors import InputError, UsageError
 from shard.placement import (
-    Candidate,
     Geography,
     ModelFacts,
     PlanError,
     Problem,
-    RttMatrix,
     plan,
     read_geography,
 )
 from shard.placement.report import as_json, text
-
-ASSUMED_MS_PER_LAYER = 1.0
 
 
 def plan_main(args: argparse.Namespace) -> int:
     """Plan and print; exit 0, or one ``shard: error:`` line (``PlanError``, bad files)."""
     if args.spec is None and args.rtt is None:
         raise UsageError("give a SPEC, an --rtt geography, or both")
-    geography = _read_file(Path(args.rtt)) if args.rtt else None
-    assumed: list[str] = []
+    geography = read_geography_file(Path(args.rtt)) if args.rtt else None
+    assumed: tuple[str, ...] = ()
+    spec = None
     if args.spec is None:
         assert geography is not None
         problem = _from_geography(geography, args.rtt)
     else:
-        problem = _from_spec(args, geography, assumed)
+        from shard.spec.layout import problem_of
+        from shard.spec.swarm import load_spec
+
+        spec = load_spec(args.spec)
+        model = model_facts(args.model or spec.model, spec.dtype)
+        problem, assumed = problem_of(spec, model, geography, rtt_source=args.rtt or "--rtt")
     if args.pin_boundaries:
         problem = attrs.evolve(problem, pin_boundaries=True)
     if args.coordinator is not None:
@@ -57,15 +59,26 @@ def plan_main(args: argparse.Namespace) -> int:
             )
         problem = attrs.evolve(problem, coordinators=(args.coordinator,))
     chosen = plan(problem)
+    decision = None
+    if spec is not None and spec.formation is None and args.coordinator is None:
+        from shard.spec.layout import decide
+
+        decision = decide(spec, problem, chosen)
     if args.json:
-        print(json.dumps(as_json(chosen, assumed=assumed), indent=2))
+        data = as_json(chosen, assumed=assumed)
+        if decision is not None:
+            layout = None if decision.layout is None else str(decision.layout)
+            data["swarm_up"] = {"layout": layout, "why": decision.why}
+        print(json.dumps(data, indent=2))
     else:
         regions = geography.regions if geography is not None else None
         print(text(chosen, assumed=assumed, regions=regions))
+        if decision is not None:
+            print(decision.line())
     return 0
 
 
-def _read_file(path: Path) -> Geography:
+def read_geography_file(path: Path) -> Geography:
     """A geography from TOML (or JSON, by the ``.json`` suffix). Errors: ``InputError`` for
     a file that cannot be read or parsed, ``GeographyError`` for one that is not valid."""
     try:
@@ -103,73 +116,7 @@ def _from_geography(geography: Geography, source: str) -> Problem:
     )
 
 
-def _from_spec(
-    args: argparse.Namespace, geography: Geography | None, assumed: list[str]
-) -> Problem:
-    from shard.spec.swarm import load_spec
-
-    spec = load_spec(args.spec)
-    model = _model_facts(args.model or spec.model, spec.dtype)
-    names = [s.name for s in spec.stages] + [s.name for s in spec.standbys if s.role != "auditor"]
-    unprofiled = [n for n in names if geography is None or geography.node(n) is None]
-    largest = max(last - first for first, last in spec.blocks(model.n_layers))
-    room = largest * model.layer_bytes + model.embedding_bytes + model.head_bytes
-    if unprofiled:
-        assumed.append(
-            f"{', '.join(unprofiled)}: {ASSUMED_MS_PER_LAYER} ms per layer (equal speeds), room "
-            f"for {largest} layers (the spec's largest block) with the embedding and head, "
-            "untrusted; give [[node]] profiles in an --rtt file"
-        )
-    candidates = tuple(_candidate(n, geography, room) for n in names)
-    coordinators: tuple[str, ...] = (spec.coordinator.name,)
-    if geography is None:
-        rtt = _spec_rtt(spec)
-        assumed.append(
-            "latencies from the spec's [links] (one way; a hop without an override has the "
-            f"default {spec.default_latency_ms} ms, and so does every pair not in its ring)"
-        )
-    else:
-        rtt = geography.rtt
-        missing = [n for n in (spec.coordinator.name, *names) if not rtt.has(n)]
-        if missing:
-            raise PlanError(
-                f"{args.rtt}: rtt.nodes has no {', '.join(missing)} (nodes of {args.spec}); "
-                "add their rows and columns"
-            )
-        coordinators += tuple(c for c in geography.coordinators if c != spec.coordinator.name)
-        if geography.model is not None:
-            assumed.append(f"the model is {args.spec}'s, not the [model] of {args.rtt}")
-    return Problem(
-        candidates, rtt, model, coordinators, geography.pin_boundaries if geography else False
-    )
-
-
-def _candidate(name: str, geography: Geography | None, room: int) -> Candidate:
-    found = geography.node(name) if geography is not None else None
-    if found is not None:
-        return found
-    return Candidate(name, room, ASSUMED_MS_PER_LAYER, ASSUMED_MS_PER_LAYER)
-
-
-def _spec_rtt(spec: Any) -> RttMatrix:
-    """Round trips from the spec's one-way link latencies: twice the hop's (or the default)."""
-    names = [
-        spec.coordinator.name,
-        *(s.name for s in spec.stages),
-        *(s.name for s in spec.standbys),
-    ]
-    overrides = {(e.src, e.dst): e.latency_ms for e in spec.edges}
-    rows = []
-    for a in names:
-        row = []
-        for b in names:
-            one_way = overrides.get((a, b), spec.default_latency_ms)
-            row.append(0.0 if a == b else 2.0 * one_way)
-        rows.append(tuple(row))
-    return RttMatrix(tuple(names), tuple(rows))
-
-
-def _model_facts(model: str, dtype: str) -> ModelFacts:
+def model_facts(model: str, dtype: str) -> ModelFacts:
     """Layer, embedding and head sizes of ``model`` (a bundled name or a directory) in
     ``dtype``, from its ``config.json`` (no weights are read)."""
     from shard.model.bundled import resolve_model

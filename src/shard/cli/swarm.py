@@ -60,6 +60,8 @@ def up(args: argparse.Namespace) -> int:
     from shard.spec.swarm import load_spec
 
     spec = load_spec(args.spec)
+    if args.layout is not None:
+        spec = _laid_out(spec, args.layout)
     name = args.node or spec.coordinator.name
     if args.join is not None:
         spec = _joined(spec, args)
@@ -97,6 +99,58 @@ def up(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     trio.run(_run_node, spec, name, args, model_dir)
     return 0
+
+
+def _laid_out(spec: Any, text: str) -> Any:
+    """``spec`` running the ring ``--layout`` gives. Errors: ``SpecError`` for a bad one."""
+    from shard.spec.layout import Layout, apply_layout
+    from shard.spec.swarm import SpecError
+
+    try:
+        layout = Layout.parse(text)
+    except ValueError as exc:
+        raise SpecError(spec.source, "--layout", str(exc)) from None
+    return apply_layout(spec, layout)
+
+
+def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
+    """``spec`` as ``swarm up|run`` run it, and the layout its nodes get (None: as written):
+    planned as ``shard plan SPEC [--rtt FILE]`` plans it (``shard.spec.layout``), the plan
+    and the decision printed on stderr; with ``--rtt`` the ring's hops get the geography's
+    latencies. Nothing is planned for ``--as-written`` or a ``[formation]`` swarm.
+
+    A spec no plan can be made for (``PlanError`` from the planner) runs as written, saying
+    why. Errors: ``PlanError`` (a geography without the spec's nodes), ``GeographyError``,
+    ``InputError`` (a bad ``--rtt`` file), ``UsageError`` (``--rtt`` with a formation swarm)."""
+    rtt = getattr(args, "rtt", None)
+    if spec.formation is not None:
+        if rtt is not None:
+            raise UsageError("--rtt plans a written ring; a [formation] swarm places its nodes")
+        return spec, None
+    if getattr(args, "as_written", False):
+        return spec, None
+    from shard.cli.plan import model_facts, read_geography_file
+    from shard.placement import PlanError, plan
+    from shard.placement.report import text
+    from shard.spec.layout import Decision, apply_layout, decide, problem_of, with_links
+
+    geography = read_geography_file(Path(rtt)) if rtt is not None else None
+    model = model_facts(str(model_dir), spec.dtype)
+    problem, assumed = problem_of(spec, model, geography, rtt_source=rtt or "--rtt")
+    try:
+        chosen = plan(problem)
+        decision = decide(spec, problem, chosen)
+    except PlanError as exc:  # e.g. more stages than the exact search takes: run as written
+        decision = Decision(None, f"no plan: {exc}")
+    else:
+        regions = geography.regions if geography is not None else None
+        print(text(chosen, assumed=assumed, regions=regions), file=sys.stderr)
+    print(decision.line(), file=sys.stderr, flush=True)
+    if decision.layout is not None:
+        spec = apply_layout(spec, decision.layout)
+    if geography is not None:
+        spec = with_links(spec, geography.rtt)
+    return spec, decision.layout
 
 
 def _joined(spec: Any, args: argparse.Namespace) -> Any:
@@ -192,19 +246,27 @@ def swarm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    spec, layout = planned(spec, model_dir, args)
     if args.swarm_command == "up" and args.monitor:
         from shard.observe.tui.main import monitor_swarm
         from shard.trust.compose import client_network
 
         address = client_address(str(spec.coordinator.listen))
         network = client_network(spec, role="monitor")  # secure: [trust] client_key/_token
-        monitor_swarm(Path(args.spec), spec, model_dir=model_dir, address=address, network=network)
+        monitor_swarm(
+            Path(args.spec),
+            spec,
+            model_dir=model_dir,
+            address=address,
+            network=network,
+            layout=layout,
+        )
         return 0
     if args.swarm_command == "up":
         if args.api is not None:
             with_api(spec, args.api)  # refuse a bad address here, before any node starts
-        return trio.run(_swarm_up, Path(args.spec), spec, model_dir, args.api)
-    return trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args)
+        return trio.run(_swarm_up, Path(args.spec), spec, model_dir, args.api, layout)
+    return trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args, layout)
 
 
 def monitor(args: argparse.Namespace) -> int:
@@ -264,7 +326,9 @@ def _exit_code(stopped: list[int], failed: int = 0) -> int:
     return 1 if failed else 0
 
 
-async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path, api: str | None) -> int:
+async def _swarm_up(
+    spec_path: Path, spec: Any, model_dir: Path, api: str | None, layout: Any
+) -> int:
     """Run the swarm until a stop signal or an error; a stage's or standby's death is one
     ``SHARD NODE EXITED`` line and failover, not the end."""
     from shard.nodes.launcher import NodeExit, launch
@@ -283,6 +347,7 @@ async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path, api: str | None
                     model_dir=model_dir,
                     api=api,
                     on_exit=exited,
+                    layout=layout,
                     task_status=task_status,
                 )
             )
@@ -298,7 +363,12 @@ async def _swarm_up(spec_path: Path, spec: Any, model_dir: Path, api: str | None
 
 
 async def _swarm_run(
-    spec_path: Path, spec: Any, model_dir: Path, prompts: list[str], args: argparse.Namespace
+    spec_path: Path,
+    spec: Any,
+    model_dir: Path,
+    prompts: list[str],
+    args: argparse.Namespace,
+    layout: Any,
 ) -> int:
     from shard.failover.script import Fired, Progress, run_faults
     from shard.nodes.launcher import launch
@@ -319,7 +389,7 @@ async def _swarm_run(
             nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
             handle = await nursery.start(
                 lambda task_status: launch(
-                    spec_path, spec, model_dir=model_dir, task_status=task_status
+                    spec_path, spec, model_dir=model_dir, layout=layout, task_status=task_status
                 )
             )
             if spec.faults:

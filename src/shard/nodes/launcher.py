@@ -34,6 +34,7 @@ from typing import IO
 import attrs
 import trio
 
+from shard.spec.layout import Layout
 from shard.spec.swarm import SwarmSpec
 from shard.transport.relay import DelayRelay
 
@@ -171,10 +172,13 @@ def _command(
     via: str | None,
     threads: int,
     api: str | None = None,
+    layout: Layout | None = None,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "shard", "up", "--role", role, "--spec", str(spec_path)]
     cmd += ["--node", node, "--model", str(model_dir), "--threads", str(threads)]
     cmd += ["--die-with-parent", str(os.getpid())]
+    if layout is not None:
+        cmd += ["--layout", str(layout)]
     if via is not None:
         cmd += ["--successor", via]
     if api is not None and role == "coordinator":
@@ -237,12 +241,15 @@ async def launch(
     stderr: int | IO[bytes] | None = None,
     on_exit: Callable[[NodeExit], None] = lambda exit: None,
     api: str | None = None,
+    layout: Layout | None = None,
     task_status: trio.TaskStatus[SwarmHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start every node of ``spec`` and keep them running until cancelled; a stage or standby
     that exits once the swarm is up is passed to ``on_exit`` and left to failover.
 
     ``api`` (``HOST:PORT``) makes the coordinator serve the HTTP API there (``--api``).
+    ``layout``: the planned ring ``spec`` already runs (``shard.spec.layout.apply_layout``);
+    each node reads the file at ``spec_path`` and is given it (``shard up --layout``).
 
     The children's stderr is ours unless ``stderr`` (a file, ``subprocess.DEVNULL``) is given:
     ``swarm up --monitor`` sends it to a log file, away from the monitor's screen.
@@ -267,7 +274,7 @@ async def launch(
             async with ready_send:
                 for name, role in nodes:
                     via = overrides.get(name)
-                    cmd = _command(spec_path, name, role, model_dir, via, threads, api)
+                    cmd = _command(spec_path, name, role, model_dir, via, threads, api, layout)
                     proc = await trio.lowlevel.open_process(
                         cmd,
                         stdin=subprocess.DEVNULL,

@@ -4,7 +4,8 @@ Exact up to ``EXACT_LIMIT`` candidates (``search.py``), the stated heuristic bey
 (``heuristic.py``). Every plan covers each layer exactly once, fits each node's memory and,
 with ``pin_boundaries``, puts trusted nodes at both ends; when none can, ``PlanError`` says
 what is missing. The even split in file order (the spec's ``"auto"``) is always among the
-alternatives, so an operator sees what the planner saved.
+alternatives, so an operator sees what the planner saved; given the ring as written
+(``Problem.written``), a tie keeps it: the plan changes a spec's ring only to beat it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shard.placement.split import capacity, even_counts
 __all__ = ["baseline", "compare", "plan"]
 
 _GIB = float(1 << 30)
+_EPS = 1e-9
 
 
 def plan(problem: Problem) -> Plan:
@@ -33,19 +35,23 @@ def plan(problem: Problem) -> Plan:
     method = "exact"
     if len(names) < len(problem.candidates):
         method = f"heuristic: exact among the {len(names)} candidates nearest a coordinator"
+    if problem.ring_size is not None:
+        method += f", rings of {problem.ring_size} stages only"
     search = Search(mesh, names)
     best, by_size, by_coordinator = search.run()
     if best is None:
         raise PlanError(_why_none(problem, len(names)))
     chosen = search.build(best, method)
     label, even = baseline(mesh)
-    alternatives = [
-        Alternative(label, None, even)
-        if isinstance(even, str)
-        else _alternative(label, even, chosen)
-    ]
+    alternatives: list[Alternative] = []
+    if isinstance(even, str):
+        alternatives.append(Alternative(label, None, even))
+    elif problem.written and not _better(chosen, even):
+        chosen = attrs.evolve(even, method=f"{method}; no ring beats the ring as written")
+    else:
+        alternatives.append(_alternative(label, even, chosen))
     for c, found in by_coordinator.items():
-        if c != best.coordinator:
+        if c != chosen.coordinator:
             alternatives.append(
                 _alternative(f"coordinator at {c}", search.build(found, ""), chosen)
             )
@@ -53,15 +59,18 @@ def plan(problem: Problem) -> Plan:
     for k in (size - 1, size + 1):
         if k in by_size:
             label = f"best ring of {k} stage{'s' if k != 1 else ''}"
+            if problem.ring_size is not None:
+                label += f" (not taken: the ring keeps {problem.ring_size})"
             alternatives.append(_alternative(label, search.build(by_size[k], ""), chosen))
     return attrs.evolve(chosen, alternatives=tuple(alternatives))
 
 
 def baseline(mesh: Mesh) -> tuple[str, Plan | str]:
-    """The even split in file order over every candidate, coordinator at the first location
-    (the spec's ``"auto"``): its label, and its plan or why it is not a valid one."""
+    """The even split in file order over the ring as written (else over every candidate),
+    coordinator at the first location (the spec's ``"auto"``): its label, and its plan or why
+    it is not a valid one."""
     problem = mesh.problem
-    names = [c.name for c in problem.candidates]
+    names = list(problem.written) or [c.name for c in problem.candidates]
     coordinator = problem.coordinators[0]
     label = f"even split in file order ({len(names)} stages, coordinator at {coordinator})"
     counts = even_counts(len(names), problem.model.n_layers)
@@ -91,6 +100,15 @@ def compare(found: Plan, chosen: Plan) -> str:
     lat = found.latency_ms - chosen.latency_ms
     comp = found.compute_ms - chosen.compute_ms
     return f"{parts}: {gap:+.1f} ms ({lat:+.1f} latency, {comp:+.1f} compute)"
+
+
+def _better(found: Plan, than: Plan) -> bool:
+    """A shorter lap, or the same lap with a faster slowest stage (the search's order)."""
+    if found.lap_ms < than.lap_ms - _EPS:
+        return True
+    return abs(found.lap_ms - than.lap_ms) <= _EPS and (
+        found.slowest_stage_ms < than.slowest_stage_ms - _EPS
+    )
 
 
 def _alternative(label: str, found: Plan, chosen: Plan) -> Alternative:
@@ -135,6 +153,8 @@ def _why_none(problem: Problem, searched: int) -> str:
             f"({model.head_bytes / _GIB:.2f} GiB): trust more nodes, add memory to these, or "
             "unpin"
         )
+    if problem.ring_size is not None:
+        limit += f" with exactly {problem.ring_size} stages"
     return (
         f"no ring of the candidates fits {model.n_layers} layers{limit}: each stage needs room "
         "for at least one layer, the first also for the embedding and the last for the head; "

@@ -144,13 +144,20 @@ class Problem:
     """Everything one plan depends on. ``candidates`` in file order (the order of the even
     split the planner is compared with); ``coordinators`` the places the coordinator may run
     (the first is the default); ``pin_boundaries``: only trusted nodes hold the first block
-    (embedding) and the last (head, acceptance)."""
+    (embedding) and the last (head, acceptance).
+
+    ``written``: the ring as a spec wrote it (stage names in order; empty: none): the even
+    split over it is the baseline, and the plan on a tie, so a ring no plan beats stays as
+    written. ``ring_size``: the ring holds exactly this many stages (None: any number), for
+    a spec whose speeds and memory are assumed, not measured (``shard.spec.layout``)."""
 
     candidates: tuple[Candidate, ...]
     rtt: RttMatrix
     model: ModelFacts
     coordinators: tuple[str, ...]
     pin_boundaries: bool = False
+    written: tuple[str, ...] = ()
+    ring_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.candidates:
@@ -162,6 +169,16 @@ class Problem:
             raise PlanError(f"a candidate is named twice: {', '.join(names)}")
         if len(set(self.coordinators)) != len(self.coordinators):
             raise PlanError(f"a coordinator candidate is named twice: {self.coordinators}")
+        unknown = [n for n in self.written if n not in names]
+        if unknown or len(set(self.written)) != len(self.written):
+            raise PlanError(
+                f"the ring as written ({', '.join(self.written)}) must name candidates once "
+                f"each (candidates: {', '.join(names)})"
+            )
+        if self.ring_size is not None and not 1 <= self.ring_size <= len(names):
+            raise PlanError(
+                f"a ring of {self.ring_size} stages cannot be made of {len(names)} candidates"
+            )
         missing = [n for n in (*names, *self.coordinators) if not self.rtt.has(n)]
         if missing:
             raise PlanError(

@@ -80,7 +80,7 @@ class Search:
 
     def run(self) -> tuple[Best | None, dict[int, Best], dict[str, Best]]:
         """The best candidate plan overall, the best for each ring size, the best for each
-        coordinator location."""
+        coordinator location (overall and by coordinator: of ``ring_size`` stages, if set)."""
         by_size: dict[int, Best] = {}
         by_coordinator: dict[str, Best] = {}
         coordinators = self.mesh.problem.coordinators
@@ -91,11 +91,12 @@ class Search:
         # (lap, slowest) of the current bests, kept as plain floats: this loop is the search
         size_key: dict[int, tuple[float, float]] = {}
         coord_key = {c: (math.inf, math.inf) for c in coordinators}
+        fixed = self.mesh.problem.ring_size  # the best must have this size; by_size has all
         for mask, f, t, base, slowest in self._rings():
             size = mask.bit_count()
             for c in coordinators:
                 lap = base + ends[c][f][t]
-                if _beats(lap, slowest, coord_key[c]):
+                if (fixed is None or size == fixed) and _beats(lap, slowest, coord_key[c]):
                     coord_key[c] = (lap, slowest)
                     by_coordinator[c] = Best(lap, slowest, mask, f, t, c)
                 if _beats(lap, slowest, size_key.get(size, (math.inf, math.inf))):

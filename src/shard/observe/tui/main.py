@@ -31,6 +31,7 @@ from shard.observe.tui.state import FeedNote
 from shard.transport import Network
 
 if TYPE_CHECKING:
+    from shard.spec.layout import Layout
     from shard.spec.swarm import SwarmSpec
 
 
@@ -86,10 +87,17 @@ def monitor(address: str, *, swarm: str, network: Network, connect_timeout_s: fl
 
 
 def monitor_swarm(
-    spec_path: Path, spec: SwarmSpec, *, model_dir: Path, address: str, network: Network
+    spec_path: Path,
+    spec: SwarmSpec,
+    *,
+    model_dir: Path,
+    address: str,
+    network: Network,
+    layout: Layout | None = None,
 ) -> None:
-    """``shard swarm up --monitor``: start every node of ``spec`` (as ``swarm up`` does) and
-    watch its coordinator over ``network``; quitting the monitor stops the swarm."""
+    """``shard swarm up --monitor``: start every node of ``spec`` (as ``swarm up`` does, with
+    its planned ``layout``) and watch its coordinator over ``network``; quitting the monitor
+    stops the swarm."""
     from shard.nodes.launcher import launch
 
     log_dir = Path(tempfile.mkdtemp(prefix=f"shard-{spec.name}-"))
@@ -102,7 +110,9 @@ def monitor_swarm(
         app.show(FeedNote(f"starting swarm {spec.name} from {spec_path}; node logs: {log_path}"))
         with log_path.open("wb") as log_file:
             async with trio.open_nursery() as nursery:
-                start = partial(launch, spec_path, spec, model_dir=model_dir, stderr=log_file)
+                start = partial(
+                    launch, spec_path, spec, model_dir=model_dir, stderr=log_file, layout=layout
+                )
                 handle = await nursery.start(start)
                 pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
                 app.show(FeedNote(f"swarm up: coordinator {handle.coordinator} {pids}"))
