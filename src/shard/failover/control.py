@@ -13,7 +13,9 @@ heartbeats cover a node it cannot hear from).
 Orders are carried out through ``on_order``, a call into the node that owns this client: the
 reply (``Ready``, ok or not) must say how the order went, so it is a request with its answer,
 not a message sent and forgotten. A joining node's ``MeasureRtt`` is one too: ``on_measure``
-measures, and its ``RttReport`` is the answer. A registration the scheduler refuses (a
+measures, and its ``RttReport`` is the answer. Measurements run in a task of their own (one at a
+time; one more may wait, later ones are dropped and logged), so a re-measure of the mesh never
+delays an ``Activate`` after a death. A registration the scheduler refuses (a
 ``Fault`` of kind ``register``: a malformed profile) ends the client with ``JoinRefused``.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
@@ -26,6 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 
 from shard.errors import HandshakeError
@@ -54,10 +57,12 @@ log = logging.getLogger(__name__)
 OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
 OnAudit = Callable[[AuditRequest], Awaitable[AuditVerdict]]
 OnMeasure = Callable[[MeasureRtt], Awaitable[RttReport]]
-Order = Activate | Rewire | MeasureRtt
+Order = Activate | Rewire
 #: Audit requests waiting for this standby's auditor; more are dropped (an audit not run
 #: accuses nobody) rather than stop the link being read.
 _AUDITS_BUFFER = 16
+#: A ``MeasureRtt`` waiting while one runs; one more is dropped (the scheduler counts a miss).
+_MEASURES_BUFFER = 1
 
 
 class NodeReplaced(Exception):
@@ -72,6 +77,16 @@ class JoinRefused(Exception):
 
 class OrderFailed(Exception):
     """An order could not be carried out; its message goes back in ``Ready.detail``."""
+
+
+@attrs.frozen
+class _Queues:
+    """Where the reading loop hands what it read: orders (one at a time, unbuffered), audit
+    requests and RTT measurements (bounded; dropped when full)."""
+
+    orders: trio.MemorySendChannel[Order]
+    audits: trio.MemorySendChannel[AuditRequest]
+    measures: trio.MemorySendChannel[MeasureRtt]
 
 
 class ControlClient:
@@ -201,16 +216,19 @@ class ControlClient:
         """
         orders_send, orders = trio.open_memory_channel[Order](0)
         audits_send, audits = trio.open_memory_channel[AuditRequest](_AUDITS_BUFFER)
+        measures_send, measures = trio.open_memory_channel[MeasureRtt](_MEASURES_BUFFER)
         link = trio.CancelScope()
         async with trio.open_nursery() as obeying:
             obeying.start_soon(self._obey_all, conn, orders, link)
             obeying.start_soon(self._audit_all, conn, audits)
-            async with orders_send, audits_send:
+            obeying.start_soon(self._measure_all, conn, measures)
+            async with orders_send, audits_send, measures_send:
                 with link:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._beat, conn, nursery.cancel_scope)
                         try:
-                            return await self._read(conn, orders_send, audits_send)
+                            queues = _Queues(orders_send, audits_send, measures_send)
+                            return await self._read(conn, queues)
                         finally:
                             nursery.cancel_scope.cancel()
         return None
@@ -229,12 +247,20 @@ class ControlClient:
                 except TransportError as exc:
                     log.warning("%s: audit verdict not sent: %s", self._node, exc)
 
-    async def _read(
-        self,
-        conn: Connection,
-        orders: trio.MemorySendChannel[Order],
-        audits: trio.MemorySendChannel[AuditRequest],
-    ) -> Fault | None:
+    async def _measure_all(
+        self, conn: Connection, measures: trio.MemoryReceiveChannel[MeasureRtt]
+    ) -> None:
+        """Measure each ``MeasureRtt`` and send its ``RttReport`` back."""
+        async with measures:
+            async for order in measures:
+                report = await self._measure(order)
+                try:
+                    await conn.send(report)
+                except TransportError as exc:
+                    log.warning("%s: RTT report not sent: %s", self._node, exc)
+
+    async def _read(self, conn: Connection, queues: _Queues) -> Fault | None:
+        orders, audits = queues.orders, queues.audits
         try:
             while True:
                 with trio.move_on_after(self._dead_after_s * 4) as quiet:
@@ -242,8 +268,13 @@ class ControlClient:
                 if quiet.cancelled_caught:
                     log.warning("%s: the scheduler at %s went silent", self._node, self._address)
                     return None
-                if isinstance(msg, Activate | Rewire | MeasureRtt):
+                if isinstance(msg, Activate | Rewire):
                     await orders.send(msg)
+                elif isinstance(msg, MeasureRtt):
+                    try:
+                        queues.measures.send_nowait(msg)
+                    except trio.WouldBlock:
+                        log.warning("%s: RTT measurement dropped (busy)", self._node)
                 elif isinstance(msg, AuditRequest):
                     try:
                         audits.send_nowait(msg)
@@ -267,10 +298,7 @@ class ControlClient:
     ) -> None:
         async with orders:
             async for order in orders:
-                if isinstance(order, MeasureRtt):
-                    ready: Message = await self._measure(order)
-                else:
-                    ready = await self._obey(order)
+                ready = await self._obey(order)
                 try:
                     await conn.send(ready)
                 except TransportError as exc:
