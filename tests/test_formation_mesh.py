@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import partial
 
 import pytest
 import trio
@@ -21,11 +22,13 @@ from shard.failover.control import ControlClient, OnMeasure
 from shard.failover.events import RingControl, RingNote
 from shard.failover.formation import MEASURE_TIMEOUT_S, Prober, describe
 from shard.failover.mesh import STALE_MISSES
+from shard.failover.rtt import measure_row, measure_rtt, serve_probes
 from shard.failover.scheduler import Scheduler
-from shard.messages import Activate, Hello, MeasureRtt, NodeName, Rewire, RttReport
+from shard.messages import Activate, Hello, MeasureRtt, NodeName, Rewire, RttReport, Welcome
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
-from shard.transport import MemoryNetwork, Network
+from shard.transport import Connection, MemoryNetwork, Network
+from shard.transport.links import accept_peer
 from test_formation import COORD, GOOD, MODEL, SWARM, Joiner, register, serving
 
 #: b, c near each other (the ring); a and d far from them (the standbys), a less far
@@ -300,4 +303,44 @@ async def test_a_measurement_that_never_ends_does_not_hold_up_activation(
             plan = await sched.formation.form()
         assert sorted(s.node for s in plan.stages) == ["a", "b"]
         assert sorted(activated) == ["a", "b"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_detection_with_real_probe_links(autojump_clock: trio.testing.MockClock) -> None:
+    """With the real probe code on both sides (``measure_row`` on the nodes, ``measure_rtt``
+    as the coordinator's prober) over a memory network: a and b serve probes at their
+    listen addresses, c serves nothing there (it can only dial out). c is detected
+    unreachable from every side and left out; a and b, measured, form the ring."""
+    network = MemoryNetwork()
+    coord_hello = Hello(node=COORD, role="coordinator", swarm=SWARM, link="probe")
+    probe = partial(measure_rtt, network, hello=coord_hello, probes=3, timeout_s=5.0)
+    sched, told = scheduler(expect=3, remeasure_s=0.0, probe=probe)
+    assert sched.formation is not None
+
+    async def serve_probe_link(name: str, conn: Connection) -> None:
+        welcome = Welcome(node=NodeName(name), role="stage", swarm=SWARM)
+        await accept_peer(conn, welcome)
+        await serve_probes(conn)
+
+    def measuring(name: str) -> OnMeasure:
+        hello = Hello(node=NodeName(name), role="stage", swarm=SWARM, link="probe")
+        return partial(measure_row, network, hello, timeout_s=5.0)
+
+    async with network, trio.open_nursery() as nursery:
+        await serving(nursery, network, sched)
+        for name in "ab":
+            await nursery.start(network.serve, f"{name}:7001", partial(serve_probe_link, name))
+        for name in "abc":
+            await nursery.start(client(name, network, measuring(name)).run)
+        with trio.fail_after(60):
+            plan = await sched.formation.form()
+        assert sorted(s.node for s in plan.stages) == ["a", "b"], describe(plan)
+        stats = sched.statistics().mesh
+        assert stats is not None
+        rows = {r.node: r for r in stats.rows}
+        assert {n: r.reachable for n, r in rows.items()} == {"a": True, "b": True, "c": False}
+        assert set(dict(rows["c"].rtt_ms)) == {"a", "b"}  # c reached both, dialling out
+        assert "b" in dict(rows["a"].rtt_ms) and "c" not in dict(rows["a"].rtt_ms)
+        await trio.testing.wait_all_tasks_blocked()
+        assert any(n.startswith("c accepts no inbound connection") for n in mesh_notes(told))
         nursery.cancel_scope.cancel()

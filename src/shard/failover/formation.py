@@ -192,7 +192,8 @@ class Formation:
             member.role = "stage"
         self.plan = found
         self._formed.set()
-        log.warning("formation: formed the ring %s", describe(found))
+        out = f"; left out (no inbound connection): {left_out}" if left_out else ""
+        log.warning("formation: formed the ring %s%s", describe(found), out)
         return found
 
     @property
@@ -241,10 +242,14 @@ class Formation:
                     if m.node in self._spec.unreachable
                     else "no candidate nor the coordinator reached it there"
                 )
+                then = (
+                    "it stays in the ring while its edges hold, but is never chosen again"
+                    if m.role == "stage"
+                    else "not planned into the ring"
+                )
                 notes.append(
                     f"{m.node} accepts no inbound connection at {m.address} ({how}): taken as "
-                    "reachable = false and not planned into the ring (NAT edges are not wired "
-                    "for --join nodes yet)"
+                    f"reachable = false, {then} (NAT edges are not wired for --join nodes yet)"
                 )
             else:
                 self._unreachable.discard(m.node)
