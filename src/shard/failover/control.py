@@ -10,6 +10,9 @@ faults the node sees on its ring edges arrive on the ``faults`` channel and go u
 as ``Fault`` messages (dropped, and logged, while the control link is down: the scheduler's own
 heartbeats cover a node it cannot hear from).
 
+An ``Activate`` with ``behind_nat`` first turns the node's network to NAT edges
+(``shard.transport.nat``, on demand): it registers at the relay before the order runs.
+
 Orders are carried out through ``on_order``, a call into the node that owns this client: the
 reply (``Ready``, ok or not) must say how the order went, so it is a request with its answer,
 not a message sent and forgotten. A joining node's ``MeasureRtt`` is one too: ``on_measure``
@@ -51,6 +54,7 @@ from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.transport import Connection, Network, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
+from shard.transport.nat import BehindNat
 
 log = logging.getLogger(__name__)
 
@@ -313,11 +317,25 @@ class ControlClient:
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()
         try:
+            if isinstance(order, Activate) and order.behind_nat:
+                await self._behind_nat()
             await self._on_order(order)
         except (OrderFailed, TransportError, HandshakeError, OSError) as exc:
             log.warning("%s: %s failed: %s", self._node, action, exc)
             return Ready(node=self._node, action=action, ok=False, detail=str(exc))
         return Ready(node=self._node, action=action)
+
+    async def _behind_nat(self) -> None:
+        """The scheduler found nobody reaches this node: turn its network to NAT edges."""
+        network = self._network
+        if not isinstance(network, BehindNat):
+            raise OrderFailed(
+                f"the scheduler found nobody reaches {self._node} at its listen address, and "
+                "its network cannot turn to NAT edges; open its port, or give it reachable "
+                "neighbours"
+            )
+        log.warning("%s: nobody reaches this node's listen address: using the relay", self._node)
+        await network.behind_nat(timeout_s=self._connect_timeout_s)
 
     async def _beat(self, conn: Connection, link: trio.CancelScope) -> None:
         try:

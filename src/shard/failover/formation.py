@@ -15,12 +15,13 @@ connection closed; nothing else is affected). ``form`` then:
    probes every candidate's listen address itself (``probe``) to detect reachability
    (``shard.failover.mesh``);
 3. plans with ``shard.placement.plan`` (memory, profiles, the mesh, pinning to the spec's
-   ``trusted`` names — never a node's own word) over the candidates that accept inbound
-   connections: one that nobody reached at its listen address, or that the spec lists in
-   ``unreachable``, is left out with a log line and a ``mesh`` note (a joined node behind NAT
-   cannot hold a block yet: its edges are not routed through ``nat:NAME``);
+   ``trusted`` names — never a node's own word); a candidate that nobody reached at its
+   listen address, or that the spec lists in ``unreachable``, is planned as
+   ``reachable = false`` (logged, and a ``mesh`` note);
 4. fills the ring's slots and sends each ring node ``Activate`` from the tail back to stage 0
-   (each loads its block and dials its successor); the others stay spare standbys.
+   (each loads its block and dials its successor); the others stay spare standbys. An
+   unreachable one gets ``Activate(behind_nat=True)`` (it registers at the relay first) and
+   is dialled at ``nat:NAME`` (``Registry.behind_nat``), by a callback or through the relay.
 
 Once formed, ``remeasure`` (every ``remeasure_s``, driven by the scheduler) measures the mesh
 again the same way, so it stays current: rows are replaced, a node that does not answer keeps
@@ -166,22 +167,24 @@ class Formation:
         docstring). Errors: ``FormationError``."""
         joined = await self._wait_joined()
         self.formed_notes = [*await self._measure(joined), *self._note_reach(joined)]
-        plannable = [m for m in joined if not self.unreachable(m)]
-        left_out = ", ".join(m.node for m in joined if self.unreachable(m))
         try:
-            found = plan(self._problem(plannable))
+            found = plan(self._problem(joined))
         except PlanError as exc:
-            why = f" (left out, accepting no inbound connection: {left_out})" if left_out else ""
-            raise FormationError(f"the joined nodes cannot form a ring{why}: {exc}") from None
+            raise FormationError(f"the joined nodes cannot form a ring: {exc}") from None
         reg = self._registry
+        behind = {NodeName(s.node) for s in found.stages if self.unreachable(self._member(s.node))}
+        reg.behind_nat |= behind
+        members = [self._member(s.node) for s in found.stages]
         reg.slots = [
-            Slot(NodeName(s.node), s.first, s.last, NodeName(s.node), self._member(s.node).address)
-            for s in found.stages
+            Slot(m.node, s.first, s.last, m.node, reg.dial_address(m))
+            for s, m in zip(found.stages, members, strict=True)
         ]
         for i in reversed(range(len(reg.slots))):  # the tail first: each dials its successor
             slot = reg.slots[i]
             member = self._member(slot.holder)
-            order = Activate(slot.name, slot.first, slot.last, reg.address_after(i))
+            order = Activate(
+                slot.name, slot.first, slot.last, reg.address_after(i), slot.holder in behind
+            )
             try:
                 await member.order(order, timeout_s=self._policy.splice_timeout_s)
             except (RecoveryFailed, trio.TooSlowError) as exc:
@@ -192,8 +195,8 @@ class Formation:
             member.role = "stage"
         self.plan = found
         self._formed.set()
-        out = f"; left out (no inbound connection): {left_out}" if left_out else ""
-        log.warning("formation: formed the ring %s%s", describe(found), out)
+        out = f"; behind NAT (dialled through the relay): {', '.join(sorted(behind))}"
+        log.warning("formation: formed the ring %s%s", describe(found), out if behind else "")
         return found
 
     @property
@@ -243,13 +246,14 @@ class Formation:
                     else "no candidate nor the coordinator reached it there"
                 )
                 then = (
-                    "it stays in the ring while its edges hold, but is never chosen again"
-                    if m.role == "stage"
-                    else "not planned into the ring"
+                    "it keeps its edges as they are (a re-dial into it may fail)"
+                    if m.role == "stage" and m.node not in self._registry.behind_nat
+                    else "if it takes a block, it is activated behind NAT (dialled at nat:NAME "
+                    "through the relay)"
                 )
                 notes.append(
                     f"{m.node} accepts no inbound connection at {m.address} ({how}): taken as "
-                    f"reachable = false, {then} (NAT edges are not wired for --join nodes yet)"
+                    f"reachable = false; {then}"
                 )
             else:
                 self._unreachable.discard(m.node)
@@ -357,6 +361,7 @@ class Formation:
                     p.ms_per_layer_one,
                     p.ms_per_layer_chunk,
                     trusted=m.node in self._spec.trusted,
+                    reachable=not self.unreachable(m),
                 )
             )
         return Problem(
@@ -398,11 +403,7 @@ class Formation:
         previous, dead = self.plan, slot.holder
         if previous is None or dead not in {s.node for s in previous.stages}:
             return None
-        spares = [
-            m
-            for m in live
-            if m.profile is not None and m.role == "standby" and not self.unreachable(m)
-        ]
+        spares = [m for m in live if m.profile is not None and m.role == "standby"]
         ring = [self._member(s.node) for s in previous.stages]
         try:
             found = replan(
@@ -416,7 +417,10 @@ class Formation:
             return None
         self._next = (dead, found)
         i = [s.node for s in previous.stages].index(dead)
-        return self._member(found.stages[i].node)
+        chosen = self._member(found.stages[i].node)
+        if self.unreachable(chosen):  # activated behind NAT, dialled at nat:NAME
+            self._registry.behind_nat.add(chosen.node)
+        return chosen
 
     def spliced(self, dead: NodeName, standby: NodeName) -> None:
         """``standby`` took ``dead``'s slot: the re-plan chosen for it is the plan now."""
