@@ -44,6 +44,18 @@ def test_a_formation_spec_needs_no_stages_and_reads_defaults() -> None:
     assert full.formation == FormationSpec(3, 30.0, 7, True, ("gpu-a", "gpu-b"))
 
 
+def test_remeasure_and_unreachable_read_with_defaults() -> None:
+    """The mesh is re-measured every 60 s by default, never with 0; ``unreachable`` names
+    the nodes the operator says accept no inbound connection (none by default)."""
+    assert FormationSpec().remeasure_s == 60.0 and FormationSpec().unreachable == ()
+    spec = SwarmSpec.from_dict(_data({"remeasure_s": 0, "unreachable": ["home-1"]}))
+    assert spec.formation is not None
+    assert spec.formation.remeasure_s == 0.0 and spec.formation.unreachable == ("home-1",)
+    assert SwarmSpec.from_dict(_data({"remeasure_s": 15})).formation == FormationSpec(
+        remeasure_s=15.0
+    )
+
+
 def test_a_spec_without_formation_still_needs_stages() -> None:
     """Every existing spec reads as before: no stages and no [formation] is an error that
     names both ways out."""
@@ -65,6 +77,9 @@ def test_a_spec_without_formation_still_needs_stages() -> None:
         (_data({"trusted": "gpu-a"}), "formation.trusted"),
         (_data({"pin_boundaries": True}), "formation.pin_boundaries"),
         (_data({"expext": 3}), "formation.expext"),
+        (_data({"remeasure_s": 2}), "formation.remeasure_s"),
+        (_data({"remeasure_s": -1}), "formation.remeasure_s"),
+        (_data({"unreachable": [""]}), "formation.unreachable"),
     ],
 )
 def test_formation_mistakes_name_the_key(data: dict[str, Any], key: str) -> None:

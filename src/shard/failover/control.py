@@ -10,10 +10,15 @@ faults the node sees on its ring edges arrive on the ``faults`` channel and go u
 as ``Fault`` messages (dropped, and logged, while the control link is down: the scheduler's own
 heartbeats cover a node it cannot hear from).
 
+An ``Activate`` with ``behind_nat`` first turns the node's network to NAT edges
+(``shard.transport.nat``, on demand): it registers at the relay before the order runs.
+
 Orders are carried out through ``on_order``, a call into the node that owns this client: the
 reply (``Ready``, ok or not) must say how the order went, so it is a request with its answer,
 not a message sent and forgotten. A joining node's ``MeasureRtt`` is one too: ``on_measure``
-measures, and its ``RttReport`` is the answer. A registration the scheduler refuses (a
+measures, and its ``RttReport`` is the answer. Measurements run in a task of their own (one at a
+time; one more may wait, later ones are dropped and logged), so a re-measure of the mesh never
+delays an ``Activate`` after a death. A registration the scheduler refuses (a
 ``Fault`` of kind ``register``: a malformed profile) ends the client with ``JoinRefused``.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
@@ -26,6 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 
 from shard.errors import HandshakeError
@@ -48,16 +54,19 @@ from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.transport import Connection, Network, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
+from shard.transport.nat import BehindNat
 
 log = logging.getLogger(__name__)
 
 OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
 OnAudit = Callable[[AuditRequest], Awaitable[AuditVerdict]]
 OnMeasure = Callable[[MeasureRtt], Awaitable[RttReport]]
-Order = Activate | Rewire | MeasureRtt
+Order = Activate | Rewire
 #: Audit requests waiting for this standby's auditor; more are dropped (an audit not run
 #: accuses nobody) rather than stop the link being read.
 _AUDITS_BUFFER = 16
+#: A ``MeasureRtt`` waiting while one runs; one more is dropped (the scheduler counts a miss).
+_MEASURES_BUFFER = 1
 
 
 class NodeReplaced(Exception):
@@ -72,6 +81,16 @@ class JoinRefused(Exception):
 
 class OrderFailed(Exception):
     """An order could not be carried out; its message goes back in ``Ready.detail``."""
+
+
+@attrs.frozen
+class _Queues:
+    """Where the reading loop hands what it read: orders (one at a time, unbuffered), audit
+    requests and RTT measurements (bounded; dropped when full)."""
+
+    orders: trio.MemorySendChannel[Order]
+    audits: trio.MemorySendChannel[AuditRequest]
+    measures: trio.MemorySendChannel[MeasureRtt]
 
 
 class ControlClient:
@@ -201,16 +220,19 @@ class ControlClient:
         """
         orders_send, orders = trio.open_memory_channel[Order](0)
         audits_send, audits = trio.open_memory_channel[AuditRequest](_AUDITS_BUFFER)
+        measures_send, measures = trio.open_memory_channel[MeasureRtt](_MEASURES_BUFFER)
         link = trio.CancelScope()
         async with trio.open_nursery() as obeying:
             obeying.start_soon(self._obey_all, conn, orders, link)
             obeying.start_soon(self._audit_all, conn, audits)
-            async with orders_send, audits_send:
+            obeying.start_soon(self._measure_all, conn, measures)
+            async with orders_send, audits_send, measures_send:
                 with link:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._beat, conn, nursery.cancel_scope)
                         try:
-                            return await self._read(conn, orders_send, audits_send)
+                            queues = _Queues(orders_send, audits_send, measures_send)
+                            return await self._read(conn, queues)
                         finally:
                             nursery.cancel_scope.cancel()
         return None
@@ -229,12 +251,20 @@ class ControlClient:
                 except TransportError as exc:
                     log.warning("%s: audit verdict not sent: %s", self._node, exc)
 
-    async def _read(
-        self,
-        conn: Connection,
-        orders: trio.MemorySendChannel[Order],
-        audits: trio.MemorySendChannel[AuditRequest],
-    ) -> Fault | None:
+    async def _measure_all(
+        self, conn: Connection, measures: trio.MemoryReceiveChannel[MeasureRtt]
+    ) -> None:
+        """Measure each ``MeasureRtt`` and send its ``RttReport`` back."""
+        async with measures:
+            async for order in measures:
+                report = await self._measure(order)
+                try:
+                    await conn.send(report)
+                except TransportError as exc:
+                    log.warning("%s: RTT report not sent: %s", self._node, exc)
+
+    async def _read(self, conn: Connection, queues: _Queues) -> Fault | None:
+        orders, audits = queues.orders, queues.audits
         try:
             while True:
                 with trio.move_on_after(self._dead_after_s * 4) as quiet:
@@ -242,8 +272,13 @@ class ControlClient:
                 if quiet.cancelled_caught:
                     log.warning("%s: the scheduler at %s went silent", self._node, self._address)
                     return None
-                if isinstance(msg, Activate | Rewire | MeasureRtt):
+                if isinstance(msg, Activate | Rewire):
                     await orders.send(msg)
+                elif isinstance(msg, MeasureRtt):
+                    try:
+                        queues.measures.send_nowait(msg)
+                    except trio.WouldBlock:
+                        log.warning("%s: RTT measurement dropped (busy)", self._node)
                 elif isinstance(msg, AuditRequest):
                     try:
                         audits.send_nowait(msg)
@@ -267,10 +302,7 @@ class ControlClient:
     ) -> None:
         async with orders:
             async for order in orders:
-                if isinstance(order, MeasureRtt):
-                    ready: Message = await self._measure(order)
-                else:
-                    ready = await self._obey(order)
+                ready = await self._obey(order)
                 try:
                     await conn.send(ready)
                 except TransportError as exc:
@@ -285,11 +317,25 @@ class ControlClient:
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()
         try:
+            if isinstance(order, Activate) and order.behind_nat:
+                await self._behind_nat()
             await self._on_order(order)
         except (OrderFailed, TransportError, HandshakeError, OSError) as exc:
             log.warning("%s: %s failed: %s", self._node, action, exc)
             return Ready(node=self._node, action=action, ok=False, detail=str(exc))
         return Ready(node=self._node, action=action)
+
+    async def _behind_nat(self) -> None:
+        """The scheduler found nobody reaches this node: turn its network to NAT edges."""
+        network = self._network
+        if not isinstance(network, BehindNat):
+            raise OrderFailed(
+                f"the scheduler found nobody reaches {self._node} at its listen address, and "
+                "its network cannot turn to NAT edges; open its port, or give it reachable "
+                "neighbours"
+            )
+        log.warning("%s: nobody reaches this node's listen address: using the relay", self._node)
+        await network.behind_nat(timeout_s=self._connect_timeout_s)
 
     async def _beat(self, conn: Connection, link: trio.CancelScope) -> None:
         try:

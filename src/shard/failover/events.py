@@ -82,7 +82,8 @@ class RingLost:
 
 @attrs.frozen
 class RingNote:
-    """A ring event for the status feed (``kind``: ``join``, ``fault``, ``suspect``, ``audit``)."""
+    """A ring event for the status feed (``kind``: ``join``, ``fault``, ``suspect``, ``audit``,
+    ``mesh``)."""
 
     kind: str
     detail: str

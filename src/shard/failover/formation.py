@@ -11,14 +11,24 @@ connection closed; nothing else is affected). ``form`` then:
    is missing);
 2. asks every candidate (``MeasureRtt``) to measure its round trip to every other one and to
    the coordinator with ``Probe``/``ProbeReply`` (the median of ``probes``) and waits for
-   their ``RttReport``; the coordinator's own row is its control links' median RTTs;
+   their ``RttReport``; the coordinator's own row is its control links' median RTTs, and it
+   probes every candidate's listen address itself (``probe``) to detect reachability
+   (``shard.failover.mesh``);
 3. plans with ``shard.placement.plan`` (memory, profiles, the mesh, pinning to the spec's
-   ``trusted`` names — never a node's own word);
+   ``trusted`` names — never a node's own word); a candidate that nobody reached at its
+   listen address, or that the spec lists in ``unreachable``, is planned as
+   ``reachable = false`` (logged, and a ``mesh`` note);
 4. fills the ring's slots and sends each ring node ``Activate`` from the tail back to stage 0
-   (each loads its block and dials its successor); the others stay spare standbys.
+   (each loads its block and dials its successor); the others stay spare standbys. An
+   unreachable one gets ``Activate(behind_nat=True)`` (it registers at the relay first) and
+   is dialled at ``nat:NAME`` (``Registry.behind_nat``), by a callback or through the relay.
 
-After a stage dies, ``choose`` re-plans with the sticky ``replan`` (standbys only: a running
-stage cannot grow its block yet), so only the dead stage's layers move; ``spliced`` commits it.
+Once formed, ``remeasure`` (every ``remeasure_s``, driven by the scheduler) measures the mesh
+again the same way, so it stays current: rows are replaced, a node that does not answer keeps
+its last row (stale) and loses it after ``STALE_MISSES`` rounds, and nodes that joined later are
+measured too. After a stage dies, ``choose`` re-plans on the latest mesh with the sticky
+``replan`` (standbys only: a running stage cannot grow its block yet), so only the dead stage's
+layers move; ``spliced`` commits it.
 
 Errors: ``FormationError`` (the ring cannot form; the message says what to do).
 """
@@ -27,11 +37,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
+from shard.failover.mesh import Mesh, MeshStatistics
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, MeasureRtt, NodeName, Register, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
@@ -51,6 +62,10 @@ _MAX_MS = 1e6
 _MAX_LABEL = 200
 #: How long each candidate may take to measure its row of the mesh.
 MEASURE_TIMEOUT_S = 20.0
+
+#: The coordinator's own probe of a listen address: the median round trip in seconds, or
+#: None when it could not reach it (``shard.failover.rtt.measure_rtt``, bound to its network).
+Prober = Callable[[str], Awaitable[float | None]]
 
 
 class FormationError(Exception):
@@ -105,14 +120,22 @@ class Formation:
         model: ModelFacts,
         policy: FailoverSpec,
         clock: Callable[[], float] = trio.current_time,
+        probe: Prober | None = None,
     ) -> None:
+        """``probe``: how the coordinator probes a candidate's listen address (None: it does
+        not; reachability is then detected from the candidates' rows alone)."""
         self._spec = spec
         self._registry = registry
         self._model = model
         self._policy = policy
         self._clock = clock
+        self._probe = probe
         self._asked: dict[NodeName, MeasureRtt] = {}
-        self._rows: dict[NodeName, dict[str, float]] = {}
+        self.mesh = Mesh(registry.node)
+        self._unreachable: set[NodeName] = set()  # as last noted
+        self._formed = trio.Event()
+        #: the mesh's notes from the measurement before forming (for the status feed)
+        self.formed_notes: list[str] = []
         self._reported = trio.Event()
         self._next: tuple[NodeName, Plan] | None = None
         #: the ring as planned, re-planned after each death; None until formed
@@ -133,9 +156,7 @@ class Formation:
         if asked is None or why is not None or report.node != node:
             log.warning("formation: RTT report from %s ignored: %s", node, why or "wrong node")
             return
-        self._rows[node] = {
-            n: ms for n, ms in zip(report.names, report.rtt_ms, strict=True) if ms >= 0
-        }
+        self.mesh.take(report, self._clock())
         self._reported.set()
         self._reported = trio.Event()
 
@@ -145,20 +166,25 @@ class Formation:
         """Wait for the nodes, measure the mesh, plan, and activate the ring (see the module
         docstring). Errors: ``FormationError``."""
         joined = await self._wait_joined()
-        await self._measure(joined)
+        self.formed_notes = [*await self._measure(joined), *self._note_reach(joined)]
         try:
             found = plan(self._problem(joined))
         except PlanError as exc:
             raise FormationError(f"the joined nodes cannot form a ring: {exc}") from None
         reg = self._registry
+        behind = {NodeName(s.node) for s in found.stages if self.unreachable(self._member(s.node))}
+        reg.behind_nat |= behind
+        members = [self._member(s.node) for s in found.stages]
         reg.slots = [
-            Slot(NodeName(s.node), s.first, s.last, NodeName(s.node), self._member(s.node).address)
-            for s in found.stages
+            Slot(m.node, s.first, s.last, m.node, reg.dial_address(m))
+            for s, m in zip(found.stages, members, strict=True)
         ]
         for i in reversed(range(len(reg.slots))):  # the tail first: each dials its successor
             slot = reg.slots[i]
             member = self._member(slot.holder)
-            order = Activate(slot.name, slot.first, slot.last, reg.address_after(i))
+            order = Activate(
+                slot.name, slot.first, slot.last, reg.address_after(i), slot.holder in behind
+            )
             try:
                 await member.order(order, timeout_s=self._policy.splice_timeout_s)
             except (RecoveryFailed, trio.TooSlowError) as exc:
@@ -168,8 +194,73 @@ class Formation:
                 ) from None
             member.role = "stage"
         self.plan = found
-        log.warning("formation: formed the ring %s", describe(found))
+        self._formed.set()
+        out = f"; behind NAT (dialled through the relay): {', '.join(sorted(behind))}"
+        log.warning("formation: formed the ring %s%s", describe(found), out if behind else "")
         return found
+
+    @property
+    def remeasure_s(self) -> float:
+        """How often the mesh is measured again once formed (0: never)."""
+        return self._spec.remeasure_s
+
+    async def wait_formed(self) -> None:
+        await self._formed.wait()
+
+    def unreachable(self, member: Member) -> bool:
+        """Whether ``member`` accepts no inbound connection: the spec says so (always wins),
+        or detection found that nobody reaches its listen address."""
+        return member.node in self._spec.unreachable or self.mesh.reachable(member.node) is False
+
+    def statistics(self) -> MeshStatistics:
+        """The mesh as held now, one row per joined node (``reachable``: as detected, or
+        False for a node the spec lists in ``unreachable``)."""
+        joined = [m.node for m in self._registry.members.values() if m.profile is not None]
+        stats = self.mesh.statistics(joined, self._clock())
+        said = self._spec.unreachable  # the operator's word wins over detection
+        rows = (attrs.evolve(r, reachable=False) if r.node in said else r for r in stats.rows)
+        return attrs.evolve(stats, rows=tuple(rows))
+
+    async def remeasure(self) -> list[str]:
+        """Measure the mesh again over every live joined node (ring and standbys); the
+        one-line notes of what changed (rows gone stale or dropped, reachability)."""
+        joined = self._candidates()
+        if not joined:
+            return []
+        notes = await self._measure(joined)
+        notes += self._note_reach(joined)
+        return notes
+
+    def _note_reach(self, joined: Sequence[Member]) -> list[str]:
+        """Log (and return) each change in who accepts no inbound connection."""
+        notes = []
+        for m in joined:
+            gone = self.unreachable(m)
+            if gone == (m.node in self._unreachable):
+                continue
+            if gone:
+                self._unreachable.add(m.node)
+                how = (
+                    "the spec lists it in formation.unreachable"
+                    if m.node in self._spec.unreachable
+                    else "no candidate nor the coordinator reached it there"
+                )
+                then = (
+                    "it keeps its edges as they are (a re-dial into it may fail)"
+                    if m.role == "stage" and m.node not in self._registry.behind_nat
+                    else "if it takes a block, it is activated behind NAT (dialled at nat:NAME "
+                    "through the relay)"
+                )
+                notes.append(
+                    f"{m.node} accepts no inbound connection at {m.address} ({how}): taken as "
+                    f"reachable = false; {then}"
+                )
+            else:
+                self._unreachable.discard(m.node)
+                notes.append(f"{m.node} is reachable at {m.address} again")
+        for note in notes:
+            log.warning("formation: %s", note)
+        return notes
 
     async def _wait_joined(self) -> list[Member]:
         spec, need = self._spec, self._model.total_bytes
@@ -204,27 +295,55 @@ class Formation:
     def _member(self, node: str) -> Member:
         return self._registry.members[NodeName(node)]
 
-    async def _measure(self, joined: Sequence[Member]) -> None:
-        """Ask every candidate for its row of the mesh; wait (bounded) for the answers."""
+    async def _measure(self, joined: Sequence[Member]) -> list[str]:
+        """Ask every candidate for its row of the mesh and probe each one's listen address;
+        wait (bounded) for the answers. Returns the mesh's notes on rows that changed state."""
         coordinator = self._registry.node
-        for m in joined:
-            peers = [p for p in joined if p is not m]
-            ask = MeasureRtt(
-                names=(*(p.node for p in peers), coordinator),
-                addresses=(*(p.address for p in peers), self._registry.return_address),
-                probes=self._spec.probes,
-            )
-            self._asked[m.node] = ask
-            try:
-                await m.conn.send(ask)
-            except TransportError as exc:
-                log.warning("formation: could not ask %s for RTTs: %s", m.node, exc)
-        with trio.move_on_after(MEASURE_TIMEOUT_S):
-            while not all(m.node in self._rows for m in joined if m.alive):
-                await self._reported.wait()
-        missing = [m.node for m in joined if m.node not in self._rows]
+        self.mesh.round_started()
+        async with trio.open_nursery() as nursery:
+            for m in joined:
+                peers = [p for p in joined if p is not m]
+                ask = MeasureRtt(
+                    names=(*(p.node for p in peers), coordinator),
+                    addresses=(*(p.address for p in peers), self._registry.return_address),
+                    probes=self._spec.probes,
+                )
+                self._asked[m.node] = ask
+                nursery.start_soon(self._ask, m, ask)
+                if self._probe is not None:
+                    nursery.start_soon(self._probe_one, m)
+            with trio.move_on_after(MEASURE_TIMEOUT_S):
+                while not all(self.mesh.answered(m.node) for m in joined if m.alive):
+                    await self._reported.wait()
+        missing = [m.node for m in joined if not self.mesh.answered(m.node)]
         if missing:
             log.warning("formation: no RTT report from %s; estimated", ", ".join(missing))
+        notes = self.mesh.round_done((m.node for m in joined), self._clock())
+        for note in notes:
+            log.warning("formation: %s", note)
+        stats = self.mesh.statistics([m.node for m in joined], self._clock())
+        log.info(
+            "formation: mesh round %d: %s", stats.rounds,
+            ", ".join(f"{r.node} {r.state}" for r in stats.rows),
+        )  # fmt: skip
+        return notes
+
+    async def _ask(self, member: Member, ask: MeasureRtt) -> None:
+        """Send one ``MeasureRtt`` (in its own task: a node whose link does not drain delays
+        only its own row, and only up to ``MEASURE_TIMEOUT_S``)."""
+        with trio.move_on_after(MEASURE_TIMEOUT_S):
+            try:
+                await member.conn.send(ask)
+            except TransportError as exc:
+                log.warning("formation: could not ask %s for RTTs: %s", member.node, exc)
+
+    async def _probe_one(self, member: Member) -> None:
+        """The coordinator's own probe of ``member``'s listen address (reachability)."""
+        assert self._probe is not None
+        rtt: float | None = None
+        with trio.move_on_after(MEASURE_TIMEOUT_S):
+            rtt = await self._probe(member.address)
+        self.mesh.probed(member.node, rtt is not None)
 
     def _problem(self, members: Sequence[Member]) -> Problem:
         names = [m.node for m in members]
@@ -242,6 +361,7 @@ class Formation:
                     p.ms_per_layer_one,
                     p.ms_per_layer_chunk,
                     trusted=m.node in self._spec.trusted,
+                    reachable=not self.unreachable(m),
                 )
             )
         return Problem(
@@ -254,18 +374,21 @@ class Formation:
 
     def _rtt(self, a: str, b: str) -> float:
         """The round trip ``a -> b`` in ms: ``a``'s report, else ``b``'s the other way, else
-        through the coordinator (a late joiner's, measured by nobody); the coordinator's own
-        row is its control links' median."""
+        through the coordinator (a late joiner's, before its first round); the coordinator's
+        own row is its control links' median. A dropped row's node costs ``UNREACHABLE_MS``
+        on every pair."""
         if a == b:
             return 0.0
+        if self.mesh.dropped(a) or self.mesh.dropped(b):
+            return UNREACHABLE_MS  # it stopped answering measurements: chosen last
         coordinator = self._registry.node
         if a == coordinator:
             member = self._registry.members.get(NodeName(b))
             if member is not None and member.rtt.rtt_s is not None:
                 return member.rtt.rtt_s * 1000.0
-            return self._rows.get(NodeName(b), {}).get(a, UNREACHABLE_MS)
+            return (self.mesh.row(b) or {}).get(a, UNREACHABLE_MS)
         for src, dst in ((a, b), (b, a)):
-            row = self._rows.get(NodeName(src), {})
+            row = self.mesh.row(src) or {}
             if dst in row:
                 return row[dst]
         if b == coordinator:
@@ -294,7 +417,10 @@ class Formation:
             return None
         self._next = (dead, found)
         i = [s.node for s in previous.stages].index(dead)
-        return self._member(found.stages[i].node)
+        chosen = self._member(found.stages[i].node)
+        if self.unreachable(chosen):  # activated behind NAT, dialled at nat:NAME
+            self._registry.behind_nat.add(chosen.node)
+        return chosen
 
     def spliced(self, dead: NodeName, standby: NodeName) -> None:
         """``standby`` took ``dead``'s slot: the re-plan chosen for it is the plan now."""
@@ -323,6 +449,7 @@ __all__ = [
     "UNREACHABLE_MS",
     "Formation",
     "FormationError",
+    "Prober",
     "check_register",
     "check_report",
     "describe",

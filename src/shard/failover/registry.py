@@ -13,6 +13,7 @@ import trio
 
 from shard.failover.rtt import RttTracker
 from shard.messages import Activate, NodeName, NodeProfile, Ready, Register, Rewire
+from shard.spec.reach import NAT_PREFIX
 from shard.transport import Connection, TransportError
 from shard.transport.guard import ProtocolViolation
 
@@ -91,7 +92,8 @@ class Registry:
     """Members by name, the ring's slots, and the nodes fenced off after being replaced.
 
     ``node`` is the coordinator (the ring's first node, always alive); ``return_address`` is
-    where the tail sends its verdicts.
+    where the tail sends its verdicts. ``behind_nat``: joined nodes that were activated behind
+    NAT (nobody reached them): they are dialled at ``nat:NAME``, not where they listen.
     """
 
     def __init__(self, node: NodeName, slots: Sequence[Slot], return_address: str) -> None:
@@ -100,7 +102,13 @@ class Registry:
         self.return_address = return_address
         self.members: dict[NodeName, Member] = {}
         self.fenced: dict[NodeName, NodeName] = {}  # replaced node -> who took its slot
+        self.behind_nat: set[NodeName] = set()
         self._joined = trio.Event()
+
+    def dial_address(self, member: Member) -> str:
+        """Where ``member``'s predecessor dials it: ``nat:NAME`` once it was activated behind
+        NAT, else the address it registered."""
+        return f"{NAT_PREFIX}{member.node}" if member.node in self.behind_nat else member.address
 
     def join(self, member: Member, slot: str) -> Member | None:
         """Add ``member`` (it registered claiming ring slot ``slot``, or none); returns the
@@ -114,7 +122,7 @@ class Registry:
             if claims and (s.holder == member.node or not self.alive(s.holder)):
                 s.holder = member.node
             if s.holder == member.node:
-                s.address = member.address
+                s.address = self.dial_address(member)
         self._joined.set()
         self._joined = trio.Event()
         return old

@@ -44,7 +44,8 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
-from shard.failover.formation import Formation, check_register
+from shard.failover.formation import Formation, Prober, check_register
+from shard.failover.mesh import MeshStatistics
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot, forward_reply
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
@@ -86,6 +87,8 @@ class SchedulerStatistics:
     #: (node, median control-link round trip in seconds, None until measured)
     rtt_s: tuple[tuple[NodeName, float | None], ...] = ()
     audits: AuditStatistics = attrs.field(factory=AuditStatistics)  # spot checks
+    #: the RTT mesh between joined nodes (``[formation]``; None without)
+    mesh: MeshStatistics | None = None
 
 
 class Scheduler:
@@ -116,11 +119,15 @@ class Scheduler:
         audit: AuditSpec | None = None,
         audits: AuditHub | None = None,
         formation: tuple[FormationSpec, ModelFacts] | None = None,
+        mesh_probe: Prober | None = None,
     ) -> None:
         """``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
         re-dial it. ``formation``: the ring forms from joining nodes (``slots`` empty), for
-        this model (``shard.failover.formation``; ``self.formation``)."""
+        this model (``shard.failover.formation``; ``self.formation``), and ``mesh_probe`` is
+        how it probes a joined node's listen address (reachability; None: it does not). Once
+        formed, the mesh is measured again every ``remeasure_s`` (its notes go to the router
+        as ``mesh`` events)."""
         self._node = node
         self._registry = Registry(node, slots, return_address)
         self._to_router = to_router
@@ -129,7 +136,8 @@ class Scheduler:
         self._clock = clock
         self._return_up = return_up
         self.formation = None if formation is None else Formation(
-            formation[0], self._registry, model=formation[1], policy=policy, clock=clock
+            formation[0], self._registry, model=formation[1], policy=policy, clock=clock,
+            probe=mesh_probe,
         )  # fmt: skip
         self._splicer = Splicer(
             self._registry, ring_link=ring_link, to_router=to_router, policy=policy, clock=clock,
@@ -153,6 +161,7 @@ class Scheduler:
             recoveries=tuple(self._splicer.recoveries),
             rtt_s=tuple((m.node, m.rtt.rtt_s) for m in reg.members.values()),
             audits=self.strikes.statistics(),
+            mesh=None if self.formation is None else self.formation.statistics(),
         )
 
     def audit_counts(self) -> AuditCounts:
@@ -355,6 +364,8 @@ class Scheduler:
             nursery.start_soon(self._watch)
             if self._ring_faults is not None:
                 nursery.start_soon(self._own_link_faults, self._ring_faults)
+            if self.formation is not None:
+                nursery.start_soon(self._keep_mesh, self.formation)
             task_status.started()
             async with self._problems:
                 async for problem in self._problems:
@@ -393,6 +404,19 @@ class Scheduler:
                 await self._problems_send.send(NodeDead(member.node, member.last_seen))
                 await abandon(member.conn)  # frozen: do not wait for its close
             await trio.sleep(self._policy.heartbeat_s)
+
+    async def _keep_mesh(self, formation: Formation) -> None:
+        """Once the ring formed, measure the mesh again every ``remeasure_s``, so a re-plan
+        after a death uses round trips as they are now; what changed goes to the router."""
+        await formation.wait_formed()
+        notes = formation.formed_notes
+        while True:
+            for note in notes:
+                await self._to_router.send(RingNote("mesh", note))
+            if formation.remeasure_s <= 0:
+                return
+            await trio.sleep(formation.remeasure_s)
+            notes = await formation.remeasure()
 
     async def _beat(self, member: Member) -> None:
         """Heartbeats to one member, in its own task: a member whose socket stopped draining

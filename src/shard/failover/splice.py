@@ -198,7 +198,8 @@ class Splicer:
         """Put ``standby`` in slot ``i``: activate it, then rewire its predecessor to it."""
         reg = self._registry
         slot = reg.slots[i]
-        order = Activate(slot.name, slot.first, slot.last, reg.address_after(i))
+        behind_nat = standby.node in reg.behind_nat  # a joined node nobody reaches
+        order = Activate(slot.name, slot.first, slot.last, reg.address_after(i), behind_nat)
         holder_before = slot.holder
         slot.holder = standby.node  # the return link must accept it if it is the tail
         try:
@@ -206,9 +207,9 @@ class Splicer:
         except RecoveryFailed:
             slot.holder = holder_before
             raise
-        slot.address = standby.address
+        slot.address = reg.dial_address(standby)
         standby.role = "stage"
-        await self._rewire(reg.predecessor_of(i), standby.address, replay=True)
+        await self._rewire(reg.predecessor_of(i), slot.address, replay=True)
 
     async def _give_up(
         self, slot: NodeName, lost: NodeName, at: float, started: float, detail: str

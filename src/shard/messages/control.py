@@ -72,12 +72,17 @@ class RttReport:
 class Activate:
     """Scheduler -> standby: take ring slot ``slot`` (layers ``[first, last)``): dial
     ``successor`` (the next stage, or the coordinator's return endpoint for the tail) and serve
-    whoever the scheduler rewires to you. Answered with ``Ready``."""
+    whoever the scheduler rewires to you. Answered with ``Ready``.
+
+    ``behind_nat``: the scheduler found that nobody reaches this node (a joined one) at its
+    listen address: before anything else, register at the relay (it is dialled at
+    ``nat:NAME`` from now on) and dial ``nat:`` addresses through the relay."""
 
     slot: NodeName
     first: int
     last: int
     successor: str
+    behind_nat: bool = False
 
 
 @attrs.frozen

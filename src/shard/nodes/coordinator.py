@@ -32,8 +32,9 @@ from shard.decode.draft import (
 from shard.failover.audits import AuditHub
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
+from shard.failover.formation import Prober
 from shard.failover.replay import ReplayLog
-from shard.failover.rtt import serve_probes
+from shard.failover.rtt import measure_rtt, serve_probes
 from shard.failover.scheduler import Scheduler, Slot
 from shard.messages import (
     Fault,
@@ -308,6 +309,7 @@ async def run_coordinator(
         audit=spec.audit,
         audits=hub,
         formation=_formation(spec, config),
+        mesh_probe=_mesh_probe(spec, name, network),
     )
     scheduler_box.append(scheduler)
     feed = StatusFeed(
@@ -348,6 +350,14 @@ def _formation(spec: SwarmSpec, config: ModelConfig) -> tuple[FormationSpec, Mod
     if spec.formation is None:
         return None
     return spec.formation, ModelFacts(config.n_layers, *weight_bytes(config, spec.dtype))
+
+
+def _mesh_probe(spec: SwarmSpec, name: str, network: Network) -> Prober | None:
+    """How the scheduler probes a joined node's listen address (reachability detection)."""
+    if spec.formation is None:
+        return None
+    hello = Hello(node=NodeName(name), role="coordinator", swarm=spec.name, link="probe")
+    return partial(measure_rtt, network, hello=hello, probes=spec.formation.probes, timeout_s=10.0)
 
 
 async def _serve_client(

@@ -7,6 +7,8 @@ wait_s = 120.0          # ... or at this deadline with whoever joined, if they h
 probes = 5              # Probe/ProbeReply round trips per pair in the RTT mesh (the median)
 pin_boundaries = false  # only `trusted` nodes hold the first block and the last
 trusted = ["gpu-a"]     # node names the coordinator trusts (never a node's own word)
+remeasure_s = 60.0      # re-measure the mesh this often once the ring formed (0: never)
+unreachable = []        # node names taken as accepting no inbound connection (else detected)
 ```
 
 A spec with ``[formation]`` names no ``[[stage]]`` and no ``[[standby]]``: every stage and
@@ -23,36 +25,49 @@ import attrs
 
 from shard.spec.validate import Table
 
-FORMATION_KEYS: Final = ("expect", "wait_s", "probes", "pin_boundaries", "trusted")
+FORMATION_KEYS: Final = (
+    "expect", "wait_s", "probes", "pin_boundaries", "trusted", "remeasure_s", "unreachable"
+)  # fmt: skip
+#: ``remeasure_s`` is 0 (never) or at least this: a round may take up to 20 s itself.
+MIN_REMEASURE_S: Final = 5.0
 
 
 @attrs.frozen
 class FormationSpec:
     """Typed ``[formation]``: when to form the ring (``expect`` nodes, or ``wait_s``), how
-    many probes measure each RTT, and boundary pinning to ``trusted`` node names."""
+    many probes measure each RTT, boundary pinning to ``trusted`` node names, how often the
+    mesh is measured again after forming (``remeasure_s``; 0: never), and the node names the
+    operator declares unreachable (``unreachable``: never probed into a ring position,
+    whatever detection says)."""
 
     expect: int = 1
     wait_s: float = 120.0
     probes: int = 5
     pin_boundaries: bool = False
     trusted: tuple[str, ...] = ()
+    remeasure_s: float = 60.0
+    unreachable: tuple[str, ...] = ()
+
+
+def _names(table: Table, key: str) -> tuple[str, ...]:
+    names = table.raw(key, None)
+    if names is None:
+        names = []
+    if not isinstance(names, list) or not all(isinstance(t, str) and t for t in names):
+        raise table.error(key, f'expected a list of node names, e.g. ["gpu-a"]; got {names!r:.60}')
+    return tuple(names)
 
 
 def read_formation(table: Table) -> FormationSpec:
     """Validate ``[formation]``. Errors: ``SpecError`` naming the key."""
-    trusted = table.raw("trusted", None)
-    if trusted is None:
-        trusted = []
-    if not isinstance(trusted, list) or not all(isinstance(t, str) and t for t in trusted):
-        raise table.error(
-            "trusted", f'expected a list of node names, e.g. ["gpu-a"]; got {trusted!r:.60}'
-        )
     spec = FormationSpec(
         expect=table.integer("expect", default=1, minimum=1),
         wait_s=table.number("wait_s", default=120.0, positive=True),
         probes=table.integer("probes", default=5, minimum=1),
         pin_boundaries=table.boolean("pin_boundaries", default=False),
-        trusted=tuple(trusted),
+        trusted=_names(table, "trusted"),
+        remeasure_s=table.number("remeasure_s", default=60.0),
+        unreachable=_names(table, "unreachable"),
     )
     if spec.pin_boundaries and not spec.trusted:
         raise table.error(
@@ -61,4 +76,10 @@ def read_formation(table: Table) -> FormationSpec:
         )
     if spec.probes > 100:
         raise table.error("probes", f"at most 100 probes per pair, got {spec.probes}")
+    if 0 < spec.remeasure_s < MIN_REMEASURE_S:
+        raise table.error(
+            "remeasure_s",
+            f"0 (never) or at least {MIN_REMEASURE_S:g} s (a round itself may take 20 s); "
+            f"got {spec.remeasure_s:g}",
+        )
     return spec

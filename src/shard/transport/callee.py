@@ -85,6 +85,11 @@ class Callee:
         self._answering = 0
         self.answered = 0
         self.registered = False
+        self._first = trio.Event()  # registered at least once
+
+    async def wait_registered(self) -> None:
+        """Until the signalling link to the relay was opened once."""
+        await self._first.wait()
 
     async def run(self, handler: Handler, nursery: trio.Nursery) -> None:
         """Stay registered and answer calls, serving each call's connection with ``handler``
@@ -102,6 +107,7 @@ class Callee:
                 continue
             delay = 0.05
             self.registered = True
+            self._first.set()
             try:
                 await self._take_calls(conn, handler, nursery)
             except BaseException as exc:

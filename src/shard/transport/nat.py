@@ -29,6 +29,13 @@ dials out for each call and serves what it dialled with the ordinary handler —
 it is one more inbound connection. It reports ``nat:NAME`` as its bound address, so that is
 what it registers with the scheduler.
 
+**On demand** (``on_demand``: a node started with ``--join``, whose reachability the scheduler
+detects): the network starts out reachable, serving its listen address (and reporting it as
+bound) so others' probes can try it; ``behind_nat`` — called when the scheduler's ``Activate``
+says nobody reached it — turns it into a ``reachable = false`` node from then on: it opens its
+signalling link to the relay (returning once it is open) and dials ``nat:`` addresses through
+the relay. It never turns back (a process restart does).
+
 Cancellation: as the inner network's; the signalling link and the connections dialled for
 calls live in ``serve``'s nursery. Errors: ``dial`` raises ``TransportError`` when the relay
 refuses or cannot be reached, or the callee does not dial back within ``call_timeout_s``
@@ -40,7 +47,7 @@ from __future__ import annotations
 import logging
 import secrets
 from functools import partial
-from typing import Final
+from typing import Final, Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -105,6 +112,14 @@ class Relayed:
 
 
 EdgeRoute = Direct | Callback | Relayed
+
+
+@runtime_checkable
+class BehindNat(Protocol):
+    """A network that can be told, at run time, that its node accepts no inbound connection
+    (``NatNetwork`` on demand; wrappers pass it on)."""
+
+    async def behind_nat(self, *, timeout_s: float) -> None: ...
 
 
 def route_to(address: str, *, reachable: bool) -> EdgeRoute:
@@ -174,6 +189,7 @@ class NatNetwork(NetworkBase):
         owns_inner: bool = False,
         call_timeout_s: float = 10.0,
         handshake_timeout_s: float = 10.0,
+        on_demand: bool = False,
     ) -> None:
         self._inner = inner
         self._node = node
@@ -186,6 +202,8 @@ class NatNetwork(NetworkBase):
         self._owns_inner = owns_inner
         self._call_timeout_s = call_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
+        self._on_demand = on_demand and self._reachable
+        self._told = trio.Event()  # behind_nat was called (on demand)
         self._pending: dict[str, trio.MemorySendChannel[HandedConnection]] = {}
         self._direct = self._callbacks = self._relayed = 0
         self._callee = Callee(
@@ -296,13 +314,43 @@ class NatNetwork(NetworkBase):
         node also keeps its signalling link to the relay and answers calls; it reports
         ``nat:NAME`` as bound."""
         router = partial(self._route, handler)
-        if self._reachable:
+        if self._reachable and not self._on_demand:
             await self._inner.serve_paths(address, handler, router, task_status=task_status)
             return
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(self._inner.serve_paths, address, handler, router))
+            bound = await nursery.start(partial(self._inner.serve_paths, address, handler, router))
+            if self._on_demand:  # reachable until told otherwise: others probe its address
+                nursery.start_soon(self._callee_when_told, handler, nursery)
+                task_status.started(bound)
+                return
             nursery.start_soon(self._callee.run, handler, nursery)
             task_status.started(self._advertise)
+
+    async def _callee_when_told(self, handler: Handler, nursery: trio.Nursery) -> None:
+        await self._told.wait()
+        await self._callee.run(handler, nursery)
+
+    async def behind_nat(self, *, timeout_s: float) -> None:
+        """From now on this node accepts no inbound connection (on demand only; a node that
+        was ``reachable = false`` from the start already is): register at the relay and dial
+        ``nat:`` addresses through it. Returns once registered.
+
+        Errors: ``TransportError`` when not on demand, or the relay is not reached within
+        ``timeout_s`` (the callee keeps trying)."""
+        if not self._on_demand:
+            if self._reachable:
+                raise TransportError(f"{self._node}: this network cannot turn to NAT edges")
+            return
+        self._reachable = False
+        self._advertise = nat_address(self._node)
+        self._told.set()
+        with trio.move_on_after(timeout_s):
+            await self._callee.wait_registered()
+            return
+        raise TransportError(
+            f"{self._node}: relay {self._relay} not reached within {timeout_s:g} s; nodes behind "
+            "NAT are reached through it"
+        )
 
     def _route(self, handler: Handler, path: str) -> Route | None:
         if path.startswith(REVERSE_PREFIX):
@@ -325,6 +373,7 @@ class NatNetwork(NetworkBase):
 
 __all__ = [
     "NAT_PREFIX",
+    "BehindNat",
     "Callback",
     "Direct",
     "EdgeRoute",

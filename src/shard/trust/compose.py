@@ -97,12 +97,15 @@ def with_reach(
     spec: SwarmSpec, name: str, role: str, inner: Network, *, owns_inner: bool
 ) -> Network:
     """``inner`` as node ``name`` (``role``) needs it to reach nodes behind NAT: when any node
-    of ``spec`` has ``reachable = false``, a ``NatNetwork`` around ``inner`` (holding the relay
-    role when ``name`` is ``[swarm] relay``); otherwise ``inner`` itself.
+    of ``spec`` has ``reachable = false``, or the ring forms from joined nodes (``[formation]``:
+    a joined node's network is one on demand, turned behind NAT when the scheduler finds
+    nobody reaches it), a ``NatNetwork`` around ``inner`` (holding the relay role when
+    ``name`` is ``[swarm] relay``); otherwise ``inner`` itself.
 
     Errors: ``TypeError`` when ``inner`` cannot dial paths (``shard.transport.paths``)."""
     nodes: list[NodeSpec] = [spec.coordinator, *spec.stages, *spec.standbys]
-    if all(node.reachable for node in nodes):
+    formed = spec.formation is not None  # joined nodes' reachability is detected at run time
+    if all(node.reachable for node in nodes) and not formed:
         return inner
     if not isinstance(inner, PathNetwork):
         raise TypeError(f"{inner!r} cannot carry NAT-friendly edges (it has no dial_path)")
@@ -129,6 +132,7 @@ def with_reach(
         owns_inner=owns_inner,
         call_timeout_s=limits.connect_timeout_s,
         handshake_timeout_s=limits.handshake_timeout_s,
+        on_demand=formed and name != spec.coordinator.name,
     )
 
 

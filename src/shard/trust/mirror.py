@@ -25,8 +25,9 @@ import trio
 
 from shard.messages import EndSession, Hello, Message, OpenSession, Prefill, Verdict, Verify
 from shard.messages.audit import AuditCopy
-from shard.transport import Connection, Network
+from shard.transport import Connection, Network, TransportError
 from shard.transport.base import Handler, NetworkBase
+from shard.transport.nat import BehindNat
 
 __all__ = ["MirrorNetwork", "Sink", "copy_of"]
 
@@ -84,6 +85,12 @@ class MirrorNetwork(NetworkBase):
 
     async def dial(self, address: str) -> Connection:
         return _Mirrored(await self._inner.dial(address), self)
+
+    async def behind_nat(self, *, timeout_s: float) -> None:
+        """Pass on to ``inner`` (``shard.transport.nat.BehindNat``)."""
+        if not isinstance(self._inner, BehindNat):
+            raise TransportError(f"{self._inner!r} cannot turn to NAT edges")
+        await self._inner.behind_nat(timeout_s=timeout_s)
 
     async def serve(
         self,
