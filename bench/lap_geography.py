@@ -122,11 +122,13 @@ async def run_all(
     from shard.transport import WebSocketNetwork
 
     rids = itertools.count(1)
-    specs: list[tuple[SwarmSpec, str]] = []
+    all_ports = iter(free_ports(sum(len(p.stages) + 1 for _, p in found)))  # distinct, at once
+    started: dict[int, tuple[SwarmSpec, str]] = {}
     async with trio.open_nursery() as nursery:
-        for label, p in found:
+
+        async def up(i: int, label: str, p: Plan) -> None:
             path = tmp / f"{label}.toml"
-            ports = free_ports(len(p.stages) + 1)
+            ports = [next(all_ports) for _ in range(len(p.stages) + 1)]
             spec = write_plan_spec(
                 p, path, name=f"lap-{label}", model_dir=model_dir, n_layers=n_layers,
                 ports=ports, scale=args.scale,
@@ -134,7 +136,12 @@ async def run_all(
             began = time.perf_counter()
             handle = await start_plan(nursery, path, spec, model_dir, stderr=subprocess.DEVNULL)
             _progress(f"{label} up in {time.perf_counter() - began:.1f} s: {handle.relays}")
-            specs.append((spec, handle.coordinator))
+            started[i] = (spec, handle.coordinator)
+
+        async with trio.open_nursery() as starting:  # every ring starts at once
+            for i, (label, p) in enumerate(found):
+                starting.start_soon(up, i, label, p)
+        specs = [started[i] for i in range(len(found))]
         runs: list[list[LapRun]] = [[] for _ in specs]
         async with WebSocketNetwork() as network:
             for spec, address in specs:  # warm-up, discarded

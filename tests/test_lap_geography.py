@@ -107,12 +107,13 @@ async def test_measured_lap_follows_the_predicted_lap(
     pids: list[int] = []
     with trio.fail_after(RUN_S):
         async with trio.open_nursery() as rings:
+            ports = iter(free_ports(sum(len(p.stages) + 1 for p in plans.values())))
             specs = {}
             for label, p in plans.items():
                 path = tmp_path / f"{label}.toml"
                 specs[label] = (path, write_plan_spec(
                     p, path, name=f"lap-{label}", model_dir=model_dir, n_layers=N_LAYERS,
-                    ports=free_ports(len(p.stages) + 1), scale=1.0,
+                    ports=[next(ports) for _ in range(len(p.stages) + 1)], scale=1.0,
                 ))  # fmt: skip
             handles = {}
 
