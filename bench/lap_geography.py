@@ -186,6 +186,9 @@ def summarize(
         "p10_ms": quantile(laps, 0.10),
         "p90_ms": quantile(laps, 0.90),
         "ring_mean_lap_ms": statistics.median(r.ring_mean_lap_ms for r in runs),
+        "transit_ms": statistics.median(r.transit_ms for r in runs),
+        "edge_overhead_per_hop_ms": (statistics.median(r.transit_ms for r in runs) - latency)
+        / hops,
         "ratio": median / predicted,
         "overhead_ms": median - predicted,
         "overhead_per_hop_ms": (median - predicted) / hops,
@@ -247,6 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         summarize(label, p, spec, runs, n_layers, tol)
         for (label, p), (spec, runs) in zip(found, results, strict=True)
     ]
+    base = rows[0]
+    for r in rows:
+        r["vs_planner_measured_ms"] = r["median_ms"] - base["median_ms"]
+        r["vs_planner_predicted_ms"] = r["predicted_ms"] - base["predicted_ms"]
     orders = {
         "planner_geography": order_of(rows, "planner_lap_one_token_ms"),
         "predicted_emulated": order_of(rows, "predicted_ms"),

@@ -6,9 +6,11 @@ The spec tests are pure. The process test starts two rings of the tiny model at 
 planner's plan, and the same ring with its coordinator moved out of region to coord-iad),
 every hop behind a delaying relay, and asserts per ring: the median lap (plain decoding, one
 token per lap, at the client) is at least the emulated latency and within
-``Tolerance()`` (20 % + 5 ms a hop) of latency + the compute the ring reported; and the
-planner's plan laps faster. Compute is this CPU's; only latency is emulated. Loopback only;
-the launcher stops every node by PID on the way out, and the test checks they are gone.
+``Tolerance()`` (20 % + 8 ms a hop) of latency + the compute the ring reported; and the
+planner's plan laps faster, by its predicted margin within 20 % + 8 ms (the two rings share
+stages and hop count, so what the model leaves out cancels). Compute is this CPU's; only
+latency is emulated. Loopback only; the launcher stops every node by PID on the way out,
+and the test checks they are gone.
 """
 
 from __future__ import annotations
@@ -151,4 +153,11 @@ async def test_measured_lap_follows_the_predicted_lap(
         assert tol.holds(run.median_ms, run.predicted_ms, hops), (
             f"{label}: median lap {run.median_ms:.1f} ms vs predicted {run.predicted_ms:.1f} ms"
         )
-    assert runs["planner"].median_ms < runs["coord-iad"].median_ms
+    near, far = runs["planner"], runs["coord-iad"]
+    assert near.median_ms < far.median_ms
+    # Same stages, same hop count: the lap difference is the latency difference (+ compute's).
+    gap, predicted_gap = far.median_ms - near.median_ms, far.predicted_ms - near.predicted_ms
+    report(f"lap coord-iad - planner: {gap:.1f} ms, predicted {predicted_gap:.1f} ms")
+    assert abs(gap - predicted_gap) <= tol.rel * predicted_gap + tol.per_hop_ms, (
+        f"moving the coordinator cost {gap:.1f} ms a lap, predicted {predicted_gap:.1f} ms"
+    )
