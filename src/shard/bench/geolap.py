@@ -37,9 +37,9 @@ class Tolerance:
     """How far a measured lap may sit from the predicted one: ``rel`` of the prediction plus
     ``per_hop_ms`` for each hop of the ring, for what the lap model leaves out (framing,
     sockets, the nodes' event loops and the delaying relay's own pass). Measured on a shared
-    2-core box (``docs/placement.md``, "Measured vs predicted lap"): ~1.2 ms a hop with direct
-    links, ~3 ms through the relays at load ~1.3, 6-8 ms at load 5-8; 8 ms a hop and 20 %
-    cover the worst of those."""
+    2-core box (``docs/placement.md``, "Measured vs predicted lap"): ~1.8 ms a hop with direct
+    links and ~3 ms through the relays at load ~2, 6-8 ms through them at load 5-8; 8 ms a
+    hop and 20 % cover the worst of those."""
 
     rel: float = 0.20
     per_hop_ms: float = 8.0
