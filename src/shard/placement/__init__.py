@@ -8,8 +8,10 @@ memory allows); ``search.py`` the exact search (Held–Karp over subsets, up to
 ``EXACT_LIMIT`` candidates) and ``heuristic.py`` the stated rule beyond it; ``planner.py``
 ``plan()`` and the alternatives it beat; ``replan.py`` the sticky re-plan after a failure;
 ``geography.py`` reads a geography (nodes + RTT matrix) from parsed TOML or JSON;
-``report.py`` prints a plan. Imports nothing of shard but ``shard.errors``. The lap model
-and its limits are described in ``docs/placement.md``.
+``report.py`` prints a plan; ``emulate.py`` writes a plan as a loopback swarm spec whose
+hops carry the plan's one-way latencies (to measure its lap against the prediction).
+Imports nothing of shard but ``shard.errors``. The lap model and its limits are described in
+``docs/placement.md``.
 """
 
 from shard.placement.geography import Geography, read_geography
