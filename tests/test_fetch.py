@@ -16,6 +16,7 @@ import pytest
 import torch
 import trio
 
+from fetch_fixtures import source, tampered
 from shard.messages import (
     ChunkData,
     ChunkMissing,
@@ -32,52 +33,13 @@ from shard.transport.links import accept_peer, dial_peer
 from shard.weights.build import build_manifest
 from shard.weights.fetch import FetchError, FetchOptions, FetchProgress, FetchReport, fetch_block
 from shard.weights.manifest import Manifest
-from shard.weights.plan import ChunkKey, block_chunks, chunk_keys, plan_bytes
+from shard.weights.plan import block_chunks, chunk_keys, plan_bytes
 from shard.weights.seeder import ChunkSource, DirectorySource, Seeder
 from shard.weights.store import verified_chunks
 
 CHUNK = 4096
 DEADLINE_S = 30
 SWARM = "test"
-
-
-class Recording:
-    """A chunk source that records every chunk asked of it; can tamper with some, or lack some."""
-
-    def __init__(
-        self,
-        inner: ChunkSource,
-        *,
-        tamper: set[ChunkKey] | None = None,
-        tamper_all: bool = False,
-        lacks: set[ChunkKey] | None = None,
-    ) -> None:
-        self.inner = inner
-        self.asked: list[ChunkKey] = []
-        self.tampered: list[ChunkKey] = []
-        self._tamper, self._all, self._lacks = tamper or set(), tamper_all, lacks or set()
-
-    def scan(self) -> int:
-        return self.inner.scan()
-
-    def chunk(self, file: str, index: int) -> bytes | None:
-        key = (file, index)
-        self.asked.append(key)
-        data = None if key in self._lacks else self.inner.chunk(file, index)
-        if data is not None and (self._all or key in self._tamper):
-            self.tampered.append(key)
-            data = tampered(data)
-        return data
-
-
-def tampered(data: bytes) -> bytes:
-    """The chunk with its middle bytes changed (what an attacker serves)."""
-    mid = len(data) // 2
-    return data[:mid] + bytes(b ^ 0x5A for b in data[mid : mid + 16]) + data[mid + 16 :]
-
-
-def source(manifest: Manifest, model_dir: Path, **kw: Any) -> Recording:
-    return Recording(DirectorySource(manifest, model_dir), **kw)
 
 
 @asynccontextmanager

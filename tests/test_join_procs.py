@@ -22,9 +22,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from procs import LOOPBACK, LineReader, free_ports, run_shard, started_shard
-from shard.model.config import ModelConfig
-from shard.model.profile import weight_bytes
+from join_fixtures import (
+    formation_lines,
+    formed_ring,
+    join,
+    local,
+    memory_gib,
+    ring_of,
+    write_lines,
+)
+from procs import LineReader, free_ports, run_shard, started_shard
 
 pytestmark = pytest.mark.slow
 
@@ -33,50 +40,8 @@ LONG = 400  # tokens: still streaming when the kill lands
 MAX_LEN = 512
 RUN_S = 300.0
 NODES = ("j0", "j1", "j2")
-_STAGE = re.compile(r"(\S+) \[(\d+), (\d+)\)")
-
-
-def formation_spec(path: Path, model_dir: Path, port: int) -> Path:
-    """A coordinator on ``port`` expecting three joined nodes; the default (WAN) timings."""
-    lines = [
-        "[swarm]",
-        'name = "join-test"',
-        f"model = {json.dumps(str(model_dir))}",
-        "insecure = true",
-        "[limits]",
-        f"max_len = {MAX_LEN}",
-        "connect_timeout_s = 10.0",
-        "[coordinator]",
-        'name = "coord"',
-        f'listen = "{LOOPBACK}:{port}"',
-        "[formation]",
-        "expect = 3",
-        "wait_s = 240.0",
-        "probes = 3",
-    ]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def memory_gib(model_dir: Path) -> str:
-    """Room for four of the six layers with the embedding or the head: one node cannot hold
-    the model, two can."""
-    layer, embedding, head = weight_bytes(ModelConfig.from_dir(model_dir), "float32")
-    return repr((4 * layer + max(embedding, head) + 4096) / 2**30)
-
-
-def ring_of(line: str) -> list[tuple[str, int, int]]:
-    """``[(node, first, last), ...]`` of a logged ring ``coord -> a [0, 4) -> ... -> coord``."""
-    return [(n, int(a), int(b)) for n, a, b in _STAGE.findall(line)]
-
-
-async def local(model_dir: Path, *extra: str) -> str:
-    done = await run_shard(
-        "generate", "--local", "--model", str(model_dir), "--max-tokens", str(LONG),
-        "--max-len", str(MAX_LEN), "--ignore-eos", *extra, PROMPT, timeout_s=RUN_S,
-    )  # fmt: skip
-    assert done.returncode == 0, done.describe()
-    return done.stdout
+#: what ``shard generate --local`` is given, so it decodes as the swarm does
+REFERENCE = ("--max-tokens", str(LONG), "--max-len", str(MAX_LEN), "--ignore-eos")
 
 
 async def test_joined_stages_form_a_ring_and_a_sigkill_moves_only_its_layers(
@@ -84,10 +49,11 @@ async def test_joined_stages_form_a_ring_and_a_sigkill_moves_only_its_layers(
 ) -> None:
     model_dir = tiny_checkpoint(seed=5, n_layers=6)
     (port,) = free_ports(1)
-    spec = formation_spec(tmp_path / "formed.toml", model_dir, port)
+    spec = write_lines(tmp_path / "formed.toml", formation_lines(model_dir, port, expect=3))
     coord_log = tmp_path / "coord.err"
-    reference_text = await local(model_dir)
-    (reference,) = [json.loads(line) for line in (await local(model_dir, "--json")).splitlines()]
+    reference_text = await local(model_dir, PROMPT, *REFERENCE, timeout_s=RUN_S)
+    reference_json = await local(model_dir, PROMPT, *REFERENCE, "--json", timeout_s=RUN_S)
+    (reference,) = [json.loads(line) for line in reference_json.splitlines()]
     pids: dict[str, int] = {}
     async with AsyncExitStack() as stack:
         coordinator = await stack.enter_async_context(
@@ -102,34 +68,17 @@ async def test_joined_stages_form_a_ring_and_a_sigkill_moves_only_its_layers(
                 stderr_path=coord_log,
             )
         )
+        # room for four of the six layers: one node cannot hold the model, two can
+        memory = memory_gib(model_dir, 4)
         for name in NODES:
-            proc = await stack.enter_async_context(
-                started_shard(
-                    "up",
-                    "--role",
-                    "stage",
-                    "--join",
-                    f"{LOOPBACK}:{port}",
-                    "--spec",
-                    str(spec),
-                    "--node",
-                    name,
-                    "--model",
-                    str(model_dir),
-                    "--memory-gib",
-                    memory_gib(model_dir),
-                    stderr_path=tmp_path / f"{name}.err",
-                )
-            )
-            with trio.fail_after(RUN_S):
-                line = await LineReader(proc.stdout).line_starting("SHARD READY")
-            pids[name] = int(re.search(r"pid=(\d+)", line).group(1))  # type: ignore[union-attr]
+            pids[name] = await join(
+                stack, spec, name, port, tmp_path / f"{name}.err", "--model", str(model_dir),
+                "--memory-gib", memory, timeout_s=RUN_S,
+            )  # fmt: skip
         with trio.fail_after(RUN_S):  # ready once the ring formed and the tail dialled back
             await LineReader(coordinator.stdout).line_starting("SHARD READY")
+        ring, standby = formed_ring(coord_log)
         log = coord_log.read_text()
-        formed = re.search(r"formed the ring (.+); standbys: (\S+);", log)
-        assert formed is not None, log
-        ring, standby = ring_of(formed.group(1)), formed.group(2)
         assert len(ring) == 2 and standby in NODES, f"expected two stages + a standby: {log}"
         victim, first, last = ring[0]
 

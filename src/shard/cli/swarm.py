@@ -92,7 +92,10 @@ def up(args: argparse.Namespace) -> int:
         )
     if args.role == "coordinator" and args.api is not None:
         spec = with_api(spec, args.api)
-    model_dir = _model_dir(args.model, spec.model)
+    if args.join is not None and _joined_fetches(spec, name):
+        model_dir = Path(args.model or spec.model)  # never read: it fetches its block
+    else:
+        model_dir = _model_dir(args.model, spec.model)
     if args.threads:
         import torch
 
@@ -163,6 +166,13 @@ def _joined(spec: Any, args: argparse.Namespace) -> Any:
         raise UsageError("--join needs --role stage and --node NAME (this node's name)")
     key, token = (Path(p).resolve() if p else None for p in (args.key, args.token))
     return joined_spec(spec, args.node, join=args.join, listen=args.listen, key=key, token=token)
+
+
+def _joined_fetches(spec: Any, name: str) -> bool:
+    """Whether a ``--join`` node fetches its weights per ``[fetch]`` (``shard.nodes.joining``)."""
+    from shard.nodes.joining import fetches_weights
+
+    return fetches_weights(spec, name)
 
 
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:

@@ -8,6 +8,16 @@ candidates, plans the ring (``shard.failover.formation``) and either activates i
 (it loads that block and dials its successor, exactly as a cold standby does) or leaves it a
 standby for the sticky re-plan after a death.
 
+Weights: when the swarm's spec has ``[fetch]`` and its ``stages`` is ``"all"`` (the default)
+or names this node (``fetches_weights``), the node needs no local copy: before profiling it
+fetches, verified against the signed manifest, only what every block holds (``config.json``,
+tokenizer, safetensors headers: ``shard.weights.block.fetch_common``), and reads the model's
+shape from that ``config.json``; on ``Activate`` it fetches exactly the chunks of its block
+(``fetch_layers``) into the same cache directory and loads from there. A tampered chunk is
+refused and asked of another seeder; a block no seeder can serve fails that ``Activate``
+(the scheduler hears why), never the node. Without ``[fetch]`` for it the node reads its
+model directory (``--model``, else the spec's ``model``).
+
 The swarm's settings (its name, model, dtype, trust authority, limits, timings) come from the
 swarm's spec; the node itself is added to it here as a spare ``[[standby]]`` with its own
 listen address, key and token, so every part of a stage node reads it as usual.
@@ -31,10 +41,11 @@ from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.trust import CredentialPaths
 from shard.stage import offload
 from shard.transport import Network
+from shard.weights.block import fetch_common
 
 log = logging.getLogger(__name__)
 
-__all__ = ["joined_spec", "measure_profile", "run_joined"]
+__all__ = ["fetches_weights", "joined_spec", "measure_profile", "run_joined"]
 
 
 def joined_spec(
@@ -72,14 +83,21 @@ def joined_spec(
     )
 
 
+def fetches_weights(spec: SwarmSpec, name: str) -> bool:
+    """Whether node ``name`` fetches its block (and its config) per the spec's ``[fetch]``
+    rather than reading a local model directory."""
+    return spec.fetch is not None and spec.fetch.fetches(name)
+
+
 def measure_profile(
-    spec: SwarmSpec, name: str, model_dir: Path, memory_bytes: int | None
+    spec: SwarmSpec, name: str, config_dir: Path, memory_bytes: int | None
 ) -> NodeProfile:
-    """Time one scratch layer on node ``name``'s device for a 1-token and a (K+1)-token chunk
-    (K: the spec's fixed K, else 4), and offer ``memory_bytes`` (default: half of what is
-    free). Runs torch: call it in a worker thread."""
+    """Time one scratch layer (the shape ``config_dir/config.json`` gives; no weights read)
+    on node ``name``'s device for a 1-token and a (K+1)-token chunk (K: the spec's fixed K,
+    else 4), and offer ``memory_bytes`` (default: half of what is free). Runs torch: call it
+    in a worker thread."""
     warm_loader()
-    config = ModelConfig.from_dir(model_dir)
+    config = ModelConfig.from_dir(config_dir)
     runtime = spec.runtime(name)
     device = resolve_device(runtime.device, name)
     policy = spec.speculation.policy
@@ -107,11 +125,15 @@ async def run_joined(
     task_status: trio.TaskStatus[StageHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run node ``name`` of ``spec`` (from ``joined_spec``): measure, serve, register and wait
-    for the scheduler's ``Activate``. Ready once registered.
+    for the scheduler's ``Activate``. Ready once registered. ``model_dir`` is not read when
+    the node fetches its weights (``fetches_weights``).
 
     Errors: ``JoinRefused`` (a registration the scheduler refused), ``NodeReplaced``, the
-    first dial's ``TransportError`` / ``HandshakeError``."""
-    profile = await offload.run_sync(lambda: measure_profile(spec, name, model_dir, memory_bytes))
+    first dial's ``TransportError`` / ``HandshakeError``; a fetching node's ``FetchError`` /
+    ``ManifestError`` when no seeder serves a verified config (nothing started yet)."""
+    fetch = fetches_weights(spec, name)
+    config_dir = (await fetch_common(spec, name)).path if fetch else model_dir
+    profile = await offload.run_sync(lambda: measure_profile(spec, name, config_dir, memory_bytes))
     log.info("%s: profile %s", name, profile)
     node = spec.node(name)
     me = _StageNode(
@@ -123,5 +145,6 @@ async def run_joined(
         timeout_s=startup_timeout_s,
         block=None,
         profile=profile,
+        fetch=fetch,
     )
     await me.run(None, task_status=task_status)

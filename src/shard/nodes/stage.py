@@ -56,8 +56,11 @@ from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.compose import signing_identity, signing_token
 from shard.trust.device import device_identity
+from shard.trust.identity import IdentityError
 from shard.trust.receipts import ReceiptSigner
-from shard.weights.block import fetch_stage, make_seeder
+from shard.weights.block import fetch_layers, fetch_stage, make_seeder
+from shard.weights.fetch import FetchError
+from shard.weights.manifest import ManifestError
 from shard.weights.seeder import Seeder
 
 log = logging.getLogger(__name__)
@@ -124,10 +127,14 @@ class _StageNode:
         block: _Block | None,
         supervised: bool = True,
         profile: NodeProfile | None = None,
+        fetch: bool = False,
     ) -> None:
-        """``profile``: a node started with ``--join`` registers it (and measures RTTs)."""
+        """``profile``: a node started with ``--join`` registers it (and measures RTTs);
+        ``fetch``: a cold load fetches its block per ``spec.fetch`` (verified) instead of
+        reading ``model_dir``."""
         self._spec = spec
         self._profile = profile
+        self._fetch = fetch
         self._name = NodeName(name)
         model = block.model if block is not None else None
         self._auditing = auditing(spec, name, network, model, supervised=supervised)
@@ -224,12 +231,27 @@ class _StageNode:
             raise OrderFailed(f"{self._name} is an auditor: it never joins the ring")
         block = self._block
         if block is None or (block.first, block.last) != (order.first, order.last):
+            model_dir = await self._block_dir(order.first, order.last)
             log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)
-            block = await _load(self._spec, self._name, self._model_dir, order.first, order.last)
+            block = await _load(self._spec, self._name, model_dir, order.first, order.last)
             self._block = block
         serving = await self.build(block, order.slot, order.successor)
         await self._starts_send.send(serving)
         self._serving = serving
+
+    async def _block_dir(self, first: int, last: int) -> Path:
+        """Where layers ``[first, last)`` load from: ``model_dir``, or (``fetch``) the block
+        fetched and verified chunk by chunk. A fetch that fails — every seeder bad, slow or
+        gone, a manifest refused — fails this order (``OrderFailed``), never the node."""
+        if not self._fetch:
+            return self._model_dir
+        log.info("%s: fetching layers [%d, %d) (verified)", self._name, first, last)
+        try:
+            return (await fetch_layers(self._spec, self._name, first, last)).path
+        except (FetchError, ManifestError, IdentityError, ValueError, KeyError) as exc:
+            raise OrderFailed(
+                f"{self._name}: could not fetch layers [{first}, {last}): {exc}"
+            ) from None
 
     async def _serve_upstream(self, conn: Connection) -> None:
         welcome = Welcome(node=self._name, role="stage", swarm=self._spec.name)

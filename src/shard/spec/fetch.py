@@ -5,6 +5,7 @@
 manifest = "smollm2.manifest.json"   # the signed manifest (shard manifest build + sign)
 publisher = "keys/publisher.key.pub" # who must have signed it: 64 hex digits or a .pub path
 stages = "all"                       # stages that fetch their block at start: "all" or names
+                                     # (a [formation] swarm: names of nodes that --join)
 cache = "cache/blocks"               # where fetched blocks go (default: the user cache)
 parallel = 4                         # chunk requests in flight per stage
 chunk_timeout_s = 30.0               # a chunk slower than this is asked of another peer
@@ -20,6 +21,10 @@ listen = "127.0.0.1:7811"
 ```
 
 Paths are relative to the spec file. Files are read when a node starts, never here.
+
+A node started with ``--join`` fetches the block the scheduler gives it when ``stages`` is
+``"all"`` (the default) or names it; in a ``[formation]`` spec ``stages`` may name such nodes,
+which are in no ``[[stage]]`` (``shard.nodes.joining``).
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ class SeederSpec:
 
 @attrs.frozen
 class FetchSpec:
-    """Typed ``[fetch]``. ``publisher`` is 64 hex digits or an absolute ``.pub`` path."""
+    """Typed ``[fetch]``. ``publisher`` is 64 hex digits or an absolute ``.pub`` path;
+    ``every``: ``stages = "all"`` (then ``stages`` lists the spec's ``[[stage]]`` names)."""
 
     manifest: Path
     publisher: str
@@ -67,10 +73,11 @@ class FetchSpec:
     parallel: int = 4
     chunk_timeout_s: float = 30.0
     seeders: tuple[SeederSpec, ...] = ()
+    every: bool = False
 
     def fetches(self, stage: str) -> bool:
-        """Whether ``stage`` fetches its block at start."""
-        return stage in self.stages
+        """Whether ``stage`` (a ``[[stage]]``, or a node that joins) fetches its block."""
+        return self.every or stage in self.stages
 
     def seeder(self, name: str) -> SeederSpec | None:
         """The seeder called ``name`` (a stage's name: that stage serves), or None."""
@@ -97,10 +104,13 @@ def read_fetch(
         publisher = str(resolved)
     seeders = tuple(_read_seeder(t, base_dir) for t in table.tables("seeder", SEEDER_KEYS))
     _check_seeders(table, seeders, stages)
+    names = [name for name, _ in stages]
+    joined = "formation" in top.data  # its nodes join under names no [[stage]] holds
     return FetchSpec(
         manifest=manifest,
         publisher=publisher,
-        stages=_read_stages(table, [name for name, _ in stages]),
+        stages=_read_stages(table, names, joined=joined),
+        every=table.raw("stages", None) in (None, "all"),
         cache=resolve_path(table, "cache", base_dir, '"cache/blocks"'),
         parallel=table.integer("parallel", default=4, minimum=1),
         chunk_timeout_s=table.number("chunk_timeout_s", default=30.0, positive=True),
@@ -108,14 +118,15 @@ def read_fetch(
     )
 
 
-def _read_stages(table: Table, names: list[str]) -> tuple[str, ...]:
+def _read_stages(table: Table, names: list[str], *, joined: bool) -> tuple[str, ...]:
+    """The stages that fetch; ``joined``: names of nodes that --join are allowed too."""
     value = table.raw("stages", None)
     if value is None or value == "all":
         return tuple(names)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise table.error("stages", f'expected "all" or a list of stage names, got {value!r:.60}')
     for name in value:
-        if name not in names:
+        if name not in names and not joined:
             raise table.error("stages", f"no stage named {name!r}; stages: {', '.join(names)}")
     return tuple(value)
 

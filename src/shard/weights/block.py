@@ -4,12 +4,15 @@
 manifest, check the publisher's signature, refuse a rollback (the last manifest accepted per
 model is kept in the cache), fetch the stage's block from the spec's seeders (every other
 ``[[fetch.seeder]]``) into ``<cache>/<model>/v<version>-<root>/`` and return the report, whose
-``path`` ``load_stage`` reads. ``make_seeder(spec, name, model_dir)`` builds the seeder a node
-called ``name`` runs: a seeder process, or a stage serving its own copy.
+``path`` ``load_stage`` reads. ``fetch_layers(spec, name, first, last)`` does the same for the
+block the scheduler gave a node that joined, and ``fetch_common(spec, name)`` fetches only what
+every block holds (config, tokenizer, headers), so such a node reads the model's config, to
+profile itself, before it holds any weights. ``make_seeder(spec, name, model_dir)`` builds
+the seeder a node called ``name`` runs: a seeder process, or a stage serving its own copy.
 
-Both talk plain WebSockets unless given a network: what they move is public weights whose
-integrity the signed manifest guarantees, so even a secure swarm's stages fetch that way
-(docs/manifests.md explains why and what that does and does not protect).
+Fetches and seeders talk plain WebSockets unless given a network: what they move is public
+weights whose integrity the signed manifest guarantees, so even a secure swarm's stages fetch
+that way (docs/manifests.md explains why and what that does and does not protect).
 
 Errors: ``ManifestError`` (missing, unsigned, tampered or older manifest), ``FetchError``,
 ``IdentityError`` (the publisher key file), ``SpecError`` (a block that does not fit).
@@ -27,13 +30,21 @@ from shard.spec.swarm import SwarmSpec
 from shard.transport import Network
 from shard.trust.compose import plain_network
 from shard.trust.identity import read_public_key
-from shard.weights.fetch import FetchOptions, FetchProgress, FetchReport, fetch_block
+from shard.weights.fetch import FetchOptions, FetchProgress, FetchReport, fetch_chunks
 from shard.weights.manifest import Manifest, check_newer, verify
+from shard.weights.plan import ChunkKey, block_chunks, chunk_keys, common_chunks
 from shard.weights.seeder import DirectorySource, Seeder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["accept_manifest", "fetch_stage", "load_manifest", "make_seeder"]
+__all__ = [
+    "accept_manifest",
+    "fetch_common",
+    "fetch_layers",
+    "fetch_stage",
+    "load_manifest",
+    "make_seeder",
+]
 
 ACCEPTED_NAME = "accepted.manifest.json"
 
@@ -76,12 +87,71 @@ async def fetch_stage(
     progress: Callable[[FetchProgress], None] | None = None,
 ) -> FetchReport:
     """Fetch stage ``name``'s block per ``spec.fetch``; opens ``network`` for the duration."""
-    fetch = spec.fetch
-    if fetch is None:
-        raise ValueError(f"{spec.source}: no [fetch] table")
-    manifest = load_manifest(fetch)
+    manifest = load_manifest(_fetch_of(spec))
     index = [s.name for s in spec.stages].index(name)
     first, last = spec.blocks(manifest.n_layers)[index]
+    return await fetch_layers(
+        spec, name, first, last, manifest=manifest, network=network, progress=progress
+    )
+
+
+async def fetch_layers(
+    spec: SwarmSpec,
+    name: str,
+    first: int,
+    last: int,
+    *,
+    manifest: Manifest | None = None,
+    network: Network | None = None,
+    progress: Callable[[FetchProgress], None] | None = None,
+) -> FetchReport:
+    """Fetch layers ``[first, last)`` for node ``name`` per ``spec.fetch`` (the block the
+    scheduler gave a node that joined); ``manifest``: already loaded and verified.
+
+    Errors: as the module's, and ``ValueError`` for a range the model does not have."""
+    manifest = manifest or load_manifest(_fetch_of(spec))
+    keys = chunk_keys(block_chunks(manifest, first, last))
+    report = await _fetch(spec, name, manifest, keys, f"[{first}, {last})", network, progress)
+    log.info(
+        "%s: block [%d, %d) ready in %s: %d chunks fetched, %d reused",
+        name,
+        first,
+        last,
+        report.path,
+        report.chunks_fetched,
+        report.chunks_reused,
+    )
+    return report
+
+
+async def fetch_common(
+    spec: SwarmSpec, name: str, *, network: Network | None = None
+) -> FetchReport:
+    """Fetch, for node ``name``, what every block holds (config, tokenizer, the safetensors
+    headers: ``shard.weights.plan.common_chunks``), verified, into the directory its block
+    will be fetched into: enough to read the model's config before any block is known."""
+    manifest = load_manifest(_fetch_of(spec))
+    keys = chunk_keys(common_chunks(manifest))
+    return await _fetch(spec, name, manifest, keys, "config and headers", network, None)
+
+
+def _fetch_of(spec: SwarmSpec) -> FetchSpec:
+    if spec.fetch is None:
+        raise ValueError(f"{spec.source}: no [fetch] table")
+    return spec.fetch
+
+
+async def _fetch(
+    spec: SwarmSpec,
+    name: str,
+    manifest: Manifest,
+    keys: list[ChunkKey],
+    what: str,
+    network: Network | None,
+    progress: Callable[[FetchProgress], None] | None,
+) -> FetchReport:
+    """Fetch ``keys`` of ``manifest`` (accepted first: no rollback) from the spec's seeders."""
+    fetch = _fetch_of(spec)
     dest = accept_manifest(manifest, fetch.cache or default_cache())
     peers = [s.listen for s in fetch.seeders if s.name != name]
     options = FetchOptions(
@@ -92,10 +162,10 @@ async def fetch_stage(
     )
     network = network or plain_network(spec)  # the spec's [limits]: caps and byte budget
     async with network:
-        report = await fetch_block(
+        report = await fetch_chunks(
             manifest,
-            first=first,
-            last=last,
+            keys,
+            what,
             peers=peers,
             network=network,
             dest=dest,
@@ -106,15 +176,6 @@ async def fetch_stage(
         )
     if report.bad_peers:
         log.warning("%s: peers that served bad chunks: %s", name, ", ".join(report.bad_peers))
-    log.info(
-        "%s: block [%d, %d) ready in %s: %d chunks fetched, %d reused",
-        name,
-        first,
-        last,
-        dest,
-        report.chunks_fetched,
-        report.chunks_reused,
-    )
     return report
 
 

@@ -4,7 +4,8 @@
 layers ``[first, last)`` (``shard.weights.plan``), keeps those already verified in ``dest``
 (``shard.weights.store``: an interrupted fetch resumes), and downloads the rest from ``peers``
 (seeders, or stages serving their copy: ``shard.weights.seeder``) with ``parallel`` requests in
-flight.
+flight. ``fetch_chunks`` does the same for any set of chunks (a joining node's config before
+its block is known: ``shard.weights.plan.common_chunks``).
 
 Each chunk goes to one peer at a time, chosen among the least busy that have not failed it.
 A reply is checked against the signed manifest's chunk hash before a byte is written; on a
@@ -38,7 +39,14 @@ from shard.wire import WireError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FetchError", "FetchOptions", "FetchProgress", "FetchReport", "fetch_block"]
+__all__ = [
+    "FetchError",
+    "FetchOptions",
+    "FetchProgress",
+    "FetchReport",
+    "fetch_block",
+    "fetch_chunks",
+]
 
 
 class FetchError(Exception):
@@ -109,8 +117,39 @@ async def fetch_block(
 
     ``manifest`` must already be verified (``shard.weights.manifest.verify``); ``network`` open.
     """
-    store = BlockStore(manifest, dest)
     keys = chunk_keys(block_chunks(manifest, first, last))
+    what = f"[{first}, {last})"
+    return await fetch_chunks(
+        manifest,
+        keys,
+        what,
+        peers=peers,
+        network=network,
+        dest=dest,
+        node=node,
+        swarm=swarm,
+        options=options,
+        progress=progress,
+    )
+
+
+async def fetch_chunks(
+    manifest: Manifest,
+    keys: Sequence[ChunkKey],
+    what: str,
+    *,
+    peers: Sequence[str],
+    network: Network,
+    dest: Path,
+    node: str = "fetch",
+    swarm: str = "",
+    options: FetchOptions = FetchOptions(),
+    progress: Callable[[FetchProgress], None] | None = None,
+) -> FetchReport:
+    """Fetch the chunks ``keys`` (``what`` names them in the log) into ``dest``, as
+    ``fetch_block`` does: the verified ones already there are kept, every other is checked
+    against ``manifest`` before it lands."""
+    store = BlockStore(manifest, dest)
     have = store.open()
     todo = [key for key in keys if key not in have]
     hello = Hello(node=NodeName(node), role="fetch", swarm=swarm)
@@ -119,7 +158,7 @@ async def fetch_block(
     run.bytes_total = plan_bytes(manifest, keys)
     run.bytes_done = run.bytes_total - plan_bytes(manifest, todo)
     run.queue.extend(todo)
-    log.info("%s: fetching %d of %d chunks of [%d, %d)", dest, len(todo), len(keys), first, last)
+    log.info("%s: fetching %d of %d chunks of %s", dest, len(todo), len(keys), what)
     await run.run()
     return FetchReport(
         path=Path(dest),

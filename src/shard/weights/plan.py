@@ -14,7 +14,15 @@ from collections.abc import Iterable
 
 from shard.weights.manifest import Manifest
 
-__all__ = ["ChunkKey", "block_chunks", "block_tensors", "chunk_keys", "chunk_span", "plan_bytes"]
+__all__ = [
+    "ChunkKey",
+    "block_chunks",
+    "block_tensors",
+    "chunk_keys",
+    "chunk_span",
+    "common_chunks",
+    "plan_bytes",
+]
 
 ChunkKey = tuple[str, int]
 
@@ -50,14 +58,23 @@ def chunk_span(start: int, end: int, chunk_size: int) -> range:
     return range(start // chunk_size, (end - 1) // chunk_size + 1)
 
 
+def common_chunks(manifest: Manifest) -> dict[str, tuple[int, ...]]:
+    """File -> sorted chunk indexes every stage holds whatever its block: each file that holds
+    no tensor (config, tokenizer, index) in full, and each safetensors file's header. Enough
+    for ``ModelConfig.from_dir`` before a block is known (a joining node's profile)."""
+    size = manifest.chunk_size
+    holding = {t.file for t in manifest.tensors.values()}
+    need: dict[str, tuple[int, ...]] = {}
+    for f in manifest.files:
+        whole = f.path not in holding and f.header == 0
+        need[f.path] = tuple(range(len(f.chunks)) if whole else chunk_span(0, f.header, size))
+    return need
+
+
 def block_chunks(manifest: Manifest, first: int, last: int) -> dict[str, tuple[int, ...]]:
     """File -> sorted chunk indexes a stage of ``[first, last)`` must hold."""
     size = manifest.chunk_size
-    holding = {t.file for t in manifest.tensors.values()}
-    need: dict[str, set[int]] = {}
-    for f in manifest.files:
-        whole = f.path not in holding and f.header == 0
-        need[f.path] = set(range(len(f.chunks)) if whole else chunk_span(0, f.header, size))
+    need = {path: set(indexes) for path, indexes in common_chunks(manifest).items()}
     for name in block_tensors(manifest, first, last):
         t = manifest.tensors[name]
         need[t.file].update(chunk_span(t.start, t.end, size))
