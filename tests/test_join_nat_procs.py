@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from join_fixtures import memory_gib
 from procs import LineReader, run_shard, started_shard
-from test_join_procs import memory_gib
 from test_nat_procs import PUBLIC_IP, STAGE_PORT, can_connect, nat_lab
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,8 @@ async def test_joined_nodes_behind_nat_are_detected_and_form_a_ring_through_the_
         for i, name in enumerate(NODES):
             joining = (
                 "--join", f"{PUBLIC_IP}:{COORD_PORT}", "--node", name,
-                "--listen", f"{lab.home_ip(i)}:{STAGE_PORT}", "--memory-gib", memory_gib(model_dir),
+                "--listen", f"{lab.home_ip(i)}:{STAGE_PORT}",
+                "--memory-gib", memory_gib(model_dir, 4),
             )  # fmt: skip
             await stack.enter_async_context(
                 started_shard(
