@@ -4,10 +4,11 @@ process) that tampers with every chunk, and two stages started with ``shard up -
 --join ... --key ... --token ...`` and no model (their spec's ``model`` is an empty
 directory). Each node reads the model's config from a verified fetch, is planned a block,
 fetches exactly that block's chunks — refusing every tampered one — and serves it; the output
-equals ``shard generate --local``. Then three nodes that must not join try: one whose token a
-foreign authority signed (the coordinator refuses its handshake), one holding a client's token
-(it refuses itself at start), one with no token (a spec error); the ring serves the same
-output afterwards.
+equals ``shard generate --local``. The spec pins the boundary blocks to trusted nodes and names
+none: the ring forms because the nodes' admission tokens grant the role ``trusted``. Then
+three nodes that must not join try: one whose token a foreign authority signed (the
+coordinator refuses its handshake), one holding a client's token (it refuses itself at
+start), one with no token (a spec error); the ring serves the same output afterwards.
 
 Loopback only; every process runs in its own session and is killed by PID on the way out
 (``tests/procs.py``); every wait is bounded. Keys and tokens are fresh per test
@@ -66,6 +67,9 @@ def spec_lines(
         wait_s=STEP_S,
         insecure=False,
     )
+    # the boundaries are pinned to trusted nodes and the spec names none: the ring forms only
+    # because the joined nodes' tokens grant the role trusted (read off the secure link)
+    lines.insert(lines.index("probes = 3") + 1, "pin_boundaries = true")
     lines += [
         f"key = {json.dumps(str(trust.key('coord')))}",
         f"token = {json.dumps(str(trust.token('coord')))}",
@@ -117,7 +121,11 @@ async def test_secure_joined_nodes_fetch_their_blocks_and_intruders_are_refused(
     manifest_path = tmp_path / "tiny.manifest.json"
     manifest.signed(publisher).save(manifest_path)
     manifest = Manifest.from_file(manifest_path)
-    nodes = {"coord": ["coordinator"], "client": ["client"], **{n: ["stage"] for n in NODES}}
+    nodes = {
+        "coord": ["coordinator"],
+        "client": ["client"],
+        **{n: ["stage", "trusted"] for n in NODES},
+    }
     trust = provision_local(tmp_path / "keys", swarm=SWARM, nodes=nodes, now=time.time())
     rogue = provision_local(
         tmp_path / "rogue",

@@ -52,7 +52,10 @@ def add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     admit.add_argument("--node-pub", required=True, help="the node's .pub file or 64 hex digits")
     admit.add_argument("--swarm", required=True, help="swarm name (the spec's swarm.name)")
     admit.add_argument(
-        "--roles", required=True, help="comma-separated: stage, coordinator, client, monitor"
+        "--roles",
+        required=True,
+        help="comma-separated: stage, coordinator, client, monitor; trusted (with stage: "
+        "may hold the first and last blocks of a [formation] swarm with pin_boundaries)",
     )
     admit.add_argument("--expires", default="30d", help="lifetime: 30d, 12h, 90m, 2w (default 30d)")
     admit.add_argument(

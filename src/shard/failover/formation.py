@@ -15,7 +15,8 @@ connection closed; nothing else is affected). ``form`` then:
    probes every candidate's listen address itself (``probe``) to detect reachability
    (``shard.failover.mesh``);
 3. plans with ``shard.placement.plan`` (memory, profiles, the mesh, pinning to the spec's
-   ``trusted`` names — never a node's own word); a candidate that nobody reached at its
+   ``trusted`` names and to nodes whose verified admission token grants the role
+   ``trusted`` — never a node's own word); a candidate that nobody reached at its
    listen address, or that the spec lists in ``unreachable``, is planned as
    ``reachable = false`` (logged, and a ``mesh`` note);
 4. fills the ring's slots and sends each ring node ``Activate`` from the tail back to stage 0
@@ -51,6 +52,7 @@ from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
 from shard.spec.nodes import Address
 from shard.transport import TransportError
+from shard.trust.admission import TRUSTED_ROLE
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +362,7 @@ class Formation:
                     p.memory_bytes,
                     p.ms_per_layer_one,
                     p.ms_per_layer_chunk,
-                    trusted=m.node in self._spec.trusted,
+                    trusted=m.node in self._spec.trusted or TRUSTED_ROLE in m.token_roles,
                     reachable=not self.unreachable(m),
                 )
             )

@@ -16,6 +16,7 @@ from shard.messages import Activate, NodeName, NodeProfile, Ready, Register, Rew
 from shard.spec.reach import NAT_PREFIX
 from shard.transport import Connection, TransportError
 from shard.transport.guard import ProtocolViolation
+from shard.transport.secure import token_roles
 
 #: A spare standby's block: it holds none and loads the dead node's (the cold path).
 NO_BLOCK = (-1, -1)
@@ -52,6 +53,9 @@ class Member:
     rtt: RttTracker
     alive: bool = True
     profile: NodeProfile | None = None  # a node started with --join: for placement
+    #: What the peer's verified admission token grants (``()`` on a plaintext wire): a
+    #: ``trusted`` role lets it hold pinned boundary blocks (``shard.failover.formation``).
+    token_roles: tuple[str, ...] = ()
 
     @classmethod
     def registered(
@@ -73,6 +77,7 @@ class Member:
             replies,
             rtt,
             profile=register.profile,
+            token_roles=token_roles(conn),
         )
 
     async def order(self, order: Activate | Rewire, *, timeout_s: float) -> None:

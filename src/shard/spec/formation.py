@@ -5,8 +5,9 @@
 expect = 3              # form the ring once this many nodes have joined (and hold the model)
 wait_s = 120.0          # ... or at this deadline with whoever joined, if they hold the model
 probes = 5              # Probe/ProbeReply round trips per pair in the RTT mesh (the median)
-pin_boundaries = false  # only `trusted` nodes hold the first block and the last
-trusted = ["gpu-a"]     # node names the coordinator trusts (never a node's own word)
+pin_boundaries = false  # only trusted nodes hold the first block and the last
+trusted = ["gpu-a"]     # node names the coordinator trusts (never a node's own word); in a
+                        # secure swarm, so is a node whose token grants the role `trusted`
 remeasure_s = 60.0      # re-measure the mesh this often once the ring formed (0: never)
 unreachable = []        # node names taken as accepting no inbound connection (else detected)
 ```
@@ -58,8 +59,9 @@ def _names(table: Table, key: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def read_formation(table: Table) -> FormationSpec:
-    """Validate ``[formation]``. Errors: ``SpecError`` naming the key."""
+def read_formation(table: Table, *, secure: bool = True) -> FormationSpec:
+    """Validate ``[formation]``; ``secure``: the swarm admits nodes by token, so a token's
+    ``trusted`` role may mark boundary nodes too. Errors: ``SpecError`` naming the key."""
     spec = FormationSpec(
         expect=table.integer("expect", default=1, minimum=1),
         wait_s=table.number("wait_s", default=120.0, positive=True),
@@ -69,10 +71,11 @@ def read_formation(table: Table) -> FormationSpec:
         remeasure_s=table.number("remeasure_s", default=60.0),
         unreachable=_names(table, "unreachable"),
     )
-    if spec.pin_boundaries and not spec.trusted:
+    if spec.pin_boundaries and not spec.trusted and not secure:
         raise table.error(
             "pin_boundaries",
-            "needs trusted nodes for the first and last blocks; list them in trusted = [...]",
+            "needs trusted nodes for the first and last blocks; list them in trusted = [...] "
+            "(in a secure swarm, a node whose admission token grants the role trusted is one)",
         )
     if spec.probes > 100:
         raise table.error("probes", f"at most 100 probes per pair, got {spec.probes}")

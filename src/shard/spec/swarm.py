@@ -170,7 +170,7 @@ class SwarmSpec:
         standbys = tuple(
             read_standby(t, base_dir, names) for t in top.tables("standby", STANDBY_KEYS)
         )
-        formation = _read_formation(top, stages, standbys)
+        formation = _read_formation(top, stages, standbys, secure=not _read_insecure(swarm))
         check_nodes(source, coordinator, stages, standbys)
         relay = read_relay(swarm, coordinator.name)
         check_reach(source, relay, coordinator, (*stages, *standbys))
@@ -374,7 +374,7 @@ def load_spec(path: str | Path) -> SwarmSpec:
 
 
 def _read_formation(
-    top: Table, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...]
+    top: Table, stages: tuple[StageSpec, ...], standbys: tuple[StandbySpec, ...], *, secure: bool
 ) -> FormationSpec | None:
     """``[formation]`` (no stages, no standbys: they join), or stages as written."""
     if "formation" not in top.data:
@@ -391,7 +391,7 @@ def _read_formation(
             "a formed swarm places its own stages and standbys (they start with --join); "
             "remove the [[stage]] and [[standby]] tables, or [formation] to run them as written",
         )
-    return read_formation(top.table("formation", FORMATION_KEYS, required=True))
+    return read_formation(top.table("formation", FORMATION_KEYS, required=True), secure=secure)
 
 
 def _read_model(swarm: Table, base_dir: Path | None) -> str:

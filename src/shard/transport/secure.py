@@ -59,6 +59,13 @@ class RoleMismatch(ChannelError):
     reason = "role-mismatch"
 
 
+def token_roles(conn: object) -> tuple[str, ...]:
+    """The roles the verified admission token of ``conn``'s peer grants; ``()`` on a
+    connection that is not a ``SecureConnection`` (a plaintext wire proves nothing)."""
+    who = getattr(conn, "authenticated", None)
+    return tuple(who.token.roles) if isinstance(who, Admitted) else ()
+
+
 class SecureConnection:
     """A sealed ``WebSocketConnection`` that knows who is at the other end (``authenticated``)."""
 

@@ -1,7 +1,9 @@
 """Admission tokens: the swarm's authority vouches that a node's key may join, and as what.
 
 A token binds a node's Ed25519 public key to a swarm name, the roles it may take (``stage``,
-``coordinator``, ``client``, ``monitor``), a validity window and a serial, under the
+``coordinator``, ``client``, ``monitor``; and ``trusted``, never claimed on a connection: the
+authority trusts a stage with the boundary blocks of a ``[formation]`` swarm that pins them),
+a validity window and a serial, under the
 authority's signature (``shard admit``). Specs name the authority's public key and may list
 revoked serials. ``verify`` is a plain function: it checks one token against what this swarm
 expects and raises one specific ``AdmissionError`` subclass per reason, each saying what
@@ -31,7 +33,10 @@ from shard.trust.identity import (
     write_new,
 )
 
-ROLES: Final = ("stage", "coordinator", "client", "monitor")
+ROLES: Final = ("stage", "coordinator", "client", "monitor", "trusted")
+#: The role a token grants beside ``stage`` for its node to hold the first or last block
+#: where ``[formation] pin_boundaries`` asks (``shard.failover.formation``).
+TRUSTED_ROLE: Final = "trusted"
 TOKEN_PREFIX: Final = "shard-token-v1"
 #: Prepended to what the authority signs, so a token signature is never valid as anything else.
 SIGNED_CONTEXT: Final = b"shard admission token v1\x00"
