@@ -26,13 +26,16 @@ from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal, with_r
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+# A fixed count of feature chunks and of steps, with a time budget that never binds: the
+# same head on any machine, however loaded (a 12 s data budget made 214 chunks here and far
+# fewer on a busy CI box, whose head then guessed nothing).
 RECIPE = HeadRecipe(
-    minutes=1.0,
-    data_share=0.2,
+    minutes=60.0,
     shortlist=0,
     seq_len=96,
     rows_per_chunk=8,
-    train=TrainSettings(batch=4, max_steps=120, checkpoint_every=1000, ce_positions=64),
+    data_chunks=64,
+    train=TrainSettings(batch=4, max_steps=800, checkpoint_every=1000, ce_positions=64),
 )
 
 
@@ -50,8 +53,8 @@ def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train_tiny_head(model_dir: Path, root: Path) -> Path:
-    """``RECIPE``'s head for ``model_dir`` under ``root``, trained on one thread so that the
-    same target always gives the same head (and the same guesses)."""
+    """``RECIPE``'s head for ``model_dir`` under ``root``: fixed data and steps, on one
+    thread, so that the same target always gives the same head (and the same guesses)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

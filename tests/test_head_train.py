@@ -105,6 +105,25 @@ def test_feature_store_ignores_stray_and_damaged_chunks(target_dir: Path, tmp_pa
     assert store().tokens == 0
 
 
+def test_a_fixed_count_of_chunks_is_the_same_data_anywhere(
+    target_dir: Path, tmp_path: Path
+) -> None:
+    """``chunks`` fills to exactly that many chunks whatever the time budget (none here, and
+    a budget of an hour does not add more), ``load(chunks)`` reads only the first ones, and
+    two stores with the same seed hold the same rows."""
+    target = load_stage(target_dir, 0, 4)
+    tok = Tokenizer.from_dir(target_dir)
+    a = FeatureStore(tmp_path / "a", seq_len=96, seed=3, rows_per_chunk=4)
+    a.fill(target, tok, 0.0, chunks=3, progress=False)
+    assert len(a._manifest["chunks"]) == 3
+    a.fill(target, tok, 3600.0, chunks=3, progress=False)
+    assert len(a._manifest["chunks"]) == 3
+    b = FeatureStore(tmp_path / "b", seq_len=96, seed=3, rows_per_chunk=4)
+    b.fill(target, tok, 3600.0, chunks=2, progress=False)
+    assert torch.equal(a.load(2).corpus.ids, b.load().corpus.ids)
+    assert a.load().corpus.ids.shape == (12, 96) and a.load(1).corpus.ids.shape == (4, 96)
+
+
 def test_an_interrupted_run_resumes_where_it_stopped(target_dir: Path, tmp_path: Path) -> None:
     """Ctrl-C mid-training leaves a checkpoint; the next run resumes from it and ends with
     exactly the head an uninterrupted run trains."""

@@ -1,7 +1,8 @@
 """``train_head``: a draft head for a target, end to end, resumable, inside a time budget.
 
     features   ``FeatureStore.fill`` until the cache holds ``data_share`` of the budget's
-               worth of target-labelled text (reused, and extended, by later runs)
+               worth of target-labelled text (reused, and extended, by later runs), or
+               exactly ``data_chunks`` chunks of it (the same data on every machine)
     train      ``Trainer``: AdamW on ``train.head_loss``; a checkpoint every
                ``checkpoint_every`` steps and when interrupted (Ctrl-C, SIGTERM), from which
                the next run resumes
@@ -61,6 +62,7 @@ class HeadRecipe:
     seq_len: int = 192
     rows_per_chunk: int = 80
     seed: int = 0
+    data_chunks: int | None = None  # exactly this many feature chunks; None: the data budget
     train: TrainSettings = attrs.field(factory=TrainSettings)
 
     @property
@@ -145,8 +147,10 @@ def train_head(
         features_dir, seq_len=recipe.seq_len, seed=recipe.seed, rows_per_chunk=recipe.rows_per_chunk
     )
     setup_s = time.perf_counter() - began  # loading the target (this run's; a few seconds)
-    store.fill(target, tokenizer, recipe.data_budget_s(), progress=progress)
-    data = store.load()
+    store.fill(
+        target, tokenizer, recipe.data_budget_s(), chunks=recipe.data_chunks, progress=progress
+    )
+    data = store.load(recipe.data_chunks)
     shortlist = None
     if recipe.shortlist:
         eos = tokenizer.eos_ids

@@ -71,12 +71,15 @@ class FeatureStore:
         tokenizer: Tokenizer,
         budget_s: float,
         *,
+        chunks: int | None = None,
         progress: bool,
     ) -> None:
         """Make chunks until they hold ``budget_s`` seconds of work (at least one chunk).
 
         Stops early when the next chunk would overrun the budget by more than half its
-        expected time, so a budget is met to within about half a chunk.
+        expected time, so a budget is met to within about half a chunk. ``chunks``, when
+        given, replaces the budget: the cache is filled to exactly that many chunks, however
+        long they take, so that the same target and seed give the same data on any machine.
         """
         bar = tqdm(
             total=round(budget_s),
@@ -86,7 +89,7 @@ class FeatureStore:
             disable=not progress,
         )
         try:
-            while not self._manifest["chunks"] or self._room_for_another(budget_s):
+            while self._wants_another(budget_s, chunks):
                 began = time.perf_counter()
                 index = self._next_index()
                 chunk = self._make_chunk(target, tokenizer, index)
@@ -97,10 +100,12 @@ class FeatureStore:
         finally:
             bar.close()
 
-    def load(self) -> Features:
-        """Every complete chunk, concatenated (features as fp32)."""
+    def load(self, chunks: int | None = None) -> Features:
+        """Every complete chunk (or the first ``chunks`` of them), concatenated (features as
+        fp32)."""
         ids, labels, valid, greedy = [], [], [], []
-        for entry in self._manifest["chunks"]:
+        entries = sorted(self._manifest["chunks"], key=lambda c: int(c["index"]))
+        for entry in entries[:chunks]:
             t = load_file(str(self.root / entry["file"]))
             ids.append(t["ids"])
             labels.append(t["labels"].float())
@@ -112,6 +117,12 @@ class FeatureStore:
         return Features(corpus, torch.cat(greedy))
 
     # -- internals -------------------------------------------------------------------------
+
+    def _wants_another(self, budget_s: float, count: int | None) -> bool:
+        held = len(self._manifest["chunks"])
+        if count is not None:
+            return held < count
+        return held == 0 or self._room_for_another(budget_s)
 
     def _room_for_another(self, budget_s: float) -> bool:
         chunks = self._manifest["chunks"]
