@@ -57,6 +57,12 @@ Record = dict[str, Any]
 MODES = {"batched": 512, "unbatched": 1}  # max_batch_rows
 
 
+def modes(args: argparse.Namespace) -> dict[str, int]:
+    """Every ring's mode and its ``max_batch_rows``: ``MODES`` and one ``capN`` per cap."""
+    caps = [int(x) for x in args.caps.split(",") if x.strip()]
+    return {**MODES, **{f"cap{n}": n for n in caps}}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2", help="bundled model name or a checkpoint dir")
@@ -72,6 +78,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.03,
         help="batched rings' [limits] gather_window_s: the longest a stage waits for the\n"
         "chunks of sessions it has seen lately (never for a lone session); default 0.03",
+    )
+    p.add_argument(
+        "--caps",
+        default="",
+        help="extra batched rings, one per cap: [limits] max_batch_rows = N (so a wave of\n"
+        "sessions splits into convoys of at most N rows), e.g. 8,4; reported as capN",
     )
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "batch_streams.json")
     return p.parse_args(argv)
@@ -95,9 +107,9 @@ async def start(
     path = Path(args.workdir) / f"{label}.toml"
     name = f"batch-{label}".replace(".", "_")
     most = max(int(x) for x in args.streams.split(",") if x.strip())
-    window = args.window if mode == "batched" else 0.0
+    window = args.window if mode != "unbatched" else 0.0
     ports = free_ports(args.stages + 1)
-    path.write_text(_spec_toml(name, ports, latency, MODES[mode], most, window))
+    path.write_text(_spec_toml(name, ports, latency, modes(args)[mode], most, window))
     spec = load_spec(path)
     began = trio.current_time()
     handle = await nursery.start(
@@ -165,9 +177,36 @@ async def point(
         "tpot_p50_s": statistics.median(tpot),
         "tpot_p95_s": tpot[min(len(tpot) - 1, round(0.95 * (len(tpot) - 1)))],
         "batch_rows": max((s.batch_rows for d in runs for s in d.stats.nodes), default=0.0),
+        "per_node": _per_node(runs),
+        "edges_ms": _edges_ms(runs),
         "stage_rss_mib": stage_rss_mib(path),
         "loadavg_after": list(os.getloadavg()),
         "token_ids": [list(d.token_ids) for d in runs],
+    }
+
+
+def _per_node(runs: Sequence[GenerateDone]) -> dict[str, Record]:
+    """Per node, over every stream of a point: ms of compute and of queueing per chunk (the
+    median stream's), the mean rows per forward."""
+    out: dict[str, Record] = {}
+    for name in sorted({s.node for d in runs for s in d.stats.nodes}):
+        stats = [s for d in runs for s in d.stats.nodes if s.node == name and s.chunks]
+        out[name] = {
+            "compute_ms_per_chunk": statistics.median(1e3 * s.compute_s / s.chunks for s in stats),
+            "queued_ms_per_chunk": statistics.median(1e3 * s.queued_s / s.chunks for s in stats),
+            "batch_rows": statistics.median(s.batch_rows for s in stats),
+        }
+    return out
+
+
+def _edges_ms(runs: Sequence[GenerateDone]) -> dict[str, float]:
+    """Per ring edge, the median stream's mean one-way transit (ms; one host, one clock)."""
+    names = sorted({(e.src, e.dst) for d in runs for e in d.stats.edges})
+    return {
+        f"{a}->{b}": statistics.median(
+            1e3 * e.mean_s for d in runs for e in d.stats.edges if (e.src, e.dst) == (a, b)
+        )
+        for a, b in names
     }
 
 
@@ -179,7 +218,9 @@ async def run_all(model_dir: Path, prompts: list[Prompt], args: argparse.Namespa
     points: list[Record] = []
     async with trio.open_nursery() as nursery:
         rings = [
-            await start(nursery, model_dir, args, mode, lat) for lat in latencies for mode in MODES
+            await start(nursery, model_dir, args, mode, lat)
+            for lat in latencies
+            for mode in modes(args)
         ]
         async with WebSocketNetwork() as network:
             for ring, _path in rings:  # warm-up, discarded

@@ -4,7 +4,7 @@ tie), stale and bad chunks dropped from their batch alone, the KV budget refused
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -247,20 +247,33 @@ def test_session_rhythm_says_when_its_next_chunk_is_due() -> None:
 
 
 async def run_all(
-    block: Path, msgs: list[Message], **kw: object
+    block: Path,
+    msgs: list[Message],
+    *,
+    then: Sequence[Message] = (),
+    after: int = 0,
+    **kw: object,
 ) -> tuple[list[Message], StageExecutor]:
-    """Queue ``msgs`` all at once into a whole-model executor, then let it run them."""
+    """Queue ``msgs`` all at once into a whole-model executor and let it run them; with
+    ``then``, queue those all at once after ``after`` messages have come out."""
     model = load_stage(block, 0, 2)
-    inbox_send, inbox_recv = trio.open_memory_channel[Message](len(msgs))
-    outbox_send, outbox_recv = trio.open_memory_channel[Message](len(msgs) + 1)
+    total = len(msgs) + len(then)
+    inbox_send, inbox_recv = trio.open_memory_channel[Message](total)
+    outbox_send, outbox_recv = trio.open_memory_channel[Message](total + 1)
     executor = StageExecutor(model, node=NodeName("s"), inbox=inbox_recv, outbox=outbox_send, **kw)  # type: ignore[arg-type]
-    for msg in msgs:
-        inbox_send.send_nowait(msg)
-    inbox_send.close()
+    out: list[Message] = []
     with trio.fail_after(30):
-        await executor.run()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(executor.run)
+            for msg in msgs:
+                inbox_send.send_nowait(msg)
+            while len(out) < after:
+                out.append(await outbox_recv.receive())
+            for msg in then:
+                inbox_send.send_nowait(msg)
+            inbox_send.close()
     async with outbox_recv:
-        return [m async for m in outbox_recv], executor
+        return [*out, *[m async for m in outbox_recv]], executor
 
 
 def _session_msgs(sid: int) -> list[Message]:
@@ -303,12 +316,15 @@ async def test_sessions_batched_answer_as_they_do_alone(block: Path) -> None:
 async def test_a_stale_or_bad_chunk_is_dropped_from_its_batch_alone(block: Path) -> None:
     """In one batch: session 1's chunk is stale (a Truncate overtook it) and session 2's holds
     a token outside the vocabulary; session 3's chunk still gets its own verdict."""
-    msgs = [*_session_msgs(1)[:2], *_session_msgs(2)[:2], *_session_msgs(3)[:2]]
+    opening = [*_session_msgs(1)[:2], *_session_msgs(2)[:2], *_session_msgs(3)[:2]]
     stale = _verify(1, len(_session_msgs(1)[1].ids), (5,))  # type: ignore[union-attr]
     bad = _verify(2, 5, (10**6,))
     good = _verify(3, len(_session_msgs(3)[1].ids), (5,))  # type: ignore[union-attr]
     trunc = Truncate(SessionId(1), Epoch(1), 0)
-    out, executor = await run_all(block, [*msgs, stale, bad, good, trunc])
+    # As on a ring, a Truncate comes only after the coordinator had its session's prefill
+    # verdict: the prefills are answered first. Then the Truncate is queued ahead of the
+    # chunk it makes stale (it is applied on arrival, ahead of the queue, either way).
+    out, executor = await run_all(block, opening, then=[trunc, stale, bad, good], after=3)
     faults = [m for m in out if isinstance(m, Fault)]
     assert [(f.session, f.kind) for f in faults] == [(2, "chunk")]
     assert "out of range" in faults[0].detail

@@ -101,8 +101,11 @@ async def test_resyncs_are_bounded_by_the_limits(autojump_clock: trio.testing.Mo
     assert "limits.max_resyncs" in str(error)
 
 
-async def test_open_session_carries_the_limits(autojump_clock: trio.testing.MockClock) -> None:
-    """Every session opens with the coordinator's KV length before its first chunk."""
+async def test_open_session_asks_for_the_kv_its_request_can_reach(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every session opens before its first chunk, asking for the positions its request can
+    fill (prompt + max_tokens: 3 + 4), not the whole ``limits.max_len`` (48)."""
     to_send, to_recv = trio.open_memory_channel[Message](16)
     _, from_recv = trio.open_memory_channel[Message](16)
     coordinator = Coordinator(
@@ -119,7 +122,7 @@ async def test_open_session_carries_the_limits(autojump_clock: trio.testing.Mock
         nursery.cancel_scope.cancel()
     first = to_recv.receive_nowait()
     assert isinstance(first, OpenSession)
-    assert first.max_len == 48
+    assert first.max_len == 7
     second = to_recv.receive_nowait()
     assert second == Prefill(
         SessionId(1), Epoch(0), ChunkSeq(0), start=0, final=True, ids=(1, 2, 3)

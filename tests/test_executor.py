@@ -24,6 +24,7 @@ from shard.messages import (
 )
 from shard.model.loader import load_stage
 from shard.stage.executor import StageExecutor
+from shard.stage.offload import inline_compute
 from shard.testing import make_tiny_checkpoint
 
 PROMPT = (5, 17, 99, 3)
@@ -44,7 +45,9 @@ async def run_stage(
     outbox_send, outbox_recv = trio.open_memory_channel[Message](len(msgs) + 1)
     executor = StageExecutor(model, node=NodeName("s"), inbox=inbox_recv, outbox=outbox_send, **kw)
     kv: list[int] = []
-    with trio.fail_after(30):
+    # inline: a session's KV is allocated in a worker thread, which would still be running
+    # when wait_all_tasks_blocked returns; in the loop's thread each reading is exact
+    with inline_compute(), trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(executor.run)
             async with inbox_send:

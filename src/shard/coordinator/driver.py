@@ -109,7 +109,7 @@ class RequestDriver:
             self._proposer = drafter.session(prompt_ids)
         self._opening = OpenSession(
             session=sid,
-            max_len=limits.max_len,
+            max_len=state.positions,  # the KV this request can reach, not limits.max_len
             sampling=sampling,
             job=job.job if job else "",
             nonce=job.nonce if job else "",
@@ -144,7 +144,7 @@ class RequestDriver:
         stream = SpecStream(
             decode=state,
             committed=[*self._prompt, *first.target_ids],
-            max_len=self._limits.max_len,
+            max_len=self._opening.max_len,
             feed=len(self._prompt),
             next_seq=first.seq + 1,
             epoch=first.epoch,

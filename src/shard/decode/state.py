@@ -66,6 +66,12 @@ class DecodeState:
     output: list[int] = attrs.field(factory=list)
     finish_reason: str | None = None
 
+    @property
+    def positions(self) -> int:
+        """Positions this request can fill: its prompt and every token it may commit (the
+        KV a session needs; ``start`` checked that it fits the session length)."""
+        return self.prompt_len + self.max_tokens
+
     @classmethod
     def start(
         cls, prompt_len: int, max_tokens: int, eos_ids: Iterable[int], *, max_len: int

@@ -328,7 +328,9 @@ class StageExecutor:
             return
         if not await self._within_budget(msg):
             return
-        cache = self._model.new_cache(msg.max_len)
+        # Zeroing a session's KV touches every page of it (30 MiB for 2,048 positions of a
+        # 10-layer SmolLM2 block): off the loop, so frames and heartbeats keep moving.
+        cache = await offload.run_sync(self._model.new_cache, msg.max_len, limiter=self._limiter)
         if self._graphs is not None:  # warm: capture this session's shapes now
             await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
         window = FeatureWindow(msg.features) if msg.features and self._model.is_last else None
