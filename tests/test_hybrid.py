@@ -81,6 +81,18 @@ def test_lookup_reports_how_long_its_match_is() -> None:
     assert ngram.propose([5, 6, 7, 1, 5, 6, 7], 2) == [1, 5]
 
 
+def test_lookup_span_is_what_the_lookup_would_copy_before_the_model_drafts() -> None:
+    """The span the controller prices: the copied tokens a proposal would start with (as
+    many as follow the match, up to k), none for a match shorter than min_match."""
+    context = [10, 11, 12, 13, 14, 15, 16, 99, 10, 11, 12, 13]
+    hybrid = HybridProposer(Counting(), min_match=4)
+    assert hybrid.lookup_span(context, 8) == 8  # 14 15 16 99 10 11 12 13 followed the match
+    assert hybrid.lookup_span(context, 2) == 2
+    assert hybrid.propose(context, 2) == [14, 15] and hybrid.names == ["ngram"] * 2
+    assert HybridProposer(Counting(), min_match=5).lookup_span(context, 8) == 0
+    assert hybrid.lookup_span([1, 2, 3], 8) == 0
+
+
 def test_min_match_must_be_positive() -> None:
     with pytest.raises(ValueError, match="min_match"):
         HybridProposer(Counting(), min_match=0)

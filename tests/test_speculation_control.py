@@ -8,6 +8,7 @@ import attrs
 import pytest
 
 from shard.decode.control import (
+    LOOKUP,
     RunLengths,
     SpecConfig,
     SpecController,
@@ -136,3 +137,52 @@ def test_sessions_sharing_the_stages_keep_pipelines_shallow() -> None:
     assert depths == sorted(depths, reverse=True), depths
     fixed = SpecController(SpecConfig(k=4, depth=3), alpha=0.9, lap_s=0.3, stage_s=0.07)
     assert fixed.choose(sessions=8) == (4, 3)  # fixed values still win
+
+
+def _hybrid_control(**kw: float) -> SpecController:
+    """A hybrid's controller after 200 chunks: its lookup's copies held 95 % of the time (in
+    runs), its model's guesses 25 %, and the model costs 20 ms per drafted token."""
+    rng = random.Random(4)
+    control = SpecController(SpecConfig(), runs=RunLengths(), **kw)
+    for i in range(200):
+        sources = [LOOKUP] * 6 if i % 2 else ["head"] * 6
+        p = 0.95 if i % 2 else 0.25
+        accepted = next((j for j in range(6) if rng.random() >= p), 6)
+        control.observe_chunk(6, accepted, rejected=accepted < 6, sources=sources)
+        control.observe_draft(0.0 if i % 2 else 0.12, 6, sources)
+    return control
+
+
+def test_the_hybrids_two_drafts_are_priced_apart() -> None:
+    """Lookup guesses feed the run model, the model's feed model_alpha; the model's time is
+    its own price and the lookup's is ~free."""
+    control = _hybrid_control()
+    assert control.model_alpha == pytest.approx(0.25, abs=0.15)
+    assert control.runs is not None and control.runs.p(6) > 0.85
+    assert control.model_cost_s == pytest.approx(0.02, rel=0.01)
+    assert control.lookup_cost_s == 0.0
+    # A mixed chunk: two copied guesses held, the model's first guess failed.
+    before = control.model_alpha
+    tried = sum(control.runs.tried)
+    control.observe_chunk(4, 2, rejected=True, sources=[LOOKUP, LOOKUP, "head", "head"])
+    assert control.model_alpha < before  # one model guess judged, and it failed
+    assert sum(control.runs.tried) == pytest.approx(tried * control.runs.decay + 2)
+
+
+def test_a_long_lookup_span_pipelines_and_the_models_stretch_stays_short() -> None:
+    """Priced per position: with a long copy span ahead the controller drafts long, deep
+    chunks at no draft cost; with none (the model drafts every guess, weakly and at 20 ms a
+    token) it stays at one short chunk. One pooled price could not tell them apart."""
+    timing = {"lap_s": 0.3, "stage_s": 0.05}
+    control = _hybrid_control(**timing)
+    control.run = 12
+    k_copy, d_copy = control.choose(lead=32)
+    assert k_copy >= 5 and d_copy >= 2, (k_copy, d_copy)
+    control.run = 0
+    k_model, d_model = control.choose(lead=0)
+    assert d_model == 1 and k_model <= 3, (k_model, d_model)
+    short = control.choose(lead=2)
+    assert short[0] * short[1] < k_copy * d_copy  # a short span: less in flight
+    # Unpriced (lead None), the lookup-fed run model alone would send the model's stretch
+    # as long and deep as a copy: 35 weak guesses at 20 ms each.
+    assert control.choose() == (8, 4) != (k_model, d_model)

@@ -42,6 +42,7 @@ from shard.coordinator.gate import RingDown, RingGate
 from shard.coordinator.ledger import Ledger
 from shard.decode.control import SpecConfig, SpecController
 from shard.decode.draft import Drafter, Proposer
+from shard.decode.hybrid import HybridProposer
 from shard.decode.speculation import Outcome, SpecStream
 from shard.decode.state import DecodeState
 from shard.messages import (
@@ -117,6 +118,7 @@ class RequestDriver:
         )
         self._resyncs = 0
         self._progress_at = trio.current_time()
+        self._sources: dict[int, str] = {}  # the hybrid's: which draft guessed each position
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -161,7 +163,12 @@ class RequestDriver:
             outcome = await self._fold(stream, event)
             if outcome is None:
                 continue
-            control.observe_chunk(outcome.drafted, outcome.accepted, outcome.rejected)
+            control.observe_chunk(
+                outcome.drafted,
+                outcome.accepted,
+                outcome.rejected,
+                self._sources_of(event.start, outcome.drafted),
+            )
             control.observe_lap(laps.last_lap_s, max((h.compute_s for h in event.hops), default=0))
             if proposer is not None:
                 proposer.feedback(outcome.drafted, outcome.accepted)
@@ -172,6 +179,15 @@ class RequestDriver:
             finish_reason=state.finish_reason,
             stats=laps.stats(len(state.output), max_depth=max_depth),
         )
+
+    def _sources_of(self, start: int, drafted: int) -> list[str] | None:
+        """Which draft guessed each of a verified chunk's ``drafted`` guesses (positions
+        ``start + 1 ..``), None unless all are known; forgets every position up to them."""
+        span = range(start + 1, start + 1 + drafted)
+        names = [self._sources[p] for p in span if p in self._sources]
+        for p in [p for p in self._sources if p <= start + drafted]:
+            del self._sources[p]
+        return names if drafted and len(names) == drafted else None
 
     async def _fold(self, stream: SpecStream, verdict: Verdict) -> Outcome | None:
         """Fold a verdict into the stream; None when it changed nothing (stale, duplicate,
@@ -276,7 +292,12 @@ class RequestDriver:
     ) -> int:
         """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
         sid, ring = self._sid, self._ring
-        k, depth = control.choose(sessions=self._ledger.sessions)
+        hybrid = proposer if isinstance(proposer, HybridProposer) else None
+        lead = None  # how far the hybrid's lookup would copy now: priced apart from the model
+        config = control.config
+        if hybrid is not None and (config.k is None or config.depth is None):
+            lead = hybrid.lookup_span(stream.context(), config.depth_max * (config.k_max + 1))
+        k, depth = control.choose(sessions=self._ledger.sessions, lead=lead)
         self._ledger.kd(k, depth)
         while len(stream.inflight) < depth:
             wanted = stream.drafts_wanted(k)
@@ -284,7 +305,11 @@ class RequestDriver:
                 tokens, qs, seconds = await self._drafter.propose_for(
                     proposer, stream.context(), wanted, self._opening.sampling
                 )
-                control.observe_draft(seconds, len(tokens))
+                names = list(hybrid.names) if hybrid is not None else None
+                control.observe_draft(seconds, len(tokens), names)
+                if names is not None and len(names) == len(tokens):
+                    at = range(stream.length, stream.length + len(names))
+                    self._sources.update(zip(at, names, strict=True))
                 stream.add_drafts(tokens, qs)
             chunk = stream.next_chunk(k)
             if chunk is None:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 
 import attrs
+
+#: The name a hybrid draft gives the guesses its prompt lookup copied (``HybridProposer``).
+LOOKUP = "ngram"
 
 
 @attrs.frozen
@@ -169,6 +173,11 @@ class SpecController:
     runs: RunLengths | None = None
     run: int = 0
     shared: RunLengths | None = None
+    #: The hybrid's two drafts, priced apart (``observe_chunk``/``observe_draft`` with
+    #: ``sources``): the model's acceptance and seconds per drafted token, the lookup's cost.
+    model_alpha: float = 0.5
+    model_cost_s: float = 0.0
+    lookup_cost_s: float = 0.0
 
     def carry(self, config: SpecConfig) -> SpecController:
         """A controller for the next request: the same timings, the run reset, and a run
@@ -182,16 +191,34 @@ class SpecController:
             self, config=config, run=0, runs=shared.seeded(SEED_EVIDENCE), shared=shared
         )
 
-    def observe_chunk(self, drafted: int, accepted: int, rejected: bool = False) -> None:
+    def observe_chunk(
+        self,
+        drafted: int,
+        accepted: int,
+        rejected: bool = False,
+        sources: Sequence[str] | None = None,
+    ) -> None:
+        """A verified chunk: ``drafted`` guesses, the first ``accepted`` held. ``sources``
+        (the hybrid's): which draft made each guess, ``LOOKUP`` or the model. Then the run
+        model counts only the chunk's leading lookup guesses (the copy spans it models)
+        and the model's guesses that were judged update ``model_alpha``."""
         if drafted > 0:
             self.alpha += self.weight * (accepted / drafted - self.alpha)
-            if self.runs is not None:
-                # every draft held but the target's next token differs from the guess a
-                # later chunk in flight started with: that guess failed too
-                bonus_failed = rejected and accepted == drafted
-                self.runs.observe(self.run, drafted + int(bonus_failed), accepted)
+            # every draft held but the target's next token differs from the guess a later
+            # chunk in flight started with: that guess failed too
+            bonus_failed = rejected and accepted == drafted
+            tried = drafted + int(bonus_failed)
+            if sources is not None and len(sources) == drafted:
+                lead = next((i for i, s in enumerate(sources) if s != LOOKUP), drafted)
+                tried = min(tried, lead) if lead < drafted else tried
+                for j in range(lead, min(drafted, accepted + 1)):
+                    if sources[j] != LOOKUP:
+                        held = 1.0 if j < accepted else 0.0
+                        self.model_alpha += self.weight * (held - self.model_alpha)
+            if self.runs is not None and tried > 0:
+                self.runs.observe(self.run, tried, accepted)
                 if self.shared is not None:
-                    self.shared.observe(self.run, drafted + int(bonus_failed), accepted)
+                    self.shared.observe(self.run, tried, accepted)
             self.run = self.run + accepted if accepted == drafted and not rejected else 0
         elif rejected:
             self.run = 0
@@ -200,15 +227,34 @@ class SpecController:
         self.lap_s += self.weight * (lap_s - self.lap_s)
         self.stage_s += self.weight * (stage_s - self.stage_s)
 
-    def observe_draft(self, seconds: float, tokens: int) -> None:
-        if tokens > 0:
-            self.draft_s += self.weight * (seconds / tokens - self.draft_s)
+    def observe_draft(
+        self, seconds: float, tokens: int, sources: Sequence[str] | None = None
+    ) -> None:
+        """A proposal of ``tokens`` drafted tokens took ``seconds``; with ``sources`` the
+        time is the model's tokens' (a lookup costs microseconds), or the lookup's when it
+        made them all."""
+        if tokens <= 0:
+            return
+        self.draft_s += self.weight * (seconds / tokens - self.draft_s)
+        if sources is not None:
+            made = sum(1 for s in sources if s != LOOKUP)
+            if made:
+                self.model_cost_s += self.weight * (seconds / made - self.model_cost_s)
+            else:
+                self.lookup_cost_s += self.weight * (seconds / tokens - self.lookup_cost_s)
 
-    def _useful(self, k: int, d: int) -> tuple[float, float]:
+    def _useful(self, k: int, d: int, lead: int | None = None) -> tuple[float, float]:
         """(expected tokens of ``d`` chunks of ``k`` drafts in flight, P(all but the last
         chunk's guesses hold)). A pipelined chunk's first id is a guess too (of the bonus
-        token of the chunk before it)."""
+        token of the chunk before it). ``lead``: the hybrid's lookup span (``_priced``)."""
         guesses = d * (k + 1) - 1
+        if lead is not None:
+            ps = self._priced(guesses, lead)
+            total, alive = 1.0, 1.0
+            for p in ps:
+                alive *= p
+                total += alive
+            return total, math.prod(ps[: (d - 1) * (k + 1)])
         if self.runs is None:
             return expected_tokens(self.alpha, guesses), self.alpha ** ((d - 1) * (k + 1))
         return (
@@ -216,8 +262,33 @@ class SpecController:
             self.runs.holds(self.run, (d - 1) * (k + 1)),
         )
 
-    def choose(self, sessions: int = 1) -> tuple[int, int]:
+    def _priced(self, guesses: int, lead: int) -> list[float]:
+        """P(hold) of each of ``guesses`` guesses in order when the lookup makes the first
+        ``lead`` (its current span: the run model's walk from this run, or α without one)
+        and the model the rest (``model_alpha``)."""
+        n = min(lead, guesses)
+        if self.runs is not None:
+            copied = self.runs._walk(self.run, n) if n else []
+        else:
+            copied = [self.alpha] * n
+        return [*copied, *[self.model_alpha] * (guesses - n)]
+
+    def _draft_cost(self, k: int, d: int, lead: int | None) -> float:
+        """Seconds per drafted token over ``d`` chunks of ``k``: ``draft_s``, or with the
+        hybrid's ``lead`` each source's own price for the guesses it makes."""
+        if lead is None:
+            return self.draft_s
+        guesses = d * (k + 1) - 1
+        n = min(lead, guesses)
+        return (n * self.lookup_cost_s + (guesses - n) * self.model_cost_s) / guesses
+
+    def choose(self, sessions: int = 1, lead: int | None = None) -> tuple[int, int]:
         """(K, D) for the next chunk: fixed values win, the rest maximise the expected rate.
+
+        ``lead`` (the hybrid): the lookup's span at the frontier now — it would copy the
+        next ``lead`` guesses for free and the model would draft the rest — so each guess is
+        priced by the draft that would make it (``_priced``, ``_draft_cost``): a long copy
+        span pipelines deep at no draft cost, the model's short runs keep chunks short.
 
         ``sessions`` in flight share every stage: with many, the stages are the limit and
         chunks that may go stale take compute from the others, so pipelines stay shallow.
@@ -237,12 +308,12 @@ class SpecController:
         best, best_rate = (ks[0], ds[0]), -1.0
         for k in ks:
             for d in ds:
-                useful, pays = self._useful(k, d)
+                useful, pays = self._useful(k, d, lead)
                 cycle = _cycle(
                     k,
                     d,
                     lap_s=self.lap_s,
-                    draft_s=self.draft_s,
+                    draft_s=self._draft_cost(k, d, lead),
                     stage_s=self.stage_s,
                     sessions=sessions,
                 )

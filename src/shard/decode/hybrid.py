@@ -9,8 +9,9 @@ span, up to the chunk's end); elsewhere it asks the model for one token, then lo
 The model sees every token either way (a model proposer re-feeds what it has not seen), so
 its state stays the one the chunk's context gives.
 
-``names`` records which draft guessed each token of the last proposal ("ngram" / the
-model's name), for statistics and tests.
+``names`` records which draft guessed each token of the last proposal (``LOOKUP``, "ngram",
+or the model's name): the coordinator prices the two apart (``SpecController``), and
+``lookup_span`` says how far the lookup would copy before the model drafts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shard.decode.control import LOOKUP
 from shard.decode.draft import NGramProposer, Proposer, SamplingProposer, SparseQ
 
 __all__ = ["HybridProposer"]
@@ -67,6 +69,12 @@ class HybridProposer:
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         return self._draft(context, k, None, 1.0)[0]
 
+    def lookup_span(self, context: Sequence[int], k: int) -> int:
+        """How many of the next (up to ``k``) tokens the lookup would copy now, before the
+        model drafts any (0: no match it trusts): what ``SpecController.choose`` prices."""
+        span, matched = self._lookup.lookup(context, k)
+        return len(span) if span and matched >= self._min_match else 0
+
     def propose_sampled(
         self, context: Sequence[int], k: int, generator: torch.Generator, temperature: float
     ) -> tuple[list[int], list[SparseQ]]:
@@ -92,7 +100,7 @@ class HybridProposer:
             if span and matched >= self._min_match:
                 out.extend(span)
                 qs.extend(_one_hot(t) for t in span)
-                self.names.extend(["ngram"] * len(span))
+                self.names.extend([LOOKUP] * len(span))
                 continue
             if generator is not None and sampler is not None:
                 guess, q = sampler.propose_sampled([*tokens, *out], 1, generator, temperature)
