@@ -35,6 +35,11 @@ _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 #: PIDs of the processes these helpers started (ours to wait for, through Trio); any other
 #: child of this process is an orphan re-parented to us.
 _STARTED: set[int] = set()
+#: One entry per start in flight: the children this process had when it began. Trio runs
+#: ``Popen`` in a worker thread, so other tasks run between the fork and ``_STARTED.add``; a
+#: child born since a start began may be that start's own, not an orphan, and is left alone
+#: (neither killed nor reaped) until the start is registered.
+_SPAWNING: list[frozenset[int]] = []
 
 
 def child_env() -> dict[str, str]:
@@ -159,7 +164,7 @@ def orphans() -> list[int]:
     the dead ones."""
     me, found = os.getpid(), []
     for pid, (state, ppid, _) in _processes():
-        if ppid != me or pid in _STARTED:
+        if ppid != me or pid in _STARTED or any(pid not in had for had in _SPAWNING):
             continue
         if state == "Z":
             with suppress(ChildProcessError):
@@ -187,10 +192,16 @@ def kill_orphans() -> None:
 async def _open(cmd: list[str], **options: Any) -> trio.Process:
     """Start ``cmd`` in a session of its own, with ``child_env()``; tracked for ``orphans``."""
     become_subreaper()
-    proc = await trio.lowlevel.open_process(
-        cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env(), **options
-    )
-    _STARTED.add(proc.pid)
+    me = os.getpid()
+    had = frozenset(pid for pid, (_, ppid, _) in _processes() if ppid == me)
+    _SPAWNING.append(had)
+    try:
+        proc = await trio.lowlevel.open_process(
+            cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=child_env(), **options
+        )
+        _STARTED.add(proc.pid)
+    finally:
+        _SPAWNING.remove(had)
     return proc
 
 
