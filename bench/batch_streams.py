@@ -11,7 +11,10 @@ In one run, on the bundled SmolLM2 (fp32, CPU) and the prompts in ``bench/prompt
   behaviour before batching).
 
 Every ring is up at once, and for each stream count (``--streams``, default 1,2,4,8,16) the
-modes run one after the other, so a drift in the machine's load hits them alike. A point is
+modes run one after the other, so a drift in the machine's load hits them alike; with
+``--repeats R`` each stream count runs R times, the modes' order reversed every other time
+(so neither mode always runs first after another stream count), and the summary holds each
+mode's median over the repeats, the ratio of the medians and each repeat's paired ratio. A point is
 ``N`` requests started together (prompts round-robin, ``ignore_eos`` so each makes exactly
 ``--max-tokens``): aggregate tok/s (all tokens / wall time of the point), per-stream tok/s,
 p50/p95 time per output token (decode laps), and each stage process's resident memory after
@@ -85,8 +88,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra batched rings, one per cap: [limits] max_batch_rows = N (so a wave of\n"
         "sessions splits into convoys of at most N rows), e.g. 8,4; reported as capN",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each stream count, the modes' order reversed every other run; the\n"
+        "summary holds medians over them (default 1)",
+    )
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "batch_streams.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
 
 
 def _spec_toml(
@@ -226,20 +239,25 @@ async def run_all(model_dir: Path, prompts: list[Prompt], args: argparse.Namespa
             for ring, _path in rings:  # warm-up, discarded
                 await ask(network, ring, prompts[0], 4, rid=0)
             for n in streams:
-                for ring, path in rings:
-                    with trio.fail_after(args.timeout):
-                        rec = await point(network, ring, path, prompts, n, args.max_tokens)
-                    _progress(
-                        f"{ring.mode} x{n}: {rec['aggregate_tok_s']:.2f} tok/s in all, "
-                        f"rows/forward up to {rec['batch_rows']:.1f}"
-                    )
-                    points.append(rec)
+                for r in range(args.repeats):
+                    for ring, path in rings if r % 2 == 0 else rings[::-1]:
+                        with trio.fail_after(args.timeout):
+                            rec = await point(network, ring, path, prompts, n, args.max_tokens)
+                        rec["repeat"] = r
+                        _progress(
+                            f"{ring.mode} x{n} (run {r + 1}/{args.repeats}): "
+                            f"{rec['aggregate_tok_s']:.2f} tok/s in all, "
+                            f"rows/forward up to {rec['batch_rows']:.1f}"
+                        )
+                        points.append(rec)
         nursery.cancel_scope.cancel()
     return points
 
 
 def summarize(points: list[Record]) -> list[Record]:
-    """Per (latency, streams): batched vs unbatched aggregate tok/s and their ratio."""
+    """Per (latency, streams): batched vs unbatched aggregate tok/s (each the median over the
+    repeats), the ratio of those medians, and each repeat's own ratio (the two modes of one
+    repeat ran back to back)."""
     rows = []
     lone = {(p["mode"], p["latency_ms"]): p["token_ids"][0] for p in points if p["streams"] == 1}
     for p in points:  # streams 0, P, 2P, ... ran the lone stream's prompt
@@ -247,13 +265,23 @@ def summarize(points: list[Record]) -> list[Record]:
         p["identical_to_lone"] = all(ids == lone.get((p["mode"], p["latency_ms"])) for ids in same)
     keys = sorted({(p["latency_ms"], p["streams"]) for p in points})
     for lat, n in keys:
-        by = {p["mode"]: p for p in points if (p["latency_ms"], p["streams"]) == (lat, n)}
-        b, u = by.get("batched"), by.get("unbatched")
-        ratio = b["aggregate_tok_s"] / u["aggregate_tok_s"] if b and u else None
-        same = b["token_ids"] == u["token_ids"] if b and u else None
-        rows.append({"latency_ms": lat, "streams": n, "batched": b and b["aggregate_tok_s"],
-                     "unbatched": u and u["aggregate_tok_s"], "ratio": ratio,
-                     "batched_equals_unbatched": same})  # fmt: skip
+        at = [p for p in points if (p["latency_ms"], p["streams"]) == (lat, n)]
+        b = [p for p in at if p["mode"] == "batched"]
+        u = [p for p in at if p["mode"] == "unbatched"]
+        b_tok = statistics.median(p["aggregate_tok_s"] for p in b) if b else None
+        u_tok = statistics.median(p["aggregate_tok_s"] for p in u) if u else None
+        paired = [
+            x["aggregate_tok_s"] / y["aggregate_tok_s"]
+            for x in b
+            for y in u
+            if x.get("repeat", 0) == y.get("repeat", 0)
+        ]
+        rows.append({"latency_ms": lat, "streams": n, "batched": b_tok, "unbatched": u_tok,
+                     "ratio": b_tok / u_tok if b_tok and u_tok else None,
+                     "ratio_per_repeat": paired, "repeats": max(len(b), len(u)),
+                     "batched_equals_unbatched": all(
+                         x["token_ids"] == y["token_ids"] for x in b for y in u
+                     ) if b and u else None})  # fmt: skip
     return rows
 
 
