@@ -227,9 +227,9 @@ async def test_gather_waits_only_for_expected_sessions(
 
 
 def test_session_rhythm_says_when_its_next_chunk_is_due() -> None:
-    """A session is due one typical spacing of its verify chunks after its last; prefill
-    chunks (back to back once) and the opening say nothing of its rhythm, and a session with
-    no spacing yet is never due (a gather does not wait for it)."""
+    """A session is due one typical spacing of its verify chunks after its last (the median
+    of its last three); prefill chunks (back to back once) and the opening say nothing of its
+    rhythm, and a session with no spacing yet is never due (a gather does not wait for it)."""
     from shard.messages import Sampling
 
     sess = Session(cache=None, sampling=Sampling(), seen=0.0)  # type: ignore[arg-type]
@@ -238,12 +238,19 @@ def test_session_rhythm_says_when_its_next_chunk_is_due() -> None:
     assert sess.seen == 0.02 and not sess.due_by(1e9)
     sess.arrived(0.1, verify=True)
     assert not sess.due_by(1e9)  # one verify chunk: no spacing yet
-    sess.arrived(0.3, verify=True)
+    sess.arrived(1.3, verify=True)  # a first spacing far longer than the rhythm (a crowd's
+    assert sess.period == pytest.approx(1.2)  # prompts in between)
+    assert sess.due_by(2.5) and not sess.due_by(2.49)
+    sess.arrived(1.5, verify=True)
+    assert sess.period == pytest.approx(0.7)  # the median of two
+    sess.arrived(1.7, verify=True)  # two spacings of the rhythm outvote the long first one
     assert sess.period == pytest.approx(0.2)
-    assert sess.due_by(0.5) and not sess.due_by(0.49)
-    sess.arrived(0.34, verify=True)  # a pipelined chunk close behind moves the estimate a quarter
-    assert sess.period == pytest.approx(0.2 + 0.25 * (0.04 - 0.2))
-    assert sess.due_by(0.34 + sess.period) and not sess.due_by(0.33 + sess.period)
+    assert sess.due_by(1.9) and not sess.due_by(1.89)
+    sess.arrived(1.74, verify=True)  # one pipelined chunk close behind does not move it
+    assert sess.period == pytest.approx(0.2)
+    for now in (1.94, 2.14, 2.34):  # only the last three spacings count
+        sess.arrived(now, verify=True)
+    assert sess.gaps == pytest.approx([0.2, 0.2, 0.2])
 
 
 async def run_all(

@@ -8,6 +8,7 @@ a ``Fault`` for its session and the rest of the batch runs.
 from __future__ import annotations
 
 import math
+import statistics
 
 import attrs
 import torch
@@ -20,7 +21,10 @@ from shard.stage.batch import Answer, Planned, rows_of
 from shard.stage.features import FeatureWindow
 from shard.stage.tensors import from_wire, to_wire
 
-__all__ = ["Session", "StageFailed", "chunk_input", "is_replay", "output", "plan"]
+#: Verify spacings a session's rhythm is the median of (``Session.period``).
+RHYTHM_GAPS = 3
+
+__all__ = ["RHYTHM_GAPS", "Session", "StageFailed", "chunk_input", "is_replay", "output", "plan"]
 
 
 class StageFailed(Exception):
@@ -42,8 +46,17 @@ class Session:
     chunks: int = 0
     seen: float = -math.inf  # trio time of its newest chunk here (or its opening)
     verified: float = -math.inf  # trio time of its newest verify (decode) chunk here
-    period: float = math.inf  # the typical spacing of its verify chunks here (EWMA)
+    gaps: list[float] = attrs.field(factory=list)  # its last RHYTHM_GAPS verify spacings here
     features: FeatureWindow | None = None  # the tail's, when the session asked for features
+
+    @property
+    def period(self) -> float:
+        """The typical spacing of its verify chunks here: the median of its last
+        ``RHYTHM_GAPS`` (inf before it has one). A median, not a running mean: a session's
+        first spacings are far longer than its rhythm (a crowd of sessions starting together
+        spends them on each other's prompts), and a mean carries them for a dozen laps — long
+        enough that the rest of a wave is "not due" when it comes and the wave splits."""
+        return statistics.median(self.gaps) if self.gaps else math.inf
 
     def arrived(self, now: float, *, verify: bool) -> None:
         """Note a chunk's arrival; a verify chunk also updates the spacing (prefill chunks
@@ -52,9 +65,7 @@ class Session:
         if not verify:
             return
         if math.isfinite(self.verified) and now >= self.verified:
-            gap = now - self.verified
-            step = gap - self.period
-            self.period = gap if math.isinf(self.period) else self.period + 0.25 * step
+            self.gaps = [*self.gaps[1 - RHYTHM_GAPS :], now - self.verified]
         self.verified = now
 
     def due_by(self, deadline: float) -> bool:
