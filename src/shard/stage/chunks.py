@@ -65,7 +65,8 @@ class Session:
         if not verify:
             return
         if math.isfinite(self.verified) and now >= self.verified:
-            self.gaps = [*self.gaps[1 - RHYTHM_GAPS :], now - self.verified]
+            kept = self.gaps[max(0, len(self.gaps) + 1 - RHYTHM_GAPS) :]
+            self.gaps = [*kept, now - self.verified]
         self.verified = now
 
     def due_by(self, deadline: float) -> bool:
