@@ -250,7 +250,7 @@ def test_session_rhythm_says_when_its_next_chunk_is_due() -> None:
     assert sess.period == pytest.approx(0.2)
     for now in (1.94, 2.14, 2.34):  # only the last three spacings count
         sess.arrived(now, verify=True)
-    assert sess.gaps == pytest.approx([0.2, 0.2, 0.2])
+    assert list(sess.gaps) == pytest.approx([0.2, 0.2, 0.2])
 
 
 async def run_all(

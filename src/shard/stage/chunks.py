@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 import attrs
 import torch
@@ -46,7 +47,8 @@ class Session:
     chunks: int = 0
     seen: float = -math.inf  # trio time of its newest chunk here (or its opening)
     verified: float = -math.inf  # trio time of its newest verify (decode) chunk here
-    gaps: list[float] = attrs.field(factory=list)  # its last RHYTHM_GAPS verify spacings here
+    # its last RHYTHM_GAPS spacings of verify chunks here (older ones fall out)
+    gaps: deque[float] = attrs.field(factory=lambda: deque(maxlen=RHYTHM_GAPS))
     features: FeatureWindow | None = None  # the tail's, when the session asked for features
 
     @property
@@ -65,8 +67,7 @@ class Session:
         if not verify:
             return
         if math.isfinite(self.verified) and now >= self.verified:
-            kept = self.gaps[max(0, len(self.gaps) + 1 - RHYTHM_GAPS) :]
-            self.gaps = [*kept, now - self.verified]
+            self.gaps.append(now - self.verified)  # the oldest falls out (maxlen)
         self.verified = now
 
     def due_by(self, deadline: float) -> bool:
