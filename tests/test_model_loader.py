@@ -208,6 +208,29 @@ def test_loads_in_bfloat16(tiny_checkpoint: Callable[..., Path]) -> None:
     torch.testing.assert_close(got, ref(x, 0, ref.new_cache(16)), rtol=0, atol=0.5)
 
 
+def test_cpu_attention_in_bfloat16_computes_in_float32(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    """On the CPU a bf16 block attends in fp32 and rounds once (CPU SDPA in bf16 is several
+    times slower): its attention is exactly the fp32 attention of the same bf16 q, k, v, and
+    the cache still holds bf16."""
+    low = load_stage(tiny_checkpoint(arch="llama"), 0, 4, dtype=torch.bfloat16)
+    attn = low.layers[0].self_attn
+    cache = low.new_cache(16)
+    g = torch.Generator().manual_seed(3)
+    h, kv = attn.n_heads, attn.n_kv_heads
+    q = torch.randn(1, h, 5, attn.head_dim, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, kv, 5, attn.head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
+    mask = low.causal_mask(0, 5, q.device)
+    got = attn.attend(q, k, v, mask, cache, 0, 0)
+    assert got.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=attn.head_dim**-0.5,
+        enable_gqa=h != kv,
+    ).to(torch.bfloat16)  # fmt: skip
+    assert torch.equal(got, want)
+
+
 def test_tied_full_model_shares_one_matrix(tiny_checkpoint: Callable[..., Path]) -> None:
     """A tied stage holding both ends keeps one embedding matrix, used as the head too."""
     model = load_stage(tiny_checkpoint(arch="llama"), 0, 4)
