@@ -95,6 +95,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="runs of each stream count, the modes' order reversed every other run; the\n"
         "summary holds medians over them (default 1)",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the rings' [swarm] dtype: weights and activations (default float32)",
+    )
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "batch_streams.json")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -103,9 +109,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _spec_toml(
-    name: str, ports: Sequence[int], latency_ms: float, max_rows: int, sessions: int, window: float
+    name: str,
+    ports: Sequence[int],
+    latency_ms: float,
+    max_rows: int,
+    sessions: int,
+    window: float,
+    dtype: str = "float32",
 ) -> str:
-    text = ring_spec_toml(name, ports, latency_ms)
+    text = ring_spec_toml(name, ports, latency_ms).replace('"float32"', json.dumps(dtype), 1)
     text = text.replace("max_sessions = 16\n", f"max_sessions = {max(16, sessions)}\n", 1)
     limits = f"[limits]\nmax_batch_rows = {max_rows}\ngather_window_s = {window!r}\n"
     return text.replace("[limits]\n", limits, 1)
@@ -122,7 +134,7 @@ async def start(
     most = max(int(x) for x in args.streams.split(",") if x.strip())
     window = args.window if mode != "unbatched" else 0.0
     ports = free_ports(args.stages + 1)
-    path.write_text(_spec_toml(name, ports, latency, modes(args)[mode], most, window))
+    path.write_text(_spec_toml(name, ports, latency, modes(args)[mode], most, window, args.dtype))
     spec = load_spec(path)
     began = trio.current_time()
     handle = await nursery.start(

@@ -8,9 +8,12 @@ second term in one process, with nothing else running:
   10/10/10, the tail with the head), the packed forward (``shard.model.packed``, each row a
   decode step of its own session at positions ~100) for 1, 2, 4, 8, 16 and 32 rows: the
   median of ``--runs`` timed runs after two warm-ups, at 1 and at 2 torch threads;
-- a plain fp32 GEMM the shape of SmolLM2's MLP (64 rows): GFLOP/s at 1 and 2 threads, which
+- a plain GEMM the shape of SmolLM2's MLP (64 rows): GFLOP/s at 1 and 2 threads, which
   says how much floating-point throughput the machine's second core really adds (on a VM
   the two "cores" may share one physical core's vector units).
+
+``--dtype bfloat16`` runs both in bf16 (weights and activations, as a spec's ``dtype`` does;
+fp32 by default).
 
 Writes JSON (``--json``). A benchmark, not a test: nothing here asserts a speed.
 """
@@ -45,6 +48,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", default="1,2,4,8,16,32", help="rows per forward")
     p.add_argument("--threads", default="1,2", help="torch thread counts")
     p.add_argument("--runs", type=int, default=9, help="timed runs per point (median)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights and activations",
+    )
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "forward_rows.json")
     return p.parse_args(argv)
 
@@ -60,20 +69,26 @@ def median_ms(fn: Callable[[], object], runs: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def gemm_gflops(threads: int, runs: int) -> float:
+def gemm_gflops(threads: int, runs: int, dtype: torch.dtype = torch.float32) -> float:
     torch.set_num_threads(threads)
-    w = torch.randn(4 * 1536, 576)
-    x = torch.randn(64, 576)
+    w = torch.randn(4 * 1536, 576, dtype=dtype)
+    x = torch.randn(64, 576, dtype=dtype)
     ms = median_ms(lambda: [x @ w.T for _ in range(20)], runs) / 20
     return 2 * 64 * 576 * w.shape[0] / (ms * 1e-3) / 1e9
 
 
 def block_times(
-    model_dir: Path, first: int, last: int, rows: Sequence[int], threads: int, runs: int
+    model_dir: Path,
+    first: int,
+    last: int,
+    rows: Sequence[int],
+    threads: int,
+    runs: int,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[int, float]:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = load_stage(model_dir, first, last)
+    model = load_stage(model_dir, first, last, dtype=dtype)
     return {n: median_ms(forward_of(model, n), runs) for n in rows}
 
 
@@ -83,7 +98,11 @@ def forward_of(model: StageModel, n: int) -> Callable[[], object]:
     caches = [model.new_cache(256) for _ in range(n)]
     starts = [96 + i for i in range(n)]
     d = model.config.hidden_size
-    x = torch.randint(0, 1000, (1, n)) if model.is_first else torch.randn(1, n, d)
+    x = (
+        torch.randint(0, 1000, (1, n))
+        if model.is_first
+        else torch.randn(1, n, d, dtype=model.dtype)
+    )
     segments = [Segment(s, 1, c) for s, c in zip(starts, caches, strict=True)]
 
     def run() -> object:
@@ -102,12 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     began = time.perf_counter()
     machine = machine_info()
-    gemm = {t: gemm_gflops(t, args.runs) for t in threads}
+    gemm = {t: gemm_gflops(t, args.runs, getattr(torch, args.dtype)) for t in threads}
     print(f"[forward_rows] GEMM GFLOP/s by threads: {gemm}", file=sys.stderr, flush=True)
     blocks: list[dict[str, Any]] = []
     for first, last in BLOCKS:
         for t in threads:
-            ms = block_times(model_dir, first, last, rows, t, args.runs)
+            ms = block_times(model_dir, first, last, rows, t, args.runs, getattr(torch, args.dtype))
             blocks.append({"layers": [first, last], "threads": t, "ms_by_rows": ms})
             print(f"[forward_rows] [{first}, {last}) x{t}: {ms}", file=sys.stderr, flush=True)
     convoy = {
@@ -121,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": time.perf_counter() - began,
         "git": git_info(),
         "machine": machine,
+        "dtype": args.dtype,
         "gemm_gflops_by_threads": gemm,
         "blocks": blocks,
         # The three blocks' forwards one after another: a convoy's compute per lap.
