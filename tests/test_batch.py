@@ -119,6 +119,24 @@ def test_packed_segments_match_each_chunk_alone(
     report(f"packed forward (static={static}, {dtype}): max |logit diff| {worst:.2g}, ties {ties}")
 
 
+def test_smollm2_in_bfloat16_batches_bit_for_bit(smollm2_dir: Path) -> None:
+    """SmolLM2 in bf16 on the CPU: 16 decode rows and a verify chunk packed give exactly the
+    bits each gives alone, over several steps (``shard.model.linear``: without the two-row
+    rule a lone row's 1,536-wide down projection rounds differently)."""
+    model = load_stage(smollm2_dir, 0, 4, dtype=torch.bfloat16)
+    chunks = [(0, 5)] + [(0, 1)] * 16  # (start, rows): a verify-sized chunk, 16 decode steps
+    alone = [model.new_cache(32) for _ in chunks]
+    packed = [model.new_cache(32) for _ in chunks]
+    for step in range(4):
+        xs = [_ids(n, 100 * step + i) for i, (_, n) in enumerate(chunks)]
+        want = [model(x, s, c) for (s, _), x, c in zip(chunks, xs, alone, strict=True)]
+        segs = [Segment(s, n, c) for (s, n), c in zip(chunks, packed, strict=True)]
+        got = forward_packed(model, torch.cat(xs, dim=1), segs)
+        for (lo, hi), w in zip(segment_bounds(segs), want, strict=True):
+            assert torch.equal(got[:, lo:hi], w), f"step {step}, rows {lo}:{hi}"
+        chunks = [(s + n, 1) for s, n in chunks]
+
+
 def test_two_chunks_of_one_session_in_one_batch_see_each_others_kv(block: Path) -> None:
     """Pipelined chunks of one session in the same batch: the later one attends to what the
     earlier one wrote, exactly as when they run one after the other."""

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from shard.model.config import ModelConfig
 from shard.model.kvcache import KVCache
+from shard.model.linear import Linear
 
 __all__ = [
     "Attention",
@@ -104,10 +105,10 @@ class Attention(nn.Module):
         super().__init__()
         d, dh, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, dh
-        self.q_proj = nn.Linear(d, config.n_heads * dh, bias=bias)
-        self.k_proj = nn.Linear(d, config.n_kv_heads * dh, bias=bias)
-        self.v_proj = nn.Linear(d, config.n_kv_heads * dh, bias=bias)
-        self.o_proj = nn.Linear(config.n_heads * dh, d, bias=False)
+        self.q_proj = Linear(d, config.n_heads * dh, bias=bias)
+        self.k_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
+        self.v_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
+        self.o_proj = Linear(config.n_heads * dh, d, bias=False)
 
     def forward(
         self,
@@ -175,9 +176,9 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
+        self.gate_proj = Linear(d, f, bias=False)
+        self.up_proj = Linear(d, f, bias=False)
+        self.down_proj = Linear(f, d, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -234,7 +235,7 @@ class StageModel(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, d) if self.is_first else None
         self.layers = nn.ModuleList(Block(config) for _ in range(first, last))
         self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_last else None
-        self.lm_head = nn.Linear(d, vocab, bias=False) if self.is_last else None
+        self.lm_head = Linear(d, vocab, bias=False) if self.is_last else None
         if (
             self.lm_head is not None
             and self.embed_tokens is not None
