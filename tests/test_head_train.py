@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from shard.cli import main as cli_main
+from shard.decode.head import build
 from shard.decode.head import cache as head_cache
 from shard.decode.head import cli as head_cli
 from shard.decode.head.build import MARKER, HeadRecipe, train_head, work_dir_for
 from shard.decode.head.cache import HeadNotFound, cached_head, head_dir, resolve_head
-from shard.decode.head.features import MANIFEST, FeatureStore
+from shard.decode.head.features import FEATURES_VERSION, MANIFEST, FeatureStore
 from shard.decode.head.measure import chained_acceptance
 from shard.decode.head.model import DraftHead, HeadError
-from shard.decode.head.train import reference_features
+from shard.decode.head.train import greedy_targets, reference_features
 from shard.decode.head.trainer import TrainSettings
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
@@ -122,6 +123,44 @@ def test_a_fixed_count_of_chunks_is_the_same_data_anywhere(
     b.fill(target, tok, 3600.0, chunks=2, progress=False)
     assert torch.equal(a.load(2).corpus.ids, b.load().corpus.ids)
     assert a.load().corpus.ids.shape == (12, 96) and a.load(1).corpus.ids.shape == (4, 96)
+
+
+def test_a_bf16_sampler_makes_the_text_and_the_fp32_target_labels_it(
+    target_dir: Path, tmp_path: Path
+) -> None:
+    """With a bf16 copy of the target as the sampler, the store holds finite features of the
+    text it sampled, and each position's greedy label is the fp32 target's head applied to
+    that feature (not the bf16 head's)."""
+    target = load_stage(target_dir, 0, 4)
+    sampler = load_stage(target_dir, 0, 4, dtype=torch.bfloat16)
+    tok = Tokenizer.from_dir(target_dir)
+    store = FeatureStore(tmp_path / "f", seq_len=96, seed=5, rows_per_chunk=8)
+    store.fill(target, tok, 0.0, chunks=1, progress=False, sampler=sampler)
+    data = store.load()
+    assert data.corpus.ids.shape == (8, 96) and bool(data.corpus.labels.isfinite().all())
+    assert torch.equal(data.greedy, greedy_targets(target, data.corpus))
+
+
+def test_the_sampling_dtype_keys_the_caches(
+    target_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "auto" samples in bf16 exactly where the CPU has bf16 instructions; fp32 keeps the
+    cache keys made before there was a choice, and bf16 text gets caches of its own."""
+    monkeypatch.setattr(build, "cpu_has_bf16", lambda: False)
+    assert HeadRecipe().sampling_dtype() == "float32"
+    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    assert HeadRecipe().sampling_dtype() == "bfloat16"
+    assert HeadRecipe(sample_dtype="float32").sampling_dtype() == "float32"
+    fp32, bf16 = HeadRecipe(sample_dtype="float32"), HeadRecipe(sample_dtype="bfloat16")
+    name = target_dir.resolve().name
+    old = head_cache._key(FEATURES_VERSION, name, fp32.seq_len, fp32.seed, fp32.rows_per_chunk)
+    assert head_cache.features_dir(target_dir, "t", fp32).name == f"t-{old}"
+    assert head_cache.features_dir(target_dir, "t", bf16) != head_cache.features_dir(
+        target_dir, "t", fp32
+    )
+    assert head_dir(target_dir, "t", bf16) != head_dir(target_dir, "t", fp32)
+    with pytest.raises(ValueError, match="sample_dtype"):
+        HeadRecipe(sample_dtype="int8")
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(target_dir: Path, tmp_path: Path) -> None:

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shard.model.device import CudaProbe, DeviceUnavailable, resolve_device, torch_dtype
+from shard.model.device import (
+    CudaProbe,
+    DeviceUnavailable,
+    cpu_has_bf16,
+    resolve_device,
+    torch_dtype,
+)
 from shard.model.loader import load_stage
 from shard.stage.tensors import from_wire, to_wire
 
@@ -104,3 +110,18 @@ def test_load_stage_straight_onto_cuda(tiny_checkpoint: Callable[..., Path]) -> 
     ids = torch.tensor([[3, 4, 5]], device="cuda:0")
     logits = model(ids, 0, model.new_cache(8))
     assert logits.device.type == "cuda" and logits.dtype is torch.float32
+
+
+def test_cpu_has_bf16_reads_the_flags(tmp_path: Path) -> None:
+    """bf16 instructions are read from ``cpuinfo``'s flags line (AVX512-BF16 or AMX); a CPU
+    without them, a file without flags, and no file at all (not Linux) say no."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n")
+    assert cpu_has_bf16(info)
+    info.write_text("flags\t\t: fpu sse2 amx_tile amx_bf16\n")
+    assert cpu_has_bf16(info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert not cpu_has_bf16(info)
+    info.write_text("processor\t: 0\n")
+    assert not cpu_has_bf16(info)
+    assert not cpu_has_bf16(tmp_path / "missing")

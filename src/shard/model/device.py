@@ -8,12 +8,16 @@ and refuses one it cannot use with one line that says what to write instead.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 import attrs
 import torch
 
-__all__ = ["CudaProbe", "DeviceUnavailable", "resolve_device", "torch_dtype"]
+__all__ = ["CudaProbe", "DeviceUnavailable", "cpu_has_bf16", "resolve_device", "torch_dtype"]
+
+#: CPU flags (Linux ``/proc/cpuinfo``) of instructions that multiply bf16 natively.
+BF16_FLAGS: Final = frozenset({"avx512_bf16", "amx_bf16"})
 
 TORCH_DTYPES: Final = {
     "float32": torch.float32,
@@ -72,3 +76,19 @@ def torch_dtype(name: str) -> torch.dtype:
         return TORCH_DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(TORCH_DTYPES)}") from None
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), from ``cpuinfo``'s
+    flags; False where the file is missing or unreadable (not Linux). Without such
+    instructions a bf16 product is emulated and slower than fp32; with them it is faster
+    (docs/benchmarks.md, "bf16 on the CPU")."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return bool(BF16_FLAGS & set(value.split()))
+    return False

@@ -328,9 +328,10 @@ def _sample(logits: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def _head(model: StageModel, h: Tensor) -> Tensor:
+    """fp32 logits of ``h`` (fp32 labels) through ``model``'s head, in its dtype."""
     assert model.lm_head is not None
-    out: Tensor = model.lm_head(h)
-    return out
+    out: Tensor = model.lm_head(h.to(model.dtype))
+    return out.float()
 
 
 def _step(model: StageModel, ids: Tensor, start: int, cache: KVCache, mask: Tensor) -> Tensor:
@@ -338,7 +339,10 @@ def _step(model: StageModel, ids: Tensor, start: int, cache: KVCache, mask: Tens
     assert model.embed_tokens is not None and model.norm is not None
     s = ids.shape[1]
     h = model.embed_tokens(ids)  # [B, S, D]
-    rope = (model.rope_cos[start : start + s], model.rope_sin[start : start + s])
+    rope = (
+        model.rope_cos[start : start + s].to(h.dtype),
+        model.rope_sin[start : start + s].to(h.dtype),
+    )
     for j, layer in enumerate(model.layers):
         h = layer(h, rope, mask, cache, j, start)
     out: Tensor = model.norm(h)

@@ -37,6 +37,7 @@ from shard.decode.head.model import HEAD_VERSION, DraftHead, HeadError
 from shard.decode.head.train import shortlist_from
 from shard.decode.head.trainer import Trainer, TrainSettings
 from shard.model.config import ModelConfig
+from shard.model.device import cpu_has_bf16, torch_dtype
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 
@@ -48,6 +49,9 @@ MARKER = "train.json"
 
 class HeadExists(HeadError):
     """The output directory appeared while training (a concurrent run published first)."""
+
+
+SAMPLE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @attrs.frozen
@@ -63,17 +67,27 @@ class HeadRecipe:
     rows_per_chunk: int = 80
     seed: int = 0
     data_chunks: int | None = None  # exactly this many feature chunks; None: the data budget
+    #: The dtype of the target copy that samples the text and its features: "auto" is
+    #: bfloat16 on a CPU with bf16 instructions (2.7x the tokens per second here), else
+    #: float32. Training and measuring always use the fp32 target.
+    sample_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(SAMPLE_DTYPES))
     train: TrainSettings = attrs.field(factory=TrainSettings)
 
     @property
     def budget_s(self) -> float:
         return self.minutes * 60
 
+    def sampling_dtype(self) -> str:
+        """``sample_dtype`` with "auto" resolved on this machine."""
+        if self.sample_dtype != "auto":
+            return self.sample_dtype
+        return "bfloat16" if cpu_has_bf16() else "float32"
+
     def data_budget_s(self) -> float:
         return self.data_share * self.budget_s
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        return {**attrs.asdict(self), "sampling_dtype": self.sampling_dtype()}
 
 
 @attrs.frozen
@@ -141,15 +155,28 @@ def train_head(
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.exists():
         raise HeadError(f"{out_dir} already exists; remove it or choose another directory")
-    target = load_stage(target_dir, 0, ModelConfig.from_dir(target_dir).n_layers)
+    n_layers = ModelConfig.from_dir(target_dir).n_layers
+    target = load_stage(target_dir, 0, n_layers)
+    dtype = recipe.sampling_dtype()
+    sampler = (
+        None
+        if dtype == "float32"
+        else load_stage(target_dir, 0, n_layers, dtype=torch_dtype(dtype))
+    )
     tokenizer = Tokenizer.from_dir(target_dir)
     store = FeatureStore(
         features_dir, seq_len=recipe.seq_len, seed=recipe.seed, rows_per_chunk=recipe.rows_per_chunk
     )
     setup_s = time.perf_counter() - began  # loading the target (this run's; a few seconds)
     store.fill(
-        target, tokenizer, recipe.data_budget_s(), chunks=recipe.data_chunks, progress=progress
+        target,
+        tokenizer,
+        recipe.data_budget_s(),
+        chunks=recipe.data_chunks,
+        progress=progress,
+        sampler=sampler,
     )
+    del sampler  # training needs the memory more
     data = store.load(recipe.data_chunks)
     shortlist = None
     if recipe.shortlist:

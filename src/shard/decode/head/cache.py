@@ -43,26 +43,36 @@ def _key(*parts: object) -> str:
     return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:12]
 
 
+def _sampler(recipe: HeadRecipe) -> tuple[str, ...]:
+    """Key parts for the dtype that samples the features: none for fp32 (the keys of caches
+    made before there was a choice), the dtype otherwise."""
+    dtype = recipe.sampling_dtype()
+    return () if dtype == "float32" else (dtype,)
+
+
 def head_dir(target_dir: Path, name: str, recipe: HeadRecipe) -> Path:
     """The cache entry for a head of ``target_dir`` made by ``recipe``'s architecture.
 
     The key covers the target's directory name (itself keyed on its source), the head
-    format's version and the architecture (layers, window, shortlist), not the budget:
-    a head trained longer replaces the entry only on ``--force``.
+    format's version, the architecture (layers, window, shortlist) and the dtype that
+    sampled its features, not the budget: a head trained longer replaces the entry only on
+    ``--force``.
     """
     arch = (recipe.layers, recipe.window, recipe.shortlist, recipe.seq_len, recipe.seed)
-    key = _key(HEAD_VERSION, Path(target_dir).resolve().name, *arch)
+    key = _key(HEAD_VERSION, Path(target_dir).resolve().name, *arch, *_sampler(recipe))
     return cache_dir() / "drafts" / f"{name}-head-{key}"
 
 
 def features_dir(target_dir: Path, name: str, recipe: HeadRecipe) -> Path:
-    """The features cache of ``target_dir`` for ``recipe``'s text (row length and seed)."""
+    """The features cache of ``target_dir`` for ``recipe``'s text (row length, seed and the
+    dtype that samples it)."""
     key = _key(
         FEATURES_VERSION,
         Path(target_dir).resolve().name,
         recipe.seq_len,
         recipe.seed,
         recipe.rows_per_chunk,
+        *_sampler(recipe),
     )
     return cache_dir() / "drafts" / "features" / f"{name}-{key}"
 

@@ -73,8 +73,13 @@ class FeatureStore:
         *,
         chunks: int | None = None,
         progress: bool,
+        sampler: StageModel | None = None,
     ) -> None:
         """Make chunks until they hold ``budget_s`` seconds of work (at least one chunk).
+
+        ``sampler`` (default: ``target``) samples the text and computes its features, e.g.
+        a bf16 copy of the target, 2.7x faster on a CPU with bf16 instructions; the greedy
+        labels always come from ``target``'s own head applied to those features.
 
         Stops early when the next chunk would overrun the budget by more than half its
         expected time, so a budget is met to within about half a chunk. ``chunks``, when
@@ -92,7 +97,7 @@ class FeatureStore:
             while self._wants_another(budget_s, chunks):
                 began = time.perf_counter()
                 index = self._next_index()
-                chunk = self._make_chunk(target, tokenizer, index)
+                chunk = self._make_chunk(target, tokenizer, index, sampler or target)
                 seconds = time.perf_counter() - began
                 self._add(index, chunk, seconds)
                 bar.set_postfix(tokens=self.tokens, refresh=False)
@@ -132,10 +137,12 @@ class FeatureStore:
     def _next_index(self) -> int:
         return max((int(c["index"]) for c in self._manifest["chunks"]), default=-1) + 1
 
-    def _make_chunk(self, target: StageModel, tokenizer: Tokenizer, index: int) -> dict[str, Any]:
+    def _make_chunk(
+        self, target: StageModel, tokenizer: Tokenizer, index: int, sampler: StageModel
+    ) -> dict[str, Any]:
         seed = self.seed * 1_000_003 + index  # every chunk its own prompts and draws
         corpus = build_corpus(
-            target, tokenizer, self.rows_per_chunk, self.seq_len, seed, None, False
+            sampler, tokenizer, self.rows_per_chunk, self.seq_len, seed, None, False
         )
         return {
             "ids": corpus.ids.contiguous(),
