@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shard.model import loader
+from shard.model.llama import Block
 from shard.model.loader import ModelLoadError, load_stage
 
 LAYER_TENSORS = (
@@ -215,7 +216,9 @@ def test_cpu_attention_in_bfloat16_computes_in_float32(
     times slower): its attention is exactly the fp32 attention of the same bf16 q, k, v, and
     the cache still holds bf16."""
     low = load_stage(tiny_checkpoint(arch="llama"), 0, 4, dtype=torch.bfloat16)
-    attn = low.layers[0].self_attn
+    block = low.layers[0]
+    assert isinstance(block, Block)
+    attn = block.self_attn
     cache = low.new_cache(16)
     g = torch.Generator().manual_seed(3)
     h, kv = attn.n_heads, attn.n_kv_heads
