@@ -1,6 +1,7 @@
 """Batched against unbatched stages, side by side: N concurrent greedy streams through a ring.
 
-In one run, on the bundled SmolLM2 (CPU, fp32 or ``--dtype``) and the prompts in ``bench/prompts/``:
+In one run, on the bundled SmolLM2 (CPU; fp32, or ``--dtype``) and the prompts in
+``bench/prompts/``:
 
 - ``batched-<L>ms``: a ring of ``--stages`` stage processes (generated spec, free loopback
   ports, ``layers = "auto"``, plain decoding) with ``[limits] max_batch_rows = 512`` and

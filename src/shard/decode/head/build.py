@@ -68,7 +68,7 @@ class HeadRecipe:
     seed: int = 0
     data_chunks: int | None = None  # exactly this many feature chunks; None: the data budget
     #: The dtype of the target copy that samples the text and its features: "auto" is
-    #: bfloat16 on a CPU with bf16 instructions (2.7x the tokens per second here), else
+    #: bfloat16 on a CPU with bf16 instructions (1.8x the text per budget here), else
     #: float32. Training and measuring always use the fp32 target.
     sample_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(SAMPLE_DTYPES))
     train: TrainSettings = attrs.field(factory=TrainSettings)
