@@ -12,7 +12,7 @@ import itertools
 import math
 
 import attrs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shard.placement import (
@@ -199,6 +199,7 @@ def test_replan_moves_only_the_dead_stages_layers(problem: Problem, data: st.Dat
     st.lists(st.integers(1, 9), min_size=4, max_size=4),
     st.integers(1, 9),
 )
+@example([4, 1, 12], [6, 1, 2, 1], 8)  # two maxima equal but for float rounding
 def test_balanced_split_is_the_least_slowest_then_least_total(
     times10: list[int], caps: list[int], n_layers: int
 ) -> None:
@@ -222,5 +223,8 @@ def test_balanced_split_is_the_least_slowest_then_least_total(
         stage = [n * t for n, t in zip(counts, times, strict=True)]
         return max(stage), sum(stage)
 
-    best = min(score(c) for c in splits)
-    assert math.isclose(score(found)[0], best[0]) and math.isclose(score(found)[1], best[1])
+    # The least slowest stage, then the least total among the splits that reach it up to
+    # float rounding: 6 x 0.4 is 2.4000000000000004 and 2 x 1.2 is 2.4, one maximum.
+    slowest = min(score(c)[0] for c in splits)
+    total = min(score(c)[1] for c in splits if math.isclose(score(c)[0], slowest))
+    assert math.isclose(score(found)[0], slowest) and math.isclose(score(found)[1], total)
