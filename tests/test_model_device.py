@@ -13,6 +13,7 @@ from shard.model.device import (
     CudaProbe,
     DeviceUnavailable,
     cpu_has_bf16,
+    emulated_dtype_note,
     resolve_device,
     torch_dtype,
 )
@@ -125,3 +126,19 @@ def test_cpu_has_bf16_reads_the_flags(tmp_path: Path) -> None:
     info.write_text("processor\t: 0\n")
     assert not cpu_has_bf16(info)
     assert not cpu_has_bf16(tmp_path / "missing")
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note(tmp_path: Path) -> None:
+    """A node that runs bf16 on a CPU lacking avx512_bf16/amx_bf16 is told it is emulated (and
+    what to write instead); fp32, a bf16 CPU and a GPU device get no note."""
+    plain = tmp_path / "avx2"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    native = tmp_path / "bf16"
+    native.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    cpu = torch.device("cpu")
+    note = emulated_dtype_note("s1", cpu, torch.bfloat16, plain)
+    assert note is not None and note.startswith("s1: dtype bfloat16") and '"float32"' in note
+    assert "\n" not in note
+    assert emulated_dtype_note("s1", cpu, torch.float32, plain) is None
+    assert emulated_dtype_note("s1", cpu, torch.bfloat16, native) is None
+    assert emulated_dtype_note("s1", torch.device("cuda", 0), torch.bfloat16, plain) is None

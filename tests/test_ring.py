@@ -3,6 +3,7 @@ emulated per-edge latency), compared token for token with the single-process ref
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,24 @@ async def test_bfloat16_ring_matches_bfloat16_reference(llama_dir: Path) -> None
         for p in PROMPTS[:2]
     ]
     assert got == want
+
+
+async def test_bfloat16_stages_on_a_cpu_without_bf16_instructions_warn(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each bf16 stage on a CPU that lacks bf16 instructions logs one line saying its products
+    are emulated, and still serves; an fp32 ring there logs no such line."""
+    monkeypatch.setattr("shard.model.device.cpu_has_bf16", lambda *_: False)
+    caplog.set_level(logging.WARNING)
+    fp32 = tiny_spec(llama_dir, [(0, 2), (2, 4)])
+    assert await _ring_outputs(fp32, llama_dir, PROMPTS[:1], max_tokens=4)
+    assert not [r for r in caplog.records if "without bf16" in r.getMessage()]
+    bf16 = attrs.evolve(fp32, dtype="bfloat16")
+    got = await _ring_outputs(bf16, llama_dir, PROMPTS[:1], max_tokens=4)
+    notes = [r for r in caplog.records if "without bf16" in r.getMessage()]
+    assert sorted(r.getMessage().partition(":")[0] for r in notes) == ["s0", "s1"]
+    assert all(r.levelno == logging.WARNING for r in notes)
+    assert len(got[0]) > 0
 
 
 async def test_graphs_on_a_cpu_stage_keep_the_output(llama_dir: Path) -> None:

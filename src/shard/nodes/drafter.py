@@ -8,6 +8,7 @@ head that is not built yet: ``resolve_head`` says so and shows its progress).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,11 +22,13 @@ from shard.decode.draft import (
 )
 from shard.decode.hybrid import HybridProposer
 from shard.model.config import ModelConfig
-from shard.model.device import resolve_device
+from shard.model.device import emulated_dtype_note, resolve_device
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated
 from shard.nodes.stage import DTYPES
 from shard.spec.swarm import SwarmSpec
+
+log = logging.getLogger(__name__)
 
 
 def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
@@ -52,6 +55,8 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
         runtime = spec.runtime(spec.coordinator.name)  # the draft's device and dtype
         dtype = DTYPES[runtime.dtype or spec.dtype]
         device = resolve_device(runtime.device, spec.coordinator.name)
+        if (note := emulated_dtype_note(spec.coordinator.name, device, dtype)) is not None:
+            log.warning("%s", note)
         if plan.draft_model is not None:
             draft_dir = Path(plan.draft_model)
             layers = ModelConfig.from_dir(draft_dir).n_layers

@@ -42,7 +42,7 @@ from shard.messages import (
     Welcome,
 )
 from shard.model.config import ModelConfig
-from shard.model.device import TORCH_DTYPES, resolve_device, torch_dtype
+from shard.model.device import TORCH_DTYPES, emulated_dtype_note, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.nodes.auditing import auditing
@@ -375,6 +375,8 @@ async def _load(spec: SwarmSpec, name: str, model_dir: Path, first: int, last: i
     runtime = spec.runtime(name)
     device = resolve_device(runtime.device, name)
     dtype = torch_dtype(runtime.dtype or spec.dtype)
+    if (note := emulated_dtype_note(name, device, dtype)) is not None:
+        log.warning("%s", note)
     model = await offload.run_sync(
         lambda: load_stage(model_dir, first, last, dtype=dtype, device=device)
     )
