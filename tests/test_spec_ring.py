@@ -3,6 +3,7 @@ early cancellation, lossless sampling — compared with the single-process refer
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from pathlib import Path
@@ -273,3 +274,20 @@ def chi_square(draws: list[int], probs: torch.Tensor, n: int) -> tuple[float, in
     cells_exp = [*expected[big].tolist(), float(expected[~big].sum())]
     stat = sum((o - e) ** 2 / e for o, e in zip(cells_obs, cells_exp, strict=True) if e > 0)
     return stat, len(cells_obs) - 1
+
+
+def test_a_bf16_draft_model_on_a_cpu_without_bf16_instructions_warns(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator's draft model in bf16 on a CPU lacking bf16 instructions logs the
+    emulation line, named for the coordinator; in fp32 it logs none."""
+    from shard.nodes.drafter import make_drafter
+
+    monkeypatch.setattr("shard.model.device.cpu_has_bf16", lambda *_: False)
+    caplog.set_level(logging.WARNING)
+    spec = spec_for(tiny, "model")
+    assert make_drafter(spec, tiny) is not None
+    assert not [r for r in caplog.records if "without bf16" in r.getMessage()]
+    assert make_drafter(spec.with_runtime("coord", dtype="bfloat16"), tiny) is not None
+    notes = [r.getMessage() for r in caplog.records if "without bf16" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith("coord: dtype bfloat16")
