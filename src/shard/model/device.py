@@ -108,7 +108,7 @@ def emulated_dtype_note(
 
     Such a CPU emulates a bf16 matrix product: on an AVX2-only host SmolLM2's three blocks
     took 2.1x as long in bf16 as in fp32 for a 16-row forward (0.86x for one row, which only
-    reads half the bytes; docs/benchmarks.md, "bf16 on the CPU"). The node still runs: the
+    reads half the bytes; docs/benchmarks.md, "Session 13"). The node still runs: the
     dtype decides its arithmetic, and the operator chose it.
     """
     if device.type != "cpu" or dtype is not torch.bfloat16 or cpu_has_bf16(cpuinfo):
