@@ -227,6 +227,22 @@ def test_malformed_manifests_are_refused_at_parse(signed: Manifest, edit: Any, r
         Manifest.from_json(canonical_json(envelope))
 
 
+@pytest.mark.parametrize("key", ["signature", "publisher"])
+@pytest.mark.parametrize(
+    "respell",
+    [str.upper, lambda h: h[:-2], lambda h: h + "00", lambda h: h[:-2] + " 0", lambda h: "0x" + h],
+    ids=["uppercase", "short", "long", "space", "prefixed"],
+)
+def test_signature_hex_is_canonical(
+    signed: Manifest, publisher: NodeIdentity, key: str, respell: Any
+) -> None:
+    """The signature and publisher are read in lowercase hex of their exact length only."""
+    envelope = json.loads(signed.to_json())
+    envelope[key] = respell(envelope[key])
+    with pytest.raises(ManifestInvalid, match=f"{key}: expected .* lowercase hex digits"):
+        verify(Manifest.from_json(canonical_json(envelope)), publisher.public)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("block", [(0, 2), (1, 3), (2, 4), (0, 4), (3, 4)])
 def test_block_tensors_match_the_loader(

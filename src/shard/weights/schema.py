@@ -299,9 +299,10 @@ def _list(d: dict[str, Any], key: str, source: str, where: str = "") -> list[Any
 
 
 def _hex_bytes(value: object, size: int, source: str, key: str) -> bytes:
-    if not isinstance(value, str) or len(value) != 2 * size:
-        raise ManifestInvalid(f"{source}: {key}: expected {2 * size} hex digits")
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise ManifestInvalid(f"{source}: {key}: expected {2 * size} hex digits") from None
+    # One spelling only, as receipts: lowercase, exact length, nothing ``fromhex`` would skip.
+    if not isinstance(value, str) or re.fullmatch(f"[0-9a-f]{{{2 * size}}}", value) is None:
+        raise ManifestInvalid(
+            f"{source}: {key}: expected {2 * size} lowercase hex digits (a manifest accepts "
+            "one spelling only)"
+        )
+    return bytes.fromhex(value)
