@@ -243,6 +243,44 @@ def test_node_on_a_taken_port_is_one_line(
     assert "Traceback" not in err
 
 
+def test_swarm_up_with_a_busy_api_port_is_one_line(
+    taken_port: int,
+    tiny_checkpoint: Callable[..., Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`swarm up --api PORT` on a port in use exits 1 with one line naming the API address,
+    before any node starts (it was ~60 lines of exception groups from the coordinator)."""
+    from procs import write_spec
+
+    model = tiny_checkpoint(seed=3, n_layers=2)
+    spec = write_spec(
+        tmp_path / "spec.toml", model_dir=model, blocks=[(0, 2)], limits={"max_len": 256}
+    )
+    argv = ["swarm", "up", str(spec), "--model", str(model), "--api", str(taken_port)]
+    assert main(argv) == 1  # before any node starts: nothing to wait for
+    assert one_error(capsys) == (
+        f"shard: error: cannot serve the HTTP API on 127.0.0.1:{taken_port}: port "
+        f"{taken_port} is already in use (another program, or another swarm's API, is "
+        "listening there); stop it, or give --api (or [api] listen) another port"
+    )
+
+
+async def test_a_coordinator_api_on_a_busy_port_is_a_listen_error(taken_port: int) -> None:
+    """The coordinator's API server on a port in use raises one ListenError (not a nest of
+    exception groups around the OSError), for the port taken between the check and the bind."""
+    from shard.api.server import ApiServer
+    from shard.nodes.coordinator import _serve_api
+
+    listen = f"127.0.0.1:{taken_port}"
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ListenError) as caught:
+                await _serve_api(nursery, ApiServer(None, listen), listen)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(f"cannot serve the HTTP API on {listen}: port ")
+    assert "already in use" in str(caught.value)
+
+
 def test_up_as_an_auditor_that_the_spec_does_not_declare_is_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -295,7 +333,7 @@ def test_monitor_joins_a_secure_swarm_with_key_and_token(
     watcher = ["--key", str(keys / "watcher.key"), "--token", str(keys / "watcher.token")]
     assert main(["monitor", "--spec", str(spec), *watcher]) == 0
     model = str(tiny_checkpoint(seed=3, n_layers=3))  # one layer per stage: swarm up plans
-    assert main(["swarm", "up", str(spec), "--monitor", "--model", model]) == 0
+    assert main(["swarm", "up", str(spec), "--monitor", "--model", model, "--verbose"]) == 0
     assert "swarm up:    the spec as written" in capsys.readouterr().err  # its plan, first
     assert [address for address, _ in seen] == ["127.0.0.1:7740", "127.0.0.1:7740"]
     assert all(isinstance(net, SecureWebSocketNetwork) for _, net in seen)

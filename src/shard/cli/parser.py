@@ -232,7 +232,7 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "which stops them all (exit 128 + the signal). A stage or standby that dies is "
         "reported (SHARD NODE EXITED) and replaced by a standby; the swarm serves on "
         "(docs/failover.md). Only the coordinator's death ends it. First it plans the ring "
-        "as `shard plan SPEC` does and prints that plan on stderr: when every stage is "
+        "as `shard plan SPEC` does (--verbose prints that plan on stderr): when every stage is "
         '"auto" and the plan beats the ring as written (a shorter predicted lap), the '
         "nodes run the plan's order, blocks and standbys; a tie keeps the spec as written "
         "(docs/placement.md).",
@@ -274,6 +274,14 @@ def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,  # `shard -v swarm ...` sets it too; absent here: keep that
+        help="print the placement plan (as `shard plan SPEC`) and what runs, and log more; "
+        "without it only a plan that changes the ring is named, in one line",
+    )
     placement = p.add_mutually_exclusive_group()
     placement.add_argument(
         "--rtt",

@@ -84,7 +84,7 @@ def up(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    if spec.insecure:
+    if spec.insecure and args.die_with_parent is None:  # under swarm up|run: it warns once
         print(
             f"shard: WARNING: {name}: insecure = true — plaintext, unauthenticated wire; "
             "for local development only",
@@ -118,9 +118,13 @@ def _laid_out(spec: Any, text: str) -> Any:
 
 def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
     """``spec`` as ``swarm up|run`` run it, and the layout its nodes get (None: as written):
-    planned as ``shard plan SPEC [--rtt FILE]`` plans it (``shard.spec.layout``), the plan
-    and the decision printed on stderr; with ``--rtt`` the ring's hops get the geography's
-    latencies. Nothing is planned for ``--as-written`` or a ``[formation]`` swarm.
+    planned as ``shard plan SPEC [--rtt FILE]`` plans it (``shard.spec.layout``); with
+    ``--rtt`` the ring's hops get the geography's latencies. Nothing is planned for
+    ``--as-written`` or a ``[formation]`` swarm.
+
+    On stderr: the plan and the decision with ``--verbose``; without it, only a decision that
+    changes what runs (the plan's layout) or says why no plan was made — the answer comes
+    first, not ~20 lines of a plan that keeps the spec as written.
 
     A spec no plan can be made for (``PlanError`` from the planner) runs as written, saying
     why. Errors: ``PlanError`` (a geography without the spec's nodes), ``GeographyError``,
@@ -140,15 +144,19 @@ def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, 
     geography = read_geography_file(Path(rtt)) if rtt is not None else None
     model = model_facts(str(model_dir), spec.dtype)
     problem, assumed = problem_of(spec, model, geography, rtt_source=rtt or "--rtt")
+    verbose = getattr(args, "verbose", False)
     try:
         chosen = plan(problem)
         decision = decide(spec, problem, chosen)
     except PlanError as exc:  # e.g. more stages than the exact search takes: run as written
         decision = Decision(None, f"no plan: {exc}")
+        verbose = True  # why it runs as written, in one line
     else:
         regions = geography.regions if geography is not None else None
-        print(text(chosen, assumed=assumed, regions=regions), file=sys.stderr)
-    print(decision.line(), file=sys.stderr, flush=True)
+        if verbose:
+            print(text(chosen, assumed=assumed, regions=regions), file=sys.stderr)
+    if verbose or decision.layout is not None:
+        print(decision.line(), file=sys.stderr, flush=True)
     if decision.layout is not None:
         spec = apply_layout(spec, decision.layout)
     if geography is not None:
@@ -248,6 +256,7 @@ def swarm(args: argparse.Namespace) -> int:
         else:
             prompts = read_prompts(Path(args.prompts))
     spec = load_spec(args.spec)
+    _warn_insecure(spec)
     model_dir = _model_dir(getattr(args, "model", None), spec.model)
     if args.swarm_command == "up" and args.monitor and args.api is not None:
         print(
@@ -277,6 +286,24 @@ def swarm(args: argparse.Namespace) -> int:
             with_api(spec, args.api)  # refuse a bad address here, before any node starts
         return trio.run(_swarm_up, Path(args.spec), spec, model_dir, args.api, layout)
     return trio.run(_swarm_run, Path(args.spec), spec, model_dir, prompts, args, layout)
+
+
+def _warn_insecure(spec: Any) -> None:
+    """One warning for the whole swarm (its nodes, started with ``--die-with-parent``, keep
+    quiet) when ``insecure = true`` and a node listens beyond loopback: there the plaintext
+    wire is reachable from other machines. On loopback only it is the documented local
+    setup, nothing to act on."""
+    from shard.spec.api import is_loopback
+
+    nodes = (spec.coordinator, *spec.stages, *spec.standbys)
+    exposed = [n.name for n in nodes if not is_loopback(n.listen.host)]
+    if spec.insecure and exposed:
+        print(
+            f"shard: WARNING: insecure = true and {', '.join(exposed)} listen beyond "
+            "loopback: a plaintext, unauthenticated wire other machines can reach; give the "
+            "swarm a [trust] table (docs/security.md) or listen on 127.0.0.1",
+            file=sys.stderr,
+        )
 
 
 def monitor(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from shard.api.server import make_server
+from shard.api.server import ApiServer, make_server
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.router import Coordinator
 from shard.coordinator.service import complete
@@ -50,6 +50,7 @@ from shard.model.config import ModelConfig
 from shard.model.profile import weight_bytes
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.drafter import make_drafter
+from shard.nodes.launcher import api_listen_error
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.devices import DeviceProbe
 from shard.observe.status import StatusFeed
@@ -339,10 +340,34 @@ async def run_coordinator(
         api = make_server(
             spec, coordinator, tokenizer, failovers=lambda: len(scheduler.statistics().recoveries)
         )
-        api_address = None if api is None else await nursery.start(api.run)
+        api_address = None if api is None else await _serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
             CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler, api_address)
         )
+
+
+async def _serve_api(nursery: trio.Nursery, api: ApiServer, listen: str) -> str:
+    """Start the HTTP API at ``listen``; its bound ``http://HOST:PORT``.
+
+    Errors: ``ListenError`` in one line when ``listen`` (``--api``, ``[api] listen``) cannot
+    be bound — the server's own error is a nest of exception groups around an ``OSError``."""
+    try:
+        bound: str = await nursery.start(api.run)
+    except (OSError, BaseExceptionGroup) as exc:
+        cause = _bind_error(exc)
+        if cause is None:
+            raise
+        raise api_listen_error(listen, cause) from None
+    return bound
+
+
+def _bind_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` inside ``exc`` (a group's leaves included), if any."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((e for e in map(_bind_error, exc.exceptions) if e is not None), None)
+    return None
 
 
 def _formation(spec: SwarmSpec, config: ModelConfig) -> tuple[FormationSpec, ModelFacts] | None:

@@ -21,6 +21,7 @@ itself (``shard up --die-with-parent``, ``shard.nodes.lifeline``).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -34,8 +35,10 @@ from typing import IO
 import attrs
 import trio
 
+from shard.spec.api import parse_api_address
 from shard.spec.layout import Layout
 from shard.spec.swarm import SwarmSpec
+from shard.transport.base import ListenError, split_address
 from shard.transport.relay import DelayRelay
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,34 @@ class Supervisor:
                 code,
             )
         self.on_exit(NodeExit(name, pid, code, scripted))
+
+
+def api_listen_error(listen: str, exc: OSError) -> ListenError:
+    """The one line for an HTTP API address (``--api``, ``[api] listen``) that cannot be
+    bound, as a ring port's ``ListenError`` says it."""
+    port = listen.rpartition(":")[2]
+    if exc.errno == errno.EADDRINUSE:
+        why = (
+            f"port {port} is already in use (another program, or another swarm's API, is "
+            "listening there); stop it, or give --api (or [api] listen) another port"
+        )
+    else:
+        why = exc.strerror or str(exc)
+    return ListenError(f"cannot serve the HTTP API on {listen}: {why}")
+
+
+async def check_api_free(listen: str) -> None:
+    """Bind the API's address and let it go: a busy port fails here, in one line, before any
+    node starts (the coordinator would find out only once its ring is up).
+
+    Errors: ``ListenError`` (``api_listen_error``)."""
+    host, port = split_address(listen)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise api_listen_error(listen, exc) from None
+    for listener in listeners:
+        await listener.aclose()
 
 
 def _parse_ready(line: str) -> dict[str, str] | None:
@@ -257,8 +288,12 @@ async def launch(
     Cancellation: stops every child (``_terminate``), shielded, before returning.
 
     Errors: ``SwarmError`` when a node exits before the swarm is up, the coordinator exits, or
-    the swarm is not ready in time.
+    the swarm is not ready in time; ``ListenError`` when the API's address is taken (checked
+    before any node starts).
     """
+    listen = parse_api_address(api) if api is not None else spec.api.listen
+    if listen is not None:
+        await check_api_free(str(listen))
     procs: list[trio.Process] = []
     supervisor = Supervisor(spec.coordinator.name, set(), on_exit)
     try:
