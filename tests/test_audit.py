@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from audit_fixtures import (  # one_thread: an autouse fixture
-    POLICY,
     RATE,
     Driver,
     accused_record,
@@ -28,7 +27,7 @@ from shard.messages.audit import AuditVerdict
 from shard.model.llama import StageModel
 from shard.stage.auditor import dtype_name
 from shard.testing import cheating, make_tiny_checkpoint
-from shard.trust.audit import commit, is_audited, pick
+from shard.trust.audit import calibrated_threshold, commit, is_audited, pick
 from shard.trust.sampler import AuditSampler
 
 
@@ -87,15 +86,16 @@ def test_no_false_accusation_in_1100_sketch_audits(
     model_dir: Path, blocks: tuple[StageModel, ...], dtype: torch.dtype
 ) -> None:
     """Another kernel order (the auditor in float64, or bfloat16): 1,050 honest audits by
-    sketch, none below the threshold; the margin is printed for docs/security.md."""
+    sketch, none below the calibrated threshold; the margin is printed for docs/security.md."""
     auditor = tiny_blocks(model_dir, dtype)[1]
     verdicts = _honest_audits(blocks, auditor, sessions=100, seed=12)
     cosines = [v.cosine for v in verdicts if v.cosine is not None]
     low = min(cosines)
+    threshold = calibrated_threshold("float32", dtype_name(auditor))
     print(
         f"sketch ({dtype_name(auditor)} auditor vs float32 stage): {len(verdicts)} honest "
-        f"audits, min cosine {low:.9f} (1 - min = {1 - low:.3e}), threshold "
-        f"{POLICY.cosine_threshold}, margin {low - POLICY.cosine_threshold:.3e}"
+        f"audits, 1 - min cosine = {1 - low:.3e}, calibrated tolerance 1 - threshold = "
+        f"{1 - threshold:.3e} ({(1 - threshold) / max(1 - low, 1e-300):.0f}x the worst)"
     )
     assert len(cosines) >= 1000
     assert all(v.ok and v.method == "sketch" for v in verdicts)
@@ -161,13 +161,16 @@ def test_each_cheat_is_caught_at_the_rate(blocks: tuple[StageModel, ...], kind: 
     assert abs(mean - expected) <= 4 * se, (kind, mean, expected, se)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_lie_is_caught_by_sketch_only_above_the_rounding_noise(
-    model_dir: Path, blocks: tuple[StageModel, ...]
+    model_dir: Path, blocks: tuple[StageModel, ...], dtype: torch.dtype
 ) -> None:
-    """On the sketch path gross lies fail the threshold; a 1e-3 noise does not (it is below
-    what mixed hardware honestly differs by) — the exact path is what catches it."""
+    """On the sketch path, with the threshold calibrated to the two ends' dtypes, gross lies
+    fail it on every chunk. Noise at 1e-3 of the output's std fails it too where both ends
+    compute in float32 or finer (a float64 auditor: the tolerance is rounding-level); against
+    a bfloat16 auditor it passes (below what mixed precision honestly differs by)."""
     head, honest = blocks
-    auditor = tiny_blocks(model_dir, torch.float64)[1]
+    auditor = tiny_blocks(model_dir, dtype)[1]
     rng = random.Random(7)
     found: dict[str, float] = {}
     for kind in ("skip_layer", "identity", "noise"):
@@ -175,12 +178,18 @@ def test_a_lie_is_caught_by_sketch_only_above_the_rounding_noise(
         sampler = AuditSampler(accused_record(honest), seed=rng.randbytes(32), rate=1.0)
         reqs = Driver(head, cheat, sampler).session(1, rng, chunks=6)
         verdicts = [run_audit(auditor, r) for r in reqs]
-        found[kind] = min(v.cosine or 1.0 for v in verdicts)
+        found[kind] = 1 - max(v.cosine or 1.0 for v in verdicts)
         assert all(v.method == "sketch" for v in verdicts)
-        if kind != "noise":
+        if kind != "noise" or dtype == torch.float64:
             assert not any(v.ok for v in verdicts), kind
-    print("sketch min cosine of each lie:", {k: round(v, 6) for k, v in found.items()})
-    assert found["noise"] >= POLICY.cosine_threshold
+        else:
+            assert all(v.ok for v in verdicts), kind
+    tolerance = 1 - calibrated_threshold("float32", dtype_name(auditor))
+    print(
+        f"{dtype_name(auditor)} auditor: 1 - cosine of each lie (least on any chunk):",
+        {k: f"{v:.3e}" for k, v in found.items()},
+        f"tolerance {tolerance:.3e}",
+    )
 
 
 def test_auditor_refuses_another_block(blocks: tuple[StageModel, ...]) -> None:

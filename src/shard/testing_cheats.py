@@ -18,7 +18,12 @@ underneath, so its lies are only in what it sends on):
 
 At the tail the lies apply to the logits its head returns (``skip_layer`` runs the head on
 the block without its last layer; ``identity`` has no tail form); a session's features
-(``feature_rows``) stay honest. ``OverstatingTail`` lies in
+(``feature_rows``) stay honest. A batched forward (``shard.stage.batch`` packs several chunks
+into one ``forward_packed``) goes around the block's ``__call__``: inside ``batched_lies()``
+(a context manager that wraps ``shard.stage.batch.forward_packed`` for this process) a
+``CheatingBlock`` tells the same lies on every chunk of a batch too — ``stale`` excepted (it
+is honest in a batch), and ``one_in_n``/``when_unaudited`` decide once per batch. Without it
+a cheater lies only on the chunks it runs alone. ``OverstatingTail`` lies in
 the verdict itself: it reports one more accepted draft than held, with the right tokens — the
 output is unchanged, the coordinator's speculation statistics are not.
 
@@ -29,6 +34,8 @@ honesty right after an audit buys it nothing about the next chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final, cast
 
 import attrs
@@ -39,11 +46,19 @@ from shard.messages import Hello, Message, Verdict
 from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel, TailOut
+from shard.model.packed import Segment
 from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
 from shard.trust.sampler import AuditSampler
 
-__all__ = ["CHEATS", "AuditTap", "CheatingBlock", "OverstatingTail", "cheating"]
+__all__ = [
+    "CHEATS",
+    "AuditTap",
+    "CheatingBlock",
+    "OverstatingTail",
+    "batched_lies",
+    "cheating",
+]
 
 CHEATS: Final = (
     "skip_layer",
@@ -162,6 +177,31 @@ class CheatingBlock:
             return honest + noise.to(honest.dtype)
         return self._skip_last_layer(x, start, cache, head_rows)
 
+    def packed(
+        self, honest_forward: Callable[..., Any], x: torch.Tensor, segments: Sequence[Segment],
+        **kw: Any,
+    ) -> Any:  # fmt: skip
+        """A batched forward (``forward_packed``'s arguments) with this block's lie: the
+        honest forward runs first (its KV is written honestly, as on the lone path), then the
+        lie replaces what it returns."""
+        out = honest_forward(self._inner, x, segments, **kw)
+        self.calls += 1
+        lying = self._lies_now() and self._lie_kind != "stale"
+        self._since_audit += 1
+        if not lying:
+            return out
+        self.lies += 1
+        if self._lie_kind == "skip_layer":
+            lie = honest_forward(_WithoutLastLayer(self._inner), x, segments, **kw)
+        elif self._lie_kind == "identity":
+            return x.clone()  # [1, T, D]: the input sent on
+        else:
+            logits = out.logits if isinstance(out, TailOut) else out
+            lie = self._lie(x, 0, segments[0].cache, logits, None)
+        if isinstance(out, TailOut):
+            return TailOut(lie.logits if isinstance(lie, TailOut) else lie, out.features)
+        return lie
+
     def _skip_last_layer(
         self, x: torch.Tensor, start: int, cache: KVCache, head_rows: int | None
     ) -> torch.Tensor:
@@ -179,6 +219,38 @@ class CheatingBlock:
             if m.is_last:
                 return m.head(h if head_rows is None else h[:, s - head_rows :])
         return h
+
+
+class _WithoutLastLayer:
+    """A block seen without its last layer (``forward_packed`` reads only attributes)."""
+
+    def __init__(self, inner: StageModel) -> None:
+        self._inner = inner
+        self.layers = list(inner.layers)[:-1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def batched_lies() -> Iterator[None]:
+    """While open, a ``CheatingBlock``'s batched forwards lie too (see the module docstring):
+    ``shard.stage.batch.forward_packed`` is wrapped for this process; other blocks run it
+    unchanged. Test-only: a process that cheats enters it once (``tests/cheat_node.py``)."""
+    import shard.stage.batch as batch
+
+    honest = batch.forward_packed
+
+    def forward_packed(model: StageModel, x: torch.Tensor, segments: Any, **kw: Any) -> Any:
+        if isinstance(model, CheatingBlock):
+            return model.packed(honest, x, segments, **kw)
+        return honest(model, x, segments, **kw)
+
+    batch.forward_packed = forward_packed  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        batch.forward_packed = honest
 
 
 def cheating(inner: StageModel, kind: str, **kw: Any) -> StageModel:

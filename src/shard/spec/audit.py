@@ -6,8 +6,10 @@ enabled = true            # audit in a real swarm (absent or false: in-process t
 rate = 0.05               # each chunk a stage sends is audited with this probability
 strikes = 2               # failed audits after which the scheduler evicts the stage
 sketch_dims = 256         # random-projection sketch size (mixed hardware or dtypes)
-cosine_threshold = 0.99   # a sketch's smallest per-row cosine must reach this
+# cosine_threshold = 0.999 # a sketch's smallest per-row cosine must reach this (absent:
+                          # calibrated to the two ends' dtypes, shard.trust.audit)
 token_margin = 1.0        # the tail: a differing token within this many logits is a tie
+mode = "sample"           # "hold": a chunk's tokens reach the client only once audited
 ```
 
 An absent table reads as these defaults. What the keys mean, and how the threshold was
@@ -29,7 +31,9 @@ AUDIT_KEYS: Final = (
     "sketch_dims",
     "cosine_threshold",
     "token_margin",
+    "mode",
 )
+AUDIT_MODES: Final = ("sample", "hold")
 
 
 @attrs.frozen
@@ -42,10 +46,16 @@ class AuditSpec:
     enabled: bool = False
     strikes: int = 2
     sketch_dims: int = 256
-    cosine_threshold: float = 0.99
+    #: None: calibrated from measured honest noise for the two ends' dtypes
+    #: (``shard.trust.audit.calibrated_threshold``); a number overrides it
+    cosine_threshold: float | None = None
     #: the tail's verdicts where replay is not bit-exact: a token that differs from the
     #: auditor's is a strike only if raising its logit by this much would not make it chosen
     token_margin: float = 1.0
+    #: "sample": audit at ``rate``, tokens reach the client as committed; "hold": audit every
+    #: chunk of every stage and release a chunk's tokens only once an independent replica
+    #: confirmed every stage's part of it (``shard.coordinator.hold``, docs/security.md)
+    mode: str = "sample"
 
 
 def read_audit(table: Table) -> AuditSpec:
@@ -56,14 +66,21 @@ def read_audit(table: Table) -> AuditSpec:
         enabled=table.boolean("enabled", default=d.enabled),
         strikes=table.integer("strikes", default=d.strikes, minimum=1),
         sketch_dims=table.integer("sketch_dims", default=d.sketch_dims, minimum=1),
-        cosine_threshold=table.number("cosine_threshold", default=d.cosine_threshold),
+        cosine_threshold=(
+            table.number("cosine_threshold", default=1.0)
+            if table.raw("cosine_threshold", None) is not None
+            else None
+        ),
         token_margin=table.number("token_margin", default=d.token_margin),
+        mode=table.string("mode", default=d.mode),
     )
+    if spec.mode not in AUDIT_MODES:
+        raise table.error("mode", f"must be one of {', '.join(AUDIT_MODES)}, not {spec.mode!r}")
     if not 0.0 <= spec.rate <= 1.0:
         raise table.error("rate", f"must be in [0, 1] (a probability), not {spec.rate}")
     if spec.sketch_dims > 65536:
         raise table.error("sketch_dims", f"must be at most 65536, not {spec.sketch_dims}")
-    if not 0.0 < spec.cosine_threshold <= 1.0:
+    if spec.cosine_threshold is not None and not 0.0 < spec.cosine_threshold <= 1.0:
         raise table.error("cosine_threshold", f"must be in (0, 1], not {spec.cosine_threshold}")
     if not 0.0 <= spec.token_margin <= 100.0:
         raise table.error("token_margin", f"must be in [0, 100] logits, not {spec.token_margin}")

@@ -5,7 +5,8 @@ Any node holding the same block can audit (a standby, a spare, a dedicated audit
 ones the predecessor's replay log keeps: same inputs, same shapes, same order, so the KV is the
 one an honest stage would hold), runs the audited chunk, and compares its output with the
 claimed one (``shard.trust.audit.compare``: bit-exact when both ends declare the same device
-class and dtype, else by seeded sketch). At the tail it runs the head on the rows the choice
+class and dtype and the accused does not batch, else by seeded sketch against a threshold
+calibrated for the two ends' dtypes, ``threshold_for``). At the tail it runs the head on the rows the choice
 reads and compares the verdict it chooses from them with the claimed one
 (``shard.trust.audit.compare_tokens``: no margin where replay is bit-exact, else
 ``token_margin``). A failed audit comes back with signed ``Evidence``
@@ -33,6 +34,7 @@ from shard.stage.tensors import to_wire
 from shard.trust.audit import (
     Comparison,
     blob_of,
+    calibrated_threshold,
     choice_rows,
     compare,
     compare_tokens,
@@ -51,6 +53,7 @@ __all__ = [
     "audit_offloaded",
     "dtype_name",
     "recompute",
+    "threshold_for",
 ]
 
 
@@ -93,6 +96,14 @@ def recompute(
         return model(_input(model, chunk), chunk.start, cache)
 
 
+def threshold_for(model: StageModel, req: AuditRequest, policy: AuditSpec) -> float:
+    """The sketch threshold for ``req``: the spec's, else calibrated for the accused's declared
+    dtype and this auditor's (``shard.trust.audit.calibrated_threshold``)."""
+    if policy.cosine_threshold is not None:
+        return policy.cosine_threshold
+    return calibrated_threshold(req.dtype, dtype_name(model))
+
+
 def _compare(
     model: StageModel, req: AuditRequest, mine: torch.Tensor, *, exact: bool, policy: AuditSpec
 ) -> Comparison:
@@ -110,7 +121,7 @@ def _compare(
         exact=exact,
         seed=bytes.fromhex(req.seed),
         dims=policy.sketch_dims,
-        threshold=policy.cosine_threshold,
+        threshold=threshold_for(model, req, policy),
     )
 
 
@@ -165,7 +176,7 @@ def audit_chunk(
                 method=result.method,
                 rate=req.rate,
                 dims=policy.sketch_dims,
-                threshold=policy.cosine_threshold,
+                threshold=threshold_for(model, req, policy),
                 cosine=result.cosine,
                 input_proof=req.input_proof,
                 output_proof=req.output_proof,

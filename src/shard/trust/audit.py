@@ -20,8 +20,11 @@ the inputs the predecessor keeps, and compares.
   row is projected to ``dims`` dimensions by a Gaussian matrix seeded from the revealed seed;
   the smallest per-row cosine between the two sketches must reach ``threshold``. Per row, so a
   lie on one position is not diluted by honest ones; seeded after the fact, so a stage cannot
-  hide a lie in the projection's null space. The threshold and its measured margins are in
-  ``docs/security.md``.
+  hide a lie in the projection's null space. The threshold is calibrated, not a constant
+  (``calibrated_threshold``): 1 − the largest honest gap measured between a batched stage (or
+  another kernel order, or another dtype) and a lone recomputation at the two ends'
+  precision, times a margin (``HONEST_GAP``, ``GAP_MARGIN``; ``bench/audit_calibration.py``
+  measures it, ``docs/security.md`` has the figures).
 - **The tail** ("tokens"). Its output is a verdict (target ids, accepted count), compared
   for equality with the auditor's choice, made from the auditor's logits by the tail's own
   function (``shard.decode.verify``: greedy argmax, or a draw keyed by (seed, position), so
@@ -53,10 +56,12 @@ from shard.stage.tensors import from_wire, to_wire
 __all__ = [
     "DEFAULT_DIMS",
     "DEFAULT_RATE",
-    "DEFAULT_THRESHOLD",
+    "GAP_MARGIN",
+    "HONEST_GAP",
     "Comparison",
     "audit_nonce",
     "blob_of",
+    "calibrated_threshold",
     "choice_rows",
     "commit",
     "compare",
@@ -74,8 +79,30 @@ __all__ = [
 
 DEFAULT_RATE: Final = 0.05
 DEFAULT_DIMS: Final = 256
-DEFAULT_THRESHOLD: Final = 0.99
 SEED_BYTES: Final = 32
+
+#: The largest 1 − (smallest per-row sketch cosine) measured between an honest stage and a
+#: lone recomputation (``bench/audit_calibration.py``, ``bench/results/audit_calibration.json``;
+#: the tiny test models and SmolLM2, CPU): "float32" where both ends compute in float32 or
+#: finer — a batched forward against a lone one, 4.9e-13 at most (float32 against float64:
+#: 1.9e-13, ``tests/test_audit.py``); "bfloat16" where either end computes in a 16-bit dtype —
+#: a bf16 end against a float32 one, 3.8e-4 at most (3.7e-4 in ``tests/test_audit.py``'s
+#: 1,100 audits; bf16 against bf16 batched on the CPU is bit for bit at these shapes, but is
+#: not measured on a GPU, so it takes the mixed figure).
+HONEST_GAP: Final = {"float32": 4.9e-13, "bfloat16": 3.8e-4}
+#: How far past the honest gap a sketch may be before it is a lie (in 1 − cosine; the square
+#: root is the margin in amplitude: ~32x and ~3.2x). At float32 the tolerance, 4.9e-10, is
+#: still 500x below what noise at 1e-3 of the output's std gives (2.5e-7).
+GAP_MARGIN: Final = {"float32": 1000.0, "bfloat16": 10.0}
+_FINE: Final = frozenset({"float32", "float64"})
+
+
+def calibrated_threshold(stage_dtype: str, auditor_dtype: str) -> float:
+    """The smallest per-row sketch cosine an honest stage computing in ``stage_dtype`` reaches
+    against an auditor in ``auditor_dtype`` (dtype names as ``torch.float32`` prints them,
+    without ``torch.``), by ``HONEST_GAP`` and ``GAP_MARGIN``."""
+    coarse = "float32" if {stage_dtype, auditor_dtype} <= _FINE else "bfloat16"
+    return 1.0 - GAP_MARGIN[coarse] * HONEST_GAP[coarse]
 
 
 def _h(*parts: bytes) -> bytes:
@@ -174,7 +201,7 @@ def compare(
     exact: bool,
     seed: bytes,
     dims: int = DEFAULT_DIMS,
-    threshold: float = DEFAULT_THRESHOLD,
+    threshold: float,
 ) -> Comparison:
     """Compare a stage's output with the auditor's recomputation (see the module docstring).
 
@@ -200,7 +227,9 @@ def compare(
     cosine = _min_row_cosine(sketch(a, seed, dims), sketch(b, seed, dims)) if finite else 0.0
     ok = finite and cosine >= threshold
     relation = ">=" if ok else "<"
-    return Comparison(method, ok, cosine, f"min row cosine {cosine:.6f} {relation} {threshold}")
+    gap, tolerance = 1.0 - cosine, 1.0 - threshold
+    detail = f"min row cosine 1 - {gap:.3e} {relation} the threshold 1 - {tolerance:.3e}"
+    return Comparison(method, ok, cosine, detail)
 
 
 def _rows(chunk: AuditedChunk) -> int:
