@@ -1,0 +1,105 @@
+"""Quantized linear and embedding: each kernel path against its dequantized reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shard.model.quant import (
+    QuantEmbedding,
+    Quantized,
+    QuantLinear,
+    kernel_dtype,
+    quantize_int4,
+    quantize_int8,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# One bf16 rounding of outputs of magnitude ~30-100 (bf16 keeps 8 bits: a step is 2^-7 of
+# the value), plus the scales' bf16 rounding: 1% of the largest output bounds every path.
+REL_TOL = 1e-2
+
+CASES = [
+    ("int4 g32", lambda w: quantize_int4(w, 32), "int4"),
+    ("int4 g128", lambda w: quantize_int4(w, 128), "int4"),
+    ("int8 per channel", lambda w: quantize_int8(w), "int8-channel"),
+    ("int8 g32", lambda w: quantize_int8(w, 32), "int8-split"),
+    ("int4 g16", lambda w: quantize_int4(w, 16), "dequantize"),
+]
+
+
+def _weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("name", "make", "path"), CASES, ids=[c[0] for c in CASES])
+def test_quant_linear_matches_dequantized_reference(name: str, make: object, path: str) -> None:
+    """Each path's product equals the dequantized weight's product within one bf16 rounding."""
+    q: Quantized = make(_weight())  # type: ignore[operator]
+    layer = QuantLinear(q)
+    assert layer.path == path
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    ref = x.to(layer.compute).float() @ q.dequantize().T
+    got = layer(x)
+    assert got.dtype is torch.float32 and got.shape == (5, 96)
+    assert (got - ref).abs().max() <= REL_TOL * ref.abs().max()
+
+
+@pytest.mark.parametrize(("name", "make", "path"), CASES, ids=[c[0] for c in CASES])
+def test_quant_linear_rows_are_batch_invariant(name: str, make: object, path: str) -> None:
+    """A row's output has the same bits alone as among 9 rows (batching relies on it)."""
+    layer = QuantLinear(make(_weight(k=768)))  # type: ignore[operator]
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    together = layer(x)
+    for i in range(9):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), f"row {i}"
+
+
+def test_quantizers_bound_their_error() -> None:
+    """int4 g32 errs by at most half a step ((max-min)/30), int8 by max|w|/254."""
+    w = _weight()
+    g = w.view(96, -1, 32)
+    err4 = (quantize_int4(w).dequantize() - w).abs().view(96, -1, 32).amax(-1)
+    assert (err4 <= (g.amax(-1) - g.amin(-1)) / 30 + 1e-6).all()
+    err8 = (quantize_int8(w).dequantize() - w).abs().amax(-1)
+    assert (err8 <= w.abs().amax(-1) / 254 + 1e-6).all()
+
+
+def test_int8_split_is_exact_in_float32() -> None:
+    """The int8 group-wise path (two int4 products) is exact as a representation: with fp32
+    scales its product equals the reference's up to fp32 summation order."""
+    q = quantize_int8(_weight(), 32)
+    layer = QuantLinear(q)
+    if layer.compute is not torch.float32:
+        layer.compute = torch.float32
+        layer._parts = []
+        layer.path = layer._pack(q)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    ref = x @ q.dequantize().T
+    assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_embedding_gathers_dequantized_rows() -> None:
+    """The embedding returns exactly the looked-up rows of the dequantized table."""
+    for q in (quantize_int4(_weight()), quantize_int8(_weight(), 32), quantize_int8(_weight())):
+        emb = QuantEmbedding(q, torch.float32)
+        ids = torch.tensor([[3, 0, 95], [7, 7, 1]])
+        assert torch.equal(emb(ids), q.dequantize()[ids])
+
+
+def test_kernel_dtype_is_bf16_only_with_bf16_instructions() -> None:
+    """Products run in bf16 where the CPU has bf16 instructions, else float32."""
+    from shard.model.device import cpu_has_bf16
+
+    want = torch.bfloat16 if cpu_has_bf16() else torch.float32
+    assert kernel_dtype(torch.device("cpu")) is want
+
+
+def test_packed_bytes_per_parameter() -> None:
+    """int4 g32 holds 0.625 bytes a parameter in memory, int8 split 1.25, per channel ~1."""
+    w = _weight(n=256, k=512)
+    assert QuantLinear(quantize_int4(w)).nbytes() == 256 * 512 * 0.625
+    assert QuantLinear(quantize_int8(w, 32)).nbytes() == 256 * 512 * 1.25
+    per_channel = QuantLinear(quantize_int8(w)).nbytes()
+    assert per_channel == 256 * 512 + 256 * kernel_dtype(torch.device("cpu")).itemsize
