@@ -148,10 +148,10 @@ def fabricate(
 ) -> RunReceipt:
     """A receipt for a run that never happened, internally consistent in every check a
     verifier can make without knowing whose keys to expect: chains link, blocks tile, the
-    verdicts commit to the output, every signature is valid."""
+    verdicts commit to the output, it ends at its maximum, every signature is valid."""
     tokens = tokens or {}
     nonce, prompt_hash = "ab" * 16, hash_ids(prompt)
-    job = job_id(nonce, prompt_hash)
+    job = job_id(nonce, prompt_hash, max_tokens=len(output), stop_ids=())
     sent = Chain()
     sent.add(chunk_record(0, 0, 0, ids_bytes(prompt)))
     verdicts = (
@@ -185,6 +185,7 @@ def fabricate(
         coordinator_token=tokens.get(coordinator.public, ""), signed_at=int(time.time()),
         sent_chain=sent.value, received_chain=received.value, stages=stage_receipts,
         verdicts=verdicts, edges=(EdgeRecord(NodeName("coord"), NodeName("s0"), 0.01),),
-        tok_s=1.0, alpha=None,
+        tok_s=1.0, alpha=None, finish_reason="length", max_tokens=len(output), stop_ids=(),
+        stop_at=-1,
     )  # fmt: skip
     return sign_run(run, coordinator)

@@ -115,7 +115,7 @@ def test_forged_receipt_caught_beyond_signatures() -> None:
 
     coord, keys = NodeIdentity.generate(), [NodeIdentity.generate() for _ in range(2)]
     nonce, prompt = "ab" * 16, hash_ids([1, 2, 3])
-    job = job_id(nonce, prompt)
+    job = job_id(nonce, prompt, max_tokens=1, stop_ids=())
     verdicts = (VerdictRecord(0, 0, 0, 3, True, (9,), 0),)
     a, b, c = Chain(), Chain(), Chain()
     a.add(b"x")
@@ -136,7 +136,7 @@ def test_forged_receipt_caught_beyond_signatures() -> None:
             RunReceipt(
                 job, nonce, "lab", "m", 4, prompt, (9,), hash_ids([9]), "coord",
                 coord.public.hex(), "", 1_800_000_000, sent, received, stages, verdicts,
-                (EdgeRecord("coord", "s0", 0.01),), 1.0, None,
+                (EdgeRecord("coord", "s0", 0.01),), 1.0, None, "length", 1, (), -1,
             ),
             coord,
         )  # fmt: skip

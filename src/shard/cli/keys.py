@@ -80,8 +80,12 @@ def receipt(args: argparse.Namespace) -> int:
     else:
         trust = "signers pinned"
     stages = ", ".join(f"{s.node}[{s.first},{s.last})" for s in run.stages)
+    if verified.stop_id is not None:
+        ended = f"stopped at stop id {verified.stop_id} (max_tokens {run.max_tokens})"
+    else:
+        ended = f"ended at max_tokens {run.max_tokens}"
     print(
-        f"receipt OK ({trust}): job {run.job}, {len(run.output_ids)} tokens, "
+        f"receipt OK ({trust}): job {run.job}, {len(run.output_ids)} tokens, {ended}, "
         f"{run.n_layers} layers over {stages}; coordinator {run.coordinator} "
         f"ed25519:{run.coordinator_key[:16]}"
     )

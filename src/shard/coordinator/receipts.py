@@ -53,6 +53,7 @@ async def collect_receipts(
     run = job.finish(
         signer,
         output_ids=completion.token_ids,
+        finish_reason=completion.finish_reason,
         edges=[EdgeRecord(e.src, e.dst, round(e.mean_s, 6)) for e in stats.edges],
         tok_s=stats.tok_s,
         alpha=stats.accepted / stats.drafted if stats.drafted else None,

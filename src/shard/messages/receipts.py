@@ -70,7 +70,11 @@ class VerdictRecord:
 @attrs.frozen
 class RunReceipt:
     """The coordinator's signed account of a whole run: every stage receipt, every verdict,
-    the output, and the admission token of the coordinator's key."""
+    the output, how it ended, and the admission token of the coordinator's key.
+
+    ``max_tokens`` and ``stop_ids`` enter the job id (``shard.trust.receipts.job_id``), which
+    every stage signs when the session opens, so the end rules cannot be changed after the
+    run; the verifier recomputes the end from them and the tail-chosen output (version 3)."""
 
     job: str
     nonce: str
@@ -91,4 +95,10 @@ class RunReceipt:
     edges: tuple[EdgeRecord, ...]
     tok_s: float
     alpha: float | None
+    #: how the output ended: "stop" (the tail chose one of ``stop_ids`` right after the last
+    #: output token; a stop id is not output) or "length" (``max_tokens`` ids)
+    finish_reason: str
+    max_tokens: int  # the requested maximum (the job id binds it: stages signed it)
+    stop_ids: tuple[int, ...]  # ids that end the run, sorted (the EOS ids; () with ignore_eos)
+    stop_at: int  # output index where the tail chose the stop id (== len(output_ids)); -1: length
     signature: str = ""

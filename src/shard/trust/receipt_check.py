@@ -16,7 +16,15 @@
 - the verdicts listed are the ones the tail's output chain commits to, and every output
   token is the tail's last word for its position: the output is bound to the tail's
   signature, not just to the coordinator's;
-- the nonce binds to the job (job = H(nonce ‖ prompt hash)) and every stage signed that job;
+- the nonce binds to the job (job = H(nonce ‖ prompt hash ‖ end rules)) and every stage
+  signed that job — so the requested maximum and the stop ids are the ones the ring was
+  given when the session opened, not ones chosen afterwards;
+- how the output ended, recomputed from the tail's choices and those end rules: no output
+  token is a stop id (a stop id ends the run and is not output); a "stop" means the tail
+  chose a stop id right after the last output token (``stop_at`` == the output's length,
+  below ``max_tokens``); a "length" holds exactly ``max_tokens`` ids. Any other cut — a
+  prefix, 0 tokens, a "length" short of the maximum, a "stop" where no stop id matched — is
+  refused;
 - the output hash is the hash of the output token ids in the receipt.
 
 It returns what it could not pin (``Verified.unpinned``), so a caller never mistakes an
@@ -26,6 +34,7 @@ internally consistent receipt for one tied to known keys. What a receipt does no
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection
 
@@ -36,6 +45,7 @@ from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed
 from shard.trust.canonical import from_canonical_json, to_canonical_json
 from shard.trust.identity import short, verify_signature
 from shard.trust.receipts import (
+    RECEIPT_VERSION,
     Chain,
     ReceiptInvalid,
     hash_ids,
@@ -58,10 +68,12 @@ class ReceiptPins:
 
 @attrs.frozen
 class Verified:
-    """A receipt that passed, with the signers nothing pinned (empty when all were)."""
+    """A receipt that passed, with the signers nothing pinned (empty when all were), and for
+    a "stop" the stop id the tail chose after the output."""
 
     receipt: RunReceipt
     unpinned: tuple[str, ...]
+    stop_id: int | None = None
 
 
 # --- canonical encodings ---------------------------------------------------------------------
@@ -108,16 +120,34 @@ def receipt_from_json(text: str) -> RunReceipt:
     """Parse a receipt file, strictly: every field of the right type and no other, no
     duplicate keys, and exactly the bytes ``receipt_to_json`` would write.
 
+    A version-2 receipt (before receipts bound how the output ended) is refused with a
+    message that says so: it cannot show that its output was not cut.
+
     Errors: ``ReceiptInvalid`` saying what is wrong.
     """
+    _refuse_old_version(text)
     return from_canonical_json(
         text,
         RunReceipt,
         error=ReceiptInvalid,
-        what="a shard run receipt (version 2)",
+        what=f"a shard run receipt (version {RECEIPT_VERSION})",
         canonical="not in the canonical encoding (the file must be exactly what `--receipt` "
         "wrote: sorted keys, two-space indent, one spelling per number)",
     )
+
+
+def _refuse_old_version(text: str) -> None:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return  # the strict parse says what is wrong
+    if isinstance(data, dict) and "job" in data and "finish_reason" not in data:
+        raise ReceiptInvalid(
+            "a version-2 receipt: it was signed before receipts bound how the output ended "
+            "(finish reason, max_tokens, stop ids), so it cannot show that its output was not "
+            f"cut; this shard verifies version {RECEIPT_VERSION} only — run the request again "
+            "with --receipt"
+        )
 
 
 # --- verification ----------------------------------------------------------------------------
@@ -210,9 +240,10 @@ def _check_ring(receipt: RunReceipt, pins: ReceiptPins) -> None:
         raise ReceiptInvalid(f"coordinator received other verdicts than {upstream} sent")
 
 
-def _check_output_bound(receipt: RunReceipt) -> None:
+def _check_output_bound(receipt: RunReceipt) -> dict[int, int]:
     """The verdicts are the tail's (its output chain), and each output token is the tail's
-    last word, in arrival order, for its position (stale verdicts are said over later)."""
+    last word, in arrival order, for its position (stale verdicts are said over later).
+    Returns those last words by output index (0: the first output token's position)."""
     chain = Chain()
     for v in receipt.verdicts:
         chain.add(verdict_chunk_record(v))
@@ -227,14 +258,51 @@ def _check_output_bound(receipt: RunReceipt) -> None:
     (prompt_len,) = prompt_ends
     said: dict[int, int] = {}
     for v in receipt.verdicts:
-        said.update((v.at + i, token) for i, token in enumerate(v.target_ids))
+        said.update((v.at - prompt_len + i, token) for i, token in enumerate(v.target_ids))
     for i, token in enumerate(receipt.output_ids):
-        position = prompt_len + i
-        if said.get(position) != token:
+        if said.get(i) != token:
             raise ReceiptInvalid(
-                f"output token {i} ({token}) is not what the tail chose at position {position} "
-                f"({said.get(position)}): the output is not the one the ring computed"
+                f"output token {i} ({token}) is not what the tail chose at position "
+                f"{prompt_len + i} ({said.get(i)}): the output is not the one the ring computed"
             )
+    return said
+
+
+def _check_ending(receipt: RunReceipt, said: dict[int, int]) -> int | None:
+    """How the output ended, recomputed from the tail's choices (``said``, by output index)
+    and the end rules (bound to every stage's signature by the job id); returns the stop id
+    the tail chose for a "stop". A stop id is not output: a "stop" means the tail chose one
+    right after the last output token. Any other cut is refused."""
+    r, out = receipt, receipt.output_ids
+    if list(r.stop_ids) != sorted(set(r.stop_ids)):
+        raise ReceiptInvalid("stop_ids are not sorted and distinct (one spelling only)")
+    if r.max_tokens < 1:
+        raise ReceiptInvalid(f"max_tokens {r.max_tokens} is not a request's maximum (>= 1)")
+    stops = frozenset(r.stop_ids)
+    inside = next((i for i, token in enumerate(out) if token in stops), None)
+    if inside is not None:
+        raise ReceiptInvalid(
+            f"output token {inside} ({out[inside]}) is a stop id: the run ended there"
+        )
+    if r.finish_reason == "stop":
+        chosen = said.get(len(out))
+        if r.stop_at != len(out) or chosen not in stops or len(out) >= r.max_tokens:
+            raise ReceiptInvalid(
+                f'finish "stop" at output index {r.stop_at}, but after the {len(out)} output '
+                f"tokens the tail chose {chosen}, not a stop id {list(r.stop_ids)} within "
+                f"max_tokens {r.max_tokens}: the output was cut, not stopped"
+            )
+        return chosen
+    if r.finish_reason == "length":
+        if len(out) != r.max_tokens or r.stop_at != -1:
+            raise ReceiptInvalid(
+                f'finish "length" after {len(out)} tokens but the request asked for '
+                f"{r.max_tokens} (stop_at {r.stop_at}): the output was cut"
+            )
+        return None
+    raise ReceiptInvalid(
+        f'finish reason {r.finish_reason!r}: a receipt ends with "stop" or "length"'
+    )
 
 
 def _unpinned(receipt: RunReceipt, pins: ReceiptPins) -> tuple[str, ...]:
@@ -249,10 +317,14 @@ def _unpinned(receipt: RunReceipt, pins: ReceiptPins) -> tuple[str, ...]:
 def verify_run(receipt: RunReceipt, pins: ReceiptPins = ReceiptPins()) -> Verified:
     """Check a run receipt offline (see the module docstring). Errors: ``ReceiptInvalid``."""
     _check_coordinator(receipt, pins)
-    if receipt.job != job_id(receipt.nonce, receipt.prompt_hash):
-        raise ReceiptInvalid("job id does not bind the nonce to the prompt hash")
+    r = receipt
+    if r.job != job_id(r.nonce, r.prompt_hash, max_tokens=r.max_tokens, stop_ids=r.stop_ids):
+        raise ReceiptInvalid(
+            "job id does not bind the nonce to the prompt hash and the end rules "
+            "(max_tokens, stop_ids) every stage signed"
+        )
     if receipt.output_hash != hash_ids(receipt.output_ids):
         raise ReceiptInvalid("output hash does not match the output token ids")
     _check_ring(receipt, pins)
-    _check_output_bound(receipt)
-    return Verified(receipt, _unpinned(receipt, pins))
+    stop_id = _check_ending(receipt, _check_output_bound(receipt))
+    return Verified(receipt, _unpinned(receipt, pins), stop_id)

@@ -6,8 +6,9 @@ over every chunk it received (input) and sent (output), the chunk count, its com
 device identity and admission token. The coordinator signs the ``RunReceipt``: prompt and
 output hashes, every stage receipt, every verdict the tail sent, its own chains over what it
 sent to stage 0 and received from the tail, its token, node addresses, measured edge transit,
-tok/s and α. The records themselves are messages (``shard.messages.receipts``): they cross
-the wire through the one codec like everything else.
+tok/s and α, and how the output ended (finish reason, the requested maximum, the stop ids
+and where one matched). The records themselves are messages (``shard.messages.receipts``):
+they cross the wire through the one codec like everything else.
 
 Chains hash each chunk's routing header (session-free: epoch, seq, start) and its raw payload
 (token ids, hidden-state bytes, or for the tail a verdict: its target ids, accepted count, the
@@ -15,6 +16,10 @@ absolute position of its first id and whether it answered the prompt) — the sa
 both ends of an edge, so a chain is a commitment to the exact activations that crossed it. A
 stage hashes its inputs as they arrive (stale chunks it later skips included), so chains match
 under early cancellation.
+
+The job id binds the nonce, the prompt and the end rules (``max_tokens``, ``stop_ids``):
+every stage signs the job when its session opens, so whoever holds the coordinator's key
+cannot later claim another maximum or other stop ids to pass off a cut output as complete.
 
 What is signed is canonical JSON (sorted keys, no spaces, ASCII, no NaN) of every field but
 the signature, under a ``kind`` and a version, so a stage signature is never valid as a run's.
@@ -26,7 +31,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -46,6 +51,7 @@ __all__ = [
     "StageReceipt",
     "VerdictRecord",
     "chunk_record",
+    "ends_hash",
     "hash_ids",
     "ids_bytes",
     "job_id",
@@ -58,7 +64,9 @@ __all__ = [
     "verdict_payload",
 ]
 
-RECEIPT_VERSION = 2
+#: 3: run receipts bind how the output ended (``finish_reason``, ``max_tokens``, ``stop_ids``,
+#: ``stop_at``) and the job id binds the end rules; version-2 receipts are refused.
+RECEIPT_VERSION = 3
 _CHAIN_INIT = hashlib.blake2b(b"shard-receipt-chain-v1", digest_size=32).hexdigest()
 
 
@@ -97,9 +105,15 @@ class Chain:
         self.count += 1
 
 
-def job_id(nonce: str, prompt_hash: str) -> str:
-    """The job a nonce and prompt bind to."""
-    return _h(bytes.fromhex(nonce) + bytes.fromhex(prompt_hash)).hex()[:32]
+def ends_hash(max_tokens: int, stop_ids: Sequence[int]) -> str:
+    """The end rules a job binds: the requested maximum and the ids that end the run."""
+    return _h(b"shard-ends-v1:" + _i64(max_tokens) + ids_bytes(stop_ids)).hex()
+
+
+def job_id(nonce: str, prompt_hash: str, *, max_tokens: int, stop_ids: Sequence[int]) -> str:
+    """The job a nonce, a prompt and the end rules bind to (``stop_ids`` sorted)."""
+    ends = ends_hash(max_tokens, stop_ids)
+    return _h(bytes.fromhex(nonce) + bytes.fromhex(prompt_hash) + bytes.fromhex(ends)).hex()[:32]
 
 
 def hash_ids(ids: Sequence[int]) -> str:
@@ -260,24 +274,43 @@ class RunSigner:
 
 @attrs.define
 class RunJob:
-    """The coordinator's side of one job: its chains, the verdicts and the stage receipts that
-    came back."""
+    """The coordinator's side of one job: its end rules, its chains, the verdicts and the
+    stage receipts that came back."""
 
     nonce: str
     prompt_hash: str
     prompt_len: int
+    max_tokens: int
+    stop_ids: tuple[int, ...]  # sorted
     sent: Chain = attrs.field(factory=Chain)
     received: Chain = attrs.field(factory=Chain)
     verdicts: list[VerdictRecord] = attrs.field(factory=list)
     stages: list[StageReceipt] = attrs.field(factory=list)
 
     @classmethod
-    def start(cls, prompt_ids: Sequence[int], nonce: bytes) -> RunJob:
-        return cls(nonce=nonce.hex(), prompt_hash=hash_ids(prompt_ids), prompt_len=len(prompt_ids))
+    def start(
+        cls,
+        prompt_ids: Sequence[int],
+        nonce: bytes,
+        *,
+        max_tokens: int,
+        stop_ids: Collection[int],
+    ) -> RunJob:
+        """A job for ``prompt_ids`` that ends after ``max_tokens`` ids or at the first of
+        ``stop_ids`` (the EOS ids; empty: it runs to ``max_tokens``)."""
+        return cls(
+            nonce=nonce.hex(),
+            prompt_hash=hash_ids(prompt_ids),
+            prompt_len=len(prompt_ids),
+            max_tokens=max_tokens,
+            stop_ids=tuple(sorted(set(stop_ids))),
+        )
 
     @property
     def job(self) -> str:
-        return job_id(self.nonce, self.prompt_hash)
+        return job_id(
+            self.nonce, self.prompt_hash, max_tokens=self.max_tokens, stop_ids=self.stop_ids
+        )
 
     def sent_chunk(self, epoch: int, seq: int, start: int, ids: Sequence[int]) -> None:
         self.sent.add(chunk_record(epoch, seq, start, ids_bytes(ids)))
@@ -302,11 +335,14 @@ class RunJob:
         signer: RunSigner,
         *,
         output_ids: Sequence[int],
+        finish_reason: str,
         edges: Sequence[EdgeRecord],
         tok_s: float,
         alpha: float | None,
     ) -> RunReceipt:
-        """The signed run receipt (stages in ring order, verdicts in arrival order)."""
+        """The signed run receipt (stages in ring order, verdicts in arrival order).
+        ``finish_reason`` is the request's: "stop" (the tail chose a stop id right after the
+        output; the stop id is not output) or "length"."""
         return sign_run(
             RunReceipt(
                 job=self.job,
@@ -328,6 +364,10 @@ class RunJob:
                 edges=tuple(attrs.evolve(e, mean_s=_finite(e.mean_s, 6)) for e in edges),
                 tok_s=_finite(tok_s, 4),
                 alpha=None if alpha is None else _finite(alpha, 6),
+                finish_reason=finish_reason,
+                max_tokens=self.max_tokens,
+                stop_ids=self.stop_ids,
+                stop_at=len(output_ids) if finish_reason == "stop" else -1,
             ),
             signer.identity,
         )
