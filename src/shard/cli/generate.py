@@ -114,31 +114,47 @@ async def ask(
     on_tokens: Callable[[int], None] | None = None,
 ) -> GenerateDone:
     """Send one request to the coordinator at ``address``; the spec's ``connect_timeout_s``
-    bounds reaching it (a swarm that is not running fails fast, with one line)."""
-    from shard.coordinator.client import request
+    bounds reaching it (a swarm that is not running fails fast, with one line).
+
+    Errors: ``ClientError`` at once when the coordinator's connection closes mid-request (it
+    stopped or was killed: its socket closes with it), after ending any streamed text's
+    line so the error is a line of its own."""
+    from shard.coordinator.client import ClientError, request
+    from shard.transport import ConnectionClosed
     from shard.trust.compose import client_network
+
+    streamed: list[bool] = []
 
     def show(out: TokensOut) -> None:
         if on_tokens is not None:
             on_tokens(len(out.token_ids))
         if not args.json:
             print(out.text, end="", flush=True)
+            streamed.append(bool(out.text))
 
     # insecure = false: this client's own key and token (--key/--token or [trust] client_*)
     key, token = getattr(args, "key", None), getattr(args, "token", None)
     network = client_network(
         spec, key=Path(key) if key else None, token=Path(token) if token else None
     )
-    async with network:
-        done = await request(
-            network,
-            address,
-            req,
-            swarm=spec.name,
-            on_text=show,
-            connect_timeout_s=connect_timeout_s,
-            handshake_timeout_s=spec.limits.handshake_timeout_s,
-        )
+    try:
+        async with network:
+            done = await request(
+                network,
+                address,
+                req,
+                swarm=spec.name,
+                on_text=show,
+                connect_timeout_s=connect_timeout_s,
+                handshake_timeout_s=spec.limits.handshake_timeout_s,
+            )
+    except ConnectionClosed as exc:
+        if any(streamed):
+            print(flush=True)
+        raise ClientError(
+            f"the coordinator at {address} closed the connection before the request finished "
+            f"({exc}): it stopped or was killed; see its log, restart the swarm and retry"
+        ) from None
     print_done(done, as_json=args.json, streamed=True)
     out = getattr(args, "receipt", None)
     if out and done.receipt is not None:
