@@ -20,6 +20,10 @@ measures, and its ``RttReport`` is the answer. Measurements run in a task of the
 time; one more may wait, later ones are dropped and logged), so a re-measure of the mesh never
 delays an ``Activate`` after a death. A registration the scheduler refuses (a
 ``Fault`` of kind ``register``: a malformed profile) ends the client with ``JoinRefused``.
+One under a name a live member holds (kind ``name``) is tried again for ``name_wait_s``
+(by default three times ``dead_after_s``: long enough for the scheduler to declare a crashed
+holder dead, so a restart under the same name goes through), then ends the client with
+``NameTaken``; the live member is never disturbed.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
 finds its warm ring registering again).
@@ -79,6 +83,11 @@ class JoinRefused(Exception):
     the message says why. Fix the node's flags and start it again."""
 
 
+class NameTaken(JoinRefused):
+    """The scheduler refused this node's registration because a live member holds its name
+    (``shard.failover.registry.Registry.name_refusal``). Start it under another ``--node``."""
+
+
 class OrderFailed(Exception):
     """An order could not be carried out; its message goes back in ``Ready.detail``."""
 
@@ -100,7 +109,8 @@ class ControlClient:
     activated re-registers as a stage (a snapshot of the node's state, read when needed).
 
     Cancellation: cancelling ``run`` closes the link. Errors: ``NodeReplaced`` when the
-    scheduler refuses this node; the first dial's ``TransportError`` / ``HandshakeError``
+    scheduler refuses this node; ``JoinRefused`` (``NameTaken`` when a live member holds its
+    name past ``name_wait_s``); the first dial's ``TransportError`` / ``HandshakeError``
     (later ones are retried).
     """
 
@@ -121,6 +131,7 @@ class ControlClient:
         dead_after_s: float = 1.0,
         connect_timeout_s: float = 10.0,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        name_wait_s: float | None = None,
     ) -> None:
         self._node = node
         self._network = network
@@ -136,6 +147,7 @@ class ControlClient:
         self._dead_after_s = dead_after_s
         self._connect_timeout_s = connect_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
+        self._name_wait_s = 3 * dead_after_s if name_wait_s is None else name_wait_s
         self._conn: Connection | None = None
 
     async def _report_faults(
@@ -173,6 +185,7 @@ class ControlClient:
     async def _stay_linked(self, task_status: trio.TaskStatus[None]) -> None:
         """Dial, register and obey; re-dial whenever the link fails."""
         started = False
+        name_refused_at: float | None = None  # first of a run of "name taken" refusals
         while True:
             try:
                 conn = await dial_peer(
@@ -188,6 +201,7 @@ class ControlClient:
                 log.warning("%s: control link: %s; retrying", self._node, exc)
                 await trio.sleep(1.0)
                 continue
+            pause = self._heartbeat_s
             try:
                 await conn.send(self._register())
                 self._conn = conn
@@ -195,6 +209,12 @@ class ControlClient:
                     started = True
                     task_status.started()
                 refused = await self._serve(conn)
+                if refused is not None and refused.kind == "name":
+                    name_refused_at = self._name_taken(refused, name_refused_at)
+                    refused = None  # tried again below, a few times per dead_after_s
+                    pause = max(self._heartbeat_s, self._dead_after_s / 4)
+                elif refused is None:
+                    name_refused_at = None
                 if refused is not None and refused.kind == "register":
                     raise JoinRefused(f"{self._node}: the scheduler refused it: {refused.detail}")
                 if refused is not None:
@@ -207,7 +227,21 @@ class ControlClient:
             finally:
                 self._conn = None
                 await abandon(conn)
-            await trio.sleep(self._heartbeat_s)
+            await trio.sleep(pause)
+
+    def _name_taken(self, refused: Fault, since: float | None) -> float:
+        """A live member holds this node's name: keep trying for ``name_wait_s`` from the
+        first refusal (``since``; its time is returned) — a crashed holder is declared dead
+        in that time — then raise ``NameTaken``."""
+        now = trio.current_time()
+        since = now if since is None else since
+        if now - since >= self._name_wait_s:
+            raise NameTaken(
+                f"{self._node}: the scheduler refused this name for {now - since:.0f} s: "
+                f"{refused.detail}"
+            )
+        log.warning("%s: name in use, trying again: %s", self._node, refused.detail)
+        return since
 
     async def _serve(self, conn: Connection) -> Fault | None:
         """Obey orders until the link fails (returns None; the caller re-dials) or the
@@ -286,7 +320,7 @@ class ControlClient:
                         log.warning("%s: audit of %s dropped (busy)", self._node, msg.accused)
                 elif isinstance(msg, Probe):
                     await conn.send(ProbeReply(nonce=msg.nonce, sent_at=msg.sent_at))
-                elif isinstance(msg, Fault) and msg.kind in ("control", "register"):
+                elif isinstance(msg, Fault) and msg.kind in ("control", "register", "name"):
                     return msg
                 elif not isinstance(msg, Heartbeat):
                     log.warning("%s: unexpected %s on the control link", self._node, msg)

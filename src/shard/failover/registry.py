@@ -17,6 +17,7 @@ from shard.spec.reach import NAT_PREFIX
 from shard.transport import Connection, TransportError
 from shard.transport.guard import ProtocolViolation
 from shard.transport.secure import token_roles
+from shard.trust.admission import Admitted
 
 #: A spare standby's block: it holds none and loads the dead node's (the cold path).
 NO_BLOCK = (-1, -1)
@@ -56,6 +57,9 @@ class Member:
     #: What the peer's verified admission token grants (``()`` on a plaintext wire): a
     #: ``trusted`` role lets it hold pinned boundary blocks (``shard.failover.formation``).
     token_roles: tuple[str, ...] = ()
+    #: The key the peer's handshake proved (None on a plaintext wire): on a secure swarm only
+    #: this key may register under this member's name while it lives (``Registry.name_refusal``).
+    identity: bytes | None = None
 
     @classmethod
     def registered(
@@ -78,6 +82,7 @@ class Member:
             rtt,
             profile=register.profile,
             token_roles=token_roles(conn),
+            identity=peer_identity(conn),
         )
 
     async def order(self, order: Activate | Rewire, *, timeout_s: float) -> None:
@@ -131,6 +136,25 @@ class Registry:
         self._joined.set()
         self._joined = trio.Event()
         return old
+
+    def name_refusal(self, node: NodeName, identity: bytes | None, now: float) -> str | None:
+        """Why a registration under ``node`` by a peer that proved ``identity`` (None: a
+        plaintext wire) must be refused, or None. A name is owned by its live member: only
+        the same key may register under it while it lives (a restarted or re-dialling node
+        on a secure swarm takes its own link over); a member declared dead, or never seen,
+        leaves the name free. The coordinator's own name is never free."""
+        if node == self.node:
+            return f"{node} is the coordinator's name; start this node under another --node"
+        old = self.members.get(node)
+        if old is None or not old.alive:
+            return None
+        if identity is not None and identity == old.identity:
+            return None
+        return (
+            f"{node} is the name of a live member (registered from {old.conn.peer}, heard from "
+            f"{max(0.0, now - old.last_seen):.1f} s ago); start this node under another --node, "
+            "or, if that node is gone, wait until the scheduler declares it dead"
+        )
 
     def replaced_by(self, reg: Register) -> NodeName | None:
         """Who holds the slot ``reg``'s node was replaced in, if it was: a node declared dead
@@ -203,6 +227,12 @@ class Registry:
         return self.slots[i + 1].address if i + 1 < len(self.slots) else self.return_address
 
 
+def peer_identity(conn: object) -> bytes | None:
+    """The key ``conn``'s peer proved in its handshake; None on a plaintext wire."""
+    who = getattr(conn, "authenticated", None)
+    return who.identity if isinstance(who, Admitted) else None
+
+
 def forward_reply(replies: trio.MemorySendChannel[Ready], reply: Ready, node: NodeName) -> None:
     """Hand a member's ``Ready`` to the order waiting for it; replies come one per order, so
     a full buffer means the member sent replies nobody asked for.
@@ -214,4 +244,12 @@ def forward_reply(replies: trio.MemorySendChannel[Ready], reply: Ready, node: No
         raise ProtocolViolation(f"{node} sent a Ready that no order asked for") from None
 
 
-__all__ = ["NO_BLOCK", "Member", "RecoveryFailed", "Registry", "Slot", "forward_reply"]
+__all__ = [
+    "NO_BLOCK",
+    "Member",
+    "RecoveryFailed",
+    "Registry",
+    "Slot",
+    "forward_reply",
+    "peer_identity",
+]

@@ -14,6 +14,10 @@ go on the scheduler's own queue as messages (``shard.failover.events``: ``NodeDe
 - **a node declared dead but not replaced registers again** (it was frozen, or restarted) —
   it is taken back into its slot, re-synced from its predecessor's replay log like a standby.
   Only a node whose slot another node really holds is refused ("replaced by ...").
+- **a node registers under a live member's name** (an impostor, a second ``--join`` with
+  the same ``--node``) — refused with a ``Fault`` of kind ``name``, and the live member's link
+  is not touched; on a secure swarm the same key may take its own link over (a restarted
+  node). A name frees once its member is declared dead.
 - **a ring edge broke between live nodes** (a severed connection, a corrupt frame; reported
   on a node's control link, or on ``ring_faults`` by this coordinator's own ring link) — after
   a grace period, if the successor is still alive and still in place, re-dial the same edge.
@@ -46,7 +50,14 @@ from shard.failover.events import (
 )
 from shard.failover.formation import Formation, Prober, check_register
 from shard.failover.mesh import MeshStatistics
-from shard.failover.registry import Member, RecoveryFailed, Registry, Slot, forward_reply
+from shard.failover.registry import (
+    Member,
+    RecoveryFailed,
+    Registry,
+    Slot,
+    forward_reply,
+    peer_identity,
+)
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
 from shard.failover.strikes import AuditStatistics, StrikeBook
@@ -184,7 +195,8 @@ class Scheduler:
 
     async def serve(self, conn: Connection, hello: Hello) -> None:
         """One node's control link, from its ``Register`` until it closes. A peer that sends
-        anything else first, or nothing, is told why and closed; nothing else is affected."""
+        anything else first, or nothing, or registers under a live member's name
+        (``Registry.name_refusal``), is told why and closed; nothing else is affected."""
         first: Message | None = None
         with trio.move_on_after(self._policy.register_timeout_s):
             first = await conn.receive()
@@ -204,6 +216,11 @@ class Scheduler:
         if refused is not None:  # a malformed joiner: told why; nothing else is touched
             log.warning("scheduler: refused %s's registration: %s", first.node, refused)
             await conn.send(Fault(self._node, "register", refused))
+            return
+        taken = self._registry.name_refusal(first.node, peer_identity(conn), self._clock())
+        if taken is not None:  # a live member's name: refused; that member's link untouched
+            log.warning("scheduler: refused a registration from %s: %s", conn.peer, taken)
+            await conn.send(Fault(self._node, "name", taken))
             return
         replaced_by = self._registry.replaced_by(first)
         if replaced_by is not None:
