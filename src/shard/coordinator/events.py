@@ -26,6 +26,13 @@ class RingError(Exception):
         self.committed = tuple(committed)
 
 
+class RequestFailed(RingError):
+    """The coordinator failed one request on its own path (a bug, or a message the wire
+    refuses), not the ring: the request ends here, logged once with its traceback, and the
+    coordinator and the ring serve on. A ``RingError`` so every caller ends it the same way
+    (``committed`` holds what was committed first)."""
+
+
 @attrs.frozen
 class Resync:
     """Router -> request: re-send from the committed tokens in a new epoch.
@@ -64,4 +71,12 @@ class SessionDone:
     outcome: Completion | RingError
 
 
-__all__ = ["Completion", "OnTokens", "Resync", "RingError", "RouteEvent", "SessionDone"]
+__all__ = [
+    "Completion",
+    "OnTokens",
+    "RequestFailed",
+    "Resync",
+    "RingError",
+    "RouteEvent",
+    "SessionDone",
+]

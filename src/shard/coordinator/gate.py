@@ -18,9 +18,14 @@ import trio
 
 from shard.failover.replay import LoggedChunk, ReplayLog
 from shard.messages import EndSession, Fault, Message, SessionId
+from shard.wire import WireLimits
+from shard.wire.checks import check_message
 
 #: How long ending a session may take during cancellation (the link may be stuck).
 END_SESSION_TIMEOUT_S = 1.0
+#: The limits ``send`` checks values against (sizes are the link's: a request's messages
+#: are a prefill chunk or a verify chunk, far inside any frame cap).
+_VALUE_LIMITS = WireLimits()
 
 
 class RingDown(Exception):
@@ -79,7 +84,12 @@ class RingGate:
     # --- what a driver does ---------------------------------------------------------------
 
     async def send(self, msg: Message) -> None:
-        """Record ``msg`` and send it towards stage 0."""
+        """Record ``msg`` and send it towards stage 0.
+
+        The wire's value rules are checked here, in the request's own task, before ``msg``
+        enters the link every request shares: a message the link could not encode fails its
+        request (``WireError``), never the link."""
+        check_message(msg, _VALUE_LIMITS)
         if self._lost is None:
             with trio.CancelScope() as scope:
                 self._sending.add(scope)

@@ -44,6 +44,7 @@ from shard.coordinator.events import (
 from shard.coordinator.gate import RingGate
 from shard.coordinator.ledger import CoordinatorStatistics, Ledger
 from shard.coordinator.receipts import collect_receipts
+from shard.coordinator.supervise import CallerError, caller_errors, request_failed
 from shard.decode.control import SpecConfig
 from shard.decode.draft import Drafter
 from shard.decode.state import BadRequest, DecodeState, check_sampling
@@ -81,7 +82,9 @@ class Coordinator:
     still waiting see ``RingError``.
 
     Errors: a ``Fault`` for a session, or one for the whole ring (a dead link), ends the
-    affected requests with ``RingError`` carrying the committed ids. Bugs propagate.
+    affected requests with ``RingError`` carrying the committed ids. Anything else a
+    request's path raises ends that request alone with ``RequestFailed``
+    (``shard.coordinator.supervise``); bugs in the router itself propagate.
     """
 
     def __init__(
@@ -265,7 +268,8 @@ class Coordinator:
         ``on_tokens`` runs where the caller can handle what it raises.
 
         Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
-        ``RingError`` when the ring fails the request.
+        ``RingError`` when the ring fails the request; ``RequestFailed`` (a ``RingError``,
+        logged once) for anything else on its path; what ``on_tokens`` raises, as it was.
 
         Over the house's 60 lines by its docstring: the body is the request's life in order.
         """
@@ -276,7 +280,12 @@ class Coordinator:
         )
         spec = speculation or self._spec
         on_tokens = checkpointing(
-            self._checkpoints, request_id, prompt_ids, max_tokens, sampling, on_tokens
+            self._checkpoints,
+            request_id,
+            prompt_ids,
+            max_tokens,
+            sampling,
+            caller_errors(on_tokens),
         )
         async with self._slots:
             if (lost := self._gate.lost) is not None:
@@ -302,6 +311,13 @@ class Coordinator:
             except RingError:
                 self._ledger.request_failed()
                 raise
+            except CallerError as exc:  # the caller's on_tokens: its error, as it was
+                raise exc.error from None
+            except BadRequest:
+                raise
+            except Exception as exc:  # this request's alone (shard.coordinator.supervise)
+                self._ledger.request_failed()
+                raise request_failed(sid, exc, state.output) from exc
             finally:
                 del self._routes[sid]
                 self._ledger.sessions = len(self._routes)

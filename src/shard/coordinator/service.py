@@ -5,33 +5,55 @@ runs it on the ``Coordinator``, and streams ``TokensOut`` as tokens are committe
 one ``GenerateDone`` — ``finish_reason="error"`` with the committed text when the ring fails,
 never a silent stop.
 
-A prompt is bounded in bytes before it is tokenized (``limits.max_prompt_bytes``) and in
-tokens after (``limits.max_len``, by ``DecodeState.start``). Tokenizing and the final decode
-take time proportional to the text, so they run in a worker thread behind their own
-``CapacityLimiter`` (never queued behind a forward pass): the event loop keeps reading
-heartbeats meanwhile, and a 900 KB prompt cannot make the scheduler think a stage died.
+Every number of a request is checked against the one table of bounds
+(``shard.messages.bounds``) as it arrives; a prompt is bounded in bytes before it is
+tokenized (``limits.max_prompt_bytes``) and in tokens after (``limits.max_len``, by
+``DecodeState.start``). Whatever fails on a request's path ends that request alone, with a
+``GenerateDone`` of ``finish_reason="error"`` saying why (logged once); the node serves on.
+
+Tokenizing and the final decode take time proportional to the text, so they run in a worker
+thread behind their own ``CapacityLimiter`` (never queued behind a forward pass): the event
+loop keeps reading heartbeats meanwhile, and a 900 KB prompt cannot make the scheduler think
+a stage died.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
+from shard.coordinator.events import RequestFailed
 from shard.coordinator.router import Completion, Coordinator, RingError
 from shard.decode.control import SpecConfig
 from shard.decode.state import BadRequest
 from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
+from shard.messages.bounds import OutOfBounds
+from shard.messages.bounds import check_request as check_bounds
 from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 from shard.stage import offload
 
 Emit = Callable[[Message], Awaitable[None]]
 
+log = logging.getLogger(__name__)
+
 
 class PromptTooLarge(BadRequest):
     """The prompt's text is larger than ``limits.max_prompt_bytes``; refused untokenized."""
+
+
+def check_request(request: GenerateRequest, max_prompt_bytes: int) -> None:
+    """Refuse a wire client's request whose numbers are out of bounds
+    (``shard.messages.bounds``) or whose prompt is over ``max_prompt_bytes``, before any
+    tokenizing is spent on it. Errors: ``BadRequest`` (``PromptTooLarge``)."""
+    try:
+        check_bounds(request)
+    except OutOfBounds as exc:
+        raise BadRequest(f"{exc}; the request is refused, nothing ran") from None
+    check_prompt_size(request, max_prompt_bytes)
 
 
 def check_prompt_size(request: GenerateRequest, max_bytes: int) -> None:
@@ -74,7 +96,7 @@ async def complete(
         await emit(TokensOut(request=request.request, token_ids=tuple(ids), text=text))
 
     try:
-        check_prompt_size(request, coordinator.limits.max_prompt_bytes)
+        check_request(request, coordinator.limits.max_prompt_bytes)
         ids = await offload.run_sync(prompt_ids, tokenizer, request, limiter=text_limiter)
         completion = await coordinator.generate(
             ids,
@@ -88,6 +110,11 @@ async def complete(
     except (RingError, BadRequest, TokenizerError) as exc:
         text = await offload.run_sync(tokenizer.decode, committed, limiter=text_limiter)
         done = error_message(request.request, exc, committed, text)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        raise  # emit's: the client's connection is gone, nothing left to answer
+    except Exception as exc:  # this request's alone: its client hears why, the node serves on
+        log.error("request %d failed at the coordinator: %r", request.request, exc, exc_info=exc)
+        done = error_message(request.request, RequestFailed(repr(exc)), committed, "")
     else:
         ids = list(completion.token_ids)
         text = await offload.run_sync(tokenizer.decode, ids, limiter=text_limiter)
