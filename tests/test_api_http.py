@@ -173,12 +173,17 @@ async def test_malformed_requests_get_400_naming_the_problem(tokenizer: Tokenize
 
 
 async def test_sizes_beyond_the_context_or_the_body_limit(tokenizer: Tokenizer) -> None:
-    """Huge max_tokens is a 400; a prompt longer than the context and a 10 MB body are 413s."""
+    """Huge max_tokens is a 400 (past the context, or past the table of bounds); a prompt
+    longer than the context and a 10 MB body are 413s."""
     async with serve(tokenizer) as served:
         huge = await exchange(
-            served.address, post("/v1/chat/completions", {**CHAT, "max_tokens": 10**12})
+            served.address, post("/v1/chat/completions", {**CHAT, "max_tokens": 10**6})
         )
         assert huge.status == 400 and huge.error()["code"] == "context_length_exceeded"
+        past = await exchange(
+            served.address, post("/v1/chat/completions", {**CHAT, "max_tokens": 10**12})
+        )
+        assert past.status == 400 and past.error()["param"] == "max_tokens"
         long_prompt = {"model": MODEL, "prompt": "word " * 200, "max_tokens": 1}
         too_long = await exchange(served.address, post("/v1/completions", long_prompt))
         assert too_long.status == 413 and too_long.error()["param"] == "prompt"

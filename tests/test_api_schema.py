@@ -3,12 +3,14 @@ every parameter shard cannot honour is refused with a 400 naming it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from shard.api.errors import ApiError
 from shard.api.schema import ChatMessage, parse_chat, parse_completion
+from shard.messages.bounds import BOUNDS, INT64_MAX, INT64_MIN, MAX_COUNT
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -115,11 +117,20 @@ def test_unknown_parameters_are_refused() -> None:
         ("max_tokens", 0),
         ("max_tokens", True),
         ("temperature", "hot"),
-        ("temperature", 2.5),
+        ("temperature", 100.5),
         ("temperature", float("nan")),
+        ("temperature", float("inf")),
         ("top_p", 0),
+        ("top_p", 1e309),
         ("top_k", -2),
+        ("top_k", 1 << 63),  # past what the wire carries: refused here, not on the ring
+        ("top_k", 1 << 64),
+        ("max_tokens", 1 << 70),
+        ("max_completion_tokens", 1 << 31),
         ("seed", 1.5),
+        ("seed", 1 << 63),
+        ("seed", -(1 << 63) - 1),
+        ("seed", 1e300),
         ("stop", 7),
         ("stop", [""]),
         ("stop", ["x"] * 17),
@@ -142,3 +153,36 @@ def test_malformed_bodies_and_messages() -> None:
     assert refused(parse_chat, image).param == "messages[0].content[0]"
     options = chat(stream_options={"include_usage": True})  # without stream = true
     assert refused(parse_chat, options).param == "stream_options"
+
+
+def test_numbers_follow_the_one_table_of_bounds() -> None:
+    """Each bound's edges: the last value inside is taken, the first outside is a 400; the
+    table is the one the CLI and the coordinator's client port use."""
+    for key, inside, outside in [
+        ("top_k", MAX_COUNT, MAX_COUNT + 1),
+        ("max_tokens", MAX_COUNT, MAX_COUNT + 1),
+        ("seed", INT64_MAX, INT64_MAX + 1),
+        ("seed", INT64_MIN, INT64_MIN - 1),
+        ("temperature", 100.0, 100.000001),
+        ("top_p", 1e-300, 0.0),
+        ("top_p", 5e-324, -0.0),
+    ]:
+        parse_chat(chat(**{key: inside}))
+        assert refused(parse_chat, chat(**{key: outside})).param == key
+        assert BOUNDS[key].holds(inside) and not BOUNDS[key].holds(outside)
+
+
+@pytest.mark.parametrize("where", ["prompt", "stop", "content", "part"])
+def test_a_lone_surrogate_is_a_400_naming_where(where: str) -> None:
+    """JSON's "\\ud800" decodes to a string no tokenizer can encode: a 400, never a 500."""
+    bad = json.loads('"a\\ud800b"')
+    if where == "prompt":
+        err = refused(parse_completion, {"model": "m", "prompt": bad})
+    elif where == "stop":
+        err = refused(parse_chat, chat(stop=[bad]))
+    elif where == "content":
+        err = refused(parse_chat, {"model": "m", "messages": [{"role": "user", "content": bad}]})
+    else:
+        part = {"role": "user", "content": [{"type": "text", "text": bad}]}
+        err = refused(parse_chat, {"model": "m", "messages": [part]})
+    assert err.status == 400 and "surrogate" in err.message

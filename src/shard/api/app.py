@@ -7,8 +7,13 @@ disconnect, noticed on the ASGI ``receive`` channel, cancels it and so ends the 
 every stage. Beyond ``max_sessions`` requests in flight the answer is 429 with Retry-After —
 never a queue.
 
-Cancellation: cancelling a request's task ends its session. Errors: bugs propagate to
-hypercorn, which answers 500 for that one request and keeps serving.
+Every request is its own supervised scope: whatever fails on its path — a refusal (an
+``ApiError``), the ring (503), the coordinator (``RequestFailed``: 500) or a bug here (500,
+logged once) — is answered to that client in the OpenAI error shape (an error event once a
+stream has started) and ends nothing else. A head over ``MAX_HEAD_BYTES`` is a 431; a prompt
+over ``max_prompt_bytes`` a 413 before it is tokenized; tokenizing runs in a worker thread.
+
+Cancellation: cancelling a request's task ends its session.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from importlib.resources import files
 from typing import Any
 
@@ -29,17 +35,23 @@ from shard.api import responses
 from shard.api.errors import ApiError
 from shard.api.keys import ApiKeys
 from shard.api.metrics import ApiCounters, render
-from shard.api.runner import RingFailed, prepare, run
+from shard.api.reply import (
+    MAX_HEAD_BYTES,
+    Receive,
+    Reply,
+    Scope,
+    Send,
+    head_bytes,
+    header,
+    lifespan,
+)
+from shard.api.runner import RingFailed, check_size, prepare, run
 from shard.api.schema import Generation, parse_chat, parse_completion
 from shard.coordinator.router import Coordinator
 from shard.coordinator.service import ring_unready
 from shard.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _PAGE_HEADERS = (
     ("content-type", "text/html; charset=utf-8"),
@@ -63,6 +75,9 @@ class ApiConfig:
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 10.0
     keys: ApiKeys | None = None
+    #: A prompt's UTF-8 size, refused with 413 before any tokenizing (``[limits]``'s, the
+    #: bound the wire client has too).
+    max_prompt_bytes: int = 256 * 1024
 
 
 class Disconnected(Exception):
@@ -88,32 +103,37 @@ class ApiApp:
         self._wall_clock = wall_clock
         self.counters = ApiCounters()
         self._page = files("shard.api").joinpath("page.html").read_bytes()
+        # Tokenizing takes time proportional to the text: one worker thread at a time, so the
+        # event loop (heartbeats, other requests) never waits on it.
+        self._text_limiter = trio.CapacityLimiter(1)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
         elif scope["type"] == "http":
             await self._http(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        reply = _Reply(send)
+        reply = Reply(send)
         path, method = scope.get("path", ""), scope.get("method", "")
         endpoint = path if path in _ROUTES else "other"
         try:
+            _check_head(scope)
             await self._route(path, method, scope, receive, reply)
         except ApiError as exc:
-            if reply.started:  # mid-stream: the error becomes an event (never a silent stop)
-                await reply.event({"error": exc.body()["error"]}, last=True)
-            else:
-                await reply.json(exc.status, exc.body(), exc.headers)
+            await _refuse(reply, exc)
         except Disconnected:
             self.counters.disconnects += 1
+        except Exception as exc:  # this request's alone: its client hears why, the API serves on
+            log.error("%s %s failed: %r", method, path, exc, exc_info=exc)
+            message = f"the server failed this request ({type(exc).__name__}); it is logged"
+            await _refuse(reply, ApiError(500, message, code="internal_error"))
         self.counters.request(endpoint, reply.status)
 
     async def _route(
-        self, path: str, method: str, scope: Scope, receive: Receive, reply: _Reply
+        self, path: str, method: str, scope: Scope, receive: Receive, reply: Reply
     ) -> None:
         allowed = _ROUTES.get(path)
         if allowed is None and path.startswith("/v1/models/"):
@@ -147,10 +167,10 @@ class ApiApp:
         keys = self._config.keys
         if keys is None:
             return
-        header = _header(scope, b"authorization")
-        scheme, _, key = header.partition(" ")
+        given = header(scope, b"authorization")
+        scheme, _, key = given.partition(" ")
         if scheme.lower() != "bearer" or not keys.allows(key.strip()):
-            why = "no API key" if not header else "the API key is not valid"
+            why = "no API key" if not given else "the API key is not valid"
             raise ApiError(
                 401,
                 f"{why}: send Authorization: Bearer KEY (a key from the operator's keys_file)",
@@ -190,7 +210,7 @@ class ApiApp:
         A body over the limit is read to its end and dropped (up to ``_DRAIN_BYTES``), so
         the client, still sending, gets its 413 instead of a broken pipe."""
         limit = self._config.max_body_bytes
-        declared = _header(scope, b"content-length")
+        declared = header(scope, b"content-length")
         if declared.isdigit() and int(declared) > _DRAIN_BYTES:
             raise _too_big(limit)
         data = bytearray()
@@ -244,12 +264,16 @@ class ApiApp:
         finally:
             counters.in_flight -= 1
 
-    async def _complete(self, generation: Generation, receive: Receive, reply: _Reply) -> None:
+    async def _complete(self, generation: Generation, receive: Receive, reply: Reply) -> None:
         self._check_model(generation.model)
         reason = ring_unready(self._coordinator)
         if reason is not None:
             raise ApiError(503, reason, code="ring_unavailable", headers=(("retry-after", "1"),))
-        request = prepare(generation, self._tokenizer, max_len=self._config.max_len)
+        check_size(generation, self._config.max_prompt_bytes)
+        request = await trio.to_thread.run_sync(
+            partial(prepare, generation, self._tokenizer, max_len=self._config.max_len),
+            limiter=self._text_limiter,
+        )
         prefix = "chatcmpl-" if generation.chat else "cmpl-"
         rid = responses.ReplyId(
             prefix + secrets.token_hex(12),
@@ -260,7 +284,7 @@ class ApiApp:
         failure: ApiError | None = None
         with self._admit():
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch, receive, nursery.cancel_scope)
+                nursery.start_soon(self._watch, receive, reply, nursery.cancel_scope)
                 try:
                     if generation.stream:
                         await self._stream(request, rid, reply)
@@ -272,14 +296,16 @@ class ApiApp:
         if failure is not None:
             raise failure
 
-    async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
-        """End the request (and so its ring session) the moment its client goes away."""
+    async def _watch(self, receive: Receive, reply: Reply, scope: trio.CancelScope) -> None:
+        """End the request (and so its ring session) the moment its client goes away; the
+        disconnect hypercorn posts as the reply ends is not one (``shard.api.reply``)."""
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.counters.disconnects += 1
-        scope.cancel()
+        if not reply.finishing:
+            self.counters.disconnects += 1
+            scope.cancel()
 
-    async def _whole(self, request: Any, rid: responses.ReplyId, reply: _Reply) -> None:
+    async def _whole(self, request: Any, rid: responses.ReplyId, reply: Reply) -> None:
         pieces: list[str] = []
 
         async def emit(text: str) -> None:
@@ -292,7 +318,7 @@ class ApiApp:
         body = responses.whole(rid, "".join(pieces), outcome.finish_reason, use, extra)
         await reply.json(200, body)
 
-    async def _stream(self, request: Any, rid: responses.ReplyId, reply: _Reply) -> None:
+    async def _stream(self, request: Any, rid: responses.ReplyId, reply: Reply) -> None:
         usage = request.generation.include_usage
         await reply.start_events()
         if rid.chat:  # the role first, at once: the client knows it was admitted
@@ -320,6 +346,25 @@ class ApiApp:
         self.counters.completion_tokens += completion_tokens
 
 
+async def _refuse(reply: Reply, exc: ApiError) -> None:
+    if reply.started:  # mid-stream: the error becomes an event (never a silent stop)
+        if not reply.finishing:
+            await reply.event({"error": exc.body()["error"]}, last=True)
+    else:
+        await reply.json(exc.status, exc.body(), exc.headers)
+
+
+def _check_head(scope: Scope) -> None:
+    size = head_bytes(scope)
+    if size > MAX_HEAD_BYTES:
+        raise ApiError(
+            431,
+            f"the request head (request line and headers) is {size} bytes, over the "
+            f"{MAX_HEAD_BYTES} this API takes; send fewer or shorter headers",
+            code="request_header_fields_too_large",
+        )
+
+
 _PROM = "text/plain; version=0.0.4; charset=utf-8"
 #: A body over the limit is read and dropped up to this size before the 413 (see ``_body``).
 _DRAIN_BYTES = 64 << 20
@@ -339,58 +384,3 @@ _ROUTES = {
     "/v1/completions": "POST",
     "/v1/chat/completions": "POST",
 }
-
-
-def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return bytes(value).decode("latin-1").strip()
-    return ""
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-class _Reply:
-    """The response side of one request: whole responses or a stream of events."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = False
-        self.status = 0
-
-    async def raw(
-        self, status: int, body: bytes, headers: tuple[tuple[str, str], ...] = ()
-    ) -> None:
-        await self._start(status, (*headers, ("content-length", str(len(body)))))
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def json(
-        self, status: int, body: dict[str, Any], headers: tuple[tuple[str, str], ...] = ()
-    ) -> None:
-        data = json.dumps(body, separators=(",", ":")).encode()
-        await self.raw(status, data, (("content-type", "application/json"), *headers))
-
-    async def start_events(self) -> None:
-        headers = (
-            ("content-type", "text/event-stream; charset=utf-8"),
-            ("cache-control", "no-cache"),
-            ("x-accel-buffering", "no"),
-        )
-        await self._start(200, headers)
-
-    async def event(self, event: dict[str, Any] | str, *, last: bool = False) -> None:
-        body = {"type": "http.response.body", "body": responses.sse(event), "more_body": not last}
-        await self._send(body)
-
-    async def _start(self, status: int, headers: tuple[tuple[str, str], ...]) -> None:
-        self.started, self.status = True, status
-        encoded = [(k.encode(), v.encode()) for k, v in headers]
-        await self._send({"type": "http.response.start", "status": status, "headers": encoded})

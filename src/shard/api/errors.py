@@ -17,6 +17,7 @@ _TYPES = {
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }

@@ -9,8 +9,10 @@ which ends its session on every stage.
 Cancellation: cancelling ``run`` (a client that went away) cancels the coordinator's
 ``generate``, which ends the session on the ring (``Coordinator.generate``).
 
-Errors: ``ApiError`` — 400 for settings the ring refuses, 413 for a prompt that leaves no
-room in the context, 503 when the ring fails the request (``committed`` tells how far it got).
+Errors: ``ApiError`` — 400 for settings the ring refuses, 413 for a prompt over the byte
+bound (``check_size``, before tokenizing) or one that leaves no room in the context, 503 when
+the ring fails the request (``committed`` tells how far it got), 500 when the coordinator
+failed it (``RequestFailed``, logged there).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import trio
 from shard.api.errors import ApiError, bad_param
 from shard.api.schema import Generation
 from shard.api.stops import StopText
+from shard.coordinator.events import RequestFailed
 from shard.coordinator.router import Coordinator, RingError
 from shard.decode.state import BadRequest
 from shard.messages import RunStats, Sampling
@@ -59,6 +62,26 @@ class RingFailed(ApiError):
     def __init__(self, message: str, completion_tokens: int) -> None:
         super().__init__(503, message, code="ring_failed", headers=(("retry-after", "1"),))
         self.completion_tokens = completion_tokens
+
+
+def check_size(generation: Generation, max_bytes: int) -> None:
+    """Refuse a prompt (or conversation) over ``max_bytes`` of UTF-8 before any tokenizing is
+    spent on it: the bound the wire client has (``limits.max_prompt_bytes``). Errors:
+    ``ApiError`` (413)."""
+    if generation.chat:
+        size = sum(len(m.content.encode()) for m in generation.messages)
+    elif isinstance(generation.prompt, str):
+        size = len(generation.prompt.encode())
+    else:
+        return  # token ids: their count is checked against the context, nothing to tokenize
+    if size > max_bytes:
+        raise ApiError(
+            413,
+            f"the prompt is {size} bytes of text, over the {max_bytes} this swarm tokenizes "
+            "(limits.max_prompt_bytes); shorten it",
+            param="messages" if generation.chat else "prompt",
+            code="context_length_exceeded",
+        )
 
 
 def prepare(
@@ -144,6 +167,8 @@ async def run(
             )
         except BadRequest as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
+        except RequestFailed as exc:  # logged at the coordinator, with its traceback
+            raise ApiError(500, str(exc), code="internal_error") from None
         except RingError as exc:
             raise RingFailed(
                 f"the ring failed the request after {count} tokens: {exc}", count

@@ -1,24 +1,29 @@
 """Request validation: an OpenAI request body (parsed JSON) in, a typed ``Generation`` out.
 
-Pure: every rule is a plain function of the body, so each has a plain test. Anything shard
-cannot honour is refused with a 400 that names the parameter — ``n > 1``, ``logprobs``,
+Pure: every rule is a plain function of the body, so each has a plain test. Every number is
+checked against the one table of bounds (``shard.messages.bounds``: what the wire and the
+model can carry) and every text is checked to be valid Unicode (a lone surrogate is a 400,
+never a tokenizer crash). Anything shard cannot honour is refused with a 400 that names the
+parameter — ``n > 1``, ``logprobs``,
 ``tools``, penalties, an unknown key — never silently ignored; a parameter given at its no-op
 value (``n = 1``, ``logprobs = false``, ``presence_penalty = 0``) is accepted.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import attrs
 
 from shard.api.errors import ApiError, bad_param
+from shard.messages.bounds import BOUNDS, OutOfBounds
 
-#: Stop strings one request may give (OpenAI allows 4; more costs nothing here).
-MAX_STOPS: Final = 16
-MAX_STOP_CHARS: Final = 256
+#: Stop strings one request may give (OpenAI allows 4; more costs nothing here), and the
+#: characters each may have: the table's (``shard.messages.bounds``).
+MAX_STOPS: Final = int(BOUNDS["stops"].high)
+MAX_STOP_CHARS: Final = int(BOUNDS["stop_chars"].high)
+#: A seed (any signed 64-bit integer) is taken modulo this: the sampler's seed space.
 SEED_RANGE: Final = 1 << 63
 
 
@@ -129,23 +134,23 @@ def _common(data: dict[str, Any], *, default_max_tokens: int | None) -> Generati
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise bad_param("model", f"expected the model id as a string, got {_show(model)}")
-    max_tokens = _optional_int(data, "max_completion_tokens", minimum=1)
+    max_tokens = _optional_int(data, "max_completion_tokens", bound="max_tokens")
     if max_tokens is None:
-        max_tokens = _optional_int(data, "max_tokens", minimum=1)
+        max_tokens = _optional_int(data, "max_tokens")
     stream = data.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise bad_param("stream", f"expected true or false, got {_show(stream)}")
-    top_k = _optional_int(data, "top_k", minimum=-1)
-    seed = _optional_int(data, "seed", minimum=None)
+    top_k = -1 if data.get("top_k") == -1 else _optional_int(data, "top_k")  # -1: all
+    seed = _optional_int(data, "seed")
     _optional_str(data, "user")
     return Generation(
         chat=False,
         model=model,
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=_number(data, "temperature", default=1.0, low=0.0, high=2.0),
-        top_p=_number(data, "top_p", default=1.0, low=0.0, high=1.0, open_low=True),
+        temperature=_number(data, "temperature", default=1.0),
+        top_p=_number(data, "top_p", default=1.0),
         top_k=0 if top_k is None or top_k == -1 else top_k,
         seed=None if seed is None else seed % SEED_RANGE,
         stop=_stops(data.get("stop")),
@@ -159,7 +164,9 @@ def _show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _optional_int(data: dict[str, Any], key: str, *, minimum: int | None) -> int | None:
+def _optional_int(data: dict[str, Any], key: str, *, bound: str | None = None) -> int | None:
+    """``data[key]`` (None when absent) within ``BOUNDS[bound or key]``; an integral float
+    (``12.0``) counts as its integer."""
     value = data.get(key)
     if value is None:
         return None
@@ -167,9 +174,15 @@ def _optional_int(data: dict[str, Any], key: str, *, minimum: int | None) -> int
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_param(key, f"expected an integer, got {_show(value)}")
-    if minimum is not None and value < minimum:
-        raise bad_param(key, f"must be >= {minimum}, got {value}")
+    _bounded(key, value, bound or key)
     return value
+
+
+def _bounded(key: str, value: object, bound: str) -> None:
+    try:
+        BOUNDS[bound].check(key, value)
+    except OutOfBounds as exc:
+        raise bad_param(key, exc.message) from None
 
 
 def _optional_str(data: dict[str, Any], key: str) -> str | None:
@@ -179,25 +192,28 @@ def _optional_str(data: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def _number(
-    data: dict[str, Any],
-    key: str,
-    *,
-    default: float,
-    low: float,
-    high: float,
-    open_low: bool = False,
-) -> float:
+def _number(data: dict[str, Any], key: str, *, default: float) -> float:
     value = data.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_param(key, f"expected a number, got {_show(value)}")
-    low_ok = value > low if open_low else value >= low
-    if not (math.isfinite(value) and low_ok and value <= high):
-        bracket = "(" if open_low else "["
-        raise bad_param(key, f"must be in {bracket}{low:g}, {high:g}], got {value}")
+    _bounded(key, value, key)
     return float(value)
+
+
+def _text(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode; a lone surrogate (JSON's ``"\\ud800"``) cannot be
+    encoded, tokenized or echoed back, so it is a 400 naming where it is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_param(
+            param,
+            f"not valid Unicode text: a lone surrogate {value[exc.start]!r} at index "
+            f"{exc.start}; send UTF-8 text",
+        ) from None
+    return value
 
 
 def _stops(value: object) -> tuple[str, ...]:
@@ -211,6 +227,7 @@ def _stops(value: object) -> tuple[str, ...]:
     for s in stops:
         if not s or len(s) > MAX_STOP_CHARS:
             raise bad_param("stop", f"each stop string needs 1..{MAX_STOP_CHARS} characters")
+        _text(s, "stop")
     return tuple(dict.fromkeys(stops))
 
 
@@ -235,7 +252,7 @@ def _prompt(value: object) -> str | tuple[int, ...]:
     if isinstance(value, str):
         if not value:
             raise bad_param("prompt", "the prompt is empty: nothing to condition on")
-        return value
+        return _text(value, "prompt")
     if (
         isinstance(value, list)
         and value
@@ -278,7 +295,7 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
 
 def _content(value: object, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _text(value, f"{where}.content")
     if isinstance(value, list):
         parts = []
         for j, part in enumerate(value):
@@ -291,6 +308,6 @@ def _content(value: object, where: str) -> str:
                 raise bad_param(
                     f"{where}.content[{j}].text", f"expected a string, got {_show(text)}"
                 )
-            parts.append(text)
+            parts.append(_text(text, f"{where}.content[{j}].text"))
         return "".join(parts)
     raise bad_param(f"{where}.content", f"expected a string or text parts, got {_show(value)}")

@@ -1,9 +1,11 @@
 """Serve an ``ApiApp`` over HTTP with hypercorn's Trio worker, as a startable actor.
 
-Hypercorn does the HTTP (HTTP/1.1 through h11, HTTP/2 through h2): malformed requests, header
-limits (``h11_max_incomplete_size``) and idle or slow-header connections
-(``keep_alive_timeout``) are its business, answered or closed per connection; a slow body is
-the app's (``body_timeout_s``: 408). Nothing a client sends can end the server.
+Hypercorn does the HTTP (HTTP/1.1 through h11, HTTP/2 through h2): malformed requests, a
+request head over ``MAX_HEAD_BYTES`` still arriving (``h11_max_incomplete_size``: 431) and
+idle or slow-header connections (``keep_alive_timeout``) are its business, answered or closed
+per connection; a head over the limit that arrived whole is the app's (431), as is a slow body
+(``body_timeout_s``: 408). ``Connection: close`` closes the connection after the response.
+Nothing a client sends can end the server.
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ from hypercorn.trio import serve
 
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys
+from shard.api.reply import MAX_HEAD_BYTES
 from shard.coordinator.router import Coordinator
 from shard.model.tokenizer import Tokenizer
 from shard.spec.swarm import BUNDLED_MODELS, SwarmSpec
 
 log = logging.getLogger(__name__)
-
-#: Largest request head (request line plus headers) hypercorn buffers before refusing it.
-MAX_HEAD_BYTES = 16 * 1024
 
 
 def _config(listen: str) -> Config:
@@ -97,6 +97,7 @@ def make_server(
         max_body_bytes=api.max_body_kib * 1024,
         body_timeout_s=api.body_timeout_s,
         keys=keys,
+        max_prompt_bytes=spec.limits.max_prompt_bytes,
     )
     app = ApiApp(coordinator, tokenizer, config, failovers=failovers)
     return ApiServer(app, str(api.listen))
