@@ -150,3 +150,46 @@ async def test_a_killed_coordinator_fails_its_client_in_one_line(spec_path: Path
         "finished ("
     ), line
     assert line.endswith("it stopped or was killed; see its log, restart the swarm and retry")
+
+
+def test_a_replaced_node_says_so_without_an_error_and_exits_3(
+    spec_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`shard up` for a node the scheduler refused as replaced (evicted, or woken after a
+    freeze) prints what happened in one line without `error:` and exits 3 — it printed
+    `shard: error: ... replaced` for a run that succeeded. The refusal is injected as the
+    node's nursery raises it (in a group)."""
+    from shard.cli import main, swarm
+    from shard.failover.control import NodeReplaced
+
+    said = "s0: the scheduler refused this node: s0 was replaced by sb; restart it as a standby"
+
+    async def refused(*_: object) -> None:
+        raise BaseExceptionGroup("node", [ExceptionGroup("stage", [NodeReplaced(said)])])
+
+    monkeypatch.setattr(swarm, "_run_node", refused)
+    monkeypatch.setattr("shard.nodes.lifeline.die_with_parent", lambda *_: None)  # not ours
+    argv = ["up", "--role", "stage", "--spec", str(spec_path), "--node", "s0"]
+    assert main([*argv, "--die-with-parent", "1"]) == 3  # as launched: the swarm warns once
+    assert capsys.readouterr().err == f"shard: {said}\n"
+
+
+def test_the_launcher_logs_a_replaced_node_as_info(caplog: pytest.LogCaptureFixture) -> None:
+    """A child that exits 3 (replaced) is an INFO line, not the warning of a node that died;
+    both are passed on as `SHARD NODE EXITED`."""
+    import logging
+
+    from shard.nodes.launcher import REPLACED_EXIT, NodeExit, Supervisor
+
+    seen: list[NodeExit] = []
+    supervisor = Supervisor("coord", set(), seen.append, up=True)
+    with caplog.at_level(logging.INFO, logger="shard.nodes.launcher"):
+        supervisor.exited("s1", 41, REPLACED_EXIT)
+        supervisor.exited("s2", 42, -9)
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert levels[0] == ("INFO", "node s1 (pid 41) was replaced by a standby and stopped")
+    assert levels[1][0] == "WARNING"
+    assert [e.line() for e in seen] == [
+        "SHARD NODE EXITED node=s1 pid=41 code=3",
+        "SHARD NODE EXITED node=s2 pid=42 code=-9",
+    ]

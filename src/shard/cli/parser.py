@@ -134,7 +134,9 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "coordinator and waits to replace a stage that dies (docs/failover.md); an auditor "
         '([[standby]] with role = "auditor") loads the block of its layers_of stage and only '
         "re-runs the chunks the scheduler sends it to audit ([audit] enabled): it is never "
-        "spliced into the ring (docs/security.md, spot checks).",
+        "spliced into the ring (docs/security.md, spot checks). A node the swarm replaced "
+        "(declared dead after a freeze, or evicted by an audit) stops with one line saying "
+        "so and exit code 3: the run goes on without it.",
     )
     p.add_argument(
         "--role",

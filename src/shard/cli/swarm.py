@@ -15,6 +15,7 @@ from shard.cli.errors import UsageError
 from shard.cli.generate import ask, client_address, read_prompts, sampling
 from shard.cli.inputs import prompt_arg
 from shard.messages import GenerateRequest
+from shard.nodes.launcher import REPLACED_EXIT
 
 #: What stops ``swarm up|run``, every node with it: Ctrl-C, ``kill``, a closed terminal. SIGINT
 #: is taken even when a shell started us in the background with it ignored: sent on purpose,
@@ -100,8 +101,29 @@ def up(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    trio.run(_run_node, spec, name, args, model_dir)
+    try:
+        trio.run(_run_node, spec, name, args, model_dir)
+    except (Exception, BaseExceptionGroup) as exc:
+        replaced = _replaced(exc)
+        if replaced is None:
+            raise
+        # Declared dead (it froze) or evicted (an audit caught it), and a standby holds its
+        # slot: the swarm decided so, and the run goes on. Said as what happened, not as an
+        # error of a run that may well succeed; its own exit code (the launcher logs it).
+        print(f"shard: {replaced}", file=sys.stderr)
+        return REPLACED_EXIT
     return 0
+
+
+def _replaced(exc: BaseException) -> BaseException | None:
+    """The ``NodeReplaced`` that ``exc`` is (or, a group, that all its leaves are)."""
+    from shard.cli.errors import leaves
+    from shard.failover.control import NodeReplaced
+
+    found = list(leaves(exc))
+    if found and all(isinstance(leaf, NodeReplaced) for leaf in found):
+        return found[0]
+    return None
 
 
 def _laid_out(spec: Any, text: str) -> Any:

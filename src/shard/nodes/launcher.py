@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "SHARD READY"
 EXITED_PREFIX = "SHARD NODE EXITED"
 _GRACE_S = 5.0
+#: A node's exit code when the swarm replaced it (declared dead after a freeze, or evicted by
+#: an audit; ``NodeReplaced``): not an error of the run, which a standby carries on.
+REPLACED_EXIT = 3
 
 
 class SwarmError(Exception):
@@ -120,6 +123,8 @@ class Supervisor:
         scripted = name in self.expected
         if scripted:
             log.info("node %s (pid %d) exited with code %d, as scripted", name, pid, code)
+        elif code == REPLACED_EXIT:
+            log.info("node %s (pid %d) was replaced by a standby and stopped", name, pid)
         else:
             log.warning(
                 "node %s (pid %d) exited with code %d; the swarm serves on if a standby "

@@ -345,7 +345,7 @@ class _StageNode:
                 try:
                     await self._control().run(task_status=task_status)
                 except (NodeReplaced, JoinRefused) as exc:
-                    log.error("%s", exc)
+                    log.info("%s", exc)  # raised below: whoever runs the node reports it
                     replaced.append(exc)
                     nursery.cancel_scope.cancel()
 
