@@ -156,6 +156,8 @@ class Scheduler:
         )  # fmt: skip
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
+        #: audits skipped for want of a holder, by (first, last, accused): warned once each
+        self._skipped: dict[tuple[int, int, NodeName], int] = {}
         audit = audit or AuditSpec()
         self.strikes = StrikeBook(audit.strikes)
         #: spot checks in a real swarm (``[audit] enabled``): None when nodes copy nothing
@@ -330,10 +332,17 @@ class Scheduler:
 
     async def _send_audit(self, req: AuditRequest) -> None:
         m = self._registry.auditor_for(req.first, req.last, req.accused)
-        if m is None:
-            log.warning("scheduler: no auditor or standby holds [%d, %d); audit of %s skipped",
-                        req.first, req.last, req.accused)  # fmt: skip
+        cause = (req.first, req.last, req.accused)
+        if m is None:  # once per cause, not per chunk: with audits on it was every chunk
+            skipped = self._skipped[cause] = self._skipped.get(cause, 0) + 1
+            if skipped == 1:
+                log.warning("scheduler: no auditor or standby holds [%d, %d); audit of %s "
+                            "skipped (the next ones at debug, until one holds it)",
+                            req.first, req.last, req.accused)  # fmt: skip
+            else:
+                log.debug("scheduler: audit of %s skipped again (%d so far)", req.accused, skipped)
             return
+        self._skipped.pop(cause, None)  # held again: a later gap is worth a warning again
         assert self.audits is not None  # requests come from the hub
         self.audits.asked(m.node, req)
         try:
