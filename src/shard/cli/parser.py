@@ -9,6 +9,7 @@ Each subcommand's work lives in the module that owns it (``shard.cli.generate``,
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from shard import __version__
 from shard.cli.parser_tools import add_manifest, add_receipt, add_tools, add_trust, bounded
@@ -36,42 +37,67 @@ examples:
 """
 
 
+def _within(field: str) -> Any:
+    """An argparse type for the request field ``field``: its value within the one table of
+    bounds the API and the coordinator also check (``shard.messages.bounds``, imported when
+    the flag is given, so ``shard --help`` stays fast)."""
+
+    def parse(text: str) -> int | float:
+        from shard.messages.bounds import BOUNDS
+
+        bound = BOUNDS[field]
+        try:
+            value: int | float = int(text) if bound.integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {bound.describe()}") from None
+        if not bound.holds(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {bound.describe()}")
+        return value
+
+    return parse
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens",
-        type=bounded(int, 1, 1 << 30, "a positive integer"),
+        type=_within("max_tokens"),
         default=64,
         help="tokens to generate (default 64)",
     )
     p.add_argument(
         "--temperature",
-        type=bounded(float, 0.0, 100.0, "a temperature in [0, 100]"),
+        type=_within("temperature"),
         default=0.0,
-        help="0 = greedy (default; so is anything below 1e-4); >0 samples",
+        help="0 = greedy (default; so is anything below 1e-4); >0 samples, up to 100",
     )
     p.add_argument(
         "--top-p",
-        type=bounded(float, 1e-9, 1.0, "a probability mass in (0, 1]"),
+        type=_within("top_p"),
         default=1.0,
-        help="nucleus sampling mass (default 1)",
+        help="nucleus sampling mass in (0, 1] (default 1)",
     )
     p.add_argument(
         "--top-k",
-        type=bounded(int, 0, 1 << 30, "a non-negative integer"),
+        type=_within("top_k"),
         default=0,
         help="keep the k likeliest tokens (0 = all)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same output")
+    p.add_argument(
+        "--seed",
+        type=_within("seed"),
+        default=0,
+        help="sampling seed, a signed 64-bit integer: same seed, same output",
+    )
     p.add_argument(
         "--k",
-        type=bounded(int, 0, 64, "an integer in 0..64"),
+        type=_within("k"),
         default=None,
         help="with a swarm: drafted tokens per verify chunk for this request (0 = plain "
         "decoding; default: the spec's [speculation] policy)",
     )
     p.add_argument(
         "--depth",
-        type=bounded(int, 1, 64, "an integer in 1..64"),
+        type=_within("depth"),
         default=None,
         help="with a swarm: verify chunks in flight for this request (default: the spec's)",
     )
@@ -104,7 +130,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--max-len",
-        type=int,
+        type=bounded(int, 1, (1 << 31) - 1, "a positive integer"),
         default=None,
         help="KV length with --local (default: 2048, capped at the model's context length)",
     )
