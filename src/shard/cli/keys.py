@@ -136,7 +136,7 @@ def _evidence(args: argparse.Namespace) -> int:
     print(
         f"evidence OK: {ev.accused} [{ev.first}, {ev.last}) lied on chunk {ev.index} of session "
         f"{ev.session} ({how} mismatch); {bound}; auditor {ev.auditor} "
-        f"ed25519:{short(bytes.fromhex(ev.auditor_key))}{pinned}"
+        f"{short(bytes.fromhex(ev.auditor_key))}{pinned}"
     )
     return 0
 

@@ -48,6 +48,7 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
+from shard.failover.evidence_files import EvidenceShelf
 from shard.failover.formation import Formation, Prober, check_register
 from shard.failover.mesh import MeshStatistics
 from shard.failover.registry import (
@@ -160,6 +161,7 @@ class Scheduler:
         self._skipped: dict[tuple[int, int, NodeName], int] = {}
         audit = audit or AuditSpec()
         self.strikes = StrikeBook(audit.strikes)
+        self.evidence = EvidenceShelf(audit.evidence_dir)  # each strike's evidence, to a file
         #: spot checks in a real swarm (``[audit] enabled``): None when nodes copy nothing
         self.audits = audits
 
@@ -180,7 +182,7 @@ class Scheduler:
     def audit_counts(self) -> AuditCounts:
         """Spot-check counters for the status feed."""
         a = self.strikes.statistics()
-        return AuditCounts(a.audits, a.strikes, a.evictions)
+        return AuditCounts(a.audits, a.strikes, a.evictions, a.evicted, self.evidence.recent)
 
     def standbys(self) -> tuple[NodeName, ...]:
         return self._registry.standbys()
@@ -371,6 +373,7 @@ class Scheduler:
             return
         node = verdict.accused
         note = f"{node} failed an audit ({verdict.detail}); strike {self.strikes.strikes(node)}"
+        note += await self.evidence.keep(verdict.evidence)  # "; evidence in PATH"
         log.warning("scheduler: %s", note)
         await self._to_router.send(RingNote("audit", note))
         member = self._registry.members.get(node)

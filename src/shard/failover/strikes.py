@@ -1,5 +1,8 @@
 """StrikeBook: the scheduler's count of audits, failed audits (strikes) and evictions.
 
+Each strike's signed evidence is also written to a file by the scheduler
+(``shard.failover.evidence_files``), so it leaves the coordinator.
+
 Pure: ``record(verdict)`` says whether the verdict's stage has now reached ``limit`` strikes
 and must be evicted (once per node: an evicted node is not evicted again). Verdicts with
 ``method`` "error" (an audit that could not run) accuse nobody and count as no strike.
@@ -15,14 +18,15 @@ from shard.messages.audit import AuditVerdict, Evidence
 
 @attrs.frozen
 class AuditStatistics:
-    """Audits answered, strikes and evictions so far, with the strikes per node and the
-    audits each auditor answered."""
+    """Audits answered, strikes and evictions so far, with the strikes per node, the
+    audits each auditor answered, and the evicted nodes in eviction order."""
 
     audits: int = 0
     strikes: int = 0
     evictions: int = 0
     by_node: tuple[tuple[NodeName, int], ...] = ()
     by_auditor: tuple[tuple[NodeName, int], ...] = ()
+    evicted: tuple[NodeName, ...] = ()
 
 
 class StrikeBook:
@@ -33,7 +37,7 @@ class StrikeBook:
         self._audits = 0
         self._answered: dict[NodeName, int] = {}  # by auditor
         self._strikes: dict[NodeName, int] = {}
-        self._evicted: set[NodeName] = set()
+        self._evicted: dict[NodeName, None] = {}  # in eviction order
         self.evidence: list[Evidence] = []
 
     def record(self, verdict: AuditVerdict) -> bool:
@@ -47,7 +51,7 @@ class StrikeBook:
         node = verdict.accused
         self._strikes[node] = self._strikes.get(node, 0) + 1
         if self._strikes[node] >= self._limit and node not in self._evicted:
-            self._evicted.add(node)
+            self._evicted[node] = None
             return True
         return False
 
@@ -61,4 +65,5 @@ class StrikeBook:
             evictions=len(self._evicted),
             by_node=tuple(sorted(self._strikes.items())),
             by_auditor=tuple(sorted(self._answered.items())),
+            evicted=tuple(self._evicted),
         )

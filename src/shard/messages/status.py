@@ -66,11 +66,15 @@ class EventRecord:
 @attrs.frozen
 class AuditCounts:
     """Spot checks so far (``shard.failover.strikes``): audits answered, failed audits
-    (strikes) and stages evicted for them."""
+    (strikes) and stages evicted for them; ``evicted`` names them (a monitor drops them from
+    the ring line), ``evidence`` is the paths of the latest evidence files the coordinator
+    wrote (``[audit] evidence_dir``; newest last; ``shard receipt verify --evidence``)."""
 
     audits: int = 0
     strikes: int = 0
     evictions: int = 0
+    evicted: tuple[NodeName, ...] = ()
+    evidence: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -77,10 +77,13 @@ def build_snapshot(
 
     ``ring`` runs from the coordinator to the last stage (open: the closing edge back to the
     coordinator is implied). Edges or nodes the statistics know but the ring does not (a
-    spliced-in standby) are listed after the ring's own.
+    spliced-in standby) are listed after the ring's own — except a node evicted after failed
+    audits (``audit.evicted``) and its edges, once the ring no longer holds it: the rolling
+    window still has its samples, but it is gone, not elsewhere.
     """
     rolling = stats.ring
     order = tuple(ring)
+    gone = frozenset(audit.evicted) - frozenset(order)
     lapped = rolling.laps > 0
     return StatusSnapshot(
         swarm=swarm,
@@ -89,8 +92,8 @@ def build_snapshot(
         at=at,
         started=started,
         ring=order,
-        edges=_edges(rolling, order),
-        stages=_stages(rolling, order, stats.node),
+        edges=_edges(rolling, order, gone),
+        stages=_stages(rolling, order, stats.node, gone),
         laps=rolling.laps,
         lap_last_s=rolling.lap_last_s if lapped else None,
         lap_median_s=rolling.lap_median_s if lapped else None,
@@ -112,11 +115,14 @@ def build_snapshot(
     )
 
 
-def _edges(rolling: RingStatistics, order: tuple[NodeName, ...]) -> tuple[EdgeStatus, ...]:
-    """The ring's edges in ring order (closing edge included), then any others measured."""
+def _edges(
+    rolling: RingStatistics, order: tuple[NodeName, ...], gone: frozenset[NodeName]
+) -> tuple[EdgeStatus, ...]:
+    """The ring's edges in ring order (closing edge included), then any others measured but
+    those of a node ``gone``."""
     hops = list(itertools.pairwise((*order, order[0]))) if order else []
     by_edge = {(e.src, e.dst): e for e in rolling.edges}
-    hops += [key for key in by_edge if key not in hops]
+    hops += [key for key in by_edge if key not in hops and not gone.intersection(key)]
     edges = []
     for src, dst in hops:
         seen = by_edge.get((src, dst))
@@ -128,12 +134,16 @@ def _edges(rolling: RingStatistics, order: tuple[NodeName, ...]) -> tuple[EdgeSt
 
 
 def _stages(
-    rolling: RingStatistics, order: tuple[NodeName, ...], coordinator: NodeName
+    rolling: RingStatistics,
+    order: tuple[NodeName, ...],
+    coordinator: NodeName,
+    gone: frozenset[NodeName],
 ) -> tuple[StageStatus, ...]:
-    """The ring's stages in ring order, then any other node measured (a spliced standby)."""
+    """The ring's stages in ring order, then any other node measured (a spliced standby)
+    but one ``gone``."""
     by_node = {n.node: n for n in rolling.nodes}
     names = [n for n in order if n != coordinator]
-    names += [n for n in by_node if n not in names]
+    names += [n for n in by_node if n not in names and n not in gone]
     stages = []
     for name in names:
         node = by_node.get(name)

@@ -10,14 +10,19 @@ sketch_dims = 256         # random-projection sketch size (mixed hardware or dty
                           # calibrated to the two ends' dtypes, shard.trust.audit)
 token_margin = 1.0        # the tail: a differing token within this many logits is a tie
 mode = "sample"           # "hold": a chunk's tokens reach the client only once audited
+evidence_dir = "evidence" # each strike's signed evidence is written here (absent: the cache)
 ```
 
-An absent table reads as these defaults. What the keys mean, and how the threshold was
+An absent table reads as these defaults. A relative ``evidence_dir`` resolves against the
+spec's directory; absent, the coordinator writes evidence to
+``$XDG_CACHE_HOME/shard/evidence`` (else ``~/.cache/shard/evidence``;
+``shard.failover.evidence_files``). What the keys mean, and how the threshold was
 calibrated, is in ``docs/security.md`` (spot checks) and ``shard.trust.audit``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
 import attrs
@@ -32,6 +37,7 @@ AUDIT_KEYS: Final = (
     "cosine_threshold",
     "token_margin",
     "mode",
+    "evidence_dir",
 )
 AUDIT_MODES: Final = ("sample", "hold")
 
@@ -56,10 +62,22 @@ class AuditSpec:
     #: chunk of every stage and release a chunk's tokens only once an independent replica
     #: confirmed every stage's part of it (``shard.coordinator.hold``, docs/security.md)
     mode: str = "sample"
+    #: where the coordinator writes each strike's signed evidence (absolute; None: the
+    #: default under shard's cache, ``shard.failover.evidence_files.default_evidence_dir``)
+    evidence_dir: str | None = None
 
 
-def read_audit(table: Table) -> AuditSpec:
-    """Validate ``[audit]`` (absent: the defaults). Errors: ``SpecError`` naming the key."""
+def _evidence_dir(table: Table, base_dir: Path | None) -> str | None:
+    if table.raw("evidence_dir", None) is None:
+        return None
+    path = Path(table.string("evidence_dir", example='"evidence"')).expanduser()
+    return str(path if path.is_absolute() else (base_dir or Path.cwd()) / path)
+
+
+def read_audit(table: Table, base_dir: Path | None = None) -> AuditSpec:
+    """Validate ``[audit]`` (absent: the defaults). A relative ``evidence_dir`` resolves
+    against ``base_dir`` (the spec's directory), else the cwd. Errors: ``SpecError`` naming
+    the key."""
     d = AuditSpec()
     spec = AuditSpec(
         rate=table.number("rate", default=d.rate),
@@ -73,6 +91,7 @@ def read_audit(table: Table) -> AuditSpec:
         ),
         token_margin=table.number("token_margin", default=d.token_margin),
         mode=table.string("mode", default=d.mode),
+        evidence_dir=_evidence_dir(table, base_dir),
     )
     if spec.mode not in AUDIT_MODES:
         raise table.error("mode", f"must be one of {', '.join(AUDIT_MODES)}, not {spec.mode!r}")

@@ -215,7 +215,7 @@ class SwarmSpec:
                 base_dir,
                 max_sessions=limits.max_sessions,
             ),
-            audit=read_audit(top.table("audit", AUDIT_KEYS, required=False)),
+            audit=read_audit(top.table("audit", AUDIT_KEYS, required=False), base_dir),
             formation=formation,
             relay=relay,
             source=source,

@@ -2,8 +2,10 @@
 
 From top to bottom: the feed's link state, the ring (each edge's one-way transit, last /
 median, and the lap: the ring's round trip), the headline numbers (tok/s, α, K, D, sessions,
-standbys), sparklines of tok/s and α, the per-stage table and the event log, newest first.
-Unknown values show as "–", never as 0.
+standbys; spot checks once there are any: the evicted nodes and the newest evidence file),
+sparklines of tok/s and α, the per-stage table and the event log, newest first. Unknown
+values show as "–", never as 0. A node evicted after failed audits leaves the ring line once
+it is replaced (the feed drops it, ``shard.observe.status``); until then it is struck through.
 
 The app is fed through one method, ``show(event)``, called on the app's thread: by the Trio
 feed client (``shard.observe.tui.feed``, running as a guest of this loop:
@@ -216,7 +218,7 @@ class MonitorApp(App[None]):
         for i, event in enumerate(reversed(log[-LOG_SHOWN:])):
             if i:
                 text.append("\n")
-            style = "bold red" if event.kind == "fault" else "cyan"
+            style = "bold red" if event.kind in ("fault", "audit") else "cyan"
             text.append(f"{self._time(event.at)} ")
             text.append(f"{event.kind:<7} ", style=style)
             text.append(event.detail)
@@ -226,18 +228,30 @@ class MonitorApp(App[None]):
 
 
 def ring_text(snap: StatusSnapshot | None) -> Text:
-    """``coord ─0.4/0.5→ s0 ─…→ coord`` and a line with the lap (the ring's round trip)."""
+    """``coord ─0.4/0.5→ s0 ─…→ coord`` and a line with the lap (the ring's round trip).
+
+    An edge that does not continue from the one before (one measured off the ring) starts a
+    new run after `` · ``; an evicted node still in the ring is struck through."""
     text = Text()
     if snap is None:
         text.append("waiting for the first snapshot…", style="dim")
         return text
-    for i, edge in enumerate(snap.edges):
-        if i == 0:
-            text.append(edge.src, style="bold")
+    evicted = frozenset(snap.audit.evicted)
+
+    def node(name: str) -> None:
+        text.append(name, style="bold red strike" if name in evicted else "bold")
+
+    at = None
+    for edge in snap.edges:
+        if edge.src != at:
+            if at is not None:
+                text.append(" · ")
+            node(edge.src)
         text.append(" ")
         text.append(f"─{st.ms(edge.last_s)}/{st.ms(edge.median_s)}→", style="green")
         text.append(" ")
-        text.append(edge.dst, style="bold")
+        node(edge.dst)
+        at = edge.dst
     text.append(
         f"\nlap {st.ms(snap.lap_last_s)} ms (median {st.ms(snap.lap_median_s)})"
         f" · tok/lap {st.ratio(snap.tokens_per_lap)} · laps {snap.laps}"
@@ -250,7 +264,12 @@ def _audit_line(snap: StatusSnapshot) -> str:
     a = snap.audit
     if not (a.audits or a.strikes or a.evictions):
         return ""
-    return f"\naudits {a.audits}  strikes {a.strikes}  evictions {a.evictions}"
+    line = f"\naudits {a.audits}  strikes {a.strikes}  evictions {a.evictions}"
+    if a.evicted:
+        line += f" ({', '.join(a.evicted)})"
+    if a.evidence:
+        line += f"\nevidence {a.evidence[-1]}"
+    return line
 
 
 def summary_text(snap: StatusSnapshot | None) -> Text:
