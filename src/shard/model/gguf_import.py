@@ -35,7 +35,7 @@ import numpy.typing as npt
 import tokenizers
 from tqdm import tqdm
 
-from shard.model.gguf_vocab import GgufVocab, VocabError, tokenizer_files
+from shard.model.gguf_vocab import VocabError, read_vocab, tokenizer_files
 
 CONVERTER_VERSION = 1
 """Bumped whenever the output of a conversion changes, so caches keyed on it are rebuilt."""
@@ -263,19 +263,8 @@ def _vocab(
     reader: gguf.GGUFReader, config: dict[str, Any]
 ) -> tuple[tokenizers.Tokenizer, dict[str, Any], dict[str, Any]]:
     """tokenizer.json, tokenizer_config.json and generation_config.json from the metadata."""
-    tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens")
-    vocab = GgufVocab(
-        model=_meta(reader, "tokenizer.ggml.model"),
-        tokens=tokens,
-        kinds=_meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens)),
-        merges=_meta(reader, "tokenizer.ggml.merges"),
-        pre=_meta(reader, "tokenizer.ggml.pre", "gpt-2"),
-        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
-        add_eos=bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)),
-        chat_template=_meta(reader, "tokenizer.chat_template", None),
-    )
     try:
-        return tokenizer_files(vocab, config)
+        return tokenizer_files(read_vocab(reader), config)
     except VocabError as exc:
         raise ConvertError(str(exc)) from None
 

@@ -3,9 +3,19 @@
 llama.cpp stores the tokenizer as metadata arrays (``tokenizer.ggml.tokens``, ``merges``,
 ``token_type``, the name of its pre-tokenizer) rather than a ``tokenizer.json``. This module
 turns those values (read by ``shard.model.gguf_import`` into a ``GgufVocab``) back into the
-three files the runtime and ``transformers`` load. Only byte-level BPE is rebuilt, and only
-with pre-tokenizers whose splitting rules are reproduced exactly; anything else is refused
-(``VocabError``) rather than approximated. Nothing here imports torch.
+three files the runtime and ``transformers`` load. Two vocabularies are rebuilt:
+
+- byte-level BPE (``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen), only with
+  pre-tokenizers whose splitting rules are reproduced exactly;
+- SentencePiece-style BPE (``"llama"``: Gemma, Llama 2, Mistral), stored as pieces with
+  scores and no merges. SentencePiece's BPE merges, at each step, the adjacent pair whose
+  merged piece scores highest; a ``tokenizers`` BPE whose merges are every split of a piece
+  into two pieces, ranked by the merged piece's score, makes the same choices. Spaces become
+  ``▁``, a ``▁`` is prefixed only where ``tokenizer.ggml.add_space_prefix`` says, and
+  characters outside the vocabulary fall back to their UTF-8 byte pieces (``<0x41>``).
+
+Anything else is refused (``VocabError``) rather than approximated. Nothing here imports
+torch.
 """
 
 from __future__ import annotations
@@ -15,9 +25,17 @@ from typing import Any
 import attrs
 import gguf
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
-__all__ = ["GgufVocab", "VocabError", "tokenizer_files"]
+__all__ = ["GgufVocab", "VocabError", "read_vocab", "tokenizer_files"]
 
 
 class VocabError(ValueError):
@@ -36,6 +54,40 @@ class GgufVocab:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    scores: list[float] = attrs.field(factory=list)  # per token (SentencePiece vocabularies)
+    add_space_prefix: bool = True  # SentencePiece: prefix the text with "▁"
+
+
+def read_vocab(reader: gguf.GGUFReader) -> GgufVocab:
+    """The ``tokenizer.ggml.*`` metadata of an open GGUF.
+
+    Errors: ``VocabError`` when the file has no tokens, or a BPE vocabulary no merges.
+    """
+
+    def meta(key: str, default: Any) -> Any:
+        field = reader.get_field(f"tokenizer.ggml.{key}")
+        return default if field is None else field.contents()
+
+    tokens: list[str] | None = meta("tokens", None)
+    if not tokens:
+        raise VocabError("GGUF metadata has no 'tokenizer.ggml.tokens'; the file is incomplete")
+    model = meta("model", "gpt2")
+    merges: list[str] = meta("merges", [])
+    if model == "gpt2" and not merges:
+        raise VocabError("GGUF metadata has no 'tokenizer.ggml.merges' for its BPE vocabulary")
+    chat = reader.get_field("tokenizer.chat_template")
+    return GgufVocab(
+        model=model,
+        tokens=tokens,
+        kinds=meta("token_type", [int(gguf.TokenType.NORMAL)] * len(tokens)),
+        merges=merges,
+        pre=meta("pre", "gpt-2"),
+        add_bos=bool(meta("add_bos_token", False)),
+        add_eos=bool(meta("add_eos_token", False)),
+        chat_template=None if chat is None else chat.contents(),
+        scores=meta("scores", []),
+        add_space_prefix=bool(meta("add_space_prefix", True)),
+    )
 
 
 # llama.cpp names its pre-tokenizer in tokenizer.ggml.pre; these are the names whose splitting
@@ -64,14 +116,22 @@ def tokenizer_files(
 
     Errors: ``VocabError`` when the vocabulary cannot be rebuilt faithfully.
     """
-    if vocab.model != "gpt2":
-        raise VocabError(f"tokenizer model {vocab.model!r} is not supported; only byte-level BPE")
     tokens, kinds = vocab.tokens, vocab.kinds
     if len(tokens) > config["vocab_size"] or len(set(tokens)) != len(tokens):
         raise VocabError("GGUF vocabulary is inconsistent (too many or duplicate tokens)")
-    tokenizer = _bpe(tokens, vocab.merges, vocab.pre)
+    if len(kinds) != len(tokens):
+        raise VocabError("GGUF token types do not match the tokens one for one")
+    if vocab.model == "gpt2":
+        tokenizer = _bpe(tokens, vocab.merges, vocab.pre)
+    elif vocab.model == "llama":
+        tokenizer = _sentencepiece(vocab)
+    else:
+        raise VocabError(
+            f"tokenizer model {vocab.model!r} is not supported; only byte-level BPE ('gpt2') "
+            "and SentencePiece-style BPE ('llama')"
+        )
     control = [i for i, k in enumerate(kinds) if k == gguf.TokenType.CONTROL]
-    user = [t for t, k in zip(tokens, kinds, strict=True) if k == gguf.TokenType.USER_DEFINED]
+    user = _added_user_tokens(vocab)
     tokenizer.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i in control]
     )
@@ -82,7 +142,10 @@ def tokenizer_files(
         if config.get(f"{role}_token_id", -1) in range(len(tokens))
     }
     add_bos, add_eos = vocab.add_bos, vocab.add_eos
-    tokenizer.post_processor = _post_processor(named, add_bos=add_bos, add_eos=add_eos)
+    byte_level = vocab.model == "gpt2"
+    tokenizer.post_processor = _post_processor(
+        named, add_bos=add_bos, add_eos=add_eos, byte_level=byte_level
+    )
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,
@@ -125,12 +188,97 @@ def _bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer
     return tokenizer
 
 
+_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
+
+
+def _sentencepiece(vocab: GgufVocab) -> tokenizers.Tokenizer:
+    """A SentencePiece-style BPE: pieces and scores in, merges derived (module docstring).
+
+    A user-defined piece made of spaces (Gemma's ``"  "`` runs) is stored with ``▁`` for its
+    spaces and reached by merges, not matched as an added token: the text is normalized to
+    ``▁`` first, so that is where such a piece can match (as in transformers' GGUF loader).
+    """
+    pieces = [_sp_piece(t, k) for t, k in zip(vocab.tokens, vocab.kinds, strict=True)]
+    if len(vocab.scores) != len(pieces):
+        raise VocabError("GGUF SentencePiece vocabulary has no score per token")
+    if len(set(pieces)) != len(pieces):
+        raise VocabError("GGUF SentencePiece vocabulary has duplicate pieces once spaces are ▁")
+    unknown = [t for t, k in zip(pieces, vocab.kinds, strict=True) if k == gguf.TokenType.UNKNOWN]
+    model = models.BPE(
+        vocab={t: i for i, t in enumerate(pieces)},
+        merges=_score_merges(pieces, vocab.scores, vocab.kinds),
+        unk_token=unknown[0] if unknown else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = tokenizers.Tokenizer(model)
+    if vocab.add_space_prefix:  # "▁" before the text's first run only, as llama.cpp adds it
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first", split=False
+        )
+    else:
+        tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+    undo: list[decoders.Decoder] = [
+        decoders.Replace(_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if vocab.add_space_prefix:
+        undo.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(undo)
+    return tokenizer
+
+
+def _sp_piece(token: str, kind: int) -> str:
+    """The piece as the BPE model holds it: a user-defined piece's spaces become ``▁``."""
+    return token.replace(" ", _SPACE) if kind == gguf.TokenType.USER_DEFINED else token
+
+
+def _added_user_tokens(vocab: GgufVocab) -> list[str]:
+    """User-defined tokens matched before the model runs (a SentencePiece vocabulary's
+    space runs are pieces of the model instead; ``_sentencepiece``)."""
+    user = [
+        t
+        for t, k in zip(vocab.tokens, vocab.kinds, strict=True)
+        if k == gguf.TokenType.USER_DEFINED
+    ]
+    return user if vocab.model != "llama" else [t for t in user if " " not in t]
+
+
+def _score_merges(
+    pieces: list[str], scores: list[float], kinds: list[int]
+) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best merged piece first.
+
+    User-defined pieces come first (SentencePiece matches them whole, before any merge), then
+    normal pieces by score; control and byte pieces are never the result of a merge. Ties keep
+    the vocabulary's order (the lower id first), then the split point from the left, so the
+    list, and the tokenizer, are a function of the GGUF alone.
+    """
+    ids = {t: i for i, t in enumerate(pieces)}
+    ranked: list[tuple[int, float, int, int, str, str]] = []
+    for i, (piece, kind) in enumerate(zip(pieces, kinds, strict=True)):
+        if kind == gguf.TokenType.USER_DEFINED:
+            tier, score = 0, 0.0
+        elif kind == gguf.TokenType.NORMAL:
+            tier, score = 1, -scores[i]
+        else:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((tier, score, i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
 def _post_processor(
-    named: dict[str, tuple[str, int]], *, add_bos: bool, add_eos: bool
-) -> processors.PostProcessor:
-    """Adds BOS/EOS only when the GGUF says so; otherwise byte-level offsets only."""
+    named: dict[str, tuple[str, int]], *, add_bos: bool, add_eos: bool, byte_level: bool
+) -> processors.PostProcessor | None:
+    """Adds BOS/EOS only when the GGUF says so; otherwise byte-level offsets only (or nothing,
+    for a SentencePiece vocabulary)."""
     if not (add_bos or add_eos):
-        return processors.ByteLevel(trim_offsets=False)
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
     wanted = [role for role, on in (("bos", add_bos), ("eos", add_eos)) if on]
     if any(role not in named for role in wanted):
         raise VocabError("GGUF asks to add BOS/EOS tokens but does not name them")
