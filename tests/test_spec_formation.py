@@ -56,6 +56,14 @@ def test_remeasure_and_unreachable_read_with_defaults() -> None:
     )
 
 
+def test_stages_fixes_the_ring_size_and_defaults_to_the_planners_choice() -> None:
+    """``stages`` is the number of stages the formed ring holds (None by default: the
+    predicted lap decides); up to ``expect``."""
+    assert FormationSpec().stages is None
+    spec = SwarmSpec.from_dict(_data({"expect": 2, "stages": 2}))
+    assert spec.formation == FormationSpec(expect=2, stages=2)
+
+
 def test_a_spec_without_formation_still_needs_stages() -> None:
     """Every existing spec reads as before: no stages and no [formation] is an error that
     names both ways out."""
@@ -80,6 +88,8 @@ def test_a_spec_without_formation_still_needs_stages() -> None:
         (_data({"remeasure_s": 2}), "formation.remeasure_s"),
         (_data({"remeasure_s": -1}), "formation.remeasure_s"),
         (_data({"unreachable": [""]}), "formation.unreachable"),
+        (_data({"stages": 0}), "formation.stages"),
+        (_data({"expect": 2, "stages": 3}), "formation.stages"),
     ],
 )
 def test_formation_mistakes_name_the_key(data: dict[str, Any], key: str) -> None:

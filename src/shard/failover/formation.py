@@ -372,6 +372,7 @@ class Formation:
             self._model,
             (coordinator,),
             pin_boundaries=self._spec.pin_boundaries,
+            ring_size=self._spec.stages,  # [formation] stages; None: by predicted lap
         )
 
     def _rtt(self, a: str, b: str) -> float:

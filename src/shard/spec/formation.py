@@ -3,6 +3,8 @@
 ```toml
 [formation]
 expect = 3              # form the ring once this many nodes have joined (and hold the model)
+stages = 2              # the ring holds exactly this many stages (absent: as many as the
+                        # predicted lap favours; nodes that each hold the model make one)
 wait_s = 120.0          # ... or at this deadline with whoever joined, if they hold the model
 probes = 5              # Probe/ProbeReply round trips per pair in the RTT mesh (the median)
 pin_boundaries = false  # only trusted nodes hold the first block and the last
@@ -27,7 +29,8 @@ import attrs
 from shard.spec.validate import Table
 
 FORMATION_KEYS: Final = (
-    "expect", "wait_s", "probes", "pin_boundaries", "trusted", "remeasure_s", "unreachable"
+    "expect", "stages", "wait_s", "probes", "pin_boundaries", "trusted", "remeasure_s",
+    "unreachable",
 )  # fmt: skip
 #: ``remeasure_s`` is 0 (never) or at least this: a round may take up to 20 s itself.
 MIN_REMEASURE_S: Final = 5.0
@@ -36,7 +39,9 @@ MIN_REMEASURE_S: Final = 5.0
 @attrs.frozen
 class FormationSpec:
     """Typed ``[formation]``: when to form the ring (``expect`` nodes, or ``wait_s``), how
-    many probes measure each RTT, boundary pinning to ``trusted`` node names, how often the
+    many stages it holds (``stages``; None: the planner's choice by predicted lap, which puts
+    the whole model on one node whenever one holds it and the hop costs more than it saves),
+    how many probes measure each RTT, boundary pinning to ``trusted`` node names, how often the
     mesh is measured again after forming (``remeasure_s``; 0: never), and the node names the
     operator declares unreachable (``unreachable``: never probed into a ring position,
     whatever detection says)."""
@@ -48,6 +53,7 @@ class FormationSpec:
     trusted: tuple[str, ...] = ()
     remeasure_s: float = 60.0
     unreachable: tuple[str, ...] = ()
+    stages: int | None = None
 
 
 def _names(table: Table, key: str) -> tuple[str, ...]:
@@ -64,6 +70,7 @@ def read_formation(table: Table, *, secure: bool = True) -> FormationSpec:
     ``trusted`` role may mark boundary nodes too. Errors: ``SpecError`` naming the key."""
     spec = FormationSpec(
         expect=table.integer("expect", default=1, minimum=1),
+        stages=table.integer("stages", default=0, minimum=1) or None,
         wait_s=table.number("wait_s", default=120.0, positive=True),
         probes=table.integer("probes", default=5, minimum=1),
         pin_boundaries=table.boolean("pin_boundaries", default=False),
@@ -76,6 +83,12 @@ def read_formation(table: Table, *, secure: bool = True) -> FormationSpec:
             "pin_boundaries",
             "needs trusted nodes for the first and last blocks; list them in trusted = [...] "
             "(in a secure swarm, a node whose admission token grants the role trusted is one)",
+        )
+    if spec.stages is not None and spec.stages > spec.expect:
+        raise table.error(
+            "stages",
+            f"a ring of {spec.stages} stages needs expect >= {spec.stages} joined nodes "
+            f"(expect = {spec.expect})",
         )
     if spec.probes > 100:
         raise table.error("probes", f"at most 100 probes per pair, got {spec.probes}")
