@@ -4,6 +4,9 @@ split, the lap model with relays, pinning, the errors an operator sees, the heur
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import attrs
 import pytest
 
@@ -20,7 +23,14 @@ from shard.placement import (
 from shard.placement.heuristic import pool
 from shard.placement.lap import Mesh, evaluate
 from shard.placement.replan import moved_layers
-from shard.placement.split import balanced_counts, blocks_of, capacity, even_counts
+from shard.placement.split import (
+    balanced_counts,
+    blocks_of,
+    byte_counts,
+    capacity,
+    even_counts,
+    stage_bytes,
+)
 
 GIB = 1 << 30
 
@@ -295,3 +305,51 @@ def test_a_dead_standby_or_coordinator_place_moves_no_layer() -> None:
     assert moved.ring()[1:-1] == before.ring()[1:-1]
     with pytest.raises(PlanError, match="not part of the plan"):
         replan(before, "nobody", problem)
+
+
+def _brute_byte_counts(sizes: list[int], n_stages: int, embedding: int, head: int) -> int:
+    """The least largest-stage bytes over every contiguous split, by enumeration."""
+    n = len(sizes)
+    best = None
+    for cuts in itertools.combinations(range(1, n), n_stages - 1):
+        bounds = (0, *cuts, n)
+        counts = [b - a for a, b in itertools.pairwise(bounds)]
+        worst = max(stage_bytes(sizes, counts, embedding=embedding, head=head))
+        best = worst if best is None else min(best, worst)
+    assert best is not None
+    return best
+
+
+def test_byte_counts_reach_the_brute_force_minimum() -> None:
+    """On 300 seeded random models (layers of unequal sizes, embedding and head of any
+    weight), ``byte_counts`` finds a contiguous split whose largest stage is as small as the
+    best of every split, and its counts tile the layers."""
+    seed = 31
+    rng = random.Random(seed)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        sizes = [rng.choice((rng.randint(1, 20), rng.randint(50, 200))) for _ in range(n)]
+        stages = rng.randint(1, n)
+        embedding, head = rng.randint(0, 300), rng.randint(0, 300)
+        counts = byte_counts(sizes, stages, embedding=embedding, head=head)
+        assert counts is not None
+        assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+        got = max(stage_bytes(sizes, counts, embedding=embedding, head=head))
+        assert got == _brute_byte_counts(sizes, stages, embedding, head), f"seed {seed}"
+
+
+def test_byte_counts_on_equal_layers_is_the_even_split() -> None:
+    """Equal layers and no embedding or head: the even split (remainder to the earliest)."""
+    assert byte_counts([7] * 30, 3, embedding=0, head=0) == (10, 10, 10)
+    assert byte_counts([7] * 31, 3, embedding=0, head=0) == (11, 10, 10)
+    assert byte_counts([7] * 3, 4, embedding=0, head=0) is None
+
+
+def test_byte_counts_move_layers_off_the_embedding_stage() -> None:
+    """A heavy embedding (Gemma's is most of its bytes) leaves the first stage fewer
+    layers; dense first layers of a mixture-of-experts model weigh less than the rest."""
+    counts = byte_counts([10] * 18, 3, embedding=100, head=0)
+    assert counts is not None and counts[0] < counts[1]
+    moe = [5, 5, 5] + [40] * 9
+    counts = byte_counts(moe, 3, embedding=0, head=0)
+    assert counts is not None and counts[0] > counts[2]

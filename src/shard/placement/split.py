@@ -5,6 +5,9 @@ its ms per layer) is as fast as it can be, within each node's memory: faster nod
 layers. Pipelined decoding runs at the pace of the slowest stage, so this is its objective;
 among the splits that reach it, the one with the least total compute (the lap's share) wins.
 ``even_counts`` is the spec's ``"auto"`` split, the baseline the planner is compared with.
+``byte_counts`` cuts layers of unequal sizes (a mixture-of-experts model's dense first
+layers, Gemma's embedding that outweighs half its layers) so that the largest stage, its
+embedding or head included, holds as few bytes as any contiguous split can.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 
 from shard.placement.problem import Candidate, ModelFacts
 
-__all__ = ["balanced_counts", "blocks_of", "capacity", "even_counts"]
+__all__ = ["balanced_counts", "blocks_of", "byte_counts", "capacity", "even_counts", "stage_bytes"]
 
 _SLACK = 1e-9  # relative: n * t <= M must survive float rounding of M = n * t
 
@@ -92,3 +95,54 @@ def blocks_of(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
         blocks.append((first, first + n))
         first += n
     return tuple(blocks)
+
+
+def stage_bytes(
+    sizes: Sequence[int], counts: Sequence[int], *, embedding: int, head: int
+) -> tuple[int, ...]:
+    """Bytes each stage holds: its layers' ``sizes``, the first stage also the ``embedding``
+    and the last the ``head`` (one stage holds both)."""
+    out = []
+    for i, (first, last) in enumerate(blocks_of(counts)):
+        extra = (embedding if i == 0 else 0) + (head if i == len(counts) - 1 else 0)
+        out.append(sum(sizes[first:last]) + extra)
+    return tuple(out)
+
+
+def byte_counts(
+    sizes: Sequence[int], n_stages: int, *, embedding: int, head: int
+) -> tuple[int, ...] | None:
+    """Layers per stage (each >= 1, in order) whose largest stage holds the fewest bytes
+    (``stage_bytes``); among splits that reach it, the one nearest to equal layer counts
+    (least sum of squared counts), then the earliest stages largest. None when
+    ``n_stages`` is not in ``[1, len(sizes)]``.
+
+    Exact, by dynamic programming over (stages used, layers taken): O(stages × layers²),
+    nothing for the ring sizes and layer counts models have.
+    """
+    n = len(sizes)
+    if not 1 <= n_stages <= n:
+        return None
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+
+    def cost(i: int, first: int, last: int) -> int:
+        extra = (embedding if i == 0 else 0) + (head if i == n_stages - 1 else 0)
+        return prefix[last] - prefix[first] + extra
+
+    # best[i][j]: (largest stage, sum of squared counts, -counts) over stages 0..i-1 holding
+    # layers [0, j); the last element of the key makes earlier stages larger on a full tie.
+    Key = tuple[int, int, tuple[int, ...]]
+    best: list[dict[int, Key]] = [{0: (0, 0, ())}]
+    for i in range(n_stages):
+        row: dict[int, Key] = {}
+        for j, (worst, squares, negs) in best[i].items():
+            left_after = n_stages - i - 1
+            for last in range(j + 1, n - left_after + 1):
+                count = last - j
+                key = (max(worst, cost(i, j, last)), squares + count * count, (*negs, -count))
+                if last not in row or key < row[last]:
+                    row[last] = key
+        best.append(row)
+    return tuple(-c for c in best[n_stages][n][2])
