@@ -55,8 +55,9 @@ def run_audit(auditor: StageModel, req: AuditRequest) -> AuditVerdict:
     )
 
 
-def accused_record(block: StageModel, dtype: str = "float32") -> Accused:
-    return Accused(NodeName("s1"), ACCUSED_KEY.public.hex(), block.first, block.last, "cpu", dtype)
+def accused_record(block: StageModel, dtype: str = "float32", *, batched: bool = False) -> Accused:
+    key = ACCUSED_KEY.public.hex()
+    return Accused(NodeName("s1"), key, block.first, block.last, "cpu", dtype, batched)
 
 
 @attrs.define
@@ -115,3 +116,53 @@ def tiny_blocks(model_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[St
     from shard.model.loader import load_stage
 
     return load_stage(model_dir, 0, 2, dtype=dtype), load_stage(model_dir, 2, 4, dtype=dtype)
+
+
+@attrs.define
+class BatchedDriver:
+    """Pushes several sessions at once through ``head`` -> ``accused`` as a batching stage's
+    executor runs them (``shard.stage.batch.forward_batch``: every session's chunk of a step
+    in one forward when ``batched``, else each alone), with ``sampler`` watching both edges.
+    Inside ``shard.testing_cheats.batched_lies()`` a cheating ``accused`` lies in the batched
+    forward too."""
+
+    head: StageModel
+    accused: StageModel
+    sampler: AuditSampler
+    batched: bool = True
+
+    def run(self, sessions: list[int], rng: random.Random, *, chunks: int) -> list[AuditRequest]:
+        """``chunks`` chunks per session (a prompt chunk, then decode chunks); the requests."""
+        from shard.messages import Sampling
+        from shard.stage.batch import Planned, forward_batch
+
+        vocab = self.head.config.vocab_size
+        caches = {}
+        for s in sessions:
+            sid = SessionId(s)
+            nonce = audit_nonce(self.sampler.commitment)
+            self.sampler.input(OpenSession(sid, MAX_LEN, job="ab" * 16, nonce=nonce))
+            caches[sid] = (self.head.new_cache(MAX_LEN), self.accused.new_cache(MAX_LEN))
+        out: list[AuditRequest] = []
+        start = 0
+        for seq in range(chunks):
+            rows = PROMPT if seq == 0 else 1
+            planned = []
+            for sid, (c0, c1) in caches.items():
+                ids = [rng.randrange(vocab) for _ in range(rows)]
+                with torch.inference_mode():
+                    h = self.head(torch.tensor([ids]), start, c0)  # [1, S, D]
+                msg = Verify(sid, 0, seq, start, hidden=to_wire(h))  # type: ignore[arg-type]
+                self.sampler.input(msg)
+                planned.append(Planned(msg, h, c1, Sampling(), 0.0))
+            if self.batched:
+                outs = forward_batch(self.accused, None, planned)
+            else:
+                outs = [forward_batch(self.accused, None, [p])[0] for p in planned]
+            for p, y in zip(planned, outs, strict=True):
+                assert isinstance(y, torch.Tensor)
+                req = self.sampler.output(attrs.evolve(p.msg, hidden=to_wire(y)))
+                if req is not None:
+                    out.append(req)
+            start += rows
+        return out
