@@ -198,3 +198,12 @@ def test_cli_refuses_a_cut_and_says_how_a_run_ended(
         assert main(["receipt", "verify", str(path), "--authority", authority]) == code
         out = capsys.readouterr()
         assert said in (out.out if code == 0 else out.err)
+
+
+def test_an_integer_past_int64_is_refused_not_a_crash(length: Run) -> None:
+    """A signed receipt holding an id or a maximum past int64 is refused with a reason (the
+    chains and hashes encode int64: hashing it would raise)."""
+    coord = length.coordinator_key()
+    for changes in ({"max_tokens": 2**64}, {"output_ids": (2**70,), "output_hash": "00" * 32}):
+        with pytest.raises(ReceiptInvalid, match="past int64"):
+            verify_run(resign(length.receipt, coord, **changes))

@@ -314,9 +314,24 @@ def _unpinned(receipt: RunReceipt, pins: ReceiptPins) -> tuple[str, ...]:
     return (f"coordinator {receipt.coordinator}", *stages)
 
 
+_I64 = range(-(2**63), 2**63)
+
+
+def _check_int64(receipt: RunReceipt) -> None:
+    """Every integer the chains and hashes encode fits their int64 (a signed file may hold any
+    JSON integer; hashing one past int64 would fail, not refuse)."""
+    r = receipt
+    ints = [r.max_tokens, *r.stop_ids, *r.output_ids]
+    for v in r.verdicts:
+        ints += [v.epoch, v.seq, v.start, v.at, v.accepted, *v.target_ids]
+    if any(i not in _I64 for i in ints):
+        raise ReceiptInvalid("an integer past int64: no run receipt holds one")
+
+
 def verify_run(receipt: RunReceipt, pins: ReceiptPins = ReceiptPins()) -> Verified:
     """Check a run receipt offline (see the module docstring). Errors: ``ReceiptInvalid``."""
     _check_coordinator(receipt, pins)
+    _check_int64(receipt)
     r = receipt
     if r.job != job_id(r.nonce, r.prompt_hash, max_tokens=r.max_tokens, stop_ids=r.stop_ids):
         raise ReceiptInvalid(
