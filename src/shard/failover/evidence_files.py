@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Final
 
@@ -67,9 +68,11 @@ def write_evidence(directory: Path, evidence: Evidence) -> Path:
     text = evidence_to_json(evidence)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / evidence_file_name(evidence, text)
-    tmp = directory / f".{path.name}.{os.getpid()}.tmp"
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    tmp = Path(name)
     try:
-        with tmp.open("w", encoding="ascii") as f:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600: evidence is for anyone to read and check
+        with os.fdopen(fd, "w", encoding="ascii") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
