@@ -20,7 +20,7 @@ import trio.testing
 
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.events import RequestFailed
-from shard.coordinator.router import Coordinator
+from shard.coordinator.router import Coordinator, RingError
 from shard.coordinator.service import complete
 from shard.messages import (
     GenerateDone,
@@ -169,3 +169,20 @@ async def test_a_wire_clients_numbers_are_bounded_where_they_enter(
         assert done.finish_reason == "error" and "must be" in done.error
         assert link.frames == 0
         assert await honest(coord) == (7, 7, 7)
+
+
+async def test_a_dead_edge_fails_its_requests_as_the_ring(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The ring link's edge has ended (its end of the channel is closed): a request fails
+    with RingError (a 503 at the API), not as a bug (RequestFailed, a 500)."""
+    to_send, to_recv = trio.open_memory_channel[Message](0)
+    _, from_recv = trio.open_memory_channel[Message](0)
+    coord = Coordinator(node=NodeName("coord"), eos_ids=[0], to_ring=to_send, from_ring=from_recv)
+    to_recv.close()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(coord.run)
+        with pytest.raises(RingError, match="edge ended") as failed:
+            await coord.generate([5, 6, 7], max_tokens=3)
+        assert not isinstance(failed.value, RequestFailed)
+        nursery.cancel_scope.cancel()

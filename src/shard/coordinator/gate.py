@@ -35,7 +35,8 @@ class RingDown(Exception):
 
 class RingGate:
     """See the module docstring. Errors: ``send`` raises ``RingDown`` once the ring is lost
-    (also while that send waits on a link that will never be rewired)."""
+    (also while that send waits on a link that will never be rewired, or when the link's
+    edge has ended: a dead edge fails its requests as the ring, never as a bug)."""
 
     def __init__(self, to_ring: trio.MemorySendChannel[Message], sent_log: ReplayLog) -> None:
         self._to_ring = to_ring
@@ -97,6 +98,8 @@ class RingGate:
                     self._log.record(msg)
                     await self._to_ring.send(msg)
                     return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    raise RingDown("the ring link is gone (its edge ended)") from None
                 finally:
                     self._sending.discard(scope)
         assert self._lost is not None
