@@ -47,9 +47,9 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 
 
 def test_tiny_roundtrip_restores_hf_tensors(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
-    """Converting a llama.cpp-style GGUF gives back the HF names, layout and values."""
+    """Converting a llama.cpp-style GGUF to float32 gives back the HF names, layout, values."""
     path, expected = tiny
-    out = convert_gguf(path, path.parent / "out", progress=False)
+    out = convert_gguf(path, path.parent / "out", progress=False, stored=False)
     got = load_file(out / "model.safetensors")
     assert set(got) == set(expected)
     for name, array in expected.items():
@@ -80,7 +80,7 @@ def test_tiny_config_from_metadata(tiny: tuple[Path, dict[str, np.ndarray]]) -> 
 def test_output_weight_becomes_untied_lm_head(tmp_path: Path) -> None:
     """A GGUF with output.weight yields lm_head.weight and tie_word_embeddings false."""
     expected = write_tiny_gguf(tmp_path / "untied.gguf", tied=False)
-    out = convert_gguf(tmp_path / "untied.gguf", tmp_path / "out", progress=False)
+    out = convert_gguf(tmp_path / "untied.gguf", tmp_path / "out", progress=False, stored=False)
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
     np.testing.assert_array_equal(
@@ -228,8 +228,8 @@ def test_smollm2_config_matches_the_model_card() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_generates_coherent_english_in_transformers() -> None:
-    """transformers loads the converted SmolLM2 and greedily completes with "Paris".
+def test_smollm2_generates_coherent_english_in_transformers(smollm2_float32_dir: Path) -> None:
+    """transformers loads SmolLM2 converted to float32 and greedily completes with "Paris".
 
     Wrong Q/K un-permutation, rope base or norm epsilon all turn this into gibberish.
     """
@@ -237,8 +237,9 @@ def test_smollm2_generates_coherent_english_in_transformers() -> None:
     transformers = pytest.importorskip("transformers")
     from shard.model.tokenizer import Tokenizer
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
-    tokenizer = Tokenizer.from_dir(smollm2_dir())
+    out = smollm2_float32_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokenizer = Tokenizer.from_dir(out)
     prompt = tokenizer.encode("The capital of France is")
     with torch.no_grad():
         out = model.generate(

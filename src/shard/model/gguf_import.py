@@ -1,9 +1,14 @@
 """Convert a Llama-architecture GGUF checkpoint into a Hugging Face-style model directory.
 
-The output is what the runtime (and ``transformers``) loads: ``config.json``,
-``model.safetensors`` (float32), ``tokenizer.json``, ``tokenizer_config.json`` (with the
-model's chat template), ``generation_config.json`` and a completion marker. Quantized tensors
-are dequantized with the ``gguf`` package; nothing here imports torch.
+The output is what the runtime loads: ``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
+``generation_config.json`` and a completion marker. By default the weights stay as stored
+(``stored=True``): a tensor in a format ``shard.model.quant_gguf`` maps exactly (Q4_0, Q4_1,
+Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) is written as its codes under its own name plus
+``<name>.scale`` and ``<name>.offset``, described in the header's ``shard.quant`` metadata
+(docs/model.md, "Weights that stay quantized"); everything else, and every tensor with
+``stored=False`` (``shard convert --float32``, what ``transformers`` can load), is
+dequantized to float32 with the ``gguf`` package. Nothing here imports torch.
 
 Two llama.cpp conventions are undone on the way: Q and K projection rows are permuted for
 its rope layout (``convert_hf_to_gguf.py``'s ``LlamaModel.permute``), and the tokenizer is
@@ -36,9 +41,14 @@ import tokenizers
 from tqdm import tqdm
 
 from shard.model.gguf_vocab import VocabError, read_vocab, tokenizer_files
+from shard.model.quant_gguf import decode, stored_layout
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 """Bumped whenever the output of a conversion changes, so caches keyed on it are rebuilt."""
+
+QUANT_METADATA = "shard.quant"
+"""The safetensors header's metadata key listing the tensors kept quantized (a JSON object:
+name -> kind, group, logical shape)."""
 
 COMPLETE_MARKER = "shard-convert.json"
 """Written last into a converted directory; its presence means every other file is whole."""
@@ -82,8 +92,11 @@ class _Planned:
     heads: int | None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
-    """Convert ``gguf_path`` into a new model directory ``out_dir`` and return ``out_dir``.
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, *, progress: bool = True, stored: bool = True
+) -> Path:
+    """Convert ``gguf_path`` into a new model directory ``out_dir`` and return ``out_dir``;
+    ``stored``: keep the quantized tensors as stored (module docstring), else float32.
 
     Everything that can be checked cheaply (architecture, metadata, tensor names, tokenizer)
     is checked before the slow tensor pass, so bad input fails in well under a second.
@@ -105,9 +118,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         _write_json(tmp / "generation_config.json", generation_config)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_safetensors(tmp / "model.safetensors", plan, progress=progress)
+        _write_safetensors(tmp / "model.safetensors", plan, progress=progress, stored=stored)
         marker = {
             "converter_version": CONVERTER_VERSION,
+            "weights": "stored" if stored else "float32",
             "source": gguf_path.name,
             "source_bytes": gguf_path.stat().st_size,
         }
@@ -141,11 +155,17 @@ def convert_main(argv: list[str] | None = None) -> int:
     parser = _Parser(
         prog="shard convert",
         description="Convert a Llama-architecture GGUF checkpoint into a model directory "
-        "(config.json, float32 model.safetensors, tokenizer.json, tokenizer_config.json).",
+        "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json); quantized "
+        "tensors stay quantized where an exact mapping exists (docs/model.md).",
     )
     parser.add_argument("gguf", type=Path, metavar="MODEL.gguf", help="the GGUF file to read")
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--float32",
+        action="store_true",
+        help="dequantize every tensor to float32 (a checkpoint transformers can load)",
+    )
     try:
         args = parser.parse_args(argv)
     except _UsageError as exc:
@@ -154,7 +174,9 @@ def convert_main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     try:
-        out = convert_gguf(args.gguf, args.out_dir, progress=not args.no_progress)
+        out = convert_gguf(
+            args.gguf, args.out_dir, progress=not args.no_progress, stored=not args.float32
+        )
     except ConvertError as exc:
         print(f"shard convert: error: {exc}", file=sys.stderr)
         return 2
@@ -288,29 +310,63 @@ def _load(planned: _Planned) -> npt.NDArray[np.float32]:
     return array if planned.heads is None else unpermute_qk(array, planned.heads)
 
 
-def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool) -> None:
-    """Write float32 tensors one at a time, so peak memory is one tensor, not the model.
+def _entries(p: _Planned, stored: bool) -> list[tuple[str, str, list[int], int]]:
+    """The safetensors entries ``(name, dtype, shape, bytes)`` one planned tensor becomes."""
+    layout = stored_layout(p.source.tensor_type) if stored else None
+    if layout is None or len(p.shape) != 2:
+        return [(p.name, "F32", list(p.shape), 4 * int(np.prod(p.shape, dtype=np.int64)))]
+    kind, group, has_offset = layout
+    n, k = p.shape
+    width = k // 2 if kind == "int4" else k
+    codes = (p.name, "U8" if kind == "int4" else "I8", [n, width], n * width)
+    scales = [(f"{p.name}.scale", "F32", [n, k // group], 4 * n * (k // group))]
+    if has_offset:
+        scales.append((f"{p.name}.offset", "F32", [n, k // group], 4 * n * (k // group)))
+    return [codes, *scales]
+
+
+def _arrays(p: _Planned, stored: bool) -> list[npt.NDArray[Any]]:
+    """The data of ``_entries(p, stored)``, in that order."""
+    d = None
+    if len(_entries(p, stored)) > 1:
+        d = decode(p.source.data, p.source.tensor_type, (p.shape[0], p.shape[1]))
+    if d is None:
+        return [_load(p)]
+    if p.heads is not None:
+        rows = np.arange(p.shape[0], dtype=np.float32).reshape(-1, 1)  # exact up to 2^24 rows
+        d = d.rows(unpermute_qk(rows, p.heads).reshape(-1).astype(np.intp))
+    codes, scale, offset = d.arrays()
+    return [codes, scale] + ([] if offset is None else [offset])
+
+
+def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool, stored: bool) -> None:
+    """Write the tensors one at a time, so peak memory is one tensor, not the model.
 
     The safetensors format is an 8-byte little-endian header length, a JSON header of
     dtypes, shapes and byte ranges (padded to 8 bytes), then the raw data in that order.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    quant: dict[str, Any] = {}
+    header: dict[str, Any] = {}
     offset = 0
     for p in plan:
-        size = 4 * int(np.prod(p.shape, dtype=np.int64))
-        header[p.name] = {
-            "dtype": "F32",
-            "shape": list(p.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
+        entries = _entries(p, stored)
+        if len(entries) > 1:
+            kind, group, _ = stored_layout(p.source.tensor_type) or ("", 0, False)
+            quant[p.name] = {"kind": kind, "group": group, "shape": list(p.shape)}
+        for name, dtype, shape, size in entries:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+    meta = {"format": "pt"}
+    if quant:
+        meta[QUANT_METADATA] = json.dumps(quant, separators=(",", ":"))
+    blob = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for p in _bar(plan, progress):
-            f.write(np.ascontiguousarray(_load(p), dtype="<f4").tobytes())
+            for array in _arrays(p, stored):
+                f.write(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
         f.flush()
         os.fsync(f.fileno())
 

@@ -5,6 +5,12 @@ one named tensor, so a stage holding 4 of 80 layers never touches the other 76 (
 embedding, unless it is stage 0 or a tied tail). Every tensor's shape is checked against the
 config from the file header before its data is read.
 
+A checkpoint written by ``shard convert`` may hold tensors kept quantized (listed in the
+safetensors header's ``shard.quant`` metadata: codes under the tensor's name, ``.scale`` and
+``.offset`` beside it). ``weights`` (``shard.model.weights``) says what a stage makes of them:
+dense floats (dequantized exactly), the stored codes run by ``shard.model.quant``, or int8/int4
+quantized at load.
+
 Errors: every problem an operator can hit (missing directory, config or safetensors, a missing
 tensor, a shape mismatch, an unsupported architecture, a bad layer range) is a
 ``ModelLoadError`` that names the thing and says what to do.
@@ -15,14 +21,25 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
+from shard.model.quant import (
+    QuantEmbedding,
+    Quantized,
+    QuantLinear,
+    quantize_int4,
+    quantize_int8,
+)
+from shard.model.weights import check_weights
+
+QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it
 
 __all__ = ["ModelLoadError", "checkpoint_index", "hf_name", "load_stage", "load_truncated"]
 
@@ -38,6 +55,7 @@ def load_stage(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
+    weights: str | None = None,
 ) -> StageModel:
     """Build ``StageModel(config, first, last)`` with weights read from ``model_dir``.
 
@@ -45,7 +63,13 @@ def load_stage(
     then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``: safetensors
     reads each tensor straight onto a GPU, so a CUDA stage never holds a CPU copy of its block.
     ``config`` overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
+    ``weights``: how the block holds its weights (``shard.model.weights``; None: dense in
+    ``dtype``). Errors: ``ModelLoadError`` for a ``weights`` that contradicts ``dtype``.
     """
+    try:
+        check_weights(weights, dtype)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist; fetch the model first")
@@ -69,9 +93,13 @@ def load_stage(
             )
         by_file[weight_map[remote]].append(local)
     for file, locals_ in sorted(by_file.items()):
-        _load_file(stage, model_dir / file, {n: wanted[n] for n in locals_}, dtype, device)
+        names = {n: wanted[n] for n in locals_}
+        _load_file(stage, model_dir / file, names, dtype, device, weights)
     if config.tie_word_embeddings and stage.lm_head is not None and stage.embed_tokens is not None:
-        stage.lm_head.weight = stage.embed_tokens.weight
+        if isinstance(stage.embed_tokens, QuantEmbedding):  # the head runs the same table
+            _set_module(stage, "lm_head", QuantLinear(stage.embed_tokens.q, device))
+        else:
+            stage.lm_head.weight = stage.embed_tokens.weight
     return stage.to(device).eval()
 
 
@@ -81,6 +109,7 @@ def load_truncated(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    weights: str | None = None,
 ) -> StageModel:
     """The first ``n_layers`` of a checkpoint plus its final norm and LM head, as one model.
 
@@ -93,7 +122,9 @@ def load_truncated(
             f"a truncated draft needs 1..{full.n_layers} layers of {model_dir}, got {n_layers}"
         )
     config = attrs.evolve(full, n_layers=n_layers)
-    return load_stage(model_dir, 0, n_layers, dtype=dtype, device=device, config=config)
+    return load_stage(
+        model_dir, 0, n_layers, dtype=dtype, device=device, config=config, weights=weights
+    )
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, str]:
@@ -146,28 +177,82 @@ def _load_file(
     names: dict[str, str],
     dtype: torch.dtype,
     device: torch.device | str,
+    weights: str | None,
 ) -> None:
     """Read ``names`` (local -> checkpoint name) from one file into ``stage``, checking shapes."""
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
+            quant = json.loads((f.metadata() or {}).get(QUANT_METADATA, "{}"))
             for local, remote in names.items():
                 param = stage.get_parameter(local)
-                got = tuple(f.get_slice(remote).get_shape())
+                if remote in quant:
+                    got = tuple(quant[remote]["shape"])
+                else:
+                    got = tuple(f.get_slice(remote).get_shape())
                 if got != tuple(param.shape):
                     raise ModelLoadError(
                         f"tensor {remote!r} in {path.name} has shape {list(got)} but the config "
                         f"expects {list(param.shape)}; config.json and weights disagree"
                     )
+                if remote in quant:
+                    q = _read_quantized(f, remote, quant[remote])
+                    _place(stage, local, q, None, dtype, device, weights)
+                    continue
                 # A copy in torch's own (64-byte aligned) memory: safetensors hands out tensors
                 # at whatever address its buffer got, and CPU matrix-vector kernels sum in an
                 # order that depends on the weights' alignment, so a stage loaded here and one
                 # whose weights were copied elsewhere would decode different low bits.
                 tensor = f.get_tensor(remote).to(dtype=dtype, copy=True)
-                _set_parameter(stage, local, nn.Parameter(tensor, requires_grad=False))
+                _place(stage, local, None, tensor, dtype, device, weights)
     except ModelLoadError:
         raise
     except Exception as e:  # SafetensorError, OSError: a corrupt or truncated file
         raise ModelLoadError(f"cannot read {path}: {e}; re-download the checkpoint") from e
+
+
+def _read_quantized(f: Any, name: str, meta: dict[str, Any]) -> Quantized:
+    """The ``Quantized`` stored under ``name`` (codes), ``name.scale`` and ``name.offset``."""
+    keys = set(f.keys())
+    offset = f.get_tensor(f"{name}.offset") if f"{name}.offset" in keys else None
+    codes, scale, group = f.get_tensor(name), f.get_tensor(f"{name}.scale"), int(meta["group"])
+    if meta["kind"] == "int4":
+        return Quantized("int4", codes, scale, offset, group)
+    return Quantized("int8", codes, scale, offset, group)
+
+
+def _place(
+    stage: StageModel,
+    local: str,
+    q: Quantized | None,
+    dense: Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    weights: str | None,
+) -> None:
+    """Install one weight, stored ``q`` or ``dense``, as ``weights`` says (module docstring)."""
+    owner = local.rpartition(".")[0]
+    matrix = local.endswith(".weight") and not local.endswith("norm.weight")
+    if matrix and weights in ("int8", "int4"):
+        w = q.dequantize() if q is not None else dense
+        assert w is not None
+        fits = weights == "int8" or w.shape[1] % 32 == 0
+        q = (quantize_int8(w) if weights == "int8" else quantize_int4(w)) if fits else None
+        dense = None if q is not None else w.to(dtype)
+    if q is not None and weights in ("stored", "int8", "int4"):
+        if owner == "embed_tokens":
+            _set_module(stage, owner, QuantEmbedding(q, dtype, device))
+        else:  # a bias, loaded or still to come, moves over to the new layer
+            bias = getattr(stage.get_submodule(owner), "bias", None)
+            _set_module(stage, owner, QuantLinear(q, device, bias))
+        return
+    tensor = q.dequantize().to(dtype) if q is not None else dense
+    assert tensor is not None
+    _set_parameter(stage, local, nn.Parameter(tensor, requires_grad=False))
+
+
+def _set_module(stage: nn.Module, name: str, module: nn.Module) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(stage.get_submodule(owner) if owner else stage, leaf, module)
 
 
 def _set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:

@@ -78,24 +78,24 @@ class Quantized:
         return int(n), int(g) * self.group
 
     def int_codes(self, rows: Tensor | None = None) -> Tensor:
-        """Integer codes ``[N, K]`` (int16), of the rows ``rows`` only when given."""
+        """Integer codes ``[N, K]`` (uint8 for int4, int8 for int8), of ``rows`` when given."""
         codes = self.codes if rows is None else self.codes.index_select(0, rows)
         if self.kind == "int8":
-            return codes.to(torch.int16)
-        low, high = (codes & 15).to(torch.int16), (codes >> 4).to(torch.int16)
-        return torch.stack((low, high), dim=-1).flatten(-2)  # [R, K]: even, odd interleaved
+            return codes
+        return torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # [R, K]: even, odd
 
     def dequantize(self, rows: Tensor | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """The float weight ``[N, K]`` (or its rows ``rows``), computed in float32."""
-        codes = self.int_codes(rows).float()
+        codes = self.int_codes(rows)
         r, k = codes.shape
         scale, offset = self.scale, self.offset
         if rows is not None:
             scale = scale.index_select(0, rows)
             offset = None if offset is None else offset.index_select(0, rows)
-        w = codes.view(r, k // self.group, self.group) * scale[:, :, None]
+        w = codes.to(torch.float32).view(r, k // self.group, self.group)
+        w.mul_(scale[:, :, None])
         if offset is not None:
-            w = w + offset[:, :, None]
+            w.add_(offset[:, :, None])
         out: Tensor = w.view(r, k).to(dtype)
         return out
 
@@ -175,7 +175,8 @@ class _Int4:
 
 
 class QuantLinear(nn.Module):
-    """A bias-free linear layer on a ``Quantized`` weight (paths: module docstring).
+    """A linear layer on a ``Quantized`` weight (paths: module docstring), with an optional
+    dense ``bias`` (Qwen2's q/k/v) added in the input's dtype.
 
     ``path`` names the one taken: ``"int4"``, ``"int8-channel"``, ``"int8-split"`` or
     ``"dequantize"``. ``q`` keeps the host-independent codes only on the ``dequantize``
@@ -183,9 +184,12 @@ class QuantLinear(nn.Module):
     (``device``) and ``Module.to`` leaves it alone.
     """
 
-    def __init__(self, q: Quantized, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, q: Quantized, device: torch.device | str = "cpu", bias: Tensor | None = None
+    ) -> None:
         super().__init__()
         dev = torch.device(device)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = q.shape
         self.compute = kernel_dtype(dev)
         on_device = to_device(q, dev)
@@ -207,7 +211,7 @@ class QuantLinear(nn.Module):
             self._int8 = (q.codes.contiguous(), q.scale[:, 0].to(dt).contiguous())
             return "int8-channel"
         if q.kind == "int8" and fits:
-            c = q.codes.to(torch.int16)
+            c = q.codes.to(torch.int16)  # arithmetic shift of the signed codes
             hi, lo = pack_nibbles((c >> 4) + 8), pack_nibbles(c & 15)
             self._parts = [
                 _Int4(hi, 16 * q.scale, zero, g, dt),
@@ -230,7 +234,7 @@ class QuantLinear(nn.Module):
             two = rows.shape[0] == 1 and rows.dtype is torch.bfloat16  # see shard.model.linear
             out = F.linear(rows.expand(2, -1), w)[:1] if two else F.linear(rows, w)
         result: Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        return result
+        return result if self.bias is None else result + self.bias
 
     def nbytes(self) -> int:
         """Bytes this layer holds in memory (kernel-packed codes, scales, zeros)."""

@@ -26,16 +26,18 @@ dequantizes it. The representation is exact (``tests/test_quant_gguf.py`` checks
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import attrs
 import numpy as np
 import numpy.typing as npt
-import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from shard.model.quant import Quantized, pack_nibbles
+if TYPE_CHECKING:
+    from shard.model.quant import Quantized
 
-__all__ = ["STORED_FORMATS", "from_gguf"]
+__all__ = ["STORED_FORMATS", "Decoded", "decode", "from_gguf", "stored_layout"]
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -133,21 +135,70 @@ _DECODERS: dict[T, tuple[str, int, Callable[[U8], Parts]]] = {
 STORED_FORMATS = frozenset(t.name for t in _DECODERS)
 
 
-def from_gguf(data: U8, qtype: T, shape: tuple[int, int]) -> Quantized | None:
-    """The ``Quantized`` form of a GGUF tensor's raw blocks ``data`` (``[N, bytes per row]``)
-    of logical ``shape`` ``[N, K]``; None for a type kept as floats (module docstring)."""
+@attrs.frozen
+class Decoded:
+    """A GGUF tensor as integer codes ``[N, K]`` and float32 ``scale`` and ``offset``
+    ``[N, K // group]`` (numpy: ``shard convert`` writes these without importing torch)."""
+
+    kind: str
+    group: int
+    codes: npt.NDArray[np.int16]
+    scale: F32
+    offset: F32 | None
+
+    def rows(self, order: npt.NDArray[np.intp]) -> Decoded:
+        """The same weight with its rows taken in ``order`` (exact: groups run along K)."""
+        offset = None if self.offset is None else self.offset[order]
+        return attrs.evolve(self, codes=self.codes[order], scale=self.scale[order], offset=offset)
+
+    def arrays(self) -> tuple[npt.NDArray[np.generic], F32, F32 | None]:
+        """What a packed checkpoint stores: codes (uint8 nibbles, even column low, for int4;
+        int8 for int8), scale, offset."""
+        c = self.codes
+        if self.kind == "int4":
+            packed = (c[:, 0::2] | (c[:, 1::2] << 4)).astype(np.uint8)
+            return packed, self.scale, self.offset
+        return c.astype(np.int8), self.scale, self.offset
+
+
+def decode(data: U8, qtype: T, shape: tuple[int, int]) -> Decoded | None:
+    """Codes, scales and offsets of a GGUF tensor's raw blocks ``data`` (``[N, bytes per
+    row]``) of logical ``shape`` ``[N, K]``; None for a type kept as floats."""
     if qtype not in _DECODERS:
         return None
-    kind, group, decode = _DECODERS[qtype]
+    kind, group, fn = _DECODERS[qtype]
     n, k = shape
     _, block_bytes = GGML_QUANT_SIZES[qtype]
-    codes, scale, offset = decode(np.ascontiguousarray(data).reshape(-1, block_bytes))
-    c = torch.from_numpy(np.ascontiguousarray(codes)).reshape(n, k)
-    s = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)).reshape(n, k // group)
-    o = None
-    if offset is not None:
-        o = torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32))
-        o = o.reshape(n, k // group)
-    if kind == "int4":
-        return Quantized("int4", pack_nibbles(c), s, o, group)
-    return Quantized("int8", c.to(torch.int8), s, o, group)
+    codes, scale, offset = fn(np.ascontiguousarray(data).reshape(-1, block_bytes))
+    return Decoded(
+        kind,
+        group,
+        codes.reshape(n, k),
+        scale.astype(np.float32).reshape(n, k // group),
+        None if offset is None else offset.astype(np.float32).reshape(n, k // group),
+    )
+
+
+def stored_layout(qtype: T) -> tuple[str, int, bool] | None:
+    """``(kind, group, has_offset)`` of the stored form of ``qtype`` (None: kept as floats),
+    known without decoding, so a writer can lay out its header first."""
+    if qtype not in _DECODERS:
+        return None
+    kind, group, _ = _DECODERS[qtype]
+    return kind, group, qtype not in (T.Q8_0, T.Q5_0, T.Q6_K)
+
+
+def from_gguf(data: U8, qtype: T, shape: tuple[int, int]) -> Quantized | None:
+    """``decode`` as a torch ``Quantized`` (None for a type kept as floats)."""
+    import torch
+
+    from shard.model.quant import Quantized
+
+    d = decode(data, qtype, shape)
+    if d is None:
+        return None
+    codes, scale, offset = d.arrays()
+    o = None if offset is None else torch.from_numpy(np.ascontiguousarray(offset))
+    if d.kind == "int4":
+        return Quantized("int4", torch.from_numpy(codes), torch.from_numpy(scale), o, d.group)
+    return Quantized("int8", torch.from_numpy(codes), torch.from_numpy(scale), o, d.group)
