@@ -239,18 +239,19 @@ def batched_lies() -> Iterator[None]:
     unchanged. Test-only: a process that cheats enters it once (``tests/cheat_node.py``)."""
     import shard.stage.batch as batch
 
-    honest = batch.forward_packed
+    names = vars(batch)  # the module's globals: forward_batch looks the name up there
+    honest: Callable[..., Any] = names["forward_packed"]
 
-    def forward_packed(model: StageModel, x: torch.Tensor, segments: Any, **kw: Any) -> Any:
+    def forward_packed(model: object, x: torch.Tensor, segments: Any, **kw: Any) -> Any:
         if isinstance(model, CheatingBlock):
             return model.packed(honest, x, segments, **kw)
         return honest(model, x, segments, **kw)
 
-    batch.forward_packed = forward_packed  # type: ignore[assignment]
+    names["forward_packed"] = forward_packed
     try:
         yield
     finally:
-        batch.forward_packed = honest
+        names["forward_packed"] = honest
 
 
 def cheating(inner: StageModel, kind: str, **kw: Any) -> StageModel:

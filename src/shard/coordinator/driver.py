@@ -24,7 +24,7 @@ not folded in).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 import trio
@@ -61,6 +61,9 @@ from shard.observe.ringstats import LapRecorder
 from shard.spec.limits import Limits
 from shard.trust.receipts import RunJob
 
+#: ``[audit] mode = "hold"``'s release gate: (session, verdict seq, tokens released before)
+Hold = Callable[[SessionId, int, Sequence[int]], Awaitable[None]]
+
 
 class RequestDriver:
     """Drives one session (see the module docstring); ``run`` runs it to its end.
@@ -89,8 +92,13 @@ class RequestDriver:
         limits: Limits,
         drafter: Drafter | None,
         feature_dim: int | None = None,
+        hold: Hold | None = None,
     ) -> None:
-        """``feature_dim``: the target's hidden size, which features must have (None: any)."""
+        """``feature_dim``: the target's hidden size, which features must have (None: any).
+        ``hold`` (``[audit] mode = "hold"``): awaited before a verdict's tokens are emitted,
+        with the session, the verdict's ``seq`` and the tokens released before; it returns
+        once every stage's part of that verdict was confirmed by an audit, or raises
+        ``RingError`` (``shard.failover.hold``)."""
         self._ring = ring
         self._ledger = ledger
         self._sid = sid
@@ -105,6 +113,7 @@ class RequestDriver:
         self._drafter = drafter
         self._laps = LapRecorder(ledger.node, ledger.wall_clock)
         self._feature_dim = feature_dim
+        self._hold = hold
         self._proposer: Proposer | None = None
         if drafter is not None and spec.enabled:
             self._proposer = drafter.session(prompt_ids)
@@ -132,7 +141,11 @@ class RequestDriver:
                 outcome = exc
             await self._done.send(SessionDone(self._sid, outcome))
 
-    async def _emit(self, ids: Sequence[int]) -> None:
+    async def _emit(self, ids: Sequence[int], seq: int) -> None:
+        if self._hold is not None:  # released only once confirmed; else the request ends
+            await self._hold(
+                self._sid, seq, self._state.output[: len(self._state.output) - len(ids)]
+            )
         self._ledger.committed(len(ids))
         if ids and self._on_tokens is not None:
             await self._on_tokens(list(ids))
@@ -142,7 +155,7 @@ class RequestDriver:
         first = await self._prefill()
         self._observe(self._features(first, prompt_len=len(self._prompt)))
         ledger.lap(laps, first, committed=len(first.target_ids))
-        await self._emit(state.commit(first.target_ids))
+        await self._emit(state.commit(first.target_ids), first.seq)
         stream = SpecStream(
             decode=state,
             committed=[*self._prompt, *first.target_ids],
@@ -172,7 +185,7 @@ class RequestDriver:
             control.observe_lap(laps.last_lap_s, max((h.compute_s for h in event.hops), default=0))
             if proposer is not None:
                 proposer.feedback(outcome.drafted, outcome.accepted)
-            await self._emit(outcome.emitted)
+            await self._emit(outcome.emitted, event.seq)
         assert state.finish_reason is not None
         return Completion(
             token_ids=tuple(state.output),

@@ -32,7 +32,7 @@ from shard.coordinator.checkpoint import (
     checkpointing,
     resuming,
 )
-from shard.coordinator.driver import RequestDriver
+from shard.coordinator.driver import Hold, RequestDriver
 from shard.coordinator.events import (
     Completion,
     OnTokens,
@@ -105,6 +105,7 @@ class Coordinator:
         sent_log: ReplayLog | None = None,
         nonces: Callable[[SessionId], bytes] | None = None,
         feature_dim: int | None = None,
+        hold: Hold | None = None,
     ) -> None:
         """``control`` carries the scheduler's messages (None: no scheduler, a test's ring).
         ``checkpoints`` keeps each running request's committed tokens on disk (so a
@@ -116,7 +117,9 @@ class Coordinator:
         nonce a receipt-signing session sends (default: 16 random bytes); a swarm that audits
         derives it from the session's committed audit seed (``shard.failover.audits``).
         ``feature_dim`` is the target's hidden size: the width of the features a proposer
-        may ask for (``shard.coordinator.features``; None: any width)."""
+        may ask for (``shard.coordinator.features``; None: any width). ``hold``: each
+        request's release gate in ``[audit] mode = "hold"`` (``RequestDriver``)."""
+        self._hold = hold
         self._nonces = nonces
         self._feature_dim = feature_dim
         self._node = node
@@ -364,6 +367,7 @@ class Coordinator:
             limits=self._limits,
             drafter=self._drafter,
             feature_dim=self._feature_dim,
+            hold=self._hold,
         )
         async with done:
             await driver.run()

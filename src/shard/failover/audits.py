@@ -28,6 +28,11 @@ session whose copies have a gap (a control link that went down). Costs: each act
 crosses to the coordinator twice more (sent and received copies), and a stage waits for its
 copies to be queued.
 
+In ``[audit] mode = "hold"`` every chunk is audited (rate 1) and the hub keeps a
+``HoldBook`` (``hold``; ``shard.failover.hold``): which chunk each request asked about and how
+its audit came out, so a request's driver releases a verdict's tokens only once every stage's
+part of it is confirmed.
+
 Pure and synchronous: ``copied`` returns the requests to send; the scheduler sends them.
 """
 
@@ -39,6 +44,7 @@ from typing import Final, cast
 
 import attrs
 
+from shard.failover.hold import HoldBook
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -97,9 +103,13 @@ class AuditHub:
         self._seeds: dict[SessionId, bytes] = {}
         self._seen: dict[tuple[SessionId, NodeName], _Seen] = {}
         self._next: dict[NodeName, int] = {}
-        #: requests out, by (auditor, accused, session, chunk): only these are answered
-        self._asked: dict[tuple[NodeName, NodeName, int, int], None] = {}
+        #: requests out, by (auditor, accused, session, chunk), and the chunk's ``seq``: only
+        #: these are answered
+        self._asked: dict[tuple[NodeName, NodeName, int, int], int] = {}
         self.copies = 0
+        #: ``[audit] mode = "hold"``: what each verdict's release waits for (None: not held)
+        self.hold = HoldBook(timeout_s=policy.hold_timeout_s) if policy.mode == "hold" else None
+        self._rate = 1.0 if self.hold is not None else policy.rate
 
     def seed(self, session: SessionId) -> bytes:
         """The session's seed, drawn on first use (the router asks when the job opens)."""
@@ -108,7 +118,9 @@ class AuditHub:
     def asked(self, auditor: NodeName, req: AuditRequest) -> None:
         """``req`` is going to ``auditor``: its verdict will be taken (the oldest of too many
         unanswered requests is forgotten)."""
-        self._asked[(auditor, req.accused, req.session, req.index)] = None
+        self._asked[(auditor, req.accused, req.session, req.index)] = req.chunk.seq
+        if self.hold is not None:
+            self.hold.asked(SessionId(req.session), req.accused, req.chunk.seq)
         while len(self._asked) > _ASKED_MAX:
             del self._asked[next(iter(self._asked))]
 
@@ -118,7 +130,17 @@ class AuditHub:
         key = (auditor, verdict.accused, verdict.session, verdict.index)
         if verdict.auditor != auditor or key not in self._asked:
             return False
-        del self._asked[key]
+        seq = self._asked.pop(key)
+        if self.hold is not None:
+            ok = (
+                verdict.ok and verdict.method != "error"
+            )  # an audit that did not run confirms nothing
+            why = (
+                verdict.detail
+                if verdict.method != "error"
+                else f"the audit failed to run: {verdict.detail}"
+            )
+            self.hold.answered(SessionId(verdict.session), verdict.accused, seq, ok, why)
         return True
 
     def nonce(self, session: SessionId) -> bytes:
@@ -132,6 +154,8 @@ class AuditHub:
     ) -> list[AuditRequest]:
         """Take ``sender``'s copy; the audit requests it makes due (for ``ring`` as it is)."""
         self.copies += 1
+        if self.hold is not None:
+            self.hold.ring([h.node for h in ring])
         if self._next.get(sender, copy.n) != copy.n:
             log.warning("audit: copies from %s have a gap; its sessions are not audited", sender)
             for (_, node), seen in self._seen.items():
@@ -139,6 +163,8 @@ class AuditHub:
         self._next[sender] = copy.n + 1
         if copy.kind == "end" and sender == self._coordinator:
             self._seeds.pop(SessionId(copy.session), None)
+            if self.hold is not None:
+                self.hold.ended(SessionId(copy.session))
         names = [self._coordinator, *(h.node for h in ring)]
         if sender not in names:
             return []
@@ -169,7 +195,7 @@ class AuditHub:
                     accused.device_class, accused.dtype, self._batched,
                 ),
                 seed=self.seed(SessionId(copy.session)),
-                rate=self._policy.rate,
+                rate=self._rate,
             )  # fmt: skip
             seen = self._seen[key] = _Seen(sampler, complete=True)
             if len(self._seen) > _SESSIONS_MAX:  # copies for sessions that never end
@@ -189,6 +215,9 @@ class AuditHub:
         if len(seen.early) > _EARLY_MAX:  # outputs with no input: the two streams disagree
             log.warning("audit: %s sent chunks it was not given; not audited", accused.node)
             seen.complete, seen.early = False, []
+        if not seen.complete and self.hold is not None:
+            why = "it joined the session mid-way, or its copies have a gap"
+            self.hold.unconfirmable(SessionId(copy.session), accused.node, why)
         return self._drain(seen) if seen.complete else []
 
     def _drain(self, seen: _Seen) -> list[AuditRequest]:

@@ -9,12 +9,16 @@ auditor (``[[standby]] role = "auditor"``) that holds a block answer audit reque
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
-from shard.messages import NodeName
+from shard.coordinator.driver import Hold
+from shard.coordinator.events import RingError
+from shard.failover.audits import AuditHub
+from shard.failover.hold import HoldFailed
+from shard.messages import NodeName, SessionId
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
 from shard.spec.swarm import SwarmSpec
@@ -56,3 +60,22 @@ def auditing(
         )  # fmt: skip
 
     return Auditing(mirrored, copies, on_audit)
+
+
+def hold_gate(hub: AuditHub | None) -> Hold | None:
+    """``[audit] mode = "hold"``: the coordinator's release gate — a request's verdict waits
+    for the hub's confirmations (``shard.failover.hold``); one that cannot be confirmed ends
+    the request with a ``RingError`` holding only the tokens released before it. None when
+    the swarm does not audit, or samples."""
+    book = hub.hold if hub is not None else None
+    if book is None:
+        return None
+
+    async def hold(session: SessionId, seq: int, released: Sequence[int]) -> None:
+        try:
+            await book.wait(session, seq)
+        except HoldFailed as exc:
+            msg = f'tokens withheld ([audit] mode = "hold"): {exc}'
+            raise RingError(msg, committed=released) from None
+
+    return hold

@@ -24,6 +24,7 @@ import trio
 
 from shard.api.server import ApiServer, make_server
 from shard.coordinator.checkpoint import CheckpointStore
+from shard.coordinator.driver import Hold
 from shard.coordinator.router import Coordinator
 from shard.coordinator.service import complete
 from shard.decode.draft import (
@@ -49,6 +50,7 @@ from shard.messages.audit import AuditCopy
 from shard.model.config import ModelConfig
 from shard.model.profile import weight_bytes
 from shard.model.tokenizer import Tokenizer
+from shard.nodes.auditing import hold_gate
 from shard.nodes.drafter import make_drafter
 from shard.nodes.launcher import api_listen_error
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
@@ -154,6 +156,7 @@ def _router(
     control: trio.MemoryReceiveChannel[RingControl],
     sent_log: ReplayLog,
     nonces: Callable[[SessionId], bytes] | None,
+    hold: Hold | None = None,
 ) -> tuple[Coordinator, Tokenizer]:
     """The coordinator's router and its tokenizer."""
     name = NodeName(spec.coordinator.name)
@@ -168,6 +171,7 @@ def _router(
         incarnation=secrets.randbits(20),
         sent_log=sent_log,
         nonces=nonces,
+        hold=hold,
         node=name,
         eos_ids=eos,
         to_ring=to_ring,
@@ -277,6 +281,7 @@ async def run_coordinator(
         control=control_recv,
         sent_log=sent_log,
         nonces=hub.nonce if hub is not None else None,
+        hold=hold_gate(hub),
     )
     scheduler_box: list[Scheduler] = []  # the ring link's copies go to the scheduler below
 

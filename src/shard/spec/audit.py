@@ -10,6 +10,7 @@ sketch_dims = 256         # random-projection sketch size (mixed hardware or dty
                           # calibrated to the two ends' dtypes, shard.trust.audit)
 token_margin = 1.0        # the tail: a differing token within this many logits is a tie
 mode = "sample"           # "hold": a chunk's tokens reach the client only once audited
+hold_timeout_s = 60.0     # hold: a verdict not confirmed this long ends its request
 evidence_dir = "evidence" # each strike's signed evidence is written here (absent: the cache)
 ```
 
@@ -37,6 +38,7 @@ AUDIT_KEYS: Final = (
     "cosine_threshold",
     "token_margin",
     "mode",
+    "hold_timeout_s",
     "evidence_dir",
 )
 AUDIT_MODES: Final = ("sample", "hold")
@@ -60,8 +62,10 @@ class AuditSpec:
     token_margin: float = 1.0
     #: "sample": audit at ``rate``, tokens reach the client as committed; "hold": audit every
     #: chunk of every stage and release a chunk's tokens only once an independent replica
-    #: confirmed every stage's part of it (``shard.coordinator.hold``, docs/security.md)
+    #: confirmed every stage's part of it (``shard.failover.hold``, docs/security.md)
     mode: str = "sample"
+    #: hold: how long a verdict may wait for its confirmations before its request ends
+    hold_timeout_s: float = 60.0
     #: where the coordinator writes each strike's signed evidence (absolute; None: the
     #: default under shard's cache, ``shard.failover.evidence_files.default_evidence_dir``)
     evidence_dir: str | None = None
@@ -91,6 +95,7 @@ def read_audit(table: Table, base_dir: Path | None = None) -> AuditSpec:
         ),
         token_margin=table.number("token_margin", default=d.token_margin),
         mode=table.string("mode", default=d.mode),
+        hold_timeout_s=table.number("hold_timeout_s", default=d.hold_timeout_s, positive=True),
         evidence_dir=_evidence_dir(table, base_dir),
     )
     if spec.mode not in AUDIT_MODES:
