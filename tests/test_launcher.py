@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from procs import LineReader, alive, orphans, run_python, run_shard, started_python, wait_gone
 from shard.nodes.launcher import (
@@ -22,6 +24,7 @@ from shard.nodes.launcher import (
     SwarmError,
     _command,
 )
+from shard.nodes.startup import StartTimeout, cpu_seconds, wait_ready
 
 
 def _supervisor() -> tuple[Supervisor, list[NodeExit]]:
@@ -130,3 +133,65 @@ async def test_shard_up_dies_with_parent_before_reading_its_spec(tmp_path: Path)
     done = await run_shard(*args, timeout_s=60)
     assert done.returncode == -signal.SIGKILL, done.describe()
     assert "launcher (pid 1) exited; stopping" in done.stderr
+
+
+# --- how long a start is waited for (shard.nodes.startup) ------------------------------------
+
+
+def _cpu_clock(rate: float) -> Callable[[Sequence[str]], float]:
+    """The starting nodes' CPU time as if each used ``rate`` s of CPU per second (virtual)."""
+    return lambda nodes: rate * len(nodes) * trio.current_time()
+
+
+async def _ready_after(send: trio.MemorySendChannel[dict[str, str]], at_s: float) -> None:
+    async with send:
+        await trio.sleep_until(at_s)
+        for node in ("coord", "s0"):
+            await send.send({"node": node, "pid": "1", "address": "127.0.0.1:1"})
+
+
+async def test_a_slow_start_that_works_is_waited_for(autojump_clock: MockClock) -> None:
+    """Nodes that use CPU (10% of a core each: a loaded host) and are ready at 400 s are
+    waited for past the 180 s deadline: it failed a swarm that was only slow to start."""
+    send, recv = trio.open_memory_channel[dict[str, str]](0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_ready_after, send, 400.0)
+        seen = await wait_ready(recv, ["coord", "s0"], 180.0, _cpu_clock(0.1))
+    assert sorted(seen) == ["coord", "s0"]
+    assert trio.current_time() == pytest.approx(400.0)
+
+
+@pytest.mark.parametrize(
+    ("rate", "ends_at", "says"),
+    [
+        (0.001, 180.0, "stuck"),  # a retry loop's milliseconds: not progress
+        (0.1, 5 * 180.0, "the most a start is waited for"),
+    ],
+)
+async def test_a_start_that_is_stuck_or_too_long_fails_naming_the_nodes(
+    autojump_clock: MockClock, rate: float, ends_at: float, says: str
+) -> None:
+    """Nodes that use (almost) no CPU fail at the deadline; working ones at 5x it, each
+    naming the nodes not ready and why the wait ended."""
+    send, recv = trio.open_memory_channel[dict[str, str]](0)
+    async with send:
+        with pytest.raises(StartTimeout) as caught:
+            await wait_ready(recv, ["coord", "s0"], 180.0, _cpu_clock(rate))
+    assert trio.current_time() == pytest.approx(ends_at)
+    assert str(caught.value).startswith(f"nodes not ready after {ends_at:.0f} s: ['coord', 's0']")
+    assert says in str(caught.value)
+
+
+async def test_without_cpu_readings_the_deadline_is_plain(autojump_clock: MockClock) -> None:
+    """Where CPU time cannot be read, the start fails at ``timeout_s``, as before."""
+    send, recv = trio.open_memory_channel[dict[str, str]](0)
+    async with send:
+        with pytest.raises(StartTimeout, match=r"^nodes not ready after 180 s: \['s0'\]$"):
+            await wait_ready(recv, ["s0"], 180.0, lambda nodes: None)
+
+
+def test_cpu_seconds_reads_this_process() -> None:
+    """``/proc/PID/stat`` gives this process's CPU time (it has used some), None for no PID."""
+    used = cpu_seconds(os.getpid())
+    assert used is not None and used > 0
+    assert cpu_seconds(2**22 + 1) is None  # above the kernel's pid_max default

@@ -35,6 +35,7 @@ from typing import IO
 import attrs
 import trio
 
+from shard.nodes.startup import StartTimeout, cpu_of, wait_ready
 from shard.spec.api import parse_api_address
 from shard.spec.layout import Layout
 from shard.spec.swarm import SwarmSpec
@@ -293,8 +294,9 @@ async def launch(
     Cancellation: stops every child (``_terminate``), shielded, before returning.
 
     Errors: ``SwarmError`` when a node exits before the swarm is up, the coordinator exits, or
-    the swarm is not ready in time; ``ListenError`` when the API's address is taken (checked
-    before any node starts).
+    the swarm is not ready by ``startup_timeout_s`` and not working towards it (a start that
+    uses CPU is waited for longer, ``shard.nodes.startup``); ``ListenError`` when the API's
+    address is taken (checked before any node starts).
     """
     listen = parse_api_address(api) if api is not None else spec.api.listen
     if listen is not None:
@@ -324,7 +326,12 @@ async def launch(
                     )
                     procs.append(proc)
                     nursery.start_soon(_watch, name, proc, ready_send.clone(), supervisor)
-            seen = await _wait_ready(ready_recv, [n for n, _ in nodes], startup_timeout_s)
+            names = [n for n, _ in nodes]
+            cpu = cpu_of(dict(zip(names, (p.pid for p in procs), strict=True)))
+            try:  # a slow start (a loaded host) is waited for while it works (.startup)
+                seen = await wait_ready(ready_recv, names, startup_timeout_s, cpu)
+            except StartTimeout as exc:
+                raise SwarmError(str(exc)) from None
             supervisor.up = True
             pids = {name: int(f["pid"]) for name, f in seen.items()}
             address = seen[spec.coordinator.name]["address"]
@@ -335,17 +342,3 @@ async def launch(
             task_status.started(handle)
     finally:
         await _terminate(procs)
-
-
-async def _wait_ready(
-    ready: trio.MemoryReceiveChannel[dict[str, str]], nodes: list[str], timeout_s: float
-) -> dict[str, dict[str, str]]:
-    """Every node's READY fields, by node. Errors: ``SwarmError`` after ``timeout_s``."""
-    seen: dict[str, dict[str, str]] = {}
-    with trio.move_on_after(timeout_s):
-        async for fields in ready:
-            seen[fields["node"]] = fields
-            if len(seen) == len(nodes):
-                return seen
-    missing = sorted(set(nodes) - seen.keys())
-    raise SwarmError(f"nodes not ready after {timeout_s:g} s: {missing}")
