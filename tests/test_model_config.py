@@ -108,7 +108,7 @@ def test_to_hf_round_trips(d: dict[str, Any]) -> None:
     ("change", "message"),
     [
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "'longrope' is not supported"),
         ({"num_key_value_heads": 5}, "multiple of n_kv_heads"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),

@@ -14,14 +14,25 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "ModelLoadError", "RopeScaling"]
+from shard.model.families import MoeConfig, family_fields
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeScaling"]
 
 #: HF ``model_type`` -> the ``architectures`` entry transformers uses for it.
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
+
+#: The activations a feed-forward may use (HF ``hidden_act`` names).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class ModelLoadError(Exception):
@@ -30,19 +41,29 @@ class ModelLoadError(Exception):
 
 @attrs.frozen
 class RopeScaling:
-    """Llama-3 style (``rope_type: "llama3"``) rotary frequency scaling."""
+    """Rotary frequency scaling: ``kind`` is HF's ``rope_type`` — ``"llama3"`` (Llama 3.x),
+    ``"yarn"`` (gpt-oss; ``beta_*``, ``truncate``, ``attention_factor``) or ``"linear"``
+    (positions divided by ``factor``). Fields another kind does not use keep their defaults."""
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @attrs.frozen
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM).
 
-    ``sliding_window`` is Mistral's local attention span (``None``: full causal attention).
+    ``sliding_window`` is the local attention span (``None``: full causal attention): of
+    every layer when ``layer_types`` is ``None`` (Mistral), else of the ``"sliding_attention"``
+    layers only (Gemma 3, gpt-oss). The fields after it are the families' declared differences
+    (``shard.model.families``); their defaults are a plain Llama.
     """
 
     arch: str
@@ -62,6 +83,19 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    norm_unit_offset: bool = False  # norms scale by (1 + weight), in fp32 (Gemma)
+    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), in the model dtype (Gemma)
+    hidden_act: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    layer_types: tuple[str, ...] | None = None  # "full_attention" | "sliding_attention"
+    rope_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
+    partial_rotary: float = 1.0  # fraction of each head that is rotated (GLM)
+    attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
+    o_proj_bias: bool = False
+    moe: MoeConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         _check(self.arch in ARCHITECTURES, f"unsupported architecture {self.arch!r}")
@@ -76,6 +110,42 @@ class ModelConfig:
             f"head_dim must be even, got {self.head_dim}",
         )
         _check(self.max_position_embeddings > 0, "max_position_embeddings must be positive")
+        _check(
+            self.hidden_act in ACTIVATIONS, f"hidden_act {self.hidden_act!r} not in {ACTIVATIONS}"
+        )
+        _check(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "the rotary part must be even")
+        if self.layer_types is not None:
+            _check(len(self.layer_types) == self.n_layers, "layer_types must name every layer")
+            kinds = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            _check(not kinds, f"unknown layer_types {sorted(kinds)}")
+            _check(
+                self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                "sliding_attention layers need a sliding_window",
+            )
+        if self.moe is not None:
+            m = self.moe
+            _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
+            _check(all(0 <= i < self.n_layers for i in m.sparse_layers), "sparse layer range")
+            _check(m.n_experts % m.n_group == 0, "n_experts must be a multiple of n_group")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dimensions of each head rotary embeddings turn (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of (global) ``layer``, or ``None`` for full causal attention."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` uses the sliding layers' own rope base (``rope_local_theta``)."""
+        return self.rope_local_theta is not None and self.window_of(layer) is not None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether (global) ``layer``'s feed-forward is a sparse mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def architecture(self) -> str:
@@ -94,8 +164,8 @@ class ModelConfig:
             return _from_hf(cls, d)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(
-                f"config.json is not a usable Llama-family config ({type(e).__name__}: {e}); "
-                "check that the checkpoint is a Llama, Qwen2 or Mistral causal LM"
+                f"config.json is not a usable Llama-family config ({type(e).__name__}: {e}); check "
+                f"that the checkpoint is a causal LM of a supported family: {sorted(ARCHITECTURES)}"
             ) from e
 
     @classmethod
@@ -138,7 +208,14 @@ class ModelConfig:
             "torch_dtype": "float32",
         }
         if self.rope_scaling is not None:
-            d["rope_scaling"] = {"rope_type": "llama3", **attrs.asdict(self.rope_scaling)}
+            rs = self.rope_scaling
+            d["rope_scaling"] = {
+                "rope_type": rs.kind,
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+            }
         if self.arch == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
@@ -155,17 +232,21 @@ def _from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     n_heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     rope = d.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer type (Gemma 3 in transformers 5)
+        rope = rope["full_attention"] or {}
     rope_theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     scaling = d.get("rope_scaling") or rope or None
     if d.get("mlp_bias"):
         raise ModelLoadError("mlp_bias=true is not supported; only bias-free MLPs are")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu' is")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"hidden_act {act!r} is not supported; only {ACTIVATIONS} are")
     sliding = None
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral", "gemma3_text", "gpt_oss"):
         sliding = d.get("sliding_window")
-    elif arch == "qwen2" and d.get("use_sliding_window"):
-        raise ModelLoadError("Qwen2 use_sliding_window=true is not supported; set it to false")
+    elif d.get("use_sliding_window"):
+        raise ModelLoadError(f"{arch} use_sliding_window=true is not supported; set it to false")
+    n_layers = int(d["num_hidden_layers"])
     eos = d.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     return cls(
@@ -173,7 +254,7 @@ def _from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(d["intermediate_size"]),
-        n_layers=int(d["num_hidden_layers"]),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
         head_dim=int(d.get("head_dim") or hidden // n_heads),
@@ -182,10 +263,11 @@ def _from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         rope_scaling=_rope_scaling(scaling, int(d["max_position_embeddings"])),
         max_position_embeddings=int(d["max_position_embeddings"]),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+        attention_bias=arch == "qwen2" or bool(d.get("attention_bias", arch == "gpt_oss")),
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=tuple(int(i) for i in eos_ids),
         sliding_window=None if sliding is None else int(sliding),
+        **family_fields(arch, d, n_layers),
     )
 
 
@@ -212,15 +294,24 @@ def _rope_scaling(d: dict[str, Any] | None, max_pos: int) -> RopeScaling | None:
     kind = d.get("rope_type", d.get("type", "default"))
     if kind == "default":
         return None
-    if kind != "llama3":
+    if kind not in ("llama3", "yarn", "linear"):
         raise ModelLoadError(
-            f"rope scaling type {kind!r} is not supported; shard implements 'llama3' only"
+            f"rope scaling type {kind!r} is not supported; shard implements 'llama3', 'yarn' "
+            "and 'linear'"
         )
+    if kind == "yarn" and (d.get("mscale") or d.get("mscale_all_dim")):
+        raise ModelLoadError("yarn rope with mscale / mscale_all_dim is not supported")
+    attn_factor = d.get("attention_factor")
     return RopeScaling(
         factor=float(d["factor"]),
-        low_freq_factor=float(d["low_freq_factor"]),
-        high_freq_factor=float(d["high_freq_factor"]),
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", max_pos)),
+        kind=str(kind),
+        beta_fast=float(d.get("beta_fast") or 32.0),
+        beta_slow=float(d.get("beta_slow") or 1.0),
+        truncate=bool(d.get("truncate", True)),
+        attention_factor=None if attn_factor is None else float(attn_factor),
     )
 
 

@@ -1,14 +1,19 @@
-"""A Llama-family decoder in plain torch, cut into pipeline stages.
+"""A decoder of any supported family in plain torch, cut into pipeline stages.
 
 ``StageModel`` holds one contiguous block of layers ``[first, last)``: the token embedding iff it
 is the first stage, the final norm and LM head iff it is the last. Read it top-down::
 
-    StageModel -> Block -> Attention / FeedForward / RMSNorm
+    StageModel -> Block -> Attention (shard.model.attention) / FeedForward | SparseMoE
+    (shard.model.moe) / RMSNorm
 
 Modules and parameters carry Hugging Face's names (``embed_tokens``, ``self_attn.q_proj``,
 ``mlp.gate_proj``, ...) so the loader maps checkpoint tensors by shifting a layer index, nothing
-more. The math follows HF's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` op for op (rotate-half
-rotary, fp32 RMSNorm, SwiGLU), which is what makes greedy output token-identical to transformers.
+more (Mixtral's ``block_sparse_moe`` too). The math follows each family's transformers model op
+for op (rotate-half rotary, fp32 RMSNorm, SwiGLU, and each family's declared differences:
+``shard.model.families``), which is what makes greedy output token-identical to transformers.
+Layers of one model may differ (Gemma 3 and gpt-oss alternate sliding-window and full
+attention, with their own rope tables; GLM's first layers are dense): every layer reads the
+rope and mask of its own kind (``Block.window``, ``Block.local_rope``).
 
 Splitting is bit-identical: each layer runs the same ops on the same shapes whichever stage holds
 it, and the rotary tables are computed the same way everywhere, so running ``[0, a)``, ``[a, b)``,
@@ -17,16 +22,23 @@ it, and the rotary tables are computed the same way everywhere, so running ``[0,
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, NamedTuple, overload
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shard.model.attention import (
+    Attention,
+    RMSNorm,
+    apply_rotary,
+    make_norm,
+    rope_inv_freq,
+    rope_tables,
+)
 from shard.model.config import ModelConfig
 from shard.model.kvcache import KVCache
 from shard.model.linear import Linear
+from shard.model.moe import FeedForward, make_ffn
 
 __all__ = [
     "Attention",
@@ -36,164 +48,36 @@ __all__ = [
     "RMSNorm",
     "StageModel",
     "TailOut",
+    "apply_rotary",
+    "rope_inv_freq",
     "rope_tables",
 ]
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Rotary inverse frequencies ``[head_dim // 2]``, fp32, exactly as transformers computes them.
-
-    With ``rope_scaling`` this is HF's ``_compute_llama3_parameters``: long wavelengths are divided
-    by ``factor``, short ones kept, the band between interpolated smoothly.
-    """
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    rs = config.rope_scaling
-    if rs is None:
-        return inv_freq
-    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
-    """``cos, sin`` of shape ``[max_position_embeddings, head_dim // 2]``, fp32 on CPU.
-
-    HF stores ``cat(freqs, freqs)``; both halves are equal, so half the table suffices and
-    ``apply_rotary`` pairs dimension ``i`` with ``i + head_dim/2`` (the rotate-half layout).
-    """
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-    freqs = positions[:, None] * rope_inv_freq(config)[None, :]  # [P, Dh/2]
-    return freqs.cos(), freqs.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[B, H, S, Dh]`` by ``cos, sin`` ``[S, Dh/2]`` (HF's rotate-half layout).
-
-    Equals HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` bit for bit.
-    """
-    x1, x2 = x.chunk(2, dim=-1)  # [B, H, S, Dh/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, H, S, Dh]
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF does)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class Attention(nn.Module):
-    """Grouped-query self-attention over a static KV cache; optional q/k/v biases (Qwen2)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d, dh, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, dh
-        self.q_proj = Linear(d, config.n_heads * dh, bias=bias)
-        self.k_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
-        self.v_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
-        self.o_proj = Linear(config.n_heads * dh, d, bias=False)
-
-    def forward(
-        self,
-        x: Tensor,
-        rope: tuple[Tensor, Tensor],
-        mask: Tensor,
-        cache: KVCache,
-        layer: int,
-        start: int | Tensor,
-    ) -> Tensor:
-        """``x`` ``[B, S, D]`` at positions ``[start, start+S)``; keys are ``[0, start+S)``.
-
-        ``start`` a tensor: the positions ``[S]`` themselves, and keys are the whole cache
-        (``StageModel.forward_at``)."""
-        q, k, v = self.project(x, rope)
-        y = self.attend(q, k, v, mask, cache, layer, start)  # [B, H, S, Dh]
-        b, s, _ = x.shape
-        y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H*Dh]
-        out: Tensor = self.o_proj(y)
-        return out
-
-    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Rotated ``q`` ``[B, H, S, Dh]`` and ``k``, ``v`` ``[B, KV, S, Dh]`` of ``x``
-        ``[B, S, D]`` (row-wise: ``shard.model.packed`` runs it over many sessions' rows)."""
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B,KV,S,Dh]
-        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
-
-    def attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor,
-        cache: KVCache,
-        layer: int,
-        start: int | Tensor,
-    ) -> Tensor:
-        """Write ``k, v`` into ``cache`` at ``start``; attend ``q`` over it: ``[B, H, S, Dh]``."""
-        if isinstance(start, Tensor):
-            keys, values = cache.update_at(layer, start, k, v)  # [B, KV, max_len, Dh]
-        else:
-            keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
-        low = q.device.type == "cpu" and q.dtype != torch.float32
-        if low:
-            # CPU SDPA in bf16/fp16 is several times slower than in fp32 (a one-row query over
-            # 1,000 keys: 0.9 against 0.1 ms here); a copy up costs far less than it saves.
-            q, keys, values = q.float(), keys.float(), values.float()
-        y: Tensor = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )  # [B, H, S, Dh]
-        return y.to(k.dtype) if low else y
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(d, f, bias=False)
-        self.up_proj = Linear(d, f, bias=False)
-        self.down_proj = Linear(f, d, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
-
-
 class Block(nn.Module):
-    """One pre-norm transformer layer: attention then MLP, each with a residual."""
+    """One transformer layer: attention then feed-forward, each with a residual.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Pre-norm (Llama): ``h = x + attn(norm(x))``, ``out = h + ffn(norm'(h))``. With
+    ``sandwich_norms`` (Gemma) the attention and MLP outputs are normed too, and the MLP's
+    input norm is ``pre_feedforward_layernorm``. ``index`` is the layer's global index: it
+    fixes its window, its rope and whether its feed-forward is sparse.
+    """
+
+    mlp: nn.Module  # the feed-forward; Mixtral's sparse layers name it block_sparse_moe
+
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d = config.hidden_size
+        self.window, self.local_rope = config.window_of(index), config.local_rope(index)
+        self.sandwich = config.sandwich_norms
+        self.input_layernorm = make_norm(config, d)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        self.post_attention_layernorm = make_norm(config, d)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(config, d)
+            self.post_feedforward_layernorm = make_norm(config, d)
+        self.ffn_name = "block_sparse_moe" if _mixtral_names(config, index) else "mlp"
+        self.add_module(self.ffn_name, make_ffn(config, index))
 
     def forward(
         self,
@@ -204,9 +88,25 @@ class Block(nn.Module):
         layer: int,
         start: int | Tensor,
     ) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
-        out: Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
+        return self.feed_forward(self.attn_residual(x, a))
+
+    def attn_residual(self, x: Tensor, a: Tensor) -> Tensor:
+        """``x`` plus the attention output ``a`` (normed first under ``sandwich_norms``)."""
+        return x + (self.post_attention_layernorm(a) if self.sandwich else a)
+
+    def feed_forward(self, h: Tensor) -> Tensor:
+        """``h`` plus the feed-forward of its norm (row-wise)."""
+        ffn = self.get_submodule(self.ffn_name)
+        if self.sandwich:
+            y: Tensor = self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(h)))
+            return h + y
+        out: Tensor = h + ffn(self.post_attention_layernorm(h))
         return out
+
+
+def _mixtral_names(config: ModelConfig, index: int) -> bool:
+    return config.moe is not None and config.moe.names == "mixtral" and config.is_sparse(index)
 
 
 class TailOut(NamedTuple):
@@ -233,8 +133,8 @@ class StageModel(nn.Module):
         self.is_first, self.is_last = first == 0, last == config.n_layers
         d, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(vocab, d) if self.is_first else None
-        self.layers = nn.ModuleList(Block(config) for _ in range(first, last))
-        self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_last else None
+        self.layers = nn.ModuleList(Block(config, i) for i in range(first, last))
+        self.norm = make_norm(config, d) if self.is_last else None
         self.lm_head = Linear(d, vocab, bias=False) if self.is_last else None
         if (
             self.lm_head is not None
@@ -249,6 +149,62 @@ class StageModel(nn.Module):
         self.rope_sin: Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_local_cos: Tensor | None
+        self.rope_local_sin: Tensor | None
+        local = None
+        if any(layer.local_rope for layer in self.blocks()):
+            local = rope_tables(config, local=True)
+        self.register_buffer("rope_local_cos", local and local[0], persistent=False)
+        self.register_buffer("rope_local_sin", local and local[1], persistent=False)
+
+    def blocks(self) -> list[Block]:
+        """The layers, typed."""
+        return [layer for layer in self.layers if isinstance(layer, Block)]
+
+    def embed(self, x: Tensor) -> Tensor:
+        """The first stage's embedding of ids ``[B, S]``: ``[B, S, D]`` (times ``sqrt(D)`` in
+        the model dtype with ``embed_scale``, as Gemma's scaled embedding computes it)."""
+        assert self.embed_tokens is not None
+        h: Tensor = self.embed_tokens(x)
+        if self.config.embed_scale:
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(h.dtype)
+        return h
+
+    def logits(self, normed: Tensor) -> Tensor:
+        """The head on final-normed rows ``[B, R, D]``: fp32 logits ``[B, R, V]`` (soft-capped
+        in the model dtype first when the family sets ``final_logit_softcapping``)."""
+        assert self.lm_head is not None
+        out: Tensor = self.lm_head(normed)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            out = torch.tanh(out / cap) * cap
+        return out.float()
+
+    def ropes_at(
+        self, select: slice | Tensor, dtype: torch.dtype
+    ) -> dict[bool, tuple[Tensor, Tensor]]:
+        """``{local_rope: (cos, sin)}`` at positions ``select`` (a slice, or a tensor ``[S]``)
+        for each rope kind this block's layers use."""
+        out: dict[bool, tuple[Tensor, Tensor]] = {}
+        for local in {layer.local_rope for layer in self.blocks()}:
+            cos, sin = (
+                (self.rope_local_cos, self.rope_local_sin)
+                if local
+                else (self.rope_cos, self.rope_sin)
+            )
+            assert cos is not None and sin is not None
+            if isinstance(select, slice):
+                out[local] = (cos[select].to(dtype), sin[select].to(dtype))
+            else:
+                out[local] = (
+                    cos.index_select(0, select).to(dtype),
+                    sin.index_select(0, select).to(dtype),
+                )
+        return out
+
+    def windows(self) -> set[int | None]:
+        """The distinct sliding windows of this block's layers (``None``: full attention)."""
+        return {layer.window for layer in self.blocks()}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -330,14 +286,11 @@ class StageModel(nn.Module):
         without autograd: an inference engine never wants a graph hanging off its KV cache.
         """
         s = self._check_input(x, start, cache)
-        h: Tensor = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
-        rope = (
-            self.rope_cos[start : start + s].to(h.dtype),  # [S, Dh/2]
-            self.rope_sin[start : start + s].to(h.dtype),  # [S, Dh/2]
-        )
-        mask = self.causal_mask(start, s, h.device)  # [S, start+S]
-        for j, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, cache, j, start)
+        h: Tensor = self.embed(x) if self.embed_tokens is not None else x  # [B, S, D]
+        ropes = self.ropes_at(slice(start, start + s), h.dtype)  # [S, R/2] each
+        masks = {w: self.causal_mask(start, s, h.device, w) for w in self.windows()}
+        for j, layer in enumerate(self.blocks()):
+            h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, j, start)
         if feature_rows is not None:
             return self.finish(h, s if head_rows is None else head_rows, feature_rows)
         if self.norm is None or self.lm_head is None:
@@ -352,8 +305,7 @@ class StageModel(nn.Module):
         """The last stage's final norm and head: hidden ``[B, S, D]`` -> logits ``[B, S, V]``."""
         if self.norm is None or self.lm_head is None:
             raise ValueError("only the last stage has the head")
-        logits: Tensor = self.lm_head(self.norm(h))
-        return logits.float()
+        return self.logits(self.norm(h))
 
     def finish(self, h: Tensor, head_rows: int, feature_rows: int) -> TailOut:
         """``head`` of the last ``head_rows`` rows of ``h`` ``[B, S, D]`` and the final norm's
@@ -373,8 +325,7 @@ class StageModel(nn.Module):
         m = max(head_rows, feature_rows)
         normed: Tensor = self.norm(h[:, s - m :])  # [B, m, D]
         rows = normed if m == head_rows else normed[:, m - head_rows :].clone()  # [B, R, D]
-        logits: Tensor = self.lm_head(rows)
-        return TailOut(logits.float(), normed[:, m - feature_rows :])
+        return TailOut(self.logits(rows), normed[:, m - feature_rows :])
 
     @overload
     def forward_at(self, x: Tensor, pos: Tensor, cache: KVCache) -> Tensor: ...
@@ -397,36 +348,39 @@ class StageModel(nn.Module):
         ``feature_rows``: a ``TailOut`` of the logits of every row and the last rows' features.
         """
         self._check_input(x, 0, cache)
-        h: Tensor = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
-        rope = (
-            self.rope_cos.index_select(0, pos).to(h.dtype),  # [S, Dh/2]
-            self.rope_sin.index_select(0, pos).to(h.dtype),  # [S, Dh/2]
-        )
-        mask = self.static_mask(pos, cache.max_len)  # [S, max_len]
-        for j, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, cache, j, pos)
+        h: Tensor = self.embed(x) if self.embed_tokens is not None else x  # [B, S, D]
+        ropes = self.ropes_at(pos, h.dtype)  # [S, R/2] each
+        masks = {w: self.static_mask(pos, cache.max_len, w) for w in self.windows()}
+        for j, layer in enumerate(self.blocks()):
+            h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, j, pos)
         if feature_rows is not None:
             return self.finish(h, int(h.shape[1]), feature_rows)
         if self.norm is None or self.lm_head is None:
             return h
-        logits: Tensor = self.lm_head(self.norm(h))  # [B, S, V]
-        return logits.float()
+        return self.logits(self.norm(h))  # [B, S, V]
 
-    def static_mask(self, pos: Tensor, max_len: int) -> Tensor:
+    def _window(self, window: int | str | None) -> int | None:
+        """``"model"``: the window of the first layer of this block (every layer's, except in
+        families that alternate windows, whose callers pass each layer's own)."""
+        return self.blocks()[0].window if isinstance(window, str) else window
+
+    def static_mask(self, pos: Tensor, max_len: int, window: int | str | None = "model") -> Tensor:
         """Boolean ``[S, max_len]``: queries at ``pos`` ``[S]`` over a whole cache (forward_at)."""
         k_pos = torch.arange(max_len, device=pos.device)[None, :]  # [1, max_len]
         q_pos = pos[:, None]  # [S, 1]
         mask = k_pos <= q_pos
-        window = self.config.sliding_window
-        return mask & (k_pos > q_pos - window) if window is not None else mask
+        w = self._window(window)
+        return mask & (k_pos > q_pos - w) if w is not None else mask
 
-    def causal_mask(self, start: int, s: int, device: torch.device) -> Tensor:
+    def causal_mask(
+        self, start: int, s: int, device: torch.device, window: int | str | None = "model"
+    ) -> Tensor:
         """Boolean ``[S, start+S]``: query ``start+i`` sees key ``j`` iff ``j <= start+i``
-        (and ``j > start+i - sliding_window`` when the model has one)."""
+        (and ``j > start+i - window`` for a sliding ``window``)."""
         q_pos = torch.arange(start, start + s, device=device)[:, None]  # [S, 1]
         k_pos = torch.arange(start + s, device=device)[None, :]  # [1, start+S]
         mask = k_pos <= q_pos
-        window = self.config.sliding_window
+        window = self._window(window)
         if window is not None:
             mask &= k_pos > q_pos - window
         return mask

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from shard.model.kvcache import KVCache
-from shard.model.llama import Block, StageModel, TailOut
+from shard.model.llama import StageModel, TailOut
 
 __all__ = ["Segment", "forward_packed", "segment_bounds"]
 
@@ -111,38 +111,43 @@ def forward_packed(
         raise ValueError(f"packed input {tuple(x.shape)} does not hold {total} rows in one batch")
     for seg in segments:
         model._check_input(x[:, : seg.rows], seg.start, seg.cache)
-    h: Tensor = model.embed_tokens(x) if model.embed_tokens is not None else x  # [1, T, D]
+    h: Tensor = model.embed(x) if model.embed_tokens is not None else x  # [1, T, D]
     dev = h.device
     pos = [torch.arange(s.start, s.start + s.rows, device=dev) for s in segments]  # [S_i] each
     if static:
-        masks = [model.static_mask(p, s.cache.max_len) for p, s in zip(pos, segments, strict=True)]
-        rope = (
-            torch.cat([model.rope_cos.index_select(0, p) for p in pos]).to(h.dtype),  # [T, Dh/2]
-            torch.cat([model.rope_sin.index_select(0, p) for p in pos]).to(h.dtype),  # [T, Dh/2]
-        )
-    else:
-        masks = [model.causal_mask(s.start, s.rows, dev) for s in segments]  # [S_i, start+S_i]
-        rope = (
-            torch.cat([model.rope_cos[s.start : s.start + s.rows] for s in segments]).to(h.dtype),
-            torch.cat([model.rope_sin[s.start : s.start + s.rows] for s in segments]).to(h.dtype),
-        )
+        masks = [
+            {w: model.static_mask(p, s.cache.max_len, w) for w in model.windows()}
+            for p, s in zip(pos, segments, strict=True)
+        ]
+        parts = [model.ropes_at(p, h.dtype) for p in pos]
+    else:  # [S_i, start+S_i] each
+        masks = [
+            {w: model.causal_mask(s.start, s.rows, dev, w) for w in model.windows()}
+            for s in segments
+        ]
+        parts = [model.ropes_at(slice(s.start, s.start + s.rows), h.dtype) for s in segments]
+    ropes = {  # kind -> [T, R/2] each, segments in order
+        kind: (torch.cat([p[kind][0] for p in parts]), torch.cat([p[kind][1] for p in parts]))
+        for kind in parts[0]
+    }
     bounds = segment_bounds(segments)
-    for j, layer in enumerate(model.layers):
-        assert isinstance(layer, Block)
+    for j, layer in enumerate(model.blocks()):
         attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(h), rope)  # [1, H|KV, T, Dh]
+        q, k, v = attn.project(
+            layer.input_layernorm(h), ropes[layer.local_rope]
+        )  # [1, H|KV, T, Dh]
         ys = []
         for i, (lo, hi) in enumerate(bounds):
             seg = segments[i]
             start: int | Tensor = pos[i] if static else seg.start
+            mask = masks[i][layer.window]
             ys.append(
                 attn.attend(
-                    q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], masks[i], seg.cache, j, start
+                    q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], mask, seg.cache, j, start
                 )
             )  # [1, H, S_i, Dh]
         y = torch.cat(ys, dim=2).transpose(1, 2).reshape(1, total, -1)  # [1, T, H*Dh]
-        h = h + attn.o_proj(y)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.feed_forward(layer.attn_residual(h, attn.o_proj(y)))
     if model.norm is None or model.lm_head is None:
         return h
     if head_rows is None:
@@ -182,5 +187,5 @@ def _finish(
         end += m
         heads.append(normed[:, end - n_head : end])
         feats.append(normed[:, end - n_feat : end])
-    logits: Tensor = model.lm_head(torch.cat(heads, dim=1))  # [1, sum(head_rows), V]
-    return TailOut(logits.float(), torch.cat(feats, dim=1))  # [1, sum(feature_rows), D]
+    logits = model.logits(torch.cat(heads, dim=1))  # [1, sum(head_rows), V]
+    return TailOut(logits, torch.cat(feats, dim=1))  # [1, sum(feature_rows), D]

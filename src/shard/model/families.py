@@ -1,0 +1,174 @@
+"""What each model family adds to the Llama decoder, read from its ``config.json``.
+
+A family is a small declared difference, not a copied model file: ``family_fields(arch, d)``
+returns the ``ModelConfig`` fields that differ from a plain Llama for that family, each read
+the way transformers reads it. ``ModelConfig`` stays the one typed view; ``shard.model.llama``
+and ``shard.model.moe`` act on the fields, never on the family's name.
+
+| family (``model_type``) | what it adds                                                      |
+|-------------------------|-------------------------------------------------------------------|
+| ``qwen3``               | q/k RMSNorm per head                                              |
+| ``gemma3_text``         | (1 + w) norms before and after attention and MLP, q/k norm,       |
+|                         | √hidden embedding scale, GELU-tanh, sliding layers with their own |
+|                         | rope base, ``query_pre_attn_scalar``, final logit softcapping      |
+| ``mixtral``             | sparse MoE: softmax over experts, top-k, renormalised             |
+| ``qwen3_moe``           | q/k norm; MoE as Mixtral with ``norm_topk_prob``, dense layers by  |
+|                         | ``decoder_sparse_step`` / ``mlp_only_layers``                      |
+| ``gpt_oss``             | router bias, top-k then softmax, clamped SwiGLU, fused experts,    |
+|                         | attention sinks, alternating sliding/full layers, YaRN, biases     |
+| ``glm4_moe``            | sigmoid router with correction bias, group-limited top-k, scaling, |
+|                         | shared experts, first layers dense, partial rotary, q/k norm       |
+
+This module imports neither torch nor safetensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["MoeConfig", "family_fields", "layer_types_of"]
+
+
+@attrs.frozen
+class MoeConfig:
+    """A sparse feed-forward: which layers have one and how their router picks experts.
+
+    ``router``: ``"softmax"`` (softmax over all experts, top-k; Mixtral, Qwen3-MoE),
+    ``"topk_softmax"`` (top-k of the logits, softmax over the chosen; gpt-oss) or
+    ``"sigmoid_group"`` (sigmoid scores, group-limited top-k by score + correction bias;
+    GLM-4.5). ``experts``: ``"swiglu"`` (separate gate/up/down per expert) or
+    ``"clamped_swiglu"`` (gpt-oss: fused interleaved ``gate_up_proj`` with biases).
+    ``names``: the checkpoint layout of separate experts — ``"hf"`` (``mlp.experts.N.gate_proj``)
+    or ``"mixtral"`` (``block_sparse_moe.experts.N.w1``). ``cast_weights``: the router's
+    weights are cast back to the model dtype before they scale the experts (Qwen3-MoE).
+    """
+
+    router: str
+    experts: str
+    n_experts: int
+    top_k: int
+    expert_size: int
+    sparse_layers: tuple[int, ...]
+    norm_topk_prob: bool = True
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    names: str = "hf"
+    cast_weights: bool = False
+
+
+def layer_types_of(d: dict[str, Any], n_layers: int, pattern: int | None) -> tuple[str, ...]:
+    """``layer_types`` as transformers fills them: given, else every ``pattern``-th layer full."""
+    given = d.get("layer_types")
+    if given:
+        return tuple(str(t) for t in given)
+    if pattern is None:
+        return ("full_attention",) * n_layers
+    return tuple(
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
+    )
+
+
+def family_fields(arch: str, d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """The ``ModelConfig`` fields ``arch`` sets beyond a Llama's (empty for llama/qwen2/mistral)."""
+    if arch == "qwen3":
+        return {"qk_norm": True}
+    if arch == "gemma3_text":
+        return _gemma3(d, n_layers)
+    if arch == "mixtral":
+        moe = _softmax_moe(d, int(d["num_local_experts"]), tuple(range(n_layers)))
+        return {"moe": attrs.evolve(moe, names="mixtral", norm_topk_prob=True)}
+    if arch == "qwen3_moe":
+        step = int(d.get("decoder_sparse_step", 1))
+        dense = set(d.get("mlp_only_layers") or ())
+        n_exp = int(d.get("num_experts") or d["num_local_experts"])
+        sparse = tuple(
+            i for i in range(n_layers) if i not in dense and n_exp > 0 and (i + 1) % step == 0
+        )
+        return {
+            "qk_norm": True,
+            "moe": attrs.evolve(_softmax_moe(d, n_exp, sparse), cast_weights=True),
+        }
+    if arch == "gpt_oss":
+        return _gpt_oss(d, n_layers)
+    if arch == "glm4_moe":
+        return _glm4_moe(d, n_layers)
+    return {}
+
+
+def _softmax_moe(d: dict[str, Any], n_experts: int, sparse: tuple[int, ...]) -> MoeConfig:
+    return MoeConfig(
+        router="softmax",
+        experts="swiglu",
+        n_experts=n_experts,
+        top_k=int(d["num_experts_per_tok"]),
+        expert_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        sparse_layers=sparse,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+    )
+
+
+def _gemma3(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError("Gemma attn_logit_softcapping is not supported (Gemma 3 leaves it null)")
+    rope = d.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {}
+    cap = d.get("final_logit_softcapping")
+    return {
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "qk_norm": True,
+        "hidden_act": str(d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
+        "attn_scale": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "final_logit_softcapping": None if cap is None else float(cap),
+        "layer_types": layer_types_of(d, n_layers, int(d.get("sliding_window_pattern", 6))),
+        "rope_local_theta": float(
+            local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0
+        ),
+    }
+
+
+def _gpt_oss(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    moe = MoeConfig(
+        router="topk_softmax",
+        experts="clamped_swiglu",
+        n_experts=int(d["num_local_experts"]),
+        top_k=int(d["num_experts_per_tok"]),
+        expert_size=int(d["intermediate_size"]),
+        sparse_layers=tuple(range(n_layers)),
+        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+    )
+    bias = bool(d.get("attention_bias", True))
+    return {
+        "moe": moe,
+        "attention_sinks": True,
+        "o_proj_bias": bias,
+        "layer_types": layer_types_of(d, n_layers, 2),
+    }
+
+
+def _glm4_moe(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    first_dense = int(d.get("first_k_dense_replace", 1))
+    moe = MoeConfig(
+        router="sigmoid_group",
+        experts="swiglu",
+        n_experts=int(d.get("n_routed_experts") or d["num_local_experts"]),
+        top_k=int(d["num_experts_per_tok"]),
+        expert_size=int(d["moe_intermediate_size"]),
+        sparse_layers=tuple(range(first_dense, n_layers)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        n_shared_experts=int(d.get("n_shared_experts", 1)),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        n_group=int(d.get("n_group", 1)),
+        topk_group=int(d.get("topk_group", 1)),
+    )
+    rope = d.get("rope_parameters") or {}
+    partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
+    return {"moe": moe, "qk_norm": bool(d.get("use_qk_norm", False)), "partial_rotary": partial}

@@ -1,0 +1,194 @@
+"""Feed-forwards: the dense gated MLP and the sparse mixture of experts, per family.
+
+A sparse layer routes each row to ``top_k`` of its experts and sums their outputs weighted by
+the router. Each router is transformers' own, op for op (``MoeConfig.router``):
+
+- ``softmax`` (Mixtral, Qwen3-MoE): softmax over all experts in fp32, top-k, renormalised when
+  ``norm_topk_prob`` (Mixtral always); Qwen3-MoE casts the weights back to the model dtype.
+- ``topk_softmax`` (gpt-oss): router with a bias, top-k of the logits, softmax over the chosen.
+- ``sigmoid_group`` (GLM-4.5): sigmoid scores in fp32; the choice is made on score +
+  ``e_score_correction_bias`` within the ``topk_group`` best of ``n_group`` groups (a group's
+  score: its two best), the weights are the plain scores, renormalised, times
+  ``routed_scaling_factor``; shared experts are added for every row.
+
+Experts run per row group: the router runs row-wise, then each chosen expert runs once over
+the rows that chose it (gathered), and each row's outputs are added in ascending expert order
+(``index_add_`` from zeros, as transformers does). Rows never interact: a row's experts, its
+weights and its order of addition do not depend on the other rows; only the row count an
+expert's product sees does — the same property the dense layers have
+(``shard.model.packed``, "Batch invariance"). The loop over experts reads the chosen ids back to
+the host, so a sparse block cannot be captured in a CUDA graph (graphs stay ``off`` for it).
+
+Checkpoint names: experts are ``<ffn>.experts.N.<gate|up|down>`` (Mixtral's ``w1|w3|w2`` under
+``block_sparse_moe``), the router ``<ffn>.gate``; gpt-oss keeps its experts fused
+(``mlp.experts.gate_up_proj`` ``[E, D, 2F]`` interleaved gate/up, with biases) and its router
+as ``mlp.router``. Separate experts are ``Linear`` modules, so a loader that quantizes linears
+quantizes experts the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shard.model.config import ModelConfig, MoeConfig
+from shard.model.linear import Linear
+
+__all__ = ["FeedForward", "FusedExperts", "SparseMoE", "make_ffn"]
+
+
+def _act(name: str, x: Tensor) -> Tensor:
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x)
+
+
+class FeedForward(nn.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU, or GELU-tanh for Gemma)."""
+
+    def __init__(self, config: ModelConfig, size: int | None = None) -> None:
+        super().__init__()
+        d, f = config.hidden_size, size or config.intermediate_size
+        self.act = config.hidden_act
+        self.gate_proj = Linear(d, f, bias=False)
+        self.up_proj = Linear(d, f, bias=False)
+        self.down_proj = Linear(f, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down_proj(_act(self.act, self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class MixtralExpert(nn.Module):
+    """One Mixtral expert under its checkpoint names: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, config: ModelConfig, size: int) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.w1 = Linear(d, size, bias=False)
+        self.w3 = Linear(d, size, bias=False)
+        self.w2 = Linear(size, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
+
+
+class GroupRouter(Linear):
+    """GLM-4.5's router weight with its ``e_score_correction_bias`` (selection only)."""
+
+    def __init__(self, d: int, n_experts: int) -> None:
+        super().__init__(d, n_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts))
+
+
+class FusedExperts(nn.Module):
+    """gpt-oss's experts, fused: ``gate_up_proj`` ``[E, D, 2F]`` (gate and up interleaved),
+    ``down_proj`` ``[E, F, D]``, biases; clamped SwiGLU ``(up + 1) * gate * sigmoid(a gate)``."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        e, d, f = moe.n_experts, config.hidden_size, moe.expert_size
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, d, 2 * f))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * f))
+        self.down_proj = nn.Parameter(torch.zeros(e, f, d))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, d))
+
+    def run(self, e: int, x: Tensor) -> Tensor:
+        """Expert ``e`` on rows ``x`` ``[n, D]``."""
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2F]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        out: Tensor = ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, D]
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Router -> top-k experts -> weighted sum (module docstring), experts held per layer."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        self.moe, d = moe, config.hidden_size
+        self.experts: nn.Module
+        if moe.experts == "clamped_swiglu":
+            self.router = Linear(d, moe.n_experts, bias=True)
+            self.experts = FusedExperts(config, moe)
+        else:
+            self.gate = (
+                GroupRouter(d, moe.n_experts)
+                if moe.router == "sigmoid_group"
+                else Linear(d, moe.n_experts, bias=False)
+            )
+            size = moe.expert_size
+            make = MixtralExpert if moe.names == "mixtral" else FeedForward
+            self.experts = nn.ModuleList(make(config, size) for _ in range(moe.n_experts))
+        self.shared_experts = (
+            FeedForward(config, moe.expert_size * moe.n_shared_experts)
+            if moe.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])  # [T, D]
+        weights, chosen = self.route(h)  # [T, k] each
+        out = torch.zeros_like(h)
+        for e in sorted(set(chosen.flatten().tolist())):
+            rows, slot = torch.where(chosen == e)  # the rows that chose e, and in which slot
+            y = self._expert(e, h[rows]) * weights[rows, slot, None]  # [n, D]
+            out.index_add_(0, rows, y.to(out.dtype))
+        out = out.reshape(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _expert(self, e: int, x: Tensor) -> Tensor:
+        if isinstance(self.experts, FusedExperts):
+            return self.experts.run(e, x)
+        assert isinstance(self.experts, nn.ModuleList)
+        y: Tensor = self.experts[e](x)
+        return y
+
+    def route(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's expert weights and ids ``[T, top_k]``, as the family's router defines."""
+        m = self.moe
+        if m.router == "topk_softmax":
+            logits = self.router(h)  # [T, E]
+            top, chosen = torch.topk(logits, m.top_k, dim=-1)
+            return F.softmax(top, dim=1, dtype=top.dtype), chosen
+        if m.router == "sigmoid_group":
+            return self._route_groups(h)
+        logits = self.gate(h)  # [T, E]
+        probs = F.softmax(logits.float(), dim=-1)
+        top, chosen = torch.topk(probs, m.top_k, dim=-1)
+        if m.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top.to(logits.dtype) if m.cast_weights else top), chosen
+
+    def _route_groups(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        m, gate = self.moe, self.gate
+        assert isinstance(gate, GroupRouter)
+        scores = F.linear(h.float(), gate.weight.float()).sigmoid()  # [T, E]
+        choice = scores + gate.e_score_correction_bias.float()
+        per_group = m.n_experts // m.n_group
+        group_scores = choice.view(-1, m.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, G]
+        keep = group_mask.unsqueeze(-1).expand(-1, m.n_group, per_group).reshape(-1, m.n_experts)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        chosen = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * m.routed_scaling_factor, chosen
+
+
+def make_ffn(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s feed-forward: sparse where the family says so, else dense."""
+    if config.moe is not None and config.is_sparse(layer):
+        return SparseMoE(config, config.moe)
+    return FeedForward(config)

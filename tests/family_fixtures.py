@@ -1,0 +1,205 @@
+"""Tiny random checkpoints of every model family, built by transformers' own classes.
+
+Each family is built from a fixed seed with its transformers config and ``*ForCausalLM``
+class, its weights re-drawn at trained-model scales (``_redraw``: transformers' own init, std
+0.02, gives near-zero logits and greedy ties), saved with ``save_pretrained`` (Mixtral as two
+shards with an index, a small ``max_shard_size``) next to the tiny byte-level tokenizer of
+``shard.testing``. ``family_dir(name)`` builds one once per test session (the session-scoped
+``family_checkpoint`` fixture caches it); tests must not modify it.
+
+The configs turn on what makes each family differ: Gemma 3 alternates sliding (window 8, its
+own rope base) and full layers with linear rope scaling, a ``query_pre_attn_scalar`` unlike
+the head size and final logit softcapping; gpt-oss alternates windows with YaRN; GLM has a
+dense first layer, 2 expert groups of 4, a shared expert and partial rotary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shard.testing import SPECIAL_TOKENS, _tokenizer_config, _write_json, tiny_tokenizer
+
+SEED = 31
+#: Common shape: 4 layers, hidden 64, 4 query / 2 KV heads of 16.
+BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+#: family name -> (transformers config class, model class, config kwargs).
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "intermediate_size": 128,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"intermediate_size": 128}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "intermediate_size": 128,
+            "tie_word_embeddings": True,
+            "sliding_window": 8,
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+                "truncate": False,
+            },
+        },
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
+}
+
+#: Families saved sharded (``model.safetensors.index.json``) rather than as one file.
+SHARDED = {"mixtral": "200KB"}
+
+
+def family_dir(name: str, root: Path) -> Path:
+    """Build family ``name``'s tiny checkpoint under ``root / name`` and return the directory."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    tok = tiny_tokenizer()
+    im_end, endoftext = (tok.token_to_id(t) for t in SPECIAL_TOKENS[1:])
+    kw = {**BASE, **extra, "vocab_size": tok.get_vocab_size()}
+    kw |= {"bos_token_id": endoftext, "eos_token_id": im_end, "pad_token_id": endoftext}
+    config = getattr(transformers, config_cls)(**kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = getattr(transformers, model_cls)(config).eval()
+    _redraw(model, name, torch.Generator().manual_seed(SEED))
+    out = root / name
+    model.save_pretrained(out, max_shard_size=SHARDED.get(name, "50GB"))
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(BASE["max_position_embeddings"]))
+    return out
+
+
+def _redraw(model: Any, family: str, gen: torch.Generator) -> None:
+    """Every tensor re-drawn in name order at a trained model's scales (``shard.testing``'s
+    rules: ~1/sqrt(fan_in) projections, residual outputs doubled, norms ~1, a sharp head)."""
+    gemma = family == "gemma3"
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict(keep_vars=True).items()):
+            if not t.is_floating_point():
+                continue
+            t.copy_(_draw(name, tuple(t.shape), gemma, gen))
+
+
+def _draw(name: str, shape: tuple[int, ...], gemma: bool, gen: torch.Generator) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    if name == "model.norm.weight":  # Gemma's tied head reads a small embedding: a larger gain
+        gain = (16.0 if gemma else 4.0) * (1.0 + normal(0.1))
+        return gain - 1.0 if gemma else gain
+    if "norm" in name:
+        return normal(0.1) if gemma else 1.0 + normal(0.1)
+    if "embed_tokens" in name or name == "lm_head.weight":  # Gemma scales it by sqrt(hidden)
+        return normal(0.025 if gemma else 0.1)
+    if name.endswith(("bias", "sinks")):
+        return normal(0.5 if name.endswith("sinks") else 0.1)
+    if len(shape) == 3:  # gpt-oss's fused experts [E, in, out]
+        return normal((1.0 if "gate_up" in name else 2.0) * shape[1] ** -0.5)
+    fan_in = shape[-1]
+    doubled = ("q_proj", "k_proj", "o_proj", "down_proj", "w2", "gate.weight", "router.weight")
+    return normal((2.0 if any(k in name for k in doubled) else 1.0) * fan_in**-0.5)
+
+
+#: Built checkpoints, shared by every test module that imports the fixture (one build each).
+_MADE: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``family_checkpoint(name)`` -> that family's tiny checkpoint, built once per session."""
+
+    def get(name: str) -> Path:
+        if name not in _MADE:
+            _MADE[name] = family_dir(name, tmp_path_factory.mktemp("family"))
+        return _MADE[name]
+
+    return get
