@@ -88,6 +88,7 @@ _RING_ONLY = (
 _LOCAL_ONLY = (
     ("--model", "model", "a swarm's model is its spec's swarm.model"),
     ("--max-len", "max_len", "a swarm's KV length is its spec's limits.max_len"),
+    ("--weights", "weights", "a swarm's nodes take theirs from its spec's swarm.weights"),
 )
 
 
@@ -182,7 +183,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     model_dir = resolve_model(args.model or "smollm2")
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    model = load_stage(model_dir, 0, config.n_layers)
+    model = load_stage(model_dir, 0, config.n_layers, weights=args.weights)
     max_len = args.max_len or min(2048, config.max_position_embeddings)
     if max_len > config.max_position_embeddings:
         print(

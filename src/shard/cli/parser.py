@@ -129,6 +129,12 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="with --local: 'smollm2' (bundled, default), a checkpoint dir or a .gguf file",
     )
     p.add_argument(
+        "--weights",
+        choices=["stored", "float32", "int8", "int4"],
+        help="with --local: how the model holds its weights: stored (a quantized checkpoint's "
+        "own blocks), float32 (the default), int8 or int4 (quantized at load); docs/model.md",
+    )
+    p.add_argument(
         "--max-len",
         type=bounded(int, 1, (1 << 31) - 1, "a positive integer"),
         default=None,
@@ -185,6 +191,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         help="weights and activations (overrides the node's and the swarm's dtype in the spec)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["stored", "float32", "bfloat16", "float16", "int8", "int4"],
+        help="how this node holds its weights (overrides the node's and the swarm's weights "
+        "in the spec; docs/specs.md)",
     )
     p.add_argument(
         "--graphs",

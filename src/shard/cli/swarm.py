@@ -66,8 +66,11 @@ def up(args: argparse.Namespace) -> int:
     name = args.node or spec.coordinator.name
     if args.join is not None:
         spec = _joined(spec, args)
-    if args.role != "seeder" and (args.device or args.dtype or args.graphs):
-        spec = spec.with_runtime(name, device=args.device, dtype=args.dtype, graphs=args.graphs)
+    weights = getattr(args, "weights", None)
+    if args.role != "seeder" and (args.device or args.dtype or args.graphs or weights):
+        spec = spec.with_runtime(
+            name, device=args.device, dtype=args.dtype, graphs=args.graphs, weights=weights
+        )
     if args.role == "coordinator" and name != spec.coordinator.name:
         print(f"shard: error: {name} is not the coordinator of {args.spec}", file=sys.stderr)
         return 2

@@ -378,7 +378,9 @@ async def _load(spec: SwarmSpec, name: str, model_dir: Path, first: int, last: i
     if (note := emulated_dtype_note(name, device, dtype)) is not None:
         log.warning("%s", note)
     model = await offload.run_sync(
-        lambda: load_stage(model_dir, first, last, dtype=dtype, device=device)
+        lambda: load_stage(
+            model_dir, first, last, dtype=dtype, device=device, weights=runtime.weights
+        )
     )
     return _Block(model, first, last)
 

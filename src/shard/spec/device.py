@@ -3,11 +3,13 @@
 ```toml
 [swarm]
 dtype = "bfloat16"     # the swarm's dtype: weights and activations (default "float32")
+weights = "stored"     # how weights are held (default: dense in dtype); docs/specs.md
 
 [[stage]]
 name = "s0"
 device = "cuda:0"      # "cpu" (the default), "cuda", "cuda:N" or "auto" (cuda if there is one)
 dtype = "bfloat16"     # optional: overrides [swarm] dtype for this node
+weights = "int8"       # optional: overrides [swarm] weights for this node
 graphs = "lazy"        # CUDA graphs per chunk shape: "off" (the default), "lazy", "warm"
 ```
 
@@ -35,7 +37,9 @@ from shard.spec.validate import SpecError, Table
 DTYPES: Final = RUN_DTYPES
 #: Capture modes for CUDA graphs (``shard.stage.graphs``).
 GRAPH_MODES: Final = ("off", "lazy", "warm")
-DEVICE_KEYS: Final = ("device", "dtype")
+#: How a node holds its weights (``shard.model.weights``, which a test keeps in step).
+WEIGHTS: Final = ("stored", "float32", "bfloat16", "float16", "int8", "int4")
+DEVICE_KEYS: Final = ("device", "dtype", "weights")
 STAGE_DEVICE_KEYS: Final = (*DEVICE_KEYS, "graphs")
 
 _DEVICE = re.compile(r"cpu|auto|cuda(?::(0|[1-9][0-9]{0,2}))?")
@@ -50,6 +54,7 @@ class DeviceSpec:
     device: str = "cpu"
     dtype: str | None = None
     graphs: str = "off"
+    weights: str | None = None  # None: the swarm's (and where that is None, dense in dtype)
 
 
 def check_device(text: str) -> str:
@@ -66,6 +71,24 @@ def check_dtype(text: str) -> str:
     return text
 
 
+def check_weights(text: str) -> str:
+    """``text`` if it is one of ``WEIGHTS``; ``ValueError`` otherwise."""
+    if text not in WEIGHTS:
+        raise ValueError(f"unknown weights {text!r}; use one of {', '.join(WEIGHTS)}")
+    return text
+
+
+def check_weights_dtype(weights: str | None, dtype: str) -> str | None:
+    """Why ``weights`` contradicts ``dtype`` (one line), or None: dense weights compute in
+    their own dtype, so a float ``weights`` must equal ``dtype``."""
+    if weights is None or weights in ("stored", "int8", "int4") or weights == dtype:
+        return None
+    return (
+        f"weights = {weights!r} contradicts dtype = {dtype!r}: dense weights compute in their "
+        f'own dtype; set both to {weights!r}, or weights = "stored", "int8" or "int4"'
+    )
+
+
 def check_graphs(text: str) -> str:
     """``text`` if it is one of ``GRAPH_MODES``; ``ValueError`` otherwise."""
     if text not in GRAPH_MODES:
@@ -78,6 +101,9 @@ def read_device(table: Table, *, graphs: bool) -> DeviceSpec:
     dtype = None
     if "dtype" in table.data:
         dtype = _checked(table, "dtype", check_dtype, '"bfloat16"')
+    weights = None
+    if "weights" in table.data:
+        weights = _checked(table, "weights", check_weights, '"stored"')
     mode = "off"
     if graphs:
         mode = _checked(table, "graphs", check_graphs, '"lazy"', default="off")
@@ -85,6 +111,7 @@ def read_device(table: Table, *, graphs: bool) -> DeviceSpec:
         device=_checked(table, "device", check_device, '"cuda:0"', default="cpu"),
         dtype=dtype,
         graphs=mode,
+        weights=weights,
     )
 
 

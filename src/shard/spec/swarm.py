@@ -29,7 +29,15 @@ import attrs
 from shard.spec.api import API_KEYS, ApiSpec, read_api
 from shard.spec.audit import AUDIT_KEYS, AuditSpec, read_audit
 from shard.spec.device import DTYPES as DTYPES  # re-exported: the swarm's dtypes
-from shard.spec.device import DeviceSpec, check_device, check_dtype, check_dtypes, check_graphs
+from shard.spec.device import (
+    DeviceSpec,
+    check_device,
+    check_dtype,
+    check_dtypes,
+    check_graphs,
+    check_weights,
+    check_weights_dtype,
+)
 from shard.spec.failover import (
     FAILOVER_KEYS,
     STANDBY_KEYS,
@@ -94,7 +102,7 @@ _TOP_KEYS: Final = (
     "audit",
     "formation",
 )
-_SWARM_KEYS: Final = ("name", "model", "dtype", "insecure", "relay")
+_SWARM_KEYS: Final = ("name", "model", "dtype", "weights", "insecure", "relay")
 
 
 @attrs.frozen(kw_only=True)
@@ -128,6 +136,8 @@ class SwarmSpec:
     #: [formation]: the ring forms from nodes that --join (no [[stage]]); None: as written
     formation: FormationSpec | None = None
     relay: str = ""  # [swarm] relay: the relay's node (shard.spec.reach); "": the coordinator
+    #: [swarm] weights: how nodes hold weights (shard.spec.device.WEIGHTS); None: dense in dtype
+    weights: str | None = None
     source: str = attrs.field(default="<spec>", eq=False)
 
     @classmethod
@@ -188,11 +198,14 @@ class SwarmSpec:
         ring_nodes = [(f"stage[{i}]", s.runtime) for i, s in enumerate(stages)]
         ring_nodes += [(f"standby[{i}]", s.runtime) for i, s in enumerate(standbys)]
         check_dtypes(source, dtype, ring_nodes)
+        weights = _read_weights(swarm)
+        _check_weights(source, dtype, weights, [("coordinator", coordinator.runtime), *ring_nodes])
         return cls(
             path=None,
             name=node_name(swarm, "name"),
             model=_read_model(swarm, base_dir),
             dtype=dtype,
+            weights=weights,
             insecure=insecure,
             limits=limits,
             coordinator=coordinator,
@@ -290,7 +303,8 @@ class SwarmSpec:
 
         Errors: ``SpecError`` if there is no such node."""
         runtime = self.node(name).runtime
-        return attrs.evolve(runtime, dtype=runtime.dtype or self.dtype)
+        weights = runtime.weights or self.weights
+        return attrs.evolve(runtime, dtype=runtime.dtype or self.dtype, weights=weights)
 
     def with_runtime(
         self,
@@ -299,9 +313,11 @@ class SwarmSpec:
         device: str | None = None,
         dtype: str | None = None,
         graphs: str | None = None,
+        weights: str | None = None,
     ) -> SwarmSpec:
-        """A copy where node ``name`` runs on ``device`` / in ``dtype`` / with ``graphs``
-        (``shard up --device --dtype --graphs``); None keeps the spec's value.
+        """A copy where node ``name`` runs on ``device`` / in ``dtype`` / with ``graphs`` /
+        holding ``weights`` (``shard up --device --dtype --graphs --weights``); None keeps
+        the spec's value.
 
         Errors: ``SpecError`` for an unknown node, a bad value, or a stage dtype that no
         longer matches the ring's."""
@@ -311,6 +327,7 @@ class SwarmSpec:
             ("device", device, check_device),
             ("dtype", dtype, check_dtype),
             ("graphs", graphs, check_graphs),
+            ("weights", weights, check_weights),
         ):
             if value is None:
                 continue
@@ -332,6 +349,7 @@ class SwarmSpec:
         ring: list[StageSpec | StandbySpec] = [*spec.stages, *spec.standbys]
         ring_nodes = [(s.name, s.runtime) for s in ring]
         check_dtypes(self.source, self.dtype, ring_nodes)
+        _check_weights(self.source, self.dtype, self.weights, [(name, runtime)])
         return spec
 
     def address_of(self, name: str) -> str:
@@ -409,6 +427,26 @@ def _read_model(swarm: Table, base_dir: Path | None) -> str:
     if path.is_file() and path.suffix != ".gguf":
         raise swarm.error("model", f"{str(path)!r} is a file but not a .gguf; {use}")
     return str(path)
+
+
+def _read_weights(swarm: Table) -> str | None:
+    if "weights" not in swarm.data:
+        return None
+    text = swarm.string("weights", example='"stored"')
+    try:
+        return check_weights(text)
+    except ValueError as e:
+        raise swarm.error("weights", str(e)) from None
+
+
+def _check_weights(
+    source: str, dtype: str, weights: str | None, nodes: list[tuple[str, DeviceSpec]]
+) -> None:
+    """Each node's ``weights`` (its own, else the swarm's) agrees with its dtype."""
+    for key, runtime in nodes:
+        why = check_weights_dtype(runtime.weights or weights, runtime.dtype or dtype)
+        if why is not None:
+            raise SpecError(source, f"{key}.weights", why)
 
 
 def _read_dtype(swarm: Table) -> str:
