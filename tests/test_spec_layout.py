@@ -72,14 +72,17 @@ def blocks_of(spec: SwarmSpec) -> list[tuple[str, tuple[int, int]]]:
 def test_swarm_up_runs_what_shard_plan_prints(
     tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`swarm up`'s layout function prints `shard plan SPEC`'s text and runs its ring and
-    blocks: the same planner, the same problem."""
+    """`swarm up`'s layout function prints `shard plan SPEC`'s text (with --verbose; else
+    only its last line, the plan changing the ring) and runs its ring and blocks: the same
+    planner, the same problem."""
     path = write(tmp_path, model_dir, BAD_ORDER)
     assert main(["plan", str(path), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert main(["plan", str(path)]) == 0
     text = capsys.readouterr().out
-    spec, layout = planned(load_spec(path), model_dir, args())
+    assert planned(load_spec(path), model_dir, args())[1] is not None
+    assert capsys.readouterr().err == text.splitlines(keepends=True)[-1]
+    spec, layout = planned(load_spec(path), model_dir, args(verbose=True))
     assert capsys.readouterr().err == text
     assert layout is not None and str(layout) == shown["swarm_up"]["layout"]
     assert spec.ring() == tuple(shown["ring"])
