@@ -148,3 +148,24 @@ def test_sharded_save_and_a_stage_reads_only_its_tensors(
         assert torch.equal(partial.state_dict()[name], t), name
     with pytest.raises(ModelLoadError, match="embed_tokens"):
         load_stage(dst, 0, 2)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_int8_quantizes_experts_and_keeps_routers_dense(
+    family_checkpoint: Callable[[str], Path], family: str
+) -> None:
+    """weights="int8" runs every expert (and shared expert) through the quantized linear; the
+    router stays a dense fp32 matrix (its choice is discrete); the model still runs."""
+    from shard.model.moe import Router, SparseMoE
+    from shard.model.quant import QuantLinear
+
+    model_dir = family_checkpoint(family)
+    stage = load_stage(model_dir, 0, 4, weights="int8")
+    moes = [m for m in stage.modules() if isinstance(m, SparseMoE)]
+    assert len(moes) == (4 if family == "mixtral" else 3)
+    for m in moes:
+        assert isinstance(m.gate, Router) and m.gate.weight.dtype == torch.float32
+        experts = [e for e in m.experts.modules() if isinstance(e, QuantLinear)]
+        assert len(experts) == 3 * m.moe.n_experts
+    ids = torch.tensor(BATCH[:1])
+    assert stage(ids, 0, stage.new_cache(16)).isfinite().all()

@@ -231,7 +231,9 @@ def _place(
 ) -> None:
     """Install one weight, stored ``q`` or ``dense``, as ``weights`` says (module docstring)."""
     owner = local.rpartition(".")[0]
-    matrix = local.endswith(".weight") and not local.endswith("norm.weight")
+    # Linear layers and the embedding only: a MoE router (shard.model.moe.Router) stays dense.
+    linear = isinstance(stage.get_submodule(owner), (nn.Linear, nn.Embedding))
+    matrix = linear and local.endswith(".weight") and not local.endswith("norm.weight")
     if matrix and weights in ("int8", "int4"):
         w = q.dequantize() if q is not None else dense
         assert w is not None

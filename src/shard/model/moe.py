@@ -23,7 +23,8 @@ Checkpoint names: experts are ``<ffn>.experts.N.<gate|up|down>`` (Mixtral's ``w1
 ``block_sparse_moe``), the router ``<ffn>.gate``; gpt-oss keeps its experts fused
 (``mlp.experts.gate_up_proj`` ``[E, D, 2F]`` interleaved gate/up, with biases) and its router
 as ``mlp.router``. Separate experts are ``Linear`` modules, so a loader that quantizes linears
-quantizes experts the same way.
+(``weights = "int8" | "int4"``) quantizes experts the same way; routers stay dense (``Router``),
+and gpt-oss's fused 3-D experts stay dense too (not yet quantized).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from shard.model.config import ModelConfig, MoeConfig
 from shard.model.linear import Linear
 
-__all__ = ["FeedForward", "FusedExperts", "SparseMoE", "make_ffn"]
+__all__ = ["FeedForward", "FusedExperts", "Router", "SparseMoE", "make_ffn"]
 
 
 def _act(name: str, x: Tensor) -> Tensor:
@@ -75,12 +76,19 @@ class MixtralExpert(nn.Module):
         return out
 
 
-class GroupRouter(Linear):
-    """GLM-4.5's router weight with its ``e_score_correction_bias`` (selection only)."""
+class Router(nn.Module):
+    """A router's logits ``[T, E]`` of rows ``[T, D]``: a linear layer kept dense when the
+    loader quantizes linears (its choices are discrete; a rounding flips an expert).
+    ``group``: GLM-4.5's ``e_score_correction_bias`` (used for the selection only)."""
 
-    def __init__(self, d: int, n_experts: int) -> None:
-        super().__init__(d, n_experts, bias=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts))
+    def __init__(self, d: int, n_experts: int, *, bias: bool = False, group: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, d))
+        self.bias = nn.Parameter(torch.zeros(n_experts)) if bias else None
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts)) if group else None
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.linear(h, self.weight, self.bias)
 
 
 class FusedExperts(nn.Module):
@@ -115,14 +123,10 @@ class SparseMoE(nn.Module):
         self.moe, d = moe, config.hidden_size
         self.experts: nn.Module
         if moe.experts == "clamped_swiglu":
-            self.router = Linear(d, moe.n_experts, bias=True)
+            self.router = Router(d, moe.n_experts, bias=True)
             self.experts = FusedExperts(config, moe)
         else:
-            self.gate = (
-                GroupRouter(d, moe.n_experts)
-                if moe.router == "sigmoid_group"
-                else Linear(d, moe.n_experts, bias=False)
-            )
+            self.gate = Router(d, moe.n_experts, group=moe.router == "sigmoid_group")
             size = moe.expert_size
             make = MixtralExpert if moe.names == "mixtral" else FeedForward
             self.experts = nn.ModuleList(make(config, size) for _ in range(moe.n_experts))
@@ -171,7 +175,7 @@ class SparseMoE(nn.Module):
 
     def _route_groups(self, h: Tensor) -> tuple[Tensor, Tensor]:
         m, gate = self.moe, self.gate
-        assert isinstance(gate, GroupRouter)
+        assert gate.e_score_correction_bias is not None
         scores = F.linear(h.float(), gate.weight.float()).sigmoid()  # [T, E]
         choice = scores + gate.e_score_correction_bias.float()
         per_group = m.n_experts // m.n_group
