@@ -1,7 +1,10 @@
-"""The Llama-family model runtime: config, stage modules, KV cache, loading, wire tensors.
+"""The model runtime: config, stage modules, KV cache, loading, wire tensors.
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
-    llama.py        StageModel -> Block -> Attention / FeedForward / RMSNorm, in plain torch
+    families.py     each family's declared differences from a Llama, and MoeConfig (no torch)
+    llama.py        StageModel -> Block, in plain torch
+    attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
+    moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     loader.py       load_stage: read only one block's tensors from safetensors
     tensors.py      torch.Tensor <-> shard.messages.Tensor (raw bytes, never pickle)
