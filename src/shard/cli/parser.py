@@ -399,6 +399,38 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="only trusted nodes may hold the first block (embedding) and the last (head)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    fit = p.add_argument_group(
+        "fit a model before downloading it (--config; no SPEC, no --rtt)",
+        "From a config.json alone (e.g. specs/models/*/config.json): each stage's bytes "
+        "under --weights, the contiguous split whose largest stage is smallest, and whether "
+        "--stages cards of --memory GiB hold it (or how many would).",
+    )
+    fit.add_argument("--config", metavar="PATH", help="a config.json, or its directory")
+    fit.add_argument(
+        "--weights",
+        default="bfloat16",
+        choices=("float32", "bfloat16", "float16", "int8", "int4"),
+        help="how the stages hold their weights (default: bfloat16)",
+    )
+    fit.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16", "float16"),
+        help="the dense parts' dtype with int8/int4 (norms, biases, routers; default bfloat16)",
+    )
+    fit.add_argument(
+        "--stages",
+        type=bounded(int, 1, 1024, "a number of stages >= 1"),
+        default=3,
+        help="how many cards (stages) to cut the model over (default: 3)",
+    )
+    fit.add_argument(
+        "--memory",
+        type=bounded(float, 0.001, 1 << 20, "a size in GiB > 0"),
+        default=24.0,
+        metavar="GIB",
+        help="each card's memory in GiB (default: 24)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

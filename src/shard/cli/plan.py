@@ -34,8 +34,12 @@ from shard.placement.report import as_json, text
 
 def plan_main(args: argparse.Namespace) -> int:
     """Plan and print; exit 0, or one ``shard: error:`` line (``PlanError``, bad files)."""
+    if args.config is not None:
+        from shard.cli.fit import fit_main
+
+        return fit_main(args)
     if args.spec is None and args.rtt is None:
-        raise UsageError("give a SPEC, an --rtt geography, or both")
+        raise UsageError("give a SPEC, an --rtt geography, or both (or --config FILE)")
     geography = read_geography_file(Path(args.rtt)) if args.rtt else None
     assumed: tuple[str, ...] = ()
     spec = None

@@ -99,6 +99,10 @@ class Quantized:
         out: Tensor = w.view(r, k).to(dtype)
         return out
 
+    def tensors(self) -> list[Tensor]:
+        """Codes, scales and offsets (when there are offsets)."""
+        return [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
+
     def nbytes(self) -> int:
         """Bytes held: codes, scales and offsets."""
         extra = 0 if self.offset is None else self.offset.nbytes
@@ -236,6 +240,16 @@ class QuantLinear(nn.Module):
         result: Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result if self.bias is None else result + self.bias
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor this layer holds for its weight (kernel-packed codes, scales, zeros,
+        or the codes it dequantizes), bias aside (a parameter)."""
+        held = [] if self.q is None else self.q.tensors()
+        for p in self._parts:
+            held += [p.packed, p.scales_zeros]
+        if self._int8 is not None:
+            held += list(self._int8)
+        return held
+
     def nbytes(self) -> int:
         """Bytes this layer holds in memory (kernel-packed codes, scales, zeros)."""
         total = 0 if self.q is None else self.q.nbytes()
@@ -258,6 +272,10 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         rows = self.q.dequantize(ids.reshape(-1), dtype=self.dtype)  # [B*S, D]
         return rows.view(*ids.shape, self.embedding_dim)
+
+    def tensors(self) -> list[Tensor]:
+        """The table's codes, scales and offsets."""
+        return self.q.tensors()
 
     def nbytes(self) -> int:
         return self.q.nbytes()

@@ -1,0 +1,132 @@
+"""``shard plan --config FILE``: will a model fit these cards, and how would it be cut?
+
+Before anyone downloads a weight: the model's ``config.json`` alone, a ``weights`` format and
+each card's memory give every layer's bytes (``shard.model.footprint``), the contiguous split
+whose largest stage holds the fewest bytes (``shard.placement.split.byte_counts``, embedding
+and head counted) and a verdict. What is left on each card is for the KV cache and the
+activations; the verdict says how much, and the fewest cards of that size that would hold
+the weights when the asked number does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from shard.cli.errors import InputError, UsageError
+
+_GIB = 1 << 30
+_MAX_CARDS = 64
+
+
+def fit_main(args: argparse.Namespace) -> int:
+    """Print the per-stage bytes and the verdict; exit 0 whether it fits or not (the verdict
+    is the answer), 1 only for bad input."""
+    from shard.model.config import ModelConfig, ModelLoadError
+    from shard.model.footprint import FootprintError, predict
+    from shard.placement.split import blocks_of, byte_counts
+
+    if args.spec is not None or args.rtt is not None:
+        raise UsageError("--config plans from a config.json alone; leave out SPEC and --rtt")
+    path = Path(args.config)
+    directory = path if path.is_dir() else path.parent
+    if not path.is_dir() and path.name != "config.json":
+        raise UsageError(f"--config {path}: give a config.json or the directory holding one")
+    try:
+        config = ModelConfig.from_dir(directory)
+        footprint = predict(config, args.weights, dtype=args.dtype)
+    except (ModelLoadError, FootprintError) as exc:
+        raise InputError(f"--config {path}: {exc}") from None
+    memory = int(args.memory * _GIB)
+    sizes = list(footprint.layers)
+
+    def split(cards: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        counts = byte_counts(sizes, cards, embedding=footprint.embedding, head=footprint.head)
+        if counts is None:
+            return None
+        return counts, tuple(footprint.stage(a, b) for a, b in blocks_of(counts))
+
+    asked = split(args.stages)
+    if asked is None:
+        raise UsageError(f"--stages {args.stages}: the model has {config.n_layers} layers")
+    fewest = next(
+        (n for n in range(1, min(config.n_layers, _MAX_CARDS) + 1)
+         if (s := split(n)) is not None and max(s[1]) <= memory),
+        None,
+    )  # fmt: skip
+    report = _report(config, footprint.total, args, asked, memory, fewest)
+    report["unquantized_bytes"] = footprint.unquantized
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_text(report))
+    return 0
+
+
+def _report(
+    config: Any,
+    total: int,
+    args: argparse.Namespace,
+    asked: tuple[tuple[int, ...], tuple[int, ...]],
+    memory: int,
+    fewest: int | None,
+) -> dict[str, Any]:
+    from shard.placement.split import blocks_of
+
+    counts, stage_bytes = asked
+    stages = [
+        {"layers": [a, b], "bytes": size, "fits": size <= memory, "left_bytes": memory - size}
+        for (a, b), size in zip(blocks_of(counts), stage_bytes, strict=True)
+    ]
+    return {
+        "model": str(args.config),
+        "arch": config.arch,
+        "layers": config.n_layers,
+        "weights": args.weights,
+        "dtype": args.dtype,
+        "total_bytes": total,
+        "card_bytes": memory,
+        "stages": stages,
+        "fits": all(s["fits"] for s in stages),
+        "fewest_cards": fewest,
+    }
+
+
+def gib(n: int) -> str:
+    """``n`` bytes in GiB, two decimals."""
+    return f"{n / _GIB:.2f} GiB"
+
+
+def _text(r: dict[str, Any]) -> str:
+    lines = [
+        f"model:   {r['model']} ({r['arch']}, {r['layers']} layers): {gib(r['total_bytes'])} "
+        f"of weights as {r['weights']} (dense parts {r['dtype']})",
+        f"cards:   {len(r['stages'])} x {gib(r['card_bytes'])}; each stage's split minimises "
+        "the largest stage's bytes (embedding on the first, head on the last)",
+    ]
+    for i, s in enumerate(r["stages"]):
+        a, b = s["layers"]
+        room = f"{gib(s['left_bytes'])} left" if s["fits"] else "DOES NOT FIT"
+        lines.append(f"stage {i}: layers [{a}, {b})  {gib(s['bytes']):>12}  {room}")
+    fewest = r["fewest_cards"]
+    if r["unquantized_bytes"] > r["total_bytes"] // 20:
+        lines.append(
+            f"note:    {gib(r['unquantized_bytes'])} of it stays {r['dtype']} under "
+            f"{r['weights']}: weights shard does not quantize yet (routers, gpt-oss's fused "
+            "3-D experts; docs/model.md)"
+        )
+    if r["fits"]:
+        worst = min(s["left_bytes"] for s in r["stages"])
+        lines.append(
+            f"verdict: fits; the fullest card keeps {gib(worst)} for its KV cache and activations"
+        )
+    elif fewest is not None:
+        lines.append(f"verdict: does not fit; {fewest} cards of this size would hold the weights")
+    else:
+        lines.append(
+            f"verdict: does not fit on any number of cards of this size (up to {_MAX_CARDS}, "
+            "one layer a card at most)"
+        )
+    return "\n".join(lines)
