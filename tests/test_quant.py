@@ -103,3 +103,14 @@ def test_packed_bytes_per_parameter() -> None:
     assert QuantLinear(quantize_int8(w, 32)).nbytes() == 256 * 512 * 1.25
     per_channel = QuantLinear(quantize_int8(w)).nbytes()
     assert per_channel == 256 * 512 + 256 * kernel_dtype(torch.device("cpu")).itemsize
+
+
+def test_cpu_packing_by_row_blocks_equals_one_pack() -> None:
+    """Packing PACK_ROWS rows at a time gives the CPU packer's layout of the whole weight
+    (what lets a large table pack without a 4-byte copy of all of it)."""
+    from shard.model.quant import PACK_ROWS, _cpu_pack, pack_nibbles
+
+    n = PACK_ROWS + 48
+    ints = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(5))
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints.to(torch.int32), 1)
+    assert torch.equal(_cpu_pack(pack_nibbles(ints)), whole)

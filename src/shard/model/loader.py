@@ -212,9 +212,13 @@ def _load_file(
 
 def _read_quantized(f: Any, name: str, meta: dict[str, Any]) -> Quantized:
     """The ``Quantized`` stored under ``name`` (codes), ``name.scale`` and ``name.offset``."""
+    # Copies, as for dense tensors (``_load_file``): a tensor safetensors hands out may be a
+    # view of its map of the file, and one kept (an embedding's codes) would keep the whole
+    # file mapped (110 MB resident for SmolLM2).
     keys = set(f.keys())
-    offset = f.get_tensor(f"{name}.offset") if f"{name}.offset" in keys else None
-    codes, scale, group = f.get_tensor(name), f.get_tensor(f"{name}.scale"), int(meta["group"])
+    offset = f.get_tensor(f"{name}.offset").clone() if f"{name}.offset" in keys else None
+    codes, scale = f.get_tensor(name).clone(), f.get_tensor(f"{name}.scale").clone()
+    group = int(meta["group"])
     if meta["kind"] == "int4":
         return Quantized("int4", codes, scale, offset, group)
     return Quantized("int8", codes, scale, offset, group)

@@ -155,18 +155,45 @@ def kernel_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
+#: Rows packed at a time: the CPU packer's blocked layout is separable by row blocks of this
+#: size (a test checks it), and packing in blocks keeps its int32 input to 4 bytes a
+#: parameter of one block, not of the whole table (SmolLM2's head: 9 MB, not 113 MB).
+PACK_ROWS: Final = 4096
+
+
+def _cpu_pack(codes: Tensor) -> Tensor:
+    """``_convert_weight_to_int4pack_for_cpu`` of nibble codes uint8 ``[N, K // 2]``."""
+    out = []
+    for i in range(0, codes.shape[0], PACK_ROWS):
+        block = codes[i : i + PACK_ROWS]
+        ints = torch.stack((block & 15, block >> 4), -1).flatten(-2).to(torch.int32)
+        out.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _split_int8(codes: Tensor) -> tuple[Tensor, Tensor]:
+    """int8 codes ``[N, K]`` as nibbles ``hi + 8`` and ``lo`` (``code = 16 hi + lo``), each
+    uint8 ``[N, K // 2]``, a block of rows at a time."""
+    n, k = codes.shape
+    hi = torch.empty(n, k // 2, dtype=torch.uint8, device=codes.device)
+    lo = torch.empty_like(hi)
+    for i in range(0, n, PACK_ROWS):
+        c = codes[i : i + PACK_ROWS].to(torch.int16)  # arithmetic shift of the signed codes
+        hi[i : i + PACK_ROWS] = pack_nibbles((c >> 4) + 8)
+        lo[i : i + PACK_ROWS] = pack_nibbles(c & 15)
+    return hi, lo
+
+
 class _Int4:
     """One int4 weight packed for its kernel, with ``[K // g, N, 2]`` scales and zeros."""
 
     def __init__(self, codes: Tensor, scale: Tensor, zero: Tensor, group: int, dt: torch.dtype):
         self.group = group
-        dev = codes.device
-        if dev.type == "cuda":  # untested here: no CUDA build of torch on this host
+        if codes.device.type == "cuda":  # untested here: no CUDA build of torch on this host
             swapped = (codes & 15) << 4 | (codes >> 4)  # the CUDA packer wants even high
             self.packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
         else:
-            ints = torch.stack((codes & 15, codes >> 4), -1).flatten(-2).to(torch.int32)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
+            self.packed = _cpu_pack(codes)
         self.scales_zeros = torch.stack((scale.T, zero.T), -1).to(dt).contiguous()
 
     def mm(self, x: Tensor) -> Tensor:
@@ -215,8 +242,7 @@ class QuantLinear(nn.Module):
             self._int8 = (q.codes.contiguous(), q.scale[:, 0].to(dt).contiguous())
             return "int8-channel"
         if q.kind == "int8" and fits:
-            c = q.codes.to(torch.int16)  # arithmetic shift of the signed codes
-            hi, lo = pack_nibbles((c >> 4) + 8), pack_nibbles(c & 15)
+            hi, lo = _split_int8(q.codes)
             self._parts = [
                 _Int4(hi, 16 * q.scale, zero, g, dt),
                 _Int4(lo, q.scale, offset + 8 * q.scale, g, dt),
