@@ -131,3 +131,18 @@ def test_config_module_does_not_import_torch() -> None:
     """The coordinator can read configs without torch: ``shard.model.config`` is light."""
     code = "import sys, shard.model.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_family_configs_are_not_rewritten_by_to_hf() -> None:
+    """to_hf refuses a family beyond llama/qwen2/mistral rather than drop its differences."""
+    gemma = ModelConfig.from_hf(
+        {
+            **LLAMA_32_1B,
+            "model_type": "gemma3_text",
+            "sliding_window": 512,
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+    )
+    assert gemma.norm_unit_offset and gemma.layer_types is not None
+    with pytest.raises(ValueError, match="gemma3_text"):
+        gemma.to_hf()

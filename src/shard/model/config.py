@@ -58,7 +58,8 @@ class RopeScaling:
 
 @attrs.frozen
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM).
+    """Architecture of a decoder: a Llama (Llama 2/3, Qwen2, Mistral, SmolLM) or one of the
+    families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5).
 
     ``sliding_window`` is the local attention span (``None``: full causal attention): of
     every layer when ``layer_types`` is ``None`` (Mistral), else of the ``"sliding_attention"``
@@ -186,7 +187,12 @@ class ModelConfig:
         return cls.from_hf(d)
 
     def to_hf(self) -> dict[str, Any]:
-        """A ``config.json`` dict that transformers' ``*ForCausalLM`` classes accept."""
+        """A ``config.json`` dict that transformers' ``*ForCausalLM`` classes accept.
+
+        Llama, Qwen2 and Mistral only: ``ValueError`` for another family (its checkpoints
+        carry their own ``config.json``; writing one would drop its declared differences)."""
+        if self.arch not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"to_hf writes llama/qwen2/mistral configs only, not {self.arch!r}")
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.arch,
