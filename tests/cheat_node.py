@@ -5,7 +5,9 @@
 this same script (``up --role stage --node NODE``); every other node is an ordinary
 ``python -m shard up`` (the coordinator's with ``-v``, so every audit it hears of is logged).
 There is no production flag for this: the seams are the stage's ``wrap_block``
-(``shard.nodes.stage.run_stage``) and the launcher's command, patched here only.
+(``shard.nodes.stage.run_stage``) and the launcher's command, patched here only. The cheating
+block lies in batched forwards too (``shard.testing_cheats.batched_lies``, entered for the
+whole process).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shard.nodes.launcher as launcher
 from shard.cli import main
 from shard.model.llama import StageModel
 from shard.testing import cheating
+from shard.testing_cheats import batched_lies
 
 NOISE = 1e-4  # caught bit-exactly, far too small to change a greedy token
 SEED = 18
@@ -41,7 +44,8 @@ def _run(kind: str, node: str, argv: Sequence[str]) -> int:
         return [sys.executable, __file__, kind, node, *cmd[3:]]  # drop "python -m shard"
 
     launcher._command = cheat_command  # type: ignore[assignment]
-    return main(list(argv))
+    with batched_lies():
+        return main(list(argv))
 
 
 if __name__ == "__main__":
