@@ -406,7 +406,7 @@ async def _serve_client(
     does not take a reply within ``limits.message_timeout_s``; a malformed frame's
     ``WireError`` (``serve_one`` ends the connection either way)."""
     out_send, out_recv = trio.open_memory_channel[Message](0)
-    idle = IdleDeadline(limits.idle_timeout_s)
+    idle = IdleDeadline(limits.idle_timeout_s, conn)  # never idle to the network while busy
 
     async with trio.open_nursery() as nursery:
 

@@ -15,9 +15,13 @@ verdict_timeout_s = 60.0   # a ring silent this long fails the request
 retry_after_s = 10.0       # no verdict this long (no repair under way): re-send the chunk
 max_resyncs = 8            # re-sends one request may need before it fails
 receipt_timeout_s = 10.0   # gathering the stages' signed receipts after a request
-idle_timeout_s = 300.0     # a client with no request running this long is cut
-message_timeout_s = 30.0   # a client or monitor must take each message within this
+idle_timeout_s = 300.0     # a client with no request running this long is cut (any
+                           # connection with no message either way: 300 + message_timeout_s)
+message_timeout_s = 30.0   # a client or monitor must take each message within this, and a
+                           # message a peer began sending must arrive within it (+1 s/64 KiB)
 max_peer_connections = 64  # connections a node holds open per remote host
+reclaim_idle_s = 10.0      # at that cap, the host's connection idle longest (this long at
+                           # least) is closed for the new one, else the new one is refused
 max_batch_rows = 512       # rows (positions, all sessions) one stage forward may batch; 1: off
 gather_window_s = 0.0      # a stage waits up to this for chunks of sessions it expects (0: never)
 kv_budget_mib = 0          # KV cache a stage may hold, all sessions (0: max_sessions x max_len)
@@ -56,6 +60,7 @@ class Limits:
     idle_timeout_s: float = 300.0  # a client with no request running this long is cut
     message_timeout_s: float = 30.0  # a client or monitor must take each message within this
     max_peer_connections: int = 64  # connections a node holds open per remote host
+    reclaim_idle_s: float = 10.0  # at that cap, an idle one this long makes room for a new one
     max_batch_rows: int = 512  # rows one stage forward may batch, all sessions together
     gather_window_s: float = 0.0  # longest wait for expected sessions' chunks (0: take what waits)
     kv_budget_mib: int = 0  # KV memory per stage, all sessions (0: no cap but the two above)
@@ -88,6 +93,7 @@ def read_limits(table: Table) -> Limits:
         idle_timeout_s=seconds("idle_timeout_s", d.idle_timeout_s),
         message_timeout_s=seconds("message_timeout_s", d.message_timeout_s),
         max_peer_connections=table.integer("max_peer_connections", default=d.max_peer_connections),
+        reclaim_idle_s=seconds("reclaim_idle_s", d.reclaim_idle_s),
         max_batch_rows=table.integer("max_batch_rows", default=d.max_batch_rows),
         gather_window_s=table.number("gather_window_s", default=d.gather_window_s),
         kv_budget_mib=table.integer("kv_budget_mib", default=d.kv_budget_mib, minimum=0),

@@ -15,6 +15,12 @@ trio-websocket makes when it joins a message's parts. Taking a frame whole (neve
 it) means two honest large messages cannot each hold half the budget and wait forever for
 the rest. Control frames (ping, pong, close: at most 125 bytes each) and the HTTP upgrade
 are not counted.
+
+The same parse tells when a message is in progress: ``message_since`` is when the first byte
+of a frame arrived with no message under way, until that message's last frame ended (a
+fragmented message, and control frames inside it, count as one), and ``message_bytes`` how
+much of it has arrived — what a listening network's trickle deadline reads
+(``shard.transport.guard.PeerDeadlines``).
 """
 
 from __future__ import annotations
@@ -94,11 +100,20 @@ class BudgetedStream(trio.abc.Stream):
         self._message = 0  # bytes taken for the message being received
         self._complete: collections.deque[int] = collections.deque()  # taken, not yet released
         self._held = 0
+        self._fragmented = False  # a data frame without FIN ended: its message goes on
+        #: When the message now arriving began (None: between messages), and its bytes so far.
+        self.message_since: float | None = None
+        self.message_bytes = 0
+        self._message_started = trio.lowlevel.ParkingLot()
 
     @property
     def held(self) -> int:
         """Bytes this connection holds of the budget now."""
         return self._held
+
+    async def wait_message_start(self) -> None:
+        """Wait until the next message begins to arrive."""
+        await self._message_started.park()
 
     def take_message(self) -> None:
         """The application took the oldest complete message: give its bytes back."""
@@ -132,6 +147,7 @@ class BudgetedStream(trio.abc.Stream):
 
     async def _account(self, data: bytes | bytearray) -> None:
         at = self._skip_http(data) if self._in_http else 0
+        self.message_bytes += len(data) - at
         while at < len(data):
             if self._remaining:
                 step = min(self._remaining, len(data) - at)
@@ -140,6 +156,10 @@ class BudgetedStream(trio.abc.Stream):
                 if not self._remaining:
                     self._end_frame()
                 continue
+            if not self._header and self.message_since is None:  # a message's first byte
+                self.message_since = trio.current_time()
+                self.message_bytes = len(data) - at
+                self._message_started.unpark_all()
             at = self._read_header(data, at)
             if self._header_length() == len(self._header):
                 await self._start_frame()
@@ -185,14 +205,21 @@ class BudgetedStream(trio.abc.Stream):
         self._remaining = length
         if self._data_frame:
             grant = min(length, max(0, self._max_message - self._message))
+            asked = trio.current_time()
             await self._budget.acquire(grant)
+            if self.message_since is not None:  # waiting on this node is not the peer's delay
+                self.message_since += trio.current_time() - asked
             self._message += grant
             self._held += grant
         if not self._remaining:
             self._end_frame()
 
     def _end_frame(self) -> None:
+        if self._data_frame:
+            self._fragmented = not self._final
         if self._data_frame and self._final:
             self._complete.append(self._message)
             self._message = 0
         self._data_frame = False
+        if not self._fragmented:
+            self.message_since = None

@@ -13,7 +13,11 @@ bug and propagates.
 ``receive_within`` / ``send_within`` / ``IdleDeadline`` are the deadlines a link applies to
 its peer (``[limits] idle_timeout_s`` and ``message_timeout_s``): a peer that stops reading, or
 that keeps a connection open without using it, is cut instead of holding the node's memory
-and tasks.
+and tasks. ``Activity`` is what "idle" means for any served connection: no whole message in
+either direction (heartbeats count) and no work running for the peer. ``PeerDeadlines`` are
+the deadlines a listening network applies to every connection it serves, whatever its link
+(``shard.transport.websocket``): idle, a message trickled too slowly, and which connection
+makes room when one host's connections fill its cap.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 
 from shard.errors import HandshakeError
 from shard.messages import Fault, Message, NodeName
 from shard.transport.base import Connection, ConnectionClosed, Handler, TransportError
+from shard.transport.budget import BudgetedStream
 from shard.transport.paths import Pipe
 from shard.wire import WireError
 
@@ -168,25 +174,110 @@ async def send_within(conn: Connection, msg: Message, timeout_s: float, *, what:
     )
 
 
+#: The slowest a message in progress may arrive once ``PeerDeadlines.message_s`` has passed:
+#: each 64 KiB received of it buys one more second (an honest large frame on a slow link
+#: finishes; a trickle of a few bytes a second does not).
+MESSAGE_FLOOR_BYTES_PER_S = 64 * 1024
+
+
+@attrs.frozen
+class PeerDeadlines:
+    """What a listening network holds every served connection to, whatever its link (the
+    link's own deadlines, with their reasons, come first; these are the floor).
+
+    ``idle_s``: no whole message either way and no work running for the peer (``Activity``)
+    this long, and the connection is cut. ``message_s``: a message whose first byte arrived
+    must end within this, plus a second per ``MESSAGE_FLOOR_BYTES_PER_S`` received of it.
+    ``reclaim_idle_s``: when one host's connections fill its cap, the one idle longest, if
+    idle at least this long, is closed to make room for the new one (else it is refused).
+    """
+
+    idle_s: float = 330.0
+    message_s: float = 30.0
+    reclaim_idle_s: float = 10.0
+
+
+class Activity:
+    """When a connection last carried a whole message in either direction, and how much
+    work its link runs for the peer now (a client's requests: ``IdleDeadline`` says). A
+    connection is idle while no work runs, counted from its last message or the end of its
+    last work, whichever came later."""
+
+    def __init__(self) -> None:
+        self.last = trio.current_time()
+        self.busy = 0
+
+    def touch(self) -> None:
+        self.last = trio.current_time()
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self.busy else max(0.0, now - self.last)
+
+
+def activity_of(conn: object) -> Activity | None:
+    """The ``Activity`` of ``conn`` (a WebSocket connection, sealed or not), or None."""
+    found = getattr(conn, "activity", None)
+    return found if isinstance(found, Activity) else None
+
+
+async def police(
+    stream: BudgetedStream,
+    activity: Activity,
+    deadlines: PeerDeadlines,
+    cut: trio.CancelScope,
+    peer: str,
+) -> None:
+    """Cancel ``cut`` (logged) once a served connection is idle for ``deadlines.idle_s`` or
+    trickles a message (see ``PeerDeadlines``); woken by each message's first byte on
+    ``stream``, never polling."""
+    while True:
+        now = trio.current_time()
+        idle_at = now - activity.idle_for(now) + deadlines.idle_s
+        since = stream.message_since
+        due = math.inf
+        if since is not None:
+            due = since + deadlines.message_s + stream.message_bytes / MESSAGE_FLOOR_BYTES_PER_S
+            if now >= due:
+                why = (
+                    f"a message took over {now - since:.0f} s to arrive "
+                    f"({stream.message_bytes} bytes so far; limits.message_timeout_s): a trickle"
+                )
+                break
+        if now >= idle_at:
+            why = f"no message either way for {deadlines.idle_s:g} s (limits.idle_timeout_s)"
+            break
+        with trio.move_on_at(min(idle_at, due)):
+            await stream.wait_message_start()
+    log.warning("cut %s: %s", peer, why)
+    cut.cancel()
+
+
 class IdleDeadline:
     """A cancel scope (``scope``) that fires ``idle_s`` after the last piece of work ended.
 
     Work is bracketed by ``begin()`` / ``end()``; while any runs, the deadline is off. A link
     runs its receive loop in ``scope``: a peer that keeps a connection open without asking for
-    anything is cut, however it trickles bytes or messages that start no work.
+    anything is cut, however it trickles bytes or messages that start no work. With ``conn``,
+    its ``Activity`` is kept busy while work runs too, so the network never counts it idle.
     """
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, idle_s: float, conn: object = None) -> None:
         self.idle_s = idle_s
         self.scope = trio.CancelScope(deadline=trio.current_time() + idle_s)
         self._running = 0
+        self._activity = activity_of(conn)
 
     def begin(self) -> None:
         self._running += 1
         self.scope.deadline = math.inf
+        if self._activity is not None:
+            self._activity.busy += 1
 
     def end(self) -> None:
         self._running -= 1
+        if self._activity is not None:
+            self._activity.busy -= 1
+            self._activity.touch()
         if self._running == 0:
             self.scope.deadline = trio.current_time() + self.idle_s
 
@@ -197,10 +288,15 @@ class IdleDeadline:
 
 __all__ = [
     "CONNECTION_ERRORS",
+    "MESSAGE_FLOOR_BYTES_PER_S",
+    "Activity",
     "IdleDeadline",
+    "PeerDeadlines",
     "PeerTooSlow",
     "ProtocolViolation",
+    "activity_of",
     "connection_failure",
+    "police",
     "receive_within",
     "send_within",
     "serve_one",

@@ -26,6 +26,7 @@ import trio_websocket
 from shard.errors import HandshakeError
 from shard.messages import Hello, Message, Welcome
 from shard.transport.base import Connection, ConnectionStatistics, Handler, NetworkBase
+from shard.transport.guard import Activity, PeerDeadlines
 from shard.transport.paths import Route, Router, Sealed
 from shard.transport.websocket import (
     MAX_CONNECTIONS,
@@ -79,6 +80,11 @@ class SecureConnection:
     def peer(self) -> str:
         return self._inner.peer
 
+    @property
+    def activity(self) -> Activity:
+        """The inner connection's ``Activity`` (``shard.transport.guard``)."""
+        return self._inner.activity
+
     def statistics(self) -> ConnectionStatistics:
         return self._inner.statistics()
 
@@ -106,7 +112,8 @@ class SecureWebSocketNetwork(NetworkBase):
     ``role`` is what this node claims on every connection (its token must grant it);
     ``peer_roles`` the roles it talks to (default ``shard.trust.channel.PEER_ROLES[role]``).
     ``clock`` gives Unix seconds for token validity (injected; default ``time.time``).
-    ``max_peer_connections``: as ``WebSocketNetwork``'s (counted before the secure handshake).
+    ``max_peer_connections``, ``deadlines``: as ``WebSocketNetwork``'s (counted and applied
+    from before the secure handshake).
 
     Cancellation and errors: as ``WebSocketNetwork``; a refused handshake raises a
     ``HandshakeError`` subclass from ``dial`` (never retried: the answer would not change).
@@ -125,6 +132,7 @@ class SecureWebSocketNetwork(NetworkBase):
         max_peer_connections: int | None = None,
         max_buffer_bytes: int | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        deadlines: PeerDeadlines | None = None,
     ) -> None:
         self._credentials = credentials
         self._policy = policy
@@ -139,6 +147,7 @@ class SecureWebSocketNetwork(NetworkBase):
             max_peer_connections=max_peer_connections,
             max_buffer_bytes=max_buffer_bytes,
             max_connections=max_connections,
+            deadlines=deadlines,
         )
 
     def __repr__(self) -> str:

@@ -12,6 +12,14 @@ time (with its 4 KiB default a 64 KiB round trip on loopback took 1.7-3.0 ms ins
 Floods cost bounded memory: every connection of a network, dialed or served, reads through
 one ``ByteBudget`` (``max_buffer_bytes`` of received messages in total, see
 ``shard.transport.budget``), and a server closes connections past ``max_connections`` at once.
+
+Idle and slow peers cost nothing for long: with ``deadlines`` (``PeerDeadlines``), every
+served connection is cut once it carried no message either way, with no work running, for
+``idle_s``, or once a message it began arriving takes longer than ``message_s`` (plus a
+second per 64 KiB of it); and when one host's connections fill ``max_peer_connections``,
+the one idle longest (at least ``reclaim_idle_s``) is closed to make room for the new one
+rather than the new one refused — so an honest client is served beside an idle flood from
+its own address.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from shard.transport.base import (
     split_address,
 )
 from shard.transport.budget import BudgetedStream, ByteBudget
-from shard.transport.guard import serve_one, serve_pipe
+from shard.transport.guard import Activity, PeerDeadlines, police, serve_one, serve_pipe
 from shard.transport.paths import Piped, Route, Router, Sealed
 from shard.transport.wsconnection import (
     MESSAGE_TOO_BIG,
@@ -72,6 +80,15 @@ class _Target:
     dialer: bool
 
 
+@attrs.define(eq=False)
+class _Held:
+    """One served connection from a host: its activity, and the scope that cuts it."""
+
+    activity: Activity
+    scope: trio.CancelScope
+    reclaimed: bool = False
+
+
 class Handshake(Protocol):
     """Runs on a raw WebSocket right after it opened and before any wire frame, on both sides
     (``dialer`` says which): authenticates the peer and returns the connection's ``Sealer``
@@ -102,7 +119,9 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
     connections hold together; ``max_connections`` bounds the connections ``serve`` keeps
     (past it a new one is closed at once, before its WebSocket handshake).
     ``max_peer_connections`` caps the connections ``serve`` holds open (or in their
-    handshakes) per remote host; one more is answered HTTP 503 with the reason and closed.
+    handshakes) per remote host; one more is answered HTTP 503 with the reason and closed,
+    unless ``deadlines`` let an idle one from that host make room (see the module docstring;
+    None: no deadlines, nothing reclaimed).
 
     Cancellation: leaving ``async with network:`` closes dialed connections still open.
     Errors: ``dial`` raises ``TransportError`` (refused, unreachable, timed out, rejected);
@@ -119,11 +138,14 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         max_buffer_bytes: int | None = None,
         max_connections: int = MAX_CONNECTIONS,
         max_peer_connections: int | None = None,
+        deadlines: PeerDeadlines | None = None,
     ) -> None:
         super().__init__()
         self._limits = limits or WireLimits()
         self._max_peer_connections = max_peer_connections
-        self._per_peer: dict[str, int] = {}  # remote host -> connections open or opening
+        self._deadlines = deadlines
+        self._per_peer: dict[str, list[_Held]] = {}  # remote host -> connections open or opening
+        self.reclaimed = 0  # idle connections closed to make room under a host's cap
         message = max_message_size(self._limits)
         self.budget = ByteBudget(max_buffer_bytes or BUFFER_MESSAGES * message)
         if self.budget.total < message:
@@ -280,25 +302,52 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
             await raw.aclose()
             return
         cap = self._max_peer_connections
-        if cap is not None and self._per_peer.get(host, 0) >= cap:
+        held = self._per_peer.setdefault(host, [])
+        full = cap is not None and sum(not h.reclaimed for h in held) >= cap
+        if full and not self._reclaim(held, peer):
             reason = (
                 f"too many connections from {host}: at most {cap} at once "
-                "(limits.max_peer_connections); close some and retry"
+                "(limits.max_peer_connections), none of them idle; close some and retry"
             )
             log.warning("refused %s: %s", peer, reason)
+            if not held:
+                del self._per_peer[host]
             await self._reject(raw, reason)
             return
         self._served += 1
-        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        mine = _Held(Activity(), trio.CancelScope())
+        held.append(mine)
         stream = self._budgeted(raw)
         try:
-            await self._serve_stream(handler, router, stream, peer)
+            with mine.scope:
+                await self._serve_stream(handler, router, stream, peer, mine.activity)
         finally:
             self._served -= 1
-            self._per_peer[host] -= 1
-            if not self._per_peer[host]:
+            held.remove(mine)
+            if not held:
                 del self._per_peer[host]
             stream.release_all()
+
+    def _reclaim(self, held: list[_Held], peer: str) -> bool:
+        """Close the connection of ``held`` idle longest, if one is idle for at least
+        ``reclaim_idle_s``, to make room for ``peer``; whether one was."""
+        if self._deadlines is None:
+            return False
+        now = trio.current_time()
+        idle = [h for h in held if not h.reclaimed]
+        oldest = max(idle, key=lambda h: h.activity.idle_for(now), default=None)
+        if oldest is None or oldest.activity.idle_for(now) < self._deadlines.reclaim_idle_s:
+            return False
+        log.warning(
+            "closed a connection idle for %.0f s to make room for %s (its host is at "
+            "limits.max_peer_connections)",
+            oldest.activity.idle_for(now),
+            peer,
+        )
+        oldest.reclaimed = True
+        oldest.scope.cancel()
+        self.reclaimed += 1
+        return True
 
     async def _reject(self, stream: trio.SocketStream, reason: str) -> None:
         """Answer the WebSocket upgrade with HTTP 503 and ``reason``, then close."""
@@ -314,7 +363,12 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
             nursery.cancel_scope.cancel()
 
     async def _serve_stream(
-        self, handler: Handler, router: Router, stream: BudgetedStream, peer: str
+        self,
+        handler: Handler,
+        router: Router,
+        stream: BudgetedStream,
+        peer: str,
+        activity: Activity,
     ) -> None:
         async with stream, trio.open_nursery() as nursery:
             try:
@@ -322,13 +376,18 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
                 if opened is None:
                     return
                 ws, route, sealer = opened
+                if self._deadlines is not None:
+                    scope = nursery.cancel_scope
+                    nursery.start_soon(police, stream, activity, self._deadlines, scope, peer)
                 if isinstance(route, Piped):
-                    pipe = WebSocketPipe(ws, peer, stream, self._timeout_s)
+                    pipe = WebSocketPipe(ws, peer, stream, self._timeout_s, activity)
                     nursery.start_soon(pipe.watch_reader)
                     await serve_pipe(pipe, route.handler)
                     return
                 assert sealer is not None
-                conn = WebSocketConnection(ws, peer, sealer, self._limits, self._timeout_s, stream)
+                conn = WebSocketConnection(
+                    ws, peer, sealer, self._limits, self._timeout_s, stream, activity
+                )
                 nursery.start_soon(conn.watch_reader)
                 await serve_one(conn, route.handler)
             finally:

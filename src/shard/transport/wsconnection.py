@@ -5,6 +5,9 @@ that fails to open or decode closes that one WebSocket with 1008 (policy violati
 raises ``WireError`` to whoever was receiving. A frame larger than ``OFFLOAD_BYTES`` is
 sealed or opened and coded in a worker thread (decryption is proportional to its size), and
 a received message's bytes go back to the node's ``ByteBudget`` once it is decoded.
+
+Each connection (and pipe) keeps its ``Activity``: every whole message sent or received
+touches it, so a listening network can tell an idle connection from a busy one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import trio_websocket
 from shard.messages import Message
 from shard.transport.base import ConnectionClosed, ConnectionStatistics, Counters
 from shard.transport.budget import BudgetedStream
+from shard.transport.guard import Activity
 from shard.wire import Sealer, WireError, WireLimits, decode, encode
 
 #: Room for what a sealer adds to an encoded frame (nonce, tag, counters).
@@ -37,10 +41,12 @@ class WebSocketConnection:
         limits: WireLimits,
         close_s: float,
         stream: BudgetedStream | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self._ws = ws
         self._stream = stream
         self._peer = peer
+        self.activity = activity or Activity()
         self._sealer = sealer
         self._limits = limits
         self._close_s = close_s
@@ -75,6 +81,7 @@ class WebSocketConnection:
             except trio_websocket.ConnectionClosed as exc:
                 raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
         self._counters.sent(len(sealed))
+        self.activity.touch()
 
     async def receive(self) -> Message:
         try:
@@ -97,6 +104,7 @@ class WebSocketConnection:
             exc.add_note(f"from {self._peer} (WebSocket); connection closed (1008)")
             raise
         self._counters.received(len(data))
+        self.activity.touch()
         return msg
 
     def _encode_seal(self, msg: Message) -> bytes:
@@ -167,11 +175,13 @@ class WebSocketPipe:
         peer: str,
         stream: BudgetedStream,
         close_s: float,
+        activity: Activity | None = None,
     ) -> None:
         self._ws = ws
         self._peer = peer
         self._stream = stream
         self._close_s = close_s
+        self.activity = activity or Activity()
         self._reader_gone = False
         self._closing: trio.CancelScope | None = None
 
@@ -181,9 +191,11 @@ class WebSocketPipe:
 
     async def receive(self) -> object:
         try:
-            return await self._ws.get_message()
+            message = await self._ws.get_message()
         except trio_websocket.ConnectionClosed as exc:
             raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
+        self.activity.touch()
+        return message
 
     def release(self) -> None:
         self._stream.take_message()
@@ -195,6 +207,7 @@ class WebSocketPipe:
             await self._ws.send_message(item)
         except trio_websocket.ConnectionClosed as exc:
             raise ConnectionClosed(f"{self._peer}: {_describe(exc)}") from None
+        self.activity.touch()
 
     async def aclose(self) -> None:
         # As WebSocketConnection._close: bounded, and cut short once the reader is gone (no

@@ -23,6 +23,7 @@ from shard.messages import NodeName
 from shard.spec.nodes import NodeSpec
 from shard.spec.swarm import SwarmSpec
 from shard.transport import Network, WebSocketNetwork
+from shard.transport.guard import PeerDeadlines
 from shard.transport.nat import NatNetwork
 from shard.transport.paths import PathNetwork
 from shard.transport.relayhub import RelayHub
@@ -90,6 +91,20 @@ def plain_network(spec: SwarmSpec) -> WebSocketNetwork:
         max_peer_connections=spec.limits.max_peer_connections,
         max_buffer_bytes=spec.limits.max_buffer_mib << 20,
         max_connections=spec.limits.max_connections,
+        deadlines=peer_deadlines(spec),
+    )
+
+
+def peer_deadlines(spec: SwarmSpec) -> PeerDeadlines:
+    """What a node's listener holds every served connection to, from ``[limits]``: idle
+    (``idle_timeout_s`` + ``message_timeout_s``, so a link's own idle deadline, with its
+    reason, comes first), a trickled message (``message_timeout_s``) and reclaiming at the
+    per-host cap (``reclaim_idle_s``)."""
+    limits = spec.limits
+    return PeerDeadlines(
+        idle_s=limits.idle_timeout_s + limits.message_timeout_s,
+        message_s=limits.message_timeout_s,
+        reclaim_idle_s=limits.reclaim_idle_s,
     )
 
 
@@ -166,6 +181,7 @@ def _wire_network(spec: SwarmSpec, name: str, role: str, clock: Clock) -> Networ
         max_peer_connections=cap,
         max_buffer_bytes=spec.limits.max_buffer_mib << 20,
         max_connections=spec.limits.max_connections,
+        deadlines=peer_deadlines(spec),
     )
 
 
