@@ -207,3 +207,43 @@ async def test_idle_links_are_cut_and_honest_long_lived_ones_are_not(
             with pytest.raises(ConnectionClosed):
                 await busy.receive()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_message_the_node_is_too_busy_to_read_is_not_a_trickle(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """After Hello a peer sends two whole messages and half of a third while the node's link
+    reads nothing (its queue full, the socket unread) for ten message_s: not cut; once the
+    link reads again the third, finished, is received."""
+    mock_clock.rate = 1.0
+    reading = trio.Event()
+    got: list[object] = []
+
+    async def slow_link(conn: Connection) -> None:
+        await accept_peer(conn, Welcome(ME, "coordinator", SWARM))
+        await reading.wait()
+        for _ in range(3):
+            got.append(await conn.receive())
+        await trio.sleep_forever()
+
+    server = WebSocketNetwork(deadlines=DEADLINES)
+    third = masked_frame(encode(Probe(3, 0.0)))
+    with trio.fail_after(DEADLINE_S + 11 * DEADLINES.message_s):  # + the jumps
+        async with server, trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve, "127.0.0.1:0", slow_link)
+            stream = await raw_after_hello(address)
+            await stream.send_all(masked_frame(encode(Probe(1, 0.0))))
+            await stream.send_all(masked_frame(encode(Probe(2, 0.0))) + third[:8])
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(10 * DEADLINES.message_s)
+            await trio.testing.wait_all_tasks_blocked()
+            reading.set()
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(DEADLINES.message_s / 2)  # caught up: the third's clock restarted
+            await stream.send_all(third[8:])
+            while len(got) < 3:
+                await trio.testing.wait_all_tasks_blocked()
+            assert got == [Probe(1, 0.0), Probe(2, 0.0), Probe(3, 0.0)]
+            assert server.served == 1
+            await stream.aclose()
+            nursery.cancel_scope.cancel()

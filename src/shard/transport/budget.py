@@ -20,7 +20,8 @@ The same parse tells when a message is in progress: ``message_since`` is when th
 of a frame arrived with no message under way, until that message's last frame ended (a
 fragmented message, and control frames inside it, count as one), and ``message_bytes`` how
 much of it has arrived — what a listening network's trickle deadline reads
-(``shard.transport.guard.PeerDeadlines``).
+(``shard.transport.guard.PeerDeadlines``). While a whole message waits for the application
+(``behind``) nothing is read, so that time is never the peer's.
 """
 
 from __future__ import annotations
@@ -111,14 +112,24 @@ class BudgetedStream(trio.abc.Stream):
         """Bytes this connection holds of the budget now."""
         return self._held
 
+    @property
+    def behind(self) -> bool:
+        """Whether a whole message waits for the application: the socket is then not read
+        (trio-websocket's queue is full), so a message in progress is not the peer's delay."""
+        return bool(self._complete)
+
     async def wait_message_start(self) -> None:
-        """Wait until the next message begins to arrive."""
+        """Wait until the next message begins to arrive, or the application takes one."""
         await self._message_started.park()
 
     def take_message(self) -> None:
-        """The application took the oldest complete message: give its bytes back."""
+        """The application took the oldest complete message: give its bytes back (and, caught
+        up, start the clock of a message in progress afresh: it was not read meanwhile)."""
         if self._complete:
             self._give_back(self._complete.popleft())
+            if not self._complete and self.message_since is not None:
+                self.message_since = trio.current_time()
+            self._message_started.unpark_all()
 
     def release_all(self) -> None:
         """The connection ended: give back everything it holds."""

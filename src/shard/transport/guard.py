@@ -235,7 +235,7 @@ async def police(
         idle_at = now - activity.idle_for(now) + deadlines.idle_s
         since = stream.message_since
         due = math.inf
-        if since is not None:
+        if since is not None and not stream.behind:  # behind: this node is not reading
             due = since + deadlines.message_s + stream.message_bytes / MESSAGE_FLOOR_BYTES_PER_S
             if now >= due:
                 why = (
