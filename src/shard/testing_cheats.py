@@ -45,7 +45,7 @@ import trio
 from shard.messages import Hello, Message, Verdict
 from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
-from shard.model.llama import StageModel, TailOut
+from shard.model.llama import Block, StageModel, TailOut
 from shard.model.packed import Segment
 from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
@@ -227,6 +227,9 @@ class _WithoutLastLayer:
     def __init__(self, inner: StageModel) -> None:
         self._inner = inner
         self.layers = list(inner.layers)[:-1]
+
+    def blocks(self) -> list[Block]:
+        return self._inner.blocks()[:-1]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
