@@ -38,15 +38,13 @@ _CONTEXT: Final = 32
 
 def weight_bytes(config: ModelConfig, dtype: str) -> tuple[int, int, int]:
     """``(layer, embedding, head)`` bytes of ``config``'s weights in ``dtype`` (the head also
-    holds the final norm)."""
-    h, hd = config.hidden_size, config.head_dim
-    attention = h * hd * (2 * config.n_heads + 2 * config.n_kv_heads)
-    if config.attention_bias:
-        attention += hd * (config.n_heads + 2 * config.n_kv_heads)
-    layer = attention + 3 * h * config.intermediate_size + 2 * h
-    size = DTYPE_BYTES[dtype]
-    embedding = config.vocab_size * h
-    return layer * size, embedding * size, (embedding + h) * size
+    holds the final norm), priced module by module (``shard.model.footprint``). Placement
+    sees equal layers, so ``layer`` is the largest: a mixture-of-experts model's dense first
+    layers are counted at their sparse neighbours' size, never the other way round."""
+    from shard.model.footprint import predict
+
+    footprint = predict(config, dtype, dtype=dtype)
+    return max(footprint.layers), footprint.embedding, footprint.head
 
 
 def available_memory_bytes(device: torch.device) -> int:
