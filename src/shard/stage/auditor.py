@@ -6,8 +6,8 @@ ones the predecessor's replay log keeps: same inputs, same shapes, same order, s
 one an honest stage would hold), runs the audited chunk, and compares its output with the
 claimed one (``shard.trust.audit.compare``: bit-exact when both ends declare the same device
 class and dtype and the accused does not batch, else by seeded sketch against a threshold
-calibrated for the two ends' dtypes, ``threshold_for``). At the tail it runs the head on the rows the choice
-reads and compares the verdict it chooses from them with the claimed one
+calibrated for the two ends' dtypes, ``threshold_for``). At the tail it runs the head on the
+rows the choice reads and compares the verdict it chooses from them with the claimed one
 (``shard.trust.audit.compare_tokens``: no margin where replay is bit-exact, else
 ``token_margin``). A failed audit comes back with signed ``Evidence``
 (``shard.trust.evidence``) that anyone can check offline.
