@@ -10,7 +10,8 @@ into windows that long).
 Memory: the peak resident set (``VmHWM`` of ``/proc/self/status``, which exec resets;
 ``ru_maxrss`` would carry the forking parent's peak over) of ``shard generate --local`` with
 ``--weights float32`` and ``--weights stored`` (each a fresh child process, 16 tokens), and
-their ratio. ``--rss-only`` measures only that and updates an existing result.
+their ratio, the median of three runs each. ``--rss-only`` measures only that and updates
+an existing result.
 
 Writes ``bench/results/quant_quality.json``. ``.venv/bin/python bench/quant_quality.py``
 (~2 min on 2 busy cores).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -73,9 +75,15 @@ def peak_rss_mb(weights: str, model: str) -> float:
     return kb / 1024
 
 
-def _rss(result: dict[str, object], model_dir: Path) -> None:
-    rss = {w: round(peak_rss_mb(w, str(model_dir)), 1) for w in ("float32", "stored")}
+def _rss(result: dict[str, object], model_dir: Path, repeats: int = 3) -> None:
+    """Median peak RSS of ``repeats`` runs each (the load's temporaries make it vary)."""
+    runs: dict[str, list[float]] = {"float32": [], "stored": []}
+    for _ in range(repeats):
+        for weights, seen in runs.items():
+            seen.append(round(peak_rss_mb(weights, str(model_dir)), 1))
+    rss = {w: statistics.median(seen) for w, seen in runs.items()}
     result["peak_rss_mb_generate_local"] = rss
+    result["peak_rss_mb_runs"] = runs
     result["peak_rss_ratio"] = round(rss["stored"] / rss["float32"], 3)
 
 
