@@ -3,7 +3,9 @@ tiny-model stages started with ``shard up --role stage --join`` only (no layer r
 anywhere). Their memory allows two per ring, so the planner forms a two-stage ring and keeps
 one standby; the output equals ``shard generate --local``. Then the ring's first stage is
 SIGKILLed while a long request streams: the sticky re-plan gives only its layers to the
-standby, the request completes with the same output, and so does the next one.
+standby, the request completes with the same output, and so does the next one. Before
+that, an impostor started with ``--join`` under a live stage's name is refused (one line,
+exit 1) and the live stage's link is never dropped: the requests that follow run on it.
 
 Loopback only; every process runs in its own session and is killed by PID on the way out
 (``tests/procs.py``); every wait is bounded.
@@ -81,6 +83,17 @@ async def test_joined_stages_form_a_ring_and_a_sigkill_moves_only_its_layers(
         log = coord_log.read_text()
         assert len(ring) == 2 and standby in NODES, f"expected two stages + a standby: {log}"
         victim, first, last = ring[0]
+
+        # an impostor joins under the live tail's name: refused, the live link untouched
+        live = ring[1][0]
+        impostor = await run_shard(
+            "up", "--role", "stage", "--join", f"127.0.0.1:{port}", "--spec", str(spec),
+            "--node", live, "--model", str(model_dir), "--memory-gib", memory, timeout_s=RUN_S,
+        )  # fmt: skip
+        assert impostor.returncode == 1, impostor.describe()
+        assert f"{live} is the name of a live member" in impostor.stderr, impostor.describe()
+        log = coord_log.read_text()
+        assert "refused a registration" in log and f"{live} is dead" not in log, log
 
         # a long request streams; the first stage is SIGKILLed once tokens flow
         client = await stack.enter_async_context(
