@@ -33,6 +33,7 @@ from shard.spec.swarm import SwarmSpec
 from shard.stage.offload import inline_compute
 from shard.testing_cheats import batched_lies, cheating
 from shard.transport import MemoryNetwork
+from shard.trust.evidence import evidence_from_json, verify_evidence
 from test_audit_swarm import unbatched, with_auditors
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
 from test_failover import model_dir as model_dir
@@ -153,15 +154,17 @@ def _first_strikes(verdicts: list[AuditVerdict], liar: str) -> list[int]:
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
 @pytest.mark.parametrize("kind", list(LIARS))
 def test_each_cheat_is_caught_evicted_and_then_outputs_are_right(
-    model_dir: Path, references: list[tuple[int, ...]], kind: str, batched: bool
+    model_dir: Path, references: list[tuple[int, ...]], kind: str, batched: bool, tmp_path: Path
 ) -> None:
     """``[audit] enabled``, rate 0.25, two strikes: the liar is struck in its own sessions
     after about 1/rate of its chunks (printed beside 1/rate: a handful of sessions, so only
     reported here; tests/test_audit_batched.py measures the mean), evicted and replaced by its
     standby; no honest stage is accused; every request of the round after the eviction
-    equals the reference."""
+    equals the reference; each strike's evidence file (``[audit] evidence_dir``) accuses the
+    liar and verifies offline."""
     liar = LIARS[kind]
-    spec = attrs.evolve(failover_spec(model_dir), audit=AuditSpec(enabled=True, rate=RATE))
+    policy = AuditSpec(enabled=True, rate=RATE, evidence_dir=str(tmp_path))
+    spec = attrs.evolve(failover_spec(model_dir), audit=policy)
     spec = spec if batched else unbatched(spec)
     rounds, stats, verdicts, lies = _run(spec, model_dir, liar, kind)
     recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
@@ -179,6 +182,10 @@ def test_each_cheat_is_caught_evicted_and_then_outputs_are_right(
     assert all(v.ok for v in verdicts if v.accused != liar)
     assert not rounds[1].errors
     assert rounds[1].outputs == references  # the round after the eviction
+    files = sorted(tmp_path.glob("*.json"))
+    assert files  # one per strike (written off the loop: counted, not compared)
+    for f in files:
+        assert verify_evidence(evidence_from_json(f.read_text())).evidence.accused == liar
 
 
 @pytest.mark.parametrize(
