@@ -169,6 +169,7 @@ def test_limits_read_every_key() -> None:
         "max_batch_rows": 64,
         "gather_window_s": 0.002,
         "kv_budget_mib": 256,
+        "reclaim_idle_s": 12,
     }
     limits = _load(_data(limits=given)).limits
     assert attrs.asdict(limits) == given
