@@ -198,7 +198,10 @@ def test_hold_mode_delivers_no_wrong_token(
     sent is the reference's — a request the liar touched ends with an error after a prefix
     of the reference, or completes right — and the liar is evicted; honest requests (the
     honest swarm, and the round after the eviction) equal the reference."""
-    policy = AuditSpec(enabled=True, mode="hold", hold_timeout_s=120.0)
+    # One strike evicts: in hold mode a request ends at its first unconfirmed chunk, so a
+    # liar's sessions may yield a single failed audit between them (with two strikes the
+    # eviction, and so this test, then hung on that timing: 1 run in 5 here under load).
+    policy = AuditSpec(enabled=True, mode="hold", hold_timeout_s=120.0, strikes=1)
     spec = with_auditors(attrs.evolve(failover_spec(model_dir), audit=policy))
     liar = LIARS.get(kind, "s1")
     rounds, stats, _, lies = _run(spec, model_dir, liar, kind, prompts=HELD)
