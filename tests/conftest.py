@@ -73,6 +73,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+@pytest.fixture(autouse=True)
+def _evidence_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strikes in tests write their evidence files under the test's own temporary directory,
+    not into the user's cache (``[audit] evidence_dir`` absent means the cache)."""
+    from shard.failover import evidence_files
+
+    monkeypatch.setattr(evidence_files, "default_evidence_dir", lambda: tmp_path / "evidence")
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models gain nothing from threads, and OpenMP spin-waits stall a busy machine

@@ -205,5 +205,6 @@ def test_evidence_dir_resolves_against_the_spec_and_defaults_to_the_cache(
     assert read({"evidence_dir": "ev"}).evidence_dir == str(tmp_path / "ev")
     assert read({"evidence_dir": "/srv/ev"}).evidence_dir == "/srv/ev"
     assert read({}).evidence_dir is None
+    monkeypatch.undo()  # conftest points the default into tmp_path for every other test
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert EvidenceShelf(None).directory == tmp_path / "cache" / "shard" / "evidence"
