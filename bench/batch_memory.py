@@ -60,6 +60,7 @@ def rss_mib() -> float:
 async def measure_block(model_dir: Path, first: int, last: int, n: int, max_len: int) -> Record:
     import torch
 
+    from shard.compute.tensors import to_wire
     from shard.messages import (
         ChunkSeq,
         Epoch,
@@ -73,7 +74,6 @@ async def measure_block(model_dir: Path, first: int, last: int, n: int, max_len:
     )
     from shard.model.loader import load_stage
     from shard.stage.executor import StageExecutor
-    from shard.stage.tensors import to_wire
 
     torch.set_num_threads(1)
     model = load_stage(model_dir, first, last)

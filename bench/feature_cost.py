@@ -40,6 +40,7 @@ import torch
 import trio
 
 from plain_ring import REPO, Prompt, git_info, machine_info
+from shard.compute.tensors import to_wire
 from shard.coordinator.features import verdict_features
 from shard.decode.control import SpecConfig
 from shard.decode.draft import Drafter, NGramProposer, Proposer
@@ -50,7 +51,6 @@ from shard.model.tokenizer import Tokenizer
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
-from shard.stage.tensors import to_wire
 from shard.transport import MemoryNetwork
 from shard.wire import decode, encode
 

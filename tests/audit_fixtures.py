@@ -13,12 +13,12 @@ import attrs
 import pytest
 import torch
 
+from shard.compute.tensors import from_wire, to_wire
 from shard.messages import NodeName, OpenSession, SessionId, Verify
 from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
 from shard.spec.audit import AuditSpec
 from shard.stage.auditor import audit_chunk
-from shard.stage.tensors import from_wire, to_wire
 from shard.trust.audit import audit_nonce
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipts import ReceiptSigner

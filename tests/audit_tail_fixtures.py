@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from audit_fixtures import ACCUSED_KEY
+from shard.compute.tensors import to_wire
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -32,7 +33,6 @@ from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.stage.batch import forward_batch
 from shard.stage.chunks import Session, output, plan
-from shard.stage.tensors import to_wire
 from shard.trust.audit import audit_nonce
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
 from shard.trust.sampler import Accused, AuditSampler

@@ -19,6 +19,7 @@ import trio
 import trio_websocket
 import zstandard
 
+from shard.compute.tensors import to_wire
 from shard.messages import (
     AuditCopy,
     AuditRequest,
@@ -45,7 +46,6 @@ from shard.messages import (
     Welcome,
 )
 from shard.messages.audit import AuditedChunk, Blob, ChainProof
-from shard.stage.tensors import to_wire
 from shard.transport.websocket import max_message_size
 from shard.wire import WireError, WireLimits, decode, encode
 from shard.wire.frame import HEADER_ZSTD, PREFIX, WIRE_VERSION

@@ -3,7 +3,7 @@ with the relay role held by a ``TamperingHub`` (``shard.testing_nat``): MODE ``t
 one bit of the first relayed record of at least ``MIN_BYTES`` bytes after the handshake and
 Hello (a ring frame carrying activations); ``watch`` changes nothing and only logs when it
 carries a plaintext wire frame. There is no production flag for this: the seam is the hub class
-``shard.trust.compose`` builds, patched here only.
+``shard.nodes.compose`` builds, patched here only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 
-import shard.trust.compose as compose
+import shard.nodes.compose as compose
 from shard.cli import main
 from shard.testing_nat import TamperingHub
 

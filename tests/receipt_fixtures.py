@@ -14,11 +14,11 @@ import trio
 
 from shard.coordinator.router import Coordinator
 from shard.messages import EdgeRecord, NodeName, RunReceipt, StageReceipt, VerdictRecord
+from shard.nodes.compose import LocalTrust, provision_local
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.trust.admission import issue
-from shard.trust.compose import LocalTrust, provision_local
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipts import (
     Chain,

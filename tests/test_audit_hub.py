@@ -7,11 +7,11 @@ from __future__ import annotations
 import attrs
 import torch
 
+from shard.compute.tensors import to_wire
 from shard.failover.audits import AuditHub, Holder
 from shard.messages import NodeName
 from shard.messages.audit import AuditCopy, AuditVerdict
 from shard.spec.audit import AuditSpec
-from shard.stage.tensors import to_wire
 from shard.trust.audit import blob_of, commit
 
 RING = [Holder(NodeName("s0"), 0, 2), Holder(NodeName("s1"), 2, 4), Holder(NodeName("s2"), 4, 6)]

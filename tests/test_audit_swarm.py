@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.compute.offload import inline_compute
 from shard.coordinator.router import Completion
 from shard.failover.scheduler import SchedulerStatistics
 from shard.failover.strikes import StrikeBook
@@ -32,7 +33,6 @@ from shard.spec.audit import AuditSpec
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.auditor import Auditor
-from shard.stage.offload import inline_compute
 from shard.testing import AuditTap, OverstatingTail, cheating
 from shard.transport import MemoryNetwork, Network
 from shard.trust.audit import audit_nonce, commit

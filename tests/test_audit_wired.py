@@ -22,6 +22,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.compute.offload import inline_compute
 from shard.coordinator.events import RingError
 from shard.failover.scheduler import SchedulerStatistics
 from shard.messages import NodeName
@@ -30,7 +31,6 @@ from shard.model.llama import StageModel
 from shard.nodes.inprocess import run_swarm
 from shard.spec.audit import AuditSpec
 from shard.spec.swarm import SwarmSpec
-from shard.stage.offload import inline_compute
 from shard.testing_cheats import batched_lies, cheating
 from shard.transport import MemoryNetwork
 from shard.trust.evidence import evidence_from_json, verify_evidence

@@ -21,9 +21,9 @@ import trio
 from procs import LineReader, started_shard, write_spec
 from shard.coordinator.client import request
 from shard.messages import GenerateDone, GenerateRequest
+from shard.nodes.compose import client_network
 from shard.spec.swarm import SwarmSpec, load_spec
 from shard.testing import make_tiny_checkpoint
-from shard.trust.compose import client_network
 
 PROMPTS = (
     "The capital of France is",

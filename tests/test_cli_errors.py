@@ -310,8 +310,8 @@ def test_monitor_joins_a_secure_swarm_with_key_and_token(
     import time
 
     import shard.observe.tui.main as tui
+    from shard.nodes.compose import provision_local
     from shard.transport.secure import SecureWebSocketNetwork
-    from shard.trust.compose import provision_local
 
     root = Path(__file__).resolve().parents[1]
     spec = tmp_path / "spec.toml"

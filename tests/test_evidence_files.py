@@ -25,6 +25,7 @@ import trio.testing
 from textual.widgets import DataTable, Static
 
 from shard.cli import main
+from shard.compute.offload import inline_compute
 from shard.failover.evidence_files import EvidenceShelf, write_evidence
 from shard.messages import Hello, NodeName, StatusSnapshot
 from shard.model.llama import StageModel
@@ -32,7 +33,6 @@ from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.observe.tui.app import MonitorApp
 from shard.spec.audit import AuditSpec
-from shard.stage.offload import inline_compute
 from shard.testing import cheating
 from shard.transport import MemoryNetwork
 from shard.transport.links import dial_peer

@@ -9,6 +9,7 @@ import pytest
 import torch
 import trio
 
+from shard.compute.offload import inline_compute
 from shard.decode.reference import generate_reference
 from shard.messages import (
     ChunkSeq,
@@ -24,7 +25,6 @@ from shard.messages import (
 )
 from shard.model.loader import load_stage
 from shard.stage.executor import StageExecutor
-from shard.stage.offload import inline_compute
 from shard.testing import make_tiny_checkpoint
 
 PROMPT = (5, 17, 99, 3)

@@ -21,6 +21,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.compute.offload import inline_compute
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.router import Completion, RingError
 from shard.coordinator.service import complete
@@ -39,7 +40,6 @@ from shard.nodes.coordinator import (
 from shard.nodes.inprocess import run_swarm
 from shard.spec.failover import FailoverSpec
 from shard.spec.swarm import SwarmSpec
-from shard.stage.offload import inline_compute
 from shard.testing import make_tiny_checkpoint
 from shard.transport import ConnectionClosed, MemoryNetwork, Network
 from shard.transport.links import dial_peer

@@ -12,6 +12,7 @@ import attrs
 import pytest
 import torch
 
+from shard.compute.tensors import to_wire
 from shard.messages import (
     MAX_FEATURES,
     ChunkSeq,
@@ -29,7 +30,6 @@ from shard.model.packed import Segment, forward_packed
 from shard.stage.batch import Answer, Planned, forward_batch
 from shard.stage.features import FeatureWindow, wire_dtype
 from shard.stage.graphs import ChunkGraphs
-from shard.stage.tensors import to_wire
 from shard.testing import make_tiny_checkpoint
 from shard.wire import WireError, WireLimits, decode, encode
 from test_executor import run_stage

@@ -14,6 +14,7 @@ import torch
 import trio
 import trio.testing
 
+from shard.compute.tensors import to_wire
 from shard.coordinator.features import FeatureError, verdict_features
 from shard.coordinator.router import Coordinator, RingError
 from shard.decode.control import SpecConfig
@@ -31,7 +32,6 @@ from shard.messages import (
     Verify,
 )
 from shard.spec.limits import Limits
-from shard.stage.tensors import to_wire
 
 DIM = 8
 

@@ -31,6 +31,7 @@ import trio_websocket
 
 from fuzzing import HIDDEN, Frames, decoded, harmless
 from procs import LOOPBACK, free_ports
+from shard.compute.tensors import to_wire
 from shard.decode.reference import generate_reference
 from shard.messages import (
     ChunkSeq,
@@ -56,7 +57,6 @@ from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.coordinator import CoordinatorHandle, StageHandle, run_coordinator, run_stage
 from shard.spec.swarm import SwarmSpec
-from shard.stage.tensors import to_wire
 from shard.transport import Connection, WebSocketNetwork
 from shard.transport.links import accept_peer, dial_peer
 from shard.transport.websocket import max_message_size

@@ -50,14 +50,14 @@ from shard.messages import (
     StatusReset,
     Welcome,
 )
-from shard.spec.swarm import SwarmSpec, load_spec
-from shard.trust.compose import (
+from shard.nodes.compose import (
     LocalTrust,
     client_network,
     load_credentials,
     provision_local,
     trust_policy,
 )
+from shard.spec.swarm import SwarmSpec, load_spec
 from shard.trust.handshake import DialerHandshake
 from shard.trust.sealer import SessionSealer
 from shard.wire import WireError, encode

@@ -72,7 +72,7 @@ RULES = (
             *NETWORK[1:],
         ),
         # offload is the one thread boundary: drafting runs through it like a forward pass.
-        allowed=("shard.stage.offload",),
+        allowed=("shard.compute.offload",),
     ),
     Rule("shard.api", ("shard.nodes", "shard.cli", "torch")),
     Rule(

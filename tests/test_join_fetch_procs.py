@@ -29,8 +29,8 @@ import trio
 from fetch_fixtures import source
 from join_fixtures import formation_lines, formed_ring, join, local, memory_gib, write_lines
 from procs import LOOPBACK, Finished, LineReader, free_ports, run_shard, started_shard
+from shard.nodes.compose import LocalTrust, provision_local
 from shard.transport import WebSocketNetwork
-from shard.trust.compose import LocalTrust, provision_local
 from shard.trust.identity import NodeIdentity
 from shard.weights.build import build_manifest
 from shard.weights.manifest import Manifest

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shard.compute.tensors import from_wire, to_wire
 from shard.model.device import (
     CudaProbe,
     DeviceUnavailable,
@@ -18,7 +19,6 @@ from shard.model.device import (
     torch_dtype,
 )
 from shard.model.loader import load_stage
-from shard.stage.tensors import from_wire, to_wire
 
 NO_BUILD = CudaProbe(built=lambda: False, available=lambda: False, count=lambda: 0)
 NO_GPU = CudaProbe(built=lambda: True, available=lambda: False, count=lambda: 0)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shard.compute.tensors import from_wire, to_wire
 from shard.messages import RUN_DTYPES, TENSOR_DTYPES
 from shard.messages import Tensor as WireTensor
-from shard.stage.tensors import from_wire, to_wire
 
 DTYPES = {name: getattr(torch, name) for name in TENSOR_DTYPES}
 

@@ -38,7 +38,7 @@ import pytest
 import trio
 
 from procs import SHARD, LineReader, run_shard, started_shard
-from shard.trust.compose import provision_local
+from shard.nodes.compose import provision_local
 
 pytestmark = pytest.mark.slow
 

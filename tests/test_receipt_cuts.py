@@ -22,8 +22,8 @@ from receipt_fixtures import provision, resign, ring_spec, run_with_receipt, sec
 from shard.cli import main
 from shard.decode.control import SpecConfig
 from shard.messages import RunReceipt
+from shard.nodes.compose import LocalTrust
 from shard.testing import make_tiny_checkpoint
-from shard.trust.compose import LocalTrust
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipt_check import ReceiptPins, receipt_from_json, receipt_to_json, verify_run
 from shard.trust.receipts import ReceiptInvalid, hash_ids, job_id

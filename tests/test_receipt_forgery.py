@@ -28,9 +28,9 @@ from receipt_fixtures import (
 )
 from shard.cli import main
 from shard.messages import GenerateDone, RunReceipt, RunStats
+from shard.nodes.compose import LocalTrust
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
-from shard.trust.compose import LocalTrust
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipt_check import ReceiptPins, receipt_from_json, receipt_to_json, verify_run
 from shard.trust.receipts import ReceiptInvalid, hash_ids, sign_run

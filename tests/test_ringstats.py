@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from shard.coordinator.ringstats import RingMonitor, forward_rate
 from shard.messages import Hop, NodeName
-from shard.observe.ringstats import RingMonitor, forward_rate
 
 S0 = NodeName("s0")
 

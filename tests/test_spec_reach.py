@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from shard.nodes.compose import with_reach
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.transport import MemoryNetwork
 from shard.transport.nat import NatNetwork
-from shard.trust.compose import with_reach
 
 
 def _data(*, s1: dict[str, Any] | None = None, **swarm: Any) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from shard.messages import GenerateRequest
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
+from shard.nodes.compose import client_network
 from shard.spec.swarm import load_spec
 from shard.testing import scale_upper_layers
-from shard.trust.compose import client_network
 
 pytestmark = pytest.mark.slow
 

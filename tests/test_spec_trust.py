@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from shard.nodes.compose import client_network, node_network, provision_local, trust_policy
 from shard.spec.swarm import SpecError, SwarmSpec, load_spec
 from shard.spec.trust import CredentialPaths
 from shard.transport import WebSocketNetwork
 from shard.transport.secure import SecureWebSocketNetwork
 from shard.trust.admission import ForeignSwarm, RoleNotAllowed, TokenExpired, TokenRevoked, issue
-from shard.trust.compose import client_network, node_network, provision_local, trust_policy
 from shard.trust.identity import IdentityError, NodeIdentity
 from trust_fixtures import NOW
 

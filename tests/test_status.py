@@ -17,6 +17,7 @@ from typing import Any
 import trio
 import trio.testing
 
+from shard.coordinator.ringstats import EdgeRolling, NodeRolling, RingEvent, RingStatistics
 from shard.coordinator.router import CoordinatorStatistics
 from shard.messages import (
     AuditCounts,
@@ -29,7 +30,6 @@ from shard.messages import (
 )
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
-from shard.observe.ringstats import EdgeRolling, NodeRolling, RingEvent, RingStatistics
 from shard.observe.status import StatusFeed, build_snapshot
 from shard.observe.tui.feed import FeedWatcher
 from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost

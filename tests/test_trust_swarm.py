@@ -3,7 +3,7 @@
 own token is expired stops at start with one line saying so.
 
 Charter: 127.0.0.1 only, free ports; every run bounded; keys and tokens made fresh per test
-(``shard.trust.compose.provision_local``) in the test's temporary directory.
+(``shard.nodes.compose.provision_local``) in the test's temporary directory.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from procs import free_ports, run_shard, write_spec
 from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
+from shard.nodes.compose import LocalTrust, node_network, provision_local
 from shard.nodes.coordinator import CoordinatorHandle, run_coordinator, run_stage
 from shard.spec.swarm import SwarmSpec, load_spec
 from shard.transport import Network
 from shard.transport.secure import SecureWebSocketNetwork
 from shard.trust.admission import AdmissionToken, issue
-from shard.trust.compose import LocalTrust, node_network, provision_local
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipt_check import ReceiptPins, verify_run
 

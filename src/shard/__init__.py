@@ -18,7 +18,9 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     transport/      connections over memory channels, WebSockets (plain or sealed), emulated WAN
                     delay, a delaying TCP relay; the Hello/Welcome handshake (``links.py``)
     stage/          a stage's executor: one block of layers, its KV caches, early cancellation,
-                    batching of waiting chunks; the one thread boundary (``offload.py``)
+                    batching of waiting chunks
+    compute/        what every torch-running role shares: where blocking work runs
+                    (``offload.py``) and torch tensors to and from the wire (``tensors.py``)
     model/          the Llama-family model in plain torch, loading, GGUF import, tokenizer and
                     chat template, the bundled SmolLM2 (imports nothing of the network)
     placement/      pure planning: which nodes form the ring, in which order, holding which
@@ -29,12 +31,12 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
                     receipts and their offline check, device identity
     weights/        signed content-addressed manifests, chunk-verified block fetch, seeders
     api/            the OpenAI-compatible HTTP API and the chat page, served by the coordinator
-    observe/        rolling ring statistics, the status feed, the Textual monitor (``tui/``)
+    observe/        the status feed, device probes, the Textual monitor (``tui/``)
     bench/          ``shard bench``: rings side by side against the analytical bound
 
 Test helpers are public API in ``testing.py``; seeded fault injection is
 ``failover/faults.py``; nothing else in ``src`` imports either. The forward pass runs in a
-worker thread behind a ``CapacityLimiter(1)`` (``stage/offload.py``; inline under
+worker thread behind a ``CapacityLimiter(1)`` (``compute/offload.py``; inline under
 ``inline_compute()`` for virtual-time tests): the only thread boundary. Everything else is Trio.
 """
 

@@ -121,8 +121,8 @@ async def ask(
     stopped or was killed: its socket closes with it), after ending any streamed text's
     line so the error is a line of its own."""
     from shard.coordinator.client import ClientError, request
+    from shard.nodes.compose import client_network
     from shard.transport import ConnectionClosed
-    from shard.trust.compose import client_network
 
     streamed: list[bool] = []
 

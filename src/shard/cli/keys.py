@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def keygen(args: argparse.Namespace) -> int:
-    from shard.trust.compose import keygen
+    from shard.nodes.compose import keygen
 
     out = Path(args.out)
     _make_parent(out)
@@ -30,7 +30,7 @@ def _make_parent(out: Path) -> None:
 
 
 def admit(args: argparse.Namespace) -> int:
-    from shard.trust.compose import admit
+    from shard.nodes.compose import admit
 
     _make_parent(Path(args.out))
     try:

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,9 +210,9 @@ def _joined_fetches(spec: Any, name: str) -> bool:
 
 
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:
+    from shard.nodes.compose import node_network
     from shard.nodes.coordinator import run_coordinator, run_stage, run_standby
     from shard.nodes.launcher import ready_line
-    from shard.trust.compose import node_network
 
     # WebSocketNetwork when insecure = true, else the node's key + token on the secure wire
     # (a standby is admitted as a stage: it becomes one when the scheduler activates it; an
@@ -292,19 +293,15 @@ def swarm(args: argparse.Namespace) -> int:
         return 2
     spec, layout = planned(spec, model_dir, args)
     if args.swarm_command == "up" and args.monitor:
+        from shard.nodes.compose import client_network
         from shard.observe.tui.main import monitor_swarm
-        from shard.trust.compose import client_network
 
         address = client_address(str(spec.coordinator.listen))
         network = client_network(spec, role="monitor")  # secure: [trust] client_key/_token
-        monitor_swarm(
-            Path(args.spec),
-            spec,
-            model_dir=model_dir,
-            address=address,
-            network=network,
-            layout=layout,
-        )
+        from shard.nodes.launcher import launch
+
+        start = partial(launch, Path(args.spec), spec, model_dir=model_dir, layout=layout)
+        monitor_swarm(Path(args.spec), spec, start=start, address=address, network=network)
         return 0
     if args.swarm_command == "up":
         if args.api is not None:
@@ -344,8 +341,8 @@ def monitor(args: argparse.Namespace) -> int:
 
     network: Network
     if args.spec is not None:
+        from shard.nodes.compose import client_network
         from shard.spec.swarm import load_spec
-        from shard.trust.compose import client_network
 
         spec = load_spec(args.spec)
         address = args.address or client_address(str(spec.coordinator.listen))
@@ -432,8 +429,8 @@ async def _swarm_run(
     args: argparse.Namespace,
     layout: Any,
 ) -> int:
-    from shard.failover.script import Fired, Progress, run_faults
     from shard.nodes.launcher import launch
+    from shard.nodes.script import Fired, Progress, run_faults
 
     failed = 0
     progress = Progress()

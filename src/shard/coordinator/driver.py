@@ -40,6 +40,7 @@ from shard.coordinator.events import (
 from shard.coordinator.features import FeatureError, verdict_features
 from shard.coordinator.gate import RingDown, RingGate
 from shard.coordinator.ledger import Ledger
+from shard.coordinator.ringstats import LapRecorder
 from shard.decode.control import SpecConfig, SpecController
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.hybrid import HybridProposer
@@ -57,7 +58,6 @@ from shard.messages import (
     Verdict,
     Verify,
 )
-from shard.observe.ringstats import LapRecorder
 from shard.spec.limits import Limits
 from shard.trust.receipts import RunJob
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from shard.compute.tensors import from_wire
 from shard.messages import Verdict
-from shard.stage.tensors import from_wire
 
 __all__ = ["FEATURE_DTYPES", "FeatureError", "verdict_features"]
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from shard.coordinator.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
 from shard.decode.control import RunLengths, SpecConfig, SpecController
 from shard.decode.speculation import Outcome
 from shard.messages import NodeName, Verdict
-from shard.observe.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
 
 _EVENTS_KEPT = 64
 

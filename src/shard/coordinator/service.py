@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
+from shard.compute import offload
 from shard.coordinator.events import RequestFailed
 from shard.coordinator.router import Completion, Coordinator, RingError
 from shard.decode.control import SpecConfig
@@ -34,7 +35,6 @@ from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, Tok
 from shard.messages.bounds import OutOfBounds
 from shard.messages.bounds import check_request as check_bounds
 from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError
-from shard.stage import offload
 
 Emit = Callable[[Message], Awaitable[None]]
 

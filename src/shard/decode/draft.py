@@ -35,10 +35,10 @@ import attrs
 import torch
 import trio
 
+from shard.compute import offload
 from shard.decode.state import is_greedy
 from shard.messages import DraftQ, Sampling
 from shard.model.llama import StageModel
-from shard.stage import offload
 
 
 class Proposer(Protocol):

@@ -4,7 +4,6 @@ repairs themselves (splicing standbys in, re-dialling edges: ``splice.py``), the
 queues and sends the coordinator's router (``events.py``), the control links (``control.py``),
 a supervised ring edge with heartbeats and deadlines (``edge.py``), the replay log of what was
 sent downstream (``replay.py``), forming a ring from joined nodes over a measured RTT mesh
-kept current (``formation.py``, ``mesh.py``, ``rtt.py``), scripted faults on real processes
-(``script.py``) and seeded fault injection for tests (``faults.py``: test support, which
-nothing in ``src`` imports).
+kept current (``formation.py``, ``mesh.py``, ``rtt.py``) and seeded fault injection for tests
+(``faults.py``: test support, which nothing in ``src`` imports).
 """

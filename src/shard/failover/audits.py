@@ -4,7 +4,7 @@ sampler per (session, audited stage), fed from the neighbours' copies of ring ch
 Why this design (the smallest that is correct): the scheduler already knows the ring order,
 every node's block, and which standbys hold which block, and has a control link to each. So
 every node of a swarm that audits copies the ring chunks it sends and receives up its control
-link (``shard.trust.mirror``); the hub takes an audited stage's inputs from what its
+link (``shard.transport.mirror``); the hub takes an audited stage's inputs from what its
 predecessor *sent* (the coordinator for stage 0) and its outputs from what its successor
 *received* — never from the stage itself. The seed of each session is drawn here when the job
 opens (the coordinator derives the job nonce from its commitment, so every receipt signs the

@@ -24,7 +24,7 @@ kill       the node dies: its cancel scope is cancelled and its connections clos
 =========  ============================================================================
 
 Run the swarm under ``trio.testing.MockClock(autojump_threshold=0)`` and inside
-``shard.stage.offload.inline_compute()``: seconds of heartbeats and timeouts pass in milliseconds,
+``shard.compute.offload.inline_compute()``: seconds of heartbeats and timeouts pass in milliseconds,
 and the same seed gives the same plan.
 """
 

@@ -324,7 +324,7 @@ class Scheduler:
         return [Holder(s.holder, s.first, s.last) for s in self._registry.slots]
 
     async def copied(self, sender: NodeName, copy: AuditCopy) -> None:
-        """A node's copy of a ring chunk (``shard.trust.mirror``): send each audit it makes
+        """A node's copy of a ring chunk (``shard.transport.mirror``): send each audit it makes
         due to a live auditor (else standby) holding the audited block (none: the audit is
         skipped, logged)."""
         if self.audits is None:

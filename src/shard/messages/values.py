@@ -12,7 +12,7 @@ from shard.messages.ids import TENSOR_DTYPES
 class Tensor:
     """A raw tensor payload: dtype name, shape and the row-major bytes.
 
-    The wire sends ``data`` after the header, unencoded; ``shard.stage.tensors`` converts to and
+    The wire sends ``data`` after the header, unencoded; ``shard.compute.tensors`` converts to and
     from ``torch.Tensor`` without copying more than once.
     """
 

@@ -1,7 +1,7 @@
 """Spot checks in a node process: what a stage, standby or auditor adds when its swarm audits.
 
 A swarm with ``[audit] enabled`` has every supervised stage copy its ring chunks up its control
-link (``shard.trust.mirror``; the scheduler's ``AuditHub`` says why) and every standby or
+link (``shard.transport.mirror``; the scheduler's ``AuditHub`` says why) and every standby or
 auditor (``[[standby]] role = "auditor"``) that holds a block answer audit requests for it
 (``shard.stage.auditor``). Without it, nothing here runs and the node's network is its own.
 """
@@ -21,11 +21,11 @@ from shard.failover.hold import HoldFailed
 from shard.messages import NodeName, SessionId
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
+from shard.nodes.compose import signing_identity
 from shard.spec.swarm import SwarmSpec
 from shard.stage.auditor import audit_offloaded
 from shard.transport import Network
-from shard.trust.compose import signing_identity
-from shard.trust.mirror import MirrorNetwork
+from shard.transport.mirror import MirrorNetwork
 
 
 @attrs.frozen

@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from shard.api.server import ApiServer, make_server
+from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.driver import Hold
 from shard.coordinator.router import Coordinator
@@ -51,6 +52,7 @@ from shard.model.config import ModelConfig
 from shard.model.profile import weight_bytes
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.auditing import hold_gate
+from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.drafter import make_drafter
 from shard.nodes.launcher import api_listen_error
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
@@ -61,12 +63,10 @@ from shard.spec.formation import FormationSpec
 from shard.spec.limits import Limits
 from shard.spec.nodes import CoordinatorSpec
 from shard.spec.swarm import SwarmSpec
-from shard.stage import offload
 from shard.transport import Connection, ConnectionClosed, Network, TransportError
 from shard.transport.guard import IdleDeadline, PeerTooSlow, send_within, serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
-from shard.trust.compose import signing_identity, signing_token
-from shard.trust.mirror import MirrorNetwork
+from shard.transport.mirror import MirrorNetwork
 from shard.trust.receipts import RunSigner
 
 log = logging.getLogger(__name__)

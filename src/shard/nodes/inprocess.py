@@ -20,6 +20,7 @@ import trio
 
 from shard.failover.control import NodeReplaced
 from shard.model.llama import StageModel
+from shard.nodes.compose import with_reach
 from shard.nodes.coordinator import (
     CoordinatorHandle,
     DrafterMaker,
@@ -30,7 +31,6 @@ from shard.nodes.coordinator import (
 from shard.nodes.drafter import make_drafter
 from shard.spec.swarm import SwarmSpec
 from shard.transport import DelayNetwork, MemoryNetwork, Network
-from shard.trust.compose import with_reach
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def spec_latency(spec: SwarmSpec) -> Callable[[str, str], float]:
 
 def node_network(spec: SwarmSpec, inner: Network, node: str, *, emulate: bool) -> Network:
     """The network one node sees: ``inner`` (reaching ``reachable = false`` nodes through
-    callbacks and the relay when the spec has any: ``shard.trust.compose.with_reach``),
+    callbacks and the relay when the spec has any: ``shard.nodes.compose.with_reach``),
     delayed per the spec's edges when ``emulate``."""
     reach = with_reach(spec, node, _role(spec, node), inner, owns_inner=False)
     if not emulate:

@@ -31,6 +31,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from shard.compute import offload
 from shard.messages import NodeProfile
 from shard.model.config import ModelConfig
 from shard.model.device import resolve_device, torch_dtype
@@ -39,7 +40,6 @@ from shard.nodes.stage import StageHandle, _StageNode
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.trust import CredentialPaths
-from shard.stage import offload
 from shard.transport import Network
 from shard.weights.block import fetch_common
 

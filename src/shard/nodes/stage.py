@@ -23,6 +23,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from shard.compute import offload
 from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
@@ -46,15 +47,14 @@ from shard.model.device import TORCH_DTYPES, emulated_dtype_note, resolve_device
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.nodes.auditing import auditing
+from shard.nodes.compose import signing_identity, signing_token
 from shard.spec.nodes import StageSpec, StandbySpec
 from shard.spec.swarm import SwarmSpec
-from shard.stage import offload
 from shard.stage.executor import StageExecutor
 from shard.stage.graphs import ChunkGraphs, chunk_rows
 from shard.transport import Connection, Network, TransportError
 from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
-from shard.trust.compose import signing_identity, signing_token
 from shard.trust.device import device_identity
 from shard.trust.identity import IdentityError
 from shard.trust.receipts import ReceiptSigner

@@ -16,7 +16,7 @@ token = "keys/coord.token"        #   its admission token (shard admit)
 ```
 
 Paths are relative to the spec file. Files are read when a node starts (each machine has only
-its own key), never here; a node says which file is missing or wrong (``shard.trust.compose``).
+its own key), never here; a node says which file is missing or wrong (``shard.nodes.compose``).
 """
 
 from __future__ import annotations

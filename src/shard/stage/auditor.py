@@ -25,12 +25,12 @@ import attrs
 import torch
 import trio
 
+from shard.compute import offload
+from shard.compute.tensors import to_wire
 from shard.messages import NodeName
 from shard.messages.audit import AuditedChunk, AuditRequest, AuditVerdict, Evidence
 from shard.model.llama import StageModel
 from shard.spec.audit import AuditSpec
-from shard.stage import offload
-from shard.stage.tensors import to_wire
 from shard.trust.audit import (
     Comparison,
     blob_of,

@@ -14,13 +14,13 @@ from collections import deque
 import attrs
 import torch
 
+from shard.compute.tensors import from_wire, to_wire
 from shard.decode.verify import check_q
 from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.stage.batch import Answer, Planned, rows_of
 from shard.stage.features import FeatureWindow
-from shard.stage.tensors import from_wire, to_wire
 
 #: Verify spacings a session's rhythm is the median of (``Session.period``).
 RHYTHM_GAPS = 3

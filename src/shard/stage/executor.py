@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import trio
 
+from shard.compute import offload
 from shard.decode.state import BadRequest, check_sampling
 from shard.messages import (
     MAX_FEATURES,
@@ -43,7 +44,6 @@ from shard.messages import (
     Verify,
 )
 from shard.model.llama import StageModel
-from shard.stage import offload
 from shard.stage.batch import (
     DEFAULT_MAX_BATCH_ROWS,
     Answer,

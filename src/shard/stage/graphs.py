@@ -32,7 +32,7 @@ not worth its memory yet; so such a session pays the eager launch cost on a GPU 
 
 The capturer is injected: ``cuda_capture`` on a GPU; tests on a CPU inject one that runs the
 function eagerly, which exercises the shape-keyed cache, the static buffers and the fallback
-decision without a GPU. Runs in the forward's worker thread (``shard.stage.offload``).
+decision without a GPU. Runs in the forward's worker thread (``shard.compute.offload``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ One interface, three implementations, one relay::
     nat.py         NatNetwork: reaching nodes that accept no inbound connection (nat:NAME),
                    by a callback or through the relay (callee.py: the side behind NAT;
                    relayhub.py: RelayHub, the relay role)
+    mirror.py      MirrorNetwork: wraps a node's network and copies every ring chunk it
+                   sends or receives to a sink (the audits' view of a stage's traffic)
 
 An actor gets a ``Connection`` and sends and receives typed messages; the composition root
 picks the ``Network``. Open a network with ``async with network:`` before dialing.

@@ -6,7 +6,7 @@ WebSocket, each proving its identity key and showing its admission token; the co
 ``SessionSealer`` then encrypts every frame under per-direction keys. A peer that is refused
 is told why (a ``Refuse`` message, then close 1008) and the refusal surfaces as a
 ``HandshakeError`` subclass: raised by ``dial``, logged by ``serve``, which keeps serving
-everyone else. ``docs/security.md`` has the protocol; ``shard.trust.compose`` builds this network
+everyone else. ``docs/security.md`` has the protocol; ``shard.nodes.compose`` builds this network
 from a spec.
 
 Connections also bind the ring's own first words to the handshake: a ``Hello``/``Welcome``

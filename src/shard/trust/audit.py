@@ -47,11 +47,11 @@ from typing import Final
 import attrs
 import torch
 
+from shard.compute.tensors import from_wire, to_wire
 from shard.decode.verify import choose_token, verify_chunk
 from shard.messages import Sampling
 from shard.messages import Tensor as WireTensor
 from shard.messages.audit import AuditedChunk, Blob
-from shard.stage.tensors import from_wire, to_wire
 
 __all__ = [
     "DEFAULT_DIMS",

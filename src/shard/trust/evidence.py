@@ -34,10 +34,10 @@ from typing import Any
 import attrs
 import torch
 
+from shard.compute.tensors import from_wire
 from shard.messages import StageReceipt
 from shard.messages import Tensor as WireTensor
 from shard.messages.audit import AuditedChunk, ChainProof, Evidence
-from shard.stage.tensors import from_wire
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
 from shard.trust.audit import (
     audit_nonce,

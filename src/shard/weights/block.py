@@ -25,10 +25,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from shard.nodes.compose import plain_network
 from shard.spec.fetch import FetchSpec
 from shard.spec.swarm import SwarmSpec
 from shard.transport import Network
-from shard.trust.compose import plain_network
 from shard.trust.identity import read_public_key
 from shard.weights.fetch import FetchOptions, FetchProgress, FetchReport, fetch_chunks
 from shard.weights.manifest import Manifest, check_newer, verify

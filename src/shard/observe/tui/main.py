@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -31,7 +31,6 @@ from shard.observe.tui.state import FeedNote
 from shard.transport import Network
 
 if TYPE_CHECKING:
-    from shard.spec.layout import Layout
     from shard.spec.swarm import SwarmSpec
 
 
@@ -86,20 +85,34 @@ def monitor(address: str, *, swarm: str, network: Network, connect_timeout_s: fl
     asyncio.run(_run(app, guest))
 
 
+class Launched(Protocol):
+    """What ``monitor_swarm`` reads of a started swarm (``shard.nodes.launcher.SwarmHandle``)."""
+
+    @property
+    def coordinator(self) -> str: ...
+
+    @property
+    def pids(self) -> dict[str, int]: ...
+
+
+class Start(Protocol):
+    """Starts every node with their stderr into ``stderr``, reports the swarm through
+    ``task_status`` once it is up, and stops every node when cancelled (the CLI passes
+    ``shard.nodes.launcher.launch`` with the spec bound)."""
+
+    async def __call__(self, *, stderr: IO[bytes], task_status: trio.TaskStatus[Any]) -> None: ...
+
+
 def monitor_swarm(
     spec_path: Path,
     spec: SwarmSpec,
     *,
-    model_dir: Path,
+    start: Start,
     address: str,
     network: Network,
-    layout: Layout | None = None,
 ) -> None:
-    """``shard swarm up --monitor``: start every node of ``spec`` (as ``swarm up`` does, with
-    its planned ``layout``) and watch its coordinator over ``network``; quitting the monitor
-    stops the swarm."""
-    from shard.nodes.launcher import launch
-
+    """``shard swarm up --monitor``: ``start`` every node of ``spec`` (as ``swarm up`` does)
+    and watch its coordinator over ``network``; quitting the monitor stops the swarm."""
     log_dir = Path(tempfile.mkdtemp(prefix=f"shard-{spec.name}-"))
     log_path = log_dir / "nodes.log"
     timeout_s = spec.limits.connect_timeout_s
@@ -110,10 +123,7 @@ def monitor_swarm(
         app.show(FeedNote(f"starting swarm {spec.name} from {spec_path}; node logs: {log_path}"))
         with log_path.open("wb") as log_file:
             async with trio.open_nursery() as nursery:
-                start = partial(
-                    launch, spec_path, spec, model_dir=model_dir, stderr=log_file, layout=layout
-                )
-                handle = await nursery.start(start)
+                handle: Launched = await nursery.start(partial(start, stderr=log_file))
                 pids = " ".join(f"{n}={p}" for n, p in handle.pids.items())
                 app.show(FeedNote(f"swarm up: coordinator {handle.coordinator} {pids}"))
                 async with network:
