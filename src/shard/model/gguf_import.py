@@ -1,4 +1,5 @@
-"""Convert a Llama-architecture GGUF checkpoint into a Hugging Face-style model directory.
+"""Convert a Llama- or Gemma 3-architecture GGUF checkpoint into a Hugging Face-style model
+directory.
 
 The output is what the runtime loads: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
@@ -10,8 +11,10 @@ Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) is written as its codes under its own name p
 ``stored=False`` (``shard convert --float32``, what ``transformers`` can load), is
 dequantized to float32 with the ``gguf`` package. Nothing here imports torch.
 
-Two llama.cpp conventions are undone on the way: Q and K projection rows are permuted for
-its rope layout (``convert_hf_to_gguf.py``'s ``LlamaModel.permute``), and the tokenizer is
+llama.cpp's conventions are undone on the way (per architecture: ``shard.model.gguf_arch``):
+Llama's Q and K projection rows are permuted for its rope layout (``convert_hf_to_gguf.py``'s
+``LlamaModel.permute``), Gemma 3's norm weights are stored as ``1 + w`` (``w`` is written:
+the stored float32 minus one, as transformers' GGUF loader computes it), and the tokenizer is
 stored as metadata arrays rather than a ``tokenizer.json`` (read here, rebuilt by
 ``shard.model.gguf_vocab``).
 
@@ -40,6 +43,7 @@ import numpy.typing as npt
 import tokenizers
 from tqdm import tqdm
 
+from shard.model.gguf_arch import ARCHES, GLOBAL_NAMES, ConvertError, GgufArch, meta
 from shard.model.gguf_vocab import VocabError, read_vocab, tokenizer_files
 from shard.model.quant_gguf import decode, stored_layout
 
@@ -54,42 +58,37 @@ COMPLETE_MARKER = "shard-convert.json"
 """Written last into a converted directory; its presence means every other file is whole."""
 
 
-class ConvertError(Exception):
-    """A GGUF file cannot be converted; the message says why and what to do."""
+__all__ = [
+    "COMPLETE_MARKER",
+    "CONVERTER_VERSION",
+    "QUANT_METADATA",
+    "ConvertError",
+    "OutputExists",
+    "convert_gguf",
+    "convert_main",
+    "is_complete",
+    "unpermute_qk",
+]
 
 
 class OutputExists(ConvertError):
     """The destination directory already exists (possibly published by a concurrent run)."""
 
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
 @attrs.frozen
 class _Planned:
-    """One output tensor: its HF name and shape, where it comes from, and its head count
-    when it is a Q/K projection whose rows llama.cpp permuted (None otherwise)."""
+    """One output tensor: its HF name and shape, where it comes from, its head count when it
+    is a Q/K projection whose rows llama.cpp permuted (None otherwise), and whether it is a
+    norm weight stored as ``1 + w``."""
 
     name: str
     shape: tuple[int, ...]
     source: gguf.ReaderTensor
     heads: int | None
+    plus_one: bool = False
 
 
 def convert_gguf(
@@ -154,9 +153,9 @@ def convert_main(argv: list[str] | None = None) -> int:
     """``shard convert MODEL.gguf OUT_DIR``: convert, print where it wrote, return 0 or 2."""
     parser = _Parser(
         prog="shard convert",
-        description="Convert a Llama-architecture GGUF checkpoint into a model directory "
-        "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json); quantized "
-        "tensors stay quantized where an exact mapping exists (docs/model.md).",
+        description="Convert a Llama- or Gemma 3-architecture GGUF checkpoint into a model "
+        "directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json); "
+        "quantized tensors stay quantized where an exact mapping exists (docs/model.md).",
     )
     parser.add_argument("gguf", type=Path, metavar="MODEL.gguf", help="the GGUF file to read")
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new directory")
@@ -204,81 +203,35 @@ def _open(path: Path) -> gguf.GGUFReader:
         raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = ...) -> Any:
-    """The metadata value under ``key``; ``ConvertError`` when absent and no default given."""
-    field = reader.get_field(key)
-    if field is None:
-        if default is ...:
-            raise ConvertError(f"GGUF metadata has no {key!r}; the file is incomplete")
-        return default
-    return field.contents()
-
-
-def _f32(value: float) -> float:
-    """The shortest decimal that round-trips a float32 (9.999999747e-06 -> 1e-05)."""
-    return float(np.format_float_scientific(np.float32(value), unique=True))
-
-
 def _plan(reader: gguf.GGUFReader) -> tuple[dict[str, Any], list[_Planned]]:
     """The HF ``config.json`` and the list of output tensors, both validated."""
-    arch = _meta(reader, "general.architecture")
-    if arch != "llama":
+    name = meta(reader, "general.architecture")
+    arch = ARCHES.get(name)
+    if arch is None:
         raise ConvertError(
-            f"architecture {arch!r} is not supported; this converter handles Llama-architecture "
-            "GGUFs (Llama, Mistral, SmolLM) only"
+            f"architecture {name!r} is not supported; this converter handles "
+            f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, SmolLM, Gemma 3) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise ConvertError("GGUF has no token_embd.weight tensor; the file is incomplete")
-    config = _config(reader, vocab_rows=int(by_name["token_embd.weight"].shape[-1]))
+    config = arch.config(reader, int(by_name["token_embd.weight"].shape[-1]))
     config["tie_word_embeddings"] = "output.weight" not in by_name
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    if not arch.permuted_qk:
+        heads = {}
     plan = []
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        plan.append(_Planned(_hf_name(t.name), shape, t, heads.get(block[2]) if block else None))
+        hf = _hf_name(t.name, arch, name)
+        plus_one = arch.norm_plus_one and t.name.endswith("norm.weight")
+        plan.append(_Planned(hf, shape, t, heads.get(block[2]) if block else None, plus_one))
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
     if layers != set(range(config["num_hidden_layers"])):
         n = config["num_hidden_layers"]
         raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
     return config, plan
-
-
-def _config(reader: gguf.GGUFReader, *, vocab_rows: int) -> dict[str, Any]:
-    """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys."""
-    hidden = int(_meta(reader, "llama.embedding_length"))
-    n_head = int(_meta(reader, "llama.attention.head_count"))
-    head_dim = int(_meta(reader, "llama.attention.key_length", hidden // n_head))
-    if int(_meta(reader, "llama.rope.dimension_count", head_dim)) != head_dim:
-        raise ConvertError("partial rotary embeddings are not supported by this converter")
-    scaling = _meta(reader, "llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ConvertError(f"rope scaling {scaling!r} is not supported by this converter")
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_meta(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_meta(reader, "llama.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": int(_meta(reader, "llama.attention.head_count_kv", n_head)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(_meta(reader, "llama.context_length")),
-        "rms_norm_eps": _f32(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(_meta(reader, "llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "vocab_size": vocab_rows,
-        "torch_dtype": "float32",
-    }
-    for key in ("bos", "eos", "padding"):
-        token_id = _meta(reader, f"tokenizer.ggml.{key}_token_id", None)
-        if token_id is not None:
-            config[f"{'pad' if key == 'padding' else key}_token_id"] = int(token_id)
-    return config
 
 
 def _vocab(
@@ -291,15 +244,15 @@ def _vocab(
         raise ConvertError(str(exc)) from None
 
 
-def _hf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def _hf_name(name: str, arch: GgufArch, arch_name: str) -> str:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
     block = _BLOCK_RE.fullmatch(name)
-    if block and block[2] in _BLOCK_NAMES:
-        return f"model.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.weight"
+    if block and block[2] in arch.blocks:
+        return f"model.layers.{block[1]}.{arch.blocks[block[2]]}.weight"
     raise ConvertError(
-        f"tensor {name!r} has no Llama equivalent; this converter handles plain "
-        "Llama-architecture GGUFs only (no biases, no rope_freqs)"
+        f"tensor {name!r} has no {arch_name} equivalent; this converter handles the plain "
+        f"{arch_name} layout only (no biases, no rope_freqs)"
     )
 
 
@@ -307,12 +260,14 @@ def _load(planned: _Planned) -> npt.NDArray[np.float32]:
     t = planned.source
     array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
     array = array.reshape(planned.shape)
+    if planned.plus_one:
+        array = array - np.float32(1)  # llama.cpp stored 1 + w (as transformers undoes it)
     return array if planned.heads is None else unpermute_qk(array, planned.heads)
 
 
 def _entries(p: _Planned, stored: bool) -> list[tuple[str, str, list[int], int]]:
     """The safetensors entries ``(name, dtype, shape, bytes)`` one planned tensor becomes."""
-    layout = stored_layout(p.source.tensor_type) if stored else None
+    layout = stored_layout(p.source.tensor_type) if stored and not p.plus_one else None
     if layout is None or len(p.shape) != 2:
         return [(p.name, "F32", list(p.shape), 4 * int(np.prod(p.shape, dtype=np.int64)))]
     kind, group, has_offset = layout
@@ -356,10 +311,10 @@ def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool, stor
         for name, dtype, shape, size in entries:
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             offset += size
-    meta = {"format": "pt"}
+    info = {"format": "pt"}
     if quant:
-        meta[QUANT_METADATA] = json.dumps(quant, separators=(",", ":"))
-    blob = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+        info[QUANT_METADATA] = json.dumps(quant, separators=(",", ":"))
+    blob = json.dumps({"__metadata__": info, **header}, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)))

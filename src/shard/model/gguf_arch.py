@@ -1,0 +1,200 @@
+"""What differs between GGUF architectures: tensor names, config keys, stored conventions.
+
+``ARCHES[general.architecture]`` gives one ``GgufArch``: how llama.cpp names each block
+tensor (``blk.N.<name>.weight``) against the Hugging Face name transformers uses, how the
+``config.json`` is read from the ``<arch>.*`` metadata keys, and the two conventions
+llama.cpp's ``convert_hf_to_gguf.py`` applies on the way in, which ``gguf_import`` undoes:
+
+| architecture | Q/K rows permuted (``LlamaModel.permute``) | norm weights stored as  |
+|--------------|--------------------------------------------|-------------------------|
+| ``llama``    | yes (interleaved-pair rope)                | ``w``                   |
+| ``gemma3``   | no (NeoX rope: halves, as transformers)    | ``1 + w`` (its converter) |
+
+Gemma 3's GGUF leaves out most of what its ``config.json`` declares; llama.cpp fills it in at
+load (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``), and so does this module, the same way: every
+sixth layer is full attention, the others slide (``sliding_window_pattern`` 6), sliding
+layers use rope base 10000, and the query scale is ``head_dim ** -0.5`` (``(hidden /
+heads) ** -0.5`` for the 62-layer 27B). Keys a newer converter writes win over these
+defaults (``attention.sliding_window_pattern``, ``rope.freq_base_swa``, ``attention.scale``,
+``final_logit_softcapping``, ``rope.scaling.*``). This module imports neither torch nor
+safetensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import gguf
+import numpy as np
+
+
+class ConvertError(Exception):
+    """A GGUF file cannot be converted; the message says why and what to do."""
+
+
+def meta(reader: gguf.GGUFReader, key: str, default: Any = ...) -> Any:
+    """The metadata value under ``key``; ``ConvertError`` when absent and no default given."""
+    field = reader.get_field(key)
+    if field is None:
+        if default is ...:
+            raise ConvertError(f"GGUF metadata has no {key!r}; the file is incomplete")
+        return default
+    return field.contents()
+
+
+def f32(value: float) -> float:
+    """The shortest decimal that round-trips a float32 (9.999999747e-06 -> 1e-05)."""
+    return float(np.format_float_scientific(np.float32(value), unique=True))
+
+
+ConfigReader = Callable[[gguf.GGUFReader, int], dict[str, Any]]
+
+
+@attrs.frozen
+class GgufArch:
+    """One GGUF architecture: ``blocks`` maps llama.cpp's block tensor names to the Hugging
+    Face module path; ``permuted_qk``: Q/K rows were permuted for interleaved rope;
+    ``norm_plus_one``: norm weights are stored as ``1 + w``; ``config(reader, vocab_rows)``
+    reads ``config.json`` (``tie_word_embeddings`` is set by the caller)."""
+
+    blocks: dict[str, str]
+    config: ConfigReader
+    permuted_qk: bool
+    norm_plus_one: bool
+
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_LLAMA_BLOCKS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_GEMMA3_BLOCKS = {
+    **_LLAMA_BLOCKS,
+    "ffn_norm": "pre_feedforward_layernorm",  # before the MLP; after attention comes:
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def _common(reader: gguf.GGUFReader, arch: str, vocab_rows: int) -> dict[str, Any]:
+    """The keys every decoder shares, read from ``<arch>.*``."""
+    hidden = int(meta(reader, f"{arch}.embedding_length"))
+    n_head = int(meta(reader, f"{arch}.attention.head_count"))
+    head_dim = int(meta(reader, f"{arch}.attention.key_length", hidden // n_head))
+    if int(meta(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise ConvertError("partial rotary embeddings are not supported by this converter")
+    config: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": int(meta(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta(reader, f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta(reader, f"{arch}.context_length")),
+        "rms_norm_eps": f32(meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": f32(meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "attention_bias": False,
+        "vocab_size": vocab_rows,
+        "torch_dtype": "float32",
+    }
+    for key in ("bos", "eos", "padding"):
+        token_id = meta(reader, f"tokenizer.ggml.{key}_token_id", None)
+        if token_id is not None:
+            config[f"{'pad' if key == 'padding' else key}_token_id"] = int(token_id)
+    return config
+
+
+def llama_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys."""
+    scaling = meta(reader, "llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConvertError(f"rope scaling {scaling!r} is not supported by this converter")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "mlp_bias": False,
+        **_common(reader, "llama", vocab_rows),
+    }
+    first = [k for k in _LLAMA_ORDER if k in config]  # the key order of converter version 2
+    return {**{k: config[k] for k in first}, **config}
+
+
+_LLAMA_ORDER = (
+    *("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers"),
+    *("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act"),
+    *("max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling"),
+    *("attention_bias", "mlp_bias", "vocab_size", "torch_dtype"),
+)
+
+
+def gemma3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``Gemma3ForCausalLM`` (``gemma3_text``) from ``gemma3.*``, with
+    llama.cpp's defaults for what the file leaves out (module docstring)."""
+    common = _common(reader, "gemma3", vocab_rows)
+    if meta(reader, "gemma3.attn_logit_softcapping", None) is not None:
+        raise ConvertError("attention logit softcapping is not supported (Gemma 3 has none)")
+    n_layers = common["num_hidden_layers"]
+    pattern = meta(reader, "gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        if len(pattern) != n_layers:
+            raise ConvertError("attention.sliding_window_pattern does not list every layer")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layers)]
+    scale = meta(reader, "gemma3.attention.scale", None)
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif n_layers == 62:  # llama.cpp's LLM_TYPE_27B rule
+        scalar = common["hidden_size"] / common["num_attention_heads"]
+    else:
+        scalar = common["head_dim"]
+    cap = meta(reader, "gemma3.final_logit_softcapping", None)
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta(reader, "gemma3.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": f32(meta(reader, "gemma3.rope.freq_base_swa", 10000.0)),
+        "rope_scaling": _linear_scaling(reader, "gemma3"),
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": None if cap is None else f32(cap),
+        "attn_logit_softcapping": None,
+        **common,
+    }
+
+
+def _linear_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+    """``rope_scaling`` for linear scaling (Gemma 3 4B and up, full layers only), or None."""
+    kind = meta(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ConvertError(f"rope scaling {kind!r} is not supported for {arch}; only 'linear'")
+    return {"rope_type": "linear", "factor": f32(meta(reader, f"{arch}.rope.scaling.factor"))}
+
+
+ARCHES: dict[str, GgufArch] = {
+    "llama": GgufArch(_LLAMA_BLOCKS, llama_config, permuted_qk=True, norm_plus_one=False),
+    "gemma3": GgufArch(_GEMMA3_BLOCKS, gemma3_config, permuted_qk=False, norm_plus_one=True),
+}
+"""The architectures ``gguf_import`` converts, by ``general.architecture``."""
