@@ -2,7 +2,7 @@
 (top-k) verification is built, as issue 16 asks.
 
 Along the target's own greedy continuations of the held-out prompts
-(``shard.decode.distill.train.HELD_OUT``, 64 tokens each), at every position the head is fed
+(``shard.training.distill.train.HELD_OUT``, 64 tokens each), at every position the head is fed
 the target's real features up to it (``HeadProposer.observe``, as on the ring) and ranks its
 first draft (``HeadProposer.ranked``). Reported: α₁ = P(top-1 is the target's token),
 β = P(top-2 is | top-1 is not), and the top-k coverage for k = 1..8 (the acceptance a k-way
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from shard.decode.distill.train import HELD_OUT, reference_runs
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
-from shard.decode.head.train import reference_features
 from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
+from shard.training.distill.train import HELD_OUT, reference_runs
+from shard.training.head.train import reference_features
 
 REPO = Path(__file__).resolve().parent.parent
 TOP = 8

@@ -2,7 +2,7 @@
 
 Along the target's own greedy continuations (64 tokens) of the speculative ring benchmark's
 prompts (``bench/prompts/spec_ring.toml``: copy, code, prose, chat) and of the head's held-out
-prompts (``shard.decode.distill.train.HELD_OUT``), at every position: how many context tokens
+prompts (``shard.training.distill.train.HELD_OUT``), at every position: how many context tokens
 the n-gram lookup lines up (``NGramProposer.lookup``, the confidence ``HybridProposer``
 reads; capped at 8, the lookup's window), whether its first guess is the target's next token,
 and whether the head's (fed the target's real features up to that position, as on the ring)
@@ -27,15 +27,15 @@ from pathlib import Path
 
 import torch
 
-from shard.decode.distill.train import HELD_OUT, reference_runs
 from shard.decode.draft import NGramProposer
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
-from shard.decode.head.train import reference_features
 from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
+from shard.training.distill.train import HELD_OUT, reference_runs
+from shard.training.head.train import reference_features
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = REPO / "bench" / "prompts" / "spec_ring.toml"

@@ -15,23 +15,23 @@ import pytest
 import torch
 
 from shard.cli import main as cli_main
-from shard.decode.distill import build as distill_mod
-from shard.decode.distill import cache as draft_cache
-from shard.decode.distill.build import MARKER, DistillError, distill, write_checkpoint
-from shard.decode.distill.cache import (
+from shard.decode.draft import ModelProposer
+from shard.model.config import ModelConfig
+from shard.model.llama import StageModel
+from shard.model.loader import load_stage, load_truncated
+from shard.model.tokenizer import Tokenizer
+from shard.training.distill import build as distill_mod
+from shard.training.distill import cache as draft_cache
+from shard.training.distill.build import MARKER, DistillError, distill, write_checkpoint
+from shard.training.distill.cache import (
     DraftNotFound,
     Recipe,
     cached_draft,
     draft_dir,
     resolve_draft,
 )
-from shard.decode.distill.data import Corpus, hidden_states, labelled_samples, seed_prompts
-from shard.decode.distill.train import Objective, agreement, mean_kl, reference_runs, train
-from shard.decode.draft import ModelProposer
-from shard.model.config import ModelConfig
-from shard.model.llama import StageModel
-from shard.model.loader import load_stage, load_truncated
-from shard.model.tokenizer import Tokenizer
+from shard.training.distill.data import Corpus, hidden_states, labelled_samples, seed_prompts
+from shard.training.distill.train import Objective, agreement, mean_kl, reference_runs, train
 
 TINY_RECIPE = Recipe(layers=1, steps=3, seq_len=96, batch=4, seed=0, time_budget_s=None)
 

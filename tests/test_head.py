@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shard.decode.distill.data import hidden_states
 from shard.decode.head.model import CONFIG_FILE, WEIGHTS_FILE, DraftHead, HeadError
 from shard.decode.head.proposer import HeadProposer
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
+from shard.training.distill.data import hidden_states
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

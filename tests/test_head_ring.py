@@ -15,13 +15,13 @@ import trio
 
 from shard.coordinator.router import Completion, Coordinator
 from shard.decode.control import SpecConfig
-from shard.decode.head.build import HeadRecipe, train_head
-from shard.decode.head.trainer import TrainSettings
 from shard.messages import Sampling
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
+from shard.training.head.build import HeadRecipe, train_head
+from shard.training.head.trainer import TrainSettings
 from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal, with_ring
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

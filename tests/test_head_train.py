@@ -16,18 +16,18 @@ import pytest
 import torch
 
 from shard.cli import main as cli_main
-from shard.decode.head import build
-from shard.decode.head import cache as head_cache
-from shard.decode.head import cli as head_cli
-from shard.decode.head.build import MARKER, HeadRecipe, train_head, work_dir_for
-from shard.decode.head.cache import HeadNotFound, cached_head, head_dir, resolve_head
-from shard.decode.head.features import FEATURES_VERSION, MANIFEST, FeatureStore
-from shard.decode.head.measure import chained_acceptance
 from shard.decode.head.model import DraftHead, HeadError
-from shard.decode.head.train import greedy_targets, reference_features
-from shard.decode.head.trainer import TrainSettings
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
+from shard.training.head import build
+from shard.training.head import cache as head_cache
+from shard.training.head import cli as head_cli
+from shard.training.head.build import MARKER, HeadRecipe, train_head, work_dir_for
+from shard.training.head.cache import HeadNotFound, cached_head, head_dir, resolve_head
+from shard.training.head.features import FEATURES_VERSION, MANIFEST, FeatureStore
+from shard.training.head.measure import chained_acceptance
+from shard.training.head.train import greedy_targets, reference_features
+from shard.training.head.trainer import TrainSettings
 
 TINY = HeadRecipe(
     minutes=1.0,

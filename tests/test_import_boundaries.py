@@ -11,7 +11,9 @@ The rules (each package's ``__init__`` docstring says the same):
   building the K/D policy record of ``shard.decode.control`` (a pure module) and planning its
   ring with ``shard.placement`` (pure: ``shard.spec.layout``);
 - the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
-  stage, transport or the CLI;
+  stage, transport, the CLI or the offline draft training (``shard.training``);
+- ``shard.compute`` (offload, wire tensors) sits below every role: it imports only
+  ``shard.messages``;
 - the HTTP API (``shard.api``) serves the coordinator: it imports neither the composition
   roots (``shard.nodes``) nor the CLI, and no torch;
 - ``shard.placement`` is pure planning: it imports no other shard package but
@@ -69,11 +71,11 @@ RULES = (
             "shard.stage",
             "shard.transport",
             "shard.cli",
+            "shard.training",
             *NETWORK[1:],
         ),
-        # offload is the one thread boundary: drafting runs through it like a forward pass.
-        allowed=("shard.compute.offload",),
     ),
+    Rule("shard.compute", ("shard.",), allowed=("shard.compute", "shard.messages")),
     Rule("shard.api", ("shard.nodes", "shard.cli", "torch")),
     Rule(
         "shard.placement",

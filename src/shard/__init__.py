@@ -11,7 +11,8 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
                     loop, re-sends after failures); text in, tokens out; per-request checkpoints
     decode/         pure cores: decoding state, the target's choice and the lossless acceptance
                     rule, the speculative stream, choosing K and D, draft proposers, the
-                    single-process reference, draft distillation
+                    single-process reference
+    training/       making drafts offline: distillation and the draft head's training
     messages/       frozen attrs messages, split by who talks (ring, control, client, status,
                     fetch), and their tagged union
     wire/           one frame format: msgpack header + raw tensors, zstd, size caps, sealing

@@ -32,7 +32,7 @@ from shard.model.loader import load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
 from shard.spec.limits import Limits
 
-DISTILL_MARKER = "distill.json"  # shard.decode.distill.build.MARKER: a finished distilled draft
+DISTILL_MARKER = "distill.json"  # shard.training.distill.build.MARKER: a finished distilled draft
 
 
 @attrs.frozen

@@ -250,7 +250,7 @@ def _tail(path: Path, lines: int = 40) -> str:
 def _head_dir(opts: Options, base: SwarmSpec) -> Path:
     """The head the head and hybrid drafts use: ``--head``, else ``<model>-head`` (never
     built here: a bench run that trains for minutes first would time everything wrong)."""
-    from shard.decode.head.cache import HeadNotFound, resolve_head
+    from shard.training.head.cache import HeadNotFound, resolve_head
 
     name = opts.head or f"{base.model}-head"
     try:

@@ -87,7 +87,7 @@ def _delegate(name: str, rest: list[str]) -> int:
 
         return convert_main(rest)
     if name == "draft":
-        from shard.decode.distill.cli import distill_main
+        from shard.training.distill.cli import distill_main
 
         return distill_main(rest)
     if name == "bench":

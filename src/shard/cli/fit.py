@@ -2,10 +2,11 @@
 
 Before anyone downloads a weight: the model's ``config.json`` alone, a ``weights`` format and
 each card's memory give every layer's bytes (``shard.model.footprint``), the contiguous split
-whose largest stage holds the fewest bytes (``shard.placement.split.byte_counts``, embedding
-and head counted) and a verdict. What is left on each card is for the KV cache and the
-activations; the verdict says how much, and the fewest cards of that size that would hold
-the weights when the asked number does not.
+whose largest stage holds the fewest bytes (``shard.placement.split.auto_counts``, the very
+function that cuts a spec's ``layers = "auto"``; embedding and head counted) and a verdict.
+What is left on each card is for the KV cache and the activations; the verdict says how much,
+and the fewest cards of that size that would hold the weights when the asked number does
+not.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def fit_main(args: argparse.Namespace) -> int:
     is the answer), 1 only for bad input."""
     from shard.model.config import ModelConfig, ModelLoadError
     from shard.model.footprint import FootprintError, predict
-    from shard.placement.split import blocks_of, byte_counts
+    from shard.placement import ModelFacts
+    from shard.placement.problem import Sizes
+    from shard.placement.split import auto_counts, blocks_of
 
     if args.spec is not None or args.rtt is not None:
         raise UsageError("--config plans from a config.json alone; leave out SPEC and --rtt")
@@ -40,10 +43,13 @@ def fit_main(args: argparse.Namespace) -> int:
     except (ModelLoadError, FootprintError) as exc:
         raise InputError(f"--config {path}: {exc}") from None
     memory = int(args.memory * _GIB)
-    sizes = list(footprint.layers)
+    sizes = Sizes(footprint.layers, footprint.embedding, footprint.head, footprint.shared_head)
+    model = ModelFacts.of_sizes(sizes)
 
     def split(cards: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        counts = byte_counts(sizes, cards, embedding=footprint.embedding, head=footprint.head)
+        if not 1 <= cards <= config.n_layers:
+            return None
+        counts = auto_counts(model, [f"stage {i}" for i in range(cards)])  # layers = "auto"
         if counts is None:
             return None
         return counts, tuple(footprint.stage(a, b) for a, b in blocks_of(counts))

@@ -126,7 +126,8 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     where.add_argument("--spec", help="swarm spec (TOML) of a running swarm")
     p.add_argument(
         "--model",
-        help="with --local: 'smollm2' (bundled, default), a checkpoint dir or a .gguf file",
+        help="with --local: 'smollm2' (bundled, default), 'gemma3-270m' (bundled, a base "
+        "model), a checkpoint dir or a .gguf file",
     )
     p.add_argument(
         "--weights",

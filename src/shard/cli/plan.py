@@ -30,6 +30,7 @@ from shard.placement import (
     read_geography,
 )
 from shard.placement.report import as_json, text
+from shard.spec.swarm import SwarmSpec
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -51,7 +52,7 @@ def plan_main(args: argparse.Namespace) -> int:
         from shard.spec.swarm import load_spec
 
         spec = load_spec(args.spec)
-        model = model_facts(args.model or spec.model, spec.dtype)
+        model = model_facts(args.model or spec.model, spec)
         problem, assumed = problem_of(spec, model, geography, rtt_source=args.rtt or "--rtt")
     if args.pin_boundaries:
         problem = attrs.evolve(problem, pin_boundaries=True)
@@ -120,12 +121,13 @@ def _from_geography(geography: Geography, source: str) -> Problem:
     )
 
 
-def model_facts(model: str, dtype: str) -> ModelFacts:
-    """Layer, embedding and head sizes of ``model`` (a bundled name or a directory) in
-    ``dtype``, from its ``config.json`` (no weights are read)."""
+def model_facts(model: str, spec: SwarmSpec) -> ModelFacts:
+    """Each layer's, the embedding's and the head's bytes of ``model`` (a bundled name or a
+    directory) as each node of ``spec`` holds them (``shard.nodes.sizes``), from its
+    ``config.json`` (no weights are read; a ``"stored"`` format reads the headers)."""
     from shard.model.bundled import resolve_model
     from shard.model.config import ModelConfig
-    from shard.model.profile import weight_bytes
+    from shard.nodes.sizes import model_facts as facts
 
-    config = ModelConfig.from_dir(resolve_model(model, progress=sys.stderr.isatty()))
-    return ModelFacts(config.n_layers, *weight_bytes(config, dtype))
+    directory = resolve_model(model, progress=sys.stderr.isatty())
+    return facts(ModelConfig.from_dir(directory), spec, directory)

@@ -168,7 +168,7 @@ def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, 
     from shard.spec.layout import Decision, apply_layout, decide, problem_of, with_links
 
     geography = read_geography_file(Path(rtt)) if rtt is not None else None
-    model = model_facts(str(model_dir), spec.dtype)
+    model = model_facts(str(model_dir), spec)
     problem, assumed = problem_of(spec, model, geography, rtt_source=rtt or "--rtt")
     verbose = getattr(args, "verbose", False)
     try:

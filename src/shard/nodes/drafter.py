@@ -78,9 +78,9 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
 def _head_drafter(spec: SwarmSpec) -> Drafter:
     """``draft = "head"`` or ``"hybrid"``: the spec's head (built first if it is a name not
     built yet), on the coordinator's device, in fp32 (a head is small; its readout decides)."""
-    from shard.decode.head.cache import resolve_head
     from shard.decode.head.model import DraftHead
     from shard.decode.head.proposer import HeadProposer
+    from shard.training.head.cache import resolve_head
 
     plan = spec.speculation
     assert plan.draft_head is not None

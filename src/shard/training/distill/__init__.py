@@ -1,4 +1,4 @@
-"""shard.decode.distill: ``shard draft distill`` — a small draft distilled from the target,
+"""shard.training.distill: ``shard draft distill`` — a small draft distilled from the target,
 offline (``build.py`` the recipe and its checkpoint, ``data.py`` its text and labels,
 ``train.py`` the loop, ``cache.py`` where drafts live and ``resolve_draft``, ``cli.py`` the
 command).

@@ -32,12 +32,12 @@ import attrs
 import torch
 from safetensors.torch import save_file
 
-from shard.decode.distill.data import build_corpus
-from shard.decode.distill.train import Measured, measure, reference_runs, train
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel
 from shard.model.loader import hf_name, load_stage, load_truncated
 from shard.model.tokenizer import Tokenizer
+from shard.training.distill.data import build_corpus
+from shard.training.distill.train import Measured, measure, reference_runs, train
 
 __all__ = [
     "MARKER",

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import attrs
 
-from shard.decode.distill.build import (
+from shard.model.bundled import BUNDLED, cache_dir, resolve_model
+from shard.training.distill.build import (
     DISTILL_VERSION,
     MARKER,
     DistillError,
     DraftExists,
     distill,
 )
-from shard.model.bundled import BUNDLED, cache_dir, resolve_model
 
 __all__ = [
     "DEFAULT_LAYERS",

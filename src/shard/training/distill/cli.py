@@ -1,5 +1,5 @@
 """``shard draft {distill,train,path}``: build a draft (``distill``) or a draft head
-(``train``, ``shard.decode.head.cli``) into the cache (or ``--out``), or print where a built
+(``train``, ``shard.training.head.cli``) into the cache (or ``--out``), or print where a built
 one is. Exit status 0, or 2 with one ``shard draft: error:`` line."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from typing import Any
 import attrs
 import torch
 
-from shard.decode.distill.build import MARKER, DistillError, distill
-from shard.decode.distill.cache import (
+from shard.decode.head.model import HeadError
+from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
+from shard.model.config import ModelLoadError
+from shard.training.distill.build import MARKER, DistillError, distill
+from shard.training.distill.cache import (
     DEFAULT_LAYERS,
     DEFAULT_MINUTES,
     DEFAULT_STEPS,
@@ -25,13 +28,10 @@ from shard.decode.distill.cache import (
     is_complete,
     resolve_draft,
 )
-from shard.decode.distill.train import Measured
-from shard.decode.head.build import MARKER as HEAD_MARKER
-from shard.decode.head.cache import resolve_head
-from shard.decode.head.cli import add_train_parser, train_command
-from shard.decode.head.model import HeadError
-from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
-from shard.model.config import ModelLoadError
+from shard.training.distill.train import Measured
+from shard.training.head.build import MARKER as HEAD_MARKER
+from shard.training.head.cache import resolve_head
+from shard.training.head.cli import add_train_parser, train_command
 
 __all__ = ["distill_main"]
 

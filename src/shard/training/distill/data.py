@@ -1,4 +1,4 @@
-"""Training text for ``shard.decode.distill.build``, labelled by the target: its own samples, and
+"""Training text for ``shard.training.distill.build``, labelled by the target: its own samples, and
 code.
 
 A distilled draft should agree with the target on what the target writes, so most training

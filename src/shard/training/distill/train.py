@@ -1,7 +1,7 @@
 """Train a draft against target labels, and measure its agreement with the target.
 
 ``train`` fits the draft's layers and final norm (the tied embedding and head stay frozen) to
-target labels from ``shard.decode.distill.data``. The loss per step is
+target labels from ``shard.training.distill.data``. The loss per step is
 
 - cross-entropy on the target's argmax (greedy agreement is what speculation pays for; for
   a 2-layer SmolLM2 draft it beat KL(target || draft) by 1 to 3 points of α at each of three
@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from shard.decode.distill.data import Corpus, hidden_states
 from shard.decode.draft import ModelProposer, NGramProposer, Proposer
 from shard.model.llama import StageModel
 from shard.model.tokenizer import Tokenizer
+from shard.training.distill.data import Corpus, hidden_states
 
 __all__ = [
     "HELD_OUT",

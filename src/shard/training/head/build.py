@@ -31,15 +31,15 @@ from typing import Any
 import attrs
 import torch
 
-from shard.decode.head.features import FeatureStore
-from shard.decode.head.measure import Measured, measure_head
 from shard.decode.head.model import HEAD_VERSION, DraftHead, HeadError
-from shard.decode.head.train import shortlist_from
-from shard.decode.head.trainer import Trainer, TrainSettings
 from shard.model.config import ModelConfig
 from shard.model.device import cpu_has_bf16, torch_dtype
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
+from shard.training.head.features import FeatureStore
+from shard.training.head.measure import Measured, measure_head
+from shard.training.head.train import shortlist_from
+from shard.training.head.trainer import Trainer, TrainSettings
 
 __all__ = ["MARKER", "HeadExists", "HeadRecipe", "HeadReport", "train_head"]
 

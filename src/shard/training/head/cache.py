@@ -17,11 +17,11 @@ from pathlib import Path
 
 import attrs
 
-from shard.decode.distill.cache import discard
-from shard.decode.head.build import MARKER, HeadExists, HeadRecipe, train_head
-from shard.decode.head.features import FEATURES_VERSION
 from shard.decode.head.model import CONFIG_FILE, HEAD_VERSION, HeadError
 from shard.model.bundled import BUNDLED, cache_dir, resolve_model
+from shard.training.distill.cache import discard
+from shard.training.head.build import MARKER, HeadExists, HeadRecipe, train_head
+from shard.training.head.features import FEATURES_VERSION
 
 __all__ = [
     "HeadNotFound",

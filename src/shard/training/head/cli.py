@@ -1,5 +1,5 @@
 """``shard draft train``: train a draft head into the cache (or ``--out``); registered on the
-``shard draft`` parser of ``shard.decode.distill.cli``, which reports its errors."""
+``shard draft`` parser of ``shard.training.distill.cli``, which reports its errors."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Any
 import attrs
 import torch
 
-from shard.decode.head.build import MARKER, SAMPLE_DTYPES, HeadRecipe, train_head
-from shard.decode.head.cache import cached_head, features_dir, head_dir, is_complete
-from shard.decode.head.trainer import TrainSettings
 from shard.model.bundled import BUNDLED, resolve_model
+from shard.training.head.build import MARKER, SAMPLE_DTYPES, HeadRecipe, train_head
+from shard.training.head.cache import cached_head, features_dir, head_dir, is_complete
+from shard.training.head.trainer import TrainSettings
 
 __all__ = ["add_train_parser", "train_command"]
 

@@ -1,6 +1,6 @@
 """The features cache: target-labelled text for training heads, made once and kept on disk.
 
-Text and features come from ``shard.decode.distill.data.build_corpus`` (the target's own
+Text and features come from ``shard.training.distill.data.build_corpus`` (the target's own
 samples of varied prompts, plus standard-library code), made in *chunks* of a few dozen
 rows. Each chunk is written to a temporary name and renamed into place, and only then added
 to ``features.json``; so an interrupted run loses at most the chunk it was making, and a
@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from shard.decode.distill.data import Corpus, build_corpus
-from shard.decode.head.train import greedy_targets
 from shard.model.llama import StageModel
 from shard.model.tokenizer import Tokenizer
+from shard.training.distill.data import Corpus, build_corpus
+from shard.training.head.train import greedy_targets
 
 __all__ = ["FEATURES_VERSION", "MANIFEST", "FeatureStore", "Features"]
 

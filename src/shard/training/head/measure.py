@@ -13,13 +13,13 @@ import time
 import attrs
 import torch
 
-from shard.decode.distill.train import HELD_OUT, reference_runs
 from shard.decode.draft import ModelProposer
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
-from shard.decode.head.train import reference_features
 from shard.model.llama import StageModel
 from shard.model.tokenizer import Tokenizer
+from shard.training.distill.train import HELD_OUT, reference_runs
+from shard.training.head.train import reference_features
 
 __all__ = ["DEPTH", "Measured", "chained_acceptance", "costs", "measure_head"]
 
@@ -29,7 +29,7 @@ DEPTH = 4  # drafts per start that acceptance is reported for
 @attrs.frozen
 class Measured:
     """``alpha[k-1]``: P(draft k is the target's token | drafts 1..k-1 were), over ``starts``
-    positions of the held-out continuations (``shard.decode.distill.train.HELD_OUT``);
+    positions of the held-out continuations (``shard.training.distill.train.HELD_OUT``);
     ``committed[k-1]``: mean tokens one verify of ``k`` drafts commits (accepted + 1);
     ``coverage``: the share of the target's held-out tokens inside the shortlist."""
 

@@ -1,6 +1,6 @@
 """Train a ``DraftHead`` on cached target features, and measure its chained acceptance.
 
-The corpus is ``shard.decode.distill.data``'s: token rows with the target's feature at every
+The corpus is ``shard.training.distill.data``'s: token rows with the target's feature at every
 position (its ``labels``). A step takes ``batch`` rows and, for ``passes`` unrolled passes
 (``DraftHead.unrolled``), scores the predicted feature ``g_t`` against the real ``f_{t+1}``:
 
@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shard.decode.distill.data import Corpus, hidden_states
-from shard.decode.distill.train import Run
 from shard.decode.head.model import DraftHead
 from shard.model.llama import StageModel
+from shard.training.distill.data import Corpus, hidden_states
+from shard.training.distill.train import Run
 
 __all__ = [
     "greedy_targets",

@@ -28,9 +28,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from shard.decode.head.features import Features
 from shard.decode.head.model import DraftHead, HeadError
-from shard.decode.head.train import head_loss, index_in, lr_at
+from shard.training.head.features import Features
+from shard.training.head.train import head_loss, index_in, lr_at
 
 __all__ = ["TrainRecord", "TrainSettings", "Trainer"]
 
