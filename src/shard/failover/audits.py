@@ -39,7 +39,7 @@ Pure and synchronous: ``copied`` returns the requests to send; the scheduler sen
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, cast
 
 import attrs
@@ -96,8 +96,18 @@ class _Seen:
 class AuditHub:
     """See the module docstring. ``coordinator`` names the node that feeds stage 0."""
 
-    def __init__(self, policy: AuditSpec, coordinator: NodeName, *, batched: bool = False) -> None:
+    def __init__(
+        self,
+        policy: AuditSpec,
+        coordinator: NodeName,
+        *,
+        batched: bool = False,
+        weights_of: Callable[[str], str | None] = lambda node: None,
+    ) -> None:
+        """``weights_of``: how a ring node holds its block (``[swarm] weights``), which its
+        audit requests declare (an auditor replays only on the same kernels)."""
         self._policy = policy
+        self._weights_of = weights_of
         self._coordinator = coordinator
         self._batched = batched  # stages batch across sessions: audits compare by sketch
         self._seeds: dict[SessionId, bytes] = {}
@@ -193,6 +203,7 @@ class AuditHub:
                 Accused(
                     accused.node, accused.key, accused.first, accused.last,
                     accused.device_class, accused.dtype, self._batched,
+                    self._weights_of(accused.node),
                 ),
                 seed=self.seed(SessionId(copy.session)),
                 rate=self._rate,

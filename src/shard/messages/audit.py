@@ -133,6 +133,9 @@ class AuditRequest:
     #: the swarm batches chunks across sessions (``[limits] max_batch_rows`` > 1): a batched
     #: forward's output matches a lone recomputation only to rounding, so never bit-exact
     batched: bool = False
+    #: how the accused holds its block's weights (``[swarm] weights``; None: dense in its
+    #: dtype): an auditor replays only with the same kernels (``shard.stage.auditor``)
+    weights: str | None = None
 
 
 @attrs.frozen

@@ -4,6 +4,10 @@ A swarm with ``[audit] enabled`` has every supervised stage copy its ring chunks
 link (``shard.transport.mirror``; the scheduler's ``AuditHub`` says why) and every standby or
 auditor (``[[standby]] role = "auditor"``) that holds a block answer audit requests for it
 (``shard.stage.auditor``). Without it, nothing here runs and the node's network is its own.
+
+``weights_of`` is how a node holds its block, for the node itself (a standby or auditor holds
+it as the stage it stands for, so its replays run that stage's kernels) and for the
+coordinator, which declares each accused's in its audit requests.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from shard.messages import NodeName, SessionId
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
 from shard.nodes.compose import signing_identity
-from shard.spec.swarm import SwarmSpec
-from shard.stage.auditor import audit_offloaded
+from shard.spec.nodes import StandbySpec
+from shard.spec.swarm import SpecError, SwarmSpec
+from shard.stage.auditor import QUANTIZED, audit_offloaded
 from shard.transport import Network
 from shard.transport.mirror import MirrorNetwork
 
@@ -36,6 +41,22 @@ class Auditing:
     network: Network
     copies: trio.MemoryReceiveChannel[AuditCopy] | None = None
     on_audit: Callable[[AuditRequest], Awaitable[AuditVerdict]] | None = None
+
+
+def weights_of(spec: SwarmSpec, name: str) -> str | None:
+    """How node ``name`` holds its block (``[swarm] weights`` and the node's own): its own
+    ``weights``, else — a standby or auditor with ``layers_of`` — its stage's quantized form,
+    else the swarm's (a float ``weights`` only names the node's own dtype). A node the spec
+    does not name (one that joined) holds the swarm's."""
+    try:
+        node = spec.node(name)
+    except SpecError:
+        return spec.weights
+    if node.runtime.weights is None and isinstance(node, StandbySpec) and node.layers_of:
+        stage = spec.runtime(node.layers_of).weights
+        if stage in QUANTIZED:
+            return stage
+    return spec.runtime(name).weights
 
 
 def auditing(
@@ -57,6 +78,7 @@ def auditing(
         return await audit_offloaded(
             model, req, node=NodeName(name), identity=identity, device_class=device_class,
             policy=spec.audit, limiter=limiter, now=int(time.time()),
+            weights=weights_of(spec, name),
         )  # fmt: skip
 
     return Auditing(mirrored, copies, on_audit)

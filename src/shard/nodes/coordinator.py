@@ -49,12 +49,12 @@ from shard.messages import (
 )
 from shard.messages.audit import AuditCopy
 from shard.model.config import ModelConfig
-from shard.model.profile import weight_bytes
 from shard.model.tokenizer import Tokenizer
-from shard.nodes.auditing import hold_gate
+from shard.nodes.auditing import hold_gate, weights_of
 from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.drafter import make_drafter
 from shard.nodes.launcher import api_listen_error
+from shard.nodes.sizes import model_facts
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.devices import DeviceProbe
 from shard.observe.status import StatusFeed
@@ -135,10 +135,10 @@ class _ReturnEndpoint:
             self._links -= 1
 
 
-def _slots(spec: SwarmSpec, n_layers: int) -> list[Slot]:
+def _slots(spec: SwarmSpec, config: ModelConfig, model_dir: Path) -> list[Slot]:
     if spec.formation is not None:
         return []  # the scheduler fills them when the ring forms
-    blocks = spec.blocks(n_layers)
+    blocks = spec.blocks(config.n_layers, model_facts(config, spec, model_dir))
     return [
         Slot(NodeName(s.name), first, last, NodeName(s.name), spec.address_of(s.name))
         for s, (first, last) in zip(spec.stages, blocks, strict=True)
@@ -270,7 +270,9 @@ async def run_coordinator(
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     config = ModelConfig.from_dir(model_dir)
     batched = spec.limits.max_batch_rows > 1  # then no audit can be bit-exact
-    hub = AuditHub(spec.audit, name, batched=batched) if spec.audit.enabled else None
+    hub = None
+    if spec.audit.enabled:  # each accused's weights declared as the spec gives them
+        hub = AuditHub(spec.audit, name, batched=batched, weights_of=partial(weights_of, spec))
     coordinator, tokenizer = _router(
         spec,
         model_dir,
@@ -305,7 +307,7 @@ async def run_coordinator(
     endpoint = _ReturnEndpoint(name, from_ring_send, coordinator.event, mirror)
     scheduler = Scheduler(
         node=name,
-        slots=_slots(spec, config.n_layers),
+        slots=_slots(spec, config, model_dir),
         return_address=str(me.listen),
         ring_link=ring_link,
         to_router=control_send,
@@ -314,7 +316,7 @@ async def run_coordinator(
         return_up=endpoint.up,
         audit=spec.audit,
         audits=hub,
-        formation=_formation(spec, config),
+        formation=_formation(spec, config, model_dir),
         mesh_probe=_mesh_probe(spec, name, network),
     )
     scheduler_box.append(scheduler)
@@ -375,11 +377,14 @@ def _bind_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _formation(spec: SwarmSpec, config: ModelConfig) -> tuple[FormationSpec, ModelFacts] | None:
-    """What the scheduler forms a ring with, for a spec with ``[formation]``."""
+def _formation(
+    spec: SwarmSpec, config: ModelConfig, model_dir: Path
+) -> tuple[FormationSpec, ModelFacts] | None:
+    """What the scheduler forms a ring with, for a spec with ``[formation]``: the model's
+    layers priced in the swarm's ``weights`` format (joined nodes hold the spec's)."""
     if spec.formation is None:
         return None
-    return spec.formation, ModelFacts(config.n_layers, *weight_bytes(config, spec.dtype))
+    return spec.formation, model_facts(config, spec, model_dir)
 
 
 def _mesh_probe(spec: SwarmSpec, name: str, network: Network) -> Prober | None:

@@ -46,8 +46,9 @@ from shard.model.config import ModelConfig
 from shard.model.device import TORCH_DTYPES, emulated_dtype_note, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
-from shard.nodes.auditing import auditing
+from shard.nodes.auditing import auditing, weights_of
 from shard.nodes.compose import signing_identity, signing_token
+from shard.nodes.sizes import model_facts
 from shard.spec.nodes import StageSpec, StandbySpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.executor import StageExecutor
@@ -379,7 +380,7 @@ async def _load(spec: SwarmSpec, name: str, model_dir: Path, first: int, last: i
         log.warning("%s", note)
     model = await offload.run_sync(
         lambda: load_stage(
-            model_dir, first, last, dtype=dtype, device=device, weights=runtime.weights
+            model_dir, first, last, dtype=dtype, device=device, weights=weights_of(spec, name)
         )
     )
     return _Block(model, first, last)
@@ -410,7 +411,8 @@ async def run_stage(
     if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
         model_dir = (await fetch_stage(spec, name)).path
     config = ModelConfig.from_dir(model_dir)
-    block = await _load(spec, name, model_dir, *spec.blocks(config.n_layers)[index])
+    blocks = spec.blocks(config.n_layers, model_facts(config, spec, model_dir))
+    block = await _load(spec, name, model_dir, *blocks[index])
     if wrap_block is not None:  # tests only: a cheating stage (shard.testing.cheating)
         block = attrs.evolve(block, model=wrap_block(name, block.model))
     me = _StageNode(
@@ -441,7 +443,7 @@ async def run_standby(
     the scheduler and wait for ``Activate``. Reports ready once registered."""
     node = spec.node(name)
     config = ModelConfig.from_dir(model_dir)
-    block = spec.standby_block(name, config.n_layers)
+    block = spec.standby_block(name, config.n_layers, model_facts(config, spec, model_dir))
     me = _StageNode(
         spec,
         name,

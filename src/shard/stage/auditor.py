@@ -12,6 +12,13 @@ rows the choice reads and compares the verdict it chooses from them with the cla
 ``token_margin``). A failed audit comes back with signed ``Evidence``
 (``shard.trust.evidence``) that anyone can check offline.
 
+A replay proves something only on the kernels the accused ran: an auditor holding its block
+quantized otherwise (``[swarm] weights``: ``stored``, ``int8``, ``int4``, or dense) than the
+accused declared (``AuditRequest.weights``) answers "error" and accuses nobody. Quantized
+weights keep batched audits tight: their kernels give each row the same bits alone as among
+others, and a batched stage's output equalled the lone replay bit for bit where measured
+(``bench/audit_calibration.py``, ``tests/test_quant_audit.py``).
+
 ``audit_chunk`` is the synchronous core (tests call it directly); ``Auditor`` is the actor
 around it.
 """
@@ -52,13 +59,24 @@ __all__ = [
     "audit_chunk",
     "audit_offloaded",
     "dtype_name",
+    "kernels",
     "recompute",
     "threshold_for",
 ]
 
 
+#: ``weights`` values that hold a block quantized (``shard.spec.device.WEIGHTS``).
+QUANTIZED = frozenset({"stored", "int8", "int4"})
+
+
 class AuditFailed(Exception):
-    """A request the auditor cannot run (another block, a malformed chunk)."""
+    """A request the auditor cannot run (another block or weights, a malformed chunk)."""
+
+
+def kernels(weights: str | None) -> str:
+    """What a replay must share with the accused besides its dtype: its quantized form, or
+    "dense" (None or a float ``weights``, which only names the dtype, compared apart)."""
+    return weights if weights in QUANTIZED else "dense"
 
 
 def dtype_name(model: StageModel) -> str:
@@ -134,13 +152,22 @@ def audit_chunk(
     device_class: str,
     policy: AuditSpec = _DEFAULT,
     now: int = 0,
+    weights: str | None = None,
 ) -> AuditVerdict:
-    """Recompute and compare one chunk; a failure carries signed evidence.
+    """Recompute and compare one chunk; a failure carries signed evidence. ``weights``: how
+    ``model`` holds its block (as ``load_stage`` was told).
 
-    Errors: ``AuditFailed`` for a request of another block or with malformed inputs."""
+    Errors: ``AuditFailed`` for a request of another block or weights, or with malformed
+    inputs."""
     if (model.first, model.last) != (req.first, req.last):
         raise AuditFailed(
             f"{node} holds layers [{model.first}, {model.last}), not [{req.first}, {req.last})"
+        )
+    if kernels(weights) != kernels(req.weights):
+        raise AuditFailed(
+            f"{node} holds layers [{model.first}, {model.last}) as weights = {weights!r}, "
+            f"{req.accused} as {req.weights!r}: a replay on other kernels proves nothing; "
+            "give the auditor its stage's weights"
         )
     if model.is_last and not choice_rows(req.chunk):
         raise AuditFailed("the tail makes no choice on a prefill chunk before the last")
@@ -217,6 +244,7 @@ async def audit_offloaded(
     policy: AuditSpec,
     limiter: trio.CapacityLimiter,
     now: int,
+    weights: str | None = None,
 ) -> AuditVerdict:
     """``audit_chunk`` in the forward pass's worker thread; a request that cannot be run comes
     back as a verdict with ``ok`` True and ``method`` "error" (it accuses nobody)."""
@@ -224,7 +252,7 @@ async def audit_offloaded(
     def work() -> AuditVerdict:
         return audit_chunk(
             model, req, node=node, identity=identity, device_class=device_class,
-            policy=policy, now=now,
+            policy=policy, now=now, weights=weights,
         )  # fmt: skip
 
     try:
@@ -251,7 +279,8 @@ class Auditor:
     node's limiter: an auditor that is also a standby must not race its own stage).
 
     Cancellation: cancelling ``run`` abandons the audit in progress after its thread returns.
-    Errors: a request the auditor cannot run (another block, a malformed payload) is logged
+    Errors: a request the auditor cannot run (another block or weights, a malformed payload)
+    is logged
     as a verdict with ``ok`` True and ``method`` "error" — an unrunnable audit accuses nobody
     — and counted in ``statistics().errors``; bugs propagate. A closed ``requests`` ends
     ``run``.
@@ -269,8 +298,10 @@ class Auditor:
         policy: AuditSpec = _DEFAULT,
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
+        weights: str | None = None,
     ) -> None:
         self._model = model
+        self._weights = weights  # how ``model`` holds its block (``audit_chunk``)
         self._node = node
         self._identity = identity
         self._device_class = device_class
@@ -302,6 +333,7 @@ class Auditor:
                 device_class=self._device_class,
                 policy=self._policy,
                 now=now,
+                weights=self._weights,
             )
 
         self._audits += 1

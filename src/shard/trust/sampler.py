@@ -82,6 +82,7 @@ class Accused:
     device_class: str
     dtype: str
     batched: bool = False  # the swarm batches: compare by sketch (``AuditRequest.batched``)
+    weights: str | None = None  # its declared weights (``AuditRequest.weights``)
 
 
 @attrs.define
@@ -231,4 +232,5 @@ class AuditSampler:
             receipt=receipt,
             sampling=sess.sampling,
             batched=a.batched,
+            weights=a.weights,
         )
