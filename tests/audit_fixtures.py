@@ -123,7 +123,7 @@ class BatchedDriver:
     """Pushes several sessions at once through ``head`` -> ``accused`` as a batching stage's
     executor runs them (``shard.stage.batch.forward_batch``: every session's chunk of a step
     in one forward when ``batched``, else each alone), with ``sampler`` watching both edges.
-    Inside ``shard.testing_cheats.batched_lies()`` a cheating ``accused`` lies in the batched
+    Inside ``shard.testing.cheats.batched_lies()`` a cheating ``accused`` lies in the batched
     forward too."""
 
     head: StageModel

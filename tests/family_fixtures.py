@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from shard.testing import SPECIAL_TOKENS, _tokenizer_config, _write_json, tiny_tokenizer
+from shard.testing.checkpoints import SPECIAL_TOKENS, _tokenizer_config, _write_json, tiny_tokenizer
 
 SEED = 31
 #: Common shape: 4 layers, hidden 64, 4 query / 2 KV heads of 16.

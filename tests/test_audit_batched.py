@@ -28,7 +28,7 @@ from shard.messages import Sampling
 from shard.messages.audit import AuditRequest
 from shard.model.llama import StageModel
 from shard.testing import make_tiny_checkpoint
-from shard.testing_cheats import batched_lies, cheating
+from shard.testing.cheats import batched_lies, cheating
 from shard.trust.sampler import AuditSampler
 
 RATE = 0.25  # higher than the default 0.05 only to keep trials short; 1/RATE is expected

@@ -2,7 +2,7 @@
 audited by the standby holding its block, struck, evicted and replaced by that standby
 mid-request, and the output is identical to ``shard generate --local``.
 
-``tests/cheat_node.py`` runs ``shard swarm run`` with s1 started as a cheater (the only way to
+``shard.testing.cheat_node`` runs ``shard swarm run`` with s1 started as a cheater (the only way to
 start one: a test-only entry script, no production flag). Every node is its own process on
 loopback, killed by PID on every way out (``tests/procs.py``); every run is bounded.
 """
@@ -21,9 +21,10 @@ from test_failover_procs import llama_dir as llama_dir
 
 pytestmark = pytest.mark.slow
 
-CHEAT_NODE = Path(__file__).parent / "cheat_node.py"
+CHEAT_NODE = "shard.testing.cheat_node"
 RUNNER = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    "import runpy, sys; sys.argv = sys.argv[1:]; "
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
 )
 
 
@@ -48,7 +49,7 @@ async def test_a_cheating_stage_process_is_evicted_and_replaced_with_identical_o
     reference = await local_reference(llama_dir)
     done = await run_python(
         RUNNER,
-        str(CHEAT_NODE),
+        CHEAT_NODE,
         "noise",
         "s1",
         "swarm",

@@ -6,7 +6,7 @@ eviction equal the single-process reference; and ``[audit] mode = "hold"``: not 
 lie produced reaches the client.
 
 In virtual time with compute inline, like ``tests/test_audit_swarm.py``. The cheating block
-lies in batched forwards too (``shard.testing_cheats.batched_lies``). Measured vs expected
+lies in batched forwards too (``shard.testing.cheats.batched_lies``). Measured vs expected
 chunks until the first strike are printed (``-s``)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from shard.model.llama import StageModel
 from shard.nodes.inprocess import run_swarm
 from shard.spec.audit import AuditSpec
 from shard.spec.swarm import SwarmSpec
-from shard.testing_cheats import batched_lies, cheating
+from shard.testing.cheats import batched_lies, cheating
 from shard.transport import MemoryNetwork
 from shard.trust.evidence import evidence_from_json, verify_evidence
 from test_audit_swarm import unbatched, with_auditors

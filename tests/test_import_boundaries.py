@@ -18,8 +18,8 @@ The rules (each package's ``__init__`` docstring says the same):
   roots (``shard.nodes``) nor the CLI, and no torch;
 - ``shard.placement`` is pure planning: it imports no other shard package but
   ``shard.errors``, and nothing of torch or the network;
-- nothing in ``src`` imports the test helpers (``shard.testing``, its cheating stages in
-  ``shard.testing_cheats``, its NAT firewall and tampering relay in ``shard.testing_nat``) or
+- nothing in ``src`` imports the test helpers (``shard.testing``: tiny checkpoints, cheating
+  stages, the NAT firewall and tampering relay, the entry points of cheating processes) or
   fault injection
   (``shard.failover.faults``), except those helpers themselves.
 """
@@ -86,8 +86,6 @@ RULES = (
         "shard",
         (
             "shard.testing",
-            "shard.testing_cheats",
-            "shard.testing_nat",
             "shard.failover.faults",
             "shard.observe.tui.testing",
         ),
@@ -97,8 +95,6 @@ RULES = (
 #: Test support may import itself and each other.
 TEST_SUPPORT = (
     "shard.testing",
-    "shard.testing_cheats",
-    "shard.testing_nat",
     "shard.failover.faults",
     "shard.observe.tui.testing",
 )

@@ -21,7 +21,7 @@ import trio
 from procs import free_ports
 from shard.messages import CallMe, Fault, Hello, NodeName, Probe, Welcome
 from shard.testing import Firewall, TamperingHub
-from shard.testing_nat import SEALED_RECORD, WIRE_FRAME
+from shard.testing.nat import SEALED_RECORD, WIRE_FRAME
 from shard.transport import Connection, ConnectionClosed, MemoryNetwork, WebSocketNetwork
 from shard.transport.links import accept_peer, dial_peer
 from shard.transport.nat import (

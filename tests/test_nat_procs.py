@@ -10,7 +10,8 @@ stages have ``reachable = false``: the coordinator's edge to s0 is dialled back 
 edge s0 -> s1 meets at the relay, the tail dials the coordinator as always.
 
 - plain wire: the output equals ``shard generate --local``;
-- sealed wire, with the coordinator's relay replaced by a tampering one (``tests/nat_node.py``):
+- sealed wire, with the coordinator's relay replaced by a tampering one
+  (``shard.testing.nat_node``):
   it flips one bit of the first activation frame it carries, s1 rejects the frame (the
   sealer's tag fails: ``TamperedFrame``), the edge is re-dialled through the relay, the output
   still equals ``--local``, and the relay never carried a plaintext wire frame.
@@ -46,7 +47,7 @@ PROMPT = "the river runs to the sea"
 MAX_TOKENS = 24
 MAX_LEN = 256
 RUN_S = 60.0
-NAT_NODE = Path(__file__).parent / "nat_node.py"
+NAT_NODE = ("-m", "shard.testing.nat_node")
 PREFIX = f"shnat{os.getpid()}"
 PUBLIC_IP = "10.200.0.1"  # the coordinator (and relay); the router is .254
 COORD_PORT = 7700
@@ -288,7 +289,7 @@ async def test_a_tampering_relay_is_caught_on_the_sealed_wire(
     never carried a plaintext frame."""
     model_dir = tiny_checkpoint(seed=11, n_layers=4)
     want = await local_ids(model_dir)
-    tampering = (sys.executable, str(NAT_NODE), "tamper")
+    tampering = (sys.executable, *NAT_NODE, "tamper")
     got, log = await ring_behind_nat(tmp_path, model_dir, secure=True, coordinator=tampering)
     assert_formed_through_nat(log)
     assert "tampering relay: flipped a bit" in log["coord"], log["coord"]

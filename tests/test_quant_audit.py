@@ -23,6 +23,8 @@ import trio.testing
 from audit_fixtures import AUDITOR_KEY, BatchedDriver, accused_record
 from audit_fixtures import one_thread as one_thread
 from quant_fixtures import stored_tiny
+from receipt_fixtures import ring_spec, run_with_receipt
+from shard.cli import main
 from shard.compute.offload import inline_compute
 from shard.coordinator.router import Completion
 from shard.messages import NodeName
@@ -37,6 +39,7 @@ from shard.testing import make_tiny_checkpoint
 from shard.testing.cheats import batched_lies, cheating
 from shard.transport import MemoryNetwork
 from shard.trust.audit import tensor_of
+from shard.trust.receipt_check import receipt_to_json, verify_run
 from shard.trust.sampler import AuditSampler
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
 from test_quant_failover import local_references
@@ -213,3 +216,39 @@ def test_a_batched_stored_ring_is_audited_with_no_gap(stored: Path) -> None:
     worst = max(1 - v.cosine for v in verdicts if v.cosine is not None)
     print(f"stored ring: {len(verdicts)} audits, worst 1 - cosine {worst:.1e}")
     assert worst <= 1e-15
+
+
+async def test_a_stored_swarms_receipt_verifies_and_a_tampered_one_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run receipt of a 3-stage ring with weights = "stored" passes ``shard receipt
+    verify`` (exit 0); the same file with the tail's first target token changed fails
+    (exit 1, one line), as does one with a stage's output chain changed."""
+    model_dir = stored_tiny(tmp_path, n_layers=4)
+    spec = attrs.evolve(ring_spec(model_dir), weights="stored")
+    receipt = await run_with_receipt(spec, model_dir, max_tokens=10)
+    verify_run(receipt)
+    first = receipt.verdicts[0]
+    bad_token = attrs.evolve(
+        receipt,
+        verdicts=(
+            attrs.evolve(first, target_ids=(first.target_ids[0] + 1, *first.target_ids[1:])),
+            *receipt.verdicts[1:],
+        ),
+    )
+    stage = receipt.stages[1]
+    chain = ("0" if stage.output_chain[0] != "0" else "1") + stage.output_chain[1:]
+    bad_chain = attrs.evolve(
+        receipt,
+        stages=(receipt.stages[0], attrs.evolve(stage, output_chain=chain), receipt.stages[2]),
+    )
+    files = {}
+    for name, r in (("good", receipt), ("token", bad_token), ("chain", bad_chain)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(receipt_to_json(r))
+    assert main(["receipt", "verify", str(files["good"])]) == 0
+    capsys.readouterr()
+    for name in ("token", "chain"):
+        assert main(["receipt", "verify", str(files[name])]) == 1, name
+        err = capsys.readouterr().err
+        assert "INVALID" in err and err.count("\n") == 1, err

@@ -239,7 +239,7 @@ class _WithoutLastLayer:
 def batched_lies() -> Iterator[None]:
     """While open, a ``CheatingBlock``'s batched forwards lie too (see the module docstring):
     ``shard.stage.batch.forward_packed`` is wrapped for this process; other blocks run it
-    unchanged. Test-only: a process that cheats enters it once (``tests/cheat_node.py``)."""
+    unchanged. Test-only: a process that cheats enters it once (``shard.testing.cheat_node``)."""
     import shard.stage.batch as batch
 
     names = vars(batch)  # the module's globals: forward_batch looks the name up there

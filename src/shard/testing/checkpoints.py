@@ -1,12 +1,8 @@
-"""Public helpers for tests: tiny, deterministic, random-weight checkpoints.
+"""Tiny, deterministic, random-weight checkpoints for tests.
 
 ``make_tiny_checkpoint`` writes a complete Hugging Face checkpoint directory (config.json,
 safetensors, tokenizer.json, tokenizer_config.json with a chat template) that both shard and
 transformers load, so tests can compare the two on a model small enough for CPU in milliseconds.
-Cheating stages for spot-check tests (``CheatingBlock``) come from ``shard.testing_cheats``;
-a firewall and a tampering relay for NAT tests (``Firewall``, ``TamperingHub``) from
-``shard.testing_nat``.
-Like ``structlog.testing``, these helpers are API: other packages' tests may use them.
 """
 
 from __future__ import annotations
@@ -21,19 +17,10 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shard.model.config import ModelConfig, RopeScaling
-from shard.testing_cheats import CHEATS, AuditTap, CheatingBlock, OverstatingTail, cheating
-from shard.testing_nat import Firewall, TamperingHub
 
 __all__ = [
     "CHAT_TEMPLATE",
-    "CHEATS",
     "SPECIAL_TOKENS",
-    "AuditTap",
-    "CheatingBlock",
-    "Firewall",
-    "OverstatingTail",
-    "TamperingHub",
-    "cheating",
     "make_tiny_checkpoint",
     "scale_upper_layers",
     "tiny_tokenizer",

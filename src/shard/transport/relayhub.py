@@ -333,7 +333,7 @@ class RelayHub:
     def carry(self, item: Item, way: int, n: int) -> Item:
         """What goes on for message ``n`` of direction ``way`` (0: first end to second): the
         message itself. The one seam of the relay: a test's tampering relay
-        (``shard.testing_cheats.TamperingHub``) changes bytes here."""
+        (``shard.testing.nat.TamperingHub``) changes bytes here."""
         return item
 
 

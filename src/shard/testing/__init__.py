@@ -1,0 +1,39 @@
+"""shard.testing: test support, public like ``structlog.testing`` — other packages' tests may use
+it; nothing else in ``src`` imports it.
+
+    checkpoints.py  ``make_tiny_checkpoint``: tiny, deterministic, random-weight Hugging Face
+                    checkpoints that shard and transformers both load
+    cheats.py       cheating stages for spot-check tests (``cheating``, ``CheatingBlock``,
+                    ``batched_lies``, a tail that overstates, an audit tap)
+    nat.py          a firewall and a tampering relay for NAT tests (``Firewall``,
+                    ``TamperingHub``)
+    cheat_node.py   ``python -m shard.testing.cheat_node KIND NODE ARGS``: ``shard ARGS`` with one
+                    node's block cheating (process tests of audits)
+    nat_node.py     ``python -m shard.testing.nat_node MODE ARGS``: ``shard ARGS`` with the relay
+                    role held by a tampering hub (process tests of sealed NAT edges)
+"""
+
+from shard.testing.cheats import CHEATS, AuditTap, CheatingBlock, OverstatingTail, cheating
+from shard.testing.checkpoints import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    make_tiny_checkpoint,
+    scale_upper_layers,
+    tiny_tokenizer,
+)
+from shard.testing.nat import Firewall, TamperingHub
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "CHEATS",
+    "SPECIAL_TOKENS",
+    "AuditTap",
+    "CheatingBlock",
+    "Firewall",
+    "OverstatingTail",
+    "TamperingHub",
+    "cheating",
+    "make_tiny_checkpoint",
+    "scale_upper_layers",
+    "tiny_tokenizer",
+]
