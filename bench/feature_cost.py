@@ -42,7 +42,7 @@ import trio
 from plain_ring import REPO, Prompt, git_info, machine_info
 from shard.compute.tensors import to_wire
 from shard.coordinator.features import verdict_features
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter, NGramProposer, Proposer
 from shard.messages import ChunkSeq, Epoch, Hop, NodeName, SessionId, Verdict
 from shard.model.bundled import resolve_model
@@ -268,7 +268,7 @@ async def speed(model_dir: Path, args: argparse.Namespace) -> list[Record]:
                     done = await handle.coordinator.generate(
                         ids,
                         max_tokens=args.max_tokens,
-                        speculation=SpecConfig(k=k, depth=1),
+                        speculation=SpeculationConfig(k=k, depth=1),
                         ignore_eos=True,
                     )
                     s = done.stats

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from shard.coordinator.router import Completion, Coordinator
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultPlan
 from shard.messages import RunStats
@@ -56,17 +56,17 @@ def _batched_rows(stats: list[RunStats]) -> float:
     ("model", "speculation"),
     [
         ("tiny", None),  # plain decoding: one-row steps
-        ("agreeable", SpecConfig(k=3, depth=2)),  # speculative, pipelined
-        ("tiny", SpecConfig(k=3, depth=1)),  # a draft that is often wrong: rejections
+        ("agreeable", SpeculationConfig(k=3, depth=2)),  # speculative, pipelined
+        ("tiny", SpeculationConfig(k=3, depth=1)),  # a draft that is often wrong: rejections
         ("smollm2", None),  # the real model, plain
-        ("smollm2", SpecConfig(k=3, depth=2)),  # and speculative (its first 2 layers draft)
+        ("smollm2", SpeculationConfig(k=3, depth=2)),  # and speculative (its first 2 layers draft)
     ],
     ids=["plain", "speculative", "rejections", "smollm2-plain", "smollm2-speculative"],
 )
 async def test_concurrent_sessions_get_their_lone_output(
     request: pytest.FixtureRequest,
     model: str,
-    speculation: SpecConfig | None,
+    speculation: SpeculationConfig | None,
     report: Callable[[str], None],
 ) -> None:
     """Eight sessions at once through a 3-stage ring: each gets the reference output (what it
@@ -85,7 +85,7 @@ async def test_concurrent_sessions_get_their_lone_output(
             done[i] = await coordinator.generate(
                 prompts[i],
                 max_tokens=tokens,
-                speculation=speculation or SpecConfig(k=0, depth=1),
+                speculation=speculation or SpeculationConfig(k=0, depth=1),
             )
 
         async with trio.open_nursery() as clients:

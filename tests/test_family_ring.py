@@ -22,7 +22,7 @@ import trio
 import family_fixtures
 from family_fixtures import FAMILIES
 from procs import run_python, run_shard, write_spec
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.packed import Segment, forward_packed, segment_bounds
@@ -109,7 +109,7 @@ async def test_eight_sessions_with_and_without_speculation(
             async def one(i: int, k: int = k) -> None:
                 nonlocal drafted
                 done = await coordinator.generate(
-                    PROMPTS[i], max_tokens=MAX_TOKENS, speculation=SpecConfig(k=k, depth=2)
+                    PROMPTS[i], max_tokens=MAX_TOKENS, speculation=SpeculationConfig(k=k, depth=2)
                 )
                 outs[(k, i)] = done.token_ids
                 drafted += done.stats.drafted

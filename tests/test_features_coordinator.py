@@ -17,7 +17,7 @@ import trio.testing
 from shard.compute.tensors import to_wire
 from shard.coordinator.features import FeatureError, verdict_features
 from shard.coordinator.router import Coordinator, RingError
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.draft import AdaptiveProposer, Drafter, NGramProposer
 from shard.messages import (
     ChunkSeq,
@@ -160,7 +160,7 @@ async def test_a_hostile_tails_features_end_only_that_request(
         drafter=Drafter(lambda _prompt: next(proposers)),
         feature_dim=DIM,
     )
-    spec = SpecConfig(k=2, depth=1)
+    spec = SpeculationConfig(k=2, depth=1)
     results: dict[int, object] = {}
 
     async def one(i: int, prompt: list[int]) -> None:

@@ -14,7 +14,7 @@ import torch
 import trio
 
 from shard.coordinator.router import Completion
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultPlan
@@ -98,7 +98,7 @@ async def ring_run(
     spec: SwarmSpec,
     model_dir: Path,
     proposers: dict[tuple[int, ...], Proposer],
-    speculation: SpecConfig,
+    speculation: SpeculationConfig,
 ) -> dict[tuple[int, ...], Completion]:
     """Every prompt of ``proposers`` at once through one ring; their completions."""
     done: dict[tuple[int, ...], Completion] = {}
@@ -154,7 +154,7 @@ async def test_features_are_the_reference_final_norm_at_their_positions(
     recorder = Recorder(whole, features=WINDOW)
     plain = Recorder(whole, features=0)
     key = tuple(PROMPT)
-    config = SpecConfig(k=3, depth=depth)
+    config = SpeculationConfig(k=3, depth=depth)
     with_features = (await ring_run(spec, tiny, {key: recorder}, config))[key]
     without = (await ring_run(spec, tiny, {key: plain}, config))[key]
     assert with_features.token_ids == without.token_ids == ref.token_ids
@@ -176,7 +176,7 @@ async def test_a_batch_of_a_session_with_features_and_one_without(tiny: Path) ->
     asking = Recorder(whole[tuple(PROMPT)], features=WINDOW)
     silent = Recorder(whole[tuple(other)], features=0)
     done = await ring_run(
-        spec, tiny, {tuple(PROMPT): asking, tuple(other): silent}, SpecConfig(k=3, depth=1)
+        spec, tiny, {tuple(PROMPT): asking, tuple(other): silent}, SpeculationConfig(k=3, depth=1)
     )
     for prompt, ref in refs.items():
         assert done[prompt].token_ids == ref.token_ids
@@ -195,7 +195,7 @@ async def test_plain_decoding_with_features_gets_one_row_per_step(tiny: Path) ->
     whole = [*PROMPT, *ref.token_ids]
     recorder = Recorder([], features=WINDOW)  # matches no context: no drafts
     key = tuple(PROMPT)
-    done = (await ring_run(spec, tiny, {key: recorder}, SpecConfig(k=3, depth=1)))[key]
+    done = (await ring_run(spec, tiny, {key: recorder}, SpeculationConfig(k=3, depth=1)))[key]
     assert done.token_ids == ref.token_ids
     assert [r.shape[0] for _, r in recorder.observed[1:]] == [1] * (MAX_TOKENS - 1)
     check_observed(recorder, reference_features(tiny, whole), len(PROMPT), len(whole))

@@ -14,7 +14,7 @@ import torch
 import trio
 
 from shard.coordinator.router import Completion, Coordinator
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.messages import Sampling
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
@@ -96,7 +96,7 @@ async def test_greedy_identical_for_every_k_and_depth(
             for depth in range(1, 5):
                 for prompt, ref in zip(PROMPTS, refs, strict=True):
                     done = await coordinator.generate(
-                        prompt, max_tokens=24, speculation=SpecConfig(k=k, depth=depth)
+                        prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
                     )
                     ties += ties_or_equal(done.token_ids, ref)
                     drafted += done.stats.drafted
@@ -148,7 +148,7 @@ async def test_sampling_with_the_heads_q_follows_the_target(
                 prompt,
                 max_tokens=2,
                 sampling=Sampling(temperature=temperature, seed=7000 + i),
-                speculation=SpecConfig(k=3, depth=1),
+                speculation=SpeculationConfig(k=3, depth=1),
             )
             outs.append(done.token_ids)
         again = [
@@ -156,7 +156,7 @@ async def test_sampling_with_the_heads_q_follows_the_target(
                 prompt,
                 max_tokens=12,
                 sampling=Sampling(temperature=temperature, seed=5),
-                speculation=SpecConfig(k=3, depth=1),
+                speculation=SpeculationConfig(k=3, depth=1),
             )
             for _ in range(2)
         ]

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from shard.coordinator.router import Completion, Coordinator
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
@@ -73,7 +73,7 @@ async def _ring(
 
     async def body(coordinator: Coordinator) -> None:
         async def one(i: int) -> None:
-            speculation = SpecConfig(k=k, depth=2) if k else SpecConfig(k=0, depth=1)
+            speculation = SpeculationConfig(k=k, depth=2) if k else SpeculationConfig(k=0, depth=1)
             done[i] = await coordinator.generate(
                 prompts[i], max_tokens=tokens, speculation=speculation
             )

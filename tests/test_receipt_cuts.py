@@ -20,7 +20,7 @@ import trio
 
 from receipt_fixtures import provision, resign, ring_spec, run_with_receipt, secure_spec
 from shard.cli import main
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.messages import RunReceipt
 from shard.nodes.compose import LocalTrust
 from shard.testing import make_tiny_checkpoint
@@ -114,7 +114,7 @@ async def test_a_pipelined_speculative_stop_verifies(tiny: Path, tmp_path: Path)
     model = _with_stop(tiny, tmp_path / "model")
     receipt = await run_with_receipt(
         ring_spec(model, "auto"), model, max_tokens=MAX_TOKENS,
-        speculation=SpecConfig(k=3, depth=3),
+        speculation=SpeculationConfig(k=3, depth=3),
     )  # fmt: skip
     assert receipt.finish_reason == "stop"
     assert verify_run(receipt).stop_id == STOP_ID

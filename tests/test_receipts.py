@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from receipt_fixtures import ring_spec, run_with_receipt
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.testing import make_tiny_checkpoint
 from shard.trust.receipt_check import receipt_from_json, receipt_to_json, verify_run
 from shard.trust.receipts import ReceiptInvalid, RunReceipt
@@ -36,7 +36,7 @@ async def test_plain_run_receipt_verifies(tiny: Path) -> None:
 async def test_pipelined_speculative_receipt_verifies(tiny: Path) -> None:
     """With drafts, pipelining and stale chunks the chains still link end to end."""
     receipt = await run_with_receipt(
-        ring_spec(tiny, "auto"), tiny, max_tokens=16, speculation=SpecConfig(k=3, depth=3)
+        ring_spec(tiny, "auto"), tiny, max_tokens=16, speculation=SpeculationConfig(k=3, depth=3)
     )
     verify_run(receipt)
 

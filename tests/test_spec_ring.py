@@ -15,7 +15,7 @@ import torch
 import trio
 
 from shard.coordinator.router import Completion, Coordinator
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
 from shard.messages import Sampling
 from shard.model.config import ModelConfig
@@ -136,7 +136,7 @@ async def test_greedy_identical_for_every_k_and_depth(
             for depth in range(1, 5):
                 for prompt, ref in zip(PROMPTS, refs, strict=True):
                     done = await coordinator.generate(
-                        prompt, max_tokens=24, speculation=SpecConfig(k=k, depth=depth)
+                        prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
                     )
                     ties += ties_or_equal(done.token_ids, ref)
                     accepted += done.stats.accepted
@@ -170,7 +170,9 @@ async def test_pipelining_rejections_fence_stale_chunks(tiny: Path, agreeable: P
 
     async def body(coordinator: Coordinator) -> list[Completion]:
         return [
-            await coordinator.generate(p, max_tokens=24, speculation=SpecConfig(k=3, depth=4))
+            await coordinator.generate(
+                p, max_tokens=24, speculation=SpeculationConfig(k=3, depth=4)
+            )
             for p in PROMPTS
         ]
 
@@ -193,7 +195,7 @@ async def test_concurrent_speculative_sessions(agreeable: Path) -> None:
     async def body(coordinator: Coordinator) -> None:
         async def one(i: int) -> None:
             done = await coordinator.generate(
-                prompts[i], max_tokens=16, speculation=SpecConfig(k=4, depth=2)
+                prompts[i], max_tokens=16, speculation=SpeculationConfig(k=4, depth=2)
             )
             results[i] = done.token_ids
 
@@ -214,7 +216,12 @@ async def test_seeded_sampling_is_mode_invariant(agreeable: Path) -> None:
 
     async def body(coordinator: Coordinator) -> list[tuple[int, ...]]:
         outs = []
-        for cfg in (SpecConfig(k=0), SpecConfig(k=4, depth=1), SpecConfig(k=4, depth=3), None):
+        for cfg in (
+            SpeculationConfig(k=0),
+            SpeculationConfig(k=4, depth=1),
+            SpeculationConfig(k=4, depth=3),
+            None,
+        ):
             for _ in range(2):
                 done = await coordinator.generate(
                     PROMPTS[0], max_tokens=24, sampling=sampling, speculation=cfg
@@ -243,7 +250,7 @@ async def test_sampled_distribution_matches_the_target(agreeable: Path) -> None:
                 prompt,
                 max_tokens=2,
                 sampling=Sampling(temperature=sampling_t, seed=seed0 + i),
-                speculation=SpecConfig(k=2, depth=2),
+                speculation=SpeculationConfig(k=2, depth=2),
             )
             outs.append(done.token_ids)
         return outs

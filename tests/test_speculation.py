@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard.decode.speculation import SpecStream
+from shard.decode.speculation import SpeculationStream
 from shard.decode.state import DecodeState
 from shard.messages import ChunkSeq, Epoch, SessionId, Verdict
 
@@ -12,11 +12,11 @@ PROMPT = [1, 2, 3]
 EOS = 0
 
 
-def stream(max_tokens: int = 20) -> SpecStream:
+def stream(max_tokens: int = 20) -> SpeculationStream:
     """A stream whose prefill committed token 10 at position 3."""
     decode = DecodeState.start(len(PROMPT), max_tokens, [EOS], max_len=64)
     decode.commit([10])
-    return SpecStream(decode=decode, committed=[*PROMPT, 10], max_len=64, feed=3, next_seq=1)
+    return SpeculationStream(decode=decode, committed=[*PROMPT, 10], max_len=64, feed=3, next_seq=1)
 
 
 def verdict(chunk_seq: int, epoch: int, start: int, target: list[int], accepted: int) -> Verdict:

@@ -1,4 +1,4 @@
-"""SpecController and RunLengths: the choice of K and D from measured acceptance and timings."""
+"""SpeculationController and RunLengths: K and D chosen from measured acceptance and timings."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from shard.decode.control import (
     LOOKUP,
     RunLengths,
-    SpecConfig,
-    SpecController,
+    SpeculationConfig,
+    SpeculationController,
     expected_tokens,
     pipeline_rate,
 )
@@ -26,13 +26,17 @@ def test_expected_tokens_formula() -> None:
 
 def test_controller_speculates_deeper_when_drafts_hold() -> None:
     """High α with a long lap picks long chunks and a deep pipeline; low α stays shallow."""
-    good = SpecController(SpecConfig(), alpha=0.95, lap_s=0.1, draft_s=0.001, stage_s=0.01)
+    good = SpeculationController(
+        SpeculationConfig(), alpha=0.95, lap_s=0.1, draft_s=0.001, stage_s=0.01
+    )
     k, d = good.choose()
     assert k >= 3 and d >= 3
-    poor = SpecController(SpecConfig(), alpha=0.05, lap_s=0.1, draft_s=0.001, stage_s=0.01)
+    poor = SpeculationController(
+        SpeculationConfig(), alpha=0.05, lap_s=0.1, draft_s=0.001, stage_s=0.01
+    )
     k, d = poor.choose()
     assert d == 1 and k <= 2
-    fixed = SpecController(SpecConfig(k=3, depth=2), alpha=0.05)
+    fixed = SpeculationController(SpeculationConfig(k=3, depth=2), alpha=0.05)
     assert fixed.choose() == (3, 2)
 
 
@@ -45,11 +49,11 @@ def test_pipeline_rate_only_pays_with_high_alpha() -> None:
 
 def _runs_source(
     seed: int, chunks: int, k: int, first: float = 0.6
-) -> tuple[RunLengths, SpecController]:
+) -> tuple[RunLengths, SpeculationController]:
     """Feed a controller chunks from a source whose guesses come in runs: the first guess
     after a miss holds ``first`` of the time (60 %), later ones 97 %."""
     rng = random.Random(seed)
-    control = SpecController(SpecConfig(), runs=RunLengths())
+    control = SpeculationController(SpeculationConfig(), runs=RunLengths())
     for _ in range(chunks):
         accepted = 0
         for j in range(k):
@@ -76,17 +80,17 @@ def test_controller_pipelines_long_chunks_inside_a_run() -> None:
     holds 20 % of the time), the stale-chunk cost keeps it shallower right after a miss."""
     runs, control = _runs_source(1, 400, 6)
     timing = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.05}
-    inside = SpecController(SpecConfig(), runs=runs, run=12, **timing)
+    inside = SpeculationController(SpeculationConfig(), runs=runs, run=12, **timing)
     k_in, d_in = inside.choose()
     assert d_in >= 3 and k_in >= 5, (k_in, d_in)
     slower = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.1}
-    iid = SpecController(SpecConfig(), alpha=control.alpha, **slower)
-    inside = SpecController(SpecConfig(), runs=runs, run=12, **slower)
+    iid = SpeculationController(SpeculationConfig(), alpha=control.alpha, **slower)
+    inside = SpeculationController(SpeculationConfig(), runs=runs, run=12, **slower)
     assert iid.choose()[1] < inside.choose()[1], (iid.choose(), inside.choose())
     bursts, _ = _runs_source(1, 400, 6, first=0.2)
     slow = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.2}
-    inside = SpecController(SpecConfig(), runs=bursts, run=12, **slow)
-    after_miss = SpecController(SpecConfig(), runs=bursts, run=0, **slow)
+    inside = SpeculationController(SpeculationConfig(), runs=bursts, run=12, **slow)
+    after_miss = SpeculationController(SpeculationConfig(), runs=bursts, run=0, **slow)
     assert after_miss.choose()[1] < inside.choose()[1], (after_miss.choose(), inside.choose())
 
 
@@ -94,21 +98,21 @@ def test_stale_chunks_cost_stage_time() -> None:
     """Same acceptance, same lap: the slower the stages (the longer a stale chunk holds up
     the re-drafted one), the shallower the pipeline; with free stages it goes to depth_max."""
     depths = [
-        SpecController(SpecConfig(), alpha=0.8, lap_s=0.3, stage_s=stage).choose()[1]
+        SpeculationController(SpeculationConfig(), alpha=0.8, lap_s=0.3, stage_s=stage).choose()[1]
         for stage in (0.0, 0.05, 0.1, 0.2)
     ]
-    assert depths[0] == SpecConfig().depth_max
+    assert depths[0] == SpeculationConfig().depth_max
     assert depths == sorted(depths, reverse=True) and depths[-1] == 1, depths
 
 
 def test_carry_keeps_measurements_and_resets_the_run() -> None:
     runs, control = _runs_source(2, 50, 4)
     control.observe_lap(0.4, 0.05)
-    nxt = control.carry(SpecConfig(k=2))
+    nxt = control.carry(SpeculationConfig(k=2))
     assert nxt.shared is runs and nxt.runs is not runs
     assert nxt.lap_s == control.lap_s and nxt.run == 0
     assert nxt.choose()[0] == 2
-    assert nxt.carry(SpecConfig()).shared is runs  # every request seeds from the same one
+    assert nxt.carry(SpeculationConfig()).shared is runs  # every request seeds from the same one
 
 
 def test_a_session_follows_its_own_text_and_the_shared_model_keeps_the_history() -> None:
@@ -116,7 +120,7 @@ def test_a_session_follows_its_own_text_and_the_shared_model_keeps_the_history()
     pipelining within a few chunks; the shared model still knows copied runs."""
     runs, control = _runs_source(3, 400, 6)
     timing = {"lap_s": 0.3, "draft_s": 0.0, "stage_s": 0.05}
-    prose = attrs.evolve(control, **timing).carry(SpecConfig())
+    prose = attrs.evolve(control, **timing).carry(SpeculationConfig())
     assert prose.choose()[1] > 1  # from the shared history alone: pipeline
     for _ in range(4):
         k, _ = prose.choose()
@@ -130,20 +134,24 @@ def test_a_session_follows_its_own_text_and_the_shared_model_keeps_the_history()
 def test_sessions_sharing_the_stages_keep_pipelines_shallow() -> None:
     """One session alone pipelines deep; eight in flight make the stages the limit, where a
     chunk that may go stale takes compute from the others: one chunk each."""
-    control = SpecController(SpecConfig(), alpha=0.9, lap_s=0.3, draft_s=0.0, stage_s=0.07)
-    assert control.choose(sessions=1)[1] == SpecConfig().depth_max
+    control = SpeculationController(
+        SpeculationConfig(), alpha=0.9, lap_s=0.3, draft_s=0.0, stage_s=0.07
+    )
+    assert control.choose(sessions=1)[1] == SpeculationConfig().depth_max
     assert control.choose(sessions=8)[1] == 1
     depths = [control.choose(sessions=n)[1] for n in (1, 2, 4, 8)]
     assert depths == sorted(depths, reverse=True), depths
-    fixed = SpecController(SpecConfig(k=4, depth=3), alpha=0.9, lap_s=0.3, stage_s=0.07)
+    fixed = SpeculationController(
+        SpeculationConfig(k=4, depth=3), alpha=0.9, lap_s=0.3, stage_s=0.07
+    )
     assert fixed.choose(sessions=8) == (4, 3)  # fixed values still win
 
 
-def _hybrid_control(**kw: float) -> SpecController:
+def _hybrid_control(**kw: float) -> SpeculationController:
     """A hybrid's controller after 200 chunks: its lookup's copies held 95 % of the time (in
     runs), its model's guesses 25 %, and the model costs 20 ms per drafted token."""
     rng = random.Random(4)
-    control = SpecController(SpecConfig(), runs=RunLengths(), **kw)
+    control = SpeculationController(SpeculationConfig(), runs=RunLengths(), **kw)
     for i in range(200):
         sources = [LOOKUP] * 6 if i % 2 else ["head"] * 6
         p = 0.95 if i % 2 else 0.25

@@ -41,10 +41,10 @@ from shard.coordinator.features import FeatureError, verdict_features
 from shard.coordinator.gate import RingDown, RingGate
 from shard.coordinator.ledger import Ledger
 from shard.coordinator.ringstats import LapRecorder
-from shard.decode.control import SpecConfig, SpecController
+from shard.decode.control import SpeculationConfig, SpeculationController
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.hybrid import HybridProposer
-from shard.decode.speculation import Outcome, SpecStream
+from shard.decode.speculation import Outcome, SpeculationStream
 from shard.decode.state import DecodeState
 from shard.messages import (
     ChunkSeq,
@@ -88,7 +88,7 @@ class RequestDriver:
         state: DecodeState,
         sampling: Sampling,
         on_tokens: OnTokens | None,
-        spec: SpecConfig,
+        spec: SpeculationConfig,
         limits: Limits,
         drafter: Drafter | None,
         feature_dim: int | None = None,
@@ -156,7 +156,7 @@ class RequestDriver:
         self._observe(self._features(first, prompt_len=len(self._prompt)))
         ledger.lap(laps, first, committed=len(first.target_ids))
         await self._emit(state.commit(first.target_ids), first.seq)
-        stream = SpecStream(
+        stream = SpeculationStream(
             decode=state,
             committed=[*self._prompt, *first.target_ids],
             max_len=self._opening.max_len,
@@ -165,7 +165,7 @@ class RequestDriver:
             epoch=first.epoch,
         )
         proposer = self._proposer
-        control = ledger.control_for(self._spec if proposer else SpecConfig(k=0, depth=1))
+        control = ledger.control_for(self._spec if proposer else SpeculationConfig(k=0, depth=1))
         max_depth = 1
         while not state.done:
             max_depth = max(max_depth, await self._fill(stream, proposer, control))
@@ -202,7 +202,7 @@ class RequestDriver:
             del self._sources[p]
         return names if drafted and len(names) == drafted else None
 
-    async def _fold(self, stream: SpecStream, verdict: Verdict) -> Outcome | None:
+    async def _fold(self, stream: SpeculationStream, verdict: Verdict) -> Outcome | None:
         """Fold a verdict into the stream; None when it changed nothing (stale, duplicate,
         or out of order — which re-sends)."""
         ledger = self._ledger
@@ -283,7 +283,7 @@ class RequestDriver:
             )
             await ring.send(Truncate(session=sid, epoch=epoch, position=0))
 
-    async def _resync(self, stream: SpecStream, why: Resync) -> None:
+    async def _resync(self, stream: SpeculationStream, why: Resync) -> None:
         """Re-send from the committed tokens in a new epoch (``why.full``: from position 0,
         with the same chunk shapes as before, so every stage's KV comes out the same)."""
         self._count(why.reason)
@@ -301,7 +301,7 @@ class RequestDriver:
             await ring.send(Prefill(sid, epoch, seq, start=c.start, final=False, ids=c.ids))
 
     async def _fill(
-        self, stream: SpecStream, proposer: Proposer | None, control: SpecController
+        self, stream: SpeculationStream, proposer: Proposer | None, control: SpeculationController
     ) -> int:
         """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
         sid, ring = self._sid, self._ring

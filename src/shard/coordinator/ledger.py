@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from shard.coordinator.ringstats import LapRecorder, RingEvent, RingMonitor, RingStatistics
-from shard.decode.control import RunLengths, SpecConfig, SpecController
+from shard.decode.control import RunLengths, SpeculationConfig, SpeculationController
 from shard.decode.speculation import Outcome
 from shard.messages import NodeName, Verdict
 
@@ -47,7 +47,7 @@ class Ledger:
     """See the module docstring. ``wall_clock`` stamps events and laps."""
 
     def __init__(
-        self, node: NodeName, speculation: SpecConfig, wall_clock: Callable[[], float]
+        self, node: NodeName, speculation: SpeculationConfig, wall_clock: Callable[[], float]
     ) -> None:
         self.node = node
         self.wall_clock = wall_clock
@@ -55,7 +55,7 @@ class Ledger:
         self._done = self._failed = self._tokens = self._stale = 0
         self._k, self._depth = 0, 1
         # K/D policy state shared by requests: timings and acceptance by run length
-        self._control = SpecController(speculation, runs=RunLengths())
+        self._control = SpeculationController(speculation, runs=RunLengths())
         self._monitor = RingMonitor(node)
         self._events: deque[RingEvent] = deque(maxlen=_EVENTS_KEPT)
 
@@ -81,7 +81,7 @@ class Ledger:
         """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
         self._events.append(RingEvent(at=self.wall_clock(), kind=kind, detail=detail))
 
-    def control_for(self, spec: SpecConfig) -> SpecController:
+    def control_for(self, spec: SpeculationConfig) -> SpeculationController:
         """A K/D controller for a new request, starting from the last one's measurements."""
         self._control = self._control.carry(spec)
         return self._control

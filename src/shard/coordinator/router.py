@@ -45,7 +45,7 @@ from shard.coordinator.gate import RingGate
 from shard.coordinator.ledger import CoordinatorStatistics, Ledger
 from shard.coordinator.receipts import collect_receipts
 from shard.coordinator.supervise import CallerError, caller_errors, request_failed
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter
 from shard.decode.state import BadRequest, DecodeState, check_sampling
 from shard.failover.events import Pause, Resume, RingControl, RingLost
@@ -97,7 +97,7 @@ class Coordinator:
         control: trio.MemoryReceiveChannel[RingControl] | None = None,
         limits: Limits = Limits(),
         drafter: Drafter | None = None,
-        speculation: SpecConfig = SpecConfig(),
+        speculation: SpeculationConfig = SpeculationConfig(),
         signer: RunSigner | None = None,
         wall_clock: Callable[[], float] = time.time,
         checkpoints: CheckpointStore | None = None,
@@ -142,7 +142,7 @@ class Coordinator:
         return self._limits
 
     @property
-    def speculation(self) -> SpecConfig:
+    def speculation(self) -> SpeculationConfig:
         """The swarm's K/D policy (requests may override it)."""
         return self._spec
 
@@ -247,7 +247,7 @@ class Coordinator:
         max_tokens: int,
         sampling: Sampling = Sampling(),
         on_tokens: OnTokens | None = None,
-        speculation: SpecConfig | None = None,
+        speculation: SpeculationConfig | None = None,
         receipt: bool = False,
         request_id: str | None = None,
         ignore_eos: bool = False,
@@ -261,7 +261,7 @@ class Coordinator:
         run receipt in ``Completion.receipt`` (needs a coordinator key: ``signer``).
 
         ``speculation`` overrides the coordinator's K/D policy for this request (benchmarks
-        and tests compare modes on one ring); ``SpecConfig(k=0)`` is plain decoding.
+        and tests compare modes on one ring); ``SpeculationConfig(k=0)`` is plain decoding.
 
         ``request_id`` names the request's checkpoint (with a checkpoint store): its committed
         tokens are saved as they come, and the file is removed when the request ends.
@@ -345,7 +345,7 @@ class Coordinator:
         state: DecodeState,
         sampling: Sampling,
         on_tokens: OnTokens | None,
-        spec: SpecConfig,
+        spec: SpeculationConfig,
     ) -> Completion:
         """Run the session's driver in this task (a nursery of one child would only wrap
         what it raises in a group) and read its ``SessionDone``. Errors: the ``RingError``
@@ -381,7 +381,7 @@ class Coordinator:
         checkpoint: RequestCheckpoint,
         *,
         on_tokens: OnTokens | None = None,
-        speculation: SpecConfig | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> Completion:
         """Continue a request a previous coordinator checkpointed: the committed tokens are
         kept, the rest is generated on the ring (``on_tokens`` sees only the new ones). The

@@ -29,7 +29,7 @@ import trio
 from shard.compute import offload
 from shard.coordinator.events import RequestFailed
 from shard.coordinator.router import Completion, Coordinator, RingError
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.decode.state import BadRequest
 from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
 from shard.messages.bounds import OutOfBounds
@@ -123,7 +123,9 @@ async def complete(
     return done
 
 
-def request_speculation(coordinator: Coordinator, request: GenerateRequest) -> SpecConfig | None:
+def request_speculation(
+    coordinator: Coordinator, request: GenerateRequest
+) -> SpeculationConfig | None:
     """The request's own K / depth over the swarm's policy (None: the policy as is)."""
     if request.k < 0 and request.depth <= 0:
         return None

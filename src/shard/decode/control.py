@@ -1,6 +1,6 @@
 """Choosing K (drafts per chunk) and D (chunks in flight) from what the ring measured.
 
-``SpecController`` maximises the expected rate of committed tokens over (K, D): acceptance
+``SpeculationController`` maximises the expected rate of committed tokens over (K, D): acceptance
 modelled by run length (``RunLengths``: drafts on copy text hold in runs, not independently),
 the lap, the draft's cost per token, the slowest stage's compute per chunk, the price of a
 chunk that goes stale and the sessions sharing the stages. ``docs/speculation.md``,
@@ -20,7 +20,7 @@ LOOKUP = "ngram"
 
 
 @attrs.frozen
-class SpecConfig:
+class SpeculationConfig:
     """How much to speculate. ``k``/``depth`` fixed when set, else chosen adaptively
     (bounded by ``k_max``/``depth_max``). ``k = 0`` is plain decoding."""
 
@@ -67,7 +67,7 @@ def _cycle(
     return max(lap_s + k * draft_s, depth * max(stage, k * draft_s), 1e-9)
 
 
-#: Observations of the shared run model a new session starts from (``SpecController.carry``).
+#: Observations of the shared run model a new session starts from (``SpeculationController.carry``).
 SEED_EVIDENCE = 8.0
 
 #: Run lengths that share a bucket: 0, 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, 24-31, 32+.
@@ -154,7 +154,7 @@ class RunLengths:
 
 
 @attrs.define
-class SpecController:
+class SpeculationController:
     """Chooses K and D per round from measured acceptance, lap time, draft and stage cost.
 
     With ``runs`` (a ``RunLengths``: after ``carry``, this request's own, seeded from the
@@ -164,7 +164,7 @@ class SpecController:
     Starts from a prior (α = 0.5) so the first rounds speculate a little and measure.
     """
 
-    config: SpecConfig
+    config: SpeculationConfig
     alpha: float = 0.5
     lap_s: float = 0.05
     draft_s: float = 0.0
@@ -179,7 +179,7 @@ class SpecController:
     model_cost_s: float = 0.0
     lookup_cost_s: float = 0.0
 
-    def carry(self, config: SpecConfig) -> SpecController:
+    def carry(self, config: SpeculationConfig) -> SpeculationController:
         """A controller for the next request: the same timings, the run reset, and a run
         model of its own seeded from the shared one (``RunLengths.seeded``). Its chunks are
         counted in both: the session's model follows this request's text within a few

@@ -10,7 +10,7 @@ The model sees every token either way (a model proposer re-feeds what it has not
 its state stays the one the chunk's context gives.
 
 ``names`` records which draft guessed each token of the last proposal (``LOOKUP``, "ngram",
-or the model's name): the coordinator prices the two apart (``SpecController``), and
+or the model's name): the coordinator prices the two apart (``SpeculationController``), and
 ``lookup_span`` says how far the lookup would copy before the model drafts.
 """
 
@@ -71,7 +71,7 @@ class HybridProposer:
 
     def lookup_span(self, context: Sequence[int], k: int) -> int:
         """How many of the next (up to ``k``) tokens the lookup would copy now, before the
-        model drafts any (0: no match it trusts): what ``SpecController.choose`` prices."""
+        model drafts any (0: no match it trusts): what ``SpeculationController.choose`` prices."""
         span, matched = self._lookup.lookup(context, k)
         return len(span) if span and matched >= self._min_match else 0
 

@@ -54,7 +54,7 @@ class Outcome:
 
 
 @attrs.define
-class SpecStream:
+class SpeculationStream:
     """One session's stream and in-flight chunks (see the module docstring)."""
 
     decode: DecodeState
@@ -70,7 +70,7 @@ class SpecStream:
     @classmethod
     def after_prefill(
         cls, decode: DecodeState, prompt: Sequence[int], *, max_len: int
-    ) -> SpecStream:
+    ) -> SpeculationStream:
         """The stream once the prompt is in every stage's KV (positions ``< len(prompt)``)."""
         return cls(decode=decode, committed=list(prompt), max_len=max_len, feed=len(prompt))
 

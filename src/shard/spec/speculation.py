@@ -24,7 +24,7 @@ from typing import Final
 
 import attrs
 
-from shard.decode.control import SpecConfig
+from shard.decode.control import SpeculationConfig
 from shard.spec.validate import Table
 
 DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "head", "hybrid", "oracle")
@@ -47,13 +47,13 @@ class SpeculationSpec:
     ``oracle_file``) and how much to speculate (``policy``: ``k``, ``depth``, ``k_max``,
     ``depth_max``). Default: no drafting.
 
-    ``policy`` is the K/D controller's own record (``shard.decode.control.SpecConfig``): the
+    ``policy`` is the K/D controller's own record (``shard.decode.control.SpeculationConfig``): the
     coordinator takes it as is, and a request may override it (``attrs.evolve``)."""
 
     draft: str = "none"
     draft_model: str | None = None
     draft_layers: int = 0
-    policy: SpecConfig = attrs.field(factory=SpecConfig)
+    policy: SpeculationConfig = attrs.field(factory=SpeculationConfig)
     oracle_file: str | None = None
     draft_head: str | None = None  # head / hybrid: a head directory or a head name
 
@@ -74,7 +74,7 @@ def read_speculation(
     draft = table.string("draft", default="none", example='"auto"')
     if draft not in DRAFT_KINDS:
         raise table.error("draft", f"unknown draft {draft!r}; use one of {', '.join(DRAFT_KINDS)}")
-    d = SpecConfig()
+    d = SpeculationConfig()
     k_max = table.integer("k_max", default=d.k_max, minimum=1)
     depth_max = table.integer("depth_max", default=d.depth_max, minimum=1)
     k = _auto_or_int(table, "k", minimum=0, maximum=k_max)
@@ -109,7 +109,7 @@ def read_speculation(
         draft=draft,
         draft_model=model,
         draft_layers=layers,
-        policy=SpecConfig(
+        policy=SpeculationConfig(
             k=0 if draft == "none" else k,
             depth=1 if draft == "none" else depth,
             k_max=k_max,
