@@ -41,7 +41,7 @@ from pathlib import Path
 
 import trio
 
-from shard.coordinator.router import Coordinator, CoordinatorLimits
+from shard.coordinator.coordinator import Coordinator, CoordinatorLimits
 from shard.coordinator.service import complete, prompt_ids
 from shard.messages import ChunkSeq, Epoch, GenerateRequest, Message, NodeName, Prefill, SessionId
 from shard.messages.values import Tensor

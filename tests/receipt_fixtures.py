@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import trio
 
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.messages import EdgeRecord, NodeName, RunReceipt, StageReceipt, VerdictRecord
 from shard.nodes.compose import LocalTrust, provision_local
 from shard.nodes.coordinator import CoordinatorHandle

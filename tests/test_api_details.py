@@ -18,7 +18,7 @@ import trio
 
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.server import ApiServer
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.messages import Message, NodeName, Prefill, Verdict, Verify
 from shard.model.tokenizer import Tokenizer
 from shard.spec.limits import Limits

@@ -21,7 +21,7 @@ import trio
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys, add_key
 from shard.api.server import ApiServer
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.failover.events import Pause, RingControl, RingLost
 from shard.messages import EndSession, Message, NodeName, OpenSession
 from shard.model.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from shard.compute.offload import inline_compute
-from shard.coordinator.router import Completion
+from shard.coordinator.coordinator import Completion
 from shard.failover.scheduler import SchedulerStatistics
 from shard.failover.strikes import StrikeBook
 from shard.messages import NodeName

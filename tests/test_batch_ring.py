@@ -15,7 +15,7 @@ import attrs
 import pytest
 import trio
 
-from shard.coordinator.router import Completion, Coordinator
+from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultPlan

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.coordinator.router import Coordinator, RingError
+from shard.coordinator.coordinator import Coordinator, RingError
 from shard.failover.events import Pause, RingControl, RingLost
 from shard.messages import (
     ChunkSeq,

@@ -23,7 +23,7 @@ import trio.testing
 
 from shard.compute.offload import inline_compute
 from shard.coordinator.checkpoint import CheckpointStore
-from shard.coordinator.router import Completion, RingError
+from shard.coordinator.coordinator import Completion, RingError
 from shard.coordinator.service import complete
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultInjector, FaultPlan, Injection

@@ -15,8 +15,8 @@ import trio
 import trio.testing
 
 from shard.compute.tensors import to_wire
+from shard.coordinator.coordinator import Coordinator, RingError
 from shard.coordinator.features import FeatureError, verdict_features
-from shard.coordinator.router import Coordinator, RingError
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import AdaptiveProposer, Drafter, NGramProposer
 from shard.messages import (

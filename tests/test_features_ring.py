@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from shard.coordinator.router import Completion
+from shard.coordinator.coordinator import Completion
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.reference import generate_reference

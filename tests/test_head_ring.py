@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from shard.coordinator.router import Completion, Coordinator
+from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.messages import Sampling
 from shard.model.config import ModelConfig

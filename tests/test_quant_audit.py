@@ -26,7 +26,7 @@ from quant_fixtures import stored_tiny
 from receipt_fixtures import ring_spec, run_with_receipt
 from shard.cli import main
 from shard.compute.offload import inline_compute
-from shard.coordinator.router import Completion
+from shard.coordinator.coordinator import Completion
 from shard.messages import NodeName
 from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel

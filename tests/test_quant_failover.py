@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 from quant_fixtures import stored_tiny
-from shard.coordinator.router import Completion
+from shard.coordinator.coordinator import Completion
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultPlan
 from shard.model.config import ModelConfig

@@ -13,7 +13,7 @@ import attrs
 import pytest
 import trio
 
-from shard.coordinator.router import Completion, Coordinator
+from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig

@@ -19,8 +19,8 @@ import trio
 import trio.testing
 
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
+from shard.coordinator.coordinator import Coordinator, RingError
 from shard.coordinator.events import RequestFailed
-from shard.coordinator.router import Coordinator, RingError
 from shard.coordinator.service import complete
 from shard.messages import (
     GenerateDone,

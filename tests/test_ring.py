@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from shard.coordinator.router import RingError
+from shard.coordinator.coordinator import RingError
 from shard.decode.reference import generate_reference
 from shard.decode.state import RequestTooLong
 from shard.messages import Sampling

@@ -7,7 +7,7 @@ import threading
 
 import trio
 
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete
 from shard.messages import GenerateDone, GenerateRequest, Message, NodeName
 from shard.model.tokenizer import Tokenizer

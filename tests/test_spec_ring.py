@@ -14,7 +14,7 @@ import pytest
 import torch
 import trio
 
-from shard.coordinator.router import Completion, Coordinator
+from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
 from shard.messages import Sampling

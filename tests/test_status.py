@@ -17,8 +17,8 @@ from typing import Any
 import trio
 import trio.testing
 
+from shard.coordinator.coordinator import CoordinatorStatistics
 from shard.coordinator.ringstats import EdgeRolling, NodeRolling, RingEvent, RingStatistics
-from shard.coordinator.router import CoordinatorStatistics
 from shard.messages import (
     AuditCounts,
     EdgeStatus,

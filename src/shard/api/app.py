@@ -47,7 +47,7 @@ from shard.api.reply import (
 )
 from shard.api.runner import RingFailed, check_size, prepare, run
 from shard.api.schema import Generation, parse_chat, parse_completion
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import ring_unready
 from shard.model.tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import attrs
 
-from shard.coordinator.router import CoordinatorStatistics
+from shard.coordinator.coordinator import CoordinatorStatistics
 
 
 @attrs.define

@@ -26,8 +26,8 @@ import trio
 from shard.api.errors import ApiError, bad_param
 from shard.api.schema import Generation
 from shard.api.stops import StopText
+from shard.coordinator.coordinator import Coordinator, RingError
 from shard.coordinator.events import RequestFailed
-from shard.coordinator.router import Coordinator, RingError
 from shard.decode.state import BadRequest
 from shard.messages import RunStats, Sampling
 from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError

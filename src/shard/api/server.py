@@ -21,7 +21,7 @@ from hypercorn.trio import serve
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys
 from shard.api.reply import MAX_HEAD_BYTES
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.model.tokenizer import Tokenizer
 from shard.spec.swarm import BUNDLED_MODELS, SwarmSpec
 

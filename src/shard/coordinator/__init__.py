@@ -1,10 +1,10 @@
-"""shard.coordinator: the coordinator's actors — the router that owns sessions and their routes
-(``router.py``), one request's speculative loop (``driver.py``), the messages between them
-(``events.py``), the shared send side of the ring link (``gate.py``), statistics and the K/D
-model every request records into (``ledger.py``; the rolling ring statistics it keeps,
-``ringstats.py``, are what the status feed and the monitor show), text in / tokens out
-(``service.py``), the client side of that protocol (``client.py``), per-request checkpoints
-(``checkpoint.py``) and receipt gathering (``receipts.py``). It may import decode, failover
-(its replay log and the scheduler's messages), trust, transport and messages; never observe,
-nodes or cli.
+"""shard.coordinator: the coordinator's actors — the ``Coordinator``, which owns sessions and
+their routes (``coordinator.py``), one request's speculative loop (``driver.py``), the
+messages between them (``events.py``), the shared send side of the ring link (``gate.py``),
+statistics and the K/D model every request records into (``ledger.py``; the rolling ring
+statistics it keeps, ``ringstats.py``, are what the status feed and the monitor show), text in
+/ tokens out (``service.py``), the client side of that protocol (``client.py``), per-request
+checkpoints (``checkpoint.py``) and receipt gathering (``receipts.py``). It may import decode,
+failover (its replay log and the scheduler's messages), trust, transport and messages; never
+observe, nodes or cli.
 """

@@ -1,6 +1,6 @@
 """RequestDriver: one request's session through the ring, from prefill to the last token.
 
-The router (``shard.coordinator.router``) owns what requests share and starts one driver per
+The router (``shard.coordinator.coordinator``) owns what requests share and starts one driver per
 request, with its channels: the session's route (verdicts, faults and ``Resync`` in), the
 ``RingGate`` (messages out, towards stage 0) and ``done`` (one ``SessionDone`` at the end). The
 driver opens the session, streams the prompt, then runs the speculative loop

@@ -27,8 +27,8 @@ import attrs
 import trio
 
 from shard.compute import offload
+from shard.coordinator.coordinator import Completion, Coordinator, RingError
 from shard.coordinator.events import RequestFailed
-from shard.coordinator.router import Completion, Coordinator, RingError
 from shard.decode.control import SpeculationConfig
 from shard.decode.state import BadRequest
 from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut

@@ -26,7 +26,7 @@ from shard.api.server import ApiServer, make_server
 from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.driver import Hold
-from shard.coordinator.router import Coordinator
+from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete
 from shard.decode.draft import (
     Drafter,

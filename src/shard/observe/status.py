@@ -39,8 +39,8 @@ from shard.transport import Connection, ConnectionClosed
 from shard.transport.guard import send_within
 
 if TYPE_CHECKING:
+    from shard.coordinator.coordinator import CoordinatorStatistics
     from shard.coordinator.ringstats import RingStatistics
-    from shard.coordinator.router import CoordinatorStatistics
 
 log = logging.getLogger(__name__)
 
