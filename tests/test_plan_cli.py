@@ -129,7 +129,7 @@ def test_plan_of_a_spec_says_what_it_assumed(
     ring = out.splitlines()[0]
     assert "s1 -> s2" not in ring
     assert ring.count("->") == 4
-    assert "even split in file order (3 stages, coordinator at coord): 66.0 ms" in out
+    assert "auto split in file order (3 stages, coordinator at coord): 66.0 ms" in out
     assert "best ring of 4 stages (not taken: the ring keeps 3)" in out
     assert out.splitlines()[-1].startswith("swarm up:    --layout s0=0:2,s2=2:4,s1=4:6 ")
 
@@ -226,7 +226,8 @@ MODELS = Path(__file__).resolve().parents[1] / "specs" / "models"
         ("qwen3-30b-a3b", "int4", True),
         ("glm-4.5-air", "bfloat16", False),
         ("glm-4.5-air", "int4", True),
-        ("gpt-oss-120b", "int4", False),
+        ("gpt-oss-120b", "int4", True),
+        ("gpt-oss-120b", "int8", False),
     ],
 )
 def test_config_alone_gives_stage_bytes_and_a_verdict(
@@ -251,12 +252,16 @@ def test_config_alone_gives_stage_bytes_and_a_verdict(
     assert ("verdict: fits" if fits else "verdict: does not fit") in text
 
 
-def test_config_plan_names_weights_left_dense(capsys: pytest.CaptureFixture[str]) -> None:
-    """gpt-oss's fused experts are not quantized yet: under int4 the plan says how much
-    stays dense, rather than pricing it as int4."""
+def test_config_plan_prices_gpt_oss_experts_quantized(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss's fused experts are priced quantized under int4 (5 bits a parameter with the
+    kernel's bf16 scales and zeros), so no note says a large part stays dense."""
     config = MODELS / "gpt-oss-120b" / "config.json"
+    assert main(["plan", "--config", str(config), "--weights", "int4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["unquantized_bytes"] < report["total_bytes"] // 100  # routers, biases
+    assert report["total_bytes"] < 117e9 * 0.65  # 116.8 B parameters at ~5 bits
     assert main(["plan", "--config", str(config), "--weights", "int4"]) == 0
-    assert "stays bfloat16 under int4" in capsys.readouterr().out
+    assert "stays bfloat16" not in capsys.readouterr().out
 
 
 def test_config_plan_refuses_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

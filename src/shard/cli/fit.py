@@ -120,8 +120,8 @@ def _text(r: dict[str, Any]) -> str:
     if r["unquantized_bytes"] > r["total_bytes"] // 20:
         lines.append(
             f"note:    {gib(r['unquantized_bytes'])} of it stays {r['dtype']} under "
-            f"{r['weights']}: weights shard does not quantize yet (routers, gpt-oss's fused "
-            "3-D experts; docs/model.md)"
+            f"{r['weights']}: weights shard keeps dense (routers, expert biases; "
+            "docs/model.md)"
         )
     if r["fits"]:
         worst = min(s["left_bytes"] for s in r["stages"])

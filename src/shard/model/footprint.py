@@ -6,9 +6,10 @@ quantized layer holds its codes plus scales in the kernel's own layout. ``predic
 model's modules on the meta device (no memory, no weights) and prices every weight as the
 loader would install it under ``weights`` (``shard.model.loader._place``): a linear or
 embedding matrix quantized at load (``int8`` per channel, ``int4`` in groups of 32, kept in
-``shard.model.quant``'s layouts), everything else (norms, biases, routers, gpt-oss's fused
-experts) dense in ``dtype``. ``measured`` sums what a loaded ``StageModel`` really holds, so
-the two can be compared (``tests/test_footprint.py``).
+``shard.model.quant``'s layouts; gpt-oss's fused ``[E, in, out]`` experts as ``E`` such
+linears of ``[out, in]``), everything else (norms, biases, routers) dense in ``dtype``.
+``measured`` sums what a loaded ``StageModel`` really holds, so the two can be compared
+(``tests/test_footprint.py``).
 
 Kernel layouts depend on the host: the int4 kernel keeps its scales and zeros in the compute
 dtype, bf16 on a GPU or a CPU with bf16 instructions and float32 elsewhere
@@ -29,6 +30,7 @@ from torch import nn
 from shard.model.attention import make_norm
 from shard.model.config import ModelConfig
 from shard.model.llama import Block, StageModel
+from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
 
 __all__ = ["Footprint", "FootprintError", "measured", "predict"]
@@ -52,7 +54,7 @@ class Footprint:
     head: int
     shared_head: int
     #: Bytes of multi-dimensional weights left dense under ``int8``/``int4`` because shard
-    #: does not quantize them (routers, gpt-oss's fused 3-D experts), over all layers.
+    #: does not quantize them (routers), over all layers.
     unquantized: int = 0
 
     def stage(self, first: int, last: int) -> int:
@@ -123,6 +125,9 @@ class _Pricer:
             if matrix and param.dim() == 2 and "norm" not in name:
                 n, k = param.shape
                 total += self.matrix(n, k, embedding=isinstance(owner, nn.Embedding))
+            elif self._fused(owner, param):
+                e, k, n = param.shape  # [E, in, out]: E linears of weight [out, in]
+                total += e * self.matrix(n, k, embedding=False)
             else:
                 total += param.numel() * self.dense
         return total
@@ -131,12 +136,19 @@ class _Pricer:
         """Bytes of ``module``'s multi-dimensional weights a quantized format leaves dense."""
         if self.weights not in ("int8", "int4"):
             return 0
-        return sum(
-            p.numel() * self.dense
-            for name, p in module.named_parameters()
-            if p.dim() >= 2
-            and not isinstance(module.get_submodule(name.rpartition(".")[0]), nn.Linear)
-        )
+        total = 0
+        for name, p in module.named_parameters():
+            owner = module.get_submodule(name.rpartition(".")[0])
+            if p.dim() >= 2 and not isinstance(owner, nn.Linear) and not self._fused(owner, p):
+                total += p.numel() * self.dense
+        return total
+
+    def _fused(self, owner: nn.Module, param: torch.Tensor) -> bool:
+        """A fused ``[E, in, out]`` expert weight the loader quantizes expert by expert
+        (``shard.model.loader._fused_fits``: int8 always, int4 when ``in`` is a multiple of 32)."""
+        if not isinstance(owner, FusedExperts) or param.dim() != 3:
+            return False
+        return self.weights == "int8" or (self.weights == "int4" and param.shape[1] % 32 == 0)
 
     def matrix(self, n: int, k: int, *, embedding: bool) -> int:
         """A ``[n, k]`` weight as the loader installs it (``QuantLinear``'s paths)."""

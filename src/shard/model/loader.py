@@ -9,7 +9,7 @@ A checkpoint written by ``shard convert`` may hold tensors kept quantized (liste
 safetensors header's ``shard.quant`` metadata: codes under the tensor's name, ``.scale`` and
 ``.offset`` beside it). ``weights`` (``shard.model.weights``) says what a stage makes of them:
 dense floats (dequantized exactly), the stored codes run by ``shard.model.quant``, or int8/int4
-quantized at load.
+quantized at load (gpt-oss's fused 3-D experts too, one ``QuantLinear`` per expert).
 
 Errors: every problem an operator can hit (missing directory, config or safetensors, a missing
 tensor, a shape mismatch, an unsupported architecture, a bad layer range) is a
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
+from shard.model.moe import FusedExperts
 from shard.model.quant import (
     QuantEmbedding,
     Quantized,
@@ -38,7 +39,7 @@ from shard.model.quant import (
     quantize_int4,
     quantize_int8,
 )
-from shard.model.weights import check_weights
+from shard.model.weights import check_weights, resolve_weights
 
 QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it
 
@@ -64,8 +65,10 @@ def load_stage(
     then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``: safetensors
     reads each tensor straight onto a GPU, so a CUDA stage never holds a CPU copy of its block.
     ``config`` overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
-    ``weights``: how the block holds its weights (``shard.model.weights``; None: dense in
-    ``dtype``). Errors: ``ModelLoadError`` for a ``weights`` that contradicts ``dtype``.
+    ``weights``: how the block holds its weights (``shard.model.weights``; None: the
+    checkpoint's default, ``resolve_weights``: stored for a quantized checkpoint, dense in
+    ``dtype`` for a float one). Errors: ``ModelLoadError`` for a ``weights`` that contradicts
+    ``dtype``.
     """
     try:
         check_weights(weights, dtype)
@@ -74,6 +77,7 @@ def load_stage(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist; fetch the model first")
+    weights = resolve_weights(weights, model_dir, dtype)
     if config is None:
         config = ModelConfig.from_dir(model_dir)
     if not 0 <= first < last <= config.n_layers:
@@ -197,6 +201,10 @@ def _load_file(
                         f"tensor {remote!r} in {path.name} has shape {list(got)} but the config "
                         f"expects {list(param.shape)}; config.json and weights disagree"
                     )
+                if param.dim() == 3 and remote not in quant and _fused_fits(got, weights):
+                    _place_fused(stage, local, f.get_slice(remote), device, weights)
+                    _trim_heap()
+                    continue
                 if remote in quant:
                     q = _read_quantized(f, remote, quant[remote])
                     _place(stage, local, q, None, dtype, device, weights)
@@ -258,6 +266,31 @@ def _place(
     tensor = q.dequantize().to(dtype) if q is not None else dense
     assert tensor is not None
     _set_parameter(stage, local, nn.Parameter(tensor, requires_grad=False))
+
+
+def _fused_fits(shape: tuple[int, ...], weights: str | None) -> bool:
+    """Whether a fused ``[E, in, out]`` expert weight is quantized at load under ``weights``
+    (int4 needs ``in`` a multiple of its group of 32, as for a linear in ``_place``)."""
+    return weights == "int8" or (weights == "int4" and shape[1] % 32 == 0)
+
+
+def _place_fused(
+    stage: StageModel, local: str, tensor: Any, device: torch.device | str, weights: str | None
+) -> None:
+    """Quantize a fused ``[E, in, out]`` expert weight (gpt-oss) expert by expert into
+    ``QuantLinear`` s (``FusedExperts.install``). ``tensor`` is the file's slice: one expert's
+    float copy exists at a time, never the whole fused tensor (8.5 GB in float32 for one
+    gpt-oss-120b layer's ``gate_up_proj``)."""
+    owner_name, _, leaf = local.rpartition(".")
+    owner = stage.get_submodule(owner_name)
+    if not isinstance(owner, FusedExperts):
+        raise ModelLoadError(f"{local!r} is a 3-D tensor but not a fused expert weight")
+    linears: list[nn.Module] = []
+    for e in range(tensor.get_shape()[0]):
+        w = tensor[e : e + 1][0].to(torch.float32).T  # [out, in]: output column order kept
+        q = quantize_int8(w) if weights == "int8" else quantize_int4(w)
+        linears.append(QuantLinear(q, device))
+    owner.install(leaf, linears)
 
 
 def _trim_heap() -> None:

@@ -23,8 +23,10 @@ Checkpoint names: experts are ``<ffn>.experts.N.<gate|up|down>`` (Mixtral's ``w1
 ``block_sparse_moe``), the router ``<ffn>.gate``; gpt-oss keeps its experts fused
 (``mlp.experts.gate_up_proj`` ``[E, D, 2F]`` interleaved gate/up, with biases) and its router
 as ``mlp.router``. Separate experts are ``Linear`` modules, so a loader that quantizes linears
-(``weights = "int8" | "int4"``) quantizes experts the same way; routers stay dense (``Router``),
-and gpt-oss's fused 3-D experts stay dense too (not yet quantized).
+(``weights = "int8" | "int4"``) quantizes experts the same way; gpt-oss's fused 3-D experts are
+quantized expert by expert into ``QuantLinear`` s (``FusedExperts.install``); routers stay
+dense (``Router``). (transformers 5 fuses Mixtral's, Qwen3-MoE's and GLM's experts in memory
+too, but writes and reads them per expert: their checkpoints, and shard, hold them separate.)
 """
 
 from __future__ import annotations
@@ -93,26 +95,53 @@ class Router(nn.Module):
 
 class FusedExperts(nn.Module):
     """gpt-oss's experts, fused: ``gate_up_proj`` ``[E, D, 2F]`` (gate and up interleaved),
-    ``down_proj`` ``[E, F, D]``, biases; clamped SwiGLU ``(up + 1) * gate * sigmoid(a gate)``."""
+    ``down_proj`` ``[E, F, D]``, biases; clamped SwiGLU ``(up + 1) * gate * sigmoid(a gate)``.
+
+    Quantized (``weights = "int8" | "int4"``), a fused weight is held as one ``QuantLinear``
+    per expert instead (``install``): expert ``e``'s ``[D, 2F]`` slice transposed to a
+    ``[2F, D]`` linear weight, so output column ``j`` is still the interleaved column ``j``.
+    The biases stay float parameters, added after the product as in the dense path, and the
+    expert runs on its own gathered rows through the same kernels as every quantized linear
+    (whose rows do not interact: ``shard.model.quant``, "Row invariance").
+    """
 
     def __init__(self, config: ModelConfig, moe: MoeConfig) -> None:
         super().__init__()
         e, d, f = moe.n_experts, config.hidden_size, moe.expert_size
         self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, d, 2 * f))
+        self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.zeros(e, d, 2 * f))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * f))
-        self.down_proj = nn.Parameter(torch.zeros(e, f, d))
+        self.down_proj: nn.Parameter | None = nn.Parameter(torch.zeros(e, f, d))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, d))
+        #: Per-expert quantized linears replacing ``gate_up_proj`` / ``down_proj`` (``install``).
+        self.gate_up_q: nn.ModuleList | None = None
+        self.down_q: nn.ModuleList | None = None
+
+    def install(self, name: str, linears: list[nn.Module]) -> None:
+        """Hold fused weight ``name`` (``"gate_up_proj"`` or ``"down_proj"``) as ``linears``,
+        one per expert (each maps ``x`` to ``x @ weight[e]``, bias aside)."""
+        if name not in ("gate_up_proj", "down_proj"):
+            raise ValueError(f"FusedExperts has no fused weight {name!r}")
+        setattr(self, name, None)  # drops the dense parameter
+        setattr(self, name.replace("_proj", "_q"), nn.ModuleList(linears))
 
     def run(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e`` on rows ``x`` ``[n, D]``."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2F]
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate_up = self._product(e, x, self.gate_up_proj, self.gate_up_q) + self.gate_up_proj_bias[e]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # [n, F] each, interleaved
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        out: Tensor = ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, D]
-        return out
+        out: Tensor = self._product(e, (up + 1) * glu, self.down_proj, self.down_q)
+        return out + self.down_proj_bias[e]  # [n, D]
+
+    @staticmethod
+    def _product(e: int, x: Tensor, dense: Tensor | None, quant: nn.ModuleList | None) -> Tensor:
+        if quant is not None:
+            y: Tensor = quant[e](x)
+            return y
+        assert dense is not None
+        return x @ dense[e]
 
 
 class SparseMoE(nn.Module):
