@@ -111,7 +111,7 @@ def test_explicit_blocks_are_never_changed(tmp_path: Path, model_dir: Path) -> N
     written = load_spec(write(tmp_path, model_dir, body))
     spec, layout = planned(written, model_dir, args())
     assert layout is None and spec == written
-    problem, _ = problem_of(written, model_facts(str(model_dir), "float32"))
+    problem, _ = problem_of(written, model_facts(str(model_dir), written))
     decision = decide(written, problem, plan(problem))
     assert decision.layout is None and "explicit blocks" in decision.why
 

@@ -16,7 +16,7 @@ from shard.placement.heuristic import EXACT_LIMIT, pool
 from shard.placement.lap import Alternative, Mesh, Plan, evaluate
 from shard.placement.problem import PlanError, Problem
 from shard.placement.search import Search
-from shard.placement.split import capacity, even_counts
+from shard.placement.split import auto_counts, capacity, even_counts
 
 __all__ = ["baseline", "compare", "plan"]
 
@@ -46,7 +46,7 @@ def plan(problem: Problem) -> Plan:
     alternatives: list[Alternative] = []
     if isinstance(even, str):
         alternatives.append(Alternative(label, None, even))
-    elif problem.written and not _better(chosen, even):
+    elif problem.written and not _better(chosen, even, laps_only=problem.by_bytes):
         chosen = attrs.evolve(even, method=f"{method}; no ring beats the ring as written")
     else:
         alternatives.append(_alternative(label, even, chosen))
@@ -66,26 +66,35 @@ def plan(problem: Problem) -> Plan:
 
 
 def baseline(mesh: Mesh) -> tuple[str, Plan | str]:
-    """The even split in file order over the ring as written (else over every candidate),
-    coordinator at the first location (the spec's ``"auto"``): its label, and its plan or why
-    it is not a valid one."""
+    """The spec's ``"auto"`` in file order over the ring as written (``split.auto_counts``:
+    by bytes when the model's layer sizes are known), else the even split over every
+    candidate, coordinator at the first location: its label, and its plan or why it is not
+    a valid one."""
     problem = mesh.problem
     names = list(problem.written) or [c.name for c in problem.candidates]
     coordinator = problem.coordinators[0]
-    label = f"even split in file order ({len(names)} stages, coordinator at {coordinator})"
-    counts = even_counts(len(names), problem.model.n_layers)
+    by_bytes = bool(problem.written) and problem.model.sizes is not None
+    kind = "auto split" if by_bytes else "even split"  # auto: the largest stage's bytes least
+    label = f"{kind} in file order ({len(names)} stages, coordinator at {coordinator})"
+    if by_bytes:
+        counts = auto_counts(problem.model, names)
+    else:
+        counts = even_counts(len(names), problem.model.n_layers)
     if counts is None:
         return label, f"{len(names)} stages for {problem.model.n_layers} layers"
+    first = 0
     for i, (name, n) in enumerate(zip(names, counts, strict=True)):
         node = problem.candidate(name)
         cap = capacity(node, problem.model, first=(i == 0), last=(i == len(names) - 1))
-        if n > cap:
+        held = problem.model.sizes_of(name).stage(first, first + n, head_too=i == len(names) - 1)
+        first += n
+        if n > cap and (problem.model.equal_layers or held > node.memory_bytes):
             return label, f"does not fit: {name} has room for {max(cap, 0)} of its {n} layers"
     if problem.pin_boundaries:
         untrusted = sorted({n for n in (names[0], names[-1]) if not problem.candidate(n).trusted})
         if untrusted:
             return label, f"breaks pinning: {', '.join(untrusted)} not trusted"
-    return label, evaluate(mesh, coordinator, names, counts, "even split in file order")
+    return label, evaluate(mesh, coordinator, names, counts, f"{kind} in file order")
 
 
 def compare(found: Plan, chosen: Plan) -> str:
@@ -102,12 +111,15 @@ def compare(found: Plan, chosen: Plan) -> str:
     return f"{parts}: {gap:+.1f} ms ({lat:+.1f} latency, {comp:+.1f} compute)"
 
 
-def _better(found: Plan, than: Plan) -> bool:
-    """A shorter lap, or the same lap with a faster slowest stage (the search's order)."""
+def _better(found: Plan, than: Plan, *, laps_only: bool = False) -> bool:
+    """A shorter lap, or the same lap with a faster slowest stage (the search's order);
+    ``laps_only`` (a split by bytes, speeds not measured): a shorter lap only."""
     if found.lap_ms < than.lap_ms - _EPS:
         return True
-    return abs(found.lap_ms - than.lap_ms) <= _EPS and (
-        found.slowest_stage_ms < than.slowest_stage_ms - _EPS
+    return (
+        not laps_only
+        and abs(found.lap_ms - than.lap_ms) <= _EPS
+        and (found.slowest_stage_ms < than.slowest_stage_ms - _EPS)
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-__all__ = ["Candidate", "ModelFacts", "PlanError", "Problem", "RttMatrix"]
+__all__ = ["Candidate", "ModelFacts", "PlanError", "Problem", "RttMatrix", "Sizes"]
 
 
 class PlanError(Exception):
@@ -50,14 +50,57 @@ class Candidate:
 
 
 @attrs.frozen
+class Sizes:
+    """Bytes of a model's weights as one node holds them (its ``weights`` format): each
+    layer's (``layers[i]`` is layer ``i``), the embedding (first stage), the final norm and
+    head (last stage), and the head when the same stage holds the embedding too
+    (``shared_head``; None: ``head``): a tied head is then the embedding itself, while a
+    last stage without the embedding needs a copy of the table."""
+
+    layers: tuple[int, ...]
+    embedding: int = 0
+    head: int = 0
+    shared_head: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.layers:
+            raise PlanError("the model needs at least one layer, got 0")
+        values = (*self.layers, self.embedding, self.head, self.shared_head or 0)
+        if min(values) < 0:
+            raise PlanError(f"the model's sizes must be >= 0 bytes, got {min(values)}")
+
+    def stage(self, first: int, last: int, *, head_too: bool | None = None) -> int:
+        """Bytes of a stage holding layers ``[first, last)``: the embedding when it starts
+        at 0, the head when it ends at the last layer (``head_too`` overrides that end)."""
+        total = sum(self.layers[first:last])
+        ends_here = last == len(self.layers) if head_too is None else head_too
+        if first == 0:
+            total += self.embedding
+        if ends_here:
+            shared = self.head if self.shared_head is None else self.shared_head
+            total += shared if first == 0 else self.head
+        return total
+
+    @property
+    def total(self) -> int:
+        """Every weight on one stage."""
+        return self.stage(0, len(self.layers))
+
+
+@attrs.frozen
 class ModelFacts:
-    """The model's shape as placement sees it: ``n_layers`` equal layers of ``layer_bytes``,
-    plus the embedding (on the first stage) and the final norm and head (on the last)."""
+    """The model's shape as placement sees it: ``n_layers`` layers of at most
+    ``layer_bytes``, plus the embedding (on the first stage) and the final norm and head (on
+    the last). ``sizes``: each layer's real bytes (a config's footprint; None: every layer
+    weighs ``layer_bytes``); ``node_sizes``: those of nodes that hold another ``weights``
+    format than ``sizes`` (``of_sizes`` builds it all)."""
 
     n_layers: int
     layer_bytes: int
     embedding_bytes: int = 0
     head_bytes: int = 0
+    sizes: Sizes | None = None
+    node_sizes: tuple[tuple[str, Sizes], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.n_layers < 1:
@@ -69,11 +112,46 @@ class ModelFacts:
         ):
             if value < 0:
                 raise PlanError(f"the model's {what} size must be >= 0 bytes, got {value}")
+        for _, found in (("", self.sizes), *self.node_sizes):
+            if found is not None and len(found.layers) != self.n_layers:
+                raise PlanError(
+                    f"sizes for {len(found.layers)} layers given for a model of {self.n_layers}"
+                )
+
+    @classmethod
+    def of_sizes(cls, sizes: Sizes, node_sizes: Mapping[str, Sizes] | None = None) -> ModelFacts:
+        """The facts of a model whose layers weigh ``sizes`` (on every node but those of
+        ``node_sizes``, which hold another format); ``layer_bytes`` is the largest layer."""
+        others = tuple((n, s) for n, s in (node_sizes or {}).items() if s != sizes)
+        return cls(len(sizes.layers), max(sizes.layers), sizes.embedding, sizes.head, sizes, others)
+
+    def sizes_of(self, node: str) -> Sizes:
+        """The bytes of each layer, embedding and head as ``node`` holds them."""
+        for name, found in self.node_sizes:
+            if name == node:
+                return found
+        if self.sizes is not None:
+            return self.sizes
+        return Sizes((self.layer_bytes,) * self.n_layers, self.embedding_bytes, self.head_bytes)
+
+    @property
+    def equal_layers(self) -> bool:
+        """Every layer weighs ``layer_bytes`` on every node (the planner's counts are then
+        exact; otherwise the chosen ring's split is recomputed layer by layer)."""
+        every = [s for s in (self.sizes, *(s for _, s in self.node_sizes)) if s is not None]
+        return all(
+            set(s.layers) == {self.layer_bytes}
+            and (s.embedding, s.head) == (self.embedding_bytes, self.head_bytes)
+            for s in every
+        )
 
     @property
     def total_bytes(self) -> int:
-        """Every weight the ring must hold."""
-        return self.n_layers * self.layer_bytes + self.embedding_bytes + self.head_bytes
+        """Every weight the ring must hold (the lightest format's, when nodes differ)."""
+        if self.sizes is None:
+            return self.n_layers * self.layer_bytes + self.embedding_bytes + self.head_bytes
+        every = (self.sizes, *(s for _, s in self.node_sizes))
+        return min(sum(s.layers) + s.embedding + s.head for s in every)
 
 
 @attrs.frozen
@@ -149,7 +227,11 @@ class Problem:
     ``written``: the ring as a spec wrote it (stage names in order; empty: none): the even
     split over it is the baseline, and the plan on a tie, so a ring no plan beats stays as
     written. ``ring_size``: the ring holds exactly this many stages (None: any number), for
-    a spec whose speeds and memory are assumed, not measured (``shard.spec.layout``)."""
+    a spec whose speeds and memory are assumed, not measured (``shard.spec.layout``).
+    ``by_bytes``: no node's speed is measured, so a ring's layers are split to make its
+    largest stage hold the fewest bytes (``split.byte_split``; the spec's ``"auto"``), not
+    its slowest stage the fastest, and a plan beats the ring as written only by a shorter
+    lap."""
 
     candidates: tuple[Candidate, ...]
     rtt: RttMatrix
@@ -158,6 +240,7 @@ class Problem:
     pin_boundaries: bool = False
     written: tuple[str, ...] = ()
     ring_size: int | None = None
+    by_bytes: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.candidates:

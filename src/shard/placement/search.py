@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from shard.placement.lap import Mesh, Plan, evaluate
-from shard.placement.split import balanced_counts, capacity
+from shard.placement.split import balanced_counts, capacity, ring_split
 
 __all__ = ["Best", "Search"]
 
@@ -115,7 +115,15 @@ class Search:
         assert counts is not None  # the search only keeps rings whose split fits
         by_node = dict(zip(self._members(found.mask), counts, strict=True))
         names = [self.names[i] for i in order]
-        return evaluate(self.mesh, found.coordinator, names, [by_node[i] for i in order], method)
+        split = [by_node[i] for i in order]
+        problem = self.mesh.problem
+        if problem.by_bytes or not problem.model.equal_layers:
+            # the search counted every layer as the largest; split this ring by real bytes
+            exact = ring_split(
+                [self.nodes[i] for i in order], problem.model, by_bytes=problem.by_bytes
+            )
+            split = list(exact) if exact is not None else split
+        return evaluate(self.mesh, found.coordinator, names, split, method)
 
     def order(self, mask: int, first: int, last: int) -> list[int]:
         """Indices in ring order of the shortest path ``first -> ... -> last`` through mask."""

@@ -11,14 +11,16 @@ Without a geography the latencies are the spec's ``[links]``: a hop's override, 
 default (so every pair the spec does not name, too).
 
 The layout is applied only when the plan beats the ring as written (every stage ``"auto"``,
-file order, even split, coordinator as given): a shorter predicted lap, or the same lap
-with a faster slowest stage. A tie keeps the ring as written (``Problem.written``), so a spec
-with uniform links runs as it always did. Never applied: explicit blocks (the operator's
-pin), a ``[formation]`` spec (its scheduler places joined nodes), a plan that would move a
-node that ``[[faults]]``, ``[fetch]`` or an auditor names between the ring and the
-standbys, and ``--as-written``. A spec cannot move its coordinator: the layout is the best
-plan with the coordinator where the spec puts it, and the decision says what moving it
-would give.
+file order, the spec's ``"auto"`` split, coordinator as given): a shorter predicted lap, or,
+when some node's speed is measured (an ``--rtt`` profile), the same lap with a faster
+slowest stage. ``"auto"`` splits by bytes (``SwarmSpec.blocks`` with the model's sizes): with
+no speed measured (``Problem.by_bytes``) the plan splits any ring that way too. A tie keeps
+the ring as written (``Problem.written``), so a spec with uniform links runs as written.
+Never applied: explicit blocks (the operator's pin), a ``[formation]`` spec (its scheduler
+places joined nodes), a plan that would move a node that ``[[faults]]``, ``[fetch]`` or an
+auditor names between the ring and the standbys, and ``--as-written``. A spec cannot move
+its coordinator: the layout is the best plan with the coordinator where the spec puts it,
+and the decision says what moving it would give.
 
 Every node of the swarm must run the same layout: ``shard swarm up`` passes it to each
 node it starts as ``shard up --layout NAME=FIRST:LAST,...`` (``Layout.parse``).
@@ -43,7 +45,7 @@ from shard.placement import (
 )
 from shard.spec.nodes import EdgeSpec, StageSpec, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
-from shard.spec.validate import Block, check_tiling, even_split
+from shard.spec.validate import Block, check_tiling
 
 __all__ = [
     "ASSUMED_MS_PER_LAYER",
@@ -120,12 +122,16 @@ def problem_of(
     assumed: list[str] = []
     names = [s.name for s in spec.stages] + [s.name for s in spec.standbys if s.role != "auditor"]
     unprofiled = [n for n in names if geography is None or geography.node(n) is None]
-    largest = max(last - first for first, last in spec.blocks(model.n_layers))
-    room = largest * model.layer_bytes + model.embedding_bytes + model.head_bytes
+    blocks = spec.blocks(model.n_layers, model)
+    largest = max(last - first for first, last in blocks)
+    stages = [s.name for s in spec.stages]
+    heaviest = max(model.sizes_of(n).stage(a, b) for n, (a, b) in zip(stages, blocks, strict=True))
+    ends = model.embedding_bytes + model.head_bytes
+    room = max(largest * model.layer_bytes, heaviest) + ends
     if unprofiled:
         assumed.append(
             f"{', '.join(unprofiled)}: {ASSUMED_MS_PER_LAYER} ms per layer (equal speeds), room "
-            f"for {largest} layers (the spec's largest block) with the embedding and head, "
+            f"for the spec's largest block ({largest} layers) with the embedding and head, "
             "untrusted; give [[node]] profiles in an --rtt file"
         )
     ring_size = len(spec.stages) if len(unprofiled) == len(names) else None
@@ -161,6 +167,7 @@ def problem_of(
         geography.pin_boundaries if geography else False,
         written=tuple(s.name for s in spec.stages),
         ring_size=ring_size,
+        by_bytes=ring_size is not None and model.sizes is not None,
     )
     return problem, tuple(assumed)
 
@@ -211,7 +218,7 @@ def decide(
         chosen = plan(attrs.evolve(problem, coordinators=(here,)))
     layout = Layout.of_plan(chosen)
     written = tuple(s.name for s in spec.stages)
-    if layout.names() == written and layout == _even(spec, written, problem.model.n_layers):
+    if layout.names() == written and layout == _auto(spec, written, problem.model):
         return Decision(None, f"no ring beats it: {chosen.lap_ms:.1f} ms{note}")
     pinned = _pinned(spec, set(layout.names()) ^ set(written))
     if pinned:
@@ -219,14 +226,14 @@ def decide(
             None,
             f"the plan would move {pinned} between the ring and the standbys{note}",
         )
-    was = next((a.lap_ms for a in chosen.alternatives if a.label.startswith("even split")), None)
+    was = next((a.lap_ms for a in chosen.alternatives if "split in file order" in a.label), None)
     than = f" vs {was:.1f} ms as written" if was is not None else ""
     return Decision(layout, f"the plan: {chosen.lap_ms:.1f} ms{than}{note}")
 
 
-def _even(spec: SwarmSpec, names: Sequence[str], n_layers: int) -> Layout:
-    blocks = even_split(spec.source, len(names), n_layers)
-    return Layout(tuple(zip(names, blocks, strict=True)))
+def _auto(spec: SwarmSpec, names: Sequence[str], model: ModelFacts) -> Layout:
+    """The ring as written: the spec's ``"auto"`` blocks (``SwarmSpec.blocks``)."""
+    return Layout(tuple(zip(names, spec.blocks(model.n_layers, model), strict=True)))
 
 
 def _pinned(spec: SwarmSpec, moved: set[str]) -> str:

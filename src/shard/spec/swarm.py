@@ -26,6 +26,7 @@ from typing import Final
 
 import attrs
 
+from shard.placement.problem import ModelFacts
 from shard.spec.api import API_KEYS, ApiSpec, read_api
 from shard.spec.audit import AUDIT_KEYS, AuditSpec, read_audit
 from shard.spec.device import DTYPES as DTYPES  # re-exported: the swarm's dtypes
@@ -234,11 +235,15 @@ class SwarmSpec:
             source=source,
         )
 
-    def blocks(self, n_layers: int) -> tuple[Block, ...]:
+    def blocks(self, n_layers: int, model: ModelFacts | None = None) -> tuple[Block, ...]:
         """Each stage's ``[first, last)`` in ring order, for a model with ``n_layers`` layers.
 
-        ``"auto"`` splits evenly (the remainder goes to the earliest stages); explicit blocks
-        must tile ``[0, n_layers)``. Errors: ``SpecError`` on gap, overlap, out of range.
+        ``"auto"`` with ``model`` (its layers' bytes as each stage's ``weights`` holds them:
+        ``shard.nodes.sizes.model_facts``) makes the largest stage hold the fewest bytes, the
+        embedding counted on the first and the head on the last
+        (``shard.placement.split.auto_counts``); without ``model`` (or its sizes) it splits
+        evenly (the remainder goes to the earliest stages). Explicit blocks must tile
+        ``[0, n_layers)``. Errors: ``SpecError`` on gap, overlap, out of range.
         """
         if not self.stages:
             raise SpecError(
@@ -246,7 +251,14 @@ class SwarmSpec:
             )
         explicit = [s.layers for s in self.stages if s.layers is not None]
         if not explicit:
-            return even_split(self.source, len(self.stages), n_layers)
+            blocks = even_split(self.source, len(self.stages), n_layers)
+            if model is None or model.sizes is None:
+                return blocks
+            from shard.placement.split import auto_counts, blocks_of
+
+            counts = auto_counts(model, [s.name for s in self.stages])
+            assert counts is not None and model.n_layers == n_layers  # even_split checked it
+            return blocks_of(counts)
         check_layer_mode(self.source, [s.layers for s in self.stages])
         check_tiling(self.source, explicit, n_layers)
         return tuple(explicit)
@@ -286,17 +298,19 @@ class SwarmSpec:
         known = ", ".join(node.name for node in self._nodes())
         raise SpecError(self.source, "node", f"no node named {name!r}; nodes: {known}")
 
-    def standby_block(self, name: str, n_layers: int) -> Block | None:
+    def standby_block(
+        self, name: str, n_layers: int, model: ModelFacts | None = None
+    ) -> Block | None:
         """The block standby ``name`` loads at start: its ``layers_of`` stage's, None for a spare.
 
-        Errors: ``SpecError`` if ``name`` is not a standby, or as ``blocks(n_layers)``."""
+        Errors: ``SpecError`` if ``name`` is not a standby, or as ``blocks(n_layers, model)``."""
         standby = self.node(name)
         if not isinstance(standby, StandbySpec):
             raise SpecError(self.source, "standby", f"{name!r} is not a [[standby]] node")
         if standby.layers_of is None:
             return None
         index = [s.name for s in self.stages].index(standby.layers_of)
-        return self.blocks(n_layers)[index]
+        return self.blocks(n_layers, model)[index]
 
     def runtime(self, name: str) -> DeviceSpec:
         """Node ``name``'s device, graphs mode and dtype, its ``dtype`` resolved (never None).

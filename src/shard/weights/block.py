@@ -89,7 +89,14 @@ async def fetch_stage(
     """Fetch stage ``name``'s block per ``spec.fetch``; opens ``network`` for the duration."""
     manifest = load_manifest(_fetch_of(spec))
     index = [s.name for s in spec.stages].index(name)
-    first, last = spec.blocks(manifest.n_layers)[index]
+    model = None
+    if any(s.layers is None for s in spec.stages):  # "auto" cuts by bytes: read the config
+        from shard.model.config import ModelConfig
+        from shard.nodes.sizes import model_facts
+
+        common = (await fetch_common(spec, name)).path
+        model = model_facts(ModelConfig.from_dir(common), spec, common)
+    first, last = spec.blocks(manifest.n_layers, model)[index]
     return await fetch_layers(
         spec, name, first, last, manifest=manifest, network=network, progress=progress
     )
