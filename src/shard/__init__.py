@@ -35,10 +35,14 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     observe/        the status feed, device probes, the Textual monitor (``tui/``)
     bench/          ``shard bench``: rings side by side against the analytical bound
 
-Test helpers are public API in ``testing.py``; seeded fault injection is
-``failover/faults.py``; nothing else in ``src`` imports either. The forward pass runs in a
-worker thread behind a ``CapacityLimiter(1)`` (``compute/offload.py``; inline under
-``inline_compute()`` for virtual-time tests): the only thread boundary. Everything else is Trio.
+Test helpers are public API in ``testing/``; seeded fault injection is
+``failover/faults.py``; nothing else in ``src`` imports either. Every blocking call leaves the
+event loop through one helper, ``compute/offload.py``'s ``run_sync`` (a worker thread; inline
+under ``inline_compute()`` for virtual-time tests): forward passes, drafting and audits each
+behind their own ``CapacityLimiter(1)``, tokenizing behind another, so text never queues
+behind a forward pass; large frames' sealing and decoding, evidence files and a seeder's hash
+check without one. The one other thread is ``nodes/lifeline.py``'s watcher, which ends a node
+whose launcher died. Everything else is Trio.
 """
 
 __version__ = "0.1.0"

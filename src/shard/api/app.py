@@ -47,6 +47,7 @@ from shard.api.reply import (
 )
 from shard.api.runner import RingFailed, check_size, prepare, run
 from shard.api.schema import Generation, parse_chat, parse_completion
+from shard.compute import offload
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import ring_unready
 from shard.model.tokenizer import Tokenizer
@@ -270,7 +271,7 @@ class ApiApp:
         if reason is not None:
             raise ApiError(503, reason, code="ring_unavailable", headers=(("retry-after", "1"),))
         check_size(generation, self._config.max_prompt_bytes)
-        request = await trio.to_thread.run_sync(
+        request = await offload.run_sync(
             partial(prepare, generation, self._tokenizer, max_len=self._config.max_len),
             limiter=self._text_limiter,
         )

@@ -12,7 +12,7 @@ whom it accuses and where — ``<accused>-session<N>-chunk<I>-<digest>.json``, t
 first 12 hex digits of the file's BLAKE2b — so two strikes never share a name and the same
 evidence written twice is one file. Names from peers are reduced to ``[A-Za-z0-9_.-]``.
 
-Written off the event loop (``trio.to_thread.run_sync``): tail evidence holds float32 logits
+Written off the event loop (``shard.compute.offload.run_sync``): tail evidence holds float32 logits
 and can be megabytes. A write that fails (a full disk, no permission) costs the file, never
 the strike or the coordinator: ``keep`` logs it once and says so in its note.
 """
@@ -27,8 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
-import trio
-
+from shard.compute import offload
 from shard.messages.audit import Evidence
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ class EvidenceShelf:
         if evidence is None:
             return ""
         try:
-            path = await trio.to_thread.run_sync(write_evidence, self.directory, evidence)
+            path = await offload.run_sync(write_evidence, self.directory, evidence)
         except (OSError, ValueError) as exc:  # ValueError: a NaN, which JSON cannot hold
             log.error(
                 "evidence of %s's failed audit not written to %s: %s; set [audit] evidence_dir "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import trio
 import trio_websocket
 
+from shard.compute import offload
 from shard.messages import Message
 from shard.transport.base import ConnectionClosed, ConnectionStatistics, Counters
 from shard.transport.budget import BudgetedStream
@@ -73,7 +74,7 @@ class WebSocketConnection:
     async def send(self, msg: Message) -> None:
         async with self._send_lock:
             if _payload_bytes(msg) > OFFLOAD_BYTES:
-                sealed = await trio.to_thread.run_sync(self._encode_seal, msg)
+                sealed = await offload.run_sync(self._encode_seal, msg)
             else:
                 sealed = self._encode_seal(msg)
             try:
@@ -114,7 +115,7 @@ class WebSocketConnection:
         if isinstance(data, str):
             raise WireError("frame: a text WebSocket message, expected binary")
         if len(data) > OFFLOAD_BYTES:
-            return await trio.to_thread.run_sync(self._open_decode_sync, data)
+            return await offload.run_sync(self._open_decode_sync, data)
         return self._open_decode_sync(data)
 
     def _open_decode_sync(self, data: bytes) -> Message:

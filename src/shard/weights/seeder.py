@@ -23,6 +23,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from shard.compute import offload
 from shard.messages import (
     ChunkData,
     ChunkMissing,
@@ -172,7 +173,7 @@ class Seeder:
         """Check the copy, then listen and serve until cancelled; reports the bound address
         when ready. The check hashes the whole copy once, in a worker thread (it takes seconds
         for a large model and must not stall a stage's ring traffic)."""
-        held = await trio.to_thread.run_sync(self._source.scan)
+        held = await offload.run_sync(self._source.scan)
         log.info("seeder %s: serving %d chunks of %s", self._node, held, self.manifest.describe())
         await self._network.serve(self._listen, self._serve, task_status=task_status)
 
