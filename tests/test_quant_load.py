@@ -7,6 +7,7 @@ import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -68,11 +69,50 @@ def test_stored_checkpoint_lists_its_quantized_tensors(tiny_ggufs: tuple[Path, P
 def test_dense_load_of_stored_equals_float32_conversion(tiny_ggufs: tuple[Path, Path]) -> None:
     """Loading a stored checkpoint as float32 gives the float32 conversion's weights bit for bit."""
     stored, dense = tiny_ggufs
-    a = dict(load_stage(stored, 0, 2).named_parameters())
+    a = dict(load_stage(stored, 0, 2, weights="float32").named_parameters())
     b = dict(load_stage(dense, 0, 2).named_parameters())
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_default_weights_follow_the_checkpoint(
+    tiny_ggufs: tuple[Path, Path], tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """No ``weights``: a checkpoint with quantized tensors loads them as stored (any dtype), a
+    float one dense in dtype; a spec without ``weights`` takes the same default, and one that
+    names ``weights`` keeps it."""
+    from shard.model.weights import checkpoint_weights, resolve_weights
+    from shard.nodes.defaults import with_checkpoint_weights
+    from shard.spec.swarm import SwarmSpec
+
+    def spec_for(model: Path) -> SwarmSpec:
+        data = {
+            "swarm": {"name": "x", "model": str(model), "insecure": True},
+            "coordinator": {"listen": "127.0.0.1:0"},
+            "stage": [{"name": "s0", "listen": "127.0.0.1:0"}],
+        }
+        return SwarmSpec.from_dict(data, source="x.toml")
+
+    stored, dense = tiny_ggufs
+    assert (checkpoint_weights(stored), checkpoint_weights(dense)) == ("stored", None)
+    assert resolve_weights(None, stored, torch.bfloat16) == "stored"
+    assert resolve_weights(None, dense, torch.bfloat16) == "bfloat16"
+    assert resolve_weights("float32", stored, torch.float32) == "float32"
+    for dtype in (torch.float32, torch.bfloat16):
+        default = load_stage(stored, 0, 2, dtype=dtype)
+        assert isinstance(default.embed_tokens, QuantEmbedding)
+        assert isinstance(default.layers[0].mlp.down_proj, QuantLinear)
+        want = _logits([load_stage(stored, 0, 2, dtype=dtype, weights="stored")], steps=1)
+        for a, b in zip(_logits([default], steps=1), want, strict=True):
+            assert torch.equal(a, b)
+    assert not isinstance(load_stage(dense, 0, 2).embed_tokens, QuantEmbedding)
+    float_ckpt = tiny_checkpoint(arch="llama")
+    assert checkpoint_weights(float_ckpt) is None
+    assert with_checkpoint_weights(spec_for(stored), stored).weights == "stored"
+    assert with_checkpoint_weights(spec_for(float_ckpt), float_ckpt).weights is None
+    named = attrs.evolve(spec_for(stored), weights="float32")
+    assert with_checkpoint_weights(named, stored).weights == "float32"
 
 
 def test_stored_weights_run_quantized_and_split_bit_identically(
@@ -88,7 +128,7 @@ def test_stored_weights_run_quantized_and_split_bit_identically(
     split = [load_stage(stored, 0, 1, weights="stored"), load_stage(stored, 1, 2, weights="stored")]
     for a, b in zip(_logits([whole]), _logits(split), strict=True):
         assert torch.equal(a, b)
-    dense = _logits([load_stage(stored, 0, 2)], steps=0)[0]
+    dense = _logits([load_stage(stored, 0, 2, weights="float32")], steps=0)[0]
     quant = _logits([whole], steps=0)[0]
     assert (quant - dense).abs().max() <= 0.05 * dense.abs().max()
 

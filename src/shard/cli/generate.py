@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,8 @@ from shard.cli.errors import UsageError
 from shard.cli.inputs import prompt_arg
 from shard.cli.inputs import read_prompts as read_prompts
 from shard.messages import GenerateDone, GenerateRequest, Sampling, TokensOut
+
+log = logging.getLogger(__name__)
 
 
 def sampling(args: argparse.Namespace) -> Sampling:
@@ -173,17 +176,22 @@ def _receipt_path(out: Path, request: int) -> Path:
 
 
 def _generate_local(args: argparse.Namespace, prompt: str) -> int:
+    from torch import float32
+
     from shard.coordinator.service import prompt_ids
     from shard.decode.reference import generate_reference
     from shard.model.bundled import resolve_model
     from shard.model.config import ModelConfig
     from shard.model.loader import load_stage
     from shard.model.tokenizer import StreamDecoder, Tokenizer
+    from shard.model.weights import resolve_weights
 
     model_dir = resolve_model(args.model or "smollm2")
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    model = load_stage(model_dir, 0, config.n_layers, weights=args.weights)
+    weights = resolve_weights(args.weights, model_dir, float32)  # as load_stage does
+    log.info("%s: weights %s, dtype float32", model_dir.name, weights)
+    model = load_stage(model_dir, 0, config.n_layers, weights=weights)
     max_len = args.max_len or min(2048, config.max_position_embeddings)
     if max_len > config.max_position_embeddings:
         print(

@@ -133,7 +133,8 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--weights",
         choices=["stored", "float32", "int8", "int4"],
         help="with --local: how the model holds its weights: stored (a quantized checkpoint's "
-        "own blocks), float32 (the default), int8 or int4 (quantized at load); docs/model.md",
+        "own blocks; the default for one, as the bundled models are), float32 (a float "
+        "checkpoint's default), int8 or int4 (quantized at load); docs/model.md",
     )
     p.add_argument(
         "--max-len",

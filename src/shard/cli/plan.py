@@ -52,6 +52,8 @@ def plan_main(args: argparse.Namespace) -> int:
         from shard.spec.swarm import load_spec
 
         spec = load_spec(args.spec)
+        written = spec.weights
+        spec = with_weights(args.model or spec.model, spec)
         model = model_facts(args.model or spec.model, spec)
         problem, assumed = problem_of(spec, model, geography, rtt_source=args.rtt or "--rtt")
     if args.pin_boundaries:
@@ -74,10 +76,14 @@ def plan_main(args: argparse.Namespace) -> int:
         if decision is not None:
             layout = None if decision.layout is None else str(decision.layout)
             data["swarm_up"] = {"layout": layout, "why": decision.why}
+        if spec is not None:
+            data["weights"], data["dtype"] = spec.weights or spec.dtype, spec.dtype
         print(json.dumps(data, indent=2))
     else:
         regions = geography.regions if geography is not None else None
         print(text(chosen, assumed=assumed, regions=regions))
+        if spec is not None:
+            print(weights_line(spec, written))
         if decision is not None:
             print(decision.line())
     return 0
@@ -119,6 +125,27 @@ def _from_geography(geography: Geography, source: str) -> Problem:
         geography.coordinators,
         geography.pin_boundaries,
     )
+
+
+def with_weights(model: str, spec: SwarmSpec) -> SwarmSpec:
+    """``spec`` with ``[swarm] weights`` defaulted from ``model``'s checkpoint (a bundled name
+    or a directory), as every node of the swarm defaults it (``shard.nodes.defaults``)."""
+    from shard.model.bundled import resolve_model
+    from shard.nodes.defaults import with_checkpoint_weights
+
+    return with_checkpoint_weights(spec, resolve_model(model, progress=sys.stderr.isatty()))
+
+
+def weights_line(spec: SwarmSpec, written: str | None) -> str:
+    """How the swarm's nodes hold their weights (``spec`` from ``with_weights``; ``written``:
+    the spec's own ``[swarm] weights``), beside the activations' dtype."""
+    if written is not None:
+        why = "[swarm] weights"
+    elif spec.weights is not None:
+        why = "the checkpoint's default: its quantized tensors as stored"
+    else:
+        why = "the checkpoint's default: dense in dtype"
+    return f"weights:     {spec.weights or spec.dtype} ({why}); dtype {spec.dtype}"
 
 
 def model_facts(model: str, spec: SwarmSpec) -> ModelFacts:

@@ -9,19 +9,37 @@ stored (``shard.model.quant``; a float tensor stays float, in ``dtype``); ``"int
 groups of 32). These three combine with any ``dtype``: their products run in the kernel's
 dtype (``shard.model.quant.kernel_dtype``) and hand back ``dtype``.
 
-``None`` (no choice made) means ``dtype``'s own float weights, as before this option existed.
+No choice (``None``) is resolved from the checkpoint, in one place (``resolve_weights``, which
+``shard.model.loader.load_stage`` and every swarm node apply, the latter through
+``checkpoint_weights``): ``"stored"`` for a checkpoint that keeps quantized tensors (its
+safetensors header lists them under ``shard.quant``), else ``dtype``'s own float weights. Every
+node of a ring reads the same checkpoint (its manifest's), so every node and the local
+reference resolve alike.
 """
 
 from __future__ import annotations
 
+import json
+import struct
+from pathlib import Path
 from typing import Final
 
 import torch
 
-__all__ = ["QUANTIZED_WEIGHTS", "WEIGHTS", "WeightsError", "check_weights"]
+__all__ = [
+    "QUANTIZED_WEIGHTS",
+    "WEIGHTS",
+    "WeightsError",
+    "check_weights",
+    "checkpoint_weights",
+    "resolve_weights",
+]
 
 WEIGHTS: Final = ("stored", "float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED_WEIGHTS: Final = frozenset({"stored", "int8", "int4"})
+
+_QUANT_METADATA: Final = "shard.quant"  # as shard.model.gguf_import writes it
+_HEADER_LIMIT: Final = 100 << 20  # a safetensors header is a few MB at most
 
 
 class WeightsError(ValueError):
@@ -40,3 +58,39 @@ def check_weights(weights: str | None, dtype: torch.dtype) -> None:
             f"weights = {weights!r} contradicts dtype = {name!r}: dense weights compute in "
             f'their own dtype; set both to {weights!r}, or weights = "stored"/"int8"/"int4"'
         )
+
+
+def checkpoint_weights(model_dir: Path) -> str | None:
+    """``"stored"`` when a safetensors file in ``model_dir`` keeps quantized tensors (its
+    header's ``shard.quant`` metadata lists any), else None (a float checkpoint, or no
+    safetensors here: a GGUF file, a directory not fetched yet). Reads headers only, so a
+    joining node's fetched headers answer as the whole checkpoint does."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    return "stored" if any(_lists_quantized(f) for f in files) else None
+
+
+def resolve_weights(weights: str | None, model_dir: Path, dtype: torch.dtype) -> str:
+    """``weights`` if chosen, else the checkpoint's default: ``"stored"`` for a quantized
+    checkpoint (``checkpoint_weights``), ``dtype``'s own floats for a float one."""
+    if weights is not None:
+        return weights
+    return checkpoint_weights(model_dir) or str(dtype).removeprefix("torch.")
+
+
+def _lists_quantized(path: Path) -> bool:
+    """Whether the safetensors header of ``path`` lists quantized tensors; False for a file
+    too short or malformed to say (the loader reports those when it reads the file)."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return False
+            (length,) = struct.unpack("<Q", raw)
+            if length > _HEADER_LIMIT:
+                return False
+            header = json.loads(f.read(length))
+        meta = header.get("__metadata__") or {}
+        return bool(json.loads(meta.get(_QUANT_METADATA) or "{}"))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False

@@ -36,6 +36,7 @@ from shard.messages import NodeProfile
 from shard.model.config import ModelConfig
 from shard.model.device import resolve_device, torch_dtype
 from shard.model.profile import available_memory_bytes, measure_layer_ms, warm_loader
+from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.stage import StageHandle, _StageNode
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
@@ -133,6 +134,7 @@ async def run_joined(
     ``ManifestError`` when no seeder serves a verified config (nothing started yet)."""
     fetch = fetches_weights(spec, name)
     config_dir = (await fetch_common(spec, name)).path if fetch else model_dir
+    spec = with_checkpoint_weights(spec, config_dir)  # its headers say so before any block
     profile = await offload.run_sync(lambda: measure_profile(spec, name, config_dir, memory_bytes))
     log.info("%s: profile %s", name, profile)
     node = spec.node(name)

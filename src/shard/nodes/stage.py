@@ -48,6 +48,7 @@ from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.nodes.auditing import auditing, weights_of
 from shard.nodes.compose import signing_identity, signing_token
+from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.sizes import model_facts
 from shard.spec.nodes import StageSpec, StandbySpec
 from shard.spec.swarm import SwarmSpec
@@ -410,6 +411,7 @@ async def run_stage(
     index = [s.name for s in spec.stages].index(name)
     if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
         model_dir = (await fetch_stage(spec, name)).path
+    spec = with_checkpoint_weights(spec, model_dir)
     config = ModelConfig.from_dir(model_dir)
     blocks = spec.blocks(config.n_layers, model_facts(config, spec, model_dir))
     block = await _load(spec, name, model_dir, *blocks[index])
@@ -441,6 +443,7 @@ async def run_standby(
 ) -> None:
     """Run standby ``name``: load its block (none for a spare), serve upstream, register with
     the scheduler and wait for ``Activate``. Reports ready once registered."""
+    spec = with_checkpoint_weights(spec, model_dir)
     node = spec.node(name)
     config = ModelConfig.from_dir(model_dir)
     block = spec.standby_block(name, config.n_layers, model_facts(config, spec, model_dir))
