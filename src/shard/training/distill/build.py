@@ -117,7 +117,10 @@ def distill(
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.exists():
         raise DistillError(f"{out_dir} already exists; remove it or choose another directory")
-    target = load_stage(target_dir, 0, ModelConfig.from_dir(target_dir).n_layers)
+    # Dense float32 throughout: the student trains by gradients, and labels and student share
+    # one arithmetic (a stored checkpoint's tensors dequantized exactly).
+    n_layers = ModelConfig.from_dir(target_dir).n_layers
+    target = load_stage(target_dir, 0, n_layers, weights="float32")
     if not 0 < layers < target.config.n_layers:
         raise DistillError(f"a draft needs 1..{target.config.n_layers - 1} layers, got {layers}")
     tokenizer = Tokenizer.from_dir(target_dir)
@@ -127,7 +130,7 @@ def distill(
     rows = max(batch, steps * batch // _EPOCHS)
     corpus = build_corpus(target, tokenizer, rows, seq_len, seed, data_budget, progress)
     data_s = time.perf_counter() - began
-    student = load_truncated(target_dir, layers)
+    student = load_truncated(target_dir, layers, weights="float32")
     train_budget = None if time_budget_s is None else max(time_budget_s - data_s, 0.0)
     losses = train(
         student,
@@ -139,7 +142,7 @@ def distill(
         progress=progress,
     )
     train_s = time.perf_counter() - began - data_s
-    baseline = load_truncated(target_dir, layers)
+    baseline = load_truncated(target_dir, layers, weights="float32")
     report = DistillReport(
         out_dir=out_dir,
         target=str(target_dir),

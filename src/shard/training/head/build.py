@@ -156,12 +156,14 @@ def train_head(
     if out_dir.exists():
         raise HeadError(f"{out_dir} already exists; remove it or choose another directory")
     n_layers = ModelConfig.from_dir(target_dir).n_layers
-    target = load_stage(target_dir, 0, n_layers)
+    # Dense weights: the head copies the target's embedding and head matrices (a stored
+    # checkpoint's tensors dequantized exactly).
+    target = load_stage(target_dir, 0, n_layers, weights="float32")
     dtype = recipe.sampling_dtype()
     sampler = (
         None
         if dtype == "float32"
-        else load_stage(target_dir, 0, n_layers, dtype=torch_dtype(dtype))
+        else load_stage(target_dir, 0, n_layers, dtype=torch_dtype(dtype), weights=dtype)
     )
     tokenizer = Tokenizer.from_dir(target_dir)
     store = FeatureStore(
