@@ -349,32 +349,49 @@ def ring_summary(runs: Sequence[Record]) -> list[Record]:
             row[f"{w}_runs"] = [round(r["tok_s"], 2) for r in mine]
             if mode in ("plain", "spec"):
                 row[f"{w}_decode"] = statistics.median(r["decode_tok_s"] for r in mine)
+            if mode in ("plain", "spec"):
+                row[f"{w}_decode_by_prompt"] = {
+                    p: statistics.median(r["decode_tok_s"] for r in mine if r["prompt"] == p)
+                    for p in dict.fromkeys(r["prompt"] for r in mine)
+                }
+            if mode == "spec":
+                row[f"{w}_accepted_of_drafted"] = [(r["accepted"], r["drafted"]) for r in mine]
         if "float32" in row:
             for w in [k for k in row if k in ("stored", "int8", "int4", "bfloat16")]:
                 row[f"{w}_vs_float32"] = row[w] / row["float32"]
+                if f"{w}_decode" in row:
+                    row[f"{w}_decode_vs_float32"] = row[f"{w}_decode"] / row["float32_decode"]
         rows.append(row)
     return rows
 
 
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
 def identity(runs: Sequence[Record]) -> Record:
-    """Per ring: speculative output equal to plain, prompt by prompt; each stream of the
-    concurrent point equal to the lone plain run of its prompt (reported, never asserted);
-    its stage processes' resident memory after its last concurrent point."""
+    """Per ring (reported, never asserted): each speculative run's output against the plain
+    run of its prompt in the same round (where the first differing token is, when one does),
+    plain runs equal round to round, each concurrent stream equal to the lone plain run of its
+    prompt; and its stage processes' resident memory after its last concurrent point."""
     out: Record = {}
     for ring in dict.fromkeys(r["ring"] for r in runs):
         mine = [r for r in runs if r["ring"] == ring]
-        plain = {r["prompt"]: r["token_ids"] for r in mine if r["mode"] == "plain"}
-        spec = [r["token_ids"] == plain[r["prompt"]] for r in mine if r["mode"] == "spec"]
-        order = list(plain)
-        streams = [
-            ids == plain[order[i % len(order)]]
-            for r in mine
-            if r["mode"].startswith("streams")
-            for i, ids in enumerate(r["token_ids"])
-        ]
+        plain = {(r["prompt"], r["repeat"]): r["token_ids"] for r in mine if r["mode"] == "plain"}
+        spec = {(r["prompt"], r["repeat"]): _first_difference(r["token_ids"], plain[r["prompt"],
+                r["repeat"]]) for r in mine if r["mode"] == "spec"}  # fmt: skip
+        order = list(dict.fromkeys(p for p, _ in plain))
+        first = {p: plain[p, 0] for p in order}
+        streams = [ids == first[order[i % len(order)]]
+                   for r in mine if r["mode"].startswith("streams")
+                   for i, ids in enumerate(r["token_ids"])]  # fmt: skip
         rss = [r["stage_rss_mib"] for r in mine if "stage_rss_mib" in r]
         out[ring] = {
-            "spec_equals_plain": f"{sum(spec)}/{len(spec)}",
+            "spec_equals_plain": f"{sum(d is None for d in spec.values())}/{len(spec)}",
+            "spec_first_difference": {
+                f"{p} round {r}": d for (p, r), d in spec.items() if d is not None
+            },
+            "plain_same_every_round": all(ids == first[p] for (p, _), ids in plain.items()),
             "streams_equal_lone": f"{sum(streams)}/{len(streams)}",
             "stage_rss_mib_last": [round(x, 1) for x in rss[-1]] if rss else None,
         }
