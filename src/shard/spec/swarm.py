@@ -85,7 +85,7 @@ from shard.spec.validate import (
 )
 
 #: Model names that need no path: shipped with shard (``shard.model`` knows where).
-BUNDLED_MODELS: Final = ("smollm2",)
+BUNDLED_MODELS: Final = ("smollm2", "gemma3-270m")
 
 _TOP_KEYS: Final = (
     "swarm",
