@@ -107,9 +107,10 @@ def test_a_batched_quantized_stage_is_its_lone_replay_bit_for_bit(
     verdicts = [_audit(auditor, r, weights) for r in reqs]
     assert all(v.ok and v.method == "sketch" for v in verdicts)
     assert max(1 - (v.cosine or 0.0) for v in verdicts) <= 1e-15
-    head_f, block_f = _blocks(model_dir, None)
-    dense_reqs = _requests(head_f, block_f, None, seed=7)
-    assert _bit_equal(load_stage(model_dir, 2, 4), dense_reqs) < len(dense_reqs)
+    head_f, block_f = _blocks(model_dir, "float32")
+    dense_reqs = _requests(head_f, block_f, "float32", seed=7)
+    dense_auditor = load_stage(model_dir, 2, 4, weights="float32")
+    assert _bit_equal(dense_auditor, dense_reqs) < len(dense_reqs)
 
 
 @pytest.fixture
@@ -138,8 +139,8 @@ def test_an_auditor_on_other_kernels_accuses_nobody(stored: Path) -> None:
     the same stored chunk would have failed it; with the accused's weights it passes."""
     head, block = _blocks(stored, "stored")
     req = _requests(head, block, "stored", seed=5)[3]
-    dense = load_stage(stored, 2, 4)
-    for auditor, weights, declared in ((dense, None, "stored"), (block, "stored", "int4")):
+    dense = load_stage(stored, 2, 4, weights="float32")
+    for auditor, weights, declared in ((dense, "float32", "stored"), (block, "stored", "int4")):
         verdict = trio.run(
             partial(
                 audit_offloaded,
@@ -156,7 +157,8 @@ def test_an_auditor_on_other_kernels_accuses_nobody(stored: Path) -> None:
         )
         assert verdict.ok and verdict.method == "error" and verdict.evidence is None
         assert "other kernels" in verdict.detail
-    assert not _audit(dense, attrs.evolve(req, weights=None), None).ok  # the false accusation
+    lie = _audit(dense, attrs.evolve(req, weights="float32"), "float32")
+    assert not lie.ok  # what a dense auditor unaware of the stage's weights would conclude
     assert _audit(block, req, "stored").ok
 
 

@@ -45,7 +45,7 @@ def test_a_killed_stored_stage_is_replaced_with_identical_output(
     takes over hot, and each request's tokens equal the local stored run (which differ from
     the dense run's: the ring really runs the quantized kernels)."""
     want = local_references(stored, "stored")
-    assert want != local_references(stored, None)
+    assert want != local_references(stored, "float32")
     spec = attrs.evolve(failover_spec(stored, speculate=speculate), weights="stored")
     plan = FaultPlan.random(1200 + speculate, kind="kill", node="s1", frames=DECODE)
     out = run_scenario(spec, stored, plan)
