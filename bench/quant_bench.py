@@ -430,7 +430,9 @@ def plot(result: Record, out: Path) -> None:
         top = max(r["weight_mib_per_stage"])
         axes[0][0].annotate(f"{r['bytes_per_param']:.2f} B/param", (x, top), ha="center",
                             va="bottom", fontsize=8)  # fmt: skip
-    forward = {f"{n} token(s)": [r[f"forward_ms_{n}"] for r in rows] for n in (1, K + 1)}
+    forward = {
+        f"{n} token" + "s" * (n > 1): [r[f"forward_ms_{n}"] for r in rows] for n in (1, K + 1)
+    }
     _bars(axes[0][1], names, forward, "forward ms, 3 stages summed (1 thread)")
     _bars(axes[1][0], names, {"load": [r["load_s"] for r in rows]}, "load s, 3 stages summed")
     ring = result["rings"]["summary"]
