@@ -252,6 +252,21 @@ def test_a_measured_ring_of_unequal_layers_is_split_within_real_memory() -> None
     assert planned_rings >= 20
 
 
+def test_formation_prices_joined_nodes_layer_by_layer(tmp_path: Path) -> None:
+    """A [formation] swarm (``--join``) plans with each layer's real bytes in the swarm's
+    format (``shard.nodes.sizes``, what the coordinator hands its scheduler): a tiny MoE's
+    dense first layers count small, so the planner splits its rings layer by layer."""
+    spec = load_spec(ROOT / "specs" / "formed.toml")
+    assert spec.formation is not None and not spec.stages
+    directory = glm_config(tmp_path)
+    config = ModelConfig.from_dir(directory)
+    facts = model_facts(config, spec, directory)
+    want = predict(config, spec.weights or spec.dtype, dtype=spec.dtype)
+    assert facts.sizes == sizes(want) and facts.node_sizes == ()
+    assert not facts.equal_layers and facts.layer_bytes == max(want.layers)
+    assert facts.total_bytes == want.total + want.head - want.shared_head
+
+
 def test_ring_split_by_time_equals_the_brute_force() -> None:
     """``ring_split`` (measured speeds): least slowest stage, within memory by real bytes,
     on 300 seeded rings of unequal layers."""
