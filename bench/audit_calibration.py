@@ -12,7 +12,10 @@ per chunk). Then the lies the audits must catch, on the same chunks against the 
 reference: Gaussian noise at 1e-3, 1e-2 and 3e-2 of the output's std, the block without its
 last layer, and the input passed on. ``--dtype bfloat16`` runs the stage in bf16 against a
 bf16 lone auditor (batching bit for bit on the CPU: see docs/ring.md); ``--cross`` compares
-a bf16 stage with a float32 auditor (mixed precision).
+a bf16 stage with a float32 auditor (mixed precision). Quantized rows (``--weights``:
+``int4`` on the tiny checkpoints, ``stored`` and ``int4`` on SmolLM2) hold the audited block
+quantized at both ends (the auditor replays on the stage's kernels), float32 activations;
+every row counts the chunks whose batched output equals the lone replay bit for bit.
 
 Writes JSON (``--json``). A benchmark, not a test: nothing here asserts.
 """
@@ -50,6 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=9, help="rows of each prompt chunk")
     p.add_argument("--tiny-seeds", default="11,3,7", help="tiny checkpoints (6 layers) to measure")
     p.add_argument("--smollm2", default="smollm2", help="bundled model ('' to skip)")
+    p.add_argument("--weights", default="int4,stored", help="quantized rows ('' to skip)")
     p.add_argument("--json", type=Path, default=REPO / "bench/results/audit_calibration.json")
     return p.parse_args(argv)
 
@@ -87,6 +91,7 @@ def measure(
     lone = [auditor.new_cache(max_len) for _ in range(n)]
     scratch = [auditor.new_cache(max_len) for _ in range(n)]  # the liars' own (lone) KV
     honest: list[float] = []
+    same = 0  # chunks whose batched output is the lone replay bit for bit
     lies: dict[str, list[float]] = {k: [] for k in LIES}
     start = 0
     with torch.inference_mode():
@@ -103,6 +108,7 @@ def measure(
                 ref = auditor(x.to(auditor.dtype), start, lone[i])
                 seed = rng.randbytes(32)
                 honest.append(_gap(claimed, ref, seed))
+                same += torch.equal(claimed, ref)
                 std = float(claimed.float().std())
                 for scale in ("1e-3", "1e-2", "3e-2"):
                     noisy = claimed.float() + torch.randn(claimed.shape) * std * float(scale)
@@ -113,6 +119,7 @@ def measure(
             start += rows
     return {
         "chunks": len(honest),
+        "bit_equal": same,
         "honest_max": max(honest),
         "honest_median": sorted(honest)[len(honest) // 2],
         "lies_min": {k: min(v) for k, v in lies.items()},
@@ -131,15 +138,20 @@ def run_model(
     dtype: torch.dtype,
     auditor_dtype: torch.dtype,
     args: argparse.Namespace,
+    weights: str | None = None,
 ) -> list[dict[str, Any]]:
     from shard.model.config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir)
     out = []
     for first, last in blocks_of(config.n_layers):
-        head = load_stage(model_dir, 0, first, dtype=torch.float32)
-        stage = load_stage(model_dir, first, last, dtype=dtype)
-        auditor = load_stage(model_dir, first, last, dtype=auditor_dtype)
+        head = load_stage(model_dir, 0, first, dtype=torch.float32, weights="float32")
+        # Dense rows name their floats: no choice would resolve a stored checkpoint to "stored".
+        dense, dense_auditor = (str(t).removeprefix("torch.") for t in (dtype, auditor_dtype))
+        stage = load_stage(model_dir, first, last, dtype=dtype, weights=weights or dense)
+        auditor = load_stage(
+            model_dir, first, last, dtype=auditor_dtype, weights=weights or dense_auditor
+        )
         began = time.perf_counter()
         row = measure(stage, auditor, head, args, random.Random(f"{name}{first}"))
         row |= {
@@ -147,6 +159,7 @@ def run_model(
             "block": [first, last],
             "stage_dtype": str(dtype).removeprefix("torch."),
             "auditor_dtype": str(auditor_dtype).removeprefix("torch."),
+            "weights": weights or "dense",
             "seconds": round(time.perf_counter() - began, 1),
         }
         print(json.dumps(row), flush=True)
@@ -158,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
+    quantized = [w for w in args.weights.split(",") if w]
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,11 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for dt, adt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                             (torch.bfloat16, torch.float32)):  # fmt: skip
                 rows += run_model(f"tiny-{seed}", d, dt, adt, args)
+            if "int4" in quantized:
+                rows += run_model(f"tiny-{seed}", d, torch.float32, torch.float32, args, "int4")
     if args.smollm2:
         d = resolve_model(args.smollm2)
         for dt, adt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                         (torch.bfloat16, torch.float32)):  # fmt: skip
             rows += run_model("smollm2", d, dt, adt, args)
+        for weights in quantized:
+            rows += run_model("smollm2", d, torch.float32, torch.float32, args, weights)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join(sys.argv), "sessions": args.sessions, "steps": args.steps,
               "prompt": args.prompt, "rows": rows}  # fmt: skip
