@@ -185,3 +185,30 @@ def test_manifest_block_includes_scales(tiny_ggufs: tuple[Path, Path]) -> None:
     first = block_tensors(manifest, 0, 1)
     assert {"model.embed_tokens.weight", "model.embed_tokens.weight.scale"} <= set(first)
     assert "model.embed_tokens.weight.scale" in block_tensors(manifest, 1, 2)  # the tied head
+
+
+def test_profile_times_a_layer_in_its_weights_format(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joining node's profile times its scratch layer as its weights hold it: quantized
+    linears for stored/int4/int8, dense for a float format or none."""
+    from shard.model import profile
+    from shard.model.config import ModelConfig
+
+    calls: list[int] = []
+
+    class Spy(profile.QuantLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            out: torch.Tensor = super().forward(x)
+            return out
+
+    monkeypatch.setattr(profile, "QuantLinear", Spy)
+    config = ModelConfig.from_dir(tiny_checkpoint(arch="llama"))
+    for weights, quantized in ((None, False), ("float32", False), ("stored", True), ("int8", True)):
+        calls.clear()
+        ms = profile.measure_layer_ms(
+            config, device=torch.device("cpu"), dtype=torch.float32, rows=(1, 3), repeats=1,
+            warmup=0, weights=weights,
+        )  # fmt: skip
+        assert all(t > 0 for t in ms) and bool(calls) == quantized, weights

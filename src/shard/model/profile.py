@@ -22,6 +22,7 @@ import torch
 from shard.model.config import ModelConfig
 from shard.model.kvcache import KVCache
 from shard.model.llama import Block, rope_tables
+from shard.model.quant import QuantLinear, quantize_int4, quantize_int8
 
 __all__ = [
     "DTYPE_BYTES",
@@ -66,6 +67,16 @@ def warm_loader() -> None:
         torch.nn.Embedding(2, 2)
 
 
+def _quantize_linears(module: torch.nn.Module, kind: str, device: torch.device) -> None:
+    """Replace each linear of ``module`` (in groups of 32 columns) by its ``kind`` form."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, torch.nn.Linear) and child.in_features % 32 == 0:
+            w = child.weight.detach().float().cpu()
+            q = quantize_int8(w) if kind == "int8" else quantize_int4(w)
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, QuantLinear(q, device))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -80,8 +91,12 @@ def measure_layer_ms(
     rows: Sequence[int],
     repeats: int = 5,
     warmup: int = 2,
+    weights: str | None = None,
 ) -> tuple[float, ...]:
-    """The median ms of one layer's forward for each chunk of ``rows`` tokens, on ``device``.
+    """The median ms of one layer's forward for each chunk of ``rows`` tokens, on ``device``,
+    its linears held as ``weights`` (``shard.model.weights``): ``"int8"``, and ``"int4"`` or
+    ``"stored"`` (timed as int4 in groups of 32, what a Q4 GGUF's layers keep; other stored
+    formats run other kernels), quantized; dense in ``dtype`` otherwise.
 
     Errors: ``ValueError`` for a chunk that does not fit the model's context."""
     generator = torch.Generator().manual_seed(0)
@@ -89,6 +104,8 @@ def measure_layer_ms(
     for p in layer.parameters():
         p.data = torch.randn(p.shape, generator=generator) * 0.02
     layer = layer.to(device=device, dtype=dtype)
+    if weights in ("stored", "int4", "int8"):
+        _quantize_linears(layer, "int8" if weights == "int8" else "int4", device)
     cos, sin = rope_tables(config)
     longest = _CONTEXT + max(rows)
     if longest > config.max_position_embeddings:

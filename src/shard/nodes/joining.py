@@ -104,7 +104,11 @@ def measure_profile(
     policy = spec.speculation.policy
     chunk = 1 + (policy.k if policy.k is not None else min(4, policy.k_max))  # adaptive: typical
     one, many = measure_layer_ms(
-        config, device=device, dtype=torch_dtype(runtime.dtype or spec.dtype), rows=(1, chunk)
+        config,
+        device=device,
+        dtype=torch_dtype(runtime.dtype or spec.dtype),
+        rows=(1, chunk),
+        weights=runtime.weights,  # the checkpoint's default already in ``spec`` (run_joined)
     )
     memory = available_memory_bytes(device) if memory_bytes is None else memory_bytes
     label = str(device)

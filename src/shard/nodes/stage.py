@@ -46,6 +46,7 @@ from shard.model.config import ModelConfig
 from shard.model.device import TORCH_DTYPES, emulated_dtype_note, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
+from shard.model.weights import resolve_weights
 from shard.nodes.auditing import auditing, weights_of
 from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.defaults import with_checkpoint_weights
@@ -379,10 +380,10 @@ async def _load(spec: SwarmSpec, name: str, model_dir: Path, first: int, last: i
     dtype = torch_dtype(runtime.dtype or spec.dtype)
     if (note := emulated_dtype_note(name, device, dtype)) is not None:
         log.warning("%s", note)
+    weights = resolve_weights(weights_of(spec, name), model_dir, dtype)
+    log.info("%s: layers [%d, %d), weights %s, dtype %s", name, first, last, weights, dtype)
     model = await offload.run_sync(
-        lambda: load_stage(
-            model_dir, first, last, dtype=dtype, device=device, weights=weights_of(spec, name)
-        )
+        lambda: load_stage(model_dir, first, last, dtype=dtype, device=device, weights=weights)
     )
     return _Block(model, first, last)
 
