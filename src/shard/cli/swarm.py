@@ -169,9 +169,8 @@ def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, 
     from shard.spec.layout import Decision, apply_layout, decide, problem_of, with_links
 
     geography = read_geography_file(Path(rtt)) if rtt is not None else None
-    written = spec.weights
-    spec = with_checkpoint_weights(spec, model_dir)  # as its nodes will: plan what they hold
-    model = model_facts(str(model_dir), spec)
+    held = with_checkpoint_weights(spec, model_dir)  # as its nodes will: plan what they hold
+    model = model_facts(str(model_dir), held)
     problem, assumed = problem_of(spec, model, geography, rtt_source=rtt or "--rtt")
     verbose = getattr(args, "verbose", False)
     try:
@@ -184,7 +183,7 @@ def planned(spec: Any, model_dir: Path, args: argparse.Namespace) -> tuple[Any, 
         regions = geography.regions if geography is not None else None
         if verbose:
             print(text(chosen, assumed=assumed, regions=regions), file=sys.stderr)
-            print(weights_line(spec, written), file=sys.stderr)
+            print(weights_line(held, spec.weights), file=sys.stderr)
     if verbose or decision.layout is not None:
         print(decision.line(), file=sys.stderr, flush=True)
     if decision.layout is not None:
