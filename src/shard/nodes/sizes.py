@@ -21,6 +21,7 @@ from pathlib import Path
 
 from shard.model.config import ModelConfig
 from shard.model.footprint import predict
+from shard.nodes.auditing import weights_of
 from shard.placement import ModelFacts
 from shard.placement.problem import Sizes
 from shard.spec.swarm import SwarmSpec
@@ -33,15 +34,14 @@ _HEADER_LIMIT = 100 << 20  # a safetensors header is a few MB at most
 
 def model_facts(config: ModelConfig, spec: SwarmSpec, model_dir: Path | None = None) -> ModelFacts:
     """The model's layer sizes as the swarm's format holds them, and those of every node
-    whose own format differs (``spec.runtime(name)``)."""
+    whose own format differs (``nodes.auditing.weights_of``: as the node loads its block)."""
     default = sizes_of(config, spec.weights or spec.dtype, spec.dtype, model_dir)
     names = [s.name for s in spec.stages] + [s.name for s in spec.standbys]
     cache: dict[tuple[str, str], Sizes] = {(spec.weights or spec.dtype, spec.dtype): default}
     node_sizes = {}
     for name in names:
-        runtime = spec.runtime(name)
-        dtype = runtime.dtype or spec.dtype
-        key = (runtime.weights or dtype, dtype)
+        dtype = spec.runtime(name).dtype or spec.dtype
+        key = (weights_of(spec, name) or dtype, dtype)  # a hot standby: its stage's form
         if key not in cache:
             cache[key] = sizes_of(config, key[0], dtype, model_dir)
         node_sizes[name] = cache[key]
