@@ -90,3 +90,30 @@ def test_generate_local_weights_flag(
     assert tuple(got) == want
     assert main(["generate", "--spec", "x.toml", "--weights", "int8", "hi"]) == 2
     assert "--weights applies only with --local" in capsys.readouterr().err
+
+
+def test_plan_prints_the_weights_the_checkpoint_defaults_to(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`shard plan SPEC` prints the weights its nodes will hold, beside dtype: stored for a
+    checkpoint with quantized tensors, dense for a float one, the spec's own when it says."""
+    from fixtures_smollm2 import write_tiny_gguf
+    from shard.model.gguf_import import convert_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    stored = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "stored", progress=False)
+    dense = tiny_checkpoint(seed=3, n_layers=2)
+    cases = (
+        (stored, "", "weights:     stored (the checkpoint's default: its quantized tensors"),
+        (dense, "", "weights:     float32 (the checkpoint's default: dense in dtype)"),
+        (stored, 'weights = "float32"\n', "weights:     float32 ([swarm] weights)"),
+    )
+    for model, extra, want in cases:
+        spec = tmp_path / "spec.toml"
+        spec.write_text(
+            f'[swarm]\nname = "x"\nmodel = {json.dumps(str(model))}\ninsecure = true\n{extra}'
+            '[coordinator]\nlisten = "127.0.0.1:7000"\n'
+            '[[stage]]\nname = "s0"\nlisten = "127.0.0.1:7001"\n'
+        )
+        assert main(["plan", str(spec)]) == 0
+        assert want in capsys.readouterr().out
