@@ -70,14 +70,14 @@ class _SpyFile:
 def tensors_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names passed to ``get_tensor`` by the loader during the test."""
     read: list[str] = []
-    real = loader.safe_open
+    real = loader.open_tensors
 
     @contextlib.contextmanager
-    def spy(path: str, framework: str, device: str = "cpu") -> Iterator[_SpyFile]:
-        with real(path, framework=framework, device=device) as f:
+    def spy(path: Path, device: str = "cpu") -> Iterator[_SpyFile]:
+        with real(path, device) as f:
             yield _SpyFile(f, read)
 
-    monkeypatch.setattr(loader, "safe_open", spy)
+    monkeypatch.setattr(loader, "open_tensors", spy)
     return read
 
 

@@ -114,3 +114,16 @@ def test_cpu_packing_by_row_blocks_equals_one_pack() -> None:
     ints = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(5))
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints.to(torch.int32), 1)
     assert torch.equal(_cpu_pack(pack_nibbles(ints)), whole)
+
+
+def test_int8_split_packing_by_blocks_equals_packing_its_nibbles() -> None:
+    """The CPU int8-split packer (straight from the int8 codes, block by block, no nibble
+    tables held) gives the bytes of packing the split nibbles whole."""
+    from shard.model.quant import PACK_ROWS, _cpu_pack, _cpu_pack_split, _split_int8
+
+    q = quantize_int8(_weight(n=PACK_ROWS + 48, k=64), 32)
+    direct = _cpu_pack_split(q.codes)
+    for got, nibbles in zip(direct, _split_int8(q.codes), strict=True):
+        ints = torch.stack((nibbles & 15, nibbles >> 4), -1).flatten(-2).to(torch.int32)
+        assert torch.equal(got, torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1))
+        assert torch.equal(got, _cpu_pack(nibbles))

@@ -1,7 +1,8 @@
 """Load one stage's block of layers from a Hugging Face safetensors checkpoint.
 
-A stage reads only its own tensors: ``safe_open`` maps the file and ``get_tensor`` copies out
-one named tensor, so a stage holding 4 of 80 layers never touches the other 76 (nor the
+A stage reads only its own tensors: ``shard.model.tensorfile`` reads one named tensor's bytes
+with ``pread`` (the file is never mapped, so its pages do not count in the stage's resident
+memory), so a stage holding 4 of 80 layers never touches the other 76 (nor the
 embedding, unless it is stage 0 or a tied tail). Every tensor's shape is checked against the
 config from the file header before its data is read.
 
@@ -18,17 +19,17 @@ tensor, a shape mismatch, an unsupported architecture, a bad layer range) is a
 
 from __future__ import annotations
 
-import ctypes
 import json
+import struct
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
+from shard.model import heap
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 from shard.model.moe import FusedExperts
@@ -39,6 +40,7 @@ from shard.model.quant import (
     quantize_int4,
     quantize_int8,
 )
+from shard.model.tensorfile import TensorFile, open_tensors
 from shard.model.weights import check_weights, resolve_weights
 
 QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it
@@ -62,8 +64,9 @@ def load_stage(
     """Build ``StageModel(config, first, last)`` with weights read from ``model_dir``.
 
     The module is built on the meta device (no memory, no random init) and each parameter is
-    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``: safetensors
-    reads each tensor straight onto a GPU, so a CUDA stage never holds a CPU copy of its block.
+    then replaced by the checkpoint tensor, converted to ``dtype`` on ``device``: each tensor
+    passes through host memory alone on its way to a GPU, so a CUDA stage never holds a CPU
+    copy of its block.
     ``config`` overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
     ``weights``: how the block holds its weights (``shard.model.weights``; None: the
     checkpoint's default, ``resolve_weights``: stored for a quantized checkpoint, dense in
@@ -97,17 +100,13 @@ def load_stage(
                 f"checkpoint in {model_dir}; the download is incomplete or not this model"
             )
         by_file[weight_map[remote]].append(local)
-    for file, locals_ in sorted(by_file.items()):
-        names = {n: wanted[n] for n in locals_}
-        _load_file(stage, model_dir / file, names, dtype, device, weights)
-    if config.tie_word_embeddings and stage.lm_head is not None and stage.embed_tokens is not None:
-        if isinstance(stage.embed_tokens, QuantEmbedding):  # the head runs the same table
-            _set_module(stage, "lm_head", QuantLinear(stage.embed_tokens.q, device))
-        else:
-            stage.lm_head.weight = stage.embed_tokens.weight
-    stage = stage.to(device).eval()
-    _trim_heap()
-    return stage
+    with heap.loading():  # temporaries unmapped when freed, the heap trimmed after
+        for file, locals_ in sorted(by_file.items()):
+            names = {n: wanted[n] for n in locals_}
+            _load_file(stage, model_dir / file, names, dtype, device, weights)
+        if config.tie_word_embeddings:
+            _tie_head(stage, device)
+    return stage.to(device).eval()
 
 
 def load_truncated(
@@ -159,9 +158,9 @@ def checkpoint_index(model_dir: Path) -> dict[str, str]:
             "download the safetensors files, or convert a GGUF with `shard convert`"
         )
     try:
-        with safe_open(str(single), framework="pt") as f:
+        with open_tensors(single) as f:  # the header only
             return dict.fromkeys(f.keys(), SINGLE_FILE)
-    except Exception as e:  # safetensors raises its own SafetensorError
+    except (OSError, ValueError, struct.error) as e:
         raise ModelLoadError(f"cannot read {single}: {e}; re-download the checkpoint") from e
 
 
@@ -188,48 +187,42 @@ def _load_file(
 ) -> None:
     """Read ``names`` (local -> checkpoint name) from one file into ``stage``, checking shapes."""
     try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
+        with open_tensors(path, device) as f:
             quant = json.loads((f.metadata() or {}).get(QUANT_METADATA, "{}"))
             for local, remote in names.items():
                 param = stage.get_parameter(local)
-                if remote in quant:
-                    got = tuple(quant[remote]["shape"])
-                else:
-                    got = tuple(f.get_slice(remote).get_shape())
+                got = tuple(quant[remote]["shape"]) if remote in quant else f.shape(remote)
                 if got != tuple(param.shape):
                     raise ModelLoadError(
                         f"tensor {remote!r} in {path.name} has shape {list(got)} but the config "
                         f"expects {list(param.shape)}; config.json and weights disagree"
                     )
                 if param.dim() == 3 and remote not in quant and _fused_fits(got, weights):
-                    _place_fused(stage, local, f.get_slice(remote), device, weights)
-                    _trim_heap()
+                    _place_fused(stage, local, f, remote, weights)
+                    heap.trim()
                     continue
                 if remote in quant:
                     q = _read_quantized(f, remote, quant[remote])
                     _place(stage, local, q, None, dtype, device, weights)
-                    _trim_heap()  # each tensor's temporaries, before the next one's
+                    heap.trim()  # each tensor's temporaries, before the next one's
                     continue
-                # A copy in torch's own (64-byte aligned) memory: safetensors hands out tensors
-                # at whatever address its buffer got, and CPU matrix-vector kernels sum in an
-                # order that depends on the weights' alignment, so a stage loaded here and one
-                # whose weights were copied elsewhere would decode different low bits.
-                tensor = f.get_tensor(remote).to(dtype=dtype, copy=True)
+                # Read into torch's own (64-byte aligned) memory (``TensorFile``): CPU
+                # matrix-vector kernels sum in an order that depends on the weights'
+                # alignment, so a stage loaded here and one whose weights were copied
+                # elsewhere would otherwise decode different low bits.
+                tensor = f.get_tensor(remote).to(dtype)
                 _place(stage, local, None, tensor, dtype, device, weights)
     except ModelLoadError:
         raise
-    except Exception as e:  # SafetensorError, OSError: a corrupt or truncated file
+    except (OSError, ValueError, KeyError, struct.error) as e:  # a corrupt or truncated file
         raise ModelLoadError(f"cannot read {path}: {e}; re-download the checkpoint") from e
 
 
-def _read_quantized(f: Any, name: str, meta: dict[str, Any]) -> Quantized:
+def _read_quantized(f: TensorFile, name: str, meta: dict[str, Any]) -> Quantized:
     """The ``Quantized`` stored under ``name`` (codes), ``name.scale`` and ``name.offset``."""
-    # Copies, as for dense tensors (``_load_file``): a tensor safetensors hands out may be a
-    # view of its map of the file, and one kept (an embedding's codes) would keep the whole
-    # file mapped (110 MB resident for SmolLM2).
-    keys = set(f.keys())
-    offset = f.get_tensor(f"{name}.offset").clone() if f"{name}.offset" in keys else None
-    codes, scale = f.get_tensor(name).clone(), f.get_tensor(f"{name}.scale").clone()
+    keys = set(f.keys())  # each tensor read into memory of its own (``TensorFile``)
+    offset = f.get_tensor(f"{name}.offset") if f"{name}.offset" in keys else None
+    codes, scale = f.get_tensor(name), f.get_tensor(f"{name}.scale")
     group = int(meta["group"])
     if meta["kind"] == "int4":
         return Quantized("int4", codes, scale, offset, group)
@@ -268,6 +261,17 @@ def _place(
     _set_parameter(stage, local, nn.Parameter(tensor, requires_grad=False))
 
 
+def _tie_head(stage: StageModel, device: torch.device | str) -> None:
+    """A tied head on the embedding's stage runs the embedding's table (quantized or not)."""
+    embed, head = stage.embed_tokens, stage.lm_head
+    if embed is None or head is None:
+        return
+    if isinstance(embed, QuantEmbedding):  # the head runs the same stored table
+        _set_module(stage, "lm_head", QuantLinear(embed.q, device))
+    else:
+        head.weight = embed.weight
+
+
 def _fused_fits(shape: tuple[int, ...], weights: str | None) -> bool:
     """Whether a fused ``[E, in, out]`` expert weight is quantized at load under ``weights``
     (int4 needs ``in`` a multiple of its group of 32, as for a linear in ``_place``)."""
@@ -275,37 +279,22 @@ def _fused_fits(shape: tuple[int, ...], weights: str | None) -> bool:
 
 
 def _place_fused(
-    stage: StageModel, local: str, tensor: Any, device: torch.device | str, weights: str | None
+    stage: StageModel, local: str, f: TensorFile, remote: str, weights: str | None
 ) -> None:
     """Quantize a fused ``[E, in, out]`` expert weight (gpt-oss) expert by expert into
-    ``QuantLinear`` s (``FusedExperts.install``). ``tensor`` is the file's slice: one expert's
-    float copy exists at a time, never the whole fused tensor (8.5 GB in float32 for one
-    gpt-oss-120b layer's ``gate_up_proj``)."""
+    ``QuantLinear`` s (``FusedExperts.install``), reading one expert's bytes at a time: one
+    expert's float copy exists at once, never the whole fused tensor (8.5 GB in float32 for
+    one gpt-oss-120b layer's ``gate_up_proj``)."""
     owner_name, _, leaf = local.rpartition(".")
     owner = stage.get_submodule(owner_name)
     if not isinstance(owner, FusedExperts):
         raise ModelLoadError(f"{local!r} is a 3-D tensor but not a fused expert weight")
     linears: list[nn.Module] = []
-    for e in range(tensor.get_shape()[0]):
-        w = tensor[e : e + 1][0].to(torch.float32).T  # [out, in]: output column order kept
+    for e in range(f.shape(remote)[0]):
+        w = f.rows(remote, e, e + 1)[0].to(torch.float32).T  # [out, in]: column order kept
         q = quantize_int8(w) if weights == "int8" else quantize_int4(w)
-        linears.append(QuantLinear(q, device))
+        linears.append(QuantLinear(q, f.device))
     owner.install(leaf, linears)
-
-
-def _trim_heap() -> None:
-    """Hand the load's freed temporaries back to the OS (glibc's ``malloc_trim``).
-
-    Loading frees many tensor-sized temporaries (copies out of the file's map, int4 packing
-    inputs) between the blocks it keeps, and glibc keeps such holes in its heap: after a stored
-    SmolLM2 load, 170 MB of them, more than the weights themselves (128 MB). Elsewhere (no
-    glibc) nothing is done."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 def _set_module(stage: nn.Module, name: str, module: nn.Module) -> None:

@@ -33,6 +33,7 @@ and a spot check replay a session's product bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Final, Literal
 
 import attrs
@@ -157,18 +158,45 @@ def kernel_dtype(device: torch.device) -> torch.dtype:
 
 #: Rows packed at a time: the CPU packer's blocked layout is separable by row blocks of this
 #: size (a test checks it), and packing in blocks keeps its int32 input to 4 bytes a
-#: parameter of one block, not of the whole table (SmolLM2's head: 9 MB, not 113 MB).
+#: parameter of one block, not of the whole table (SmolLM2's head: 9 MB, not 113 MB). Each
+#: block is written into the one output tensor, so no list of blocks is held beside it.
 PACK_ROWS: Final = 4096
+
+
+def _cpu_pack_ints(n: int, k: int, blocks: Iterator[tuple[int, Tensor]]) -> Tensor:
+    """``_convert_weight_to_int4pack_for_cpu`` of an ``[n, k]`` weight given as int32 code
+    blocks ``(first row, [rows, k])``, written block by block into one ``[n, k // 2]``."""
+    out = torch.empty(n, k // 2, dtype=torch.uint8)
+    for i, ints in blocks:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
+        out[i : i + ints.shape[0]] = packed.view(ints.shape[0], k // 2)
+    return out
 
 
 def _cpu_pack(codes: Tensor) -> Tensor:
     """``_convert_weight_to_int4pack_for_cpu`` of nibble codes uint8 ``[N, K // 2]``."""
-    out = []
-    for i in range(0, codes.shape[0], PACK_ROWS):
-        block = codes[i : i + PACK_ROWS]
-        ints = torch.stack((block & 15, block >> 4), -1).flatten(-2).to(torch.int32)
-        out.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1))
-    return out[0] if len(out) == 1 else torch.cat(out)
+    n, k = codes.shape[0], codes.shape[1] * 2
+
+    def blocks() -> Iterator[tuple[int, Tensor]]:
+        for i in range(0, n, PACK_ROWS):
+            block = codes[i : i + PACK_ROWS]
+            yield i, torch.stack((block & 15, block >> 4), -1).flatten(-2).to(torch.int32)
+
+    return _cpu_pack_ints(n, k, blocks())
+
+
+def _cpu_pack_split(codes: Tensor) -> tuple[Tensor, Tensor]:
+    """int8 codes ``[N, K]`` packed for the CPU int4 kernel as two weights, ``hi + 8`` and
+    ``lo`` (``code = 16 hi + lo``), a block of rows at a time: the same packed bytes as
+    ``_cpu_pack`` of ``_split_int8``'s nibbles, without holding the nibbles."""
+    n, k = codes.shape
+
+    def blocks(part: str) -> Iterator[tuple[int, Tensor]]:
+        for i in range(0, n, PACK_ROWS):
+            c = codes[i : i + PACK_ROWS].to(torch.int32)  # arithmetic shift of signed codes
+            yield i, (c >> 4) + 8 if part == "hi" else c & 15
+
+    return _cpu_pack_ints(n, k, blocks("hi")), _cpu_pack_ints(n, k, blocks("lo"))
 
 
 def _split_int8(codes: Tensor) -> tuple[Tensor, Tensor]:
@@ -184,16 +212,22 @@ def _split_int8(codes: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-class _Int4:
-    """One int4 weight packed for its kernel, with ``[K // g, N, 2]`` scales and zeros."""
+def _pack(codes: Tensor) -> Tensor:
+    """Nibble codes uint8 ``[N, K // 2]`` in the int4 kernel's layout on their device."""
+    if codes.device.type == "cuda":  # untested here: no CUDA build of torch on this host
+        swapped = (codes & 15) << 4 | (codes >> 4)  # the CUDA packer wants even high
+        out: Tensor = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
+        return out
+    return _cpu_pack(codes)
 
-    def __init__(self, codes: Tensor, scale: Tensor, zero: Tensor, group: int, dt: torch.dtype):
+
+class _Int4:
+    """One int4 weight packed for its kernel (``packed``), with ``[K // g, N, 2]`` scales and
+    zeros."""
+
+    def __init__(self, packed: Tensor, scale: Tensor, zero: Tensor, group: int, dt: torch.dtype):
         self.group = group
-        if codes.device.type == "cuda":  # untested here: no CUDA build of torch on this host
-            swapped = (codes & 15) << 4 | (codes >> 4)  # the CUDA packer wants even high
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
-        else:
-            self.packed = _cpu_pack(codes)
+        self.packed = packed
         self.scales_zeros = torch.stack((scale.T, zero.T), -1).to(dt).contiguous()
 
     def mm(self, x: Tensor) -> Tensor:
@@ -236,13 +270,16 @@ class QuantLinear(nn.Module):
         offset = q.offset if q.offset is not None else zero
         fits = g in KERNEL_GROUPS and k % g == 0 and n % 16 == 0  # the int4 packers' rules
         if q.kind == "int4" and fits:
-            self._parts = [_Int4(q.codes, q.scale, offset + 8 * q.scale, g, dt)]
+            self._parts = [_Int4(_pack(q.codes), q.scale, offset + 8 * q.scale, g, dt)]
             return "int4"
         if q.kind == "int8" and g == k and q.offset is None and q.codes.device.type == "cpu":
             self._int8 = (q.codes.contiguous(), q.scale[:, 0].to(dt).contiguous())
             return "int8-channel"
         if q.kind == "int8" and fits:
-            hi, lo = _split_int8(q.codes)
+            if q.codes.device.type == "cpu":
+                hi, lo = _cpu_pack_split(q.codes)
+            else:
+                hi, lo = (_pack(c) for c in _split_int8(q.codes))
             self._parts = [
                 _Int4(hi, 16 * q.scale, zero, g, dt),
                 _Int4(lo, q.scale, offset + 8 * q.scale, g, dt),
