@@ -1,6 +1,6 @@
 """How far an honest batched stage's output is from an auditor's lone recomputation, in the
-spot checks' sketch (``shard.trust.audit.sketch``), and how far each lie is — the measurement
-behind ``shard.trust.audit.HONEST_GAP`` (the calibrated ``cosine_threshold``).
+spot checks' sketch (``shard.audit.compare.sketch``), and how far each lie is — the measurement
+behind ``shard.audit.compare.HONEST_GAP`` (the calibrated ``cosine_threshold``).
 
 For each model (the tiny test checkpoints at a few seeds, and the bundled SmolLM2) and each
 of its middle blocks, ``--sessions`` sessions run side by side as a batched stage runs them
@@ -36,12 +36,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+from shard.audit.compare import sketch  # noqa: E402
 from shard.model.bundled import resolve_model  # noqa: E402
 from shard.model.llama import StageModel  # noqa: E402
 from shard.model.loader import load_stage  # noqa: E402
 from shard.model.packed import Segment, forward_packed  # noqa: E402
 from shard.testing import make_tiny_checkpoint  # noqa: E402
-from shard.trust.audit import sketch  # noqa: E402
 
 LIES = ("noise1e-3", "noise1e-2", "noise3e-2", "skip_layer", "identity")
 

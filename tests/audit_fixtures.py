@@ -13,16 +13,16 @@ import attrs
 import pytest
 import torch
 
+from shard.audit.auditor import audit_chunk
+from shard.audit.compare import audit_nonce
+from shard.audit.sampler import Accused, AuditSampler
 from shard.compute.tensors import from_wire, to_wire
 from shard.messages import NodeName, OpenSession, SessionId, Verify
 from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
 from shard.spec.audit import AuditSpec
-from shard.stage.auditor import audit_chunk
-from shard.trust.audit import audit_nonce
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipts import ReceiptSigner
-from shard.trust.sampler import Accused, AuditSampler
 
 MAX_LEN = 512
 PROMPT = 4  # the first chunk of a session: 4 prompt positions, then 1-token decode chunks

@@ -16,6 +16,8 @@ import attrs
 import torch
 
 from audit_fixtures import ACCUSED_KEY
+from shard.audit.compare import audit_nonce
+from shard.audit.sampler import Accused, AuditSampler
 from shard.compute.tensors import to_wire
 from shard.messages import (
     ChunkSeq,
@@ -33,9 +35,7 @@ from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.stage.batch import forward_batch
 from shard.stage.chunks import Session, output, plan
-from shard.trust.audit import audit_nonce
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
-from shard.trust.sampler import Accused, AuditSampler
 
 MAX_LEN = 96
 SAMPLED = Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=7)

@@ -77,7 +77,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def _evidence_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Strikes in tests write their evidence files under the test's own temporary directory,
     not into the user's cache (``[audit] evidence_dir`` absent means the cache)."""
-    from shard.failover import evidence_files
+    from shard.audit import evidence_files
 
     monkeypatch.setattr(evidence_files, "default_evidence_dir", lambda: tmp_path / "evidence")
 

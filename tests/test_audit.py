@@ -23,12 +23,12 @@ from audit_fixtures import (  # one_thread: an autouse fixture
     run_audit,
     tiny_blocks,
 )
+from shard.audit.auditor import dtype_name
+from shard.audit.compare import calibrated_threshold, commit, is_audited, pick
+from shard.audit.sampler import AuditSampler
 from shard.messages.audit import AuditVerdict
 from shard.model.llama import StageModel
-from shard.stage.auditor import dtype_name
 from shard.testing import cheating, make_tiny_checkpoint
-from shard.trust.audit import calibrated_threshold, commit, is_audited, pick
-from shard.trust.sampler import AuditSampler
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_a_lie_is_caught_by_sketch_only_above_the_rounding_noise(
 
 def test_auditor_refuses_another_block(blocks: tuple[StageModel, ...]) -> None:
     """A request for layers the auditor does not hold is an error, not a verdict."""
-    from shard.stage.auditor import AuditFailed
+    from shard.audit.auditor import AuditFailed
 
     head, accused = blocks
     sampler = AuditSampler(accused_record(accused), seed=bytes(32), rate=1.0)

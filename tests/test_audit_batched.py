@@ -2,7 +2,7 @@
 on — noise at 3e-2 of the output's std (enough to change greedy tokens), a skipped layer, the
 input passed on, and at the tail the wrong token — is caught at the configured rate whether
 the liar's forwards are batched or not, with the sketch threshold calibrated from measured
-honest noise (``shard.trust.audit.calibrated_threshold``); an honest batched stage is never
+honest noise (``shard.audit.compare.calibrated_threshold``); an honest batched stage is never
 accused. Seeds are fixed and printed; measured vs expected chunks until detection are
 printed (``-s``)."""
 
@@ -24,12 +24,12 @@ from audit_fixtures import (  # one_thread: an autouse fixture
     tiny_blocks,
 )
 from audit_tail_fixtures import TailDriver, tail_blocks, tail_record
+from shard.audit.sampler import AuditSampler
 from shard.messages import Sampling
 from shard.messages.audit import AuditRequest
 from shard.model.llama import StageModel
 from shard.testing import make_tiny_checkpoint
 from shard.testing.cheats import batched_lies, cheating
-from shard.trust.sampler import AuditSampler
 
 RATE = 0.25  # higher than the default 0.05 only to keep trials short; 1/RATE is expected
 TAIL_RATE = 0.5  # the tail driver's KV holds ~24 verdicts: a higher rate keeps one in range

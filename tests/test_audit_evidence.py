@@ -12,14 +12,9 @@ import pytest
 import torch
 
 from audit_fixtures import ACCUSED_KEY, AUDITOR_KEY, Driver, accused_record, tiny_blocks
-from shard.cli import main
-from shard.messages import NodeName, SessionId
-from shard.messages.audit import Evidence
-from shard.spec.audit import AuditSpec
-from shard.stage.auditor import audit_chunk
-from shard.testing import cheating, make_tiny_checkpoint
-from shard.trust.audit import blob_of, commit
-from shard.trust.evidence import (
+from shard.audit.auditor import audit_chunk
+from shard.audit.compare import blob_of, commit
+from shard.audit.evidence import (
     EvidenceInvalid,
     EvidencePins,
     evidence_from_json,
@@ -27,9 +22,14 @@ from shard.trust.evidence import (
     sign_evidence,
     verify_evidence,
 )
+from shard.audit.sampler import AuditSampler
+from shard.cli import main
+from shard.messages import NodeName, SessionId
+from shard.messages.audit import Evidence
+from shard.spec.audit import AuditSpec
+from shard.testing import cheating, make_tiny_checkpoint
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipts import ReceiptSigner, sign_stage
-from shard.trust.sampler import AuditSampler
 
 
 @pytest.fixture(scope="module", autouse=True)

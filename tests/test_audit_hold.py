@@ -1,4 +1,4 @@
-"""``[audit] mode = "hold"``'s release rule (``shard.failover.hold.HoldBook``), pure: a
+"""``[audit] mode = "hold"``'s release rule (``shard.audit.hold.HoldBook``), pure: a
 verdict is released only once every ring stage's audit of that chunk passed and none of an
 earlier chunk is still out; a failed, unrunnable or impossible audit ends the wait with
 ``HoldFailed``; so does the timeout. Also the spec keys. (The whole path, in a swarm:
@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.failover.hold import HoldBook, HoldFailed
+from shard.audit.hold import HoldBook, HoldFailed
 from shard.messages import NodeName, SessionId
 from shard.spec.audit import AUDIT_KEYS, AuditSpec, read_audit
 from shard.spec.validate import SpecError, Table

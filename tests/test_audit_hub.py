@@ -7,12 +7,12 @@ from __future__ import annotations
 import attrs
 import torch
 
+from shard.audit.compare import blob_of, commit
+from shard.audit.hub import AuditHub, Holder
 from shard.compute.tensors import to_wire
-from shard.failover.audits import AuditHub, Holder
 from shard.messages import NodeName
 from shard.messages.audit import AuditCopy, AuditVerdict
 from shard.spec.audit import AuditSpec
-from shard.trust.audit import blob_of, commit
 
 RING = [Holder(NodeName("s0"), 0, 2), Holder(NodeName("s1"), 2, 4), Holder(NodeName("s2"), 4, 6)]
 C, S0, S1, S2 = (NodeName(n) for n in ("coord", "s0", "s1", "s2"))
@@ -62,7 +62,7 @@ def test_only_verdicts_the_hub_asked_for_are_taken() -> None:
 def test_sessions_that_never_end_cannot_grow_the_hub() -> None:
     """Copies for ever-new sessions with no end: the hub follows at most its cap of them
     (the oldest dropped, seed and all), and an ended session is forgotten."""
-    from shard.failover.audits import _SESSIONS_MAX
+    from shard.audit.hub import _SESSIONS_MAX
 
     hub = AuditHub(AuditSpec(rate=1.0, enabled=True), C)
     for session in range(1, _SESSIONS_MAX + 200):

@@ -20,10 +20,14 @@ import pytest
 import trio
 import trio.testing
 
+from shard.audit.auditor import Auditor
+from shard.audit.compare import audit_nonce, commit
+from shard.audit.evidence import EvidencePins, verify_evidence
+from shard.audit.sampler import Accused, AuditSampler
+from shard.audit.strikes import StrikeBook
 from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion
 from shard.failover.scheduler import SchedulerStatistics
-from shard.failover.strikes import StrikeBook
 from shard.messages import NodeName
 from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
@@ -32,13 +36,9 @@ from shard.nodes.inprocess import run_swarm
 from shard.spec.audit import AuditSpec
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SwarmSpec
-from shard.stage.auditor import Auditor
 from shard.testing import AuditTap, OverstatingTail, cheating
 from shard.transport import MemoryNetwork, Network
-from shard.trust.audit import audit_nonce, commit
-from shard.trust.evidence import EvidencePins, verify_evidence
 from shard.trust.identity import NodeIdentity
-from shard.trust.sampler import Accused, AuditSampler
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
 from test_failover import model_dir as model_dir
 from test_failover import references as references
@@ -267,7 +267,7 @@ def test_an_auditing_coordinator_derives_the_job_nonce_from_the_seed_commitment(
     """With ``[audit] enabled`` the run receipt and every stage receipt sign
     ``audit_nonce(commit(seed))``: the seed was fixed before any chunk was computed."""
     seed = random.Random(SEED).randbytes(32)
-    monkeypatch.setattr("shard.failover.audits.new_seed", lambda: seed)
+    monkeypatch.setattr("shard.audit.hub.new_seed", lambda: seed)
     spec = attrs.evolve(
         failover_spec(model_dir), audit=AuditSpec(enabled=True, rate=0.5, strikes=2)
     )

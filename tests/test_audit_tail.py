@@ -26,15 +26,9 @@ from audit_fixtures import (  # one_thread: an autouse fixture
     run_audit,
 )
 from audit_tail_fixtures import SAMPLED, TailDriver, tail_blocks, tail_record
-from shard.cli import main
-from shard.messages import Sampling, SessionId
-from shard.messages.audit import AuditVerdict, Evidence
-from shard.model.llama import StageModel
-from shard.spec.audit import AuditSpec
-from shard.stage.auditor import recompute
-from shard.testing import cheating, make_tiny_checkpoint
-from shard.trust.audit import blob_of, compare_tokens, verdict_blob
-from shard.trust.evidence import (
+from shard.audit.auditor import recompute
+from shard.audit.compare import blob_of, compare_tokens, verdict_blob
+from shard.audit.evidence import (
     EvidenceInvalid,
     EvidencePins,
     evidence_from_json,
@@ -42,8 +36,14 @@ from shard.trust.evidence import (
     sign_evidence,
     verify_evidence,
 )
+from shard.audit.sampler import AuditSampler
+from shard.cli import main
+from shard.messages import Sampling, SessionId
+from shard.messages.audit import AuditVerdict, Evidence
+from shard.model.llama import StageModel
+from shard.spec.audit import AuditSpec
+from shard.testing import cheating, make_tiny_checkpoint
 from shard.trust.receipts import ReceiptSigner
-from shard.trust.sampler import AuditSampler
 
 GREEDY = Sampling()
 
@@ -198,7 +198,7 @@ def _resigned(ev: Evidence, **changes: object) -> Evidence:
 
 
 def _honest_claim(ev: Evidence) -> object:
-    from shard.trust.audit import tail_choice, tensor_of
+    from shard.audit.compare import tail_choice, tensor_of
 
     ids, accepted = tail_choice(tensor_of(ev.recomputed), ev.chunk, ev.sampling)
     return verdict_blob(ids, accepted)

@@ -22,6 +22,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.audit.evidence import evidence_from_json, verify_evidence
 from shard.compute.offload import inline_compute
 from shard.coordinator.events import RingError
 from shard.failover.scheduler import SchedulerStatistics
@@ -33,7 +34,6 @@ from shard.spec.audit import AuditSpec
 from shard.spec.swarm import SwarmSpec
 from shard.testing.cheats import batched_lies, cheating
 from shard.transport import MemoryNetwork
-from shard.trust.evidence import evidence_from_json, verify_evidence
 from test_audit_swarm import unbatched, with_auditors
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
 from test_failover import model_dir as model_dir

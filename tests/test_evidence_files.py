@@ -24,9 +24,10 @@ import trio
 import trio.testing
 from textual.widgets import DataTable, Static
 
+from shard.audit.evidence import evidence_from_json, verify_evidence
+from shard.audit.evidence_files import EvidenceShelf, write_evidence
 from shard.cli import main
 from shard.compute.offload import inline_compute
-from shard.failover.evidence_files import EvidenceShelf, write_evidence
 from shard.messages import Hello, NodeName, StatusSnapshot
 from shard.model.llama import StageModel
 from shard.nodes.coordinator import CoordinatorHandle
@@ -36,7 +37,6 @@ from shard.spec.audit import AuditSpec
 from shard.testing import cheating
 from shard.transport import MemoryNetwork
 from shard.transport.links import dial_peer
-from shard.trust.evidence import evidence_from_json, verify_evidence
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
 from test_failover import model_dir as model_dir
 

@@ -24,6 +24,9 @@ from audit_fixtures import AUDITOR_KEY, BatchedDriver, accused_record
 from audit_fixtures import one_thread as one_thread
 from quant_fixtures import stored_tiny
 from receipt_fixtures import ring_spec, run_with_receipt
+from shard.audit.auditor import audit_chunk, audit_offloaded, recompute
+from shard.audit.compare import tensor_of
+from shard.audit.sampler import AuditSampler
 from shard.cli import main
 from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion
@@ -34,13 +37,10 @@ from shard.model.loader import load_stage
 from shard.nodes.auditing import weights_of
 from shard.nodes.inprocess import run_swarm
 from shard.spec.audit import AuditSpec
-from shard.stage.auditor import audit_chunk, audit_offloaded, recompute
 from shard.testing import make_tiny_checkpoint
 from shard.testing.cheats import batched_lies, cheating
 from shard.transport import MemoryNetwork
-from shard.trust.audit import tensor_of
 from shard.trust.receipt_check import receipt_to_json, verify_run
-from shard.trust.sampler import AuditSampler
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
 from test_quant_failover import local_references
 

@@ -94,7 +94,7 @@ def receipt(args: argparse.Namespace) -> int:
 
 def _evidence(args: argparse.Namespace) -> int:
     """``shard receipt verify --evidence FILE``: 0 valid, 1 invalid, 2 bad arguments."""
-    from shard.trust.evidence import (
+    from shard.audit.evidence import (
         EvidenceInvalid,
         EvidencePins,
         evidence_from_json,

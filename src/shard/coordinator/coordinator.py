@@ -115,7 +115,7 @@ class Coordinator:
         ``sent_log`` is the log of what each session sent (default: a fresh one); the ring
         link replays it to a standby that replaces stage 0. ``nonces(session)`` is the job
         nonce a receipt-signing session sends (default: 16 random bytes); a swarm that audits
-        derives it from the session's committed audit seed (``shard.failover.audits``).
+        derives it from the session's committed audit seed (``shard.audit.hub``).
         ``feature_dim`` is the target's hidden size: the width of the features a proposer
         may ask for (``shard.coordinator.features``; None: any width). ``hold``: each
         request's release gate in ``[audit] mode = "hold"`` (``RequestDriver``)."""

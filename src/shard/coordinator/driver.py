@@ -98,7 +98,7 @@ class RequestDriver:
         ``hold`` (``[audit] mode = "hold"``): awaited before a verdict's tokens are emitted,
         with the session, the verdict's ``seq`` and the tokens released before; it returns
         once every stage's part of that verdict was confirmed by an audit, or raises
-        ``RingError`` (``shard.failover.hold``)."""
+        ``RingError`` (``shard.audit.hold``)."""
         self._ring = ring
         self._ledger = ledger
         self._sid = sid

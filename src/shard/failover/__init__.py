@@ -3,7 +3,8 @@ queueing repairs, ``scheduler.py``), its registry of members and slots (``regist
 repairs themselves (splicing standbys in, re-dialling edges: ``splice.py``), the messages it
 queues and sends the coordinator's router (``events.py``), the control links (``control.py``),
 a supervised ring edge with heartbeats and deadlines (``edge.py``), the replay log of what was
-sent downstream (``replay.py``), forming a ring from joined nodes over a measured RTT mesh
+sent downstream (``replay.py``; spot checks and their strikes are ``shard.audit``'s, driven by
+the scheduler), forming a ring from joined nodes over a measured RTT mesh
 kept current (``formation.py``, ``mesh.py``, ``rtt.py``) and seeded fault injection for tests
 (``faults.py``: test support, which nothing in ``src`` imports).
 """

@@ -36,7 +36,9 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from shard.failover.audits import AuditHub, Holder
+from shard.audit.evidence_files import EvidenceShelf
+from shard.audit.hub import AuditHub, Holder
+from shard.audit.strikes import AuditStatistics, StrikeBook
 from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import (
@@ -48,7 +50,6 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
-from shard.failover.evidence_files import EvidenceShelf
 from shard.failover.formation import Formation, Prober, check_register
 from shard.failover.mesh import MeshStatistics
 from shard.failover.registry import (
@@ -61,7 +62,6 @@ from shard.failover.registry import (
 )
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
-from shard.failover.strikes import AuditStatistics, StrikeBook
 from shard.messages import (
     AuditCounts,
     Fault,

@@ -2,7 +2,7 @@
 a stage that lied about what it computed.
 
 Plain records, like every message. Building, signing and checking evidence is
-``shard.trust.evidence``; choosing chunks and comparing results is ``shard.trust.audit``. The
+``shard.audit.evidence``; choosing chunks and comparing results is ``shard.audit.compare``. The
 file a person checks offline (``shard receipt verify --evidence FILE``) is canonical JSON of
 ``Evidence``, so tensor payloads are base64 text here (``Blob``), not raw bytes.
 
@@ -134,7 +134,7 @@ class AuditRequest:
     #: forward's output matches a lone recomputation only to rounding, so never bit-exact
     batched: bool = False
     #: how the accused holds its block's weights (``[swarm] weights``; None: dense in its
-    #: dtype): an auditor replays only with the same kernels (``shard.stage.auditor``)
+    #: dtype): an auditor replays only with the same kernels (``shard.audit.auditor``)
     weights: str | None = None
 
 

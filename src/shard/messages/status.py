@@ -65,7 +65,7 @@ class EventRecord:
 
 @attrs.frozen
 class AuditCounts:
-    """Spot checks so far (``shard.failover.strikes``): audits answered, failed audits
+    """Spot checks so far (``shard.audit.strikes``): audits answered, failed audits
     (strikes) and stages evicted for them; ``evicted`` names them (a monitor drops them from
     the ring line), ``evidence`` is the paths of the latest evidence files the coordinator
     wrote (``[audit] evidence_dir``; newest last; ``shard receipt verify --evidence``)."""

@@ -3,7 +3,7 @@
 A swarm with ``[audit] enabled`` has every supervised stage copy its ring chunks up its control
 link (``shard.transport.mirror``; the scheduler's ``AuditHub`` says why) and every standby or
 auditor (``[[standby]] role = "auditor"``) that holds a block answer audit requests for it
-(``shard.stage.auditor``). Without it, nothing here runs and the node's network is its own.
+(``shard.audit.auditor``). Without it, nothing here runs and the node's network is its own.
 
 ``weights_of`` is how a node holds its block, for the node itself (a standby or auditor holds
 it as the stage it stands for, so its replays run that stage's kernels) and for the
@@ -18,17 +18,17 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
+from shard.audit.auditor import QUANTIZED, audit_offloaded
+from shard.audit.hold import HoldFailed
+from shard.audit.hub import AuditHub
 from shard.coordinator.driver import Hold
 from shard.coordinator.events import RingError
-from shard.failover.audits import AuditHub
-from shard.failover.hold import HoldFailed
 from shard.messages import NodeName, SessionId
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
 from shard.nodes.compose import signing_identity
 from shard.spec.nodes import StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
-from shard.stage.auditor import QUANTIZED, audit_offloaded
 from shard.transport import Network
 from shard.transport.mirror import MirrorNetwork
 
@@ -86,7 +86,7 @@ def auditing(
 
 def hold_gate(hub: AuditHub | None) -> Hold | None:
     """``[audit] mode = "hold"``: the coordinator's release gate — a request's verdict waits
-    for the hub's confirmations (``shard.failover.hold``); one that cannot be confirmed ends
+    for the hub's confirmations (``shard.audit.hold``); one that cannot be confirmed ends
     the request with a ``RingError`` holding only the tokens released before it. None when
     the swarm does not audit, or samples."""
     book = hub.hold if hub is not None else None

@@ -23,15 +23,15 @@ import attrs
 import trio
 
 from shard.api.server import ApiServer, make_server
+from shard.audit.hub import AuditHub
 from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore
-from shard.coordinator.driver import Hold
 from shard.coordinator.coordinator import Coordinator
+from shard.coordinator.driver import Hold
 from shard.coordinator.service import complete
 from shard.decode.draft import (
     Drafter,
 )
-from shard.failover.audits import AuditHub
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.formation import Prober

@@ -7,7 +7,7 @@ rate = 0.05               # each chunk a stage sends is audited with this probab
 strikes = 2               # failed audits after which the scheduler evicts the stage
 sketch_dims = 256         # random-projection sketch size (mixed hardware or dtypes)
 # cosine_threshold = 0.999 # a sketch's smallest per-row cosine must reach this (absent:
-                          # calibrated to the two ends' dtypes, shard.trust.audit)
+                          # calibrated to the two ends' dtypes, shard.audit.compare)
 token_margin = 1.0        # the tail: a differing token within this many logits is a tie
 mode = "sample"           # "hold": a chunk's tokens reach the client only once audited
 hold_timeout_s = 60.0     # hold: a verdict not confirmed this long ends its request
@@ -17,8 +17,8 @@ evidence_dir = "evidence" # each strike's signed evidence is written here (absen
 An absent table reads as these defaults. A relative ``evidence_dir`` resolves against the
 spec's directory; absent, the coordinator writes evidence to
 ``$XDG_CACHE_HOME/shard/evidence`` (else ``~/.cache/shard/evidence``;
-``shard.failover.evidence_files``). What the keys mean, and how the threshold was
-calibrated, is in ``docs/security.md`` (spot checks) and ``shard.trust.audit``.
+``shard.audit.evidence_files``). What the keys mean, and how the threshold was
+calibrated, is in ``docs/security.md`` (spot checks) and ``shard.audit.compare``.
 """
 
 from __future__ import annotations
@@ -55,19 +55,19 @@ class AuditSpec:
     strikes: int = 2
     sketch_dims: int = 256
     #: None: calibrated from measured honest noise for the two ends' dtypes
-    #: (``shard.trust.audit.calibrated_threshold``); a number overrides it
+    #: (``shard.audit.compare.calibrated_threshold``); a number overrides it
     cosine_threshold: float | None = None
     #: the tail's verdicts where replay is not bit-exact: a token that differs from the
     #: auditor's is a strike only if raising its logit by this much would not make it chosen
     token_margin: float = 1.0
     #: "sample": audit at ``rate``, tokens reach the client as committed; "hold": audit every
     #: chunk of every stage and release a chunk's tokens only once an independent replica
-    #: confirmed every stage's part of it (``shard.failover.hold``, docs/security.md)
+    #: confirmed every stage's part of it (``shard.audit.hold``, docs/security.md)
     mode: str = "sample"
     #: hold: how long a verdict may wait for its confirmations before its request ends
     hold_timeout_s: float = 60.0
     #: where the coordinator writes each strike's signed evidence (absolute; None: the
-    #: default under shard's cache, ``shard.failover.evidence_files.default_evidence_dir``)
+    #: default under shard's cache, ``shard.audit.evidence_files.default_evidence_dir``)
     evidence_dir: str | None = None
 
 

@@ -42,6 +42,7 @@ import attrs
 import torch
 import trio
 
+from shard.audit.sampler import AuditSampler
 from shard.messages import Hello, Message, Verdict
 from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
@@ -49,7 +50,6 @@ from shard.model.llama import Block, StageModel, TailOut
 from shard.model.packed import Segment
 from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
-from shard.trust.sampler import AuditSampler
 
 __all__ = [
     "CHEATS",

@@ -4,13 +4,13 @@ Any node holding the same block can audit (a standby, a spare, a dedicated audit
 ``AuditRequest`` it builds a fresh KV cache, replays the session's earlier chunks into it (the
 ones the predecessor's replay log keeps: same inputs, same shapes, same order, so the KV is the
 one an honest stage would hold), runs the audited chunk, and compares its output with the
-claimed one (``shard.trust.audit.compare``: bit-exact when both ends declare the same device
+claimed one (``shard.audit.compare.compare``: bit-exact when both ends declare the same device
 class and dtype and the accused does not batch, else by seeded sketch against a threshold
 calibrated for the two ends' dtypes, ``threshold_for``). At the tail it runs the head on the
 rows the choice reads and compares the verdict it chooses from them with the claimed one
-(``shard.trust.audit.compare_tokens``: no margin where replay is bit-exact, else
+(``shard.audit.compare.compare_tokens``: no margin where replay is bit-exact, else
 ``token_margin``). A failed audit comes back with signed ``Evidence``
-(``shard.trust.evidence``) that anyone can check offline.
+(``shard.audit.evidence``) that anyone can check offline.
 
 A replay proves something only on the kernels the accused ran: an auditor holding its block
 quantized otherwise (``[swarm] weights``: ``stored``, ``int8``, ``int4``, or dense) than the
@@ -32,13 +32,7 @@ import attrs
 import torch
 import trio
 
-from shard.compute import offload
-from shard.compute.tensors import to_wire
-from shard.messages import NodeName
-from shard.messages.audit import AuditedChunk, AuditRequest, AuditVerdict, Evidence
-from shard.model.llama import StageModel
-from shard.spec.audit import AuditSpec
-from shard.trust.audit import (
+from shard.audit.compare import (
     Comparison,
     blob_of,
     calibrated_threshold,
@@ -48,7 +42,13 @@ from shard.trust.audit import (
     tensor_of,
     wire_of,
 )
-from shard.trust.evidence import sign_evidence
+from shard.audit.evidence import sign_evidence
+from shard.compute import offload
+from shard.compute.tensors import to_wire
+from shard.messages import NodeName
+from shard.messages.audit import AuditedChunk, AuditRequest, AuditVerdict, Evidence
+from shard.model.llama import StageModel
+from shard.spec.audit import AuditSpec
 from shard.trust.identity import NodeIdentity
 
 _DEFAULT = AuditSpec()
@@ -116,7 +116,7 @@ def recompute(
 
 def threshold_for(model: StageModel, req: AuditRequest, policy: AuditSpec) -> float:
     """The sketch threshold for ``req``: the spec's, else calibrated for the accused's declared
-    dtype and this auditor's (``shard.trust.audit.calibrated_threshold``)."""
+    dtype and this auditor's (``shard.audit.compare.calibrated_threshold``)."""
     if policy.cosine_threshold is not None:
         return policy.cosine_threshold
     return calibrated_threshold(req.dtype, dtype_name(model))

@@ -34,12 +34,7 @@ from typing import Any
 import attrs
 import torch
 
-from shard.compute.tensors import from_wire
-from shard.messages import StageReceipt
-from shard.messages import Tensor as WireTensor
-from shard.messages.audit import AuditedChunk, ChainProof, Evidence
-from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
-from shard.trust.audit import (
+from shard.audit.compare import (
     audit_nonce,
     choice_rows,
     commit,
@@ -50,6 +45,11 @@ from shard.trust.audit import (
     verdict_of,
     wire_of,
 )
+from shard.compute.tensors import from_wire
+from shard.messages import StageReceipt
+from shard.messages import Tensor as WireTensor
+from shard.messages.audit import AuditedChunk, ChainProof, Evidence
+from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
 from shard.trust.canonical import from_canonical_json, to_canonical_json
 from shard.trust.identity import NodeIdentity, short, verify_signature
 from shard.trust.receipts import (

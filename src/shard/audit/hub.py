@@ -29,7 +29,7 @@ crosses to the coordinator twice more (sent and received copies), and a stage wa
 copies to be queued.
 
 In ``[audit] mode = "hold"`` every chunk is audited (rate 1) and the hub keeps a
-``HoldBook`` (``hold``; ``shard.failover.hold``): which chunk each request asked about and how
+``HoldBook`` (``hold``; ``shard.audit.hold``): which chunk each request asked about and how
 its audit came out, so a request's driver releases a verdict's tokens only once every stage's
 part of it is confirmed.
 
@@ -44,7 +44,9 @@ from typing import Final, cast
 
 import attrs
 
-from shard.failover.hold import HoldBook
+from shard.audit.compare import audit_nonce, commit, new_seed
+from shard.audit.hold import HoldBook
+from shard.audit.sampler import Accused, AuditSampler
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -57,8 +59,6 @@ from shard.messages import (
 )
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.spec.audit import AuditSpec
-from shard.trust.audit import audit_nonce, commit, new_seed
-from shard.trust.sampler import Accused, AuditSampler
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class AuditHub:
 
     def nonce(self, session: SessionId) -> bytes:
         """The job nonce for ``session``: derived from its seed's commitment
-        (``shard.trust.audit.audit_nonce``), so each stage's signed receipt fixes the
+        (``shard.audit.compare.audit_nonce``), so each stage's signed receipt fixes the
         commitment before the stage computes anything."""
         return bytes.fromhex(audit_nonce(commit(self.seed(session))))
 

@@ -7,7 +7,7 @@ record, so any chunk's inclusion proof can be cut later), and the inputs each ch
 to, pruned exactly like the predecessor's replay log (``shard.failover.replay``): a chunk at
 ``start`` makes every earlier-logged chunk starting at or after it dead. The decision for an
 output chunk is ``is_audited(seed, output chain just after it, rate)`` — fixed the moment the
-stage sent it, unknowable to the stage without the seed (``shard.trust.audit``).
+stage sent it, unknowable to the stage without the seed (``shard.audit.compare``).
 
 At the tail the outputs are verdicts (``Verdict``: target ids and the accepted count, as the
 coordinator received them); the chain record is the one the tail's receipt signs
@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import attrs
 
+from shard.audit.compare import blob_of, commit, is_audited, verdict_at, verdict_blob
 from shard.messages import (
     EndSession,
     Message,
@@ -41,7 +42,6 @@ from shard.messages import (
     Verify,
 )
 from shard.messages.audit import AuditedChunk, AuditRequest, Blob, ChainProof
-from shard.trust.audit import blob_of, commit, is_audited, verdict_at, verdict_blob
 from shard.trust.receipts import Chain, chunk_record, payload_of, verdict_payload
 
 __all__ = ["Accused", "AuditSampler", "ChainLog"]

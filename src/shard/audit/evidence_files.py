@@ -3,7 +3,7 @@
 The scheduler keeps every failed audit's signed ``Evidence`` (``StrikeBook.evidence``); the
 ``EvidenceShelf`` also writes each to a file of its own in ``[audit] evidence_dir`` (default:
 ``default_evidence_dir()``, under shard's cache), so ``shard receipt verify --evidence FILE``
-checks it offline, on any machine. The file is ``shard.trust.evidence.evidence_to_json``:
+checks it offline, on any machine. The file is ``shard.audit.evidence.evidence_to_json``:
 exactly the bytes the verifier accepts.
 
 A file appears whole or not at all: it is written under a temporary name in the same
@@ -62,7 +62,7 @@ def write_evidence(directory: Path, evidence: Evidence) -> Path:
 
     Errors: ``OSError`` when the directory or the file cannot be written; ``ValueError``
     for evidence canonical JSON cannot hold (a NaN from a broken auditor)."""
-    from shard.trust.evidence import evidence_to_json  # torch: only where evidence is written
+    from shard.audit.evidence import evidence_to_json  # torch: only where evidence is written
 
     text = evidence_to_json(evidence)
     directory.mkdir(parents=True, exist_ok=True)

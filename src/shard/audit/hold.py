@@ -1,7 +1,7 @@
 """HoldBook: ``[audit] mode = "hold"`` — a verdict's tokens reach the client only once an
 independent replica confirmed every ring stage's part of it.
 
-In hold mode the hub (``shard.failover.audits``) audits every chunk of every stage (rate 1)
+In hold mode the hub (``shard.audit.hub``) audits every chunk of every stage (rate 1)
 and tells this book which chunk (by session and ``seq``, the number a chunk keeps on every
 edge of the ring) it asked an auditor about and how each audit came out. A request's driver
 (``shard.coordinator.driver``) calls ``wait(session, seq)`` before it emits the tokens of the

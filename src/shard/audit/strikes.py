@@ -1,7 +1,7 @@
 """StrikeBook: the scheduler's count of audits, failed audits (strikes) and evictions.
 
 Each strike's signed evidence is also written to a file by the scheduler
-(``shard.failover.evidence_files``), so it leaves the coordinator.
+(``shard.audit.evidence_files``), so it leaves the coordinator.
 
 Pure: ``record(verdict)`` says whether the verdict's stage has now reached ``limit`` strikes
 and must be evicted (once per node: an evicted node is not evicted again). Verdicts with
