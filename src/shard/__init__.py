@@ -22,20 +22,26 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
                     batching of waiting chunks
     compute/        what every torch-running role shares: where blocking work runs
                     (``offload.py``) and torch tensors to and from the wire (``tensors.py``)
-    model/          the Llama-family model in plain torch, loading, GGUF import, tokenizer and
-                    chat template, the bundled SmolLM2 (imports nothing of the network)
+    model/          the model families in plain torch (dense and mixture-of-experts), weights
+                    kept quantized, loading, GGUF import, tokenizer and chat template, the
+                    bundled SmolLM2 and Gemma 3 (imports nothing of the network)
     placement/      pure planning: which nodes form the ring, in which order, holding which
                     layers, the coordinator where; the sticky re-plan after a failure
     failover/       the scheduler (death detection, splicing standbys in), control links,
-                    supervised edges with heartbeats, the replay log, scripted faults
+                    supervised edges with heartbeats, the replay log, ring formation
+    audit/          spot checks: sampled chunks recomputed on another node, strikes, evidence
     trust/          node keys, admission tokens, the mutual handshake and sealed frames, signed
                     receipts and their offline check, device identity
     weights/        signed content-addressed manifests, chunk-verified block fetch, seeders
     api/            the OpenAI-compatible HTTP API and the chat page, served by the coordinator
     observe/        the status feed, device probes, the Textual monitor (``tui/``)
     bench/          ``shard bench``: rings side by side against the analytical bound
+    testing/        test support (tiny checkpoints, cheating stages, NAT helpers)
 
-Test helpers are public API in ``testing/``; seeded fault injection is
+Beside them: ``errors.py`` (errors shared by layers that must not import each other) and
+``__main__.py`` (``python -m shard``).
+
+Test helpers are public API; seeded fault injection is
 ``failover/faults.py``; nothing else in ``src`` imports either. Every blocking call leaves the
 event loop through one helper, ``compute/offload.py``'s ``run_sync`` (a worker thread; inline
 under ``inline_compute()`` for virtual-time tests): forward passes, drafting and audits each

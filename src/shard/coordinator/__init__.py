@@ -4,7 +4,9 @@ messages between them (``events.py``), the shared send side of the ring link (``
 statistics and the K/D model every request records into (``ledger.py``; the rolling ring
 statistics it keeps, ``ringstats.py``, are what the status feed and the monitor show), text in
 / tokens out (``service.py``), the client side of that protocol (``client.py``), per-request
-checkpoints (``checkpoint.py``) and receipt gathering (``receipts.py``). It may import decode,
+checkpoints (``checkpoint.py``), receipt gathering (``receipts.py``), the features a tail
+returns (``features.py``) and the boundary that turns any failure on one request's path into
+that request's error (``supervise.py``). It may import decode,
 failover (its replay log and the scheduler's messages), trust, transport and messages; never
 observe, nodes or cli.
 """

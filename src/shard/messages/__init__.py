@@ -15,6 +15,20 @@ Flow of one request through the ring (plain decoding)::
 ``Prefill`` and ``Verify`` carry token ids (``ids``) on the first edge and hidden states
 (``hidden``) on every later one; the tail turns its logits into token ids, so only small
 integers travel back to the coordinator (direct return, one hop).
+
+One module per conversation::
+
+    ring.py      the handshake on every link, heartbeats, probes, and what flows round the ring
+    client.py    a generation request in, committed tokens out, the run's statistics
+    control.py   a node and the scheduler: registration, profiles, rewiring, RTT reports
+    fetch.py     a joining node and a seeder: manifest chunks
+    audit.py     spot checks: audited chunks, inclusion proofs, signed evidence
+    receipts.py  signed receipts: a stage's account of a job, the coordinator's of a run
+    status.py    the coordinator's live snapshot for monitors
+    reach.py     the relay's signalling link (nodes behind NAT)
+    values.py    value types inside messages: tensor payloads, sampling parameters
+    ids.py       ids, protocol constants, the dtypes a tensor may carry
+    bounds.py    the one table of bounds on every number a generation request carries
 """
 
 from __future__ import annotations

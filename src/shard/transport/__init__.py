@@ -20,6 +20,9 @@ One interface, three implementations, one relay::
     nat.py         NatNetwork: reaching nodes that accept no inbound connection (nat:NAME),
                    by a callback or through the relay (callee.py: the side behind NAT;
                    relayhub.py: RelayHub, the relay role)
+    links.py       the Hello/Welcome handshake on every connection, and the pump from a
+                   connection to an actor
+    secure.py      SecureWebSocketNetwork: every connection authenticated and sealed
     mirror.py      MirrorNetwork: wraps a node's network and copies every ring chunk it
                    sends or receives to a sink (the audits' view of a stage's traffic)
 
