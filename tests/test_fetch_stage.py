@@ -16,11 +16,11 @@ from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.fetching import accept_manifest, fetch_stage, make_seeder
 from shard.nodes.inprocess import run_swarm
 from shard.spec.fetch import SeederSpec
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.trust.identity import NodeIdentity
-from shard.weights.block import accept_manifest, fetch_stage, make_seeder
 from shard.weights.build import build_manifest
 from shard.weights.manifest import Manifest, ManifestInvalid
 

@@ -18,6 +18,7 @@ The rules (each package's ``__init__`` docstring says the same):
   roots (``shard.nodes``) nor the CLI, and no torch;
 - ``shard.placement`` is pure planning: it imports no other shard package but
   ``shard.errors``, and nothing of torch or the network;
+- no package imports itself through others: the packages form layers, with no exception;
 - nothing in ``src`` imports the test helpers (``shard.testing``: tiny checkpoints, cheating
   stages, the NAT firewall and tampering relay, the entry points of cheating processes) or
   fault injection
@@ -215,3 +216,86 @@ def test_allowed_imports_are_not_reported(tmp_path: Path) -> None:
         },
     )
     assert violations(root) == []
+
+
+def package_graph(root: Path) -> dict[str, dict[str, list[str]]]:
+    """``{package: {imported package: [FILE:LINE, ...]}}`` between the packages directly under
+    ``root`` (a module's package is its first component: ``shard.a.b.c`` is in ``a``; the root's
+    own modules are outside every package)."""
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    graph: dict[str, dict[str, list[str]]] = {p: {} for p in packages}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(root, path)
+        source = name.split(".")[1] if name.count(".") else ""
+        if source not in packages:
+            continue
+        for line, target in imports_of(path, name):
+            parts = target.split(".")
+            if parts[0] != "shard" or len(parts) < 2 or parts[1] not in packages:
+                continue
+            if parts[1] != source:
+                graph[source].setdefault(parts[1], []).append(f"{path.name}:{line}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Every strongly connected set of more than one package (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_package_imports_itself_through_others() -> None:
+    """The packages form layers: no cycle among them, with no exception listed."""
+    graph = package_graph(SRC)
+    found = cycles(graph)
+    detail = [
+        f"{a} -> {b}: {', '.join(graph[a][b][:3])}"
+        for members in found
+        for a in members
+        for b in members
+        if b in graph[a]
+    ]
+    assert found == [], "\n".join(detail)
+
+
+def test_a_package_cycle_is_reported(tmp_path: Path) -> None:
+    """Two packages importing each other (one function-locally) are found as one cycle."""
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a/__init__.py": "",
+            "a/x.py": "from shard.b.y import f\n",
+            "b/__init__.py": "",
+            "b/y.py": "def f():\n    from shard.a import x\n",
+            "c/__init__.py": "",
+            "c/z.py": "from shard.a.x import f\n",
+        },
+    )
+    assert cycles(package_graph(root)) == [["a", "b"]]

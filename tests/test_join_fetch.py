@@ -20,12 +20,12 @@ from fetch_fixtures import source
 from shard.failover.control import OrderFailed
 from shard.messages import Activate, NodeProfile
 from shard.model.config import ModelConfig
+from shard.nodes.fetching import fetch_common, make_seeder
 from shard.nodes.joining import fetches_weights, joined_spec
 from shard.nodes.stage import _StageNode
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.transport import WebSocketNetwork
 from shard.trust.identity import NodeIdentity
-from shard.weights.block import fetch_common, make_seeder
 from shard.weights.build import build_manifest
 from shard.weights.manifest import Manifest
 from shard.weights.plan import block_chunks, chunk_keys, common_chunks

@@ -27,12 +27,12 @@ from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.quant import QuantLinear
 from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.fetching import fetch_layers, make_seeder
 from shard.nodes.inprocess import run_swarm
 from shard.nodes.joining import joined_spec
 from shard.nodes.stage import _load
 from shard.spec.swarm import SwarmSpec
 from shard.transport import WebSocketNetwork
-from shard.weights.block import fetch_layers, make_seeder
 from shard.weights.build import build_manifest
 from shard.weights.fetch import FetchError
 from shard.weights.manifest import Manifest

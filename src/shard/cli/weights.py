@@ -103,8 +103,8 @@ def check_directory(manifest: Manifest, directory: Path) -> list[str]:
 
 def fetch_main(args: argparse.Namespace) -> int:
     """``shard fetch --spec SPEC --node STAGE``: fetch a stage's block now, with progress."""
+    from shard.nodes.fetching import fetch_stage
     from shard.spec.swarm import load_spec
-    from shard.weights.block import fetch_stage
     from shard.weights.fetch import FetchProgress
 
     spec = load_spec(args.spec)

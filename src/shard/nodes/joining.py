@@ -11,7 +11,7 @@ standby for the sticky re-plan after a death.
 Weights: when the swarm's spec has ``[fetch]`` and its ``stages`` is ``"all"`` (the default)
 or names this node (``fetches_weights``), the node needs no local copy: before profiling it
 fetches, verified against the signed manifest, only what every block holds (``config.json``,
-tokenizer, safetensors headers: ``shard.weights.block.fetch_common``), and reads the model's
+tokenizer, safetensors headers: ``shard.nodes.fetching.fetch_common``), and reads the model's
 shape from that ``config.json``; on ``Activate`` it fetches exactly the chunks of its block
 (``fetch_layers``) into the same cache directory and loads from there. A tampered chunk is
 refused and asked of another seeder; a block no seeder can serve fails that ``Activate``
@@ -37,12 +37,12 @@ from shard.model.config import ModelConfig
 from shard.model.device import resolve_device, torch_dtype
 from shard.model.profile import available_memory_bytes, measure_layer_ms, warm_loader
 from shard.nodes.defaults import with_checkpoint_weights
+from shard.nodes.fetching import fetch_common
 from shard.nodes.stage import StageHandle, _StageNode
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.trust import CredentialPaths
 from shard.transport import Network
-from shard.weights.block import fetch_common
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import trio
 
+from shard.nodes.fetching import make_seeder
 from shard.spec.swarm import SwarmSpec
-from shard.weights.block import make_seeder
 
 
 async def run_seeder(

@@ -50,6 +50,7 @@ from shard.model.weights import resolve_weights
 from shard.nodes.auditing import auditing, weights_of
 from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.defaults import with_checkpoint_weights
+from shard.nodes.fetching import fetch_layers, fetch_stage, make_seeder
 from shard.nodes.sizes import model_facts
 from shard.spec.nodes import StageSpec, StandbySpec
 from shard.spec.swarm import SwarmSpec
@@ -61,7 +62,6 @@ from shard.transport.links import HandshakeError, accept_peer, pump_in
 from shard.trust.device import device_identity
 from shard.trust.identity import IdentityError
 from shard.trust.receipts import ReceiptSigner
-from shard.weights.block import fetch_layers, fetch_stage, make_seeder
 from shard.weights.fetch import FetchError
 from shard.weights.manifest import ManifestError
 from shard.weights.seeder import Seeder
