@@ -4,7 +4,8 @@ coordinator where — as pure functions of measured inputs (no I/O, no Trio, no 
 ``problem.py`` holds the inputs (candidates with memory and compute profiles, the RTT matrix,
 the model's size, coordinator locations, boundary pinning) and ``PlanError``; ``lap.py`` the
 lap model and the ``Plan`` it scores; ``split.py`` the block split (slowest stage as fast as
-memory allows); ``search.py`` the exact search (Held–Karp over subsets, up to
+memory allows, layer by layer in real bytes; or the largest stage's bytes least: ``layers =
+"auto"``); ``search.py`` the exact search (Held–Karp over subsets, up to
 ``EXACT_LIMIT`` candidates) and ``heuristic.py`` the stated rule beyond it; ``planner.py``
 ``plan()`` and the alternatives it beat; ``replan.py`` the sticky re-plan after a failure;
 ``geography.py`` reads a geography (nodes + RTT matrix) from parsed TOML or JSON;
