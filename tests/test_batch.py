@@ -120,10 +120,10 @@ def test_packed_segments_match_each_chunk_alone(
 
 
 def test_smollm2_in_bfloat16_batches_bit_for_bit(smollm2_dir: Path) -> None:
-    """SmolLM2 in bf16 on the CPU: 16 decode rows and a verify chunk packed give exactly the
-    bits each gives alone, over several steps (``shard.model.linear``: without the two-row
+    """SmolLM2 in dense bf16 on the CPU: 16 decode rows and a verify chunk packed give exactly
+    the bits each gives alone, over several steps (``shard.model.linear``: without the two-row
     rule a lone row's 1,536-wide down projection rounds differently)."""
-    model = load_stage(smollm2_dir, 0, 4, dtype=torch.bfloat16)
+    model = load_stage(smollm2_dir, 0, 4, dtype=torch.bfloat16, weights="bfloat16")
     chunks = [(0, 5)] + [(0, 1)] * 16  # (start, rows): a verify-sized chunk, 16 decode steps
     alone = [model.new_cache(32) for _ in chunks]
     packed = [model.new_cache(32) for _ in chunks]

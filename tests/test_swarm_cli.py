@@ -173,7 +173,8 @@ async def test_swarm_run_qwen2_uneven_split_matches_local(
 async def test_swarm_run_smollm2_three_stages_matches_local(
     references: LocalReferences, smollm2_dir: Path, tmp_path: Path
 ) -> None:
-    """SmolLM2 over three processes ([0,7), [7,19), [19,30)) gives the local greedy tokens."""
+    """SmolLM2 over three processes ([0,7), [7,19), [19,30)) gives the local greedy tokens
+    (both stored, the default for its quantized checkpoint)."""
     spec = write_spec(
         tmp_path / "spec.toml",
         model_dir=smollm2_dir,
