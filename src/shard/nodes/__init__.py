@@ -1,7 +1,12 @@
 """shard.nodes: the composition roots. Each module wires one kind of node's actors with
 channels and starts them under one nursery (``coordinator.py``; ``stage.py`` for stages and
 standbys; ``seeder.py``), or a whole swarm (``inprocess.py`` inside one Trio run,
-``launcher.py`` as local processes), with each node's network and credentials composed from its
-spec (``compose.py``) and scripted faults on a launched swarm's processes (``script.py``). This
-is the only package that wires actors; it may import every package below the CLI.
+``launcher.py`` as local processes, waiting while they make progress: ``startup.py``; a
+launched node dies with its launcher: ``lifeline.py``), a node started with ``--join``
+(``joining.py``), what a node adds when its swarm audits (``auditing.py``) and the
+coordinator's draft proposers (``drafter.py``). Composed from the spec here: each node's network
+and credentials (``compose.py``), its part in verified fetch (``fetching.py``), the ``weights``
+a spec leaves to its checkpoint (``defaults.py``), what each layer weighs on each node, for
+placement (``sizes.py``), and scripted faults on a launched swarm's processes (``script.py``).
+This is the only package that wires actors; it may import every package below the CLI.
 """
