@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shard.bench import bench_main
+from shard.cli.bench import bench_main
 
 if __name__ == "__main__":
     sys.exit(

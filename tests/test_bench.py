@@ -171,7 +171,7 @@ def test_default_output_is_new_and_committed_results_are_kept() -> None:
     an existing --json or --plot (committed results) is refused unless --force."""
     import datetime
 
-    from shard.bench.options import parse
+    from shard.cli.bench import parse
 
     now = datetime.datetime(2031, 2, 3, 4, 5, 6, tzinfo=datetime.UTC)
     opts = parse([], root=REPO, prog="shard bench", now=now)
@@ -194,8 +194,7 @@ def test_head_drafts_are_opt_in_and_need_a_built_head(
 ) -> None:
     """By default a bench run compares n-gram, best and oracle; asking for the head or the
     hybrid without a built head is one clear line, before any reference is computed."""
-    from shard.bench.main import bench_main
-    from shard.bench.options import parse
+    from shard.cli.bench import bench_main, parse
 
     opts = parse(["--json", str(tmp_path / "o.json")], root=REPO, prog="shard bench")
     assert opts.drafts == ("ngram", "best", "oracle") and opts.head is None

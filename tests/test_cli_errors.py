@@ -21,9 +21,10 @@ import trio
 
 from shard import __version__
 from shard.cli import main
+from shard.cli.relay import relay_main
 from shard.transport import ListenError, WebSocketNetwork
 from shard.transport.base import open_listeners
-from shard.transport.relay import DelayRelay, relay_main
+from shard.transport.relay import DelayRelay
 
 DEADLINE_S = 20
 

@@ -17,13 +17,13 @@ from fixtures_smollm2 import (
     smollm2_dir,
     write_tiny_gguf,
 )
+from shard.cli.convert import convert_main
 from shard.model import gguf_import
 from shard.model.gguf_import import (
     COMPLETE_MARKER,
     ConvertError,
     OutputExists,
     convert_gguf,
-    convert_main,
     is_complete,
     unpermute_qk,
 )

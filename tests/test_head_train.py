@@ -15,13 +15,13 @@ import attrs
 import pytest
 import torch
 
+from shard.cli import draft as head_cli
 from shard.cli import main as cli_main
 from shard.decode.head.model import DraftHead, HeadError
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.training.head import build
 from shard.training.head import cache as head_cache
-from shard.training.head import cli as head_cli
 from shard.training.head.build import MARKER, HeadRecipe, train_head, work_dir_for
 from shard.training.head.cache import HeadNotFound, cached_head, head_dir, resolve_head
 from shard.training.head.features import FEATURES_VERSION, MANIFEST, FeatureStore

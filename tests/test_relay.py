@@ -166,7 +166,7 @@ async def test_relay_main_cli_runs_until_ctrl_c(sig: signal.Signals) -> None:
             listeners = await nursery.start(partial(trio.serve_tcp, _echo, 0, host="127.0.0.1"))
             target = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
             code = (
-                "import sys; from shard.transport.relay import relay_main; "
+                "import sys; from shard.cli.relay import relay_main; "
                 "sys.exit(relay_main(sys.argv[1:]))"
             )
             argv = [sys.executable, "-c", code, "--listen", "127.0.0.1:0", "--target", target]

@@ -17,9 +17,10 @@ import pytest
 import trio
 import trio.testing
 
+from shard.cli.relay import relay_main
 from shard.transport import DelayRelay
 from shard.transport.base import split_address
-from shard.transport.relay import MAX_BUFFERED_BYTES, MAX_CONNECTIONS, relay_main
+from shard.transport.relay import MAX_BUFFERED_BYTES, MAX_CONNECTIONS
 
 SENT_PER_CONNECTION = 40 << 20
 CONNECTIONS = 8

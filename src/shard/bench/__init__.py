@@ -6,15 +6,17 @@ best model draft and the oracle draft (a labelled ceiling: it replays the single
 reference, so α = 1), through rings of stage processes at several emulated latencies per
 edge; every run next to its analytical bound. Benchmarks are not tests: nothing asserts speed.
 
-    options.py   command line and the prompt-set file
+    options.py   the options (checked; ``shard.cli.parser_bench`` declares the flags) and
+                 the prompt-set file
     ringspec.py  one ring's spec, derived from the base spec (latency, draft, free ports)
     drafts.py    single-process references, the oracle file, choosing the best model draft
     bound.py     the analytical bound of one run (pure)
     rings.py     the rings and the interleaved requests
+    sweep.py     per latency, one ring per draft, every prompt through every mode, interleaved
+    geolap.py    a placement plan's lap, measured on local processes behind its latencies
     report.py    medians, ratios, the Markdown table and the PNG plot
-    main.py      ``bench_main``: the run, start to JSON
+    main.py      ``run_bench``: the run, start to JSON
+
+The command, ``shard bench`` (and ``bench_main`` for ``bench/spec_ring.py``), is
+``shard.cli.bench``.
 """
-
-from shard.bench.main import bench_main
-
-__all__ = ["bench_main"]

@@ -1,4 +1,4 @@
-"""``bench_main``: references and drafts first (this process), then the sweep, then the JSON,
+"""``run_bench``: references and drafts first (this process), then the sweep, then the JSON,
 the Markdown tables and the plot."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import trio
 
 from shard.bench import drafts, report
 from shard.bench.bound import __doc__ as BOUND_DOC
-from shard.bench.options import Options, OptionsError, parse
+from shard.bench.options import Options, OptionsError
 from shard.bench.ringspec import BenchSpecError, Speculation, check_base, policy
 from shard.bench.sweep import Plan, progress, sweep
 from shard.decode.draft import NGramProposer
@@ -33,10 +32,10 @@ Record = dict[str, Any]
 DESIGN_LATENCY_MS = 25.0  # the latency the best draft is chosen for
 
 
-def bench_main(argv: Sequence[str], *, root: Path | None = None, prog: str = "shard bench") -> int:
-    """Run the benchmark; returns an exit code (1 with one line on a usage problem)."""
+def run_bench(opts: Options, *, prog: str = "shard bench") -> int:
+    """Run the benchmark ``opts`` describe (``shard.cli.bench`` parses them); returns an exit
+    code (1 with one line on a bad spec or a missing head)."""
     try:
-        opts = parse(argv, root=root or Path.cwd(), prog=prog)
         base = load_spec(opts.spec)
         check_base(base)
         if {"head", "hybrid"} & set(opts.drafts):  # before minutes of references, not after

@@ -1,4 +1,5 @@
-"""The benchmark's command line and its prompt-set file.
+"""The benchmark's options (its command line, declared in ``shard.cli.parser_bench``, checked
+here) and its prompt-set file.
 
 The prompt file is TOML, one ``[[prompt]]`` table per prompt::
 
@@ -11,12 +12,11 @@ The prompt file is TOML, one ``[[prompt]]`` table per prompt::
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
@@ -89,31 +89,41 @@ class OptionsError(Exception):
     """A bad flag or prompt file: one line saying what and where."""
 
 
-def parse(
-    argv: Sequence[str], *, root: Path, prog: str, now: datetime.datetime | None = None
+FLAGS: Final = (
+    "spec", "prompts", "modes", "drafts", "head", "latencies", "max_tokens", "sets", "per_set",
+    "best_draft", "best_layers", "model", "json", "plot", "ignore_eos", "force", "threads",
+    "request_timeout", "oracle_policy",
+)  # fmt: skip
+"""The command line's values ``options`` takes (``shard.cli.parser_bench`` declares them)."""
+
+
+def options(
+    flags: Mapping[str, Any], *, root: Path, now: datetime.datetime | None = None
 ) -> Options:
-    """Parse ``argv``; default paths resolve against ``root`` (the repository), and the
-    default output is named after ``now`` (UTC; default the current time).
+    """Check the command line's values (``FLAGS``, as parsed); default paths resolve against
+    ``root`` (the repository), and the default output is named after ``now`` (UTC; default the
+    current time).
 
     Errors: ``OptionsError`` for bad values, a bad prompt file, or an output file that exists
-    without ``--force``; argparse exits on bad flags.
+    without ``--force``.
     """
-    args = _parser(root, prog).parse_args(list(argv))
-    modes = _choices(args.modes, MODES, "--modes")
-    drafts = _choices(args.drafts, DRAFTS, "--drafts")
+    f = {name: flags[name] for name in FLAGS}
+    modes = _choices(f["modes"], MODES, "--modes")
+    drafts = _choices(f["drafts"], DRAFTS, "--drafts")
     try:
-        latencies = tuple(float(x) for x in args.latencies.split(",") if x.strip())
-        layers = tuple(int(x) for x in args.best_layers.split(",") if x.strip())
+        latencies = tuple(float(x) for x in f["latencies"].split(",") if x.strip())
+        layers = tuple(int(x) for x in f["best_layers"].split(",") if x.strip())
     except ValueError as exc:
         raise OptionsError(f"--latencies / --best-layers: {exc}") from None
     if not latencies or any(not 0 <= x <= 10_000 for x in latencies):
         raise OptionsError("--latencies: give one or more milliseconds in 0..10000, e.g. 0,25")
     if any(n < 1 for n in layers):
         raise OptionsError("--best-layers: layer counts are >= 1")
-    prompts = load_prompts(args.prompts, sets=args.sets, per_set=args.per_set)
-    json_out: Path = args.json or default_output(root, now)
-    plot = None if args.plot == "none" else Path(args.plot or json_out.with_suffix(".png"))
-    if not args.force:
+    prompts_file: Path = f["prompts"] or root / "bench/prompts/spec_ring.toml"
+    prompts = load_prompts(prompts_file, sets=f["sets"], per_set=f["per_set"])
+    json_out: Path = f["json"] or default_output(root, now)
+    plot = None if f["plot"] == "none" else Path(f["plot"] or json_out.with_suffix(".png"))
+    if not f["force"]:
         for path in (json_out, plot):
             if path is not None and path.exists():
                 raise OptionsError(
@@ -121,99 +131,24 @@ def parse(
                     "or pass --force to replace it"
                 )
     return Options(
-        spec=args.spec,
-        prompts_file=args.prompts,
+        spec=f["spec"] or root / "specs/local.toml",
+        prompts_file=prompts_file,
         prompts=prompts,
         modes=modes,
         drafts=drafts,
         latencies_ms=latencies,
-        max_tokens=args.max_tokens,
-        best_draft=args.best_draft,
+        max_tokens=f["max_tokens"],
+        best_draft=f["best_draft"],
         best_layers=layers,
-        model=args.model,
+        model=f["model"],
         json_out=json_out,
         plot_out=plot,
-        threads=args.threads,
-        request_timeout_s=args.request_timeout,
-        oracle_policy=args.oracle_policy,
-        ignore_eos=args.ignore_eos,
-        head=args.head,
+        threads=f["threads"],
+        request_timeout_s=f["request_timeout"],
+        oracle_policy=f["oracle_policy"],
+        ignore_eos=f["ignore_eos"],
+        head=f["head"],
     )
-
-
-def _parser(root: Path, prog: str) -> argparse.ArgumentParser:
-    """One ``add_argument`` per option, in the order ``--help`` lists them: long, and it
-    reads best whole."""
-    p = argparse.ArgumentParser(
-        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "spec",
-        nargs="?",
-        type=Path,
-        default=root / "specs/local.toml",
-        help="base swarm spec (default specs/local.toml); its latency and draft are replaced",
-    )
-    p.add_argument(
-        "--prompts",
-        type=Path,
-        default=root / "bench/prompts/spec_ring.toml",
-        help="prompt-set file (default bench/prompts/spec_ring.toml)",
-    )
-    p.add_argument("--modes", default=",".join(MODES), help="subset of plain,spec,pipelined")
-    p.add_argument(
-        "--drafts",
-        default=",".join(DEFAULT_DRAFTS),
-        help="subset of ngram,best,head,hybrid,oracle (default ngram,best,oracle)",
-    )
-    p.add_argument(
-        "--head",
-        help="the head and hybrid drafts' head: a directory or a head name (default "
-        "<model>-head, which must be built: shard draft train)",
-    )
-    p.add_argument(
-        "--latencies", default="0,10,25,50", help="one-way ms per ring edge (default 0,10,25,50)"
-    )
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
-    p.add_argument("--sets", default="", help="only these prompt sets, comma-separated")
-    p.add_argument("--per-set", type=int, default=0, help="at most N prompts per set (0 = all)")
-    p.add_argument(
-        "--best-draft",
-        default="auto",
-        help="the 'best' draft: auto (the candidate with the highest predicted rate: truncated "
-        "--best-layers and distilled drafts in the cache), layers:N, or a checkpoint dir",
-    )
-    p.add_argument(
-        "--best-layers", default="2,4,6,8", help="truncated-draft candidates (default 2,4,6,8)"
-    )
-    p.add_argument("--model", help="checkpoint dir to use instead of the spec's model")
-    p.add_argument(
-        "--json",
-        type=Path,
-        help="output (default: a new bench/results/spec_ring-<UTC time>.json)",
-    )
-    p.add_argument("--plot", help="PNG of tok/s against latency (default: --json's .png; none)")
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="every request (and reference) runs exactly --max-tokens: EOS does not stop it",
-    )
-    p.add_argument("--force", action="store_true", help="replace --json / --plot files that exist")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads in this process for references and draft timing (default 1: what "
-        "each ring node gets on 2 cores; 0 = torch's default)",
-    )
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument(
-        "--oracle-policy",
-        choices=["fixed", "spec"],
-        default="fixed",
-        help="oracle K and depth: fixed at k_max / depth_max (default) or the spec's policy",
-    )
-    return p
 
 
 def default_output(root: Path, now: datetime.datetime | None = None) -> Path:

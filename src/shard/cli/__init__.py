@@ -1,54 +1,69 @@
-"""shard.cli: the operator surface — ``main`` (the ``shard`` command), its parser
-(``parser.py``), one module per command family (``generate``, ``swarm``, ``keys``,
-``weights``, ``plan``) and how operator errors are reported (``errors.py``). It may import
-every other package; nothing imports it. Command modules are imported only when their
-command runs, so ``shard --help`` stays fast.
+"""shard.cli: the operator surface — ``main`` (the ``shard`` command) and its one command table:
+every subcommand's arguments are declared here (``parser.py`` builds the parser: ``generate``,
+``swarm``, ``up``, ``monitor``, ``plan``; ``parser_tools.py`` the keys, receipts, manifests,
+``convert`` and ``relay``, and ``Parser``; ``parser_draft.py`` ``draft``; ``parser_bench.py``
+``bench``) and every subcommand's handler is here (``HANDLERS``: one module per command family
+— ``generate``, ``swarm``, ``keys``, ``weights``, ``plan``, ``convert``, ``relay``, ``draft``,
+``bench`` — each calling the library that does the work), with how operator errors are
+reported (``errors.py``). No module outside this package parses arguments
+(``tests/test_cli_table.py``). It may import every other package; nothing imports it.
+Command modules are imported only when their command runs, so ``shard --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Final
 
-__all__ = ["main"]
+__all__ = ["HANDLERS", "main"]
+
+HANDLERS: Final = {
+    "generate": ("shard.cli.generate", "generate"),
+    "swarm": ("shard.cli.swarm", "swarm"),
+    "up": ("shard.cli.swarm", "up"),
+    "monitor": ("shard.cli.swarm", "monitor"),
+    "plan": ("shard.cli.plan", "plan_main"),
+    "keygen": ("shard.cli.keys", "keygen"),
+    "api-key": ("shard.cli.keys", "api_key"),
+    "admit": ("shard.cli.keys", "admit"),
+    "receipt": ("shard.cli.keys", "receipt"),
+    "manifest": ("shard.cli.weights", "manifest_main"),
+    "fetch": ("shard.cli.weights", "fetch_main"),
+    "convert": ("shard.cli.convert", "convert"),
+    "relay": ("shard.cli.relay", "relay"),
+    "draft": ("shard.cli.draft", "draft"),
+    "bench": ("shard.cli.bench", "bench"),
+}
+"""Every subcommand of ``build_parser()`` -> (module, function) that runs it."""
+
+TOOLS: Final = frozenset({"convert", "relay", "draft", "bench"})
+"""Commands that report their own errors and exit codes (one ``shard X: error:`` line, 2 or 1)
+and set up no logging: they run outside ``dispatch``'s error mapping, as they always did."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``shard ARGV``; returns the exit code."""
     from shard.cli.parser import build_parser
+    from shard.cli.parser_tools import ParseExit
 
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    # convert, relay, draft and bench own their argument parsing; everything after the name
-    # goes to them.
-    for name in ("convert", "relay", "draft", "bench"):
-        if args_list[:1] == [name]:
-            return _delegate(name, args_list[1:])
-    return dispatch(build_parser().parse_args(args_list))
+    try:
+        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except ParseExit as done:  # a tool's help, or its one usage-error line
+        return done.code
+    if args.command in TOOLS:
+        return handler(args.command)(args)
+    return dispatch(args)
 
 
-def _handler(command: str) -> Callable[[argparse.Namespace], int]:
-    if command == "generate":
-        from shard.cli.generate import generate
-
-        return generate
-    if command in ("keygen", "admit", "receipt", "api-key"):
-        from shard.cli import keys
-
-        handlers = {"keygen": keys.keygen, "admit": keys.admit, "receipt": keys.receipt}
-        return {**handlers, "api-key": keys.api_key}[command]
-    if command == "plan":
-        from shard.cli.plan import plan_main
-
-        return plan_main
-    if command in ("up", "swarm", "monitor"):
-        from shard.cli import swarm
-
-        return {"up": swarm.up, "swarm": swarm.swarm, "monitor": swarm.monitor}[command]
-    from shard.cli import weights
-
-    return {"manifest": weights.manifest_main, "fetch": weights.fetch_main}[command]
+def handler(command: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs ``command`` (imported now: its module only when it runs)."""
+    module, name = HANDLERS[command]
+    run: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
+    return run
 
 
 def dispatch(args: argparse.Namespace) -> int:
@@ -60,9 +75,9 @@ def dispatch(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    handler = _handler(args.command)
+    run = handler(args.command)
     try:
-        return handler(args)
+        return run(args)
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:
@@ -79,21 +94,3 @@ def dispatch(args: argparse.Namespace) -> int:
                 print(f"shard: error: {leaf}", file=sys.stderr)
             return 1
         raise
-
-
-def _delegate(name: str, rest: list[str]) -> int:
-    if name == "convert":
-        from shard.model.gguf_import import convert_main
-
-        return convert_main(rest)
-    if name == "draft":
-        from shard.training.distill.cli import distill_main
-
-        return distill_main(rest)
-    if name == "bench":
-        from shard.bench import bench_main
-
-        return bench_main(rest)
-    from shard.transport.relay import relay_main
-
-    return relay_main(rest)

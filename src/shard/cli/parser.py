@@ -1,9 +1,10 @@
-"""The ``shard`` command's argument parser.
+"""The ``shard`` command's argument parser: the command table, every subcommand's arguments.
 
-Each subcommand's work lives in the module that owns it (``shard.cli.generate``, ``swarm``,
-``keys``, ``weights``, ``plan``; ``model.gguf_import``, ``transport.relay``, ``bench``,
-``decode.distill`` parse their own arguments); this module only builds the parser, so
-``shard --help`` stays fast.
+This module declares ``generate``, ``swarm``, ``up``, ``monitor`` and ``plan``; ``parser_tools``
+the keys, receipts, manifests, ``convert`` and ``relay``; ``parser_draft`` ``draft``;
+``parser_bench`` ``bench``. Each subcommand's work lives in the ``shard.cli`` module
+``shard.cli.HANDLERS`` names; this module only builds the parser, so ``shard --help`` stays
+fast.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import argparse
 from typing import Any
 
 from shard import __version__
-from shard.cli.parser_tools import add_manifest, add_receipt, add_tools, add_trust, bounded
+from shard.cli.parser_plan import add_plan
+from shard.cli.parser_tools import (
+    Parser,
+    add_manifest,
+    add_receipt,
+    add_tools,
+    add_trust,
+    bounded,
+)
 
 EPILOG = """\
 examples:
@@ -113,7 +122,7 @@ def _ignore_eos_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_generate(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text: on this machine (--local) or on a running swarm (--spec)",
@@ -157,7 +166,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _ignore_eos_arg(p)
 
 
-def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_up(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser(
         "up",
         help="run one node of a swarm (the form an operator runs on each machine)",
@@ -263,7 +272,7 @@ def _join_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_swarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_swarm(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser("swarm", help="start a whole swarm from a spec as local processes")
     ssub = p.add_subparsers(dest="swarm_command", required=True, metavar="{up,run}")
     up = ssub.add_parser(
@@ -339,7 +348,7 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_monitor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_monitor(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser(
         "monitor",
         help="watch a running swarm live: ring latency, tok/s, α, stages, events",
@@ -362,81 +371,10 @@ def _add_monitor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
 
 
-def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="choose the ring's nodes, order, blocks and coordinator place by predicted lap",
-        description="Plan a ring (docs/placement.md): choose which candidates hold layers, in "
-        "which order, with which contiguous blocks (faster nodes take more, within memory), "
-        "and where the coordinator runs, minimising the predicted lap (every hop's one-way "
-        "latency + every stage's compute for a verify chunk). Exact up to 12 candidates "
-        "(Held-Karp), a stated heuristic beyond. Prints the ring, the blocks, the standbys, "
-        "the predicted lap and why the alternatives lost (the even split in file order, "
-        "other coordinator places, one stage more or less). With SPEC the candidates are its "
-        "stages and standbys and the model its model; what the spec does not say (speeds, "
-        "memory) is assumed and printed; when no node is profiled the ring keeps the "
-        "spec's number of stages. The last line says what `swarm up` runs: this plan's "
-        "layout (with the coordinator where the spec puts it) when it beats the ring as "
-        'written and every stage is "auto", else the spec as written, and why.',
-    )
-    p.add_argument(
-        "spec", nargs="?", help="swarm spec (TOML): its stages and standbys are the candidates"
-    )
-    p.add_argument(
-        "--rtt",
-        metavar="FILE",
-        help="a geography (TOML, or JSON by its .json suffix): the RTT matrix in ms, and "
-        "optionally node profiles, the model and coordinator places; alone, it is the whole "
-        "problem (e.g. specs/geography/world.toml)",
-    )
-    p.add_argument("--model", help="with SPEC: this checkpoint dir's config instead of the spec's")
-    p.add_argument(
-        "--coordinator",
-        metavar="PLACE",
-        help="force the coordinator to run at PLACE (a name in the RTT matrix)",
-    )
-    p.add_argument(
-        "--pin-boundaries",
-        action="store_true",
-        help="only trusted nodes may hold the first block (embedding) and the last (head)",
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    fit = p.add_argument_group(
-        "fit a model before downloading it (--config; no SPEC, no --rtt)",
-        "From a config.json alone (e.g. specs/models/*/config.json): each stage's bytes "
-        "under --weights, the contiguous split whose largest stage is smallest, and whether "
-        "--stages cards of --memory GiB hold it (or how many would).",
-    )
-    fit.add_argument("--config", metavar="PATH", help="a config.json, or its directory")
-    fit.add_argument(
-        "--weights",
-        default="bfloat16",
-        choices=("float32", "bfloat16", "float16", "int8", "int4"),
-        help="how the stages hold their weights (default: bfloat16)",
-    )
-    fit.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("float32", "bfloat16", "float16"),
-        help="the dense parts' dtype with int8/int4 (norms, biases, routers; default bfloat16)",
-    )
-    fit.add_argument(
-        "--stages",
-        type=bounded(int, 1, 1024, "a number of stages >= 1"),
-        default=3,
-        help="how many cards (stages) to cut the model over (default: 3)",
-    )
-    fit.add_argument(
-        "--memory",
-        type=bounded(float, 0.001, 1 << 20, "a size in GiB > 0"),
-        default=24.0,
-        metavar="GIB",
-        help="each card's memory in GiB (default: 24)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    """The ``shard`` command's parser: every subcommand, each with the handler
+    ``shard.cli.HANDLERS`` names."""
+    parser = Parser(
         prog="shard",
         description="Run one large language model across many machines as a ring of stages.",
         epilog=EPILOG,
@@ -449,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_swarm(sub)
     _add_up(sub)
     _add_monitor(sub)
-    _add_plan(sub)
+    add_plan(sub)
     add_trust(sub)
     add_receipt(sub)
     add_manifest(sub)

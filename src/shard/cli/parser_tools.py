@@ -1,12 +1,65 @@
 """The ``shard`` parser's subcommands for keys, receipts, manifests and the tools (``convert``,
-``relay``, ``draft``, ``bench``, ``api-key``): the half of ``shard.cli.parser`` that runs no
-node. Split from it by size only; ``build_parser`` there adds both halves.
+``relay``, ``api-key``; ``draft`` in ``parser_draft``, ``bench`` in ``parser_bench``): the half
+of ``shard.cli.parser`` that runs no node, and ``Parser``, the class of every parser in the
+table. Split from it by size only; ``build_parser`` there adds both halves.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+
+class ParseExit(Exception):
+    """A tool's parser finished parsing with this exit code (its help printed, or its one
+    error line); ``shard.cli.main`` returns the code rather than exiting."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` with two per-parser settings, both off by default.
+
+    ``reports`` (e.g. ``"shard convert"``): a usage error is one line, ``shard convert: error:
+    MESSAGE (see shard convert --help)``, exit 2, and ``--help`` returns 0, as the tools always
+    did, instead of argparse's usage block and ``SystemExit``. ``strict``: arguments left over
+    are this parser's error (``shard relay: error: unrecognized arguments``), not the top
+    parser's. ``populate`` adds the arguments when this parser first parses, so a parser whose
+    defaults live in a heavy module (``shard draft``: torch) costs ``shard --help`` nothing.
+    """
+
+    reports: str | None = None
+    strict: bool = False
+    populate: Callable[[Parser], None] | None = None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self.populate is not None:
+            populate, self.populate = self.populate, None
+            populate(self)
+        parsed, rest = super().parse_known_args(args, namespace)
+        if rest and self.strict:
+            self.error(f"unrecognized arguments: {' '.join(rest)}")
+        return parsed, rest
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if self.reports is None:
+            super().exit(status, message)
+        if message:
+            print(message, end="", file=sys.stderr)
+        raise ParseExit(status)
+
+    def error(self, message: str) -> NoReturn:
+        if self.reports is None:
+            super().error(message)
+        print(f"{self.reports}: error: {message} (see {self.reports} --help)", file=sys.stderr)
+        raise ParseExit(2)
 
 
 def bounded(kind: type[int] | type[float], low: float, high: float, what: str) -> Any:
@@ -24,7 +77,7 @@ def bounded(kind: type[int] | type[float], low: float, high: float, what: str) -
     return parse
 
 
-def add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_trust(sub: argparse._SubParsersAction[Parser]) -> None:
     keygen = sub.add_parser(
         "keygen",
         help="create a node identity: an Ed25519 key (PATH, mode 0600) and PATH.pub",
@@ -66,32 +119,71 @@ def add_trust(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     admit.add_argument("--out", required=True, help="where to write the token")
 
 
-def add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_tools(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``convert``, ``relay``, ``draft`` and ``bench``."""
+    from shard.cli.parser_bench import add_bench
+    from shard.cli.parser_draft import add_draft
+
+    _add_convert(sub)
+    _add_relay(sub)
+    add_draft(sub)
+    add_bench(sub)
+
+
+def _add_convert(sub: argparse._SubParsersAction[Parser]) -> None:
     conv = sub.add_parser(
         "convert",
         help="convert a GGUF checkpoint to a Hugging Face directory (safetensors)",
-        add_help=False,
+        description="Convert a Llama- or Gemma 3-architecture GGUF checkpoint into a model "
+        "directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json); "
+        "quantized tensors stay quantized where an exact mapping exists (docs/model.md).",
     )
-    conv.add_argument("args", nargs=argparse.REMAINDER)
+    conv.reports, conv.strict = "shard convert", True
+    conv.add_argument("gguf", type=Path, metavar="MODEL.gguf", help="the GGUF file to read")
+    conv.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new directory")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    conv.add_argument(
+        "--float32",
+        action="store_true",
+        help="dequantize every tensor to float32 (a checkpoint transformers can load)",
+    )
+
+
+def _add_relay(sub: argparse._SubParsersAction[Parser]) -> None:
     relay = sub.add_parser(
-        "relay", help="a delaying TCP relay that emulates a WAN link", add_help=False
+        "relay",
+        help="a delaying TCP relay that emulates a WAN link",
+        description="Forward TCP from --listen to --target, adding one-way latency each way.",
     )
-    relay.add_argument("args", nargs=argparse.REMAINDER)
-    draft = sub.add_parser(
-        "draft",
-        help="build drafts for a target (`shard draft distill`, `shard draft train`)",
-        add_help=False,
-    )
-    draft.add_argument("args", nargs=argparse.REMAINDER)
-    bench = sub.add_parser(
-        "bench",
-        help="benchmark plain vs speculative vs pipelined decoding through local rings",
-        add_help=False,
-    )
-    bench.add_argument("args", nargs=argparse.REMAINDER)
+    relay.strict, relay.populate = True, _relay_args
 
 
-def add_receipt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _relay_args(relay: Parser) -> None:
+    """Added when ``shard relay`` parses: its defaults live in ``shard.transport``."""
+    from shard.transport.relay import MAX_BUFFERED_BYTES, MAX_CONNECTIONS
+
+    relay.add_argument("--listen", required=True, help="host:port to accept on (port 0: any)")
+    relay.add_argument("--target", required=True, help="host:port to forward to")
+    relay.add_argument("--latency-ms", type=float, required=True, help="one-way delay, ms")
+    relay.add_argument(
+        "--bandwidth-mbps", type=float, default=0.0, help="cap per direction, Mbit/s (0: none)"
+    )
+    relay.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help=f"connections relayed at once; more are closed at once (default {MAX_CONNECTIONS})",
+    )
+    relay.add_argument(
+        "--max-buffer-mib",
+        type=int,
+        default=MAX_BUFFERED_BYTES >> 20,
+        help="MiB held in flight by all connections together, shared out per direction; a "
+        f"direction whose share is spent stops reading (default {MAX_BUFFERED_BYTES >> 20})",
+    )
+
+
+def add_receipt(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser("receipt", help="check a signed run receipt offline")
     rsub = p.add_subparsers(dest="receipt_command", required=True, metavar="{verify}")
     verify = rsub.add_parser(
@@ -138,7 +230,7 @@ def add_receipt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
 
 
-def add_manifest(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_manifest(sub: argparse._SubParsersAction[Parser]) -> None:
     p = sub.add_parser(
         "manifest", help="build, sign and verify a model's signed manifest (docs/manifests.md)"
     )

@@ -1,5 +1,5 @@
-"""Convert a Llama- or Gemma 3-architecture GGUF checkpoint into a Hugging Face-style model
-directory.
+"""Convert a Llama-, Gemma 3-, Qwen3- or Qwen3-MoE-architecture GGUF checkpoint into a Hugging
+Face-style model directory.
 
 The output is what the runtime loads: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
@@ -14,7 +14,8 @@ dequantized to float32 with the ``gguf`` package. Nothing here imports torch.
 llama.cpp's conventions are undone on the way (per architecture: ``shard.model.gguf_arch``):
 Llama's Q and K projection rows are permuted for its rope layout (``convert_hf_to_gguf.py``'s
 ``LlamaModel.permute``), Gemma 3's norm weights are stored as ``1 + w`` (``w`` is written:
-the stored float32 minus one, as transformers' GGUF loader computes it), and the tokenizer is
+the stored float32 minus one, as transformers' GGUF loader computes it), Qwen3-MoE's fused 3-D
+expert tensors are split into one 2-D tensor per expert (each kept stored), and the tokenizer is
 stored as metadata arrays rather than a ``tokenizer.json`` (read here, rebuilt by
 ``shard.model.gguf_vocab``).
 
@@ -24,13 +25,11 @@ marker written last, so a reader never sees a half-written directory that looks 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import struct
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,7 +64,6 @@ __all__ = [
     "ConvertError",
     "OutputExists",
     "convert_gguf",
-    "convert_main",
     "is_complete",
     "unpermute_qk",
 ]
@@ -81,14 +79,20 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 @attrs.frozen
 class _Planned:
     """One output tensor: its HF name and shape, where it comes from, its head count when it
-    is a Q/K projection whose rows llama.cpp permuted (None otherwise), and whether it is a
-    norm weight stored as ``1 + w``."""
+    is a Q/K projection whose rows llama.cpp permuted (None otherwise), whether it is a
+    norm weight stored as ``1 + w``, and which slice of a fused 3-D expert tensor it is."""
 
     name: str
     shape: tuple[int, ...]
     source: gguf.ReaderTensor
     heads: int | None
     plus_one: bool = False
+    expert: int | None = None
+
+    def data(self) -> npt.NDArray[Any]:
+        """The source's raw data (its expert's slice; blocks run along the last axis)."""
+        data: npt.NDArray[Any] = self.source.data
+        return data if self.expert is None else data[self.expert]
 
 
 def convert_gguf(
@@ -149,51 +153,6 @@ def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np
     return w.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, in] -> [H * D, in]
 
 
-def convert_main(argv: list[str] | None = None) -> int:
-    """``shard convert MODEL.gguf OUT_DIR``: convert, print where it wrote, return 0 or 2."""
-    parser = _Parser(
-        prog="shard convert",
-        description="Convert a Llama- or Gemma 3-architecture GGUF checkpoint into a model "
-        "directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json); "
-        "quantized tensors stay quantized where an exact mapping exists (docs/model.md).",
-    )
-    parser.add_argument("gguf", type=Path, metavar="MODEL.gguf", help="the GGUF file to read")
-    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new directory")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--float32",
-        action="store_true",
-        help="dequantize every tensor to float32 (a checkpoint transformers can load)",
-    )
-    try:
-        args = parser.parse_args(argv)
-    except _UsageError as exc:
-        print(f"shard convert: error: {exc} (see shard convert --help)", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
-    try:
-        out = convert_gguf(
-            args.gguf, args.out_dir, progress=not args.no_progress, stored=not args.float32
-        )
-    except ConvertError as exc:
-        print(f"shard convert: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports usage errors as an exception so ``convert_main`` can return 2 itself."""
-
-    def error(self, message: str) -> Any:
-        raise _UsageError(message)
-
-
 def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise ConvertError(f"{path}: no such file; pass the path of a .gguf checkpoint")
@@ -210,7 +169,8 @@ def _plan(reader: gguf.GGUFReader) -> tuple[dict[str, Any], list[_Planned]]:
     if arch is None:
         raise ConvertError(
             f"architecture {name!r} is not supported; this converter handles "
-            f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, SmolLM, Gemma 3) only"
+            f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, SmolLM, Gemma 3, Qwen3, "
+            "Qwen3-MoE) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
@@ -224,6 +184,9 @@ def _plan(reader: gguf.GGUFReader) -> tuple[dict[str, Any], list[_Planned]]:
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if block and block[2] in arch.experts:
+            plan += _split_experts(t, shape, f"model.layers.{block[1]}.mlp.experts", arch)
+            continue
         hf = _hf_name(t.name, arch, name)
         plus_one = arch.norm_plus_one and t.name.endswith("norm.weight")
         plan.append(_Planned(hf, shape, t, heads.get(block[2]) if block else None, plus_one))
@@ -232,6 +195,19 @@ def _plan(reader: gguf.GGUFReader) -> tuple[dict[str, Any], list[_Planned]]:
         n = config["num_hidden_layers"]
         raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
     return config, plan
+
+
+def _split_experts(
+    t: gguf.ReaderTensor, shape: tuple[int, ...], prefix: str, arch: GgufArch
+) -> list[_Planned]:
+    """One planned 2-D tensor per expert of the fused ``[E, out, in]`` tensor ``t``."""
+    if len(shape) != 3:
+        raise ConvertError(f"tensor {t.name!r} has shape {shape}; expected [experts, out, in]")
+    proj = arch.experts[_BLOCK_RE.fullmatch(t.name)[2]]  # type: ignore[index]
+    return [
+        _Planned(f"{prefix}.{e}.{proj}.weight", shape[1:], t, None, expert=e)
+        for e in range(shape[0])
+    ]
 
 
 def _vocab(
@@ -258,7 +234,7 @@ def _hf_name(name: str, arch: GgufArch, arch_name: str) -> str:
 
 def _load(planned: _Planned) -> npt.NDArray[np.float32]:
     t = planned.source
-    array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    array = gguf.quants.dequantize(planned.data(), t.tensor_type).astype(np.float32, copy=False)
     array = array.reshape(planned.shape)
     if planned.plus_one:
         array = array - np.float32(1)  # llama.cpp stored 1 + w (as transformers undoes it)
@@ -284,7 +260,7 @@ def _arrays(p: _Planned, stored: bool) -> list[npt.NDArray[Any]]:
     """The data of ``_entries(p, stored)``, in that order."""
     d = None
     if len(_entries(p, stored)) > 1:
-        d = decode(p.source.data, p.source.tensor_type, (p.shape[0], p.shape[1]))
+        d = decode(p.data(), p.source.tensor_type, (p.shape[0], p.shape[1]))
     if d is None:
         return [_load(p)]
     if p.heads is not None:

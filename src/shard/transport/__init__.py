@@ -13,7 +13,7 @@ One interface, three implementations, one relay::
                    node buffers, all connections together)
     delay.py       DelayNetwork: wraps any network, adds one-way latency and a bandwidth cap
                    per edge, in Trio time (virtual under MockClock)
-    relay.py       DelayRelay / relay_main: a delaying TCP relay between real processes
+    relay.py       DelayRelay: a delaying TCP relay between real processes
                    (WAN emulation without privileges; `shard relay`)
     paths.py       PathNetwork: more than one kind of connection on one address (a served
                    connection whose listener speaks first; a raw pipe of whole messages)
@@ -42,7 +42,7 @@ from shard.transport.base import (
 )
 from shard.transport.delay import DelayedConnection, DelayNetwork
 from shard.transport.memory import MemoryConnection, MemoryNetwork
-from shard.transport.relay import DelayRelay, RelayStatistics, relay_main
+from shard.transport.relay import DelayRelay, RelayStatistics
 from shard.transport.websocket import WebSocketConnection, WebSocketNetwork
 
 __all__ = [
@@ -62,5 +62,4 @@ __all__ = [
     "WebSocketConnection",
     "WebSocketNetwork",
     "abandon",
-    "relay_main",
 ]

@@ -18,16 +18,13 @@ Run it as ``shard relay --listen 127.0.0.1:7100 --target 127.0.0.1:7000 --latenc
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import signal
-import sys
 
 import attrs
 import trio
 
-from shard.transport.base import ListenError, join_address, open_listeners, split_address
+from shard.transport.base import join_address, open_listeners, split_address
 
 log = logging.getLogger("shard.transport.relay")
 
@@ -252,78 +249,3 @@ class DelayRelay:
                     self._to_target += len(chunk)
                 else:
                     self._to_client += len(chunk)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shard relay",
-        description="Forward TCP from --listen to --target, adding one-way latency each way.",
-    )
-    parser.add_argument("--listen", required=True, help="host:port to accept on (port 0: any)")
-    parser.add_argument("--target", required=True, help="host:port to forward to")
-    parser.add_argument("--latency-ms", type=float, required=True, help="one-way delay, ms")
-    parser.add_argument(
-        "--bandwidth-mbps", type=float, default=0.0, help="cap per direction, Mbit/s (0: none)"
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=MAX_CONNECTIONS,
-        help=f"connections relayed at once; more are closed at once (default {MAX_CONNECTIONS})",
-    )
-    parser.add_argument(
-        "--max-buffer-mib",
-        type=int,
-        default=MAX_BUFFERED_BYTES >> 20,
-        help="MiB held in flight by all connections together, shared out per direction; a "
-        f"direction whose share is spent stops reading (default {MAX_BUFFERED_BYTES >> 20})",
-    )
-    return parser
-
-
-def relay_main(argv: list[str] | None = None) -> int:
-    """``shard relay``: run one ``DelayRelay`` until Ctrl-C, SIGTERM or SIGHUP (then 0); 1 on a
-    bind error.
-
-    Prints one status line once listening:
-    ``relay listening=HOST:PORT target=HOST:PORT latency_ms=X bandwidth_mbps=Y``.
-    """
-    args = _parser().parse_args(argv)
-    try:
-        relay = DelayRelay(
-            args.listen,
-            args.target,
-            latency_s=args.latency_ms / 1000,
-            bandwidth_bps=args.bandwidth_mbps * 1e6,
-            max_connections=args.max_connections,
-            max_buffered_bytes=args.max_buffer_mib << 20,
-        )
-    except ValueError as exc:
-        print(f"shard relay: {exc}", file=sys.stderr)
-        return 2
-
-    async def main() -> None:
-        # SIGINT too when started in the background (`shard relay ... &` ignores it): a
-        # signal sent on purpose is a request to stop, whatever the shell decided for Ctrl-C.
-        stop = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        with trio.open_signal_receiver(*stop) as signals:
-            async with trio.open_nursery() as nursery:
-                bound = await nursery.start(relay.run)
-                print(
-                    f"relay listening={bound} target={args.target} "
-                    f"latency_ms={args.latency_ms:g} bandwidth_mbps={args.bandwidth_mbps:g}",
-                    flush=True,
-                )
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    break
-
-    status = 0
-    try:
-        trio.run(main)
-    except* KeyboardInterrupt:
-        pass
-    except* ListenError as group:
-        print(f"shard relay: error: {group.exceptions[0]}", file=sys.stderr)
-        status = 1
-    return status

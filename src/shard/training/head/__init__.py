@@ -7,5 +7,6 @@ offline on the target's own text, in minutes on a CPU.
     measure.py    chained acceptance on held-out prompts and cost per drafted token
     build.py      ``train_head``: features, train, measure, publish
     cache.py      where heads live; ``resolve_head("smollm2-head")``
-    cli.py        ``shard draft train``
+
+The command, ``shard draft train``, is ``shard.cli.draft``.
 """
