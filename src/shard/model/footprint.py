@@ -16,12 +16,19 @@ dtype, bf16 on a GPU or a CPU with bf16 instructions and float32 elsewhere
 (``shard.model.quant.kernel_dtype``); ``bf16_kernels`` says which to price.
 
 ``"stored"`` cannot be predicted from a config: a GGUF or a packed cache mixes formats
-tensor by tensor. Its bytes are read from the checkpoint's own headers instead.
+tensor by tensor. ``stored`` prices it from the checkpoint's safetensors headers instead
+(each tensor's shape, and ``shard.quant``'s kind, group and logical shape of the ones kept
+quantized), tensor by tensor as the loader installs it (``QuantLinear``'s paths).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -33,7 +40,7 @@ from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
 
-__all__ = ["Footprint", "FootprintError", "measured", "predict"]
+__all__ = ["Footprint", "FootprintError", "measured", "predict", "stored"]
 
 _DENSE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -170,6 +177,174 @@ class _Pricer:
         if self.weights == "int4" and k % 32 == 0 and n % 16 == 0:
             return self.matrix(n, k, embedding=False)
         return 0  # the very embedding tensor
+
+
+_QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it, the loader reads it
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_HEADER_LIMIT = 100 << 20  # a safetensors header is a few MB at most
+_EMBED = "model.embed_tokens.weight"
+_KERNEL = {2: "BF16", 4: "F32"}  # the int4 kernel's scale bytes as a safetensors dtype
+
+
+@attrs.frozen
+class _Stored:
+    """One weight of a checkpoint as its header describes it: ``shape`` its logical shape,
+    ``nbytes`` its bytes in the file (codes, scales and offsets of a quantized one), ``kind``
+    None for a dense tensor."""
+
+    shape: tuple[int, ...]
+    nbytes: int
+    kind: str | None = None
+    group: int = 0
+    offset: bool = False
+    scale_dtype: str = "F32"
+
+
+def stored(
+    config: ModelConfig, model_dir: Path, *, dtype: str = "float32", bf16_kernels: bool = True
+) -> Footprint | None:
+    """Each layer's bytes, the embedding's and the head's, for the checkpoint in
+    ``model_dir`` loaded with ``weights = "stored"`` (dense tensors in ``dtype``), from its
+    safetensors headers alone, tensor by tensor as ``shard.model.loader`` installs it: a
+    quantized embedding as stored, every other quantized weight in ``QuantLinear``'s layout
+    (``_Installed``), a tied head on a stage without the embedding built from the table.
+    None when ``model_dir`` has no safetensors files. Errors: ``FootprintError`` for an
+    unknown ``dtype`` or a header that cannot be read."""
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return None
+    if dtype not in _DENSE:
+        raise FootprintError(f"dtype {dtype!r} is not one of {', '.join(_DENSE)}")
+    price = _Installed(_DENSE[dtype], 2 if bf16_kernels else 4)
+    tensors: dict[str, _Stored] = {}
+    for path in files:
+        try:
+            tensors |= _stored_tensors(path)
+        except (KeyError, TypeError, ValueError) as e:  # a header not as the converter writes
+            raise FootprintError(
+                f"the safetensors header of {path} is malformed ({e!r}); re-download or "
+                "re-convert the checkpoint"
+            ) from e
+    layers, norm = [0] * config.n_layers, 0
+    for name, t in tensors.items():
+        m = _LAYER.match(name)
+        if m is not None and int(m[1]) < config.n_layers:
+            layers[int(m[1])] += price.linear(t)
+        elif name.startswith("model.norm."):
+            norm += price.linear(t)
+    embed = tensors.get(_EMBED)
+    head_t = embed if config.tie_word_embeddings else tensors.get("lm_head.weight")
+    embedding = 0 if embed is None else price.embedding(embed)
+    head = norm + (0 if head_t is None else price.linear(head_t))
+    shared = head
+    if config.tie_word_embeddings and head_t is not None:
+        shared = norm + price.tied_head(head_t)
+    return Footprint(tuple(layers), embedding, head, shared)
+
+
+@attrs.frozen
+class _Installed:
+    """Bytes of a stored weight once loaded (``shard.model.quant.QuantLinear._pack``)."""
+
+    dense: int  # bytes per element of a dense tensor
+    kernel: int  # bytes per element of the int4 kernel's scales and zeros
+
+    def path(self, t: _Stored) -> str:
+        """``QuantLinear.path`` for ``t`` on a CPU (``dense`` for an unquantized tensor)."""
+        if t.kind is None:
+            return "dense"
+        n, k = t.shape
+        fits = t.group in KERNEL_GROUPS and k % t.group == 0 and n % 16 == 0
+        if t.kind == "int4" and fits:
+            return "int4"
+        if t.kind == "int8" and t.group == k and not t.offset:
+            return "int8-channel"
+        return "int8-split" if t.kind == "int8" and fits else "dequantize"
+
+    def embedding(self, t: _Stored) -> int:
+        """A ``QuantEmbedding`` keeps the stored codes, scales and offsets as read."""
+        return t.nbytes if t.kind is not None else self._dense(t)
+
+    def linear(self, t: _Stored) -> int:
+        """Any other weight: dense in the activation dtype, or a ``QuantLinear``."""
+        path = self.path(t)
+        if path == "dense":
+            return self._dense(t)
+        n, k = t.shape
+        groups = n * (k // t.group)
+        if path == "int4":  # packed codes, [K/g, N, 2] scales and zeros
+            return n * k // 2 + 2 * self.kernel * groups
+        if path == "int8-channel":  # the codes as stored, a scale per row
+            return n * k + self.kernel * n
+        if path == "int8-split":  # two int4 weights (hi and lo nibbles), each with its own
+            return n * k + 4 * self.kernel * groups
+        return t.nbytes  # dequantized per call from the stored codes
+
+    def tied_head(self, t: _Stored) -> int:
+        """What a head built from the embedding ``t`` on the embedding's stage adds
+        (``loader._tie_head``): a packed copy, or nothing where it shares the table."""
+        path = self.path(t)
+        if path in ("int4", "int8-split"):
+            return self.linear(t)
+        if path == "int8-channel":  # the table's codes; its scales unless already the kernel's
+            return 0 if _KERNEL[self.kernel] == t.scale_dtype else self.kernel * t.shape[0]
+        return 0  # the very embedding tensor, or its stored codes
+
+    def _dense(self, t: _Stored) -> int:
+        count = 1
+        for d in t.shape:
+            count *= d
+        return count * self.dense
+
+
+def _stored_tensors(path: Path) -> dict[str, _Stored]:
+    """Every weight of one safetensors file, a quantized one with its ``.scale`` and
+    ``.offset`` folded in (``shard.quant`` metadata), from the header alone."""
+    header = _header(path)
+    quant: dict[str, Any] = json.loads(
+        (header.get("__metadata__") or {}).get(_QUANT_METADATA, "{}")
+    )
+    nbytes = {}
+    for name, entry in header.items():
+        if name != "__metadata__" and isinstance(entry, dict):
+            first, last = entry["data_offsets"]
+            nbytes[name] = int(last) - int(first)
+    out = {}
+    for name, size in nbytes.items():
+        base, _, part = name.rpartition(".")
+        if part in ("scale", "offset") and base in quant:
+            continue  # folded into its codes' entry
+        meta = quant.get(name)
+        if meta is None:
+            out[name] = _Stored(tuple(int(d) for d in header[name]["shape"]), size)
+            continue
+        extra = [f"{name}.scale", f"{name}.offset"]
+        out[name] = _Stored(
+            tuple(int(d) for d in meta["shape"]),
+            size + sum(nbytes.get(e, 0) for e in extra),
+            str(meta["kind"]),
+            int(meta["group"]),
+            f"{name}.offset" in nbytes,
+            str(header[f"{name}.scale"]["dtype"]),
+        )
+    return out
+
+
+def _header(path: Path) -> dict[str, Any]:
+    """A safetensors file's JSON header. Errors: ``FootprintError`` when unreadable."""
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _HEADER_LIMIT:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError, struct.error) as e:
+        raise FootprintError(
+            f"cannot read the safetensors header of {path}: {e}; re-download the checkpoint"
+        ) from e
+    return header
 
 
 def measured(stage: StageModel) -> int:
