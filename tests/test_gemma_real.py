@@ -14,7 +14,8 @@ transformers sets it (the tokenizer is compared with transformers' in
   the reference's top-two logits are within 1e-4), one prompt past the 512-token window;
 - ``weights = "stored"``: a 3-stage ring in this process, and ``shard swarm run
   specs/gemma.toml`` through processes, equal ``generate --local --weights stored``;
-- ``shard plan``'s predicted bytes per stage (``footprint.predict``) against the loaded stages.
+- ``shard plan``'s predicted bytes per stage (``footprint.predict``; stored: ``footprint.stored``)
+  against the loaded stages.
 """
 
 from __future__ import annotations
@@ -262,23 +263,24 @@ def test_plan_predicts_float32_stage_bytes(gemma_dir: Path, float32_stage: Any) 
         assert abs(got - want) <= 0.05 * want, (first, last, got, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nodes/sizes.stored_sizes prices stored tensors at their bytes on disk; in memory "
-    "an int8 code pair is packed for the int4 kernel (1.25 B/param against 1.125) and int4 "
-    "scales are bf16 (0.625 against 0.75), and a tied head beside the embedding is a second "
-    "copy: measured -0.2 %, -4.5 %, -9.9 % on [0,1), [1,17), [17,18), -42 % on one stage",
-)
 def test_plan_predicts_stored_stage_bytes(gemma_dir: Path) -> None:
-    """shard plan's bytes per stage for weights = "stored" (the checkpoint's headers,
-    nodes/sizes) are within 5 % of what the loaded stored stages hold."""
+    """shard plan's bytes per stage for weights = "stored" (nodes/sizes, each tensor of the
+    checkpoint's headers priced as the loader installs it: int4 repacked with bf16 scales,
+    Q8_0/Q5_0/Q6_K int8 as the kernel holds them, the tied head built from the table) are
+    what the loaded stored stages hold, to the byte (the issue asks within 5 %)."""
+    if not _bf16_kernels():
+        pytest.skip("the plan prices the int4 kernel's scales in bf16; this host holds fp32")
     config = ModelConfig.from_dir(gemma_dir)
     sizes = sizes_of(config, "stored", "float32", gemma_dir)
-    off = []
-    for first, last in ((0, 1), (1, 17), (17, 18), (0, 18)):
+    for first, last in ((0, 1), (1, 17), (17, 18), (0, 4), (4, 17), (0, 18)):
         want = measured(load_stage(gemma_dir, first, last, weights="stored"))
-        off.append(round(sizes.stage(first, last) / want - 1, 4))
-    assert all(abs(x) <= 0.05 for x in off), off
+        assert sizes.stage(first, last) == want, (first, last, sizes.stage(first, last), want)
+
+
+def _bf16_kernels() -> bool:
+    from shard.model.quant import kernel_dtype
+
+    return kernel_dtype(torch.device("cpu")) is torch.bfloat16
 
 
 def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
