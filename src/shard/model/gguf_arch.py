@@ -9,6 +9,18 @@ llama.cpp's ``convert_hf_to_gguf.py`` applies on the way in, which ``gguf_import
 |--------------|--------------------------------------------|-------------------------|
 | ``llama``    | yes (interleaved-pair rope)                | ``w``                   |
 | ``gemma3``   | no (NeoX rope: halves, as transformers)    | ``1 + w`` (its converter) |
+| ``qwen3``    | no (NeoX rope)                             | ``w``                   |
+| ``qwen3moe`` | no (NeoX rope)                             | ``w``                   |
+
+Qwen3-MoE's experts are stored fused, one 3-D tensor per projection and layer
+(``blk.N.ffn_{gate,up,down}_exps``, ``[n_expert, out, in]`` in numpy order); ``experts`` maps
+each to the per-expert name shard's checkpoints use (``mlp.experts.E.gate_proj``), and
+``gguf_import`` splits it expert by expert (a quantized one stays quantized: its blocks run
+along ``in``). The router ``ffn_gate_inp`` is ``mlp.gate``. llama.cpp's ``qwen3moe`` graph
+always renormalises the top-k weights (``norm_topk_prob``, whatever the metadata says;
+transformers' GGUF loader sets the same) and makes every layer sparse; a layer without
+``ffn_gate_inp`` (which llama.cpp itself would refuse) is written as a dense layer
+(``mlp_only_layers``).
 
 Gemma 3's GGUF leaves out most of what its ``config.json`` declares; llama.cpp fills it in at
 load (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``), and so does this module, the same way: every
@@ -57,12 +69,14 @@ class GgufArch:
     """One GGUF architecture: ``blocks`` maps llama.cpp's block tensor names to the Hugging
     Face module path; ``permuted_qk``: Q/K rows were permuted for interleaved rope;
     ``norm_plus_one``: norm weights are stored as ``1 + w``; ``config(reader, vocab_rows)``
-    reads ``config.json`` (``tie_word_embeddings`` is set by the caller)."""
+    reads ``config.json`` (``tie_word_embeddings`` is set by the caller); ``experts`` maps
+    a fused 3-D expert tensor's name to the per-expert projection under ``mlp.experts.E``."""
 
     blocks: dict[str, str]
     config: ConfigReader
     permuted_qk: bool
     norm_plus_one: bool
+    experts: dict[str, str] = attrs.field(factory=dict)
 
 
 GLOBAL_NAMES = {
@@ -93,7 +107,9 @@ _GEMMA3_BLOCKS = {
 }
 
 
-def _common(reader: gguf.GGUFReader, arch: str, vocab_rows: int) -> dict[str, Any]:
+def _common(
+    reader: gguf.GGUFReader, arch: str, vocab_rows: int, ffn_default: Any = ...
+) -> dict[str, Any]:
     """The keys every decoder shares, read from ``<arch>.*``."""
     hidden = int(meta(reader, f"{arch}.embedding_length"))
     n_head = int(meta(reader, f"{arch}.attention.head_count"))
@@ -102,7 +118,7 @@ def _common(reader: gguf.GGUFReader, arch: str, vocab_rows: int) -> dict[str, An
         raise ConvertError("partial rotary embeddings are not supported by this converter")
     config: dict[str, Any] = {
         "hidden_size": hidden,
-        "intermediate_size": int(meta(reader, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(meta(reader, f"{arch}.feed_forward_length", ffn_default)),
         "num_hidden_layers": int(meta(reader, f"{arch}.block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(meta(reader, f"{arch}.attention.head_count_kv", n_head)),
@@ -193,8 +209,71 @@ def _linear_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None
     return {"rope_type": "linear", "factor": f32(meta(reader, f"{arch}.rope.scaling.factor"))}
 
 
+_QWEN3_BLOCKS = {
+    **_LLAMA_BLOCKS,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+
+_QWEN3MOE_BLOCKS = {**_QWEN3_BLOCKS, "ffn_gate_inp": "mlp.gate"}
+
+_QWEN3MOE_EXPERTS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+
+
+def _no_scaling(reader: gguf.GGUFReader, arch: str) -> None:
+    scaling = meta(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConvertError(f"rope scaling {scaling!r} is not supported for {arch} GGUFs")
+
+
+def qwen3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``Qwen3ForCausalLM`` from the ``qwen3.*`` metadata keys."""
+    _no_scaling(reader, "qwen3")
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        **_common(reader, "qwen3", vocab_rows),
+    }
+
+
+def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``Qwen3MoeForCausalLM`` from the ``qwen3moe.*`` metadata keys
+    (module docstring: top-k renormalised, layers without a router dense)."""
+    _no_scaling(reader, "qwen3moe")
+    expert_size = int(meta(reader, "qwen3moe.expert_feed_forward_length"))
+    common = _common(reader, "qwen3moe", vocab_rows, ffn_default=expert_size)
+    routed = {t.name.split(".")[1] for t in reader.tensors if ".ffn_gate_inp." in t.name}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "num_experts": int(meta(reader, "qwen3moe.expert_count")),
+        "num_experts_per_tok": int(meta(reader, "qwen3moe.expert_used_count")),
+        "moe_intermediate_size": expert_size,
+        "norm_topk_prob": True,  # llama.cpp's qwen3moe graph hard-codes it (norm_w)
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(common["num_hidden_layers"]) if str(i) not in routed],
+        **common,
+    }
+
+
 ARCHES: dict[str, GgufArch] = {
     "llama": GgufArch(_LLAMA_BLOCKS, llama_config, permuted_qk=True, norm_plus_one=False),
     "gemma3": GgufArch(_GEMMA3_BLOCKS, gemma3_config, permuted_qk=False, norm_plus_one=True),
+    "qwen3": GgufArch(_QWEN3_BLOCKS, qwen3_config, permuted_qk=False, norm_plus_one=False),
+    "qwen3moe": GgufArch(
+        _QWEN3MOE_BLOCKS,
+        qwen3moe_config,
+        permuted_qk=False,
+        norm_plus_one=False,
+        experts=_QWEN3MOE_EXPERTS,
+    ),
 }
 """The architectures ``gguf_import`` converts, by ``general.architecture``."""

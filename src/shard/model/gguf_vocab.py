@@ -97,10 +97,12 @@ _DIGITS_PRE = frozenset(
     {"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"}
 )
 _LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
+_QWEN2_PRE = frozenset({"qwen2"})  # Qwen2/2.5/3: Llama 3's regex, digits one at a time
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 # Control tokens llama.cpp treats as end of generation; listing them in generation_config
 # makes a decoding loop stop where llama.cpp would, e.g. on <|endoftext|> after a completion.
 _EOG_TOKENS = frozenset(
@@ -175,14 +177,15 @@ def _bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer
     elif pre in _DIGITS_PRE:  # llama.cpp splits every digit first, then the GPT-2 regex
         digits = pre_tokenizers.Digits(individual_digits=True)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    elif pre in _LLAMA3_PRE:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
+    elif pre in _LLAMA3_PRE | _QWEN2_PRE:
+        regex = _QWEN2_REGEX if pre in _QWEN2_PRE else _LLAMA3_REGEX
+        split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
         no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
     else:
         raise VocabError(
             f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
-            f"{', '.join(sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE))}"
+            f"{', '.join(sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE | _QWEN2_PRE))}"
         )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
