@@ -14,6 +14,7 @@ import torch
 from shard.decode.reference import generate_reference
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
+from shard.model.quant import QuantEmbedding
 from shard.model.tokenizer import Tokenizer
 
 PROMPTS = (
@@ -28,11 +29,14 @@ LOGIT_ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def whole(smollm2_dir: Path) -> torch.nn.Module:
+    """The whole model as users run it: its quantized tensors as stored (the default)."""
     return load_stage(smollm2_dir, 0, 30)
 
 
 def test_split_is_bit_identical(smollm2_dir: Path, whole: torch.nn.Module) -> None:
-    """Blocks [0,7) [7,19) [19,30) run one after another give exactly the unsplit logits."""
+    """Blocks [0,7) [7,19) [19,30) run one after another give exactly the unsplit logits
+    (stored weights, the default: the int4 kernel's rows do not depend on the split)."""
+    assert isinstance(whole.embed_tokens, QuantEmbedding)
     blocks = [load_stage(smollm2_dir, a, b) for a, b in ((0, 7), (7, 19), (19, 30))]
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     ids = torch.tensor([tokenizer.encode(PROMPTS[2])])  # [1, S]
@@ -52,13 +56,12 @@ def test_split_is_bit_identical(smollm2_dir: Path, whole: torch.nn.Module) -> No
             assert torch.equal(h, want)
 
 
-def test_greedy_matches_transformers(
-    smollm2_dir: Path, smollm2_float32_dir: Path, whole: torch.nn.Module
-) -> None:
+def test_greedy_matches_transformers(smollm2_dir: Path, smollm2_float32_dir: Path) -> None:
     """32 greedy tokens agree with transformers (on the float32 conversion of the same GGUF:
-    ours loads the cache's stored tensors dequantized) token for token; logits within
-    LOGIT_ATOL."""
+    ours loads the cache's stored tensors dequantized, ``weights="float32"``) token for token;
+    logits within LOGIT_ATOL."""
     transformers = pytest.importorskip("transformers")
+    whole = load_stage(smollm2_dir, 0, 30, weights="float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_float32_dir, dtype=torch.float32)
     hf.eval()
     tokenizer = Tokenizer.from_dir(smollm2_dir)
