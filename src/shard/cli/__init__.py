@@ -1,13 +1,30 @@
-"""shard.cli: the operator surface — ``main`` (the ``shard`` command) and its one command table:
-every subcommand's arguments are declared here (``parser.py`` builds the parser: ``generate``,
-``swarm``, ``up``, ``monitor``, ``plan``; ``parser_tools.py`` the keys, receipts, manifests,
-``convert`` and ``relay``, and ``Parser``; ``parser_draft.py`` ``draft``; ``parser_bench.py``
-``bench``) and every subcommand's handler is here (``HANDLERS``: one module per command family
-— ``generate``, ``swarm``, ``keys``, ``weights``, ``plan``, ``convert``, ``relay``, ``draft``,
-``bench`` — each calling the library that does the work), with how operator errors are
-reported (``errors.py``). No module outside this package parses arguments
-(``tests/test_cli_table.py``). It may import every other package; nothing imports it.
-Command modules are imported only when their command runs, so ``shard --help`` stays fast.
+"""shard.cli: the operator surface — ``main`` (the ``shard`` command) and its one command table.
+No module outside this package parses arguments (``tests/test_cli_table.py``). It may import
+every other package; nothing imports it. Command modules are imported only when their command
+runs, so ``shard --help`` stays fast.
+
+Every subcommand's arguments are declared here::
+
+    parser.py        builds the parser: ``generate``, ``swarm``, ``up``, ``monitor``, ``plan``
+    parser_tools.py  keys, receipts, manifests, ``convert`` and ``relay``; ``Parser``
+    parser_plan.py   ``plan``'s arguments (the planner, and the fit before a download)
+    parser_draft.py  ``draft``
+    parser_bench.py  ``bench``
+
+and every handler (``HANDLERS`` names each), one module per command family, each calling the
+library that does the work::
+
+    generate.py      ``shard generate``, local or through a swarm's client port
+    swarm.py         ``shard up``, ``shard swarm up|run``, ``shard monitor``
+    plan.py          ``shard plan SPEC`` (the placement planner); fit.py: ``plan --config``
+    keys.py          ``keygen``, ``admit``, ``receipt verify``, ``api-key``
+    weights.py       ``manifest build|sign|verify``, ``fetch``
+    convert.py       ``shard convert MODEL.gguf OUT_DIR``
+    relay.py         ``shard relay``, the delaying TCP relay
+    draft.py         ``shard draft distill|train|path``
+    bench.py         ``shard bench``
+    inputs.py        prompt arguments (``-`` for standard input) and prompt files
+    errors.py        how operator errors are reported: one ``shard: error:`` line
 """
 
 from __future__ import annotations

@@ -1,17 +1,27 @@
-"""The model runtime: config, stage modules, KV cache, loading, wire tensors.
+"""The model runtime: families, stage modules, weights kept quantized, loading, tokenizer.
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
     families.py     each family's declared differences from a Llama, and MoeConfig (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
+    linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
+    packed.py       one forward for many sessions' chunks, each attending to its own cache
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
-    loader.py       load_stage: read only one block's tensors from safetensors
-    tensors.py      torch.Tensor <-> shard.messages.Tensor (raw bytes, never pickle)
+    quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
+    quant_gguf.py   GGUF quant blocks mapped exactly onto quant.py's layouts
+    weights.py      the ``weights`` option, how it combines with ``dtype``, its default
+    loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
+    tensorfile.py   a safetensors file read tensor by tensor into memory torch owns
+    heap.py         freed temporaries handed back to the OS while a stage loads
+    footprint.py    what a block weighs in memory, predicted from config.json (or headers)
+    profile.py      what one layer costs a node: its weight bytes and measured time
+    device.py       a node's spec'd device and dtype as torch values, checked here
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
     gguf_import.py  GGUF -> safetensors checkpoint conversion
+    gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
     gguf_vocab.py   a GGUF's tokenizer metadata -> tokenizer.json (for gguf_import)
-    bundled.py      find a model by name or path (the shipped SmolLM2)
+    bundled.py      find a model by name or path (the shipped SmolLM2 and Gemma 3 270M)
 
 This file imports nothing, so ``import shard.model.config`` stays torch-free.
 """
