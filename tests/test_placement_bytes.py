@@ -210,6 +210,39 @@ def test_smollm2_auto_moves_layers_off_the_embedding_and_head_stages() -> None:
     assert footprint.stage(0, 8) < even
 
 
+@pytest.mark.parametrize(
+    ("spec_file", "want"),
+    [
+        ("local.toml", ((0, 6), (6, 26), (26, 30))),
+        ("gemma.toml", ((0, 4), (4, 17), (17, 18))),
+    ],
+)
+def test_checked_in_stored_specs_resolve_to_the_brute_force_minimum(
+    spec_file: str, want: tuple[Block, ...]
+) -> None:
+    """A checked-in spec over a quantized bundled model (SmolLM2 for every SmolLM2 spec,
+    Gemma) resolves as its nodes resolve it (held as stored, each tensor priced as the loader
+    installs it) to a split of least largest stage by brute force; these are the blocks
+    docs/placement.md and docs/specs.md quote."""
+    from shard.model.bundled import ModelNotFound, resolve_model
+    from shard.model.footprint import stored
+    from shard.nodes.defaults import with_checkpoint_weights
+
+    spec = load_spec(ROOT / "specs" / spec_file)
+    try:
+        model = resolve_model(str(spec.model), progress=False)
+    except ModelNotFound as exc:
+        pytest.skip(f"bundled model not installed: {exc}")
+    spec = with_checkpoint_weights(spec, model)
+    assert spec.weights == "stored"
+    config = ModelConfig.from_dir(model)
+    footprint = stored(config, model, dtype=spec.dtype, bf16_kernels=True)
+    assert footprint is not None
+    _, where = brute([footprint] * len(spec.stages), config.n_layers)
+    got = spec.blocks(config.n_layers, model_facts(config, spec, model))
+    assert got in where and got == want, (got, where)
+
+
 def test_a_measured_ring_of_unequal_layers_is_split_within_real_memory() -> None:
     """With measured speeds (formation, an --rtt profile) the ring's split is the slowest
     stage as fast as memory allows, memory counted layer by layer: the brute force over the
