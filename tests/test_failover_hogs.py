@@ -7,7 +7,7 @@ under the load.
 
 Not asserted, reported: whether the receipt verifies. It does not, loaded or not — a receipt
 does not span a splice (docs/failover.md): the standby's input chain holds no replayed chunk,
-so ``shard receipt verify`` says "stage s1-standby [6, 24): input chain differs from what s0
+so ``shard receipt verify`` says "stage s1-standby [6, 26): input chain differs from what s0
 sent". Only when the splice lands while receipts are collected does the request fail, with
 "receipts do not span a splice": timing-dependent, a likely reading of the issue's
 "`swarm run --receipt` failed once".
