@@ -113,8 +113,10 @@ def _write_gguf(
         w.add_expert_count(config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {a["content"] for a in tok["added_tokens"]}
+    added = {a["content"]: a["id"] for a in tok["added_tokens"]}
+    vocab = sorted({**tok["model"]["vocab"], **added}.items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    specials = set(added)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list([t for t, _ in vocab])
@@ -283,3 +285,26 @@ def test_moe_layer_without_router_converts_dense(
         want = hf.eval()(input_ids=ids).logits
         got = stage(ids, 0, stage.new_cache(ids.shape[1]))
     assert float((got - want).abs().max()) < 1e-4
+
+
+def test_qwen2_pre_tokenizer_equals_transformers_gguf_tokenizer(
+    built: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The converted tokenizer (byte-level BPE, pre-tokenizer ``qwen2``) encodes as
+    transformers' GGUF tokenizer does: non-ASCII text, whitespace runs, specials, digits."""
+    import transformers
+
+    from shard.model.tokenizer import Tokenizer
+
+    path, _ = built["qwen3"]
+    out = convert_gguf(path, tmp_path / "out", progress=False, stored=False)
+    ours = Tokenizer.from_dir(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = [
+        "the theme 12345 abc",
+        "héllo  wörld\n\n  x",
+        "<|im_start|>user\nhi<|im_end|>",
+        "   spaces\t\ttabs 2024年 don't",
+    ]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
