@@ -92,9 +92,13 @@ async def fetch_stage(
     model = None
     if any(s.layers is None for s in spec.stages):  # "auto" cuts by bytes: read the config
         from shard.model.config import ModelConfig
+        from shard.nodes.defaults import with_checkpoint_weights
         from shard.nodes.sizes import model_facts
 
         common = (await fetch_common(spec, name)).path
+        # the weights the stage will load with (a quantized checkpoint: stored, when the spec
+        # says none), read from the fetched headers: the block fetched is the block loaded
+        spec = with_checkpoint_weights(spec, common)
         model = model_facts(ModelConfig.from_dir(common), spec, common)
     first, last = spec.blocks(manifest.n_layers, model)[index]
     return await fetch_layers(
