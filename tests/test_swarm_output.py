@@ -159,7 +159,7 @@ def test_a_replaced_node_says_so_without_an_error_and_exits_3(
     freeze) prints what happened in one line without `error:` and exits 3 — it printed
     `shard: error: ... replaced` for a run that succeeded. The refusal is injected as the
     node's nursery raises it (in a group)."""
-    from shard.cli import main, swarm
+    from shard.cli import main, up
     from shard.failover.control import NodeReplaced
 
     said = "s0: the scheduler refused this node: s0 was replaced by sb; restart it as a standby"
@@ -167,7 +167,7 @@ def test_a_replaced_node_says_so_without_an_error_and_exits_3(
     async def refused(*_: object) -> None:
         raise BaseExceptionGroup("node", [ExceptionGroup("stage", [NodeReplaced(said)])])
 
-    monkeypatch.setattr(swarm, "_run_node", refused)
+    monkeypatch.setattr(up, "_run_node", refused)
     monkeypatch.setattr("shard.nodes.lifeline.die_with_parent", lambda *_: None)  # not ours
     argv = ["up", "--role", "stage", "--spec", str(spec_path), "--node", "s0"]
     assert main([*argv, "--die-with-parent", "1"]) == 3  # as launched: the swarm warns once

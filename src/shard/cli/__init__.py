@@ -15,7 +15,8 @@ and every handler (``HANDLERS`` names each), one module per command family, each
 library that does the work::
 
     generate.py      ``shard generate``, local or through a swarm's client port
-    swarm.py         ``shard up``, ``shard swarm up|run``, ``shard monitor``
+    up.py            ``shard up``: one node
+    swarm.py         ``shard swarm up|run``, ``shard monitor``
     plan.py          ``shard plan SPEC`` (the placement planner); fit.py: ``plan --config``
     keys.py          ``keygen``, ``admit``, ``receipt verify``, ``api-key``
     weights.py       ``manifest build|sign|verify``, ``fetch``
@@ -41,7 +42,7 @@ __all__ = ["HANDLERS", "main"]
 HANDLERS: Final = {
     "generate": ("shard.cli.generate", "generate"),
     "swarm": ("shard.cli.swarm", "swarm"),
-    "up": ("shard.cli.swarm", "up"),
+    "up": ("shard.cli.up", "up"),
     "monitor": ("shard.cli.swarm", "monitor"),
     "plan": ("shard.cli.plan", "plan_main"),
     "keygen": ("shard.cli.keys", "keygen"),
