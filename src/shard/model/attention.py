@@ -157,6 +157,11 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm | GemmaRMSNorm:
     return RMSNorm(dim, config.rms_norm_eps)
 
 
+#: The longest chunk ``Attention.rowwise`` attends row by row: a verify chunk (K + 1 rows, K at
+#: most 8 by default) or a short prefill; a long prefill chunk keeps one call.
+ROWWISE_MAX_ROWS = 16
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over a static KV cache, with the family's variants."""
 
@@ -172,6 +177,11 @@ class Attention(nn.Module):
         self.q_norm = make_norm(config, dh) if config.qk_norm else None
         self.k_norm = make_norm(config, dh) if config.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
+        #: attend a short chunk's rows one by one, each over exactly the keys and mask its own
+        #: one-row decode would use (``attend``); set by the loader on quantized blocks, whose
+        #: kernels give a row the same bits alone as among many, so that a speculative verify
+        #: chunk equals plain decoding bit for bit
+        self.rowwise = False
 
     def forward(
         self,
@@ -220,7 +230,27 @@ class Attention(nn.Module):
             keys, values = cache.update_at(layer, start, k, v)  # [B, KV, max_len, Dh]
         else:
             keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
+        rows = q.shape[2]
+        if self.rowwise and 1 < rows <= ROWWISE_MAX_ROWS and not isinstance(start, Tensor):
+            # row i as its decode at start + i sees it: keys [0, start + i] and that row's mask
+            return torch.cat(
+                [
+                    self._attend(
+                        q[:, :, i : i + 1],
+                        keys[:, :, : start + i + 1],
+                        values[:, :, : start + i + 1],
+                        mask[..., i : i + 1, : start + i + 1],
+                    )
+                    for i in range(rows)
+                ],
+                dim=2,
+            )
+        return self._attend(q, keys, values, mask)
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """``q`` over ``keys``/``values`` under ``mask``, in the block's dtype."""
         low = q.device.type == "cpu" and q.dtype != torch.float32
+        k_dtype = keys.dtype
         if low:
             # CPU SDPA in bf16/fp16 is several times slower than in fp32 (a one-row query over
             # 1,000 keys: 0.9 against 0.1 ms here); a copy up costs far less than it saves.
@@ -236,7 +266,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 enable_gqa=self.n_heads != self.n_kv_heads,
             )  # [B, H, S, Dh]
-        return y.to(k.dtype) if low else y
+        return y.to(k_dtype) if low else y
 
     def _attend_with_sinks(
         self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sinks: Tensor

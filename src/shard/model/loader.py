@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from shard.model import heap
+from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 from shard.model.moe import FusedExperts
@@ -41,7 +42,7 @@ from shard.model.quant import (
     quantize_int8,
 )
 from shard.model.tensorfile import TensorFile, open_tensors
-from shard.model.weights import check_weights, resolve_weights
+from shard.model.weights import QUANTIZED_WEIGHTS, check_weights, resolve_weights
 
 QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it
 
@@ -106,6 +107,10 @@ def load_stage(
             _load_file(stage, model_dir / file, names, dtype, device, weights)
         if config.tie_word_embeddings:
             _tie_head(stage, device)
+    if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
+        for module in stage.modules():
+            if isinstance(module, Attention):
+                module.rowwise = True
     return stage.to(device).eval()
 
 
