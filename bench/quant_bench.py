@@ -5,8 +5,9 @@ embedding as stored), CPU:
 
 1. **Stages.** Per format (``--formats``: ``float32``, ``bfloat16`` with ``dtype = bfloat16``,
    ``int8`` and ``int4`` quantized at load, ``stored``; the quantized ones with float32
-   activations, the default ``dtype``) and per block of a 3-stage ring split as the swarm
-   splits it (``layers = "auto"``, ``SwarmSpec.blocks``), a fresh child process with one torch
+   activations, the default ``dtype``) and per block of a 3-stage ring split into equal layer
+   counts (``SwarmSpec.blocks`` without the model's sizes: 10/10/10, the same blocks for
+   every format), a fresh child process with one torch
    thread loads the block with ``load_stage(..., weights=...)`` and measures: the weight bytes it
    holds (``shard.model.footprint.measured``) and per parameter (parameters counted on the
    meta device), its resident memory before and after the load (``VmRSS``; peak ``VmHWM``),
