@@ -15,7 +15,14 @@ from shard.model.quant_gguf import STORED_FORMATS, from_gguf
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N, K = 16, 512
-QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]  # gguf.quants.quantize can make these
+QUANTIZABLE = [
+    T.Q4_0,
+    T.Q4_1,
+    T.Q8_0,
+    T.Q5_0,
+    T.Q5_1,
+    T.MXFP4,
+]  # gguf.quants.quantize can make these
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]  # gguf can only dequantize these: random blocks instead
 PATHS = {
     "Q4_0": "int4",
@@ -26,6 +33,7 @@ PATHS = {
     "Q5_1": "int8-split",
     "Q5_K": "int8-split",
     "Q6_K": "dequantize",
+    "MXFP4": "int8-split",
 }
 REL_TOL = 1e-2  # one bf16 rounding of the outputs and of the scales (tests/test_quant.py)
 
@@ -74,6 +82,20 @@ def test_packed_product_matches_dequantized(qtype: T) -> None:
     assert (layer(x) - ref).abs().max() <= REL_TOL * ref.abs().max()
     ids = torch.tensor([5, 0, 7])
     assert torch.equal(QuantEmbedding(q, torch.float32)(ids), ref_w[ids])
+
+
+def test_mxfp4_extreme_exponents_are_exact() -> None:
+    """MXFP4 blocks with every E8M0 exponent (0 and 1 give subnormal float32 scales, 254 the
+    largest) and every code: ``scale * code`` equals gguf's dequantization bit for bit."""
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, (256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256, dtype=np.uint8)
+    raw[255, 0] = 254  # 255 is E8M0's NaN
+    data = raw.reshape(N, -1)
+    q = from_gguf(data, T.MXFP4, (N, 256 * 32 // N))
+    assert q is not None and q.kind == "int8" and q.offset is None
+    want = gguf.quants.dequantize(data, T.MXFP4)
+    assert np.array_equal(q.dequantize().numpy().view(np.uint32), want.view(np.uint32))
 
 
 def test_other_types_are_left_to_dequantize() -> None:

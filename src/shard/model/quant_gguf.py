@@ -15,6 +15,8 @@ Q5_0     int8, groups of 32          ``d * (q - 16)``
 Q5_1     int8, groups of 32          ``d * q + m``
 Q5_K     int8, groups of 32          ``(d sc_j) * q - dmin m_j``
 Q6_K     int8, groups of 16          ``(d sc_j) * (q - 32)`` (8-bit signed ``sc_j``)
+MXFP4    int8, groups of 32          ``2^(e - 128) * v`` (``v``: the e2m1 value doubled, one
+                                     of 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12; ``e``: E8M0)
 =======  ==========================  ======================================================
 
 Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ formats, ...) returns None: the loader
@@ -107,6 +109,19 @@ def _q5_k(b: U8) -> Parts:
     return _nibbles(b[:, 48:], 32) | (high << 4), scale, offset
 
 
+#: MXFP4's 4-bit codes as their e2m1 values doubled (ggml's ``kvalues_mxfp4``).
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
+
+
+def _mxfp4(b: U8) -> Parts:
+    """gpt-oss's experts: one E8M0 exponent byte then 16 bytes of nibbles; the scale is
+    ``2^(e - 128)`` (ggml's ``e8m0_to_fp32_half``: half of ``2^(e - 127)``, the code being the
+    value doubled), a float32 exactly, subnormal for ``e < 2``."""
+    e = b[:, :1].astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return _E2M1_DOUBLED[_nibbles(b[:, 1:], 16)], bits.astype(np.uint32).view(np.float32), None
+
+
 def _q6_k(b: U8) -> Parts:
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
@@ -129,6 +144,7 @@ _DECODERS: dict[T, tuple[str, int, Callable[[U8], Parts]]] = {
     T.Q5_1: ("int8", 32, _q5_1),
     T.Q5_K: ("int8", 32, _q5_k),
     T.Q6_K: ("int8", 16, _q6_k),
+    T.MXFP4: ("int8", 32, _mxfp4),
 }
 
 #: The GGUF types ``from_gguf`` keeps quantized.
@@ -185,7 +201,7 @@ def stored_layout(qtype: T) -> tuple[str, int, bool] | None:
     if qtype not in _DECODERS:
         return None
     kind, group, _ = _DECODERS[qtype]
-    return kind, group, qtype not in (T.Q8_0, T.Q5_0, T.Q6_K)
+    return kind, group, qtype not in (T.Q8_0, T.Q5_0, T.Q6_K, T.MXFP4)
 
 
 def from_gguf(data: U8, qtype: T, shape: tuple[int, int]) -> Quantized | None:
