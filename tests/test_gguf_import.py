@@ -157,10 +157,13 @@ def test_unsupported_input_is_a_clear_error(
         ("gpt-2", ["I", "'m", "Ġ12345", "Ġok"]),
         ("smollm", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]),
         ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "Ġok"]),
+        ("glm4", ["I", "'m", "Ġ", "123", "45", "Ġok"]),
+        ("gpt-4o", ["I'm", "Ġ", "123", "45", "Ġok"]),
     ],
 )
 def test_pre_tokenizer_follows_llama_cpp(tmp_path: Path, pre: str, pieces: list[str]) -> None:
-    """tokenizer.ggml.pre selects llama.cpp's splitting: whole numbers, digits, or triples."""
+    """tokenizer.ggml.pre selects llama.cpp's splitting: whole numbers, digits, or triples;
+    gpt-oss's o200k keeps a contraction on its word."""
     write_tiny_gguf(tmp_path / "x.gguf", pre=pre)
     out = convert_gguf(tmp_path / "x.gguf", tmp_path / "out", progress=False)
     tokenizer = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))

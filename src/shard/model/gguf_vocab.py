@@ -96,13 +96,25 @@ _GPT2_PRE = frozenset({"gpt-2", "mpt", "olmo", "jais"})
 _DIGITS_PRE = frozenset(
     {"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"}
 )
-_LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
+#: GLM-4.5's ``glm4`` (and ``chatglm-bpe``): llama.cpp's CHATGLM4 type, Llama 3's very regex.
+_LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "glm4", "chatglm-bpe"})
 _QWEN2_PRE = frozenset({"qwen2"})  # Qwen2/2.5/3: Llama 3's regex, digits one at a time
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# gpt-oss's o200k split, as its tokenizer.json (and tiktoken's o200k_base) has it: words split
+# at case changes, contractions kept on the word. llama.cpp's GPT4O type runs an ASCII-only
+# adaptation of it (no \p{M}, case told apart for A-Z / a-z only); this is the model's own.
+_GPT4O_PRE = frozenset({"gpt-4o"})
+_O200K_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Control tokens llama.cpp treats as end of generation; listing them in generation_config
 # makes a decoding loop stop where llama.cpp would, e.g. on <|endoftext|> after a completion.
 _EOG_TOKENS = frozenset(
@@ -177,15 +189,16 @@ def _bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer
     elif pre in _DIGITS_PRE:  # llama.cpp splits every digit first, then the GPT-2 regex
         digits = pre_tokenizers.Digits(individual_digits=True)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    elif pre in _LLAMA3_PRE | _QWEN2_PRE:
+    elif pre in _LLAMA3_PRE | _QWEN2_PRE | _GPT4O_PRE:
         regex = _QWEN2_REGEX if pre in _QWEN2_PRE else _LLAMA3_REGEX
+        regex = _O200K_REGEX if pre in _GPT4O_PRE else regex
         split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
         no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
     else:
         raise VocabError(
             f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
-            f"{', '.join(sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE | _QWEN2_PRE))}"
+            f"{', '.join(sorted(_GPT2_PRE | _DIGITS_PRE | _LLAMA3_PRE | _QWEN2_PRE | _GPT4O_PRE))}"
         )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
