@@ -91,6 +91,22 @@ def _gguf_names(hf: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return out
 
 
+def write_vocab(w: gguf.GGUFWriter, tok: dict[str, Any], config: dict[str, Any]) -> None:
+    """The tiny byte-level BPE tokenizer ``tok`` (a ``tokenizer.json``) as GGUF metadata."""
+    added = {a["content"]: a["id"] for a in tok["added_tokens"]}
+    vocab = sorted({**tok["model"]["vocab"], **added}.items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    specials = set(added)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(False)
+
+
 def _write_gguf(
     src: Path, path: Path, arch: str, quant: dict[str, Q] = _QUANT
 ) -> dict[str, np.ndarray]:
@@ -113,18 +129,7 @@ def _write_gguf(
         w.add_expert_count(config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    added = {a["content"]: a["id"] for a in tok["added_tokens"]}
-    vocab = sorted({**tok["model"]["vocab"], **added}.items(), key=lambda kv: kv[1])
-    assert [i for _, i in vocab] == list(range(len(vocab)))
-    specials = set(added)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
-    w.add_add_bos_token(False)
+    write_vocab(w, tok, config)
     held = {}
     for name, array in _gguf_names(load_file(src / "model.safetensors")).items():
         if name in quant:

@@ -11,6 +11,9 @@ llama.cpp's ``convert_hf_to_gguf.py`` applies on the way in, which ``gguf_import
 | ``gemma3``   | no (NeoX rope: halves, as transformers)    | ``1 + w`` (its converter) |
 | ``qwen3``    | no (NeoX rope)                             | ``w``                   |
 | ``qwen3moe`` | no (NeoX rope)                             | ``w``                   |
+| ``llama`` with experts (Mixtral) | yes                    | ``w``                   |
+| ``gpt-oss``  | no (NeoX rope)                             | ``w``                   |
+| ``glm4moe``  | no (NeoX rope, on the rotated part)        | ``w``                   |
 
 Qwen3-MoE's experts are stored fused, one 3-D tensor per projection and layer
 (``blk.N.ffn_{gate,up,down}_exps``, ``[n_expert, out, in]`` in numpy order); ``experts`` maps
@@ -21,6 +24,31 @@ always renormalises the top-k weights (``norm_topk_prob``, whatever the metadata
 transformers' GGUF loader sets the same) and makes every layer sparse; a layer without
 ``ffn_gate_inp`` (which llama.cpp itself would refuse) is written as a dense layer
 (``mlp_only_layers``).
+
+Mixtral is written as a ``llama`` GGUF with ``llama.expert_count``; its experts and router
+become Mixtral's own names (``block_sparse_moe.experts.E.w1|w3|w2`` for gate/up/down,
+``block_sparse_moe.gate``), and llama.cpp's llama graph renormalises the top-k weights as
+Mixtral does.
+
+gpt-oss's GGUF splits the fused, interleaved ``gate_up_proj`` ``[E, D, 2F]`` into
+``ffn_gate_exps`` and ``ffn_up_exps`` (``[E, F, D]``, transposed: blocks along ``D``), with
+biases, and transposes ``down_proj`` into ``ffn_down_exps`` ``[E, D, F]``; ``fused`` says so and
+``gguf_import`` puts them back (``FUSED_EXPERTS``). Its experts are MXFP4 (kept stored as int8
+groups of 32, exact). The sinks are ``attn_sinks.weight`` (``self_attn.sinks``), the router
+``ffn_gate_inp`` with a bias (``mlp.router``). Every other layer slides, starting with layer 0
+(llama.cpp's ``swa pattern`` 2, transformers' ``layer_types``); the rope is YaRN from
+``rope.scaling.*``, ``truncate`` false as gpt-oss's own ``config.json`` sets (llama.cpp rounds
+the correction range; the model is defined by its reference, transformers). The clamped SwiGLU's
+alpha 1.702 and limit 7.0 are what llama.cpp hard-codes; ``swiglu_clamp_exp`` wins when set.
+
+GLM-4.5's GGUF counts its multi-token-prediction layers in ``block_count``
+(``glm4moe.nextn_predict_layers`` of them, last, with ``nextn.*`` tensors); shard does not run
+them (docs/model.md, "not yet"), so they are left out and the model has ``block_count -
+nextn`` layers. The correction bias is ``exp_probs_b.bias``, shared experts ``ffn_*_shexp``,
+the first ``leading_dense_block_count`` layers dense, the rotated fraction
+``rope.dimension_count / key_length``; the router must be sigmoid (``expert_gating_func`` 2).
+Group-limited routing is read from ``expert_group_count`` / ``expert_group_used_count`` where a
+file has them, else one group (GLM-4.5 and 4.5-Air use one).
 
 Gemma 3's GGUF leaves out most of what its ``config.json`` declares; llama.cpp fills it in at
 load (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``), and so does this module, the same way: every
@@ -70,13 +98,22 @@ class GgufArch:
     Face module path; ``permuted_qk``: Q/K rows were permuted for interleaved rope;
     ``norm_plus_one``: norm weights are stored as ``1 + w``; ``config(reader, vocab_rows)``
     reads ``config.json`` (``tie_word_embeddings`` is set by the caller); ``experts`` maps
-    a fused 3-D expert tensor's name to the per-expert projection under ``mlp.experts.E``."""
+    a fused 3-D expert tensor's name to the per-expert projection under ``experts_prefix``.E.
+
+    A ``blocks`` key is a tensor's short name (``attn_q``: its ``.weight`` and ``.bias`` map to
+    the module's) or a short name with its suffix (``attn_sinks.weight``), whose value is then
+    the whole Hugging Face name. ``fused``: the experts are gpt-oss's (``FUSED_EXPERTS``).
+    ``extra_blocks``: the metadata key counting trailing blocks shard does not run (GLM's
+    multi-token prediction), or None."""
 
     blocks: dict[str, str]
     config: ConfigReader
     permuted_qk: bool
     norm_plus_one: bool
     experts: dict[str, str] = attrs.field(factory=dict)
+    experts_prefix: str = "mlp.experts"
+    fused: bool = False
+    extra_blocks: str | None = None
 
 
 GLOBAL_NAMES = {
@@ -108,14 +145,20 @@ _GEMMA3_BLOCKS = {
 
 
 def _common(
-    reader: gguf.GGUFReader, arch: str, vocab_rows: int, ffn_default: Any = ...
+    reader: gguf.GGUFReader,
+    arch: str,
+    vocab_rows: int,
+    ffn_default: Any = ...,
+    *,
+    partial: bool = False,
 ) -> dict[str, Any]:
-    """The keys every decoder shares, read from ``<arch>.*``."""
+    """The keys every decoder shares, read from ``<arch>.*`` (``partial``: the family may
+    rotate part of each head, read by the caller)."""
     hidden = int(meta(reader, f"{arch}.embedding_length"))
     n_head = int(meta(reader, f"{arch}.attention.head_count"))
     head_dim = int(meta(reader, f"{arch}.attention.key_length", hidden // n_head))
-    if int(meta(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
-        raise ConvertError("partial rotary embeddings are not supported by this converter")
+    if not partial and int(meta(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise ConvertError(f"partial rotary embeddings are not supported for {arch} GGUFs")
     config: dict[str, Any] = {
         "hidden_size": hidden,
         "intermediate_size": int(meta(reader, f"{arch}.feed_forward_length", ffn_default)),
@@ -264,6 +307,154 @@ def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
+def mixtral_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``MixtralForCausalLM`` from a ``llama`` GGUF with experts (its
+    ``feed_forward_length`` is each expert's size, as Mixtral's ``intermediate_size``)."""
+    _no_scaling(reader, "llama")
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "sliding_window": None,
+        "num_local_experts": int(meta(reader, "llama.expert_count")),
+        "num_experts_per_tok": int(meta(reader, "llama.expert_used_count")),
+        **_common(reader, "llama", vocab_rows),
+    }
+
+
+def gpt_oss_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``GptOssForCausalLM`` from the ``gpt-oss.*`` keys (module
+    docstring: alternating windows from layer 0, YaRN, llama.cpp's SwiGLU clamp)."""
+    a = "gpt-oss"
+    ffn = meta(reader, f"{a}.expert_feed_forward_length", None)
+    if ffn is None:
+        ffn = meta(reader, f"{a}.feed_forward_length")
+    common = {**_common(reader, a, vocab_rows, ffn_default=ffn), "intermediate_size": int(ffn)}
+    n_layers = common["num_hidden_layers"]
+    kind = meta(reader, f"{a}.rope.scaling.type", "none")
+    if kind != "yarn":
+        raise ConvertError(f"a gpt-oss GGUF must declare YaRN rope scaling, not {kind!r}")
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": common["rope_theta"],
+        "factor": f32(meta(reader, f"{a}.rope.scaling.factor")),
+        "beta_fast": f32(meta(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": f32(meta(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+        "original_max_position_embeddings": int(
+            meta(reader, f"{a}.rope.scaling.original_context_length")
+        ),
+        "truncate": False,
+    }
+    limit = meta(reader, f"{a}.swiglu_clamp_exp", None)
+    if isinstance(limit, list):  # one per layer; gpt-oss uses one value
+        if len(set(limit)) != 1:
+            raise ConvertError("a per-layer swiglu_clamp_exp is not supported for gpt-oss")
+        limit = limit[0]
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_act": "silu",
+        "num_local_experts": int(meta(reader, f"{a}.expert_count")),
+        "num_experts_per_tok": int(meta(reader, f"{a}.expert_used_count")),
+        "sliding_window": int(meta(reader, f"{a}.attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+        ],
+        "rope_scaling": yarn,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0 if limit is None else f32(limit),
+        **common,
+        "attention_bias": True,
+    }
+
+
+def glm4moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``Glm4MoeForCausalLM`` from the ``glm4moe.*`` keys and the tensors
+    present (q/k norms, attention biases); module docstring for the MTP layers left out."""
+    a = "glm4moe"
+    _no_scaling(reader, a)
+    common = _common(reader, a, vocab_rows, partial=True)
+    gating = int(meta(reader, f"{a}.expert_gating_func", 2))
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ConvertError(f"GLM-4.5 routes with a sigmoid (expert_gating_func 2), not {gating}")
+    nextn = int(meta(reader, f"{a}.nextn_predict_layers", 0))
+    n_layers = common["num_hidden_layers"] - nextn
+    if n_layers < 1:
+        raise ConvertError(f"{a}.nextn_predict_layers {nextn} leaves no decoder layer")
+    rotary = int(meta(reader, f"{a}.rope.dimension_count", common["head_dim"]))
+    names = {t.name for t in reader.tensors}
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        **common,
+        "num_hidden_layers": n_layers,
+        "partial_rotary_factor": rotary / common["head_dim"],
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "moe_intermediate_size": int(meta(reader, f"{a}.expert_feed_forward_length")),
+        "n_routed_experts": int(meta(reader, f"{a}.expert_count")),
+        "num_experts_per_tok": int(meta(reader, f"{a}.expert_used_count")),
+        "n_shared_experts": int(meta(reader, f"{a}.expert_shared_count", 1)),
+        "first_k_dense_replace": int(meta(reader, f"{a}.leading_dense_block_count", 1)),
+        "routed_scaling_factor": f32(meta(reader, f"{a}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta(reader, f"{a}.expert_weights_norm", True)),
+        "n_group": int(meta(reader, f"{a}.expert_group_count", 1)),
+        "topk_group": int(meta(reader, f"{a}.expert_group_used_count", 1)),
+        "num_nextn_predict_layers": 0,
+    }
+
+
+_MIXTRAL_BLOCKS = {**_LLAMA_BLOCKS, "ffn_gate_inp": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+
+_GPT_OSS_BLOCKS = {
+    **{k: v for k, v in _LLAMA_BLOCKS.items() if not k.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
+
+FUSED_EXPERTS = {
+    "ffn_gate_exps": "gate_up_proj",
+    "ffn_up_exps": "gate_up_proj",
+    "ffn_down_exps": "down_proj",
+}
+"""gpt-oss: llama.cpp's expert tensors -> the fused weight each becomes part of
+(``mlp.experts.<name>``; a bias ``<name>_bias``): gate and up interleave, gate first."""
+
+_GLM4MOE_BLOCKS = {
+    **_QWEN3MOE_BLOCKS,
+    "post_attention_norm": "post_attention_layernorm",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+del _GLM4MOE_BLOCKS["ffn_norm"]
+
+MIXTRAL = GgufArch(
+    _MIXTRAL_BLOCKS,
+    mixtral_config,
+    permuted_qk=True,
+    norm_plus_one=False,
+    experts=_MIXTRAL_EXPERTS,
+    experts_prefix="block_sparse_moe.experts",
+)
+"""A ``llama`` GGUF with experts (``arch_of``)."""
+
+
+def arch_of(reader: gguf.GGUFReader) -> tuple[str, GgufArch | None]:
+    """``general.architecture`` and its ``GgufArch`` (None: not supported); a ``llama`` file
+    with ``llama.expert_count`` is Mixtral."""
+    name = str(meta(reader, "general.architecture"))
+    if name == "llama" and int(meta(reader, "llama.expert_count", 0) or 0) > 0:
+        return "llama (Mixtral)", MIXTRAL
+    return name, ARCHES.get(name)
+
+
 ARCHES: dict[str, GgufArch] = {
     "llama": GgufArch(_LLAMA_BLOCKS, llama_config, permuted_qk=True, norm_plus_one=False),
     "gemma3": GgufArch(_GEMMA3_BLOCKS, gemma3_config, permuted_qk=False, norm_plus_one=True),
@@ -274,6 +465,17 @@ ARCHES: dict[str, GgufArch] = {
         permuted_qk=False,
         norm_plus_one=False,
         experts=_QWEN3MOE_EXPERTS,
+    ),
+    "gpt-oss": GgufArch(
+        _GPT_OSS_BLOCKS, gpt_oss_config, permuted_qk=False, norm_plus_one=False, fused=True
+    ),
+    "glm4moe": GgufArch(
+        _GLM4MOE_BLOCKS,
+        glm4moe_config,
+        permuted_qk=False,
+        norm_plus_one=False,
+        experts=_QWEN3MOE_EXPERTS,
+        extra_blocks="glm4moe.nextn_predict_layers",
     ),
 }
 """The architectures ``gguf_import`` converts, by ``general.architecture``."""

@@ -1,11 +1,11 @@
-"""Convert a Llama-, Gemma 3-, Qwen3- or Qwen3-MoE-architecture GGUF checkpoint into a Hugging
-Face-style model directory.
+"""Convert a Llama-, Mixtral-, Gemma 3-, Qwen3-, Qwen3-MoE-, gpt-oss- or GLM-4.5-MoE-architecture
+GGUF checkpoint into a Hugging Face-style model directory.
 
 The output is what the runtime loads: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
 ``generation_config.json`` and a completion marker. By default the weights stay as stored
 (``stored=True``): a tensor in a format ``shard.model.quant_gguf`` maps exactly (Q4_0, Q4_1,
-Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) is written as its codes under its own name plus
+Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, MXFP4) is written as its codes under its own name plus
 ``<name>.scale`` and ``<name>.offset``, described in the header's ``shard.quant`` metadata
 (docs/model.md, "Weights that stay quantized"); everything else, and every tensor with
 ``stored=False`` (``shard convert --float32``, what ``transformers`` can load), is
@@ -14,8 +14,14 @@ dequantized to float32 with the ``gguf`` package. Nothing here imports torch.
 llama.cpp's conventions are undone on the way (per architecture: ``shard.model.gguf_arch``):
 Llama's Q and K projection rows are permuted for its rope layout (``convert_hf_to_gguf.py``'s
 ``LlamaModel.permute``), Gemma 3's norm weights are stored as ``1 + w`` (``w`` is written:
-the stored float32 minus one, as transformers' GGUF loader computes it), Qwen3-MoE's fused 3-D
-expert tensors are split into one 2-D tensor per expert (each kept stored), and the tokenizer is
+the stored float32 minus one, as transformers' GGUF loader computes it), the fused 3-D expert
+tensors of Mixtral, Qwen3-MoE and GLM are split into one 2-D tensor per expert (each kept
+stored), gpt-oss's are put back into its fused layout (``mlp.experts.gate_up_proj`` ``[E, D,
+2F]``, gate and up interleaved, and ``down_proj`` ``[E, F, D]``, with their biases) — or,
+kept stored, into one 2-D linear weight per expert and projection
+(``mlp.experts.gate_up_proj.E``: ``[2F, D]``, rows interleaved; ``mlp.experts.down_proj.E``:
+``[D, F]``), which the loader installs as ``FusedExperts``' quantized linears — GLM's
+multi-token-prediction layers are left out, and the tokenizer is
 stored as metadata arrays rather than a ``tokenizer.json`` (read here, rebuilt by
 ``shard.model.gguf_vocab``).
 
@@ -42,9 +48,17 @@ import numpy.typing as npt
 import tokenizers
 from tqdm import tqdm
 
-from shard.model.gguf_arch import ARCHES, GLOBAL_NAMES, ConvertError, GgufArch, meta
+from shard.model.gguf_arch import (
+    ARCHES,
+    FUSED_EXPERTS,
+    GLOBAL_NAMES,
+    ConvertError,
+    GgufArch,
+    arch_of,
+    meta,
+)
 from shard.model.gguf_vocab import VocabError, read_vocab, tokenizer_files
-from shard.model.quant_gguf import decode, stored_layout
+from shard.model.quant_gguf import Decoded, decode, stored_layout
 
 CONVERTER_VERSION = 2
 """Bumped whenever the output of a conversion changes, so caches keyed on it are rebuilt."""
@@ -73,14 +87,16 @@ class OutputExists(ConvertError):
     """The destination directory already exists (possibly published by a concurrent run)."""
 
 
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)\.(weight|bias)")
 
 
 @attrs.frozen
 class _Planned:
     """One output tensor: its HF name and shape, where it comes from, its head count when it
     is a Q/K projection whose rows llama.cpp permuted (None otherwise), whether it is a
-    norm weight stored as ``1 + w``, and which slice of a fused 3-D expert tensor it is."""
+    norm weight stored as ``1 + w``, and which slice of a fused 3-D expert tensor it is.
+    gpt-oss: ``up`` is interleaved with ``source`` (the gate) along the expert's output axis,
+    gate first; ``transpose`` swaps the last two axes (``[E, out, in]`` -> ``[E, in, out]``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -88,11 +104,19 @@ class _Planned:
     heads: int | None
     plus_one: bool = False
     expert: int | None = None
+    up: gguf.ReaderTensor | None = None
+    transpose: bool = False
 
-    def data(self) -> npt.NDArray[Any]:
-        """The source's raw data (its expert's slice; blocks run along the last axis)."""
-        data: npt.NDArray[Any] = self.source.data
+    def data(self, source: gguf.ReaderTensor | None = None) -> npt.NDArray[Any]:
+        """``source``'s (default: the source's) raw data, its expert's slice when this is one
+        expert's (blocks run along the last axis)."""
+        data: npt.NDArray[Any] = (source or self.source).data
         return data if self.expert is None else data[self.expert]
+
+    @property
+    def dense_only(self) -> bool:
+        """Written as float32 whatever the source's format (a rebuilt fused tensor, a norm)."""
+        return self.plus_one or (self.expert is None and (self.up is not None or self.transpose))
 
 
 def convert_gguf(
@@ -109,7 +133,7 @@ def convert_gguf(
     converter published first; this run's work is discarded).
     """
     reader = _open(gguf_path)
-    config, plan = _plan(reader)
+    config, plan = _plan(reader, stored=stored)
     tokenizer, tokenizer_config, generation_config = _vocab(reader, config)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputExists(f"{out_dir} already exists; remove it or choose another directory")
@@ -162,52 +186,107 @@ def _open(path: Path) -> gguf.GGUFReader:
         raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
-def _plan(reader: gguf.GGUFReader) -> tuple[dict[str, Any], list[_Planned]]:
-    """The HF ``config.json`` and the list of output tensors, both validated."""
-    name = meta(reader, "general.architecture")
-    arch = ARCHES.get(name)
+def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], list[_Planned]]:
+    """The HF ``config.json`` and the list of output tensors, both validated (``stored``:
+    gpt-oss's experts are planned per expert where their format is kept)."""
+    name, arch = arch_of(reader)
     if arch is None:
         raise ConvertError(
             f"architecture {name!r} is not supported; this converter handles "
-            f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, SmolLM, Gemma 3, Qwen3, "
-            "Qwen3-MoE) only"
+            f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, Mixtral, SmolLM, Gemma 3, Qwen3, "
+            "Qwen3-MoE, gpt-oss, GLM-4.5-MoE) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise ConvertError("GGUF has no token_embd.weight tensor; the file is incomplete")
     config = arch.config(reader, int(by_name["token_embd.weight"].shape[-1]))
     config["tie_word_embeddings"] = "output.weight" not in by_name
+    n_layers = config["num_hidden_layers"]
+    extra = int(meta(reader, arch.extra_blocks, 0)) if arch.extra_blocks else 0
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     if not arch.permuted_qk:
         heads = {}
     plan = []
+    fused: dict[tuple[int, str], dict[str, gguf.ReaderTensor]] = {}
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if block and int(block[1]) >= n_layers:
+            continue  # a multi-token-prediction layer (``extra``), counted below
+        if block and arch.fused and block[2] in FUSED_EXPERTS:
+            fused.setdefault((int(block[1]), block[3]), {})[block[2]] = t
+            continue
         if block and block[2] in arch.experts:
-            plan += _split_experts(t, shape, f"model.layers.{block[1]}.mlp.experts", arch)
+            if block[3] != "weight":
+                raise ConvertError(f"tensor {t.name!r}: {name} experts have no biases")
+            prefix = f"model.layers.{block[1]}.{arch.experts_prefix}"
+            plan += _split_experts(t, shape, prefix, arch.experts[block[2]])
             continue
         hf = _hf_name(t.name, arch, name)
         plus_one = arch.norm_plus_one and t.name.endswith("norm.weight")
-        plan.append(_Planned(hf, shape, t, heads.get(block[2]) if block else None, plus_one))
+        permuted = heads.get(block[2]) if block and block[3] == "weight" else None
+        plan.append(_Planned(hf, shape, t, permuted, plus_one))
+    for (layer, suffix), parts in sorted(fused.items()):
+        plan += _fuse_experts(layer, suffix, parts, stored=stored)
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
-    if layers != set(range(config["num_hidden_layers"])):
-        n = config["num_hidden_layers"]
+    if layers != set(range(n_layers + extra)):
+        n = n_layers + extra
         raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
     return config, plan
 
 
 def _split_experts(
-    t: gguf.ReaderTensor, shape: tuple[int, ...], prefix: str, arch: GgufArch
+    t: gguf.ReaderTensor, shape: tuple[int, ...], prefix: str, proj: str
 ) -> list[_Planned]:
     """One planned 2-D tensor per expert of the fused ``[E, out, in]`` tensor ``t``."""
     if len(shape) != 3:
         raise ConvertError(f"tensor {t.name!r} has shape {shape}; expected [experts, out, in]")
-    proj = arch.experts[_BLOCK_RE.fullmatch(t.name)[2]]  # type: ignore[index]
     return [
         _Planned(f"{prefix}.{e}.{proj}.weight", shape[1:], t, None, expert=e)
         for e in range(shape[0])
     ]
+
+
+def _fuse_experts(
+    layer: int, suffix: str, parts: dict[str, gguf.ReaderTensor], *, stored: bool
+) -> list[_Planned]:
+    """gpt-oss's expert tensors of one layer (weights or biases) as its fused layout
+    (module docstring): per expert where ``stored`` keeps their format, else whole."""
+    missing = sorted(set(FUSED_EXPERTS) - set(parts))
+    if missing:
+        raise ConvertError(f"layer {layer} has no {', '.join(missing)}.{suffix}; incomplete")
+    gate, up, down = (parts[k] for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    g_shape, d_shape = (tuple(int(d) for d in reversed(t.shape.tolist())) for t in (gate, down))
+    if tuple(up.shape.tolist()) != tuple(gate.shape.tolist()) or len(g_shape) != (
+        3 if suffix == "weight" else 2
+    ):
+        raise ConvertError(f"layer {layer}: ffn_gate_exps and ffn_up_exps shapes disagree")
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if suffix == "bias":  # [E, F] each -> [E, 2F]; down [E, D] as is
+        e, f = g_shape
+        return [
+            _Planned(f"{prefix}.gate_up_proj_bias", (e, 2 * f), gate, None, up=up),
+            _Planned(f"{prefix}.down_proj_bias", d_shape, down, None),
+        ]
+    e, f, d = g_shape
+    same = stored_layout(gate.tensor_type) == stored_layout(up.tensor_type)
+    plan: list[_Planned] = []
+    if stored and same and stored_layout(gate.tensor_type) is not None:
+        name = f"{prefix}.gate_up_proj"
+        plan += [_Planned(f"{name}.{i}", (2 * f, d), gate, None, expert=i, up=up) for i in range(e)]
+    else:
+        plan.append(
+            _Planned(f"{prefix}.gate_up_proj", (e, d, 2 * f), gate, None, up=up, transpose=True)
+        )
+    if stored and stored_layout(down.tensor_type) is not None:
+        plan += [
+            _Planned(f"{prefix}.down_proj.{i}", d_shape[1:], down, None, expert=i) for i in range(e)
+        ]
+    else:
+        plan.append(
+            _Planned(f"{prefix}.down_proj", (e, d_shape[2], d_shape[1]), down, None, transpose=True)
+        )
+    return plan
 
 
 def _vocab(
@@ -224,17 +303,45 @@ def _hf_name(name: str, arch: GgufArch, arch_name: str) -> str:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     block = _BLOCK_RE.fullmatch(name)
-    if block and block[2] in arch.blocks:
-        return f"model.layers.{block[1]}.{arch.blocks[block[2]]}.weight"
+    if block:
+        layer, short, suffix = block[1], block[2], block[3]
+        if f"{short}.{suffix}" in arch.blocks:  # a name of its own (``self_attn.sinks``)
+            return f"model.layers.{layer}.{arch.blocks[f'{short}.{suffix}']}"
+        if short in arch.blocks and (suffix == "weight" or short in _BIASED.get(arch_name, ())):
+            return f"model.layers.{layer}.{arch.blocks[short]}.{suffix}"
     raise ConvertError(
         f"tensor {name!r} has no {arch_name} equivalent; this converter handles the plain "
-        f"{arch_name} layout only (no biases, no rope_freqs)"
+        f"{arch_name} layout only (rope_freqs, and biases the family does not have, are refused)"
     )
 
 
+_BIASED = {
+    "gpt-oss": ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp"),
+    "glm4moe": ("attn_q", "attn_k", "attn_v"),
+}
+"""The block tensors whose ``.bias`` each architecture has (every other bias is refused: the
+model would silently run without it)."""
+
+
+def _float32(p: _Planned, source: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
+    """``source`` (the planned tensor's, or its ``up``) dequantized to float32, in its own
+    shape (one expert's slice when ``p`` is one expert's)."""
+    shape = tuple(int(d) for d in reversed(source.shape.tolist()))
+    if p.expert is not None:
+        shape = shape[1:]
+    array = gguf.quants.dequantize(p.data(source), source.tensor_type)
+    return array.astype(np.float32, copy=False).reshape(shape)
+
+
 def _load(planned: _Planned) -> npt.NDArray[np.float32]:
-    t = planned.source
-    array = gguf.quants.dequantize(planned.data(), t.tensor_type).astype(np.float32, copy=False)
+    array = _float32(planned, planned.source)
+    if planned.up is not None:  # gate and up interleaved along the output axis, gate first
+        axis = 0 if planned.expert is not None else 1
+        up = _float32(planned, planned.up)
+        array = np.stack([array, up], axis=axis + 1)
+        array = array.reshape(*array.shape[:axis], -1, *array.shape[axis + 2 :])
+    if planned.transpose:
+        array = array.swapaxes(-1, -2)
     array = array.reshape(planned.shape)
     if planned.plus_one:
         array = array - np.float32(1)  # llama.cpp stored 1 + w (as transformers undoes it)
@@ -243,7 +350,7 @@ def _load(planned: _Planned) -> npt.NDArray[np.float32]:
 
 def _entries(p: _Planned, stored: bool) -> list[tuple[str, str, list[int], int]]:
     """The safetensors entries ``(name, dtype, shape, bytes)`` one planned tensor becomes."""
-    layout = stored_layout(p.source.tensor_type) if stored and not p.plus_one else None
+    layout = stored_layout(p.source.tensor_type) if stored and not p.dense_only else None
     if layout is None or len(p.shape) != 2:
         return [(p.name, "F32", list(p.shape), 4 * int(np.prod(p.shape, dtype=np.int64)))]
     kind, group, has_offset = layout
@@ -260,7 +367,13 @@ def _arrays(p: _Planned, stored: bool) -> list[npt.NDArray[Any]]:
     """The data of ``_entries(p, stored)``, in that order."""
     d = None
     if len(_entries(p, stored)) > 1:
-        d = decode(p.data(), p.source.tensor_type, (p.shape[0], p.shape[1]))
+        if p.up is not None:  # one gpt-oss expert's gate and up rows, interleaved
+            half = (p.shape[0] // 2, p.shape[1])
+            gate = decode(p.data(), p.source.tensor_type, half)
+            up = decode(p.data(p.up), p.up.tensor_type, half)
+            d = None if gate is None or up is None else _interleave(gate, up)
+        else:
+            d = decode(p.data(), p.source.tensor_type, (p.shape[0], p.shape[1]))
     if d is None:
         return [_load(p)]
     if p.heads is not None:
@@ -268,6 +381,19 @@ def _arrays(p: _Planned, stored: bool) -> list[npt.NDArray[Any]]:
         d = d.rows(unpermute_qk(rows, p.heads).reshape(-1).astype(np.intp))
     codes, scale, offset = d.arrays()
     return [codes, scale] + ([] if offset is None else [offset])
+
+
+def _interleave(a: Decoded, b: Decoded) -> Decoded:
+    """The rows of ``a`` and ``b`` (same layout) alternated, ``a`` first (exact: groups run
+    along each row)."""
+
+    def rows(x: npt.NDArray[Any], y: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return np.stack([x, y], axis=1).reshape(2 * x.shape[0], *x.shape[1:])
+
+    offset = None if a.offset is None or b.offset is None else rows(a.offset, b.offset)
+    return attrs.evolve(
+        a, codes=rows(a.codes, b.codes), scale=rows(a.scale, b.scale), offset=offset
+    )
 
 
 def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool, stored: bool) -> None:

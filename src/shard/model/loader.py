@@ -95,6 +95,8 @@ def load_stage(
     wanted = {name: hf_name(config, first, name) for name, _ in stage.named_parameters()}
     by_file: dict[str, list[str]] = defaultdict(list)
     for local, remote in wanted.items():
+        if remote not in weight_map and f"{remote}.0" in weight_map:
+            remote = f"{remote}.0"  # a fused expert weight kept stored per expert
         if remote not in weight_map:
             raise ModelLoadError(
                 f"tensor {remote!r} (for layers [{first}, {last})) is missing from the "
@@ -196,6 +198,10 @@ def _load_file(
             quant = json.loads((f.metadata() or {}).get(QUANT_METADATA, "{}"))
             for local, remote in names.items():
                 param = stage.get_parameter(local)
+                if remote not in quant and f"{remote}.0" in quant:
+                    _place_experts(stage, local, f, remote, quant, dtype, weights)
+                    heap.trim()
+                    continue
                 got = tuple(quant[remote]["shape"]) if remote in quant else f.shape(remote)
                 if got != tuple(param.shape):
                     raise ModelLoadError(
@@ -300,6 +306,53 @@ def _place_fused(
         q = quantize_int8(w) if weights == "int8" else quantize_int4(w)
         linears.append(QuantLinear(q, f.device))
     owner.install(leaf, linears)
+
+
+def _place_experts(
+    stage: StageModel,
+    local: str,
+    f: TensorFile,
+    remote: str,
+    quant: dict[str, Any],
+    dtype: torch.dtype,
+    weights: str | None,
+) -> None:
+    """A fused ``[E, in, out]`` expert weight kept stored one expert at a time (gpt-oss from a
+    GGUF: ``remote.E``, each an ``[out, in]`` linear weight; ``shard.model.gguf_import``),
+    installed as ``weights`` says: the stored experts as ``QuantLinear`` s, int8/int4
+    requantized from them, or dense (each expert dequantized and transposed back)."""
+    owner_name, _, leaf = local.rpartition(".")
+    owner = stage.get_submodule(owner_name)
+    shape = tuple(stage.get_parameter(local).shape)
+    if not isinstance(owner, FusedExperts) or len(shape) != 3:
+        raise ModelLoadError(f"{remote!r} is stored per expert but {local!r} is not fused experts")
+    n, k, o = shape
+    stored = [f"{remote}.{e}" for e in range(n)]
+    if any(tuple(quant.get(name, {}).get("shape", ())) != (o, k) for name in stored) or (
+        f"{remote}.{n}" in quant
+    ):
+        raise ModelLoadError(
+            f"{remote!r} in {f.path.name} is not {n} stored experts of shape {[o, k]}; "
+            "config.json and weights disagree"
+        )
+    linears: list[nn.Module] = []
+    dense: list[Tensor] = []
+    for name in stored:
+        q = _read_quantized(f, name, quant[name])
+        if weights == "stored":
+            linears.append(QuantLinear(q, f.device))
+        elif weights in ("int8", "int4") and _fused_fits(shape, weights):
+            w = q.dequantize()
+            linears.append(
+                QuantLinear(quantize_int8(w) if weights == "int8" else quantize_int4(w), f.device)
+            )
+        else:
+            dense.append(q.dequantize().T.to(dtype))
+    if linears:
+        owner.install(leaf, linears)
+    else:
+        param = nn.Parameter(torch.stack(dense).to(f.device), requires_grad=False)
+        _set_parameter(stage, local, param)
 
 
 def _set_module(stage: nn.Module, name: str, module: nn.Module) -> None:
