@@ -40,12 +40,13 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 import family_fixtures
+from shard.model import footprint
 from shard.model.config import ModelConfig
 from shard.model.gguf_arch import ConvertError
 from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.moe import FusedExperts
-from shard.model.quant import QuantLinear
+from shard.model.quant import QuantLinear, kernel_dtype
 from test_gguf_qwen3 import write_vocab
 
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
@@ -315,7 +316,8 @@ def test_stored_conversion_keeps_the_stored_blocks(
     Q8_0 experts per expert, gate and up rows interleaved; a Q4_0 gate with an F32 up fused as
     floats); dequantized, the stored checkpoint is the float32 conversion bit for bit; loaded
     stored, the quantized weights run as quantized linears, each within a bf16 rounding of its
-    dense twin (``_check_against_dense``), the logits finite."""
+    dense twin (``_check_against_dense``), the logits finite; each stage of a 3-stage split holds
+    exactly the bytes ``footprint.stored`` prices from the headers (per-expert names too)."""
     _, path, _ = built[family]
     stored = convert_gguf(path, tmp_path / "stored", progress=False, stored=True)
     f32 = convert_gguf(path, tmp_path / "f32", progress=False, stored=False)
@@ -353,6 +355,12 @@ def test_stored_conversion_keeps_the_stored_blocks(
         assert isinstance(quantized.layers[1].mlp.experts[0].gate_proj, QuantLinear)
     _check_against_dense(quantized, dense)
     assert torch.isfinite(_logits(quantized, torch.tensor([IDS[1]]))).all()
+    bf16 = kernel_dtype(torch.device("cpu")) is torch.bfloat16
+    priced = footprint.stored(config, stored, bf16_kernels=bf16)
+    assert priced is not None
+    for first, last in ((0, 1), (1, 3), (3, 4)):
+        stage = load_stage(stored, first, last, weights="stored")
+        assert footprint.measured(stage) == priced.stage(first, last), (first, last)
 
 
 def _check_against_dense(quantized: Any, dense: Any) -> None:

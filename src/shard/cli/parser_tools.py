@@ -134,7 +134,8 @@ def _add_convert(sub: argparse._SubParsersAction[Parser]) -> None:
     conv = sub.add_parser(
         "convert",
         help="convert a GGUF checkpoint to a Hugging Face directory (safetensors)",
-        description="Convert a Llama, Gemma 3, Qwen3 or Qwen3-MoE GGUF checkpoint into a model "
+        description="Convert a Llama, Mistral, Mixtral, Gemma 3, Qwen3, Qwen3-MoE, gpt-oss or "
+        "GLM-4.5-MoE GGUF checkpoint into a model "
         "directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json); "
         "quantized tensors stay quantized where an exact mapping exists (docs/model.md).",
     )
