@@ -1,4 +1,5 @@
-"""Mixtral, gpt-oss and GLM-4.5-MoE GGUFs, written as llama.cpp writes them, converted by shard.
+"""Mixtral, gpt-oss, GLM-4.5-MoE and Llama 3.x GGUFs, written as llama.cpp writes them,
+converted by shard.
 
 Each tiny checkpoint comes from ``family_fixtures``' builder (transformers' own classes, a fixed
 seed). ``_to_gguf`` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does (its
@@ -16,8 +17,11 @@ seed). ``_to_gguf`` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does
   ``ffn_*_shexp``, ``rope.dimension_count`` the rotated part, the group counts, and one
   multi-token-prediction block after the decoder blocks (``nextn_predict_layers`` 1, with
   ``nextn.*`` tensors), which shard leaves out.
+- Llama 3.x: Q and K permuted, and the rope scaling only as ``rope_freqs.weight``, the
+  per-frequency divisors ``LlamaModel.generate_extra_tensors`` computes (the test computes them
+  from the checkpoint's own ``rope_parameters``).
 
-transformers' GGUF loader reads none of these files as llama.cpp writes them (no Mixtral or
+transformers' GGUF loader reads none of the MoE files as llama.cpp writes them (no Mixtral or
 GLM-4.5 mapping; its gpt-oss mapping expects other tensor names), so the reference is
 transformers' model of the same family with the weights the GGUF holds: ``_held_state``
 inverts the writer without restating it — the writer is run once more on tensors whose
@@ -27,6 +31,7 @@ every element is its own index, which says where each stored element came from.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -55,12 +60,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: family -> (GGUF architecture, llama.cpp's arch enum).
 ARCH = {
+    "llama3": ("llama", gguf.MODEL_ARCH.LLAMA),
     "mixtral": ("llama", gguf.MODEL_ARCH.LLAMA),
     "gpt_oss": ("gpt-oss", gguf.MODEL_ARCH.GPT_OSS),
     "glm4_moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE),
 }
 #: Tensors written quantized (the rest F32), per family.
 QUANT = {
+    "llama3": {"blk.1.attn_q.weight": Q.Q8_0},
     "mixtral": {
         "blk.0.attn_k.weight": Q.Q8_0,  # rows permuted, then quantized
         "blk.1.ffn_up_exps.weight": Q.Q4_0,
@@ -79,6 +86,7 @@ QUANT = {
         "blk.2.ffn_down_shexp.weight": Q.Q8_0,
     },
 }
+MOE = ["mixtral", "gpt_oss", "glm4_moe"]
 IDS = [[270, *range(3, 40, 3), 5, 9, 270], [11, 200, 3, 3, 3, 64, 65, 66, 7, 1, 2, 250, 8, 9, 10]]
 
 
@@ -126,7 +134,7 @@ def _to_gguf(family: str, sd: dict[str, np.ndarray], config: dict[str, Any]) -> 
             put(name.replace("e_score_correction_bias", "e_score_correction"), "bias", a)
         else:
             base, _, suffix = name.rpartition(".")
-            if family == "mixtral" and base.endswith(("q_proj", "k_proj")):
+            if ARCH[family][0] == "llama" and base.endswith(("q_proj", "k_proj")):
                 heads = config["num_attention_heads" if "q_proj" in base else "num_key_value_heads"]
                 a = _permute(a, heads)
             put(base, suffix, a)
@@ -149,8 +157,9 @@ def _metadata(w: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> int:
     rope = config["rope_parameters"]
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_expert_count(config.get("num_local_experts") or config["n_routed_experts"])
-    w.add_expert_used_count(config["num_experts_per_tok"])
+    if family in MOE:
+        w.add_expert_count(config.get("num_local_experts") or config["n_routed_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
     if family == "gpt_oss":
         w.add_sliding_window(config["sliding_window"])
         w.add_expert_feed_forward_length(config["intermediate_size"])
@@ -169,6 +178,25 @@ def _metadata(w: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> int:
         w.add_expert_group_count(config["n_group"])
         w.add_expert_group_used_count(config["topk_group"])
     return blocks
+
+
+def _rope_freqs(config: dict[str, Any]) -> np.ndarray:
+    """Llama 3's per-frequency rope divisors as llama.cpp's converter computes them."""
+    rope, dim = config["rope_parameters"], config["head_dim"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, context = rope["factor"], rope["original_max_position_embeddings"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _mtp_block(layer: int, d: int) -> dict[str, np.ndarray]:
@@ -205,6 +233,8 @@ def _write(family: str, src: Path, path: Path) -> dict[str, np.ndarray]:
             raw = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
             w.add_tensor(name, raw, raw_dtype=qtype)
             held[name] = gguf.quants.dequantize(raw, qtype).reshape(array.shape)
+    if family == "llama3":
+        w.add_tensor("rope_freqs.weight", _rope_freqs(config))
     if blocks > config["num_hidden_layers"]:
         for name, array in _mtp_block(config["num_hidden_layers"], config["hidden_size"]).items():
             w.add_tensor(name, array)
@@ -282,7 +312,8 @@ def test_float32_conversion_equals_transformers_on_the_held_weights(
     built: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]], family: str, tmp_path: Path
 ) -> None:
     """Converted with --float32, every tensor equals the weight the GGUF holds (Q/K unpermuted,
-    experts split or re-fused, MTP left out); the logits equal transformers' model holding the
+    experts split or re-fused, MTP left out), Llama 3's rope scaling is read back from
+    ``rope_freqs`` to the checkpoint's own; the logits equal transformers' model holding the
     same weights within 1e-4 and the greedy ids are identical."""
     src, path, state = built[family]
     out = convert_gguf(path, tmp_path / "out", progress=False, stored=False)
@@ -308,7 +339,7 @@ def test_float32_conversion_equals_transformers_on_the_held_weights(
         assert torch.equal(got.argmax(-1), theirs.argmax(-1))
 
 
-@pytest.mark.parametrize("family", list(ARCH))
+@pytest.mark.parametrize("family", MOE)
 def test_stored_conversion_keeps_the_stored_blocks(
     built: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]], family: str, tmp_path: Path
 ) -> None:
@@ -413,11 +444,14 @@ def test_a_split_stored_gpt_oss_equals_its_unsplit_run(
 def test_refusals_are_one_clear_error(
     built: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]], tmp_path: Path
 ) -> None:
-    """A GLM GGUF routed by softmax, and a gpt-oss GGUF without YaRN, are refused before any
-    tensor is converted, each with a ``ConvertError`` that says why."""
+    """A GLM GGUF routed by softmax, a gpt-oss GGUF without YaRN and a llama GGUF whose
+    rope_freqs follow no Llama 3 curve are refused before any tensor is converted, each with a
+    ``ConvertError`` that says why."""
+    odd = np.linspace(1.0, 3.0, 8, dtype=np.float32)
     for family, key, value, message in (
         ("glm4_moe", "glm4moe.expert_gating_func", 1, "sigmoid"),
         ("gpt_oss", "gpt-oss.rope.scaling.type", "none", "YaRN"),
+        ("llama3", "rope_freqs.weight", odd, "Llama 3's rope scaling"),
     ):
         path = built[family][1]
         bad = tmp_path / f"{family}.gguf"
@@ -428,7 +462,7 @@ def test_refusals_are_one_clear_error(
 
 
 def _rewrite(path: Path, dest: Path, key: str, value: Any) -> None:
-    """``path`` copied to ``dest`` with metadata ``key`` set to ``value``."""
+    """``path`` copied to ``dest`` with metadata or tensor ``key`` set to ``value``."""
     reader = gguf.GGUFReader(path)
     arch = reader.get_field("general.architecture").contents()
     w = gguf.GGUFWriter(str(dest), arch)
@@ -444,10 +478,13 @@ def _rewrite(path: Path, dest: Path, key: str, value: Any) -> None:
             w.add_key_value(field.name, field.contents(), kind)
     if isinstance(value, str):
         w.add_string(key, value)
-    else:
+    elif isinstance(value, int):
         w.add_uint32(key, value)
     for t in reader.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        if t.name == key:
+            w.add_tensor(t.name, value)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

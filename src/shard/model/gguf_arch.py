@@ -62,6 +62,7 @@ safetensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -181,20 +182,74 @@ def _common(
 
 
 def llama_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
-    """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys."""
-    scaling = meta(reader, "llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ConvertError(f"rope scaling {scaling!r} is not supported by this converter")
+    """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys; Llama
+    3.x's rope scaling from its ``rope_freqs`` tensor (``llama3_scaling``), linear scaling
+    from ``rope.scaling.*``."""
+    common = _common(reader, "llama", vocab_rows)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    scaling = _linear_scaling(reader, "llama")
+    if freqs is not None:
+        if scaling is not None:
+            raise ConvertError("a llama GGUF with both rope_freqs and rope.scaling.type")
+        scaling = llama3_scaling(np.asarray(freqs.data, np.float32).reshape(-1), reader, common)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
-        "rope_scaling": None,
+        "rope_scaling": scaling,
         "mlp_bias": False,
-        **_common(reader, "llama", vocab_rows),
+        **common,
     }
     first = [k for k in _LLAMA_ORDER if k in config]  # the key order of converter version 2
     return {**{k: config[k] for k in first}, **config}
+
+
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's per-frequency rope divisors (Llama 3.x); read into ``rope_scaling``, not a
+model tensor."""
+
+
+def llama3_scaling(
+    factors: np.ndarray, reader: gguf.GGUFReader, common: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Llama 3.x ``rope_scaling`` from the ``rope_freqs`` a llama.cpp converter computed
+    (``LlamaModel.generate_extra_tensors``: per frequency 1, ``factor``, or the smooth blend
+    between, from ``factor``, ``low_freq_factor``, ``high_freq_factor`` and the original context;
+    llama.cpp divides each frequency by it). The file keeps only the divisors, so the four
+    values are found: ``factor`` is the largest divisor, the others the candidates (low 1 or 2,
+    high 4 or 8, the original context a power of two or ``rope.scaling.original_context_length``)
+    whose divisors equal the stored ones in float32. None when every divisor is 1; a
+    ``ConvertError`` when no Llama 3 curve gives them."""
+    head_dim, theta = common["head_dim"], common["rope_theta"]
+    rotary = int(meta(reader, "llama.rope.dimension_count", head_dim))
+    if factors.shape != (rotary // 2,) or not np.isfinite(factors).all():
+        raise ConvertError(f"rope_freqs has {factors.size} values; expected {rotary // 2}")
+    if (factors == 1).all():
+        return None
+    factor = float(factors.max())
+    freqs = 1.0 / (theta ** (np.arange(0, rotary, 2, dtype=np.float32) / rotary))
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    given = meta(reader, "llama.rope.scaling.original_context_length", None)
+    contexts = ([int(given)] if given else []) + [2**k for k in range(4, 21)]
+    for context in contexts:
+        for low, high in ((1.0, 4.0), (1.0, 8.0), (2.0, 4.0), (2.0, 8.0)):
+            smooth = (context / wavelen - low) / (high - low)
+            blend = 1 / ((1 - smooth) / factor + smooth)
+            want = np.where(
+                wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, blend)
+            ).astype(np.float32)
+            if np.allclose(want, factors, rtol=1e-6, atol=0):
+                return {
+                    "rope_type": "llama3",
+                    "factor": f32(factor),
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": context,
+                }
+    raise ConvertError(
+        "rope_freqs does not follow Llama 3's rope scaling for any usual setting; this "
+        "converter handles Llama 3.x's rope_freqs only"
+    )
 
 
 _LLAMA_ORDER = (

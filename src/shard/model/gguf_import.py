@@ -52,6 +52,7 @@ from shard.model.gguf_arch import (
     ARCHES,
     FUSED_EXPERTS,
     GLOBAL_NAMES,
+    ROPE_FREQS,
     ConvertError,
     GgufArch,
     arch_of,
@@ -211,6 +212,8 @@ def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], lis
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if t.name == ROPE_FREQS and name == "llama":
+            continue  # read into rope_scaling by the config reader (Llama 3.x)
         if block and int(block[1]) >= n_layers:
             continue  # a multi-token-prediction layer (``extra``), counted below
         if block and arch.fused and block[2] in FUSED_EXPERTS:
