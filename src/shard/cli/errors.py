@@ -33,7 +33,7 @@ _OPERATOR_ERRORS: Final = (
     ("shard.spec.validate", "SpecError"),
     ("shard.model.config", "ModelLoadError"),
     ("shard.model.bundled", "ModelNotFound"),
-    ("shard.model.gguf_arch", "ConvertError"),  # a bad .gguf given to --model / --local
+    ("shard.model.gguf_common", "ConvertError"),  # a bad .gguf given to --model / --local
     ("shard.cli.errors", "InputError"),
     ("shard.model.device", "DeviceUnavailable"),
     ("shard.nodes.launcher", "SwarmError"),

@@ -20,6 +20,9 @@
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
     gguf_import.py  GGUF -> safetensors checkpoint conversion
     gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
+    gguf_common.py  what every GGUF architecture's reader shares (error, metadata, GgufArch)
+    gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5
+    gguf_plan.py    a conversion's output tensors, experts split or re-fused
     gguf_vocab.py   a GGUF's tokenizer metadata -> tokenizer.json (for gguf_import)
     bundled.py      find a model by name or path (the shipped SmolLM2 and Gemma 3 270M)
 

@@ -58,6 +58,7 @@ from shard.model.gguf_arch import (
     arch_of,
     meta,
 )
+from shard.model.gguf_plan import Planned, fuse_experts, split_experts
 from shard.model.gguf_vocab import VocabError, read_vocab, tokenizer_files
 from shard.model.quant_gguf import Decoded, decode, stored_layout
 
@@ -89,35 +90,6 @@ class OutputExists(ConvertError):
 
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)\.(weight|bias)")
-
-
-@attrs.frozen
-class _Planned:
-    """One output tensor: its HF name and shape, where it comes from, its head count when it
-    is a Q/K projection whose rows llama.cpp permuted (None otherwise), whether it is a
-    norm weight stored as ``1 + w``, and which slice of a fused 3-D expert tensor it is.
-    gpt-oss: ``up`` is interleaved with ``source`` (the gate) along the expert's output axis,
-    gate first; ``transpose`` swaps the last two axes (``[E, out, in]`` -> ``[E, in, out]``)."""
-
-    name: str
-    shape: tuple[int, ...]
-    source: gguf.ReaderTensor
-    heads: int | None
-    plus_one: bool = False
-    expert: int | None = None
-    up: gguf.ReaderTensor | None = None
-    transpose: bool = False
-
-    def data(self, source: gguf.ReaderTensor | None = None) -> npt.NDArray[Any]:
-        """``source``'s (default: the source's) raw data, its expert's slice when this is one
-        expert's (blocks run along the last axis)."""
-        data: npt.NDArray[Any] = (source or self.source).data
-        return data if self.expert is None else data[self.expert]
-
-    @property
-    def dense_only(self) -> bool:
-        """Written as float32 whatever the source's format (a rebuilt fused tensor, a norm)."""
-        return self.plus_one or (self.expert is None and (self.up is not None or self.transpose))
 
 
 def convert_gguf(
@@ -187,7 +159,7 @@ def _open(path: Path) -> gguf.GGUFReader:
         raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
-def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], list[_Planned]]:
+def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], list[Planned]]:
     """The HF ``config.json`` and the list of output tensors, both validated (``stored``:
     gpt-oss's experts are planned per expert where their format is kept)."""
     name, arch = arch_of(reader)
@@ -223,73 +195,19 @@ def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], lis
             if block[3] != "weight":
                 raise ConvertError(f"tensor {t.name!r}: {name} experts have no biases")
             prefix = f"model.layers.{block[1]}.{arch.experts_prefix}"
-            plan += _split_experts(t, shape, prefix, arch.experts[block[2]])
+            plan += split_experts(t, shape, prefix, arch.experts[block[2]])
             continue
         hf = _hf_name(t.name, arch, name)
         plus_one = arch.norm_plus_one and t.name.endswith("norm.weight")
         permuted = heads.get(block[2]) if block and block[3] == "weight" else None
-        plan.append(_Planned(hf, shape, t, permuted, plus_one))
+        plan.append(Planned(hf, shape, t, permuted, plus_one))
     for (layer, suffix), parts in sorted(fused.items()):
-        plan += _fuse_experts(layer, suffix, parts, stored=stored)
+        plan += fuse_experts(layer, suffix, parts, stored=stored)
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
     if layers != set(range(n_layers + extra)):
         n = n_layers + extra
         raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
     return config, plan
-
-
-def _split_experts(
-    t: gguf.ReaderTensor, shape: tuple[int, ...], prefix: str, proj: str
-) -> list[_Planned]:
-    """One planned 2-D tensor per expert of the fused ``[E, out, in]`` tensor ``t``."""
-    if len(shape) != 3:
-        raise ConvertError(f"tensor {t.name!r} has shape {shape}; expected [experts, out, in]")
-    return [
-        _Planned(f"{prefix}.{e}.{proj}.weight", shape[1:], t, None, expert=e)
-        for e in range(shape[0])
-    ]
-
-
-def _fuse_experts(
-    layer: int, suffix: str, parts: dict[str, gguf.ReaderTensor], *, stored: bool
-) -> list[_Planned]:
-    """gpt-oss's expert tensors of one layer (weights or biases) as its fused layout
-    (module docstring): per expert where ``stored`` keeps their format, else whole."""
-    missing = sorted(set(FUSED_EXPERTS) - set(parts))
-    if missing:
-        raise ConvertError(f"layer {layer} has no {', '.join(missing)}.{suffix}; incomplete")
-    gate, up, down = (parts[k] for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
-    g_shape, d_shape = (tuple(int(d) for d in reversed(t.shape.tolist())) for t in (gate, down))
-    if tuple(up.shape.tolist()) != tuple(gate.shape.tolist()) or len(g_shape) != (
-        3 if suffix == "weight" else 2
-    ):
-        raise ConvertError(f"layer {layer}: ffn_gate_exps and ffn_up_exps shapes disagree")
-    prefix = f"model.layers.{layer}.mlp.experts"
-    if suffix == "bias":  # [E, F] each -> [E, 2F]; down [E, D] as is
-        e, f = g_shape
-        return [
-            _Planned(f"{prefix}.gate_up_proj_bias", (e, 2 * f), gate, None, up=up),
-            _Planned(f"{prefix}.down_proj_bias", d_shape, down, None),
-        ]
-    e, f, d = g_shape
-    same = stored_layout(gate.tensor_type) == stored_layout(up.tensor_type)
-    plan: list[_Planned] = []
-    if stored and same and stored_layout(gate.tensor_type) is not None:
-        name = f"{prefix}.gate_up_proj"
-        plan += [_Planned(f"{name}.{i}", (2 * f, d), gate, None, expert=i, up=up) for i in range(e)]
-    else:
-        plan.append(
-            _Planned(f"{prefix}.gate_up_proj", (e, d, 2 * f), gate, None, up=up, transpose=True)
-        )
-    if stored and stored_layout(down.tensor_type) is not None:
-        plan += [
-            _Planned(f"{prefix}.down_proj.{i}", d_shape[1:], down, None, expert=i) for i in range(e)
-        ]
-    else:
-        plan.append(
-            _Planned(f"{prefix}.down_proj", (e, d_shape[2], d_shape[1]), down, None, transpose=True)
-        )
-    return plan
 
 
 def _vocab(
@@ -326,7 +244,7 @@ _BIASED = {
 model would silently run without it)."""
 
 
-def _float32(p: _Planned, source: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
+def _float32(p: Planned, source: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
     """``source`` (the planned tensor's, or its ``up``) dequantized to float32, in its own
     shape (one expert's slice when ``p`` is one expert's)."""
     shape = tuple(int(d) for d in reversed(source.shape.tolist()))
@@ -336,7 +254,7 @@ def _float32(p: _Planned, source: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
     return array.astype(np.float32, copy=False).reshape(shape)
 
 
-def _load(planned: _Planned) -> npt.NDArray[np.float32]:
+def _load(planned: Planned) -> npt.NDArray[np.float32]:
     array = _float32(planned, planned.source)
     if planned.up is not None:  # gate and up interleaved along the output axis, gate first
         axis = 0 if planned.expert is not None else 1
@@ -351,7 +269,7 @@ def _load(planned: _Planned) -> npt.NDArray[np.float32]:
     return array if planned.heads is None else unpermute_qk(array, planned.heads)
 
 
-def _entries(p: _Planned, stored: bool) -> list[tuple[str, str, list[int], int]]:
+def _entries(p: Planned, stored: bool) -> list[tuple[str, str, list[int], int]]:
     """The safetensors entries ``(name, dtype, shape, bytes)`` one planned tensor becomes."""
     layout = stored_layout(p.source.tensor_type) if stored and not p.dense_only else None
     if layout is None or len(p.shape) != 2:
@@ -366,7 +284,7 @@ def _entries(p: _Planned, stored: bool) -> list[tuple[str, str, list[int], int]]
     return [codes, *scales]
 
 
-def _arrays(p: _Planned, stored: bool) -> list[npt.NDArray[Any]]:
+def _arrays(p: Planned, stored: bool) -> list[npt.NDArray[Any]]:
     """The data of ``_entries(p, stored)``, in that order."""
     d = None
     if len(_entries(p, stored)) > 1:
@@ -399,7 +317,7 @@ def _interleave(a: Decoded, b: Decoded) -> Decoded:
     )
 
 
-def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool, stored: bool) -> None:
+def _write_safetensors(path: Path, plan: list[Planned], *, progress: bool, stored: bool) -> None:
     """Write the tensors one at a time, so peak memory is one tensor, not the model.
 
     The safetensors format is an 8-byte little-endian header length, a JSON header of
@@ -431,7 +349,7 @@ def _write_safetensors(path: Path, plan: list[_Planned], *, progress: bool, stor
         os.fsync(f.fileno())
 
 
-def _bar(plan: list[_Planned], progress: bool) -> Iterator[_Planned]:
+def _bar(plan: list[Planned], progress: bool) -> Iterator[Planned]:
     bar = tqdm(plan, desc="converting", unit="tensor", disable=not progress, leave=False)
     for p in bar:
         bar.set_postfix_str(p.name, refresh=False)

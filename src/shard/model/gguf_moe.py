@@ -1,0 +1,244 @@
+"""GGUF architectures with experts (``shard.model.gguf_arch`` assembles them): Qwen3-MoE,
+Mixtral, gpt-oss and GLM-4.5 — their tensor names and ``config.json`` readers.
+
+Qwen3-MoE's experts are stored fused, one 3-D tensor per projection and layer
+(``blk.N.ffn_{gate,up,down}_exps``, ``[n_expert, out, in]`` in numpy order); ``experts`` maps
+each to the per-expert name shard's checkpoints use (``mlp.experts.E.gate_proj``), and
+``gguf_import`` splits it expert by expert (a quantized one stays quantized: its blocks run
+along ``in``). The router ``ffn_gate_inp`` is ``mlp.gate``. llama.cpp's ``qwen3moe`` graph
+always renormalises the top-k weights (``norm_topk_prob``, whatever the metadata says;
+transformers' GGUF loader sets the same) and makes every layer sparse; a layer without
+``ffn_gate_inp`` (which llama.cpp itself would refuse) is written as a dense layer
+(``mlp_only_layers``).
+
+Mixtral is written as a ``llama`` GGUF with ``llama.expert_count``; its experts and router
+become Mixtral's own names (``block_sparse_moe.experts.E.w1|w3|w2`` for gate/up/down,
+``block_sparse_moe.gate``), and llama.cpp's llama graph renormalises the top-k weights as
+Mixtral does.
+
+gpt-oss's GGUF splits the fused, interleaved ``gate_up_proj`` ``[E, D, 2F]`` into
+``ffn_gate_exps`` and ``ffn_up_exps`` (``[E, F, D]``, transposed: blocks along ``D``), with
+biases, and transposes ``down_proj`` into ``ffn_down_exps`` ``[E, D, F]``; ``fused`` says so and
+``gguf_import`` puts them back (``FUSED_EXPERTS``). Its experts are MXFP4 (kept stored as int8
+groups of 32, exact). The sinks are ``attn_sinks.weight`` (``self_attn.sinks``), the router
+``ffn_gate_inp`` with a bias (``mlp.router``). Every other layer slides, starting with layer 0
+(llama.cpp's ``swa pattern`` 2, transformers' ``layer_types``); the rope is YaRN from
+``rope.scaling.*``, ``truncate`` false as gpt-oss's own ``config.json`` sets (llama.cpp rounds
+the correction range; the model is defined by its reference, transformers). The clamped SwiGLU's
+alpha 1.702 and limit 7.0 are what llama.cpp hard-codes; ``swiglu_clamp_exp`` wins when set.
+
+GLM-4.5's GGUF counts its multi-token-prediction layers in ``block_count``
+(``glm4moe.nextn_predict_layers`` of them, last, with ``nextn.*`` tensors); shard does not run
+them (docs/model.md, "not yet"), so they are left out and the model has ``block_count -
+nextn`` layers. The correction bias is ``exp_probs_b.bias``, shared experts ``ffn_*_shexp``,
+the first ``leading_dense_block_count`` layers dense, the rotated fraction
+``rope.dimension_count / key_length``; the router must be sigmoid (``expert_gating_func`` 2).
+Group-limited routing is read from ``expert_group_count`` / ``expert_group_used_count`` where a
+file has them, else one group (GLM-4.5 and 4.5-Air use one).
+This module imports neither torch nor safetensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+
+from shard.model.gguf_common import (
+    LLAMA_BLOCKS,
+    QK_NORM_BLOCKS,
+    ConvertError,
+    GgufArch,
+    common,
+    f32,
+    meta,
+    no_scaling,
+)
+
+_QWEN3MOE_BLOCKS = {**LLAMA_BLOCKS, **QK_NORM_BLOCKS, "ffn_gate_inp": "mlp.gate"}
+
+QWEN3MOE_EXPERTS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+
+
+def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``Qwen3MoeForCausalLM`` from the ``qwen3moe.*`` metadata keys
+    (module docstring: top-k renormalised, layers without a router dense)."""
+    no_scaling(reader, "qwen3moe")
+    expert_size = int(meta(reader, "qwen3moe.expert_feed_forward_length"))
+    keys = common(reader, "qwen3moe", vocab_rows, ffn_default=expert_size)
+    routed = {t.name.split(".")[1] for t in reader.tensors if ".ffn_gate_inp." in t.name}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "num_experts": int(meta(reader, "qwen3moe.expert_count")),
+        "num_experts_per_tok": int(meta(reader, "qwen3moe.expert_used_count")),
+        "moe_intermediate_size": expert_size,
+        "norm_topk_prob": True,  # llama.cpp's qwen3moe graph hard-codes it (norm_w)
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(keys["num_hidden_layers"]) if str(i) not in routed],
+        **keys,
+    }
+
+
+def mixtral_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``MixtralForCausalLM`` from a ``llama`` GGUF with experts (its
+    ``feed_forward_length`` is each expert's size, as Mixtral's ``intermediate_size``)."""
+    no_scaling(reader, "llama")
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "sliding_window": None,
+        "num_local_experts": int(meta(reader, "llama.expert_count")),
+        "num_experts_per_tok": int(meta(reader, "llama.expert_used_count")),
+        **common(reader, "llama", vocab_rows),
+    }
+
+
+def gpt_oss_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``GptOssForCausalLM`` from the ``gpt-oss.*`` keys (module
+    docstring: alternating windows from layer 0, YaRN, llama.cpp's SwiGLU clamp)."""
+    a = "gpt-oss"
+    ffn = meta(reader, f"{a}.expert_feed_forward_length", None)
+    if ffn is None:
+        ffn = meta(reader, f"{a}.feed_forward_length")
+    keys = {**common(reader, a, vocab_rows, ffn_default=ffn), "intermediate_size": int(ffn)}
+    n_layers = keys["num_hidden_layers"]
+    kind = meta(reader, f"{a}.rope.scaling.type", "none")
+    if kind != "yarn":
+        raise ConvertError(f"a gpt-oss GGUF must declare YaRN rope scaling, not {kind!r}")
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": keys["rope_theta"],
+        "factor": f32(meta(reader, f"{a}.rope.scaling.factor")),
+        "beta_fast": f32(meta(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": f32(meta(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+        "original_max_position_embeddings": int(
+            meta(reader, f"{a}.rope.scaling.original_context_length")
+        ),
+        "truncate": False,
+    }
+    limit = meta(reader, f"{a}.swiglu_clamp_exp", None)
+    if isinstance(limit, list):  # one per layer; gpt-oss uses one value
+        if len(set(limit)) != 1:
+            raise ConvertError("a per-layer swiglu_clamp_exp is not supported for gpt-oss")
+        limit = limit[0]
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_act": "silu",
+        "num_local_experts": int(meta(reader, f"{a}.expert_count")),
+        "num_experts_per_tok": int(meta(reader, f"{a}.expert_used_count")),
+        "sliding_window": int(meta(reader, f"{a}.attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+        ],
+        "rope_scaling": yarn,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0 if limit is None else f32(limit),
+        **keys,
+        "attention_bias": True,
+    }
+
+
+def glm4moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``Glm4MoeForCausalLM`` from the ``glm4moe.*`` keys and the tensors
+    present (q/k norms, attention biases); module docstring for the MTP layers left out."""
+    a = "glm4moe"
+    no_scaling(reader, a)
+    keys = common(reader, a, vocab_rows, partial=True)
+    gating = int(meta(reader, f"{a}.expert_gating_func", 2))
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ConvertError(f"GLM-4.5 routes with a sigmoid (expert_gating_func 2), not {gating}")
+    nextn = int(meta(reader, f"{a}.nextn_predict_layers", 0))
+    n_layers = keys["num_hidden_layers"] - nextn
+    if n_layers < 1:
+        raise ConvertError(f"{a}.nextn_predict_layers {nextn} leaves no decoder layer")
+    rotary = int(meta(reader, f"{a}.rope.dimension_count", keys["head_dim"]))
+    names = {t.name for t in reader.tensors}
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        **keys,
+        "num_hidden_layers": n_layers,
+        "partial_rotary_factor": rotary / keys["head_dim"],
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "moe_intermediate_size": int(meta(reader, f"{a}.expert_feed_forward_length")),
+        "n_routed_experts": int(meta(reader, f"{a}.expert_count")),
+        "num_experts_per_tok": int(meta(reader, f"{a}.expert_used_count")),
+        "n_shared_experts": int(meta(reader, f"{a}.expert_shared_count", 1)),
+        "first_k_dense_replace": int(meta(reader, f"{a}.leading_dense_block_count", 1)),
+        "routed_scaling_factor": f32(meta(reader, f"{a}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta(reader, f"{a}.expert_weights_norm", True)),
+        "n_group": int(meta(reader, f"{a}.expert_group_count", 1)),
+        "topk_group": int(meta(reader, f"{a}.expert_group_used_count", 1)),
+        "num_nextn_predict_layers": 0,
+    }
+
+
+_MIXTRAL_BLOCKS = {**LLAMA_BLOCKS, "ffn_gate_inp": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+
+_GPT_OSS_BLOCKS = {
+    **{k: v for k, v in LLAMA_BLOCKS.items() if not k.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
+
+FUSED_EXPERTS = {
+    "ffn_gate_exps": "gate_up_proj",
+    "ffn_up_exps": "gate_up_proj",
+    "ffn_down_exps": "down_proj",
+}
+"""gpt-oss: llama.cpp's expert tensors -> the fused weight each becomes part of
+(``mlp.experts.<name>``; a bias ``<name>_bias``): gate and up interleave, gate first."""
+
+_GLM4MOE_BLOCKS = {
+    **_QWEN3MOE_BLOCKS,
+    "post_attention_norm": "post_attention_layernorm",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+del _GLM4MOE_BLOCKS["ffn_norm"]
+
+MIXTRAL = GgufArch(
+    _MIXTRAL_BLOCKS,
+    mixtral_config,
+    permuted_qk=True,
+    norm_plus_one=False,
+    experts=_MIXTRAL_EXPERTS,
+    experts_prefix="block_sparse_moe.experts",
+)
+"""A ``llama`` GGUF with experts (``gguf_arch.arch_of``)."""
+
+QWEN3MOE = GgufArch(
+    _QWEN3MOE_BLOCKS,
+    qwen3moe_config,
+    permuted_qk=False,
+    norm_plus_one=False,
+    experts=QWEN3MOE_EXPERTS,
+)
+GPT_OSS = GgufArch(
+    _GPT_OSS_BLOCKS, gpt_oss_config, permuted_qk=False, norm_plus_one=False, fused=True
+)
+GLM4MOE = GgufArch(
+    _GLM4MOE_BLOCKS,
+    glm4moe_config,
+    permuted_qk=False,
+    norm_plus_one=False,
+    experts=QWEN3MOE_EXPERTS,
+    extra_blocks="glm4moe.nextn_predict_layers",
+)
