@@ -19,13 +19,8 @@ import trio.testing
 
 from shard.failover.control import ControlClient, JoinRefused
 from shard.failover.events import RingControl
-from shard.failover.formation import (
-    UNREACHABLE_MS,
-    FormationError,
-    check_register,
-    check_report,
-    describe,
-)
+from shard.failover.formation import UNREACHABLE_MS, FormationError, check_report, describe
+from shard.failover.registration import check_register
 from shard.failover.scheduler import Scheduler
 from shard.messages import (
     Activate,

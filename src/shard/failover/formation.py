@@ -3,8 +3,8 @@
 
 A joining node registers on its control link like any standby — after the same admission and
 ``Hello`` — with its ``NodeProfile`` (device, memory for weights, measured ms per layer).
-``check_register`` refuses a malformed one (a typed ``Fault`` of kind ``register`` and the
-connection closed; nothing else is affected). ``form`` then:
+``check_register`` (``shard.failover.registration``) refuses a malformed one (a typed ``Fault``
+of kind ``register`` and the connection closed; nothing else is affected). ``form`` then:
 
 1. waits until ``expect`` nodes joined and their memory holds the model (or, at ``wait_s``,
    forms with whoever joined if they hold it; else ``FormationError`` says who came and what
@@ -45,12 +45,11 @@ import trio
 
 from shard.failover.mesh import Mesh, MeshStatistics
 from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
-from shard.messages import Activate, MeasureRtt, NodeName, Register, RttReport
+from shard.messages import Activate, MeasureRtt, NodeName, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
 from shard.placement.replan import moved_layers, replan
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
-from shard.spec.nodes import Address
 from shard.transport import TransportError
 from shard.trust.admission import TRUSTED_ROLE
 
@@ -58,10 +57,6 @@ log = logging.getLogger(__name__)
 
 #: Stand-in round trip (ms) for a pair nobody could measure: the planner avoids that edge.
 UNREACHABLE_MS = 60_000.0
-#: Bounds a registration must keep (a node's claims, checked for shape, never believed more).
-_MAX_MEMORY = 1 << 50
-_MAX_MS = 1e6
-_MAX_LABEL = 200
 #: How long each candidate may take to measure its row of the mesh.
 MEASURE_TIMEOUT_S = 20.0
 
@@ -72,32 +67,6 @@ Prober = Callable[[str], Awaitable[float | None]]
 
 class FormationError(Exception):
     """The ring could not form; ``str()`` says who joined, what is missing and what to do."""
-
-
-def check_register(reg: Register) -> str | None:
-    """Why a registration to a forming swarm is refused, or None when it is well formed."""
-    p = reg.profile
-    if p is None:
-        return (
-            "this swarm forms its ring from nodes started with --join; a node needs a "
-            "measured profile (start it with shard up --role stage --join HOST:PORT)"
-        )
-    try:
-        address = Address.parse(reg.address)
-    except ValueError as exc:
-        return f"listen address {reg.address[:80]!r}: {exc}"
-    if address.port == 0:
-        return f"listen address {reg.address!r} has port 0; register the bound port"
-    if not 0 <= p.memory_bytes <= _MAX_MEMORY:
-        return f"memory {p.memory_bytes} bytes is outside 0..{_MAX_MEMORY}"
-    for what, ms in (("1-token", p.ms_per_layer_one), ("chunk", p.ms_per_layer_chunk)):
-        if not (math.isfinite(ms) and 0 < ms <= _MAX_MS):
-            return f"{what} ms per layer {ms!r} is not a number in (0, {_MAX_MS:g}]"
-    if not 1 <= p.chunk_tokens <= 4096:
-        return f"chunk of {p.chunk_tokens} tokens is outside 1..4096"
-    if len(p.device) > _MAX_LABEL:
-        return f"device label longer than {_MAX_LABEL} characters"
-    return None
 
 
 def check_report(asked: MeasureRtt, report: RttReport) -> str | None:
@@ -453,7 +422,6 @@ __all__ = [
     "Formation",
     "FormationError",
     "Prober",
-    "check_register",
     "check_report",
     "describe",
 ]

@@ -36,9 +36,8 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from shard.audit.evidence_files import EvidenceShelf
-from shard.audit.hub import AuditHub, Holder
-from shard.audit.strikes import AuditStatistics, StrikeBook
+from shard.audit.hub import AuditHub
+from shard.audit.strikes import AuditStatistics
 from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import (
@@ -50,8 +49,9 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
-from shard.failover.formation import Formation, Prober, check_register
+from shard.failover.formation import Formation, Prober
 from shard.failover.mesh import MeshStatistics
+from shard.failover.registration import check_register
 from shard.failover.registry import (
     Member,
     RecoveryFailed,
@@ -62,8 +62,8 @@ from shard.failover.registry import (
 )
 from shard.failover.rtt import RttTracker
 from shard.failover.splice import Recovery, Splicer
+from shard.failover.spotchecks import SpotChecks
 from shard.messages import (
-    AuditCounts,
     Fault,
     Heartbeat,
     Hello,
@@ -75,7 +75,7 @@ from shard.messages import (
     Rewire,
     RttReport,
 )
-from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
+from shard.messages.audit import AuditCopy, AuditVerdict
 from shard.placement import ModelFacts
 from shard.spec.audit import AuditSpec
 from shard.spec.failover import FailoverSpec
@@ -103,10 +103,11 @@ class SchedulerStatistics:
     mesh: MeshStatistics | None = None
 
 
-class Scheduler:
+class Scheduler(SpotChecks):
     """See the module docstring. ``serve`` handles one control connection (the coordinator's
     listener hands each one over); ``run`` watches heartbeats, reads the ring link's faults
-    and carries out recoveries.
+    and carries out recoveries; its spot checks are ``SpotChecks``'s
+    (``shard.failover.spotchecks``).
 
     ``statistics``, ``standbys``, ``ring`` and ``tail`` are snapshot reads (the status feed and
     the return endpoint ask them as they need them), so they stay calls.
@@ -157,13 +158,7 @@ class Scheduler:
         )  # fmt: skip
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
-        #: audits skipped for want of a holder, by (first, last, accused): warned once each
-        self._skipped: dict[tuple[int, int, NodeName], int] = {}
-        audit = audit or AuditSpec()
-        self.strikes = StrikeBook(audit.strikes)
-        self.evidence = EvidenceShelf(audit.evidence_dir)  # each strike's evidence, to a file
-        #: spot checks in a real swarm (``[audit] enabled``): None when nodes copy nothing
-        self.audits = audits
+        self._start_spot_checks(audit, audits)
 
     # --- views -------------------------------------------------------------------------
 
@@ -178,11 +173,6 @@ class Scheduler:
             audits=self.strikes.statistics(),
             mesh=None if self.formation is None else self.formation.statistics(),
         )
-
-    def audit_counts(self) -> AuditCounts:
-        """Spot-check counters for the status feed."""
-        a = self.strikes.statistics()
-        return AuditCounts(a.audits, a.strikes, a.evictions, a.evicted, self.evidence.recent)
 
     def standbys(self) -> tuple[NodeName, ...]:
         return self._registry.standbys()
@@ -317,74 +307,6 @@ class Scheduler:
                     RingNote("fault", f"{fault.node}: {fault.kind}: {fault.detail}")
                 )
                 await self._link_lost(self._node)
-
-    # --- spot checks ---------------------------------------------------------------------
-
-    def _holders(self) -> list[Holder]:
-        return [Holder(s.holder, s.first, s.last) for s in self._registry.slots]
-
-    async def copied(self, sender: NodeName, copy: AuditCopy) -> None:
-        """A node's copy of a ring chunk (``shard.transport.mirror``): send each audit it makes
-        due to a live auditor (else standby) holding the audited block (none: the audit is
-        skipped, logged)."""
-        if self.audits is None:
-            return
-        for req in self.audits.copied(sender, copy, self._holders()):
-            await self._send_audit(req)
-
-    async def _send_audit(self, req: AuditRequest) -> None:
-        m = self._registry.auditor_for(req.first, req.last, req.accused)
-        cause = (req.first, req.last, req.accused)
-        if m is None:  # once per cause, not per chunk: with audits on it was every chunk
-            skipped = self._skipped[cause] = self._skipped.get(cause, 0) + 1
-            if skipped == 1:
-                log.warning("scheduler: no auditor or standby holds [%d, %d); audit of %s "
-                            "skipped (the next ones at debug, until one holds it)",
-                            req.first, req.last, req.accused)  # fmt: skip
-            else:
-                log.debug("scheduler: audit of %s skipped again (%d so far)", req.accused, skipped)
-            return
-        self._skipped.pop(cause, None)  # held again: a later gap is worth a warning again
-        assert self.audits is not None  # requests come from the hub
-        self.audits.asked(m.node, req)
-        try:
-            await m.conn.send(req)
-        except TransportError as exc:
-            log.warning("scheduler: audit of %s not sent to %s: %s", req.accused, m.node, exc)
-
-    async def _verdict(self, node: NodeName, verdict: AuditVerdict) -> None:
-        """A verdict from ``node``'s control link: taken only as the answer to a request
-        sent to it (a node cannot accuse another on its own word)."""
-        if self.audits is None or not self.audits.answered(node, verdict):
-            log.warning("scheduler: %s sent a verdict nobody asked it for; ignored", node)
-            return
-        await self.audited(verdict)
-
-    async def audited(self, verdict: AuditVerdict) -> None:
-        """An auditor's verdict on a ring node. A failed audit is a strike; at ``audit.strikes``
-        the node is evicted: declared dead and replaced by a standby exactly as after a crash
-        (the predecessor replays its log, so no committed token is lost)."""
-        evict = self.strikes.record(verdict)
-        if verdict.ok:
-            log.info(
-                "scheduler: audit of %s (session %d, chunk %d) by %s: ok (%s)",
-                verdict.accused, verdict.session, verdict.index, verdict.auditor, verdict.detail,
-            )  # fmt: skip
-            return
-        node = verdict.accused
-        note = f"{node} failed an audit ({verdict.detail}); strike {self.strikes.strikes(node)}"
-        note += await self.evidence.keep(verdict.evidence)  # "; evidence in PATH"
-        log.warning("scheduler: %s", note)
-        await self._to_router.send(RingNote("audit", note))
-        member = self._registry.members.get(node)
-        if not evict or member is None or not member.alive:
-            return
-        member.alive = False
-        self._detector.forget(node)
-        log.warning("scheduler: %s evicted after failed audits", node)
-        await self._to_router.send(RingNote("audit", f"{node} evicted after failed audits"))
-        await self._problems_send.send(NodeDead(node, self._clock()))
-        await abandon(member.conn)
 
     # --- the watchdog and the recoverer ---------------------------------------------------
 

@@ -10,7 +10,8 @@ One interface, three implementations, one relay::
                    passing every message through the wire codec)
     websocket.py   WebSocketNetwork: peers in other processes; sealed wire frames over
                    trio-websocket (wsconnection.py: one connection; budget.py: the bytes a
-                   node buffers, all connections together)
+                   node buffers, all connections together; perhost.py: the connections
+                   served per remote host, capped, the idle one reclaimed)
     delay.py       DelayNetwork: wraps any network, adds one-way latency and a bandwidth cap
                    per edge, in Trio time (virtual under MockClock)
     relay.py       DelayRelay: a delaying TCP relay between real processes

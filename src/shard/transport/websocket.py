@@ -19,7 +19,7 @@ served connection is cut once it carried no message either way, with no work run
 second per 64 KiB of it); and when one host's connections fill ``max_peer_connections``,
 the one idle longest (at least ``reclaim_idle_s``) is closed to make room for the new one
 rather than the new one refused — so an honest client is served beside an idle flood from
-its own address.
+its own address (``shard.transport.perhost``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from shard.transport.base import (
 from shard.transport.budget import BudgetedStream, ByteBudget
 from shard.transport.guard import Activity, PeerDeadlines, police, serve_one, serve_pipe
 from shard.transport.paths import Piped, Route, Router, Sealed
+from shard.transport.perhost import PerHost
 from shard.transport.wsconnection import (
     MESSAGE_TOO_BIG,
     OFFLOAD_BYTES,
@@ -78,15 +79,6 @@ class _Target:
     address: str
     path: str
     dialer: bool
-
-
-@attrs.define(eq=False)
-class _Held:
-    """One served connection from a host: its activity, and the scope that cuts it."""
-
-    activity: Activity
-    scope: trio.CancelScope
-    reclaimed: bool = False
 
 
 class Handshake(Protocol):
@@ -142,10 +134,8 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
     ) -> None:
         super().__init__()
         self._limits = limits or WireLimits()
-        self._max_peer_connections = max_peer_connections
         self._deadlines = deadlines
-        self._per_peer: dict[str, list[_Held]] = {}  # remote host -> connections open or opening
-        self.reclaimed = 0  # idle connections closed to make room under a host's cap
+        self._per_host = PerHost(max_peer_connections, deadlines)
         message = max_message_size(self._limits)
         self.budget = ByteBudget(max_buffer_bytes or BUFFER_MESSAGES * message)
         if self.budget.total < message:
@@ -246,6 +236,11 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         """Connections ``serve`` holds open now."""
         return self._served
 
+    @property
+    def reclaimed(self) -> int:
+        """Idle connections closed to make room under a host's cap (``shard.transport.perhost``)."""
+        return self._per_host.reclaimed
+
     async def _open_sealer(
         self, ws: trio_websocket.WebSocketConnection, peer: str, *, dialer: bool
     ) -> Sealer:
@@ -301,53 +296,19 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
             )
             await raw.aclose()
             return
-        cap = self._max_peer_connections
-        held = self._per_peer.setdefault(host, [])
-        full = cap is not None and sum(not h.reclaimed for h in held) >= cap
-        if full and not self._reclaim(held, peer):
-            reason = (
-                f"too many connections from {host}: at most {cap} at once "
-                "(limits.max_peer_connections), none of them idle; close some and retry"
-            )
-            log.warning("refused %s: %s", peer, reason)
-            if not held:
-                del self._per_peer[host]
-            await self._reject(raw, reason)
+        mine = self._per_host.admit(host, peer)
+        if isinstance(mine, str):  # its host is at the cap, none idle: refused (logged)
+            await self._reject(raw, mine)
             return
         self._served += 1
-        mine = _Held(Activity(), trio.CancelScope())
-        held.append(mine)
         stream = self._budgeted(raw)
         try:
             with mine.scope:
                 await self._serve_stream(handler, router, stream, peer, mine.activity)
         finally:
             self._served -= 1
-            held.remove(mine)
-            if not held:
-                del self._per_peer[host]
+            self._per_host.release(host, mine)
             stream.release_all()
-
-    def _reclaim(self, held: list[_Held], peer: str) -> bool:
-        """Close the connection of ``held`` idle longest, if one is idle for at least
-        ``reclaim_idle_s``, to make room for ``peer``; whether one was."""
-        if self._deadlines is None:
-            return False
-        now = trio.current_time()
-        idle = [h for h in held if not h.reclaimed]
-        oldest = max(idle, key=lambda h: h.activity.idle_for(now), default=None)
-        if oldest is None or oldest.activity.idle_for(now) < self._deadlines.reclaim_idle_s:
-            return False
-        log.warning(
-            "closed a connection idle for %.0f s to make room for %s (its host is at "
-            "limits.max_peer_connections)",
-            oldest.activity.idle_for(now),
-            peer,
-        )
-        oldest.reclaimed = True
-        oldest.scope.cancel()
-        self.reclaimed += 1
-        return True
 
     async def _reject(self, stream: trio.SocketStream, reason: str) -> None:
         """Answer the WebSocket upgrade with HTTP 503 and ``reason``, then close."""
