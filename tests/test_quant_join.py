@@ -30,7 +30,7 @@ from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.fetching import fetch_layers, make_seeder
 from shard.nodes.inprocess import run_swarm
 from shard.nodes.joining import joined_spec
-from shard.nodes.stage import _load
+from shard.nodes.loading import load_block as _load
 from shard.spec.swarm import SwarmSpec
 from shard.transport import WebSocketNetwork
 from shard.weights.build import build_manifest

@@ -23,7 +23,8 @@ from shard.api.keys import ApiKeys
 from shard.api.reply import MAX_HEAD_BYTES
 from shard.coordinator.coordinator import Coordinator
 from shard.model.tokenizer import Tokenizer
-from shard.spec.swarm import BUNDLED_MODELS, SwarmSpec
+from shard.spec.swarm import SwarmSpec
+from shard.spec.swarm_table import BUNDLED_MODELS
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ coordinator's dial to stage 0 succeeds the whole ring is connected, end to end.
 Supervision: every actor of a node lives in one nursery. The coordinator's process also runs
 the scheduler (``shard.failover.scheduler``): every stage and standby keeps a control link
 to it, and a node that dies is replaced by a standby while the requests wait
-(docs/failover.md). The stage and standby roots live in ``shard.nodes.stage``.
+(docs/failover.md). The stage and standby roots live in ``shard.nodes.stage``; the tail's
+return link ends at ``shard.nodes.return_link``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.drafter import make_drafter
 from shard.nodes.launcher import api_listen_error
+from shard.nodes.return_link import ReturnEndpoint
 from shard.nodes.sizes import model_facts
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
 from shard.observe.devices import DeviceProbe
@@ -66,7 +68,7 @@ from shard.spec.nodes import CoordinatorSpec
 from shard.spec.swarm import SwarmSpec
 from shard.transport import Connection, ConnectionClosed, Network, TransportError
 from shard.transport.guard import IdleDeadline, PeerTooSlow, send_within, serve_one
-from shard.transport.links import HandshakeError, accept_peer, pump_in
+from shard.transport.links import HandshakeError, accept_peer
 from shard.transport.mirror import MirrorNetwork
 from shard.trust.receipts import RunSigner
 
@@ -90,50 +92,6 @@ class CoordinatorHandle:
 
 def _hello(spec: SwarmSpec, name: str, role: str) -> Hello:
     return Hello(node=NodeName(name), role=role, swarm=spec.name)
-
-
-class _ReturnEndpoint:
-    """The coordinator's end of the ring's return link: only the ring's current tail may open
-    it (anyone else's verdicts would be taken for the ring's); what it sends goes to the
-    router's ``from_ring``. ``up`` is the scheduler's snapshot read of whether one is open;
-    ``note`` records a ring event (the router's ledger)."""
-
-    def __init__(
-        self,
-        name: NodeName,
-        from_ring: trio.MemorySendChannel[Message],
-        note: Callable[[str, str], None],
-        mirror: MirrorNetwork | None = None,
-    ) -> None:
-        self._name = name
-        self._from_ring = from_ring
-        self._note = note
-        self._mirror = mirror  # the swarm audits: the tail's verdicts are copied (its audits)
-        self._links = 0
-        self.joined = trio.Event()
-
-    def up(self) -> bool:
-        return self._links > 0
-
-    async def serve(self, conn: Connection, hello: Hello, *, tail: NodeName) -> None:
-        """Pump one return link from ``tail`` (the scheduler's view of the ring now)."""
-        if hello.role != "stage" or hello.node != tail:
-            log.warning(
-                "%s: refused %s (%s) on the return link", self._name, hello.node, hello.role
-            )
-            detail = f"only {tail} may open the return link"
-            await conn.send(Fault(node=self._name, kind="handshake", detail=detail))
-            return
-        self.joined.set()
-        self._note("join", f"{hello.node} ({hello.role}) connected from {conn.peer}")
-        self._links += 1
-        if self._mirror is not None:  # after the check: only the tail's verdicts are copied
-            conn = self._mirror.attach(conn)
-        try:
-            pump = partial(pump_in, self._name, sink=self._from_ring.clone())
-            await serve_one(conn, pump, what="return link")
-        finally:
-            self._links -= 1
 
 
 def _slots(spec: SwarmSpec, config: ModelConfig, model_dir: Path) -> list[Slot]:
@@ -206,7 +164,7 @@ class _Listener:
     tokenizer: Tokenizer
     scheduler: Scheduler
     feed: StatusFeed
-    endpoint: _ReturnEndpoint
+    endpoint: ReturnEndpoint
     #: Tokenizing runs in a thread (shard.coordinator.service), one request at a time, never
     #: behind a drafter's forward pass.
     text_limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
@@ -306,7 +264,7 @@ async def run_coordinator(
         handshake_timeout_s=spec.limits.handshake_timeout_s,
         faults=faults_send,
     )
-    endpoint = _ReturnEndpoint(name, from_ring_send, coordinator.event, mirror)
+    endpoint = ReturnEndpoint(name, from_ring_send, coordinator.event, mirror)
     scheduler = Scheduler(
         node=name,
         slots=_slots(spec, config, model_dir),

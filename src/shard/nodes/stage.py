@@ -6,8 +6,9 @@ a supervised ``DownstreamLink`` to its successor (with the replay log), and a ``
 to the scheduler. A standby wires the same parts but leaves the executor and the downstream
 link unstarted until the scheduler sends ``Activate``: it holds its block loaded (hot), or
 loads it then (a spare: the cold path), dials the successor it was given and serves whoever
-the scheduler rewires to it. An auditor (``[[standby]] role = "auditor"``) is a standby that
-registers as ``auditor`` and refuses ``Activate``: it only answers audit requests.
+the scheduler rewires to it (blocks load with ``shard.nodes.loading``). An auditor
+(``[[standby]] role = "auditor"``) is a standby that registers as ``auditor`` and refuses
+``Activate``: it only answers audit requests.
 
 A stage reports ready only when its downstream link is up, so when the coordinator's dial to
 stage 0 succeeds, the ring is connected end to end.
@@ -23,7 +24,6 @@ from pathlib import Path
 import attrs
 import trio
 
-from shard.compute import offload
 from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
@@ -43,14 +43,13 @@ from shard.messages import (
     Welcome,
 )
 from shard.model.config import ModelConfig
-from shard.model.device import TORCH_DTYPES, emulated_dtype_note, resolve_device, torch_dtype
+from shard.model.device import TORCH_DTYPES
 from shard.model.llama import StageModel
-from shard.model.loader import load_stage
-from shard.model.weights import resolve_weights
-from shard.nodes.auditing import auditing, weights_of
+from shard.nodes.auditing import auditing
 from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.fetching import fetch_layers, fetch_stage, make_seeder
+from shard.nodes.loading import LoadedBlock, load_block
 from shard.nodes.sizes import model_facts
 from shard.spec.nodes import StageSpec, StandbySpec
 from shard.spec.swarm import SwarmSpec
@@ -92,15 +91,6 @@ def _successor(spec: SwarmSpec, index: int) -> str:
 
 
 @attrs.frozen
-class _Block:
-    """A block of layers, loaded."""
-
-    model: StageModel
-    first: int
-    last: int
-
-
-@attrs.frozen
 class _Serving:
     """What serves a ring slot: the executor and its downstream link, built together."""
 
@@ -127,7 +117,7 @@ class _StageNode:
         model_dir: Path,
         listen: str,
         timeout_s: float,
-        block: _Block | None,
+        block: LoadedBlock | None,
         supervised: bool = True,
         profile: NodeProfile | None = None,
         fetch: bool = False,
@@ -173,7 +163,7 @@ class _StageNode:
         node = self._spec.node(self._name)
         return node.role if isinstance(node, StandbySpec) else "standby"
 
-    def _graphs(self, block: _Block) -> ChunkGraphs | None:
+    def _graphs(self, block: LoadedBlock) -> ChunkGraphs | None:
         """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``)."""
         mode = self._spec.runtime(self._name).graphs
         if mode == "off":
@@ -181,7 +171,7 @@ class _StageNode:
         policy = self._spec.speculation.policy
         return ChunkGraphs(block.model, mode=mode, rows=chunk_rows(policy.k, policy.k_max))
 
-    async def build(self, block: _Block, slot: str, successor: str) -> _Serving:
+    async def build(self, block: LoadedBlock, slot: str, successor: str) -> _Serving:
         """Build the executor and the downstream link for ``slot``, and dial ``successor``."""
         outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
         executor = StageExecutor(
@@ -236,7 +226,7 @@ class _StageNode:
         if block is None or (block.first, block.last) != (order.first, order.last):
             model_dir = await self._block_dir(order.first, order.last)
             log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)
-            block = await _load(self._spec, self._name, model_dir, order.first, order.last)
+            block = await load_block(self._spec, self._name, model_dir, order.first, order.last)
             self._block = block
         serving = await self.build(block, order.slot, order.successor)
         await self._starts_send.send(serving)
@@ -371,23 +361,6 @@ class _StageNode:
             raise replaced[0]
 
 
-async def _load(spec: SwarmSpec, name: str, model_dir: Path, first: int, last: int) -> _Block:
-    """Load layers ``first..last`` in a worker thread (the forward pass's boundary), straight
-    onto node ``name``'s device (``DeviceUnavailable``, one line, before anything is read if
-    the machine cannot give it)."""
-    runtime = spec.runtime(name)
-    device = resolve_device(runtime.device, name)
-    dtype = torch_dtype(runtime.dtype or spec.dtype)
-    if (note := emulated_dtype_note(name, device, dtype)) is not None:
-        log.warning("%s", note)
-    weights = resolve_weights(weights_of(spec, name), model_dir, dtype)
-    log.info("%s: layers [%d, %d), weights %s, dtype %s", name, first, last, weights, dtype)
-    model = await offload.run_sync(
-        lambda: load_stage(model_dir, first, last, dtype=dtype, device=device, weights=weights)
-    )
-    return _Block(model, first, last)
-
-
 async def run_stage(
     spec: SwarmSpec,
     name: str,
@@ -415,7 +388,7 @@ async def run_stage(
     spec = with_checkpoint_weights(spec, model_dir)
     config = ModelConfig.from_dir(model_dir)
     blocks = spec.blocks(config.n_layers, model_facts(config, spec, model_dir))
-    block = await _load(spec, name, model_dir, *blocks[index])
+    block = await load_block(spec, name, model_dir, *blocks[index])
     if wrap_block is not None:  # tests only: a cheating stage (shard.testing.cheating)
         block = attrs.evolve(block, model=wrap_block(name, block.model))
     me = _StageNode(
@@ -455,6 +428,6 @@ async def run_standby(
         model_dir=model_dir,
         listen=str(node.listen),
         timeout_s=startup_timeout_s,
-        block=await _load(spec, name, model_dir, *block) if block is not None else None,
+        block=await load_block(spec, name, model_dir, *block) if block is not None else None,
     )
     await me.run(None, task_status=task_status)

@@ -1,5 +1,6 @@
 """shard.spec: the typed swarm spec (TOML), read and validated in one place, one module per idea:
-``swarm.py`` (the whole-swarm record ``SwarmSpec`` and its reader), ``nodes.py`` (the coordinator,
+``swarm.py`` (the whole-swarm record ``SwarmSpec`` and its reader; ``swarm_table.py``: the
+``[swarm]`` table's model, dtype, weights and insecure), ``nodes.py`` (the coordinator,
 stages, standbys, addresses and links), ``limits.py``, ``speculation.py``, ``failover.py``,
 ``trust.py``, ``fetch.py``, ``audit.py``, ``api.py``, ``device.py`` (a node's device, dtype and
 graphs), ``reach.py`` (who accepts inbound connections, the relay), ``formation.py`` (a ring that

@@ -25,6 +25,7 @@ from typing import Final
 import attrs
 
 from shard.decode.control import SpeculationConfig
+from shard.spec.swarm_table import BUNDLED_MODELS
 from shard.spec.validate import Table
 
 DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "head", "hybrid", "oracle")
@@ -130,8 +131,6 @@ def _draft_head(table: Table, draft: str, base_dir: Path | None, model: str | No
             raise table.error("draft_head", 'only meaningful with draft = "head" or "hybrid"')
         return None
     if text is None:
-        from shard.spec.swarm import BUNDLED_MODELS
-
         if model not in BUNDLED_MODELS:
             raise table.error(
                 "draft_head",

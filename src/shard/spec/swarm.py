@@ -6,9 +6,9 @@ order), their layer blocks and the emulated link latency (``shard.spec.nodes``),
 (``shard.spec.trust``, ``shard.spec.fetch``), the HTTP API (``shard.spec.api``) and, for
 failover, its timings, standby nodes and scripted faults (``shard.spec.failover``). This
 module holds the whole-swarm record, ``SwarmSpec``, and the reader that assembles it from
-those tables. One file drives every way
-of running a swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of it),
-``shard swarm up|run SPEC`` (every node as a local process) and the in-process test swarm.
+those tables (the ``[swarm]`` table's own keys: ``shard.spec.swarm_table``). One file drives
+every way of running a swarm: ``shard up --role stage --spec SPEC --node NAME`` (one node of
+it), ``shard swarm up|run SPEC`` (every node as a local process) and the in-process test swarm.
 
 Validation happens once, here, at the edge: ``SwarmSpec.from_file`` / ``from_dict`` either
 return a consistent spec or raise ``SpecError`` with a one-line message naming the file, the
@@ -37,7 +37,6 @@ from shard.spec.device import (
     check_dtypes,
     check_graphs,
     check_weights,
-    check_weights_dtype,
 )
 from shard.spec.failover import (
     FAILOVER_KEYS,
@@ -71,6 +70,13 @@ from shard.spec.nodes import (
 )
 from shard.spec.reach import advertised, check_reach, read_relay
 from shard.spec.speculation import SPECULATION_KEYS, SpeculationSpec, read_speculation
+from shard.spec.swarm_table import (
+    check_nodes_weights,
+    read_dtype,
+    read_insecure,
+    read_model,
+    read_weights,
+)
 from shard.spec.trust import TRUST_KEYS, TrustSpec, check_secure, read_trust
 from shard.spec.validate import (
     Block,
@@ -83,9 +89,6 @@ from shard.spec.validate import (
 from shard.spec.validate import (
     SpecError as SpecError,  # re-exported: callers catch shard.spec.swarm.SpecError
 )
-
-#: Model names that need no path: shipped with shard (``shard.model`` knows where).
-BUNDLED_MODELS: Final = ("smollm2", "gemma3-270m")
 
 _TOP_KEYS: Final = (
     "swarm",
@@ -110,9 +113,10 @@ _SWARM_KEYS: Final = ("name", "model", "dtype", "weights", "insecure", "relay")
 class SwarmSpec:
     """A whole swarm. Build with ``from_file`` / ``from_dict``; change with ``attrs.evolve``.
 
-    ``model`` is a bundled name (``BUNDLED_MODELS``) or an absolute path. ``edges`` holds the
-    per-hop overrides only; ``edge()`` and ``hops()`` resolve defaults. ``source`` is what error
-    messages call the spec (the file path, or ``from_dict``'s ``source``).
+    ``model`` is a bundled name (``swarm_table.BUNDLED_MODELS``) or an absolute path.
+    ``edges`` holds the per-hop overrides only; ``edge()`` and ``hops()`` resolve defaults.
+    ``source`` is what error messages call the spec (the file path, or ``from_dict``'s
+    ``source``).
     """
 
     path: Path | None
@@ -181,7 +185,7 @@ class SwarmSpec:
         standbys = tuple(
             read_standby(t, base_dir, names) for t in top.tables("standby", STANDBY_KEYS)
         )
-        formation = _read_formation(top, stages, standbys, secure=not _read_insecure(swarm))
+        formation = _read_formation(top, stages, standbys, secure=not read_insecure(swarm))
         check_nodes(source, coordinator, stages, standbys)
         relay = read_relay(swarm, coordinator.name)
         check_reach(source, relay, coordinator, (*stages, *standbys))
@@ -191,20 +195,22 @@ class SwarmSpec:
         edges = tuple(read_edge(t, latency, bandwidth) for t in links.tables("edge", EDGE_KEYS))
         ring = (coordinator.name, *(s.name for s in stages), coordinator.name)
         check_edges(source, ring, [(e.src, e.dst) for e in edges])
-        insecure = _read_insecure(swarm)
+        insecure = read_insecure(swarm)
         trust_table = top.table("trust", TRUST_KEYS, required="trust" in data)
         trust = read_trust(trust_table, base_dir) if "trust" in data else None
         check_secure(source, insecure, trust, credentials_of(coordinator, stages, standbys))
-        dtype = _read_dtype(swarm)
+        dtype = read_dtype(swarm)
         ring_nodes = [(f"stage[{i}]", s.runtime) for i, s in enumerate(stages)]
         ring_nodes += [(f"standby[{i}]", s.runtime) for i, s in enumerate(standbys)]
         check_dtypes(source, dtype, ring_nodes)
-        weights = _read_weights(swarm)
-        _check_weights(source, dtype, weights, [("coordinator", coordinator.runtime), *ring_nodes])
+        weights = read_weights(swarm)
+        check_nodes_weights(
+            source, dtype, weights, [("coordinator", coordinator.runtime), *ring_nodes]
+        )
         return cls(
             path=None,
             name=node_name(swarm, "name"),
-            model=_read_model(swarm, base_dir),
+            model=read_model(swarm, base_dir),
             dtype=dtype,
             weights=weights,
             insecure=insecure,
@@ -217,7 +223,7 @@ class SwarmSpec:
             speculation=read_speculation(
                 top.table("speculation", SPECULATION_KEYS, required=False),
                 base_dir,
-                swarm_model=_read_model(swarm, base_dir),
+                swarm_model=read_model(swarm, base_dir),
             ),
             trust=trust,
             fetch=read_fetch(top, base_dir, [(s.name, str(s.listen)) for s in stages]),
@@ -363,7 +369,7 @@ class SwarmSpec:
         ring: list[StageSpec | StandbySpec] = [*spec.stages, *spec.standbys]
         ring_nodes = [(s.name, s.runtime) for s in ring]
         check_dtypes(self.source, self.dtype, ring_nodes)
-        _check_weights(self.source, self.dtype, self.weights, [(name, runtime)])
+        check_nodes_weights(self.source, self.dtype, self.weights, [(name, runtime)])
         return spec
 
     def address_of(self, name: str) -> str:
@@ -424,52 +430,3 @@ def _read_formation(
             "remove the [[stage]] and [[standby]] tables, or [formation] to run them as written",
         )
     return read_formation(top.table("formation", FORMATION_KEYS, required=True), secure=secure)
-
-
-def _read_model(swarm: Table, base_dir: Path | None) -> str:
-    model = swarm.string("model", example='"smollm2"')
-    if model in BUNDLED_MODELS:
-        return model
-    path = Path(model).expanduser()
-    if not path.is_absolute():
-        path = (base_dir if base_dir is not None else Path.cwd()) / path
-    path = path.resolve()
-    use = f"use one of {', '.join(BUNDLED_MODELS)} or a HF checkpoint directory or a .gguf file"
-    if not path.exists():
-        relative = "" if base_dir is None else " (relative paths resolve against the spec's dir)"
-        raise swarm.error("model", f"{str(path)!r} not found{relative}; {use}")
-    if path.is_file() and path.suffix != ".gguf":
-        raise swarm.error("model", f"{str(path)!r} is a file but not a .gguf; {use}")
-    return str(path)
-
-
-def _read_weights(swarm: Table) -> str | None:
-    if "weights" not in swarm.data:
-        return None
-    text = swarm.string("weights", example='"stored"')
-    try:
-        return check_weights(text)
-    except ValueError as e:
-        raise swarm.error("weights", str(e)) from None
-
-
-def _check_weights(
-    source: str, dtype: str, weights: str | None, nodes: list[tuple[str, DeviceSpec]]
-) -> None:
-    """Each node's ``weights`` (its own, else the swarm's) agrees with its dtype."""
-    for key, runtime in nodes:
-        why = check_weights_dtype(runtime.weights or weights, runtime.dtype or dtype)
-        if why is not None:
-            raise SpecError(source, f"{key}.weights", why)
-
-
-def _read_dtype(swarm: Table) -> str:
-    dtype = swarm.string("dtype", default="float32")
-    if dtype not in DTYPES:
-        raise swarm.error("dtype", f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return dtype  # a node may override it: shard.spec.device
-
-
-def _read_insecure(swarm: Table) -> bool:
-    # false (the default) needs [trust] and node credentials: spec_trust.check_secure
-    return swarm.boolean("insecure", default=False)
