@@ -59,3 +59,18 @@ def test_a_missing_or_stale_entry_is_reported(tmp_path: Path) -> None:
     assert "shard: names gone.py, which is not there" in found
     assert "shard/sub: missing c.py" in found
     assert not any("a.py" in line for line in found)
+
+
+#: The most lines a module of ``src/shard`` may have (issue "House, second pass": ~450).
+MAX_LINES = 450
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    """Every module of the package fits in ``MAX_LINES`` lines, so each stays one idea a
+    newcomer can read through (bench scripts and tests are outside the package)."""
+    long = {
+        str(path.relative_to(SRC)): n
+        for path in sorted(SRC.rglob("*.py"))
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"modules over {MAX_LINES} lines: {long}"
