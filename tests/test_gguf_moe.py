@@ -444,14 +444,15 @@ def test_a_split_stored_gpt_oss_equals_its_unsplit_run(
 def test_refusals_are_one_clear_error(
     built: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]], tmp_path: Path
 ) -> None:
-    """A GLM GGUF routed by softmax, a gpt-oss GGUF without YaRN and a llama GGUF whose
-    rope_freqs follow no Llama 3 curve are refused before any tensor is converted, each with a
-    ``ConvertError`` that says why."""
+    """A GLM GGUF routed by softmax, a gpt-oss GGUF without YaRN, a llama GGUF whose
+    rope_freqs follow no Llama 3 curve and a gpt-oss GGUF whose down experts are not 3-D are
+    refused before any tensor is converted, each with a ``ConvertError`` that says why."""
     odd = np.linspace(1.0, 3.0, 8, dtype=np.float32)
     for family, key, value, message in (
         ("glm4_moe", "glm4moe.expert_gating_func", 1, "sigmoid"),
         ("gpt_oss", "gpt-oss.rope.scaling.type", "none", "YaRN"),
         ("llama3", "rope_freqs.weight", odd, "Llama 3's rope scaling"),
+        ("gpt_oss", "blk.1.ffn_down_exps.weight", odd, "ffn_down_exps.weight has shape"),
     ):
         path = built[family][1]
         bad = tmp_path / f"{family}.gguf"

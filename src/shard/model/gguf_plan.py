@@ -70,10 +70,11 @@ def fuse_experts(
         raise ConvertError(f"layer {layer} has no {', '.join(missing)}.{suffix}; incomplete")
     gate, up, down = (parts[k] for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     g_shape, d_shape = (tuple(int(d) for d in reversed(t.shape.tolist())) for t in (gate, down))
-    if tuple(up.shape.tolist()) != tuple(gate.shape.tolist()) or len(g_shape) != (
-        3 if suffix == "weight" else 2
-    ):
+    rank = 3 if suffix == "weight" else 2
+    if tuple(up.shape.tolist()) != tuple(gate.shape.tolist()) or len(g_shape) != rank:
         raise ConvertError(f"layer {layer}: ffn_gate_exps and ffn_up_exps shapes disagree")
+    if len(d_shape) != rank or d_shape[0] != g_shape[0]:
+        raise ConvertError(f"layer {layer}: ffn_down_exps.{suffix} has shape {list(d_shape)}")
     prefix = f"model.layers.{layer}.mlp.experts"
     if suffix == "bias":  # [E, F] each -> [E, 2F]; down [E, D] as is
         e, f = g_shape
