@@ -52,7 +52,7 @@ from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.moe import FusedExperts
 from shard.model.quant import QuantLinear, kernel_dtype
-from test_gguf_qwen3 import write_vocab
+from test_gguf_qwen3 import write_common_keys, write_vocab
 
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
 
@@ -146,17 +146,8 @@ def _to_gguf(family: str, sd: dict[str, np.ndarray], config: dict[str, Any]) -> 
 def _metadata(w: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> int:
     """The ``<arch>.*`` keys llama.cpp's converter writes; returns the block count."""
     blocks = config["num_hidden_layers"] + (family == "glm4_moe")  # one MTP block
-    w.add_block_count(blocks)
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
+    write_common_keys(w, config, blocks)
     rope = config["rope_parameters"]
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if family in MOE:
         w.add_expert_count(config.get("num_local_experts") or config["n_routed_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])

@@ -91,6 +91,20 @@ def _gguf_names(hf: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return out
 
 
+def write_common_keys(w: gguf.GGUFWriter, config: dict[str, Any], blocks: int) -> None:
+    """The ``<arch>.*`` keys every llama.cpp decoder GGUF has, from a ``config.json``."""
+    w.add_block_count(blocks)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
 def write_vocab(w: gguf.GGUFWriter, tok: dict[str, Any], config: dict[str, Any]) -> None:
     """The tiny byte-level BPE tokenizer ``tok`` (a ``tokenizer.json``) as GGUF metadata."""
     added = {a["content"]: a["id"] for a in tok["added_tokens"]}
@@ -115,16 +129,7 @@ def _write_gguf(
     config = json.loads((src / "config.json").read_text())
     tok = json.loads((src / "tokenizer.json").read_text())
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    write_common_keys(w, config, config["num_hidden_layers"])
     if arch == "qwen3moe":
         w.add_expert_count(config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
