@@ -18,9 +18,9 @@ import trio.testing
 
 from shard.failover.control import ControlClient, JoinRefused, NameTaken
 from shard.failover.events import RingControl, RingNote
-from shard.failover.registry import Member, Registry, Slot
-from shard.failover.rtt import RttTracker
 from shard.failover.scheduler import Scheduler
+from shard.membership.registry import Member, Registry, Slot
+from shard.membership.rtt import RttTracker
 from shard.messages import (
     Activate,
     Fault,

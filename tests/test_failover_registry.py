@@ -14,9 +14,9 @@ import trio
 import trio.testing
 
 from shard.failover.events import NodeDead, RingControl, RingLost
-from shard.failover.registry import Member, Registry, Slot
-from shard.failover.rtt import RttTracker
 from shard.failover.splice import Splicer
+from shard.membership.registry import Member, Registry, Slot
+from shard.membership.rtt import RttTracker
 from shard.messages import NodeName, Ready, Register
 from shard.spec.failover import FailoverSpec
 from shard.transport import Connection

@@ -1,4 +1,4 @@
-"""Formation (``shard.failover.formation``): a ``[formation]`` scheduler takes registrations
+"""Formation (``shard.formation``): a ``[formation]`` scheduler takes registrations
 from nodes started with ``--join``, refuses malformed ones with a typed reply (the coordinator
 serves on), measures the RTT mesh, plans and activates the ring tail first, and after a death
 re-plans with the sticky ``replan`` (only the dead stage's layers move).
@@ -19,9 +19,9 @@ import trio.testing
 
 from shard.failover.control import ControlClient, JoinRefused
 from shard.failover.events import RingControl
-from shard.failover.formation import UNREACHABLE_MS, FormationError, check_report, describe
-from shard.failover.registration import check_register
 from shard.failover.scheduler import Scheduler
+from shard.formation.formation import UNREACHABLE_MS, FormationError, check_report, describe
+from shard.formation.registration import check_register
 from shard.messages import (
     Activate,
     Fault,

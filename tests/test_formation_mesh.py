@@ -1,4 +1,4 @@
-"""The formation's mesh after forming (``shard.failover.formation``, ``shard.failover.mesh``):
+"""The formation's mesh after forming (``shard.formation``, ``shard.formation.mesh``):
 re-measured every ``remeasure_s`` and used by the sticky re-plan after a death, hostile or
 silent reports never crash the scheduler (their rows are dropped), reachability is detected
 from who reached a node's listen address (the operator's ``unreachable`` wins) and such a
@@ -23,10 +23,10 @@ import trio.testing
 
 from shard.failover.control import ControlClient, OnMeasure
 from shard.failover.events import RingControl, RingNote
-from shard.failover.formation import MEASURE_TIMEOUT_S, Prober, describe
-from shard.failover.mesh import STALE_MISSES
-from shard.failover.rtt import measure_row, measure_rtt, serve_probes
 from shard.failover.scheduler import Scheduler
+from shard.formation.formation import MEASURE_TIMEOUT_S, Prober, describe
+from shard.formation.mesh import STALE_MISSES
+from shard.membership.rtt import measure_row, measure_rtt, serve_probes
 from shard.messages import (
     Activate,
     Hello,

@@ -16,8 +16,8 @@ import trio
 import trio.testing
 
 from shard.failover.events import RingControl
-from shard.failover.formation import FormationError
 from shard.failover.scheduler import Scheduler
+from shard.formation.formation import FormationError
 from shard.messages import Hello, Message, Welcome
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec, read_formation

@@ -11,13 +11,18 @@ The rules (each package's ``__init__`` docstring says the same):
   building the K/D policy record of ``shard.decode.control`` (a pure module) and planning its
   ring with ``shard.placement`` (pure: ``shard.spec.layout``);
 - the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
-  stage, transport, the CLI or the offline draft training (``shard.training``);
+  formation, membership, stage, transport, the CLI or the offline draft training
+  (``shard.training``);
 - ``shard.compute`` (offload, wire tensors) sits below every role: it imports only
   ``shard.messages``;
 - the HTTP API (``shard.api``) serves the coordinator: it imports neither the composition
   roots (``shard.nodes``) nor the CLI, and no torch;
 - ``shard.placement`` is pure planning: it imports no other shard package but
   ``shard.errors``, and nothing of torch or the network;
+- ``shard.membership`` (the registry of members and slots, RTT tracking) is what formation and
+  recovery share: it imports neither ``shard.formation`` nor ``shard.failover``;
+- ``shard.formation`` (forming a ring over a measured RTT mesh) sits below recovery: it never
+  imports ``shard.failover``, whose scheduler drives it;
 - no package imports itself through others: the packages form layers, with no exception;
 - nothing in ``src`` imports the test helpers (``shard.testing``: tiny checkpoints, cheating
   stages, the NAT firewall and tampering relay, the entry points of cheating processes) or
@@ -69,6 +74,8 @@ RULES = (
             "shard.nodes",
             "shard.coordinator",
             "shard.failover",
+            "shard.formation",
+            "shard.membership",
             "shard.stage",
             "shard.transport",
             "shard.cli",
@@ -83,6 +90,10 @@ RULES = (
         ("shard.", "torch", "numpy", *NETWORK),
         allowed=("shard.placement", "shard.errors"),
     ),
+    # Formation and recovery share the registry and RTT tracking; neither sits below it.
+    Rule("shard.membership", ("shard.formation", "shard.failover")),
+    # The scheduler (recovery) drives the formation, never the other way round.
+    Rule("shard.formation", ("shard.failover",)),
     Rule(
         "shard",
         (
@@ -186,6 +197,10 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
             "placement/__init__.py": "",
             "placement/search.py": "import trio\nfrom shard.spec.swarm import SwarmSpec\n",
             "testing.py": "from shard.failover import faults\n",
+            "membership/__init__.py": "",
+            "membership/registry.py": "from shard.formation.mesh import Mesh\n",
+            "formation/__init__.py": "",
+            "formation/formation.py": "def f():\n    from shard.failover import scheduler\n",
         },
     )
     found = "\n".join(violations(root))
@@ -196,6 +211,8 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
     assert "shard.nodes.stage imports shard.testing" in found
     assert "shard.placement.search imports trio" in found
     assert "shard.placement.search imports shard.spec" in found
+    assert "shard.membership.registry imports shard.formation" in found
+    assert "shard.formation.formation imports shard.failover" in found
     assert "shard.testing imports" not in found  # test support may use fault injection
 
 

@@ -1,10 +1,10 @@
-"""The mesh's bookkeeping (``shard.failover.mesh``): rows fresh, stale, then dropped after
+"""The mesh's bookkeeping (``shard.formation.mesh``): rows fresh, stale, then dropped after
 ``STALE_MISSES`` unanswered rounds and back on the next answer; reachability detected from
 who reached a node's listen address."""
 
 from __future__ import annotations
 
-from shard.failover.mesh import STALE_MISSES, Mesh
+from shard.formation.mesh import STALE_MISSES, Mesh
 from shard.messages import NodeName, RttReport
 
 COORD = NodeName("coord")

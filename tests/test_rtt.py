@@ -11,8 +11,8 @@ import trio.testing
 
 from shard.failover.control import ControlClient, OnOrder
 from shard.failover.events import RingControl, RingNote
-from shard.failover.rtt import RttTracker, measure_row, serve_probes
 from shard.failover.scheduler import Scheduler, Slot
+from shard.membership.rtt import RttTracker, measure_row, serve_probes
 from shard.messages import (
     Activate,
     Heartbeat,

@@ -27,8 +27,12 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
                     bundled SmolLM2 and Gemma 3 (imports nothing of the network)
     placement/      pure planning: which nodes form the ring, in which order, holding which
                     layers, the coordinator where; the sticky re-plan after a failure
-    failover/       the scheduler (death detection, splicing standbys in), control links,
-                    supervised edges with heartbeats, the replay log, ring formation
+    failover/       recovery: the scheduler (death detection, splicing standbys in), control
+                    links, supervised edges with heartbeats, the replay log
+    formation/      forming a ring from nodes that joined, over an RTT mesh it measures and
+                    keeps current
+    membership/     what formation and recovery share: the registry of members and ring slots,
+                    RTT tracking and measurement
     audit/          spot checks: sampled chunks recomputed on another node, strikes, evidence
     trust/          node keys, admission tokens, the mutual handshake and sealed frames, signed
                     receipts and their offline check, device identity

@@ -5,7 +5,7 @@ A stage or standby dials the coordinator with ``Hello(link="control")``, sends `
 heartbeats both ways. The scheduler watches the heartbeats (a silent node is dead), and sends
 orders on the same link: ``Activate`` (a standby joins the ring) and ``Rewire`` (re-dial the
 downstream edge, replaying the log). Each order is answered with ``Ready``, each ``Probe``
-at once with a ``ProbeReply`` (the scheduler's RTT to this node, ``shard.failover.rtt``). Link
+at once with a ``ProbeReply`` (the scheduler's RTT to this node, ``shard.membership.rtt``). Link
 faults the node sees on its ring edges arrive on the ``faults`` channel and go up the same way,
 as ``Fault`` messages (dropped, and logged, while the control link is down: the scheduler's own
 heartbeats cover a node it cannot hear from).
@@ -85,7 +85,7 @@ class JoinRefused(Exception):
 
 class NameTaken(JoinRefused):
     """The scheduler refused this node's registration because a live member holds its name
-    (``shard.failover.registry.Registry.name_refusal``). Start it under another ``--node``."""
+    (``shard.membership.registry.Registry.name_refusal``). Start it under another ``--node``."""
 
 
 class OrderFailed(Exception):

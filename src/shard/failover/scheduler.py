@@ -49,10 +49,12 @@ from shard.failover.events import (
     RingControl,
     RingNote,
 )
-from shard.failover.formation import Formation, Prober
-from shard.failover.mesh import MeshStatistics
-from shard.failover.registration import check_register
-from shard.failover.registry import (
+from shard.failover.splice import Recovery, Splicer
+from shard.failover.spotchecks import SpotChecks
+from shard.formation.formation import Formation, Prober
+from shard.formation.mesh import MeshStatistics
+from shard.formation.registration import check_register
+from shard.membership.registry import (
     Member,
     RecoveryFailed,
     Registry,
@@ -60,9 +62,7 @@ from shard.failover.registry import (
     forward_reply,
     peer_identity,
 )
-from shard.failover.rtt import RttTracker
-from shard.failover.splice import Recovery, Splicer
-from shard.failover.spotchecks import SpotChecks
+from shard.membership.rtt import RttTracker
 from shard.messages import (
     Fault,
     Heartbeat,
@@ -137,7 +137,7 @@ class Scheduler(SpotChecks):
         """``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
         re-dial it. ``formation``: the ring forms from joining nodes (``slots`` empty), for
-        this model (``shard.failover.formation``; ``self.formation``), and ``mesh_probe`` is
+        this model (``shard.formation``; ``self.formation``), and ``mesh_probe`` is
         how it probes a joined node's listen address (reachability; None: it does not). Once
         formed, the mesh is measured again every ``remeasure_s`` (its notes go to the router
         as ``mesh`` events)."""

@@ -37,7 +37,7 @@ from shard.failover.events import (
     RingLost,
     RingNote,
 )
-from shard.failover.registry import NO_BLOCK, Member, RecoveryFailed, Registry, Slot
+from shard.membership.registry import NO_BLOCK, Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, NodeName, Rewire
 from shard.spec.failover import FailoverSpec
 from shard.transport import TransportError
@@ -69,7 +69,7 @@ class Recovery:
 
 class Replanner(Protocol):
     """Which live standby takes a slot whose holder died (None: none can, wait for one), and
-    what follows once it has: a formed swarm's re-plan (``shard.failover.formation``)."""
+    what follows once it has: a formed swarm's re-plan (``shard.formation``)."""
 
     def choose(self, slot: Slot, live: Sequence[Member]) -> Member | None: ...
 

@@ -22,7 +22,7 @@ from shard.audit.hub import AuditHub, Holder
 from shard.audit.strikes import StrikeBook
 from shard.failover.detector import FailureDetector
 from shard.failover.events import NodeDead, Problem, RingControl, RingNote
-from shard.failover.registry import Registry
+from shard.membership.registry import Registry
 from shard.messages import AuditCounts, NodeName
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.spec.audit import AuditSpec

@@ -17,7 +17,7 @@ class NodeProfile:
     KV cache), and its measured compute per layer (ms) for a 1-token chunk and for a
     ``chunk_tokens``-token verify chunk (K+1), timed on its own device at start-up.
 
-    The node's word, checked for shape only (``shard.failover.formation``): a node can claim
+    The node's word, checked for shape only (``shard.formation.registration``): a node can claim
     to be fast, never to be trusted (trust comes from the coordinator's spec)."""
 
     device: str

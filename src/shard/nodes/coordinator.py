@@ -35,10 +35,10 @@ from shard.decode.draft import (
 )
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
-from shard.failover.formation import Prober
 from shard.failover.replay import ReplayLog
-from shard.failover.rtt import measure_rtt, serve_probes
 from shard.failover.scheduler import Scheduler, Slot
+from shard.formation.formation import Prober
+from shard.membership.rtt import measure_rtt, serve_probes
 from shard.messages import (
     Fault,
     GenerateRequest,

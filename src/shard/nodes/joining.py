@@ -4,7 +4,7 @@ The node holds no layer range: it measures its compute per layer on its own devi
 layer of the model's shape, ``shard.model.profile``), starts serving upstream (and RTT probes),
 and registers with the coordinator at ``HOST:PORT`` as a spare standby carrying its
 ``NodeProfile``. The coordinator's scheduler asks it to measure its round trips to the other
-candidates, plans the ring (``shard.failover.formation``) and either activates it with a block
+candidates, plans the ring (``shard.formation``) and either activates it with a block
 (it loads that block and dials its successor, exactly as a cold standby does) or leaves it a
 standby for the sticky re-plan after a death.
 

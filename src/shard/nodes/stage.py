@@ -27,7 +27,7 @@ import trio
 from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.replay import ReplayLog
-from shard.failover.rtt import measure_row, serve_probes
+from shard.membership.rtt import measure_row, serve_probes
 from shard.messages import (
     Activate,
     Fault,

@@ -93,7 +93,7 @@ class FailoverSpec:
     replay_max_mib: int = 1024
     checkpoint_dir: str | None = None  # absolute; None: no checkpoints
     register_timeout_s: float = 10.0  # a new control connection's Register, within this
-    probe_s: float = 1.0  # control-link RTT probes (shard.failover.rtt)
+    probe_s: float = 1.0  # control-link RTT probes (shard.membership.rtt)
     suspect_phi: float = 3.0  # a silent node is suspected at this phi
     dead_phi: float = 8.0  # ... and dead at this one, once silent for dead_after_s
     min_std_s: float = 0.1  # floor on the measured heartbeat gaps' standard deviation

@@ -16,7 +16,7 @@ unreachable = []        # node names taken as accepting no inbound connection (e
 
 A spec with ``[formation]`` names no ``[[stage]]`` and no ``[[standby]]``: every stage and
 standby joins with ``shard up --role stage --join HOST:PORT`` and the coordinator's scheduler
-places it (``shard.failover.formation``; docs/placement.md). A spec without it runs exactly
+places it (``shard.formation``; docs/placement.md). A spec without it runs exactly
 as written, as before.
 """
 

@@ -35,7 +35,7 @@ from shard.trust.identity import (
 
 ROLES: Final = ("stage", "coordinator", "client", "monitor", "trusted")
 #: The role a token grants beside ``stage`` for its node to hold the first or last block
-#: where ``[formation] pin_boundaries`` asks (``shard.failover.formation``).
+#: where ``[formation] pin_boundaries`` asks (``shard.formation``).
 TRUSTED_ROLE: Final = "trusted"
 TOKEN_PREFIX: Final = "shard-token-v1"
 #: Prepended to what the authority signs, so a token signature is never valid as anything else.

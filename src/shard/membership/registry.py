@@ -1,7 +1,8 @@
 """The scheduler's registry: who is a member, who is alive, and who holds which ring slot.
 
 Plain state with synchronous queries (no I/O but a member's ``order``), owned by the scheduler
-(``shard.failover.scheduler``) and read by its splicer (``shard.failover.splice``).
+(``shard.failover.scheduler``) and read by its splicer (``shard.failover.splice``) and its
+formation (``shard.formation``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from shard.failover.rtt import RttTracker
+from shard.membership.rtt import RttTracker
 from shard.messages import Activate, NodeName, NodeProfile, Ready, Register, Rewire
 from shard.spec.reach import NAT_PREFIX
 from shard.transport import Connection, TransportError
@@ -55,7 +56,7 @@ class Member:
     alive: bool = True
     profile: NodeProfile | None = None  # a node started with --join: for placement
     #: What the peer's verified admission token grants (``()`` on a plaintext wire): a
-    #: ``trusted`` role lets it hold pinned boundary blocks (``shard.failover.formation``).
+    #: ``trusted`` role lets it hold pinned boundary blocks (``shard.formation``).
     token_roles: tuple[str, ...] = ()
     #: The key the peer's handshake proved (None on a plaintext wire): on a secure swarm only
     #: this key may register under this member's name while it lives (``Registry.name_refusal``).

@@ -2,7 +2,7 @@
 nodes accept inbound connections.
 
 Each joined node's row is what it last reported (``RttReport``, already checked against what
-it was asked: ``shard.failover.formation.check_report``). The formation measures the mesh
+it was asked: ``shard.formation.formation.check_report``). The formation measures the mesh
 before planning and then, every ``[formation] remeasure_s``, again (``Formation.remeasure``);
 a round that a node does not answer is a *miss*:
 

@@ -10,7 +10,7 @@ The send time is remembered here, by nonce, not read back from the reply: a node
 itself look closer than it is. A probe never answered is forgotten once ``keep * 4`` newer
 ones are waiting, so a silent peer costs bounded memory.
 
-For the mesh between joining nodes (``shard.failover.formation``), ``measure_rtt`` dials a
+For the mesh between joining nodes (``shard.formation``), ``measure_rtt`` dials a
 peer's listen address with ``Hello(link="probe")`` and times a few probes there, and
 ``serve_probes`` is what the peer (a stage node, or the coordinator) answers them with.
 """

@@ -3,7 +3,7 @@
 
 A joining node registers on its control link like any standby — after the same admission and
 ``Hello`` — with its ``NodeProfile`` (device, memory for weights, measured ms per layer).
-``check_register`` (``shard.failover.registration``) refuses a malformed one (a typed ``Fault``
+``check_register`` (``shard.formation.registration``) refuses a malformed one (a typed ``Fault``
 of kind ``register`` and the connection closed; nothing else is affected). ``form`` then:
 
 1. waits until ``expect`` nodes joined and their memory holds the model (or, at ``wait_s``,
@@ -13,7 +13,7 @@ of kind ``register`` and the connection closed; nothing else is affected). ``for
    the coordinator with ``Probe``/``ProbeReply`` (the median of ``probes``) and waits for
    their ``RttReport``; the coordinator's own row is its control links' median RTTs, and it
    probes every candidate's listen address itself (``probe``) to detect reachability
-   (``shard.failover.mesh``);
+   (``shard.formation.mesh``);
 3. plans with ``shard.placement.plan`` (memory, profiles, the mesh, pinning to the spec's
    ``trusted`` names and to nodes whose verified admission token grants the role
    ``trusted`` — never a node's own word); a candidate that nobody reached at its
@@ -43,8 +43,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from shard.failover.mesh import Mesh, MeshStatistics
-from shard.failover.registry import Member, RecoveryFailed, Registry, Slot
+from shard.formation.mesh import Mesh, MeshStatistics
+from shard.membership.registry import Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, MeasureRtt, NodeName, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
 from shard.placement.replan import moved_layers, replan
@@ -61,7 +61,7 @@ UNREACHABLE_MS = 60_000.0
 MEASURE_TIMEOUT_S = 20.0
 
 #: The coordinator's own probe of a listen address: the median round trip in seconds, or
-#: None when it could not reach it (``shard.failover.rtt.measure_rtt``, bound to its network).
+#: None when it could not reach it (``shard.membership.rtt.measure_rtt``, bound to its network).
 Prober = Callable[[str], Awaitable[float | None]]
 
 

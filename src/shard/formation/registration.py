@@ -4,7 +4,7 @@
 the scheduler, and that connection closed), or None: it must carry a measured ``NodeProfile``
 and a listen address with its bound port, and every claim in the profile must be within the
 bounds below. The node's word is checked for shape only, never believed more: the formation
-(``shard.failover.formation``) measures the mesh itself and plans with what it measured.
+(``shard.formation``) measures the mesh itself and plans with what it measured.
 """
 
 from __future__ import annotations
