@@ -98,14 +98,15 @@ async def start(
     )
     up = trio.current_time() - began
     _progress(f"{mode} ring up in {up:.1f} s")
-    return Ring(mode, 0.0, spec, path.read_text(), handle.coordinator, handle.relays, up)
+    text = path.read_text()
+    return Ring(mode, 0.0, spec.name, spec.hops(), text, handle.coordinator, handle.relays, up)
 
 
 async def audit_counts(network: Network, ring: Ring) -> AuditCounts:
     """What the coordinator's status feed says about spot checks so far (one snapshot)."""
     from shard.transport.links import dial_peer
 
-    hello = Hello(node=NodeName("bench-monitor"), role="monitor", swarm=ring.spec.name)
+    hello = Hello(node=NodeName("bench-monitor"), role="monitor", swarm=ring.swarm)
     conn = await dial_peer(network, ring.coordinator, hello, timeout_s=10.0)
     try:
         while not isinstance(msg := await conn.receive(), StatusSnapshot):

@@ -143,7 +143,8 @@ async def start(
     )
     up = trio.current_time() - began
     _progress(f"{label} up in {up:.1f} s")
-    ring = Ring(label, latency, spec, path.read_text(), handle.coordinator, handle.relays, up)
+    text = path.read_text()
+    ring = Ring(label, latency, spec.name, spec.hops(), text, handle.coordinator, handle.relays, up)
     return ring, path
 
 
@@ -151,7 +152,7 @@ async def ask(network: Network, ring: Ring, prompt: Prompt, n: int, rid: int) ->
     from shard.coordinator.client import request
 
     req = GenerateRequest(rid, prompt.text, n, chat=prompt.chat, k=0, ignore_eos=True)
-    done = await request(network, ring.coordinator, req, swarm=ring.spec.name)
+    done = await request(network, ring.coordinator, req, swarm=ring.swarm)
     if done.finish_reason == "error":
         raise RuntimeError(f"{ring.mode}: {prompt.name}: {done.error}")
     return done

@@ -51,7 +51,8 @@ from shard.messages import GenerateDone, GenerateRequest, RunStats
 from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
-from shard.spec.swarm import SwarmSpec, load_spec
+from shard.spec.nodes import EdgeSpec
+from shard.spec.swarm import load_spec
 from shard.transport import Network
 
 REPO = Path(__file__).resolve().parent.parent
@@ -250,11 +251,12 @@ def _stats_record(stats: RunStats) -> Record:
 @attrs.frozen
 class Ring:
     """A running ring of processes (``shard.nodes.launcher.launch``) and what it was started
-    from."""
+    from: its swarm name, its hops (each edge's emulated latency) and its spec's text."""
 
     mode: str
     latency_ms: float
-    spec: SwarmSpec
+    swarm: str
+    hops: tuple[EdgeSpec, ...]
     spec_text: str
     coordinator: str
     relays: tuple[str, ...]
@@ -262,7 +264,7 @@ class Ring:
 
     @property
     def latency_s(self) -> dict[tuple[str, str], float]:
-        return {(e.src, e.dst): e.latency_ms / 1000.0 for e in self.spec.hops()}
+        return {(e.src, e.dst): e.latency_ms / 1000.0 for e in self.hops}
 
 
 async def start_ring(
@@ -283,7 +285,14 @@ async def start_ring(
     startup_s = trio.current_time() - began
     _progress(f"{mode} up in {startup_s:.1f} s")
     return Ring(
-        mode, latency_ms, spec, path.read_text(), handle.coordinator, handle.relays, startup_s
+        mode,
+        latency_ms,
+        spec.name,
+        spec.hops(),
+        path.read_text(),
+        handle.coordinator,
+        handle.relays,
+        startup_s,
     )
 
 
@@ -295,7 +304,7 @@ async def ask(
 
     req = GenerateRequest(rid, prompt.text, max_tokens, chat=prompt.chat, k=0)  # k=0: plain
     with trio.fail_after(timeout_s):
-        done = await request(network, ring.coordinator, req, swarm=ring.spec.name)
+        done = await request(network, ring.coordinator, req, swarm=ring.swarm)
     if done.finish_reason == "error":
         raise RuntimeError(f"{ring.mode}: {prompt.name}: {done.error}")
     return done

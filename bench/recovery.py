@@ -299,7 +299,7 @@ async def ask(
             network,
             handle.coordinator,
             req,
-            swarm=handle.spec.name,
+            swarm=handle.swarm,
             on_text=stream.add if stream is not None else None,
         )
 

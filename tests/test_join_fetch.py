@@ -20,9 +20,11 @@ from fetch_fixtures import source
 from shard.failover.control import OrderFailed
 from shard.messages import Activate, NodeProfile
 from shard.model.config import ModelConfig
+from shard.nodes.auditing import auditing
 from shard.nodes.fetching import fetch_common, make_seeder
 from shard.nodes.joining import fetches_weights, joined_spec
 from shard.nodes.stage import _StageNode
+from shard.nodes.stage_config import stage_config
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.transport import WebSocketNetwork
 from shard.trust.identity import NodeIdentity
@@ -158,9 +160,10 @@ async def test_a_block_no_seeder_serves_verified_fails_the_order_not_the_node(
                     listen="127.0.0.1:0",
                 )  # fmt: skip
                 node = _StageNode(
-                    spec, "gpu-a", network=net, model_dir=Path("not-here"),
-                    listen="127.0.0.1:0", timeout_s=2.0, block=None,
-                    profile=NodeProfile("cpu", 1 << 30, 1.0, 1.0, 5), fetch=True,
+                    stage_config(spec, "gpu-a", fetch=True),
+                    auditing(spec, "gpu-a", net, None, supervised=True),
+                    model_dir=Path("not-here"), listen="127.0.0.1:0", timeout_s=2.0,
+                    block=None, profile=NodeProfile("cpu", 1 << 30, 1.0, 1.0, 5),
                 )  # fmt: skip
                 with pytest.raises(OrderFailed, match=r"could not fetch layers \[0, 2\)"):
                     await node._obey(Activate("gpu-a", 0, 2, "127.0.0.1:9"))

@@ -22,7 +22,7 @@ import trio
 from shard.bench import drafts, report
 from shard.bench.bound import __doc__ as BOUND_DOC
 from shard.bench.options import Options, OptionsError
-from shard.bench.ringspec import BenchSpecError, Speculation, check_base, policy
+from shard.bench.ringspec import BenchSpecError, RingBase, Speculation, check_base, policy
 from shard.bench.sweep import Plan, progress, sweep
 from shard.decode.draft import NGramProposer
 from shard.model.bundled import resolve_model
@@ -134,7 +134,7 @@ def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> 
         picked.update(best=best.label, candidates=[attrs.asdict(c) for c in candidates])
     plan = Plan(
         opts=opts,
-        base=base,
+        base=RingBase.of(base),
         model_dir=model_dir,
         references={r.prompt.name: r for r in refs},
         speculation=speculation,

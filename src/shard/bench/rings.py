@@ -19,9 +19,10 @@ import attrs
 import trio
 
 from shard.bench.options import Prompt
-from shard.bench.ringspec import Speculation, free_ports, ring_toml
+from shard.bench.ringspec import RingBase, Speculation, base_ring_toml, free_ports
 from shard.messages import GenerateDone, GenerateRequest, TokensOut
-from shard.spec.swarm import SwarmSpec, load_spec
+from shard.spec.nodes import EdgeSpec
+from shard.spec.swarm import load_spec
 from shard.transport import Network
 
 Record = dict[str, Any]
@@ -34,11 +35,13 @@ MODE_REQUEST: dict[str, tuple[int, int]] = {
 
 @attrs.frozen
 class Ring:
-    """A running ring of processes and what it was started from."""
+    """A running ring of processes and what it was started from: its swarm name, its hops
+    (each edge's emulated latency) and its spec's text."""
 
     draft: str
     latency_ms: float
-    spec: SwarmSpec
+    swarm: str
+    hops: tuple[EdgeSpec, ...]
     spec_text: str
     coordinator: str
     relays: tuple[str, ...]
@@ -47,7 +50,7 @@ class Ring:
     @property
     def latency_s(self) -> float:
         """Λ: the emulated latency summed over the ring's edges."""
-        return sum(e.latency_ms for e in self.spec.hops()) / 1000.0
+        return sum(e.latency_ms for e in self.hops) / 1000.0
 
 
 @attrs.frozen
@@ -60,7 +63,7 @@ class Reply:
 
 async def start_ring(
     nursery: trio.Nursery,
-    base: SwarmSpec,
+    base: RingBase,
     model_dir: Path,
     *,
     draft: str,
@@ -76,7 +79,7 @@ async def start_ring(
     path = workdir / f"{name}.toml"
     ports = free_ports(len(base.stages) + 1)
     path.write_text(
-        ring_toml(base, name=name, ports=ports, latency_ms=latency_ms, speculation=speculation)
+        base_ring_toml(base, name=name, ports=ports, latency_ms=latency_ms, speculation=speculation)
     )
     spec = load_spec(path)
     began = trio.current_time()
@@ -87,7 +90,14 @@ async def start_ring(
     )
     startup = trio.current_time() - began
     return Ring(
-        draft, latency_ms, spec, path.read_text(), handle.coordinator, handle.relays, startup
+        draft,
+        latency_ms,
+        spec.name,
+        spec.hops(),
+        path.read_text(),
+        handle.coordinator,
+        handle.relays,
+        startup,
     )
 
 
@@ -116,9 +126,9 @@ async def ask(
         arrivals.append((trio.current_time() - began, len(msg.token_ids)))
 
     with trio.fail_after(timeout_s):
-        done = await request(network, ring.coordinator, req, swarm=ring.spec.name, on_text=on_text)
+        done = await request(network, ring.coordinator, req, swarm=ring.swarm, on_text=on_text)
     if done.finish_reason == "error":
-        raise RuntimeError(f"{ring.spec.name}: {mode}: {prompt.name}: {done.error}")
+        raise RuntimeError(f"{ring.swarm}: {mode}: {prompt.name}: {done.error}")
     return Reply(done, tuple(arrivals))
 
 
@@ -152,7 +162,7 @@ def decode_parts(
         per_chunk = (n.compute_s - pre_s) / count if count > 0 else None
         nodes.append({**attrs.asdict(n), "decode_chunks": count, "decode_chunk_s": per_chunk})
     probe_edges = {(e.src, e.dst): e for e in probe.done.stats.edges}
-    latency = {(e.src, e.dst): e.latency_ms / 1000.0 for e in ring.spec.hops()}
+    latency = {(e.src, e.dst): e.latency_ms / 1000.0 for e in ring.hops}
     edges = []
     for e in stats.edges:
         pe = probe_edges.get((e.src, e.dst))

@@ -1,8 +1,9 @@
 """One benchmark ring's spec, derived from the base spec.
 
-The ring keeps the base spec's model, dtype, limits, stages and layer blocks, and its K and
-depth policy; it gets free loopback ports, ``latency_ms`` on every edge (per-edge overrides are
-dropped: the sweep is uniform) and its own ``[speculation] draft``. Written as TOML because
+The ring keeps the base spec's model, dtype, limits, stages and layer blocks (``RingBase``,
+taken from the base spec once), and its K and depth policy; it gets free loopback ports,
+``latency_ms`` on every edge (per-edge overrides are dropped: the sweep is uniform) and its
+own ``[speculation] draft``. Written as TOML because
 ``shard.nodes.launcher.launch`` starts each node as ``shard up --spec FILE``.
 """
 
@@ -12,6 +13,10 @@ import json
 import socket
 from collections.abc import Mapping, Sequence
 
+import attrs
+
+from shard.spec.limits import Limits
+from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 
 Speculation = Mapping[str, str | int]
@@ -45,8 +50,46 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+@attrs.frozen
+class RingBase:
+    """What a benchmark ring keeps of the base spec: its model, dtype, limits, coordinator's
+    name, stages (names and layer blocks) and the links' bandwidth (``RingBase.of``)."""
+
+    model: str
+    dtype: str
+    limits: Limits
+    coordinator: str
+    stages: tuple[StageSpec, ...]
+    bandwidth_mbps: float
+
+    @classmethod
+    def of(cls, spec: SwarmSpec) -> RingBase:
+        return cls(
+            spec.model,
+            spec.dtype,
+            spec.limits,
+            spec.coordinator.name,
+            spec.stages,
+            spec.default_bandwidth_mbps,
+        )
+
+
 def ring_toml(
     base: SwarmSpec,
+    *,
+    name: str,
+    ports: Sequence[int],
+    latency_ms: float,
+    speculation: Speculation,
+) -> str:
+    """The TOML of one ring derived from ``base`` (``base_ring_toml``)."""
+    return base_ring_toml(
+        RingBase.of(base), name=name, ports=ports, latency_ms=latency_ms, speculation=speculation
+    )
+
+
+def base_ring_toml(
+    base: RingBase,
     *,
     name: str,
     ports: Sequence[int],
@@ -76,7 +119,7 @@ def ring_toml(
         f"connect_timeout_s = {lim.connect_timeout_s!r}",
         "",
         "[coordinator]",
-        f"name = {_str(base.coordinator.name)}",
+        f"name = {_str(base.coordinator)}",
         f'listen = "127.0.0.1:{ports[0]}"',
     ]
     for stage, port in zip(base.stages, ports[1:], strict=True):
@@ -84,7 +127,7 @@ def ring_toml(
         lines += ["", "[[stage]]", f"name = {_str(stage.name)}"]
         lines += [f'listen = "127.0.0.1:{port}"', f"layers = {layers}"]
     lines += ["", "[links]", f"latency_ms = {float(latency_ms)!r}"]
-    lines += [f"bandwidth_mbps = {float(base.default_bandwidth_mbps)!r}", "", "[speculation]"]
+    lines += [f"bandwidth_mbps = {float(base.bandwidth_mbps)!r}", "", "[speculation]"]
     for key, value in speculation.items():
         lines.append(f"{key} = {_str(value) if isinstance(value, str) else value}")
     return "\n".join(lines) + "\n"

@@ -25,8 +25,7 @@ from shard.bench.bound import Measured, bound
 from shard.bench.drafts import Reference
 from shard.bench.options import Options, Prompt
 from shard.bench.rings import Record, Reply, Ring, ask, decode_parts, prefill_compute, start_ring
-from shard.bench.ringspec import Speculation
-from shard.spec.swarm import SwarmSpec
+from shard.bench.ringspec import RingBase, Speculation
 from shard.transport import Network
 
 
@@ -35,7 +34,7 @@ class Plan:
     """What the sweep needs besides the options."""
 
     opts: Options
-    base: SwarmSpec
+    base: RingBase  # what each ring keeps of the base spec
     model_dir: Path
     references: Mapping[str, Reference]  # by prompt name
     speculation: Mapping[str, Speculation]  # each draft's [speculation] table
@@ -117,7 +116,7 @@ async def _start_rings(plan: Plan, nursery: trio.Nursery, latency_ms: float) -> 
             workdir=plan.workdir,
             log=plan.log,
         )
-        progress(f"{started[draft].spec.name} up in {started[draft].startup_s:.1f} s")
+        progress(f"{started[draft].swarm} up in {started[draft].startup_s:.1f} s")
 
     async with trio.open_nursery() as starting:
         for draft in plan.opts.drafts:
@@ -141,7 +140,7 @@ def _record(ring: Ring, prompt: Prompt, mode: str, reply: Reply, ref: Reference)
         "draft": None if mode == "plain" else ring.draft,
         "prompt": prompt.name,
         "set": prompt.set,
-        "ring": ring.spec.name,
+        "ring": ring.swarm,
         "tokens": len(ids),
         "finish_reason": done.finish_reason,
         "identical": diverge is None,
@@ -204,7 +203,7 @@ def _bounds(done: Sequence[Record], plan: Plan, latency_s: float) -> None:
 
 def _ring_record(ring: Ring) -> Record:
     return {
-        "name": ring.spec.name,
+        "name": ring.swarm,
         "draft": ring.draft,
         "latency_ms": ring.latency_ms,
         "startup_s": ring.startup_s,

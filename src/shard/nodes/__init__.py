@@ -1,6 +1,7 @@
 """shard.nodes: the composition roots. Each module wires one kind of node's actors with
 channels and starts them under one nursery (``coordinator.py``, the tail's return link ending
-at ``return_link.py``; ``stage.py`` for stages and standbys, their blocks loaded by
+at ``return_link.py``; ``stage.py`` for stages and standbys, each holding the one frozen
+config its root takes from the spec, ``stage_config.py``, their blocks loaded by
 ``loading.py``; ``seeder.py``), or a whole swarm (``inprocess.py`` inside one Trio run,
 ``launcher.py`` as local processes, waiting while they make progress: ``startup.py``; a
 launched node dies with its launcher: ``lifeline.py``), a node started with ``--join``

@@ -20,6 +20,7 @@ from pathlib import Path
 import attrs
 
 from shard.messages import NodeName
+from shard.spec.limits import Limits
 from shard.spec.nodes import NodeSpec
 from shard.spec.swarm import SwarmSpec
 from shard.transport import Network, WebSocketNetwork
@@ -45,7 +46,11 @@ Clock = Callable[[], float]
 
 def wire_limits(spec: SwarmSpec) -> WireLimits:
     """The spec's ``limits.max_message_mib`` as the wire's frame and tensor caps."""
-    cap = spec.limits.max_message_mib << 20
+    return _frame_caps(spec.limits)
+
+
+def _frame_caps(limits: Limits) -> WireLimits:
+    cap = limits.max_message_mib << 20
     return WireLimits(max_frame_bytes=cap, max_tensor_bytes=cap)
 
 
@@ -83,15 +88,20 @@ def load_credentials(
 
 
 def plain_network(spec: SwarmSpec) -> WebSocketNetwork:
-    """A plaintext ``WebSocketNetwork`` under the spec's ``[limits]``: frame size, timeouts,
-    the node-wide byte budget and the caps on connections (in all and per host)."""
+    """A plaintext ``WebSocketNetwork`` under the spec's ``[limits]`` (``plain_network_for``)."""
+    return plain_network_for(spec.limits)
+
+
+def plain_network_for(limits: Limits) -> WebSocketNetwork:
+    """A plaintext ``WebSocketNetwork`` under ``limits``: frame size, timeouts, the node-wide
+    byte budget and the caps on connections (in all and per host)."""
     return WebSocketNetwork(
-        limits=wire_limits(spec),
-        connect_timeout_s=spec.limits.connect_timeout_s,
-        max_peer_connections=spec.limits.max_peer_connections,
-        max_buffer_bytes=spec.limits.max_buffer_mib << 20,
-        max_connections=spec.limits.max_connections,
-        deadlines=peer_deadlines(spec),
+        limits=_frame_caps(limits),
+        connect_timeout_s=limits.connect_timeout_s,
+        max_peer_connections=limits.max_peer_connections,
+        max_buffer_bytes=limits.max_buffer_mib << 20,
+        max_connections=limits.max_connections,
+        deadlines=_deadlines(limits),
     )
 
 
@@ -100,7 +110,10 @@ def peer_deadlines(spec: SwarmSpec) -> PeerDeadlines:
     (``idle_timeout_s`` + ``message_timeout_s``, so a link's own idle deadline, with its
     reason, comes first), a trickled message (``message_timeout_s``) and reclaiming at the
     per-host cap (``reclaim_idle_s``)."""
-    limits = spec.limits
+    return _deadlines(spec.limits)
+
+
+def _deadlines(limits: Limits) -> PeerDeadlines:
     return PeerDeadlines(
         idle_s=limits.idle_timeout_s + limits.message_timeout_s,
         message_s=limits.message_timeout_s,
@@ -332,27 +345,47 @@ def provision_local(
     return LocalTrust(directory, authority, serials)
 
 
-def signing_identity(spec: SwarmSpec, name: str) -> NodeIdentity:
-    """The key node ``name`` signs receipts with: its own key when the spec names one (always
-    in a secure swarm; in an ``insecure`` one, so ``shard receipt verify --coordinator`` can
-    pin it), else a fresh ephemeral key, which makes receipts internally consistent but proves
-    nothing about who ran the node (docs/security.md says so).
+@attrs.frozen
+class Signing:
+    """Where a node's receipt key and admission token are read from (``signing``): read when
+    the node builds its executor (a standby: on ``Activate``), not when it starts."""
 
-    Errors: ``IdentityError`` for a key file that cannot be read.
-    """
+    key: Path | None
+    token: Path | None  # None in an ``insecure`` swarm: there is no authority
+
+    def identity(self) -> NodeIdentity:
+        """The key to sign receipts with: the node's own key when the spec names one (always
+        in a secure swarm; in an ``insecure`` one, so ``shard receipt verify --coordinator``
+        can pin it), else a fresh ephemeral key, which makes receipts internally consistent
+        but proves nothing about who ran the node (docs/security.md says so).
+
+        Errors: ``IdentityError`` for a key file that cannot be read.
+        """
+        return NodeIdentity.generate() if self.key is None else NodeIdentity.load(self.key)
+
+    def token_text(self) -> str:
+        """The text of the node's admission token, which its receipts carry so that pinning
+        the authority pins its key; "" without one.
+
+        Errors: an ``AdmissionError`` subclass for a token file that cannot be read.
+        """
+        if self.token is None:
+            return ""
+        return AdmissionToken.load(self.token).to_text().rstrip("\n")
+
+
+def signing(spec: SwarmSpec, name: str) -> Signing:
+    """Where node ``name`` reads its signing key and token (SpecError: no such node)."""
     paths = spec.node(name).credentials
-    if paths.key is None:
-        return NodeIdentity.generate()
-    return NodeIdentity.load(paths.key)
+    return Signing(paths.key, None if spec.insecure else paths.token)
+
+
+def signing_identity(spec: SwarmSpec, name: str) -> NodeIdentity:
+    """The key node ``name`` signs receipts with (``Signing.identity``)."""
+    return signing(spec, name).identity()
 
 
 def signing_token(spec: SwarmSpec, name: str) -> str:
-    """The text of node ``name``'s admission token, which its receipts carry so that pinning
-    the authority pins its key; "" in an ``insecure`` swarm (there is no authority).
-
-    Errors: an ``AdmissionError`` subclass for a token file that cannot be read.
-    """
-    paths = spec.node(name).credentials
-    if spec.insecure or paths.token is None:
-        return ""
-    return AdmissionToken.load(paths.token).to_text().rstrip("\n")
+    """Node ``name``'s admission token's text, "" in an ``insecure`` swarm
+    (``Signing.token_text``)."""
+    return signing(spec, name).token_text()

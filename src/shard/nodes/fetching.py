@@ -5,10 +5,12 @@ manifest, check the publisher's signature, refuse a rollback (the last manifest 
 model is kept in the cache), fetch the stage's block from the spec's seeders (every other
 ``[[fetch.seeder]]``) into ``<cache>/<model>/v<version>-<root>/`` and return the report, whose
 ``path`` ``load_stage`` reads. ``fetch_layers(spec, name, first, last)`` does the same for the
-block the scheduler gave a node that joined, and ``fetch_common(spec, name)`` fetches only what
-every block holds (config, tokenizer, headers), so such a node reads the model's config, to
-profile itself, before it holds any weights. ``make_seeder(spec, name, model_dir)`` builds
-the seeder a node called ``name`` runs: a seeder process, or a stage serving its own copy.
+block the scheduler gave a node that joined (a stage node holds only what fetching reads of
+the spec, a ``BlockFetch``, and calls ``fetch_block``), and ``fetch_common(spec, name)``
+fetches only what every block holds (config, tokenizer, headers), so such a node reads the
+model's config, to profile itself, before it holds any weights.
+``make_seeder(spec, name, model_dir)`` builds the seeder a node called ``name`` runs: a seeder
+process, or a stage serving its own copy.
 
 Fetches and seeders talk plain WebSockets unless given a network: what they move is public
 weights whose integrity the signed manifest guarantees, so even a secure swarm's stages fetch
@@ -25,8 +27,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from shard.nodes.compose import plain_network
+import attrs
+
+from shard.nodes.compose import plain_network, plain_network_for
 from shard.spec.fetch import FetchSpec
+from shard.spec.limits import Limits
 from shard.spec.swarm import SwarmSpec
 from shard.transport import Network
 from shard.trust.identity import read_public_key
@@ -38,7 +43,10 @@ from shard.weights.seeder import DirectorySource, Seeder
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BlockFetch",
     "accept_manifest",
+    "block_fetch",
+    "fetch_block",
     "fetch_common",
     "fetch_layers",
     "fetch_stage",
@@ -87,7 +95,7 @@ async def fetch_stage(
     progress: Callable[[FetchProgress], None] | None = None,
 ) -> FetchReport:
     """Fetch stage ``name``'s block per ``spec.fetch``; opens ``network`` for the duration."""
-    manifest = load_manifest(_fetch_of(spec))
+    manifest = load_manifest(_fetch_of(block_fetch(spec, name)))
     index = [s.name for s in spec.stages].index(name)
     model = None
     if any(s.layers is None for s in spec.stages):  # "auto" cuts by bytes: read the config
@@ -106,6 +114,23 @@ async def fetch_stage(
     )
 
 
+@attrs.frozen
+class BlockFetch:
+    """What node ``name`` fetches with, from its spec (``block_fetch``): the ``[fetch]``
+    table (None: the spec has none, an error when fetching), the swarm's name, the spec's
+    source (for that error) and its ``[limits]`` (timeouts, and the plain network's caps)."""
+
+    name: str
+    swarm: str
+    source: str
+    fetch: FetchSpec | None
+    limits: Limits
+
+
+def block_fetch(spec: SwarmSpec, name: str) -> BlockFetch:
+    return BlockFetch(name, spec.name, spec.source, spec.fetch, spec.limits)
+
+
 async def fetch_layers(
     spec: SwarmSpec,
     name: str,
@@ -116,13 +141,29 @@ async def fetch_layers(
     network: Network | None = None,
     progress: Callable[[FetchProgress], None] | None = None,
 ) -> FetchReport:
-    """Fetch layers ``[first, last)`` for node ``name`` per ``spec.fetch`` (the block the
-    scheduler gave a node that joined); ``manifest``: already loaded and verified.
+    """Fetch layers ``[first, last)`` for node ``name`` per ``spec.fetch`` (``fetch_block``)."""
+    return await fetch_block(
+        block_fetch(spec, name), first, last, manifest=manifest, network=network, progress=progress
+    )
+
+
+async def fetch_block(
+    via: BlockFetch,
+    first: int,
+    last: int,
+    *,
+    manifest: Manifest | None = None,
+    network: Network | None = None,
+    progress: Callable[[FetchProgress], None] | None = None,
+) -> FetchReport:
+    """Fetch layers ``[first, last)`` as ``via`` says (the block the scheduler gave a node
+    that joined); ``manifest``: already loaded and verified.
 
     Errors: as the module's, and ``ValueError`` for a range the model does not have."""
-    manifest = manifest or load_manifest(_fetch_of(spec))
+    name = via.name
+    manifest = manifest or load_manifest(_fetch_of(via))
     keys = chunk_keys(block_chunks(manifest, first, last))
-    report = await _fetch(spec, name, manifest, keys, f"[{first}, {last})", network, progress)
+    report = await _fetch(via, manifest, keys, f"[{first}, {last})", network, progress)
     log.info(
         "%s: block [%d, %d) ready in %s: %d chunks fetched, %d reused",
         name,
@@ -141,20 +182,20 @@ async def fetch_common(
     """Fetch, for node ``name``, what every block holds (config, tokenizer, the safetensors
     headers: ``shard.weights.plan.common_chunks``), verified, into the directory its block
     will be fetched into: enough to read the model's config before any block is known."""
-    manifest = load_manifest(_fetch_of(spec))
+    via = block_fetch(spec, name)
+    manifest = load_manifest(_fetch_of(via))
     keys = chunk_keys(common_chunks(manifest))
-    return await _fetch(spec, name, manifest, keys, "config and headers", network, None)
+    return await _fetch(via, manifest, keys, "config and headers", network, None)
 
 
-def _fetch_of(spec: SwarmSpec) -> FetchSpec:
-    if spec.fetch is None:
-        raise ValueError(f"{spec.source}: no [fetch] table")
-    return spec.fetch
+def _fetch_of(via: BlockFetch) -> FetchSpec:
+    if via.fetch is None:
+        raise ValueError(f"{via.source}: no [fetch] table")
+    return via.fetch
 
 
 async def _fetch(
-    spec: SwarmSpec,
-    name: str,
+    via: BlockFetch,
     manifest: Manifest,
     keys: list[ChunkKey],
     what: str,
@@ -162,16 +203,16 @@ async def _fetch(
     progress: Callable[[FetchProgress], None] | None,
 ) -> FetchReport:
     """Fetch ``keys`` of ``manifest`` (accepted first: no rollback) from the spec's seeders."""
-    fetch = _fetch_of(spec)
+    name, fetch = via.name, _fetch_of(via)
     dest = accept_manifest(manifest, fetch.cache or default_cache())
     peers = [s.listen for s in fetch.seeders if s.name != name]
     options = FetchOptions(
         parallel=fetch.parallel,
         chunk_timeout_s=fetch.chunk_timeout_s,
-        connect_timeout_s=spec.limits.connect_timeout_s,
-        handshake_timeout_s=spec.limits.handshake_timeout_s,
+        connect_timeout_s=via.limits.connect_timeout_s,
+        handshake_timeout_s=via.limits.handshake_timeout_s,
     )
-    network = network or plain_network(spec)  # the spec's [limits]: caps and byte budget
+    network = network or plain_network_for(via.limits)  # [limits]: caps and byte budget
     async with network:
         report = await fetch_chunks(
             manifest,
@@ -181,7 +222,7 @@ async def _fetch(
             network=network,
             dest=dest,
             node=name,
-            swarm=spec.name,
+            swarm=via.swarm,
             options=options,
             progress=progress or _Every10Percent(name),
         )

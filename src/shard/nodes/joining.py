@@ -36,9 +36,11 @@ from shard.messages import NodeProfile
 from shard.model.config import ModelConfig
 from shard.model.device import resolve_device, torch_dtype
 from shard.model.profile import available_memory_bytes, measure_layer_ms, warm_loader
+from shard.nodes.auditing import auditing
 from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.fetching import fetch_common
 from shard.nodes.stage import StageHandle, _StageNode
+from shard.nodes.stage_config import stage_config
 from shard.spec.nodes import Address, StandbySpec
 from shard.spec.swarm import SpecError, SwarmSpec
 from shard.spec.trust import CredentialPaths
@@ -143,14 +145,12 @@ async def run_joined(
     log.info("%s: profile %s", name, profile)
     node = spec.node(name)
     me = _StageNode(
-        spec,
-        name,
-        network=network,
+        stage_config(spec, name, fetch=fetch),
+        auditing(spec, name, network, None, supervised=True),
         model_dir=model_dir,
         listen=str(node.listen),
         timeout_s=startup_timeout_s,
         block=None,
         profile=profile,
-        fetch=fetch,
     )
     await me.run(None, task_status=task_status)

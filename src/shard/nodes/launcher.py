@@ -37,6 +37,7 @@ import trio
 
 from shard.nodes.startup import StartTimeout, cpu_of, wait_ready
 from shard.spec.api import parse_api_address
+from shard.spec.failover import FaultSpec
 from shard.spec.layout import Layout
 from shard.spec.swarm import SwarmSpec
 from shard.transport.base import ListenError, split_address
@@ -59,14 +60,17 @@ class SwarmError(Exception):
 
 @attrs.frozen
 class SwarmHandle:
-    """A running local swarm: where clients reach the coordinator, and every child's PID.
+    """A running local swarm: its name, where clients reach the coordinator, and every
+    child's PID.
 
+    ``faults``: the spec's ``[[faults]]`` (``shard.nodes.script`` carries them out);
     ``relay_of`` maps a node to the relay in front of its downstream edge (``sever`` cuts
     there); ``expect_exit(name)`` tells the launcher a node is about to be killed on purpose
     (a scripted fault), so its exit is reported as scripted.
     """
 
-    spec: SwarmSpec
+    swarm: str
+    faults: tuple[FaultSpec, ...]
     coordinator: str
     pids: dict[str, int]
     relays: tuple[str, ...] = ()
@@ -337,7 +341,14 @@ async def launch(
             address = seen[spec.coordinator.name]["address"]
             api_address = seen[spec.coordinator.name].get("api")
             handle = SwarmHandle(
-                spec, address, pids, relays, relay_of, supervisor.expected, api_address
+                spec.name,
+                spec.faults,
+                address,
+                pids,
+                relays,
+                relay_of,
+                supervisor.expected,
+                api_address,
             )
             task_status.started(handle)
     finally:

@@ -125,5 +125,5 @@ async def run_faults(
             report(f"resumed {fault.node} (SIGCONT)")
 
     async with trio.open_nursery() as nursery:
-        for fault in handle.spec.faults:
+        for fault in handle.faults:
             nursery.start_soon(one, fault)

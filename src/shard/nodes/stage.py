@@ -12,6 +12,10 @@ the scheduler rewires to it (blocks load with ``shard.nodes.loading``). An audit
 
 A stage reports ready only when its downstream link is up, so when the coordinator's dial to
 stage 0 succeeds, the ring is connected end to end.
+
+The roots below read the spec; the node itself holds only what it reads of it, one frozen
+``StageNodeConfig`` built once (``shard.nodes.stage_config``), and its part in spot checks
+(``shard.nodes.auditing``).
 """
 
 from __future__ import annotations
@@ -45,16 +49,16 @@ from shard.messages import (
 from shard.model.config import ModelConfig
 from shard.model.device import TORCH_DTYPES
 from shard.model.llama import StageModel
-from shard.nodes.auditing import auditing
-from shard.nodes.compose import signing_identity, signing_token
+from shard.nodes.auditing import Auditing, auditing
 from shard.nodes.defaults import with_checkpoint_weights
-from shard.nodes.fetching import fetch_layers, fetch_stage, make_seeder
-from shard.nodes.loading import LoadedBlock, load_block
+from shard.nodes.fetching import fetch_block, fetch_stage, make_seeder
+from shard.nodes.loading import LoadedBlock, load_block, load_from
 from shard.nodes.sizes import model_facts
-from shard.spec.nodes import StageSpec, StandbySpec
+from shard.nodes.stage_config import StageNodeConfig, stage_config
+from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.executor import StageExecutor
-from shard.stage.graphs import ChunkGraphs, chunk_rows
+from shard.stage.graphs import ChunkGraphs
 from shard.transport import Connection, Network, TransportError
 from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
@@ -110,28 +114,26 @@ class _StageNode:
 
     def __init__(
         self,
-        spec: SwarmSpec,
-        name: str,
+        config: StageNodeConfig,
+        audits: Auditing,
         *,
-        network: Network,
         model_dir: Path,
         listen: str,
         timeout_s: float,
         block: LoadedBlock | None,
         supervised: bool = True,
         profile: NodeProfile | None = None,
-        fetch: bool = False,
     ) -> None:
-        """``profile``: a node started with ``--join`` registers it (and measures RTTs);
-        ``fetch``: a cold load fetches its block per ``spec.fetch`` (verified) instead of
-        reading ``model_dir``."""
-        self._spec = spec
+        """``config``: what the node reads of its spec (``stage_config``); ``audits``: its
+        network and its part in spot checks (``shard.nodes.auditing.auditing``, made with the
+        same ``supervised``); ``profile``: a node started with ``--join`` registers it (and
+        measures RTTs). With ``config.fetch`` a cold load fetches its block (verified) instead
+        of reading ``model_dir``."""
+        self._config = config
         self._profile = profile
-        self._fetch = fetch
-        self._name = NodeName(name)
-        model = block.model if block is not None else None
-        self._auditing = auditing(spec, name, network, model, supervised=supervised)
-        self._network = self._auditing.network  # mirrored when the swarm audits
+        self._name = config.name
+        self._auditing = audits
+        self._network = audits.network  # mirrored when the swarm audits
         self._model_dir = model_dir
         self._listen = listen
         self._address = listen  # where upstream dials us (the bound address once serving)
@@ -139,13 +141,13 @@ class _StageNode:
         self._block = block
         self._supervised = supervised
         self._serving: _Serving | None = None
-        self._replay_log = ReplayLog(max_bytes=spec.failover.replay_max_bytes)
+        self._replay_log = ReplayLog(max_bytes=config.replay_max_bytes)
         self._inbox_send, self._inbox = trio.open_memory_channel[Message](0)
         self._faults_send, self._faults = trio.open_memory_channel[Fault](0)
         self._starts_send, self._starts = trio.open_memory_channel[_Serving](0)
 
     def _hello(self, link: str = "ring") -> Hello:
-        return Hello(node=self._name, role="stage", swarm=self._spec.name, link=link)
+        return Hello(node=self._name, role="stage", swarm=self._config.swarm, link=link)
 
     def _register(self) -> Register:
         """What this node registers as now (a snapshot, read on each control connection)."""
@@ -160,52 +162,50 @@ class _StageNode:
         """Out of the ring: ``standby``, or ``auditor`` (a ``[[standby]] role = "auditor"``)."""
         if self._profile is not None:  # a joining node: not in the spec, never an auditor
             return "standby"
-        node = self._spec.node(self._name)
-        return node.role if isinstance(node, StandbySpec) else "standby"
+        return self._config.idle_role
 
     def _graphs(self, block: LoadedBlock) -> ChunkGraphs | None:
         """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``)."""
-        mode = self._spec.runtime(self._name).graphs
+        mode = self._config.graphs
         if mode == "off":
             return None
-        policy = self._spec.speculation.policy
-        return ChunkGraphs(block.model, mode=mode, rows=chunk_rows(policy.k, policy.k_max))
+        return ChunkGraphs(block.model, mode=mode, rows=self._config.graph_rows)
 
     async def build(self, block: LoadedBlock, slot: str, successor: str) -> _Serving:
         """Build the executor and the downstream link for ``slot``, and dial ``successor``."""
         outbox_send, outbox_recv = trio.open_memory_channel[Message](0)
+        config = self._config
         executor = StageExecutor(
             block.model,
             node=self._name,
             inbox=self._inbox,
             outbox=outbox_send,
-            max_sessions=self._spec.limits.max_sessions,
-            max_len=self._spec.limits.max_len,
-            max_batch_rows=self._spec.limits.max_batch_rows,
-            gather_window_s=self._spec.limits.gather_window_s,
-            kv_budget_bytes=self._spec.limits.kv_budget_mib << 20 or None,
+            max_sessions=config.max_sessions,
+            max_len=config.max_len,
+            max_batch_rows=config.max_batch_rows,
+            gather_window_s=config.gather_window_s,
+            kv_budget_bytes=config.kv_budget_bytes,
             graphs=self._graphs(block),
             receipts=ReceiptSigner(
-                signing_identity(self._spec, self._name),
+                config.signing.identity(),
                 node=self._name,
                 address=self._address,
                 first=block.first,
                 last=block.last,
                 device=device_identity(),
-                token=signing_token(self._spec, self._name),
+                token=config.signing.token_text(),
             ),
         )
-        failover = self._spec.failover
         link = DownstreamLink(
             self._name,
             outbox_recv,
             self._network,
             self._hello(),
             replay_log=self._replay_log,
-            heartbeat_s=failover.heartbeat_s,
-            send_timeout_s=failover.send_timeout_s,
+            heartbeat_s=config.heartbeat_s,
+            send_timeout_s=config.send_timeout_s,
             connect_timeout_s=self._timeout_s,
-            handshake_timeout_s=self._spec.limits.handshake_timeout_s,
+            handshake_timeout_s=config.handshake_timeout_s,
             faults=self._faults_send if self._supervised else None,
         )
         await link.connect(successor)
@@ -226,32 +226,30 @@ class _StageNode:
         if block is None or (block.first, block.last) != (order.first, order.last):
             model_dir = await self._block_dir(order.first, order.last)
             log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)
-            block = await load_block(self._spec, self._name, model_dir, order.first, order.last)
+            block = await load_from(self._config.load, model_dir, order.first, order.last)
             self._block = block
         serving = await self.build(block, order.slot, order.successor)
         await self._starts_send.send(serving)
         self._serving = serving
 
     async def _block_dir(self, first: int, last: int) -> Path:
-        """Where layers ``[first, last)`` load from: ``model_dir``, or (``fetch``) the block
+        """Where layers ``[first, last)`` load from: ``model_dir``, or (``config.fetch``) the block
         fetched and verified chunk by chunk. A fetch that fails — every seeder bad, slow or
         gone, a manifest refused — fails this order (``OrderFailed``), never the node."""
-        if not self._fetch:
+        if self._config.fetch is None:
             return self._model_dir
         log.info("%s: fetching layers [%d, %d) (verified)", self._name, first, last)
         try:
-            return (await fetch_layers(self._spec, self._name, first, last)).path
+            return (await fetch_block(self._config.fetch, first, last)).path
         except (FetchError, ManifestError, IdentityError, ValueError, KeyError) as exc:
             raise OrderFailed(
                 f"{self._name}: could not fetch layers [{first}, {last}): {exc}"
             ) from None
 
     async def _serve_upstream(self, conn: Connection) -> None:
-        welcome = Welcome(node=self._name, role="stage", swarm=self._spec.name)
+        welcome = Welcome(node=self._name, role="stage", swarm=self._config.swarm)
         try:
-            hello = await accept_peer(
-                conn, welcome, timeout_s=self._spec.limits.handshake_timeout_s
-            )
+            hello = await accept_peer(conn, welcome, timeout_s=self._config.handshake_timeout_s)
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
@@ -300,11 +298,11 @@ class _StageNode:
         return await measure_row(self._network, self._hello("probe"), order)
 
     def _control(self) -> ControlClient:
-        failover = self._spec.failover
+        config = self._config
         return ControlClient(
             self._name,
             self._network,
-            str(self._spec.coordinator.listen),
+            config.coordinator,
             self._hello("control"),
             self._register,
             self._obey,
@@ -312,10 +310,10 @@ class _StageNode:
             copies=self._auditing.copies,
             on_audit=self._auditing.on_audit,
             on_measure=self._measure if self._profile is not None else None,
-            heartbeat_s=failover.heartbeat_s,
-            dead_after_s=failover.dead_after_s,
+            heartbeat_s=config.heartbeat_s,
+            dead_after_s=config.dead_after_s,
             connect_timeout_s=self._timeout_s,
-            handshake_timeout_s=self._spec.limits.handshake_timeout_s,
+            handshake_timeout_s=config.handshake_timeout_s,
         )
 
     async def run(
@@ -392,9 +390,8 @@ async def run_stage(
     if wrap_block is not None:  # tests only: a cheating stage (shard.testing.cheating)
         block = attrs.evolve(block, model=wrap_block(name, block.model))
     me = _StageNode(
-        spec,
-        name,
-        network=network,
+        stage_config(spec, name),
+        auditing(spec, name, network, block.model, supervised=supervised),
         model_dir=model_dir,
         listen=str(node.listen),
         timeout_s=startup_timeout_s,
@@ -421,13 +418,13 @@ async def run_standby(
     node = spec.node(name)
     config = ModelConfig.from_dir(model_dir)
     block = spec.standby_block(name, config.n_layers, model_facts(config, spec, model_dir))
+    loaded = await load_block(spec, name, model_dir, *block) if block is not None else None
     me = _StageNode(
-        spec,
-        name,
-        network=network,
+        stage_config(spec, name),
+        auditing(spec, name, network, loaded.model if loaded else None, supervised=True),
         model_dir=model_dir,
         listen=str(node.listen),
         timeout_s=startup_timeout_s,
-        block=await load_block(spec, name, model_dir, *block) if block is not None else None,
+        block=loaded,
     )
     await me.run(None, task_status=task_status)
