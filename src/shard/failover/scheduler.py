@@ -133,8 +133,11 @@ class Scheduler(SpotChecks):
         audits: AuditHub | None = None,
         formation: tuple[FormationSpec, ModelFacts] | None = None,
         mesh_probe: Prober | None = None,
+        own_copies: trio.MemoryReceiveChannel[AuditCopy] | None = None,
     ) -> None:
-        """``return_up`` says whether a tail's return link is connected now (a snapshot
+        """``own_copies``: this node's own links' copies of ring chunks (its ring link's and
+        its return link's, when the swarm audits), spot-checked like a stage's.
+        ``return_up`` says whether a tail's return link is connected now (a snapshot
         read): a tail that registers while it is not (this coordinator restarted) is told to
         re-dial it. ``formation``: the ring forms from joining nodes (``slots`` empty), for
         this model (``shard.formation``; ``self.formation``), and ``mesh_probe`` is
@@ -148,6 +151,7 @@ class Scheduler(SpotChecks):
         self._policy = policy
         self._clock = clock
         self._return_up = return_up
+        self._own_copies = own_copies
         self.formation = None if formation is None else Formation(
             formation[0], self._registry, model=formation[1], policy=policy, clock=clock,
             probe=mesh_probe,
@@ -308,6 +312,11 @@ class Scheduler(SpotChecks):
                 )
                 await self._link_lost(self._node)
 
+    async def _own_link_copies(self, copies: trio.MemoryReceiveChannel[AuditCopy]) -> None:
+        async with copies:
+            async for copy in copies:
+                await self.copied(self._node, copy)
+
     # --- the watchdog and the recoverer ---------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -315,6 +324,8 @@ class Scheduler(SpotChecks):
             nursery.start_soon(self._watch)
             if self._ring_faults is not None:
                 nursery.start_soon(self._own_link_faults, self._ring_faults)
+            if self._own_copies is not None:
+                nursery.start_soon(self._own_link_copies, self._own_copies)
             if self.formation is not None:
                 nursery.start_soon(self._keep_mesh, self.formation)
             task_status.started()

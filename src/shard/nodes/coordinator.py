@@ -245,12 +245,9 @@ async def run_coordinator(
         nonces=hub.nonce if hub is not None else None,
         hold=hold_gate(hub),
     )
-    scheduler_box: list[Scheduler] = []  # the ring link's copies go to the scheduler below
-
-    async def to_scheduler(copy: AuditCopy) -> None:
-        await scheduler_box[0].copied(name, copy)
-
-    mirror = MirrorNetwork(network, to_scheduler) if spec.audit.enabled else None
+    # The ring link's and the return link's copies of ring chunks go to the scheduler.
+    copies_send, copies_recv = trio.open_memory_channel[AuditCopy](0)
+    mirror = MirrorNetwork(network, copies_send.send) if spec.audit.enabled else None
     ring_link = DownstreamLink(
         name,
         to_ring_recv,
@@ -278,8 +275,8 @@ async def run_coordinator(
         audits=hub,
         formation=_formation(spec, config, model_dir),
         mesh_probe=_mesh_probe(spec, name, network),
+        own_copies=copies_recv if mirror is not None else None,
     )
-    scheduler_box.append(scheduler)
     feed = StatusFeed(
         coordinator,
         swarm=spec.name,

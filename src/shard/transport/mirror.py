@@ -8,7 +8,7 @@ swarm that audits wraps its network in this: on a link whose ``Hello`` says ``ri
 "received", each ``EndSession`` an "end" copy, each ``OpenSession`` sent an "open" copy and
 each ``Verdict`` received (only the coordinator receives one: ``attach`` wraps its return
 link) a "verdict" copy. A stage's sink queues copies for its control
-link (``shard.failover.control``); the coordinator's feeds its scheduler directly.
+link (``shard.failover.control``); the coordinator's is a channel its scheduler reads.
 
 Copies are awaited, not dropped: a chunk the scheduler never saw would make the sampler's
 chains wrong. A copy the control link cannot carry is counted out (``AuditCopy.n`` leaves a
