@@ -40,7 +40,7 @@ from shard.model.bundled import resolve_model  # noqa: E402
 from shard.model.config import ModelConfig  # noqa: E402
 from shard.nodes.inprocess import run_swarm  # noqa: E402
 from shard.spec.swarm import SwarmSpec  # noqa: E402
-from shard.testing import make_tiny_checkpoint  # noqa: E402
+from shard.testing import generate_watching, make_tiny_checkpoint  # noqa: E402
 from shard.transport import MemoryNetwork  # noqa: E402
 
 MODES = ("sample", "hold")
@@ -90,12 +90,12 @@ async def one_round(coordinator: Any, prompts: list[list[int]], max_tokens: int)
         began = time.perf_counter()
         first: list[float] = []
 
-        async def on_tokens(got: list[int]) -> None:
+        def arrived(got: tuple[int, ...]) -> None:
             if not first:
                 first.append(time.perf_counter() - began)
 
-        done = await coordinator.generate(
-            ids, max_tokens=max_tokens, on_tokens=on_tokens, ignore_eos=True
+        done = await generate_watching(
+            coordinator, ids, arrived, max_tokens=max_tokens, ignore_eos=True
         )
         wall = time.perf_counter() - began
         rows.append(

@@ -41,12 +41,14 @@ from pathlib import Path
 
 import trio
 
-from shard.coordinator.coordinator import Coordinator, CoordinatorLimits
+from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete, prompt_ids
+from shard.coordinator.text import TextAdapter
 from shard.messages import ChunkSeq, Epoch, GenerateRequest, Message, NodeName, Prefill, SessionId
 from shard.messages.values import Tensor
 from shard.model.bundled import resolve_model
 from shard.model.tokenizer import Tokenizer
+from shard.spec.limits import Limits
 from shard.transport import Connection, WebSocketNetwork, wsconnection
 from shard.transport.base import split_address
 from shard.wire import encode
@@ -88,7 +90,7 @@ def bare_coordinator(max_prompt_bytes: int) -> Coordinator:
         eos_ids=[0],
         to_ring=to_send,
         from_ring=from_recv,
-        limits=CoordinatorLimits(max_len=2048, max_prompt_bytes=max_prompt_bytes),
+        limits=Limits(max_len=2048, max_prompt_bytes=max_prompt_bytes),
     )
 
 
@@ -107,7 +109,7 @@ def prompt_loads(tokenizer: Tokenizer, text: str) -> dict[str, Callable[[], Awai
         async def drop(msg: Message) -> None:
             del msg
 
-        done = await complete(bare_coordinator(max_bytes), tokenizer, request, drop)
+        done = await complete(bare_coordinator(max_bytes), TextAdapter(tokenizer), request, drop)
         assert done.finish_reason == "error", done
 
     return {

@@ -19,6 +19,7 @@ import trio
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.server import ApiServer
 from shard.coordinator.coordinator import Coordinator
+from shard.coordinator.text import TextAdapter
 from shard.messages import Message, NodeName, Prefill, Verdict, Verify
 from shard.model.tokenizer import Tokenizer
 from shard.spec.limits import Limits
@@ -50,7 +51,9 @@ async def serve(
         from_ring=from_ring,
         limits=Limits(max_len=MAX_LEN, max_sessions=4),
     )
-    app = ApiApp(coordinator, tokenizer, ApiConfig(model_id=MODEL, max_len=MAX_LEN, **config))
+    app = ApiApp(
+        coordinator, TextAdapter(tokenizer), ApiConfig(model_id=MODEL, max_len=MAX_LEN, **config)
+    )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(answering_ring, frames, back)
         await nursery.start(coordinator.run)

@@ -22,6 +22,7 @@ from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys, add_key
 from shard.api.server import ApiServer
 from shard.coordinator.coordinator import Coordinator
+from shard.coordinator.text import TextAdapter
 from shard.failover.events import Pause, RingControl, RingLost
 from shard.messages import EndSession, Message, NodeName, OpenSession
 from shard.model.tokenizer import Tokenizer
@@ -75,7 +76,9 @@ async def serve(tokenizer: Tokenizer, **config: Any) -> AsyncIterator[Served]:
         control=control,
     )
     options = {"max_sessions": 2, "body_timeout_s": 0.5, "max_body_bytes": 4096, **config}
-    app = ApiApp(coordinator, tokenizer, ApiConfig(model_id=MODEL, max_len=MAX_LEN, **options))
+    app = ApiApp(
+        coordinator, TextAdapter(tokenizer), ApiConfig(model_id=MODEL, max_len=MAX_LEN, **options)
+    )
     ring = Ring()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ring.run, frames)

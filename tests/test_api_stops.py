@@ -1,12 +1,12 @@
-"""Stop strings on streamed text (``shard.api.stops``): cut at the first complete stop string,
-across pieces, never emitting part of one."""
+"""Stop strings on streamed text (``shard.coordinator.stops``): cut at the first complete stop
+string, across pieces, never emitting part of one."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shard.api.stops import StopText
+from shard.coordinator.stops import StopText
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:

@@ -33,6 +33,7 @@ from shard.nodes.inprocess import run_swarm
 from shard.spec.audit import AuditSpec
 from shard.spec.swarm import SwarmSpec
 from shard.testing.cheats import batched_lies, cheating
+from shard.testing.requests import generate_watching
 from shard.transport import MemoryNetwork
 from test_audit_swarm import unbatched, with_auditors
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec
@@ -66,12 +67,12 @@ async def _round(coordinator: object, spec_prompts: tuple[list[int], ...]) -> Ro
     r = Round([[] for _ in range(n)], [None] * n, [])
 
     async def one(i: int) -> None:
-        async def on_tokens(ids: list[int]) -> None:
-            r.delivered[i].extend(ids)
-
         try:
-            done = await coordinator.generate(  # type: ignore[attr-defined]
-                spec_prompts[i], max_tokens=MAX_TOKENS, on_tokens=on_tokens
+            done = await generate_watching(
+                coordinator,  # type: ignore[arg-type]
+                spec_prompts[i],
+                r.delivered[i].extend,
+                max_tokens=MAX_TOKENS,
             )
         except RingError as exc:
             r.errors.append(str(exc))

@@ -40,7 +40,7 @@ from shard.nodes.coordinator import (
 from shard.nodes.inprocess import run_swarm
 from shard.spec.failover import FailoverSpec
 from shard.spec.swarm import SwarmSpec
-from shard.testing import make_tiny_checkpoint
+from shard.testing import generate_watching, make_tiny_checkpoint
 from shard.transport import ConnectionClosed, MemoryNetwork, Network
 from shard.transport.links import dial_peer
 
@@ -329,7 +329,7 @@ def test_restarted_coordinator_resumes_a_checkpointed_request_on_the_warm_ring(
                 first = await start_swarm(nursery, spec, model_dir, network=network, scopes=scopes)
                 halfway = trio.Event()
 
-                async def tokens(ids: list[int]) -> None:
+                def tokens(ids: tuple[int, ...]) -> None:
                     seen_before.extend(ids)
                     if len(seen_before) >= 8:
                         halfway.set()
@@ -337,8 +337,12 @@ def test_restarted_coordinator_resumes_a_checkpointed_request_on_the_warm_ring(
                 with trio.CancelScope() as request:
 
                     async def ask() -> None:
-                        await first.coordinator.generate(
-                            prompt, max_tokens=MAX_TOKENS, on_tokens=tokens, request_id="r1"
+                        await generate_watching(
+                            first.coordinator,
+                            prompt,
+                            tokens,
+                            max_tokens=MAX_TOKENS,
+                            request_id="r1",
                         )
 
                     nursery.start_soon(ask)
@@ -460,7 +464,7 @@ def test_a_busy_coordinator_declares_no_healthy_stage_dead(
                 clock.jump(stall)  # every task wakes late at once, as after a stalled loop
                 await trio.sleep(4 * spec.failover.heartbeat_s)  # let the watchdog look twice
                 request = GenerateRequest(1, "x" * 900_000, 4)
-                refused.append(await complete(handle.coordinator, handle.tokenizer, request, _drop))
+                refused.append(await complete(handle.coordinator, handle.text, request, _drop))
                 done = await handle.coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
                 outputs.append(done.token_ids)
                 assert handle.scheduler is not None
@@ -499,7 +503,7 @@ def run_requests(
                 )
                 seen: list[int] = []
 
-                async def tokens(ids: list[int]) -> None:
+                def tokens(ids: tuple[int, ...]) -> None:
                     before = len(seen)
                     seen.extend(ids)
                     if before < 8 <= len(seen):
@@ -507,8 +511,8 @@ def run_requests(
 
                 async def one(i: int) -> None:
                     try:
-                        done = await handle.coordinator.generate(
-                            PROMPTS[i], max_tokens=MAX_TOKENS, on_tokens=tokens
+                        done = await generate_watching(
+                            handle.coordinator, PROMPTS[i], tokens, max_tokens=MAX_TOKENS
                         )
                         out.results.append(done)
                     except RingError as exc:

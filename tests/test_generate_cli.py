@@ -131,7 +131,7 @@ async def test_ring_ignore_eos_matches_local(stopping: tuple[Path, tuple[int, ..
             )
             for ignore in (False, True):
                 request = GenerateRequest(1, PROMPT, MAX_TOKENS, ignore_eos=ignore)
-                await complete(handle.coordinator, handle.tokenizer, request, keep)
+                await complete(handle.coordinator, handle.text, request, keep)
             nursery.cancel_scope.cancel()
     stopped, ignoring = done
     assert (stopped.token_ids, stopped.finish_reason) == (_stopped(model_dir, full), "stop")

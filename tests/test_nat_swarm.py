@@ -22,7 +22,7 @@ from shard.failover.faults import FaultInjector, FaultPlan, Injection
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec, load_spec
-from shard.testing import Firewall, make_tiny_checkpoint
+from shard.testing import Firewall, generate_watching, make_tiny_checkpoint
 from shard.transport import MemoryNetwork
 from shard.transport.nat import NatNetwork
 from test_ring import reference
@@ -128,12 +128,12 @@ def test_a_stage_behind_nat_killed_mid_request_is_replaced_by_a_standby_behind_n
                     )
                 )
 
-                async def tokens(ids: list[int]) -> None:
+                def tokens(ids: tuple[int, ...]) -> None:
                     seen.extend(ids)
                     if len(seen) >= 8 and not scopes["s1"].cancel_called:
                         scopes["s1"].cancel()  # s1 dies
 
-                done = await handle.coordinator.generate(prompt, max_tokens=40, on_tokens=tokens)
+                done = await generate_watching(handle.coordinator, prompt, tokens, max_tokens=40)
                 assert handle.scheduler is not None
                 stats = handle.scheduler.statistics()
                 nursery.cancel_scope.cancel()

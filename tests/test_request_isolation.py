@@ -20,8 +20,9 @@ import trio.testing
 
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.coordinator import Coordinator, RingError
-from shard.coordinator.events import RequestFailed
+from shard.coordinator.events import CallerLeft, Committed, RequestFailed
 from shard.coordinator.service import complete
+from shard.coordinator.text import TextAdapter, TextRequest
 from shard.messages import (
     GenerateDone,
     GenerateRequest,
@@ -123,14 +124,27 @@ async def test_a_bug_on_a_request_path_ends_that_request_typed(
 async def test_the_callers_own_errors_reach_it_unchanged(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """What on_tokens raises is the caller's: it comes back as it was, not as RequestFailed."""
+    """What the caller's own code raises while it reads a request's text is the caller's: it
+    comes back as it was (not as RequestFailed, not inside a group), and the request's
+    session ends. A caller that closes its token channel mid-request ends that request with
+    CallerLeft. The ring serves the next request either way."""
+    text = TextAdapter(tokenizer())
+    async with ring() as (coord, link):
 
-    async def on_tokens(ids: list[int]) -> None:
-        raise KeyError("the caller's own")
+        async def read_and_fail() -> None:
+            async with text.stream(coord, TextRequest((5, 6, 7), 3)) as stream:
+                async for _piece in stream:
+                    raise KeyError("the caller's own")
 
-    async with ring() as (coord, _):
         with pytest.raises(KeyError, match="the caller's own"):
-            await coord.generate([5, 6, 7], max_tokens=3, on_tokens=on_tokens)
+            await read_and_fail()
+        assert coord.sessions() == 0
+        assert await honest(coord) == (7, 7, 7)
+        send, receive = trio.open_memory_channel[Committed](0)
+        receive.close()
+        with pytest.raises(CallerLeft):
+            await coord.generate([5, 6, 7], max_tokens=3, tokens=send)
+        assert coord.sessions() == 0 and len(link.opened) == 3
         assert await honest(coord) == (7, 7, 7)
 
 
@@ -164,7 +178,7 @@ async def test_a_wire_clients_numbers_are_bounded_where_they_enter(
         sent.append(msg)
 
     async with ring() as (coord, link):
-        done = await complete(coord, tokenizer(), request_, emit)
+        done = await complete(coord, TextAdapter(tokenizer()), request_, emit)
         assert isinstance(done, GenerateDone) and sent == [done]
         assert done.finish_reason == "error" and "must be" in done.error
         assert link.frames == 0

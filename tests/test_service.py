@@ -9,6 +9,7 @@ import trio
 
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete
+from shard.coordinator.text import TextAdapter
 from shard.messages import GenerateDone, GenerateRequest, Message, NodeName
 from shard.model.tokenizer import Tokenizer
 from shard.spec.limits import Limits
@@ -60,7 +61,7 @@ async def serve(coord: Coordinator, tokenizer: Tokenizer, prompt: str) -> list[M
         sent.append(msg)
 
     with trio.fail_after(30):
-        await complete(coord, tokenizer, GenerateRequest(1, prompt, 4), emit)
+        await complete(coord, TextAdapter(tokenizer), GenerateRequest(1, prompt, 4), emit)
     return sent
 
 

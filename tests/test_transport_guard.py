@@ -169,11 +169,9 @@ def fake_complete(monkeypatch: pytest.MonkeyPatch) -> dict[int, trio.Event]:
 
     async def complete(
         _coordinator: Any,
-        _tokenizer: Any,
+        _text: Any,
         request: GenerateRequest,
         emit: Callable[[Message], Awaitable[None]],
-        *,
-        limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         for i in range(request.max_tokens):
             await emit(TokensOut(request.request, (i,), "x"))
@@ -191,8 +189,7 @@ async def serve_client(conn: Scripted, limits: Limits = LIMITS) -> None:
     serve = partial(
         coordinator_root._serve_client,
         None,  # type: ignore[arg-type]  # the fake ``complete`` needs no coordinator
-        None,  # type: ignore[arg-type]  # nor a tokenizer
-        text_limiter=trio.CapacityLimiter(1),
+        None,  # type: ignore[arg-type]  # nor a text adapter
         limits=limits,
     )
     await serve_one(conn, serve, what="client link", node=ME)

@@ -6,9 +6,10 @@ the coordinator's process: ``GET /v1/models``, ``POST /v1/completions``,
 ``GET /metrics`` (Prometheus text) and the chat page at ``/`` (``page.html``, one static file).
 The pure parts have modules of their own, each with plain tests: request validation into typed
 records (``schema.py``), the OpenAI error shape (``errors.py``), the OpenAI response shapes
-(``responses.py``), stop strings applied across token boundaries (``stops.py``), hashed bearer
-keys (``keys.py``) and the metrics text (``metrics.py``); ``reply.py`` is the ASGI plumbing of
-one response; ``runner.py`` turns one validated request into a ring session through the
-coordinator's service layer and yields text deltas. It may import coordinator, decode, model
-(the tokenizer), spec, observe and messages; never nodes or cli. Documented in docs/api.md.
+(``responses.py``), hashed bearer keys (``keys.py``) and the metrics text (``metrics.py``);
+``reply.py`` is the ASGI plumbing of one response; ``runner.py`` prepares one validated request
+for the coordinator's text adapter (``shard.coordinator.text``, which the wire clients share;
+stop strings are ``shard.coordinator.stops``), whose stream the app reads, and maps how it
+ended. It may import coordinator, decode, model (the tokenizer), spec, observe and messages;
+never nodes or cli. Documented in docs/api.md.
 """

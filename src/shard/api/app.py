@@ -11,7 +11,8 @@ Every request is its own supervised scope: whatever fails on its path — a refu
 ``ApiError``), the ring (503), the coordinator (``RequestFailed``: 500) or a bug here (500,
 logged once) — is answered to that client in the OpenAI error shape (an error event once a
 stream has started) and ends nothing else. A head over ``MAX_HEAD_BYTES`` is a 431; a prompt
-over ``max_prompt_bytes`` a 413 before it is tokenized; tokenizing runs in a worker thread.
+over ``max_prompt_bytes`` a 413 before it is tokenized; tokenizing runs in a worker thread
+(the coordinator's ``TextAdapter``, which its wire clients share).
 
 Cancellation: cancelling a request's task ends its session.
 """
@@ -24,7 +25,6 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from importlib.resources import files
 from typing import Any
 
@@ -45,12 +45,11 @@ from shard.api.reply import (
     header,
     lifespan,
 )
-from shard.api.runner import RingFailed, check_size, prepare, run
+from shard.api.runner import Prepared, RingFailed, check_size, finished, prepare, text_request
 from shard.api.schema import Generation, parse_chat, parse_completion
-from shard.compute import offload
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import ring_unready
-from shard.model.tokenizer import Tokenizer
+from shard.coordinator.text import TextAdapter
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +90,19 @@ class ApiApp:
     def __init__(
         self,
         coordinator: Coordinator,
-        tokenizer: Tokenizer,
+        text: TextAdapter,
         config: ApiConfig,
         *,
         failovers: Callable[[], int] = lambda: 0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._coordinator = coordinator
-        self._tokenizer = tokenizer
+        self._text = text  # the coordinator's one text adapter (shared with the wire's)
         self._config = config
         self._failovers = failovers
         self._wall_clock = wall_clock
         self.counters = ApiCounters()
         self._page = files("shard.api").joinpath("page.html").read_bytes()
-        # Tokenizing takes time proportional to the text: one worker thread at a time, so the
-        # event loop (heartbeats, other requests) never waits on it.
-        self._text_limiter = trio.CapacityLimiter(1)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -271,10 +267,7 @@ class ApiApp:
         if reason is not None:
             raise ApiError(503, reason, code="ring_unavailable", headers=(("retry-after", "1"),))
         check_size(generation, self._config.max_prompt_bytes)
-        request = await offload.run_sync(
-            partial(prepare, generation, self._tokenizer, max_len=self._config.max_len),
-            limiter=self._text_limiter,
-        )
+        request = await prepare(generation, self._text, max_len=self._config.max_len)
         prefix = "chatcmpl-" if generation.chat else "cmpl-"
         rid = responses.ReplyId(
             prefix + secrets.token_hex(12),
@@ -306,33 +299,35 @@ class ApiApp:
             self.counters.disconnects += 1
             scope.cancel()
 
-    async def _whole(self, request: Any, rid: responses.ReplyId, reply: Reply) -> None:
+    async def _whole(self, request: Prepared, rid: responses.ReplyId, reply: Reply) -> None:
         pieces: list[str] = []
-
-        async def emit(text: str) -> None:
-            pieces.append(text)
-
-        outcome = await run(self._coordinator, self._tokenizer, request, emit)
+        async with self._text.stream(self._coordinator, text_request(request)) as stream:
+            async for piece in stream:
+                pieces.append(piece.text)
+        outcome = finished(request, stream.done)
+        pieces.append(outcome.tail)
         self._count(outcome.prompt_tokens, outcome.completion_tokens)
         use = responses.usage(outcome.prompt_tokens, outcome.completion_tokens)
         extra = responses.shard_stats(outcome.stats, outcome.completion_tokens)
         body = responses.whole(rid, "".join(pieces), outcome.finish_reason, use, extra)
         await reply.json(200, body)
 
-    async def _stream(self, request: Any, rid: responses.ReplyId, reply: Reply) -> None:
+    async def _stream(self, request: Prepared, rid: responses.ReplyId, reply: Reply) -> None:
         usage = request.generation.include_usage
         await reply.start_events()
         if rid.chat:  # the role first, at once: the client knows it was admitted
             await reply.event(responses.chunk(rid, role=True, with_usage=usage))
-
-        async def emit(text: str) -> None:
-            await reply.event(responses.chunk(rid, text=text, with_usage=usage))
-
+        async with self._text.stream(self._coordinator, text_request(request)) as stream:
+            async for piece in stream:  # each delta as its tokens commit
+                if piece.text:
+                    await reply.event(responses.chunk(rid, text=piece.text, with_usage=usage))
         try:
-            outcome = await run(self._coordinator, self._tokenizer, request, emit)
+            outcome = finished(request, stream.done)
         except RingFailed as exc:
             self._count(len(request.prompt_ids), exc.completion_tokens)
             raise
+        if outcome.tail:
+            await reply.event(responses.chunk(rid, text=outcome.tail, with_usage=usage))
         self._count(outcome.prompt_tokens, outcome.completion_tokens)
         last = responses.chunk(rid, finish_reason=outcome.finish_reason, with_usage=usage)
         last["shard"] = responses.shard_stats(outcome.stats, outcome.completion_tokens)

@@ -1,13 +1,16 @@
 """One validated request (``shard.api.schema.Generation``) as one ring session.
 
-``prepare`` tokenizes (chat through the model's own template) and checks the length against
-the context before anything touches the ring; ``run`` generates through the coordinator,
-streaming text deltas to ``emit`` as tokens commit, with stop strings applied on the text
-(``shard.api.stops``). A stop string ends the session at once: the generation is cancelled,
-which ends its session on every stage.
+Both halves go through the coordinator's one text adapter (``shard.coordinator.text``), as
+the wire client's requests do: ``prepare`` tokenizes there (chat through the model's own
+template, off the event loop) and checks the length against the context before anything
+touches the ring; ``text_request`` is what the app then streams (``TextAdapter.stream``: the
+app reads each text delta as tokens commit, with stop strings applied on the text,
+``shard.coordinator.stops``), and ``finished`` turns how the stream ended into an
+``Outcome`` or the error to answer. A stop string ends the session at once: the generation is
+cancelled, which ends its session on every stage.
 
-Cancellation: cancelling ``run`` (a client that went away) cancels the coordinator's
-``generate``, which ends the session on the ring (``Coordinator.generate``).
+Cancellation: cancelling the app's task (a client that went away) cancels the request, which
+ends the session on the ring (``TextAdapter.stream``).
 
 Errors: ``ApiError`` — 400 for settings the ring refuses, 413 for a prompt over the byte
 bound (``check_size``, before tokenizing) or one that leaves no room in the context, 503 when
@@ -18,21 +21,18 @@ failed it (``RequestFailed``, logged there).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import attrs
-import trio
 
 from shard.api.errors import ApiError, bad_param
 from shard.api.schema import Generation
-from shard.api.stops import StopText
-from shard.coordinator.coordinator import Coordinator, RingError
+from shard.coordinator.coordinator import RingError
 from shard.coordinator.events import RequestFailed
+from shard.coordinator.text import Prompt, TextAdapter, TextDone, TextRequest
 from shard.decode.state import BadRequest
 from shard.messages import RunStats, Sampling
-from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError
-
-Emit = Callable[[str], Awaitable[None]]
+from shard.model.tokenizer import TokenizerError
 
 
 @attrs.frozen
@@ -47,13 +47,14 @@ class Prepared:
 
 @attrs.frozen
 class Outcome:
-    """A finished reply (its text went to ``emit``): why it ended ("stop" or "length") and
-    what it cost."""
+    """A finished reply: why it ended ("stop" or "length"), what it cost, and the text the
+    decoder held back until the end (``tail``: send it after the streamed pieces)."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     stats: RunStats | None
+    tail: str = ""
 
 
 class RingFailed(ApiError):
@@ -84,15 +85,21 @@ def check_size(generation: Generation, max_bytes: int) -> None:
         )
 
 
-def prepare(
+async def prepare(
     generation: Generation,
-    tokenizer: Tokenizer,
+    text: TextAdapter,
     *,
     max_len: int,
     seed: Callable[[], int] = lambda: secrets.randbits(63),
 ) -> Prepared:
-    """Tokenize and size ``generation``. Errors: ``ApiError`` (400, 413)."""
-    ids = _prompt_ids(generation, tokenizer)
+    """Tokenize (in the adapter's worker thread) and size ``generation``. Errors:
+    ``ApiError`` (400, 413)."""
+    try:
+        ids = await text.encode(_prompt(generation))
+    except TokenizerError as exc:  # the chat template refused the conversation
+        raise bad_param("messages" if generation.chat else "prompt", str(exc)) from None
+    except BadRequest as exc:  # token ids outside the vocabulary
+        raise bad_param("prompt", str(exc)) from None
     if len(ids) >= max_len:
         raise ApiError(
             413,
@@ -119,68 +126,38 @@ def prepare(
     return Prepared(generation, tuple(ids), max_tokens, sampling)
 
 
-def _prompt_ids(generation: Generation, tokenizer: Tokenizer) -> list[int]:
+def _prompt(generation: Generation) -> Prompt:
     if generation.chat:
-        messages = [{"role": m.role, "content": m.content} for m in generation.messages]
-        try:
-            return tokenizer.encode(tokenizer.apply_chat(messages))
-        except TokenizerError as exc:
-            raise bad_param("messages", str(exc)) from None
-    if isinstance(generation.prompt, tuple):
-        vocab = tokenizer.vocab_size
-        if any(t >= vocab for t in generation.prompt):
-            raise bad_param("prompt", f"token ids must be below the vocabulary size {vocab}")
-        return list(generation.prompt)
-    return tokenizer.encode(generation.prompt)
+        return [{"role": m.role, "content": m.content} for m in generation.messages]
+    return generation.prompt
 
 
-async def run(
-    coordinator: Coordinator, tokenizer: Tokenizer, request: Prepared, emit: Emit
-) -> Outcome:
-    """Generate ``request`` on the ring, sending each safe piece of text to ``emit``."""
-    decoder = StreamDecoder(tokenizer)
-    stops = StopText(request.generation.stop)
-    count = 0
+def text_request(request: Prepared) -> TextRequest:
+    """What the coordinator's text adapter runs for ``request`` (its stop strings too)."""
+    return TextRequest(
+        request.prompt_ids,
+        request.max_tokens,
+        request.sampling,
+        stop=tuple(request.generation.stop),
+    )
 
-    async def on_tokens(ids: list[int]) -> None:
-        nonlocal count
-        text = ""
-        for token in ids:
-            count += 1
-            text += stops.push(decoder.push(token))
-            if stops.hit:
-                break
-        if text:
-            await emit(text)
-        if stops.hit:
-            scope.cancel()  # a stop string ends the session now, on every stage
 
-    stats = None
-    finish = "stop"
-    with trio.CancelScope() as scope:
-        try:
-            completion = await coordinator.generate(
-                request.prompt_ids,
-                max_tokens=request.max_tokens,
-                sampling=request.sampling,
-                on_tokens=on_tokens,
-            )
-        except BadRequest as exc:
-            raise ApiError(400, str(exc), code="invalid_value") from None
-        except RequestFailed as exc:  # logged at the coordinator, with its traceback
-            raise ApiError(500, str(exc), code="internal_error") from None
-        except RingError as exc:
-            raise RingFailed(
-                f"the ring failed the request after {count} tokens: {exc}", count
-            ) from None
-        stats, finish = completion.stats, completion.finish_reason
-    if not stops.hit:
-        tail = stops.push(decoder.flush()) + stops.flush()
-        if tail:
-            await emit(tail)
+def finished(request: Prepared, end: TextDone) -> Outcome:
+    """How a reply whose ``TextStream`` was read out ends: an ``Outcome``, or the error it
+    is answered with (``ApiError``: 400, 500; ``RingFailed``: 503)."""
+    count = len(end.token_ids)
+    if isinstance(end.error, BadRequest):
+        raise ApiError(400, str(end.error), code="invalid_value")
+    if isinstance(end.error, RequestFailed):  # logged at the coordinator, with its traceback
+        raise ApiError(500, str(end.error), code="internal_error")
+    if isinstance(end.error, RingError):
+        raise RingFailed(f"the ring failed the request after {count} tokens: {end.error}", count)
+    if end.error is not None:  # CallerLeft: the app never closes a stream early
+        raise ApiError(500, str(end.error), code="internal_error")
     return Outcome(
-        finish_reason="stop" if stops.hit else finish,
+        finish_reason=end.finish_reason,
         prompt_tokens=len(request.prompt_ids),
         completion_tokens=count,
-        stats=stats,
+        stats=end.stats,
+        tail=end.tail,
     )

@@ -22,7 +22,7 @@ from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys
 from shard.api.reply import MAX_HEAD_BYTES
 from shard.coordinator.coordinator import Coordinator
-from shard.model.tokenizer import Tokenizer
+from shard.coordinator.text import TextAdapter
 from shard.spec.swarm import SwarmSpec
 from shard.spec.swarm_table import BUNDLED_MODELS
 
@@ -80,7 +80,7 @@ def model_id(spec: SwarmSpec) -> str:
 def make_server(
     spec: SwarmSpec,
     coordinator: Coordinator,
-    tokenizer: Tokenizer,
+    text: TextAdapter,
     *,
     failovers: Callable[[], int] = lambda: 0,
 ) -> ApiServer | None:
@@ -100,5 +100,5 @@ def make_server(
         keys=keys,
         max_prompt_bytes=spec.limits.max_prompt_bytes,
     )
-    app = ApiApp(coordinator, tokenizer, config, failovers=failovers)
+    app = ApiApp(coordinator, text, config, failovers=failovers)
     return ApiServer(app, str(api.listen))

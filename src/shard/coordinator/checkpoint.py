@@ -7,6 +7,7 @@ or whose coordinator died leaves its file behind; a coordinator loads it
 (``CheckpointStore.pending``) and ``Coordinator.resume_request`` continues the request on the
 (still warm) ring from the committed tokens. Sampling draws are keyed by position
 (``shard.decode.verify``), so a resumed request draws exactly what the uninterrupted one would have.
+A ``Checkpointer`` is one request's file: the driver records each commit in it directly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import attrs
 
-from shard.coordinator.events import OnTokens
 from shard.messages import Sampling
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -92,43 +92,32 @@ class CheckpointStore:
         return [RequestCheckpoint.from_json(p.read_text(), source=str(p)) for p in paths]
 
 
-def checkpointing(
-    store: CheckpointStore | None,
-    request_id: str | None,
-    prompt_ids: Sequence[int],
-    max_tokens: int,
-    sampling: Sampling,
-    on_tokens: OnTokens | None,
-) -> OnTokens | None:
-    """``on_tokens`` that also saves the request's checkpoint as tokens are committed (as is
-    without a store or a request id)."""
-    if request_id is None or store is None:
-        return on_tokens
-    output: list[int] = []
-    prompt = tuple(int(t) for t in prompt_ids)
+class Checkpointer:
+    """Keeps one running request's checkpoint current: ``commit`` adds the ids the driver
+    just committed and rewrites the file (before the caller sees them), ``done`` removes it
+    once the request completed. A resumed request's starts from the checkpoint it resumes
+    (its committed ids are kept)."""
 
-    async def emit(ids: list[int]) -> None:
-        output.extend(ids)
-        store.save(RequestCheckpoint(request_id, prompt, tuple(output), max_tokens, sampling))
-        if on_tokens is not None:
-            await on_tokens(ids)
+    def __init__(self, store: CheckpointStore, start: RequestCheckpoint) -> None:
+        self._store = store
+        self._checkpoint = start
 
-    return emit
+    @classmethod
+    def fresh(
+        cls,
+        store: CheckpointStore,
+        request: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        sampling: Sampling,
+    ) -> Checkpointer:
+        prompt = tuple(int(t) for t in prompt_ids)
+        return cls(store, RequestCheckpoint(request, prompt, (), max_tokens, sampling))
 
+    def commit(self, ids: Sequence[int]) -> None:
+        done = (*self._checkpoint.output_ids, *ids)
+        self._checkpoint = attrs.evolve(self._checkpoint, output_ids=done)
+        self._store.save(self._checkpoint)
 
-def resuming(
-    store: CheckpointStore | None, checkpoint: RequestCheckpoint, on_tokens: OnTokens | None
-) -> OnTokens:
-    """``on_tokens`` for the rest of a resumed request: the checkpoint grows by every new
-    token (the ones it held are kept), and ``on_tokens`` sees only the new ones."""
-    done = checkpoint.output_ids
-
-    async def emit(ids: list[int]) -> None:
-        nonlocal done
-        done = (*done, *ids)
-        if store is not None:
-            store.save(attrs.evolve(checkpoint, output_ids=done))
-        if on_tokens is not None:
-            await on_tokens(ids)
-
-    return emit
+    def done(self) -> None:
+        self._store.done(self._checkpoint.request)

@@ -26,16 +26,12 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from shard.coordinator.checkpoint import (
-    CheckpointStore,
-    RequestCheckpoint,
-    checkpointing,
-    resuming,
-)
+from shard.coordinator.checkpoint import Checkpointer, CheckpointStore, RequestCheckpoint
 from shard.coordinator.driver import Hold, RequestDriver
 from shard.coordinator.events import (
+    CallerLeft,
+    Committed,
     Completion,
-    OnTokens,
     Resync,
     RingError,
     RouteEvent,
@@ -44,7 +40,7 @@ from shard.coordinator.events import (
 from shard.coordinator.gate import RingGate
 from shard.coordinator.ledger import CoordinatorStatistics, Ledger
 from shard.coordinator.receipts import collect_receipts
-from shard.coordinator.supervise import CallerError, caller_errors, request_failed
+from shard.coordinator.supervise import request_failed
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter
 from shard.decode.state import BadRequest, DecodeState, check_sampling
@@ -246,13 +242,16 @@ class Coordinator:
         *,
         max_tokens: int,
         sampling: Sampling = Sampling(),
-        on_tokens: OnTokens | None = None,
+        tokens: trio.MemorySendChannel[Committed] | None = None,
         speculation: SpeculationConfig | None = None,
         receipt: bool = False,
         request_id: str | None = None,
         ignore_eos: bool = False,
     ) -> Completion:
-        """Run one request through the ring; ``on_tokens`` sees ids as they are committed.
+        """Run one request through the ring; each batch of ids it commits is sent on
+        ``tokens`` as one ``Committed`` (the caller reads them in another task, and closes
+        the channel when it likes: ``generate`` only sends; ``shard.coordinator.text`` is the
+        reader that turns them into text).
 
         ``ignore_eos`` generates exactly ``max_tokens`` ids: an end-of-sequence id is output
         like any other (benchmarks of a fixed length).
@@ -267,28 +266,46 @@ class Coordinator:
         tokens are saved as they come, and the file is removed when the request ends.
 
         A call, not a message to the router: the request's driver runs in the caller's own
-        task, so a caller that goes away cancels its request (and ends its session), and
-        ``on_tokens`` runs where the caller can handle what it raises.
+        task, so a caller that goes away cancels its request (and ends its session).
 
         Errors: ``BadRequest`` (before touching the ring) for settings that cannot be served;
         ``RingError`` when the ring fails the request; ``RequestFailed`` (a ``RingError``,
-        logged once) for anything else on its path; what ``on_tokens`` raises, as it was.
-
-        Over the house's 60 lines by its docstring: the body is the request's life in order.
+        logged once) for anything else on its path; ``CallerLeft`` when the caller closed the
+        receive side of ``tokens`` mid-request.
         """
+        checkpoint = None
+        if request_id is not None and self._checkpoints is not None:
+            checkpoint = Checkpointer.fresh(
+                self._checkpoints, request_id, prompt_ids, max_tokens, sampling
+            )
+        return await self._serve(
+            prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            tokens=tokens,
+            spec=speculation or self._spec,
+            receipt=receipt,
+            eos_ids=() if ignore_eos else self._eos_ids,
+            checkpoint=checkpoint,
+        )
+
+    async def _serve(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        sampling: Sampling,
+        tokens: trio.MemorySendChannel[Committed] | None,
+        spec: SpeculationConfig,
+        receipt: bool,
+        eos_ids: tuple[int, ...],
+        checkpoint: Checkpointer | None,
+    ) -> Completion:
+        """``generate``'s body: the request's life in order (``checkpoint``: its file, kept
+        current and removed once it completed)."""
         check_sampling(sampling)
-        eos_ids = () if ignore_eos else self._eos_ids
         state = DecodeState.start(
             len(prompt_ids), max_tokens, eos_ids, max_len=self._limits.max_len
-        )
-        spec = speculation or self._spec
-        on_tokens = checkpointing(
-            self._checkpoints,
-            request_id,
-            prompt_ids,
-            max_tokens,
-            sampling,
-            caller_errors(on_tokens),
         )
         async with self._slots:
             if (lost := self._gate.lost) is not None:
@@ -301,10 +318,10 @@ class Coordinator:
             try:
                 job = self._job(prompt_ids, sid, state) if receipt else None
                 completion = await self._drive(
-                    sid, route, job, prompt_ids, state, sampling, on_tokens, spec
+                    sid, route, job, prompt_ids, state, sampling, tokens, spec, checkpoint
                 )
-                if request_id is not None and self._checkpoints is not None:
-                    self._checkpoints.done(request_id)
+                if checkpoint is not None:
+                    checkpoint.done()
                 if job is not None and self._signer is not None:
                     ended = True
                     await self._gate.end_session(sid)
@@ -314,9 +331,7 @@ class Coordinator:
             except RingError:
                 self._ledger.request_failed()
                 raise
-            except CallerError as exc:  # the caller's on_tokens: its error, as it was
-                raise exc.error from None
-            except BadRequest:
+            except (BadRequest, CallerLeft):
                 raise
             except Exception as exc:  # this request's alone (shard.coordinator.supervise)
                 self._ledger.request_failed()
@@ -344,8 +359,9 @@ class Coordinator:
         prompt_ids: Sequence[int],
         state: DecodeState,
         sampling: Sampling,
-        on_tokens: OnTokens | None,
+        tokens: trio.MemorySendChannel[Committed] | None,
         spec: SpeculationConfig,
+        checkpoint: Checkpointer | None,
     ) -> Completion:
         """Run the session's driver in this task (a nursery of one child would only wrap
         what it raises in a group) and read its ``SessionDone``. Errors: the ``RingError``
@@ -362,12 +378,13 @@ class Coordinator:
             prompt_ids=prompt_ids,
             state=state,
             sampling=sampling,
-            on_tokens=on_tokens,
+            tokens=tokens,
             spec=spec,
             limits=self._limits,
             drafter=self._drafter,
             feature_dim=self._feature_dim,
             hold=self._hold,
+            checkpoint=checkpoint,
         )
         async with done:
             await driver.run()
@@ -380,11 +397,11 @@ class Coordinator:
         self,
         checkpoint: RequestCheckpoint,
         *,
-        on_tokens: OnTokens | None = None,
+        tokens: trio.MemorySendChannel[Committed] | None = None,
         speculation: SpeculationConfig | None = None,
     ) -> Completion:
         """Continue a request a previous coordinator checkpointed: the committed tokens are
-        kept, the rest is generated on the ring (``on_tokens`` sees only the new ones). The
+        kept, the rest is generated on the ring (``tokens`` gets only the new ones). The
         returned completion holds every output token, old and new.
 
         Errors: as ``generate``; the checkpoint stays until the request ends.
@@ -397,15 +414,16 @@ class Coordinator:
                 store.done(checkpoint.request)
             reason = "stop" if done and done[-1] in self._eos_ids else "length"
             return Completion(done, reason, RunStats(0, 0.0, 0.0, 0.0, 0, 0.0))
-        rest = await self.generate(
+        rest = await self._serve(
             (*checkpoint.prompt_ids, *checkpoint.output_ids),
             max_tokens=left,
             sampling=checkpoint.sampling,
-            on_tokens=resuming(store, checkpoint, on_tokens),
-            speculation=speculation,
+            tokens=tokens,
+            spec=speculation or self._spec,
+            receipt=False,
+            eos_ids=self._eos_ids,
+            checkpoint=None if store is None else Checkpointer(store, checkpoint),
         )
-        if store is not None:
-            store.done(checkpoint.request)
         return attrs.evolve(rest, token_ids=(*checkpoint.output_ids, *rest.token_ids))
 
 

@@ -2,14 +2,15 @@
 
 The router (``shard.coordinator.coordinator``) owns what requests share and starts one driver per
 request, with its channels: the session's route (verdicts, faults and ``Resync`` in), the
-``RingGate`` (messages out, towards stage 0) and ``done`` (one ``SessionDone`` at the end). The
-driver opens the session, streams the prompt, then runs the speculative loop
-(``shard.decode.speculation``): keep chunks in flight, fold verdicts into the stream, emit
-committed tokens. When the ring fails under it, it re-sends from its committed tokens in a new
-epoch (``Resync``): after a splice or a re-dialled edge, after frames were lost (a stage's
-``gap`` fault: from position 0), or after ``retry_after_s`` of silence. It never commits a
-token the target did not choose, and it never loses one: a request that cannot go on ends with
-``RingError`` carrying what was committed.
+``RingGate`` (messages out, towards stage 0), the caller's ``tokens`` (one ``Committed`` per
+batch of committed ids) and ``done`` (one ``SessionDone`` at the end). The driver opens the
+session, streams the prompt, then runs the speculative loop (``shard.decode.speculation``):
+keep chunks in flight, fold verdicts into the stream, send committed tokens. When the ring
+fails under it, it re-sends from its committed tokens in a new epoch (``Resync``): after a
+splice or a re-dialled edge, after frames were lost (a stage's ``gap`` fault: from position
+0), or after ``retry_after_s`` of silence. It never commits a token the target did not
+choose, and it never loses one: a request that cannot go on ends with ``RingError`` carrying
+what was committed.
 
 What it records for statistics (laps, stale verdicts, K/D, events) goes to the ``Ledger`` by
 direct call, and its K/D controller comes from there: synchronous local records, never a wait
@@ -29,9 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 import trio
 
+from shard.coordinator.checkpoint import Checkpointer
 from shard.coordinator.events import (
+    CallerLeft,
+    Committed,
     Completion,
-    OnTokens,
     Resync,
     RingError,
     RouteEvent,
@@ -72,7 +75,8 @@ class RequestDriver:
 
     Cancellation: cancelling ``run`` stops the request where it is (the router ends the
     session on the ring). Errors: the request's own failures (``RingError``, the ring lost)
-    end it with a ``SessionDone`` holding the error; ``on_tokens``'s errors and bugs propagate.
+    end it with a ``SessionDone`` holding the error; bugs propagate, and ``CallerLeft`` when
+    the caller closed its ``tokens`` channel.
     """
 
     def __init__(
@@ -87,18 +91,21 @@ class RequestDriver:
         prompt_ids: Sequence[int],
         state: DecodeState,
         sampling: Sampling,
-        on_tokens: OnTokens | None,
+        tokens: trio.MemorySendChannel[Committed] | None,
         spec: SpeculationConfig,
         limits: Limits,
         drafter: Drafter | None,
         feature_dim: int | None = None,
         hold: Hold | None = None,
+        checkpoint: Checkpointer | None = None,
     ) -> None:
-        """``feature_dim``: the target's hidden size, which features must have (None: any).
-        ``hold`` (``[audit] mode = "hold"``): awaited before a verdict's tokens are emitted,
-        with the session, the verdict's ``seq`` and the tokens released before; it returns
-        once every stage's part of that verdict was confirmed by an audit, or raises
-        ``RingError`` (``shard.audit.hold``)."""
+        """``tokens``: where committed ids go (the caller's channel; None: nowhere, the
+        completion holds them all); ``checkpoint``: the request's file, rewritten on each
+        commit before the ids are sent. ``feature_dim``: the target's hidden size, which
+        features must have (None: any). ``hold`` (``[audit] mode = "hold"``): awaited
+        before a verdict's tokens are sent, with the session, the verdict's ``seq`` and the
+        tokens released before; it returns once every stage's part of that verdict was
+        confirmed by an audit, or raises ``RingError`` (``shard.audit.hold``)."""
         self._ring = ring
         self._ledger = ledger
         self._sid = sid
@@ -107,7 +114,8 @@ class RequestDriver:
         self._job = job
         self._prompt = prompt_ids
         self._state = state
-        self._on_tokens = on_tokens
+        self._tokens = tokens
+        self._checkpoint = checkpoint
         self._spec = spec
         self._limits = limits
         self._drafter = drafter
@@ -147,8 +155,15 @@ class RequestDriver:
                 self._sid, seq, self._state.output[: len(self._state.output) - len(ids)]
             )
         self._ledger.committed(len(ids))
-        if ids and self._on_tokens is not None:
-            await self._on_tokens(list(ids))
+        if not ids:
+            return
+        if self._checkpoint is not None:
+            self._checkpoint.commit(ids)
+        if self._tokens is not None:
+            try:
+                await self._tokens.send(Committed(tuple(int(t) for t in ids)))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise CallerLeft(f"session {self._sid}: the caller stopped reading") from None
 
     async def _drive(self) -> Completion:
         state, laps, ledger = self._state, self._laps, self._ledger

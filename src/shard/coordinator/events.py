@@ -1,13 +1,14 @@
-"""The coordinator's in-process messages between the router and a request's driver.
+"""The coordinator's in-process messages between the router, a request's driver and its caller.
 
 None of these go on the wire (``shard.messages`` is the wire's union). A route (router ->
 driver) carries the ring's ``Verdict``, ``Fault`` and ``StageReceiptOut`` for the session, and
-``Resync`` when the request must re-send; the driver ends with one ``SessionDone``.
+``Resync`` when the request must re-send; the driver sends its caller each batch of committed
+ids as one ``Committed`` and ends with one ``SessionDone``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -45,8 +46,19 @@ class Resync:
     reason: str
 
 
-#: Called with each batch of committed token ids, in order.
-OnTokens = Callable[[list[int]], Awaitable[None]]
+class CallerLeft(Exception):
+    """The caller closed the receive side of its ``Committed`` channel mid-request: nobody
+    reads the tokens any more, so the request ends there (its session ends on the ring). Not
+    a failure of the ring or of the coordinator: raised to the caller as it is."""
+
+
+@attrs.frozen
+class Committed:
+    """Driver -> the request's caller: token ids the target committed, in order (each id
+    exactly once; a request's batches joined are its output)."""
+
+    token_ids: tuple[int, ...]
+
 
 #: What a session's route delivers to its driver.
 RouteEvent = Message | Resync
@@ -72,8 +84,9 @@ class SessionDone:
 
 
 __all__ = [
+    "CallerLeft",
+    "Committed",
     "Completion",
-    "OnTokens",
     "RequestFailed",
     "Resync",
     "RingError",

@@ -1,20 +1,17 @@
-"""Text in, text out: the client-facing side of the coordinator.
+"""The wire client's side of the coordinator: a ``GenerateRequest`` in, ``TokensOut`` and one
+``GenerateDone`` out.
 
-Turns a ``GenerateRequest`` into token ids (with the model's own chat template when asked),
-runs it on the ``Coordinator``, and streams ``TokensOut`` as tokens are committed, ending with
-one ``GenerateDone`` — ``finish_reason="error"`` with the committed text when the ring fails,
-never a silent stop.
+``complete`` checks the request, has the coordinator's ``TextAdapter``
+(``shard.coordinator.text``, the one text adapter, which the HTTP API uses too) tokenize it
+(with the model's own chat template when asked) and run it, and streams one ``TokensOut`` per
+committed batch, ending with one ``GenerateDone`` — ``finish_reason="error"`` with the
+committed text when the ring fails, never a silent stop.
 
 Every number of a request is checked against the one table of bounds
 (``shard.messages.bounds``) as it arrives; a prompt is bounded in bytes before it is
 tokenized (``limits.max_prompt_bytes``) and in tokens after (``limits.max_len``, by
 ``DecodeState.start``). Whatever fails on a request's path ends that request alone, with a
 ``GenerateDone`` of ``finish_reason="error"`` saying why (logged once); the node serves on.
-
-Tokenizing and the final decode take time proportional to the text, so they run in a worker
-thread behind their own ``CapacityLimiter`` (never queued behind a forward pass): the event
-loop keeps reading heartbeats meanwhile, and a 900 KB prompt cannot make the scheduler think
-a stage died.
 """
 
 from __future__ import annotations
@@ -26,15 +23,15 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from shard.compute import offload
-from shard.coordinator.coordinator import Completion, Coordinator, RingError
+from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.events import RequestFailed
+from shard.coordinator.text import Prompt, TextAdapter, TextDone, TextRequest, encode_prompt
 from shard.decode.control import SpeculationConfig
 from shard.decode.state import BadRequest
 from shard.messages import GenerateDone, GenerateRequest, Message, RunStats, TokensOut
 from shard.messages.bounds import OutOfBounds
 from shard.messages.bounds import check_request as check_bounds
-from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from shard.model.tokenizer import Tokenizer, TokenizerError
 
 Emit = Callable[[Message], Awaitable[None]]
 
@@ -66,61 +63,63 @@ def check_prompt_size(request: GenerateRequest, max_bytes: int) -> None:
         )
 
 
+def request_prompt(request: GenerateRequest) -> Prompt:
+    """What a wire request asks to be tokenized: its text, or with ``chat`` one user turn
+    through the model's own chat template."""
+    return [{"role": "user", "content": request.prompt}] if request.chat else request.prompt
+
+
 def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
-    """The request's prompt as ids, through the chat template when ``chat`` is set."""
-    if request.chat:
-        text = tokenizer.apply_chat([{"role": "user", "content": request.prompt}])
-        return tokenizer.encode(text)
-    return tokenizer.encode(request.prompt)
+    """The request's prompt as ids, tokenized here (the local ``shard generate --local``
+    and offline tools; a coordinator tokenizes off its event loop: ``TextAdapter``)."""
+    return encode_prompt(tokenizer, request_prompt(request))
 
 
 async def complete(
-    coordinator: Coordinator,
-    tokenizer: Tokenizer,
-    request: GenerateRequest,
-    emit: Emit,
-    *,
-    limiter: trio.CapacityLimiter | None = None,
+    coordinator: Coordinator, text: TextAdapter, request: GenerateRequest, emit: Emit
 ) -> GenerateDone:
     """Serve one request, streaming its tokens through ``emit``; returns (and emits) the end.
 
-    ``limiter`` bounds the threads tokenizing at once (one per coordinator: ``nodes``).
-    """
-    text_limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
-    stream = StreamDecoder(tokenizer)
-    committed: list[int] = []
-
-    async def on_tokens(ids: list[int]) -> None:
-        committed.extend(ids)
-        text = "".join(stream.push(t) for t in ids)
-        await emit(TokensOut(request=request.request, token_ids=tuple(ids), text=text))
-
+    Errors: only ``emit``'s (the client's connection is gone: nothing left to answer)."""
     try:
         check_request(request, coordinator.limits.max_prompt_bytes)
-        ids = await offload.run_sync(prompt_ids, tokenizer, request, limiter=text_limiter)
-        completion = await coordinator.generate(
-            ids,
-            max_tokens=request.max_tokens,
-            sampling=request.sampling,
-            on_tokens=on_tokens,
-            receipt=request.receipt,
-            speculation=request_speculation(coordinator, request),
-            ignore_eos=request.ignore_eos,
-        )
-    except (RingError, BadRequest, TokenizerError) as exc:
-        text = await offload.run_sync(tokenizer.decode, committed, limiter=text_limiter)
-        done = error_message(request.request, exc, committed, text)
+        ids = await text.encode(request_prompt(request))
+        done = await _run(coordinator, text, request, ids, emit)
+    except (BadRequest, TokenizerError) as exc:
+        done = error_message(request.request, exc, (), "")
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         raise  # emit's: the client's connection is gone, nothing left to answer
     except Exception as exc:  # this request's alone: its client hears why, the node serves on
         log.error("request %d failed at the coordinator: %r", request.request, exc, exc_info=exc)
-        done = error_message(request.request, RequestFailed(repr(exc)), committed, "")
-    else:
-        ids = list(completion.token_ids)
-        text = await offload.run_sync(tokenizer.decode, ids, limiter=text_limiter)
-        done = done_message(request.request, completion, text)
+        done = error_message(request.request, RequestFailed(repr(exc)), (), "")
     await emit(done)
     return done
+
+
+async def _run(
+    coordinator: Coordinator,
+    text: TextAdapter,
+    request: GenerateRequest,
+    ids: list[int],
+    emit: Emit,
+) -> GenerateDone:
+    job = TextRequest(
+        tuple(ids),
+        request.max_tokens,
+        request.sampling,
+        speculation=request_speculation(coordinator, request),
+        receipt=request.receipt,
+        ignore_eos=request.ignore_eos,
+    )
+    async with text.stream(coordinator, job) as stream:
+        async for piece in stream:
+            out = TokensOut(request=request.request, token_ids=piece.token_ids, text=piece.text)
+            await emit(out)
+    end = stream.done
+    whole = await text.decode(end.token_ids)
+    if end.error is not None:
+        return error_message(request.request, end.error, end.token_ids, whole)
+    return done_message(request.request, end, whole)
 
 
 def request_speculation(
@@ -135,15 +134,16 @@ def request_speculation(
     return attrs.evolve(policy, k=k, depth=depth)
 
 
-def done_message(request: int, completion: Completion, text: str) -> GenerateDone:
+def done_message(request: int, end: TextDone, text: str) -> GenerateDone:
     """The client-facing end of a request (with its signed receipt when one was asked for)."""
+    assert end.stats is not None  # a request that completed has its stats
     return GenerateDone(
         request=request,
-        token_ids=completion.token_ids,
+        token_ids=end.token_ids,
         text=text,
-        finish_reason=completion.finish_reason,
-        stats=completion.stats,
-        receipt=completion.receipt,
+        finish_reason=end.finish_reason,
+        stats=end.stats,
+        receipt=end.receipt,
     )
 
 

@@ -8,8 +8,9 @@ refuses) as ``RequestFailed``, logged once here with its traceback. Nothing reac
 router, the ring's links or another request. Cancellation and ``KeyboardInterrupt`` are not
 ``Exception``s and pass through untouched.
 
-The caller's own ``on_tokens`` is not the coordinator's path: what it raises goes back to the
-caller as it was (``caller_errors`` marks it on the way through).
+The caller's own code is not on that path: it reads the request's ``Committed`` tokens from
+a channel in its own task, so what it raises is its own (``shard.coordinator.text`` runs both
+sides for text). A caller that closes its channel ends its request with ``CallerLeft``.
 """
 
 from __future__ import annotations
@@ -17,34 +18,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from shard.coordinator.events import OnTokens, RequestFailed
+from shard.coordinator.events import RequestFailed
 from shard.messages import SessionId
 
 log = logging.getLogger("shard.coordinator")
-
-
-class CallerError(Exception):
-    """What the caller's ``on_tokens`` raised (``error``), carried through the request's
-    boundary so it reaches the caller unchanged."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def caller_errors(on_tokens: OnTokens | None) -> OnTokens | None:
-    """``on_tokens`` with its exceptions wrapped in ``CallerError``."""
-    if on_tokens is None:
-        return None
-    callback = on_tokens
-
-    async def guarded(ids: list[int]) -> None:
-        try:
-            await callback(ids)
-        except Exception as exc:
-            raise CallerError(exc) from exc
-
-    return guarded
 
 
 def request_failed(sid: SessionId, exc: Exception, committed: Sequence[int]) -> RequestFailed:
@@ -65,4 +42,4 @@ def request_failed(sid: SessionId, exc: Exception, committed: Sequence[int]) -> 
     )
 
 
-__all__ = ["CallerError", "caller_errors", "request_failed"]
+__all__ = ["request_failed"]

@@ -30,6 +30,7 @@ from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.driver import Hold
 from shard.coordinator.service import complete
+from shard.coordinator.text import TextAdapter
 from shard.decode.draft import (
     Drafter,
 )
@@ -86,6 +87,7 @@ class CoordinatorHandle:
     address: str
     coordinator: Coordinator
     tokenizer: Tokenizer
+    text: TextAdapter  # the coordinator's one text adapter (its wire clients' and its API's)
     scheduler: Scheduler | None = None
     api: str | None = None  # the HTTP API's http://host:port when [api] listen is set
 
@@ -161,13 +163,10 @@ class _Listener:
     welcome: Welcome
     limits: Limits
     coordinator: Coordinator
-    tokenizer: Tokenizer
+    text: TextAdapter
     scheduler: Scheduler
     feed: StatusFeed
     endpoint: ReturnEndpoint
-    #: Tokenizing runs in a thread (shard.coordinator.service), one request at a time, never
-    #: behind a drafter's forward pass.
-    text_limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
 
     async def handle(self, conn: Connection) -> None:
         try:
@@ -181,13 +180,7 @@ class _Listener:
             serve = partial(self.scheduler.serve, hello=hello)
             await serve_one(conn, serve, what="control link")
         elif hello.role == "client":
-            client = partial(
-                _serve_client,
-                self.coordinator,
-                self.tokenizer,
-                text_limiter=self.text_limiter,
-                limits=self.limits,
-            )
+            client = partial(_serve_client, self.coordinator, self.text, limits=self.limits)
             await serve_one(conn, client, what="client link", node=node)
         elif hello.role == "monitor":  # the status feed: reads, may reset
             await serve_one(conn, self.feed.serve, what="monitor link", node=node)
@@ -287,7 +280,9 @@ async def run_coordinator(
         audits=scheduler.audit_counts,
     )
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
-    listener = _Listener(welcome, spec.limits, coordinator, tokenizer, scheduler, feed, endpoint)
+    # One text adapter (and one tokenizing thread) for the wire clients and the HTTP API.
+    text = TextAdapter(tokenizer)
+    listener = _Listener(welcome, spec.limits, coordinator, text, scheduler, feed, endpoint)
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
         await nursery.start(feed.run)
@@ -302,11 +297,11 @@ async def run_coordinator(
         with trio.fail_after(startup_timeout_s):
             await endpoint.joined.wait()
         api = make_server(
-            spec, coordinator, tokenizer, failovers=lambda: len(scheduler.statistics().recoveries)
+            spec, coordinator, text, failovers=lambda: len(scheduler.statistics().recoveries)
         )
         api_address = None if api is None else await _serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
-            CoordinatorHandle(name, bound, coordinator, tokenizer, scheduler, api_address)
+            CoordinatorHandle(name, bound, coordinator, tokenizer, text, scheduler, api_address)
         )
 
 
@@ -354,10 +349,9 @@ def _mesh_probe(spec: SwarmSpec, name: str, network: Network) -> Prober | None:
 
 async def _serve_client(
     coordinator: Coordinator,
-    tokenizer: Tokenizer,
+    text: TextAdapter,
     conn: Connection,
     *,
-    text_limiter: trio.CapacityLimiter,
     limits: Limits,
 ) -> None:
     """Serve one client connection: each ``GenerateRequest`` runs as its own task; replies
@@ -386,7 +380,7 @@ async def _serve_client(
         async def serve(request: GenerateRequest, emit: trio.MemorySendChannel[Message]) -> None:
             try:
                 async with emit:
-                    await complete(coordinator, tokenizer, request, emit.send, limiter=text_limiter)
+                    await complete(coordinator, text, request, emit.send)
             finally:
                 idle.end()
 

@@ -7,6 +7,7 @@ it; nothing else in ``src`` imports it.
                     ``batched_lies``, a tail that overstates, an audit tap)
     nat.py          a firewall and a tampering relay for NAT tests (``Firewall``,
                     ``TamperingHub``)
+    requests.py     ``generate_watching``: a request whose committed tokens a test watches
     cheat_node.py   ``python -m shard.testing.cheat_node KIND NODE ARGS``: ``shard ARGS`` with one
                     node's block cheating (process tests of audits)
     nat_node.py     ``python -m shard.testing.nat_node MODE ARGS``: ``shard ARGS`` with the relay
@@ -22,6 +23,7 @@ from shard.testing.checkpoints import (
     tiny_tokenizer,
 )
 from shard.testing.nat import Firewall, TamperingHub
+from shard.testing.requests import generate_watching
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -33,6 +35,7 @@ __all__ = [
     "OverstatingTail",
     "TamperingHub",
     "cheating",
+    "generate_watching",
     "make_tiny_checkpoint",
     "scale_upper_layers",
     "tiny_tokenizer",
