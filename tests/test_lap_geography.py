@@ -131,12 +131,12 @@ async def test_measured_lap_follows_the_predicted_lap(
 
             async with WebSocketNetwork() as network:
                 for rid, label in enumerate(plans, start=1):  # warm-up, discarded
-                    h = handles[label]
-                    await measure(network, h.coordinator, h.spec, prompt=PROMPT, tokens=4,
+                    h, spec = handles[label], specs[label][1]
+                    await measure(network, h.coordinator, spec, prompt=PROMPT, tokens=4,
                                   rid=rid, timeout_s=60.0)  # fmt: skip
                 for rid, label in enumerate(plans, start=10):
-                    h = handles[label]
-                    runs[label] = await measure(network, h.coordinator, h.spec, prompt=PROMPT,
+                    h, spec = handles[label], specs[label][1]
+                    runs[label] = await measure(network, h.coordinator, spec, prompt=PROMPT,
                                                 tokens=TOKENS, rid=rid, timeout_s=60.0)  # fmt: skip
             rings.cancel_scope.cancel()
     assert pids and not [pid for pid in pids if alive(pid)], "a node outlived the launcher"
