@@ -112,7 +112,7 @@ def test_to_hf_round_trips(d: dict[str, Any]) -> None:
         ({"num_key_value_heads": 5}, "multiple of n_kv_heads"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"hidden_size": None}, "not a usable Llama-family config"),
+        ({"hidden_size": None}, "missing required field .hidden_size."),
     ],
 )
 def test_unsupported_or_broken_configs(change: dict[str, Any], message: str) -> None:

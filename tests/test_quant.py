@@ -97,12 +97,15 @@ def test_kernel_dtype_is_bf16_only_with_bf16_instructions() -> None:
 
 
 def test_packed_bytes_per_parameter() -> None:
-    """int4 g32 holds 0.625 bytes a parameter in memory, int8 split 1.25, per channel ~1."""
+    """int4 g32 holds 0.625 bytes a parameter in memory with bf16 kernel scales (0.75 where
+    the host's kernels hold fp32 ones), int8 split twice that, per channel ~1."""
     w = _weight(n=256, k=512)
-    assert QuantLinear(quantize_int4(w)).nbytes() == 256 * 512 * 0.625
-    assert QuantLinear(quantize_int8(w, 32)).nbytes() == 256 * 512 * 1.25
+    scale_bytes = kernel_dtype(torch.device("cpu")).itemsize
+    int4 = 0.5 + 2 * scale_bytes / 32  # codes, and a scale and a zero per group of 32
+    assert QuantLinear(quantize_int4(w)).nbytes() == 256 * 512 * int4
+    assert QuantLinear(quantize_int8(w, 32)).nbytes() == 256 * 512 * 2 * int4  # two int4 products
     per_channel = QuantLinear(quantize_int8(w)).nbytes()
-    assert per_channel == 256 * 512 + 256 * kernel_dtype(torch.device("cpu")).itemsize
+    assert per_channel == 256 * 512 + 256 * scale_bytes
 
 
 def test_cpu_packing_by_row_blocks_equals_one_pack() -> None:

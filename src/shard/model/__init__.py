@@ -1,7 +1,9 @@
 """The model runtime: families, stage modules, weights kept quantized, loading, tokenizer.
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
+    config_fields.py  a config.json's fields read typed and bounded (Fields, ModelLoadError)
     families.py     each family's declared differences from a Llama, and MoeConfig (no torch)
+    jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
@@ -12,6 +14,7 @@
     quant_gguf.py   GGUF quant blocks mapped exactly onto quant.py's layouts
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
+    safetensors_header.py  the one checked reader of safetensors headers, indexes, quant tables
     tensorfile.py   a safetensors file read tensor by tensor into memory torch owns
     heap.py         freed temporaries handed back to the OS while a stage loads
     footprint.py    what a block weighs in memory, predicted from config.json (or headers)

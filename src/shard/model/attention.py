@@ -21,6 +21,7 @@ from shard.model.kvcache import KVCache
 from shard.model.linear import Linear
 
 __all__ = [
+    "ROPE_START",
     "Attention",
     "GemmaRMSNorm",
     "RMSNorm",
@@ -95,13 +96,24 @@ def _attention_factor(config: ModelConfig, local: bool) -> float:
     return 1.0 if rs.factor <= 1 else 0.1 * math.log(rs.factor) + 1.0
 
 
-def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[Tensor, Tensor]:
-    """``cos, sin`` of shape ``[max_position_embeddings, rotary_dim // 2]``, fp32 on CPU.
+#: Positions a model's rope tables start with; ``StageModel.new_cache`` grows them for a longer
+#: session. A table row depends on its position only (elementwise products and cos/sin), so its
+#: first rows are the same bits whatever its length (``tests/test_rope_tables.py``), and a
+#: config declaring 2^24 positions costs nothing until a session that long is opened.
+ROPE_START = 4096
+
+
+def rope_tables(
+    config: ModelConfig, *, local: bool = False, length: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """``cos, sin`` of shape ``[length, rotary_dim // 2]``, fp32 on CPU (``length``: at most
+    ``max_position_embeddings``, by default ``ROPE_START`` of them).
 
     HF stores ``cat(freqs, freqs)``; both halves are equal, so half the table suffices and
     ``apply_rotary`` pairs dimension ``i`` with ``i + rotary_dim/2`` (the rotate-half layout).
     """
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+    n = min(config.max_position_embeddings, ROPE_START if length is None else length)
+    positions = torch.arange(n, dtype=torch.float32, device="cpu")
     freqs = positions[:, None] * rope_inv_freq(config, local=local)[None, :]  # [P, R/2]
     scale = _attention_factor(config, local)
     if scale == 1.0:

@@ -8,13 +8,15 @@ coordinator and the planner read configs without paying for them.
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from shard.model.config_fields import MAX, Fields, ModelLoadError
 from shard.model.families import MoeConfig, family_fields
+from shard.model.jsonfile import read_json
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeScaling"]
 
@@ -35,8 +37,9 @@ ARCHITECTURES: dict[str, str] = {
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
-class ModelLoadError(Exception):
-    """A checkpoint cannot be used: the message says what is wrong and what to do."""
+#: The largest ``config.json`` read (real ones are a few KB; a Gemma 3's with its layer
+#: types and vision tables is under 4 KB).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @attrs.frozen
@@ -112,6 +115,20 @@ class ModelConfig:
         )
         _check(self.max_position_embeddings > 0, "max_position_embeddings must be positive")
         _check(
+            math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0,
+            f"rms_norm_eps must be a finite positive number, got {self.rms_norm_eps}",
+        )
+        _check(
+            math.isfinite(self.rope_theta) and self.rope_theta > 0,
+            f"rope_theta must be a finite positive number, got {self.rope_theta}",
+        )
+        ids = (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,)))
+        _check(
+            all(0 <= i < self.vocab_size for i in ids),
+            f"bos/eos token ids {ids} must lie in the vocabulary [0, {self.vocab_size})",
+        )
+        _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window > 0")
+        _check(
             self.hidden_act in ACTIVATIONS, f"hidden_act {self.hidden_act!r} not in {ACTIVATIONS}"
         )
         _check(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "the rotary part must be even")
@@ -128,6 +145,7 @@ class ModelConfig:
             _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
             _check(all(0 <= i < self.n_layers for i in m.sparse_layers), "sparse layer range")
             _check(m.n_experts % m.n_group == 0, "n_experts must be a multiple of n_group")
+            _check(0 < m.topk_group <= m.n_group, f"topk_group {m.topk_group} of {m.n_group}")
 
     @property
     def rotary_dim(self) -> int:
@@ -154,19 +172,21 @@ class ModelConfig:
         return ARCHITECTURES[self.arch]
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a HF ``config.json`` dict.
+    def from_hf(cls, d: Any, where: str = "config.json") -> ModelConfig:
+        """Build from a HF ``config.json`` dict (``where`` names the file in messages).
 
         Accepts both the classic layout (``rope_theta`` + ``rope_scaling``) and transformers 5's
-        ``rope_parameters``. Raises ``ModelLoadError`` for an unsupported architecture or
-        feature rather than silently computing something else.
+        ``rope_parameters``. Every field used is checked for its type and range
+        (``shard.model.config_fields``). Raises ``ModelLoadError`` (one line) for an
+        unsupported architecture or feature, or a field that is missing, mistyped or out of
+        range, rather than silently computing something else.
         """
         try:
-            return _from_hf(cls, d)
-        except (KeyError, TypeError, ValueError) as e:
+            return _from_hf(cls, Fields(d, where))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # a check this code missed
             raise ModelLoadError(
-                f"config.json is not a usable Llama-family config ({type(e).__name__}: {e}); check "
-                f"that the checkpoint is a causal LM of a supported family: {sorted(ARCHITECTURES)}"
+                f"{where} is not a usable config ({type(e).__name__}: {e}); check that the "
+                f"checkpoint is a causal LM of a supported family: {sorted(ARCHITECTURES)}"
             ) from e
 
     @classmethod
@@ -178,13 +198,8 @@ class ModelConfig:
                 f"no config.json in {path}: point at a Hugging Face checkpoint directory "
                 "(config.json + *.safetensors)"
             )
-        try:
-            d = json.loads(cfg.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"cannot read {cfg}: {e}; re-download the checkpoint") from e
-        if not isinstance(d, dict):
-            raise ModelLoadError(f"{cfg} is not a JSON object; re-download the checkpoint")
-        return cls.from_hf(d)
+        d = read_json(cfg, max_bytes=MAX_CONFIG_BYTES, error=ModelLoadError, what="config.json")
+        return cls.from_hf(d, str(cfg))
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` dict that transformers' ``*ForCausalLM`` classes accept.
@@ -233,71 +248,96 @@ class ModelConfig:
         return d
 
 
-def _from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
-    arch = _arch_of(d)
-    n_heads = int(d["num_attention_heads"])
-    hidden = int(d["hidden_size"])
-    rope = d.get("rope_parameters") or {}
-    if "full_attention" in rope:  # per layer type (Gemma 3 in transformers 5)
-        rope = rope["full_attention"] or {}
-    rope_theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    scaling = d.get("rope_scaling") or rope or None
-    if d.get("mlp_bias"):
+def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
+    arch = _arch_of(f)
+    n_heads = f.integer("num_attention_heads", hi=MAX["heads"])
+    hidden = f.integer("hidden_size", hi=MAX["width"])
+    n_layers = f.integer("num_hidden_layers", hi=MAX["layers"])
+    vocab = f.integer("vocab_size", hi=MAX["vocab"])
+    max_pos = f.integer("max_position_embeddings", hi=MAX["positions"])
+    rope = f.table("rope_parameters")
+    if rope is not None and rope.has("full_attention"):  # per layer type (Gemma 3, transformers 5)
+        rope = rope.table("full_attention")
+    rope_theta = (
+        f.real("rope_theta", lo=0, above=True)
+        if f.has("rope_theta")
+        else rope.real("rope_theta", 10000.0, lo=0, above=True)
+        if rope is not None
+        else 10000.0
+    )
+    scaling = f.table("rope_scaling") or rope
+    if f.flag("mlp_bias", False):
         raise ModelLoadError("mlp_bias=true is not supported; only bias-free MLPs are")
-    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    act = f.text("hidden_activation") or f.text("hidden_act") or "silu"
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"hidden_act {act!r} is not supported; only {ACTIVATIONS} are")
     sliding = None
     if arch in ("mistral", "mixtral", "gemma3_text", "gpt_oss"):
-        sliding = d.get("sliding_window")
-    elif d.get("use_sliding_window"):
+        sliding = f.opt_integer("sliding_window", hi=MAX["positions"])
+    elif f.flag("use_sliding_window", False):
         raise ModelLoadError(f"{arch} use_sliding_window=true is not supported; set it to false")
-    n_layers = int(d["num_hidden_layers"])
-    eos = d.get("eos_token_id")
-    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    head_dim = (
+        f.integer("head_dim", hi=MAX["width"])
+        if f.has("head_dim")
+        else _divided(hidden, n_heads, f)
+    )
     return cls(
         arch=arch,
-        vocab_size=int(d["vocab_size"]),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(d["intermediate_size"]),
+        intermediate_size=f.integer("intermediate_size", hi=MAX["ffn"]),
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-        head_dim=int(d.get("head_dim") or hidden // n_heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=f.integer("num_key_value_heads", n_heads, hi=n_heads),
+        head_dim=head_dim,
+        rms_norm_eps=f.real("rms_norm_eps", 1e-6, lo=0, hi=1, above=True),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(scaling, int(d["max_position_embeddings"])),
-        max_position_embeddings=int(d["max_position_embeddings"]),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(d.get("attention_bias", arch == "gpt_oss")),
-        bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
-        eos_token_ids=tuple(int(i) for i in eos_ids),
-        sliding_window=None if sliding is None else int(sliding),
-        **family_fields(arch, d, n_layers),
+        rope_scaling=_rope_scaling(scaling, max_pos),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=f.flag("tie_word_embeddings", False),
+        attention_bias=arch == "qwen2" or f.flag("attention_bias", arch == "gpt_oss"),
+        bos_token_id=f.opt_integer("bos_token_id", lo=0, hi=vocab - 1),
+        eos_token_ids=f.integers("eos_token_id", lo=0, hi=vocab - 1, most=64) or (),
+        sliding_window=sliding,
+        **family_fields(arch, f, n_layers),
     )
 
 
-def _arch_of(d: dict[str, Any]) -> str:
-    """The arch key from ``model_type``, falling back to ``architectures``."""
-    model_type = d.get("model_type")
+def _divided(hidden: int, n_heads: int, f: Fields) -> int:
+    """``hidden // n_heads``, refused when the heads do not divide the width."""
+    if hidden % n_heads:
+        raise f.error(
+            "num_attention_heads", f"a divisor of hidden_size ({hidden}) without head_dim", n_heads
+        )
+    return hidden // n_heads
+
+
+def _arch_of(f: Fields) -> str:
+    """The arch key from ``model_type``, else (no ``model_type``) from ``architectures``.
+
+    A ``model_type`` shard does not know is refused even when ``architectures`` names a class
+    it runs: the type says what the weights are, and guessing would compute something else."""
+    model_type = f.text("model_type")
     if model_type in ARCHITECTURES:
         return str(model_type)
-    for name in d.get("architectures") or ():
-        for arch, cls_name in ARCHITECTURES.items():
-            if name == cls_name:
-                return arch
-    found = model_type or d.get("architectures")
+    names = f.texts("architectures", most=16) or ()
+    if model_type is None:
+        for name in names:
+            for arch, cls_name in ARCHITECTURES.items():
+                if name == cls_name:
+                    return arch
+    found = model_type or list(names) or None
     raise ModelLoadError(
-        f"unsupported architecture {found!r}: shard runs {sorted(ARCHITECTURES)} "
+        f"{f.where}: unsupported architecture {found!r}: shard runs {sorted(ARCHITECTURES)} "
         "(model_type in config.json); convert or pick a supported checkpoint"
     )
 
 
-def _rope_scaling(d: dict[str, Any] | None, max_pos: int) -> RopeScaling | None:
-    """Parse a ``rope_scaling`` / ``rope_parameters`` dict; only ``llama3`` scaling is supported."""
-    if not d:
+def _rope_scaling(f: Fields | None, max_pos: int) -> RopeScaling | None:
+    """Parse a ``rope_scaling`` / ``rope_parameters`` table (``llama3``, ``yarn``, ``linear``)."""
+    if f is None:
         return None
-    kind = d.get("rope_type", d.get("type", "default"))
+    kind = f.text("rope_type") or f.text("type") or "default"
     if kind == "default":
         return None
     if kind not in ("llama3", "yarn", "linear"):
@@ -305,19 +345,20 @@ def _rope_scaling(d: dict[str, Any] | None, max_pos: int) -> RopeScaling | None:
             f"rope scaling type {kind!r} is not supported; shard implements 'llama3', 'yarn' "
             "and 'linear'"
         )
-    if kind == "yarn" and (d.get("mscale") or d.get("mscale_all_dim")):
+    if kind == "yarn" and (f.raw("mscale") or f.raw("mscale_all_dim")):
         raise ModelLoadError("yarn rope with mscale / mscale_all_dim is not supported")
-    attn_factor = d.get("attention_factor")
     return RopeScaling(
-        factor=float(d["factor"]),
-        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(d.get("original_max_position_embeddings", max_pos)),
-        kind=str(kind),
-        beta_fast=float(d.get("beta_fast") or 32.0),
-        beta_slow=float(d.get("beta_slow") or 1.0),
-        truncate=bool(d.get("truncate", True)),
-        attention_factor=None if attn_factor is None else float(attn_factor),
+        factor=f.real("factor", lo=0, above=True),
+        low_freq_factor=f.real("low_freq_factor", 1.0, lo=0, above=True),
+        high_freq_factor=f.real("high_freq_factor", 4.0, lo=0, above=True),
+        original_max_position_embeddings=f.integer(
+            "original_max_position_embeddings", max_pos, hi=MAX["positions"]
+        ),
+        kind=kind,
+        beta_fast=f.real("beta_fast", 32.0, lo=0, above=True),
+        beta_slow=f.real("beta_slow", 1.0, lo=0, above=True),
+        truncate=f.flag("truncate", True),
+        attention_factor=f.opt_real("attention_factor", lo=0, above=True),
     )
 
 

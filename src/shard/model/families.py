@@ -28,6 +28,8 @@ from typing import Any
 
 import attrs
 
+from shard.model.config_fields import MAX, Fields, ModelLoadError
+
 __all__ = ["MoeConfig", "family_fields", "layer_types_of"]
 
 
@@ -62,11 +64,11 @@ class MoeConfig:
     cast_weights: bool = False
 
 
-def layer_types_of(d: dict[str, Any], n_layers: int, pattern: int | None) -> tuple[str, ...]:
+def layer_types_of(f: Fields, n_layers: int, pattern: int | None) -> tuple[str, ...]:
     """``layer_types`` as transformers fills them: given, else every ``pattern``-th layer full."""
-    given = d.get("layer_types")
+    given = f.texts("layer_types", most=MAX["layers"])
     if given:
-        return tuple(str(t) for t in given)
+        return given
     if pattern is None:
         return ("full_attention",) * n_layers
     return tuple(
@@ -74,101 +76,126 @@ def layer_types_of(d: dict[str, Any], n_layers: int, pattern: int | None) -> tup
     )
 
 
-def family_fields(arch: str, d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+def family_fields(arch: str, f: Fields, n_layers: int) -> dict[str, Any]:
     """The ``ModelConfig`` fields ``arch`` sets beyond a Llama's (empty for llama/qwen2/mistral)."""
     if arch == "qwen3":
         return {"qk_norm": True}
     if arch == "gemma3_text":
-        return _gemma3(d, n_layers)
+        return _gemma3(f, n_layers)
     if arch == "mixtral":
-        moe = _softmax_moe(d, int(d["num_local_experts"]), tuple(range(n_layers)))
+        n_exp = f.integer("num_local_experts", hi=MAX["experts"])
+        moe = _softmax_moe(f, n_exp, tuple(range(n_layers)))
         return {"moe": attrs.evolve(moe, names="mixtral", norm_topk_prob=True)}
     if arch == "qwen3_moe":
-        step = int(d.get("decoder_sparse_step", 1))
-        dense = set(d.get("mlp_only_layers") or ())
-        n_exp = int(d.get("num_experts") or d["num_local_experts"])
+        step = f.integer("decoder_sparse_step", 1, hi=MAX["layers"])
+        dense = set(f.integers("mlp_only_layers", lo=0, hi=n_layers - 1, most=n_layers) or ())
+        key = "num_experts" if f.has("num_experts") else "num_local_experts"
+        n_exp = f.integer(key, lo=0, hi=MAX["experts"])
         sparse = tuple(
             i for i in range(n_layers) if i not in dense and n_exp > 0 and (i + 1) % step == 0
         )
+        if not sparse:  # a Qwen3-MoE with no expert layer is a dense Qwen3
+            return {"qk_norm": True}
         return {
             "qk_norm": True,
-            "moe": attrs.evolve(_softmax_moe(d, n_exp, sparse), cast_weights=True),
+            "moe": attrs.evolve(_softmax_moe(f, n_exp, sparse), cast_weights=True),
         }
     if arch == "gpt_oss":
-        return _gpt_oss(d, n_layers)
+        return _gpt_oss(f, n_layers)
     if arch == "glm4_moe":
-        return _glm4_moe(d, n_layers)
+        return _glm4_moe(f, n_layers)
     return {}
 
 
-def _softmax_moe(d: dict[str, Any], n_experts: int, sparse: tuple[int, ...]) -> MoeConfig:
+def _top_k(f: Fields, n_experts: int) -> int:
+    return f.integer("num_experts_per_tok", hi=max(1, n_experts))
+
+
+def _softmax_moe(f: Fields, n_experts: int, sparse: tuple[int, ...]) -> MoeConfig:
+    key = "moe_intermediate_size" if f.has("moe_intermediate_size") else "intermediate_size"
     return MoeConfig(
         router="softmax",
         experts="swiglu",
         n_experts=n_experts,
-        top_k=int(d["num_experts_per_tok"]),
-        expert_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        top_k=_top_k(f, n_experts),
+        expert_size=f.integer(key, hi=MAX["ffn"]),
         sparse_layers=sparse,
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        norm_topk_prob=f.flag("norm_topk_prob", True),
     )
 
 
-def _gemma3(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    if d.get("attn_logit_softcapping") is not None:
-        raise ValueError("Gemma attn_logit_softcapping is not supported (Gemma 3 leaves it null)")
-    rope = d.get("rope_parameters") or {}
-    local = rope.get("sliding_attention") or {}
-    cap = d.get("final_logit_softcapping")
+def _gemma3(f: Fields, n_layers: int) -> dict[str, Any]:
+    if f.has("attn_logit_softcapping"):
+        raise ModelLoadError(
+            f"{f.where}: Gemma attn_logit_softcapping is not supported (Gemma 3 leaves it null)"
+        )
+    rope = f.table("rope_parameters")
+    local = rope.table("sliding_attention") if rope is not None else None
+    local_theta = (
+        local.real("rope_theta", lo=0, above=True)
+        if local is not None and local.has("rope_theta")
+        else f.real("rope_local_base_freq", 10000.0, lo=0, above=True)
+    )
+    act = f.text("hidden_activation") or f.text("hidden_act") or "gelu_pytorch_tanh"
+    pattern = f.integer("sliding_window_pattern", 6, hi=MAX["layers"])
     return {
         "norm_unit_offset": True,
         "sandwich_norms": True,
         "embed_scale": True,
         "qk_norm": True,
-        "hidden_act": str(d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
-        "attn_scale": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "final_logit_softcapping": None if cap is None else float(cap),
-        "layer_types": layer_types_of(d, n_layers, int(d.get("sliding_window_pattern", 6))),
-        "rope_local_theta": float(
-            local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0
-        ),
+        "hidden_act": act,
+        "attn_scale": f.real("query_pre_attn_scalar", 256, lo=0, above=True) ** -0.5,
+        "final_logit_softcapping": f.opt_real("final_logit_softcapping", lo=0, above=True),
+        "layer_types": layer_types_of(f, n_layers, pattern),
+        "rope_local_theta": local_theta,
     }
 
 
-def _gpt_oss(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+def _gpt_oss(f: Fields, n_layers: int) -> dict[str, Any]:
+    n_exp = f.integer("num_local_experts", hi=MAX["experts"])
     moe = MoeConfig(
         router="topk_softmax",
         experts="clamped_swiglu",
-        n_experts=int(d["num_local_experts"]),
-        top_k=int(d["num_experts_per_tok"]),
-        expert_size=int(d["intermediate_size"]),
+        n_experts=n_exp,
+        top_k=_top_k(f, n_exp),
+        expert_size=f.integer("intermediate_size", hi=MAX["ffn"]),
         sparse_layers=tuple(range(n_layers)),
-        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+        swiglu_alpha=f.real("swiglu_alpha", 1.702, lo=0, above=True),
+        swiglu_limit=f.real("swiglu_limit", 7.0, lo=0, above=True),
     )
-    bias = bool(d.get("attention_bias", True))
+    bias = f.flag("attention_bias", True)
     return {
         "moe": moe,
         "attention_sinks": True,
         "o_proj_bias": bias,
-        "layer_types": layer_types_of(d, n_layers, 2),
+        "layer_types": layer_types_of(f, n_layers, 2),
     }
 
 
-def _glm4_moe(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    first_dense = int(d.get("first_k_dense_replace", 1))
+def _glm4_moe(f: Fields, n_layers: int) -> dict[str, Any]:
+    first_dense = f.integer("first_k_dense_replace", 1, lo=0, hi=n_layers)
+    key = "n_routed_experts" if f.has("n_routed_experts") else "num_local_experts"
+    n_exp = f.integer(key, hi=MAX["experts"])
     moe = MoeConfig(
         router="sigmoid_group",
         experts="swiglu",
-        n_experts=int(d.get("n_routed_experts") or d["num_local_experts"]),
-        top_k=int(d["num_experts_per_tok"]),
-        expert_size=int(d["moe_intermediate_size"]),
+        n_experts=n_exp,
+        top_k=_top_k(f, n_exp),
+        expert_size=f.integer("moe_intermediate_size", hi=MAX["ffn"]),
         sparse_layers=tuple(range(first_dense, n_layers)),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        n_shared_experts=int(d.get("n_shared_experts", 1)),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        n_group=int(d.get("n_group", 1)),
-        topk_group=int(d.get("topk_group", 1)),
+        norm_topk_prob=f.flag("norm_topk_prob", True),
+        n_shared_experts=f.integer("n_shared_experts", 1, lo=0, hi=MAX["experts"]),
+        routed_scaling_factor=f.real("routed_scaling_factor", 1.0, lo=0, above=True),
+        n_group=f.integer("n_group", 1, hi=max(1, n_exp)),
+        topk_group=f.integer("topk_group", 1, hi=max(1, n_exp)),
     )
-    rope = d.get("rope_parameters") or {}
-    partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
-    return {"moe": moe, "qk_norm": bool(d.get("use_qk_norm", False)), "partial_rotary": partial}
+    rope = f.table("rope_parameters")
+    key = "partial_rotary_factor"
+    partial = (
+        f.real(key, lo=0, hi=1, above=True)
+        if f.has(key)
+        else rope.real(key, lo=0, hi=1, above=True)
+        if rope is not None and rope.has(key)
+        else 0.5
+    )
+    return {"moe": moe, "qk_norm": f.flag("use_qk_norm", False), "partial_rotary": partial}

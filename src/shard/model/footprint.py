@@ -23,12 +23,9 @@ quantized), tensor by tensor as the loader installs it (``QuantLinear``'s paths)
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -39,6 +36,13 @@ from shard.model.config import ModelConfig
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
+from shard.model.safetensors_header import (
+    INDEX_FILE,
+    SafetensorsError,
+    quant_entries,
+    read_header,
+    read_index,
+)
 
 __all__ = ["Footprint", "FootprintError", "measured", "predict", "stored"]
 
@@ -179,9 +183,7 @@ class _Pricer:
         return 0  # the very embedding tensor
 
 
-_QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it, the loader reads it
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_HEADER_LIMIT = 100 << 20  # a safetensors header is a few MB at most
 _EMBED = "model.embed_tokens.weight"
 _KERNEL = {2: "BF16", 4: "F32"}  # the int4 kernel's scale bytes as a safetensors dtype
 
@@ -215,16 +217,15 @@ def stored(
         return None
     if dtype not in _DENSE:
         raise FootprintError(f"dtype {dtype!r} is not one of {', '.join(_DENSE)}")
+    if (model_dir / INDEX_FILE).exists():  # checked as strictly as the loader checks it
+        try:
+            read_index(model_dir)
+        except SafetensorsError as e:
+            raise FootprintError(f"{e}; re-download the checkpoint") from None
     price = _Installed(_DENSE[dtype], 2 if bf16_kernels else 4)
     tensors: dict[str, _Stored] = {}
     for path in files:
-        try:
-            tensors |= _stored_tensors(path)
-        except (KeyError, TypeError, ValueError) as e:  # a header not as the converter writes
-            raise FootprintError(
-                f"the safetensors header of {path} is malformed ({e!r}); re-download or "
-                "re-convert the checkpoint"
-            ) from e
+        tensors |= _stored_tensors(path)
     layers, norm = [0] * config.n_layers, 0
     for name, t in tensors.items():
         m = _LAYER.match(name)
@@ -299,52 +300,32 @@ class _Installed:
 
 def _stored_tensors(path: Path) -> dict[str, _Stored]:
     """Every weight of one safetensors file, a quantized one with its ``.scale`` and
-    ``.offset`` folded in (``shard.quant`` metadata), from the header alone."""
-    header = _header(path)
-    quant: dict[str, Any] = json.loads(
-        (header.get("__metadata__") or {}).get(_QUANT_METADATA, "{}")
-    )
-    nbytes = {}
-    for name, entry in header.items():
-        if name != "__metadata__" and isinstance(entry, dict):
-            first, last = entry["data_offsets"]
-            nbytes[name] = int(last) - int(first)
+    ``.offset`` folded in (``shard.quant`` metadata), from the checked header alone
+    (``shard.model.safetensors_header``, as strict as the loader). Errors: ``FootprintError``."""
+    try:
+        header = read_header(path)
+        quant = quant_entries(header)
+    except SafetensorsError as e:
+        raise FootprintError(f"{e}; re-download or re-convert the checkpoint") from None
     out = {}
-    for name, size in nbytes.items():
+    for name, entry in header.entries.items():
         base, _, part = name.rpartition(".")
         if part in ("scale", "offset") and base in quant:
             continue  # folded into its codes' entry
-        meta = quant.get(name)
-        if meta is None:
-            out[name] = _Stored(tuple(int(d) for d in header[name]["shape"]), size)
+        q = quant.get(name)
+        if q is None:
+            out[name] = _Stored(entry.shape, entry.nbytes)
             continue
-        extra = [f"{name}.scale", f"{name}.offset"]
+        extra = [header.entries.get(f"{name}.{e}") for e in ("scale", "offset")]
         out[name] = _Stored(
-            tuple(int(d) for d in meta["shape"]),
-            size + sum(nbytes.get(e, 0) for e in extra),
-            str(meta["kind"]),
-            int(meta["group"]),
-            f"{name}.offset" in nbytes,
-            str(header[f"{name}.scale"]["dtype"]),
+            q.shape,
+            entry.nbytes + sum(e.nbytes for e in extra if e is not None),
+            q.kind,
+            q.group,
+            q.has_offset,
+            q.scale_dtype,
         )
     return out
-
-
-def _header(path: Path) -> dict[str, Any]:
-    """A safetensors file's JSON header. Errors: ``FootprintError`` when unreadable."""
-    try:
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > _HEADER_LIMIT:
-                raise ValueError(f"a header of {length} bytes")
-            header = json.loads(f.read(length))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (OSError, ValueError, struct.error) as e:
-        raise FootprintError(
-            f"cannot read the safetensors header of {path}: {e}; re-download the checkpoint"
-        ) from e
-    return header
 
 
 def measured(stage: StageModel) -> int:

@@ -156,6 +156,25 @@ class StageModel(nn.Module):
             local = rope_tables(config, local=True)
         self.register_buffer("rope_local_cos", local and local[0], persistent=False)
         self.register_buffer("rope_local_sin", local and local[1], persistent=False)
+        self._retired_ropes: list[tuple[Tensor | None, Tensor | None]] = []
+
+    def cover_positions(self, n: int) -> None:
+        """Grow the rope tables (``ROPE_START`` rows at first) to cover positions ``[0, n)``,
+        at least doubling them. The first rows keep their bits, and the tables they replace
+        stay referenced: a captured CUDA graph of an older session still reads those."""
+        have = int(self.rope_cos.shape[0])
+        if n <= have:
+            return
+        length = min(self.config.max_position_embeddings, max(n, 2 * have))
+        device, dtype = self.rope_cos.device, self.rope_cos.dtype
+        self._retired_ropes.append((self.rope_cos, self.rope_sin))
+        cos, sin = rope_tables(self.config, length=length)
+        self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+        if self.rope_local_cos is not None:
+            self._retired_ropes.append((self.rope_local_cos, self.rope_local_sin))
+            cos, sin = rope_tables(self.config, local=True, length=length)
+            self.rope_local_cos = cos.to(device, dtype)
+            self.rope_local_sin = sin.to(device, dtype)
 
     def blocks(self) -> list[Block]:
         """The layers, typed."""
@@ -228,6 +247,7 @@ class StageModel(nn.Module):
                 f"max_len {max_len} exceeds the model's max_position_embeddings "
                 f"{self.config.max_position_embeddings}; open a shorter session"
             )
+        self.cover_positions(max_len)
         c = self.config
         return KVCache.empty(
             len(self.layers),

@@ -19,7 +19,6 @@ tensor, a shape mismatch, an unsupported architecture, a bad layer range) is a
 
 from __future__ import annotations
 
-import json
 import struct
 from collections import defaultdict
 from pathlib import Path
@@ -41,6 +40,7 @@ from shard.model.quant import (
     quantize_int4,
     quantize_int8,
 )
+from shard.model.safetensors_header import SafetensorsError, quant_entries, read_index
 from shard.model.tensorfile import TensorFile, open_tensors
 from shard.model.weights import QUANTIZED_WEIGHTS, check_weights, resolve_weights
 
@@ -149,15 +149,9 @@ def checkpoint_index(model_dir: Path) -> dict[str, str]:
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"cannot read {index}: {e}; re-download the checkpoint") from e
-        for file in sorted(set(weight_map.values())):
-            if not (model_dir / file).is_file():
-                raise ModelLoadError(
-                    f"{index} names shard {file!r} which is missing; re-download the checkpoint"
-                )
-        return {str(k): str(v) for k, v in weight_map.items()}
+            return read_index(model_dir)
+        except SafetensorsError as e:
+            raise ModelLoadError(f"{e}; re-download the checkpoint") from None
     single = model_dir / SINGLE_FILE
     if not single.is_file():
         raise ModelLoadError(
@@ -195,7 +189,7 @@ def _load_file(
     """Read ``names`` (local -> checkpoint name) from one file into ``stage``, checking shapes."""
     try:
         with open_tensors(path, device) as f:
-            quant = json.loads((f.metadata() or {}).get(QUANT_METADATA, "{}"))
+            quant = {name: attrs.asdict(q) for name, q in quant_entries(f.header).items()}
             for local, remote in names.items():
                 param = stage.get_parameter(local)
                 if remote not in quant and f"{remote}.0" in quant:

@@ -106,10 +106,10 @@ def measure_layer_ms(
     layer = layer.to(device=device, dtype=dtype)
     if weights in ("stored", "int4", "int8"):
         _quantize_linears(layer, "int8" if weights == "int8" else "int4", device)
-    cos, sin = rope_tables(config)
     longest = _CONTEXT + max(rows)
     if longest > config.max_position_embeddings:
         raise ValueError(f"a {max(rows)}-token chunk does not fit the model's context")
+    cos, sin = rope_tables(config, length=longest)
     cache = KVCache.empty(
         1, 1, config.n_kv_heads, longest, config.head_dim, dtype=dtype, device=device
     )

@@ -8,25 +8,25 @@ copy, no map, nothing resident but what the loader keeps (and the page cache, wh
 kernel does not count against the process). A torch allocation is 64-byte aligned, which the
 CPU kernels' summation order depends on (``shard.model.loader``).
 
-The header is checked before any data is read: a JSON object of entries with a known dtype,
-a shape and ``data_offsets`` that fit the file and agree with the shape. Errors:
-``TensorFileError`` (a ``ValueError``) saying what is wrong; the loader turns it into its
-"cannot read ... re-download" error.
+The header is checked before any data is read, by ``shard.model.safetensors_header`` (the one
+reader of safetensors headers): known dtypes, shapes and ``data_offsets`` that fit the file,
+agree with each other and do not overlap. Errors: ``TensorFileError`` (``SafetensorsError``, a
+``ValueError``) saying what is wrong; the loader turns it into its "cannot read ...
+re-download" error.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import torch
 from torch import Tensor
+
+from shard.model.safetensors_header import Header, SafetensorsError, read_header
 
 __all__ = ["TensorFile", "TensorFileError", "open_tensors"]
 
@@ -41,15 +41,18 @@ DTYPES: Final = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
-#: A header larger than this is refused (safetensors' own limit is 100 MB).
-MAX_HEADER: Final = 100 * 2**20
 #: One ``pread`` at most this many bytes (Linux caps a read near 2 GiB).
 CHUNK: Final = 1 << 30
 
 
-class TensorFileError(ValueError):
-    """A safetensors file whose header or data cannot be read; ``str()`` says what."""
+TensorFileError = SafetensorsError  # a ValueError whose message names the file and field
 
 
 class TensorFile:
@@ -58,36 +61,27 @@ class TensorFile:
 
     def __init__(self, path: Path, device: torch.device | str = "cpu") -> None:
         self.path, self.device = Path(path), torch.device(device)
-        self._fd = os.open(self.path, os.O_RDONLY)
         try:
-            self._size = os.fstat(self._fd).st_size
-            raw = self._read(0, 8)
-            (length,) = struct.unpack("<Q", raw)
-            if length > min(MAX_HEADER, self._size - 8):
-                raise TensorFileError(f"header of {length} bytes in a {self._size}-byte file")
-            header = json.loads(self._read(8, length))
-            if not isinstance(header, dict):
-                raise TensorFileError("header is not a JSON object")
-            self._metadata = header.pop("__metadata__", None) or {}
-            self._base = 8 + length
-            self._entries = {str(k): self._entry(str(k), v) for k, v in header.items()}
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise TensorFileError(f"{self.path}: cannot open it ({e.strerror or e})") from None
+        try:
+            header = read_header(self.path, self._fd)
+            self._size = header.size
+            self._metadata = header.metadata
+            self._entries = {
+                name: (DTYPES[e.dtype], e.shape, e.start, e.nbytes)
+                for name, e in header.entries.items()
+            }
+            self._header = header
         except BaseException:
             os.close(self._fd)
             raise
 
-    def _entry(self, name: str, entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(n) for n in entry["shape"])
-            start, stop = (int(n) for n in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise TensorFileError(f"tensor {name!r} has a bad header entry: {e!r}") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if min(shape, default=0) < 0 or stop - start != nbytes or start < 0:
-            raise TensorFileError(f"tensor {name!r}: offsets {start}..{stop} for shape {shape}")
-        if self._base + stop > self._size:
-            raise TensorFileError(f"tensor {name!r} runs past the end of the file (truncated)")
-        return dtype, shape, self._base + start, nbytes
+    @property
+    def header(self) -> Header:
+        """The checked header (``shard.model.safetensors_header``)."""
+        return self._header
 
     def _read(self, offset: int, n: int) -> bytes:
         data = os.pread(self._fd, n, offset)

@@ -19,12 +19,12 @@ reference resolve alike.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Final
 
 import torch
+
+from shard.model.safetensors_header import SafetensorsError, quant_entries, read_header
 
 __all__ = [
     "QUANTIZED_WEIGHTS",
@@ -37,9 +37,6 @@ __all__ = [
 
 WEIGHTS: Final = ("stored", "float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED_WEIGHTS: Final = frozenset({"stored", "int8", "int4"})
-
-_QUANT_METADATA: Final = "shard.quant"  # as shard.model.gguf_import writes it
-_HEADER_LIMIT: Final = 100 << 20  # a safetensors header is a few MB at most
 
 
 class WeightsError(ValueError):
@@ -80,17 +77,9 @@ def resolve_weights(weights: str | None, model_dir: Path, dtype: torch.dtype) ->
 
 def _lists_quantized(path: Path) -> bool:
     """Whether the safetensors header of ``path`` lists quantized tensors; False for a file
-    too short or malformed to say (the loader reports those when it reads the file)."""
+    too short or malformed to say (the loader refuses those, in one line, when it reads the
+    file)."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                return False
-            (length,) = struct.unpack("<Q", raw)
-            if length > _HEADER_LIMIT:
-                return False
-            header = json.loads(f.read(length))
-        meta = header.get("__metadata__") or {}
-        return bool(json.loads(meta.get(_QUANT_METADATA) or "{}"))
-    except (OSError, ValueError, AttributeError, TypeError):
+        return bool(quant_entries(read_header(path)))
+    except SafetensorsError:
         return False

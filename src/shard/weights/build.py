@@ -10,12 +10,10 @@ Errors: ``ManifestInvalid`` for a directory that is not a usable checkpoint, nam
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
-from typing import Any
 
 from shard.model.config import ModelConfig, ModelLoadError
+from shard.model.safetensors_header import SafetensorsError, read_header
 from shard.weights.manifest import DEFAULT_CHUNK_SIZE, TOKENIZER_FILES, Manifest
 from shard.weights.schema import (
     FileEntry,
@@ -29,7 +27,6 @@ from shard.weights.schema import (
 __all__ = ["build_manifest", "hash_file", "safetensors_tensors", "tokenizer_hash"]
 
 #: A safetensors header larger than this is refused (real ones are well under a few MiB).
-MAX_SAFETENSORS_HEADER = 100 << 20
 
 
 def build_manifest(
@@ -95,38 +92,15 @@ def safetensors_tensors(path: Path, rel: str) -> tuple[int, dict[str, TensorEntr
 
     Errors: ``ManifestInvalid`` for a file whose header is not safetensors.
     """
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise ManifestInvalid(f"{path}: too short to be safetensors")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_SAFETENSORS_HEADER:
-            raise ManifestInvalid(f"{path}: header of {length} bytes; not a safetensors file")
-        raw = f.read(length)
     try:
-        header: dict[str, Any] = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ManifestInvalid(f"{path}: safetensors header is not JSON ({exc})") from None
-    base = 8 + length
-    tensors: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            entry = TensorEntry(
-                rel,
-                base + begin,
-                base + end,
-                str(info["dtype"]),
-                tuple(int(d) for d in info["shape"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestInvalid(
-                f"{path}: tensor {name!r} has a bad header entry ({exc})"
-            ) from None
-        tensors[name] = entry
-    return base, tensors
+        header = read_header(path)
+    except SafetensorsError as exc:
+        raise ManifestInvalid(str(exc)) from None
+    tensors = {
+        name: TensorEntry(rel, e.start, e.stop, e.dtype, e.shape)
+        for name, e in header.entries.items()
+    }
+    return header.base, tensors
 
 
 def tokenizer_hash(model_dir: Path) -> str:

@@ -185,6 +185,12 @@ class DraftHead(nn.Module):
         t = self.config.target
         if max_len > t.max_position_embeddings:
             raise HeadError(f"max_len {max_len} exceeds {t.max_position_embeddings} positions")
+        if max_len > self.rope_cos.shape[0]:  # a longer session: longer tables, same first rows
+            cos, sin = rope_tables(t, length=max_len)
+            self.rope_cos, self.rope_sin = (
+                cos.to(self.rope_cos.device),
+                sin.to(self.rope_cos.device),
+            )
         return KVCache.empty(
             self.config.layers,
             1,

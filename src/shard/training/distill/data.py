@@ -216,6 +216,7 @@ def hidden_states(model: StageModel, ids: Tensor) -> Tensor:
     """
     assert model.embed_tokens is not None and model.norm is not None
     s = ids.shape[1]
+    model.cover_positions(s)
     h = model.embed_tokens(ids)  # [B, S, D]
     rope = (model.rope_cos[:s].to(h.dtype), model.rope_sin[:s].to(h.dtype))  # [S, Dh/2] each
     mask = _causal(s, model.config.sliding_window)  # [S, S]
