@@ -12,6 +12,7 @@
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
     quant_gguf.py   GGUF quant blocks mapped exactly onto quant.py's layouts
+    fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
     safetensors_header.py  the one checked reader of safetensors headers, indexes, quant tables

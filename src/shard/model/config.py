@@ -100,6 +100,8 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
     o_proj_bias: bool = False
     moe: MoeConfig | None = None
+    # FP8 block-scaled weights (``quantization_config``, ``shard.model.fp8``): [rows, cols]
+    weight_block: tuple[int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
         _check(self.arch in ARCHITECTURES, f"unsupported architecture {self.arch!r}")
@@ -299,8 +301,29 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         bos_token_id=f.opt_integer("bos_token_id", lo=0, hi=vocab - 1),
         eos_token_ids=f.integers("eos_token_id", lo=0, hi=vocab - 1, most=64) or (),
         sliding_window=sliding,
+        weight_block=_weight_block(f.table("quantization_config")),
         **family_fields(arch, f, n_layers),
     )
+
+
+def _weight_block(q: Fields | None) -> tuple[int, int] | None:
+    """The block of an FP8 checkpoint's scales (``quantization_config``), or None."""
+    if q is None:
+        return None
+    method = q.text("quant_method")
+    if method != "fp8":
+        raise ModelLoadError(
+            f"{q.where}: quant_method {method!r} is not supported; shard reads FP8 block-scaled "
+            "checkpoints (quant_method 'fp8') and the stored GGUF quantizations `shard convert` "
+            "writes"
+        )
+    fmt = q.text("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise q.error("fmt", "'e4m3'", fmt)
+    block = q.integers("weight_block_size", lo=1, hi=MAX["width"], most=2)
+    if block is None or len(block) != 2:
+        raise q.error("weight_block_size", "[rows, cols] (per-tensor FP8 is not supported)", block)
+    return block[0], block[1]
 
 
 def _divided(hidden: int, n_heads: int, f: Fields) -> int:

@@ -38,6 +38,7 @@ from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
 from shard.model.safetensors_header import (
     INDEX_FILE,
+    Entry,
     SafetensorsError,
     quant_entries,
     read_header,
@@ -225,7 +226,7 @@ def stored(
     price = _Installed(_DENSE[dtype], 2 if bf16_kernels else 4)
     tensors: dict[str, _Stored] = {}
     for path in files:
-        tensors |= _stored_tensors(path)
+        tensors |= _stored_tensors(path, config.weight_block)
     layers, norm = [0] * config.n_layers, 0
     for name, t in tensors.items():
         m = _LAYER.match(name)
@@ -298,20 +299,27 @@ class _Installed:
         return count * self.dense
 
 
-def _stored_tensors(path: Path) -> dict[str, _Stored]:
+def _stored_tensors(path: Path, block: tuple[int, int] | None) -> dict[str, _Stored]:
     """Every weight of one safetensors file, a quantized one with its ``.scale`` and
-    ``.offset`` folded in (``shard.quant`` metadata), from the checked header alone
-    (``shard.model.safetensors_header``, as strict as the loader). Errors: ``FootprintError``."""
+    ``.offset`` folded in (``shard.quant`` metadata), a published FP8 one with its
+    ``weight_scale_inv`` (``block``: the config's, ``shard.model.fp8``), from the checked
+    header alone (``shard.model.safetensors_header``, as strict as the loader). Errors:
+    ``FootprintError``."""
     try:
         header = read_header(path)
         quant = quant_entries(header)
     except SafetensorsError as e:
         raise FootprintError(f"{e}; re-download or re-convert the checkpoint") from None
+    fp8 = {n: _fp8(e, block) for n, e in header.entries.items() if e.dtype == "F8_E4M3"}
+    scales = {n.removesuffix("weight") + "weight_scale_inv" for n in fp8}
     out = {}
     for name, entry in header.entries.items():
         base, _, part = name.rpartition(".")
-        if part in ("scale", "offset") and base in quant:
+        if (part in ("scale", "offset") and base in quant) or name in scales:
             continue  # folded into its codes' entry
+        if name in fp8:
+            out[name] = fp8[name]
+            continue
         q = quant.get(name)
         if q is None:
             out[name] = _Stored(entry.shape, entry.nbytes)
@@ -326,6 +334,16 @@ def _stored_tensors(path: Path) -> dict[str, _Stored]:
             q.scale_dtype,
         )
     return out
+
+
+def _fp8(entry: Entry, block: tuple[int, int] | None) -> _Stored:
+    """An FP8 weight as the loader installs it (``shard.model.fp8.fp8_weight``): its codes
+    and a float32 scale per row and column block, or dense when ``K`` is not a multiple of
+    the block (or the config names no block: the loader then refuses it)."""
+    n, k = entry.shape if len(entry.shape) == 2 else (0, 0)
+    if block is None or not n or k % block[1]:
+        return _Stored(entry.shape, entry.nbytes)
+    return _Stored(entry.shape, n * k + 4 * n * (k // block[1]), "fp8", block[1], False, "F32")
 
 
 def measured(stage: StageModel) -> int:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from shard.model import heap
 from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
+from shard.model.fp8 import fp8_weight
 from shard.model.llama import StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import (
@@ -202,6 +203,14 @@ def _load_file(
                         f"tensor {remote!r} in {path.name} has shape {list(got)} but the config "
                         f"expects {list(param.shape)}; config.json and weights disagree"
                     )
+                if f.header.entries[remote].dtype == "F8_E4M3":  # a published FP8 weight
+                    w = _read_fp8(f, remote, stage.config)
+                    if isinstance(w, Quantized):
+                        _place(stage, local, w, None, dtype, device, weights)
+                    else:
+                        _place(stage, local, None, w.to(dtype), dtype, device, weights)
+                    heap.trim()
+                    continue
                 if param.dim() == 3 and remote not in quant and _fused_fits(got, weights):
                     _place_fused(stage, local, f, remote, weights)
                     heap.trim()
@@ -221,6 +230,24 @@ def _load_file(
         raise
     except (OSError, ValueError, KeyError, struct.error) as e:  # a corrupt or truncated file
         raise ModelLoadError(f"cannot read {path}: {e}; re-download the checkpoint") from e
+
+
+def _read_fp8(f: TensorFile, name: str, config: ModelConfig) -> Quantized | Tensor:
+    """An FP8 weight and its ``weight_scale_inv`` (``shard.model.fp8``), as stored or dense."""
+    scale = name.removesuffix("weight") + "weight_scale_inv"
+    if config.weight_block is None:
+        raise ModelLoadError(
+            f"{f.path}: {name!r} is FP8 but config.json has no quantization_config with its "
+            "weight_block_size; re-download the checkpoint's config.json"
+        )
+    if scale not in f.header.entries:
+        raise ModelLoadError(
+            f"{f.path}: FP8 weight {name!r} has no {scale!r} beside it in the same file"
+        )
+    try:
+        return fp8_weight(f.get_tensor(name), f.get_tensor(scale), config.weight_block)
+    except ValueError as e:
+        raise ModelLoadError(f"{f.path}: {name!r}: {e}") from None
 
 
 def _read_quantized(f: TensorFile, name: str, meta: dict[str, Any]) -> Quantized:

@@ -56,15 +56,16 @@ __all__ = [
 #: Group sizes the int4 kernels take.
 KERNEL_GROUPS: Final = frozenset({32, 64, 128, 256})
 
-Kind = Literal["int4", "int8"]
+Kind = Literal["int4", "int8", "fp8"]
 
 
 @attrs.frozen
 class Quantized:
     """``w = scale * code + offset`` per group of ``group`` columns (module docstring).
 
-    ``codes``: uint8 ``[N, K // 2]`` (int4) or int8 ``[N, K]`` (int8); ``scale``, ``offset``:
-    float32 ``[N, K // group]`` (``offset`` None: zero).
+    ``codes``: uint8 ``[N, K // 2]`` (int4), int8 ``[N, K]`` (int8) or float8_e4m3fn ``[N, K]``
+    (fp8: a published FP8 weight, ``shard.model.fp8``); ``scale``, ``offset``: float32
+    ``[N, K // group]`` (``offset`` None: zero).
     """
 
     kind: Kind
@@ -79,9 +80,10 @@ class Quantized:
         return int(n), int(g) * self.group
 
     def int_codes(self, rows: Tensor | None = None) -> Tensor:
-        """Integer codes ``[N, K]`` (uint8 for int4, int8 for int8), of ``rows`` when given."""
+        """Codes ``[N, K]`` (uint8 for int4, int8 for int8, float8_e4m3fn for fp8), of ``rows``
+        when given."""
         codes = self.codes if rows is None else self.codes.index_select(0, rows)
-        if self.kind == "int8":
+        if self.kind != "int4":
             return codes
         return torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # [R, K]: even, odd
 

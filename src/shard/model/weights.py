@@ -76,10 +76,16 @@ def resolve_weights(weights: str | None, model_dir: Path, dtype: torch.dtype) ->
 
 
 def _lists_quantized(path: Path) -> bool:
-    """Whether the safetensors header of ``path`` lists quantized tensors; False for a file
+    """Whether the safetensors header of ``path`` lists quantized tensors (``shard.quant``, or
+    published FP8 weights: ``shard.model.fp8``); False for a file
     too short or malformed to say (the loader refuses those, in one line, when it reads the
     file)."""
     try:
-        return bool(quant_entries(read_header(path)))
+        header = read_header(path)
+    except SafetensorsError:
+        return False
+    try:
+        fp8 = any(e.dtype == "F8_E4M3" for e in header.entries.values())
+        return fp8 or bool(quant_entries(header))
     except SafetensorsError:
         return False
