@@ -10,7 +10,9 @@ shards with an index, a small ``max_shard_size``) next to the tiny byte-level to
 The configs turn on what makes each family differ: Gemma 3 alternates sliding (window 8, its
 own rope base) and full layers with linear rope scaling, a ``query_pre_attn_scalar`` unlike
 the head size and final logit softcapping; gpt-oss alternates windows with YaRN; GLM has a
-dense first layer, 2 expert groups of 4, a shared expert and partial rotary.
+dense first layer, 2 expert groups of 4, a shared expert and partial rotary; MiniMax-M2 has
+8 experts under a sigmoid router with a (redrawn, so non-zero) correction bias, q/k norms over
+all heads and half of each head rotated.
 """
 
 from __future__ import annotations
@@ -131,6 +133,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "partial_rotary_factor": 0.5,
         },
     ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "rotary_dim": 8,
+        },
+    ),
 }
 
 #: Families saved sharded (``model.safetensors.index.json``) rather than as one file.
@@ -166,10 +178,12 @@ def _redraw(model: Any, family: str, gen: torch.Generator) -> None:
         for name, t in sorted(model.state_dict(keep_vars=True).items()):
             if not t.is_floating_point():
                 continue
-            t.copy_(_draw(name, tuple(t.shape), gemma, gen))
+            t.copy_(_draw(name, tuple(t.shape), gemma, gen, family))
 
 
-def _draw(name: str, shape: tuple[int, ...], gemma: bool, gen: torch.Generator) -> torch.Tensor:
+def _draw(
+    name: str, shape: tuple[int, ...], gemma: bool, gen: torch.Generator, family: str
+) -> torch.Tensor:
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * std
 
@@ -182,8 +196,9 @@ def _draw(name: str, shape: tuple[int, ...], gemma: bool, gen: torch.Generator) 
         return normal(0.025 if gemma else 0.1)
     if name.endswith(("bias", "sinks")):
         return normal(0.5 if name.endswith("sinks") else 0.1)
-    if len(shape) == 3:  # gpt-oss's fused experts [E, in, out]
-        return normal((1.0 if "gate_up" in name else 2.0) * shape[1] ** -0.5)
+    if len(shape) == 3:  # fused experts: gpt-oss's [E, in, out]; MiniMax-M2's [E, out, in]
+        fan_in = shape[2] if family == "minimax_m2" else shape[1]  # (the others' draws kept)
+        return normal((1.0 if "gate_up" in name else 2.0) * fan_in**-0.5)
     fan_in = shape[-1]
     doubled = ("q_proj", "k_proj", "o_proj", "down_proj", "w2", "gate.weight", "router.weight")
     return normal((2.0 if any(k in name for k in doubled) else 1.0) * fan_in**-0.5)

@@ -123,6 +123,10 @@ def test_configs_declare_each_familys_differences(
     assert not qmoe.moe.norm_topk_prob and qmoe.qk_norm
     mix = ModelConfig.from_dir(family_checkpoint("mixtral"))
     assert mix.moe is not None and mix.moe.names == "mixtral" and mix.moe.norm_topk_prob
+    mm2 = ModelConfig.from_dir(family_checkpoint("minimax_m2"))
+    assert mm2.moe is not None and mm2.moe.router == "sigmoid_group" and mm2.moe.n_group == 1
+    assert mm2.moe.sparse_layers == (0, 1, 2, 3) and not mm2.moe.bias_in_gate
+    assert (mm2.rotary_dim, mm2.qk_norm_whole, mm2.qk_norm) == (8, True, False)
 
 
 def test_sharded_save_and_a_stage_reads_only_its_tensors(
@@ -150,7 +154,7 @@ def test_sharded_save_and_a_stage_reads_only_its_tensors(
         load_stage(dst, 0, 2)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe", "minimax_m2"])
 def test_int8_quantizes_experts_and_keeps_routers_dense(
     family_checkpoint: Callable[[str], Path], family: str
 ) -> None:
@@ -162,10 +166,28 @@ def test_int8_quantizes_experts_and_keeps_routers_dense(
     model_dir = family_checkpoint(family)
     stage = load_stage(model_dir, 0, 4, weights="int8")
     moes = [m for m in stage.modules() if isinstance(m, SparseMoE)]
-    assert len(moes) == (4 if family == "mixtral" else 3)
+    assert len(moes) == (3 if family == "glm4_moe" else 4)  # GLM: a dense first layer
     for m in moes:
         assert isinstance(m.gate, Router) and m.gate.weight.dtype == torch.float32
         experts = [e for e in m.experts.modules() if isinstance(e, QuantLinear)]
         assert len(experts) == 3 * m.moe.n_experts
     ids = torch.tensor(BATCH[:1])
     assert stage(ids, 0, stage.new_cache(16)).isfinite().all()
+
+
+def test_minimax_m2_routes_by_its_layer_correction_bias(
+    family_checkpoint: Callable[[str], Path],
+) -> None:
+    """MiniMax-M2's e_score_correction_bias (the layer's, not the gate's) is loaded into its
+    router and decides the experts chosen: zeroing it changes some row's choice."""
+    from shard.model.moe import SparseMoE
+
+    model = load_stage(family_checkpoint("minimax_m2"), 0, 4)
+    moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    bias = moe.gate.e_score_correction_bias
+    assert bias is not None and bias.abs().max() > 0
+    h = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    _, chosen = moe.route(h)
+    bias.data.zero_()
+    _, unbiased = moe.route(h)
+    assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)

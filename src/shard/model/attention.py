@@ -186,8 +186,13 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
         self.v_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
         self.o_proj = Linear(config.n_heads * dh, d, bias=config.o_proj_bias)
-        self.q_norm = make_norm(config, dh) if config.qk_norm else None
-        self.k_norm = make_norm(config, dh) if config.qk_norm else None
+        #: q/k norms: per head (Qwen3, Gemma 3), over all heads at once (MiniMax-M2), or none
+        self.qk_whole = whole = config.qk_norm_whole
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm or whole:
+            self.q_norm = make_norm(config, config.n_heads * dh if whole else dh)
+            self.k_norm = make_norm(config, config.n_kv_heads * dh if whole else dh)
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
         #: attend a short chunk's rows one by one, each over exactly the keys and mask its own
         #: one-row decode would use (``attend``); set by the loader on quantized blocks, whose
@@ -219,10 +224,13 @@ class Attention(nn.Module):
         """Rotated ``q`` ``[B, H, S, Dh]`` and ``k``, ``v`` ``[B, KV, S, Dh]`` of ``x``
         ``[B, S, D]`` (row-wise: ``shard.model.packed`` runs it over many sessions' rows)."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # [B, S, H, Dh]
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)  # [B, S, KV, Dh]
+        q, k = self.q_proj(x), self.k_proj(x)  # [B, S, H*Dh], [B, S, KV*Dh]
+        if self.qk_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, H, Dh]
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)  # [B, S, KV, Dh]
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.qk_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H|KV, S, Dh]
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v

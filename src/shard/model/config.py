@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 
 #: The activations a feed-forward may use (HF ``hidden_act`` names).
@@ -88,6 +89,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over all heads of q and of k at once (MiniMax-M2)
     norm_unit_offset: bool = False  # norms scale by (1 + weight), in fp32 (Gemma)
     sandwich_norms: bool = False  # norms after attention and MLP too (Gemma)
     embed_scale: bool = False  # embeddings times sqrt(hidden), in the model dtype (Gemma)

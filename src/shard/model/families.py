@@ -18,6 +18,8 @@ and ``shard.model.moe`` act on the fields, never on the family's name.
 |                         | attention sinks, alternating sliding/full layers, YaRN, biases     |
 | ``glm4_moe``            | sigmoid router with correction bias, group-limited top-k, scaling, |
 |                         | shared experts, first layers dense, partial rotary, q/k norm       |
+| ``minimax_m2``          | GLM's router with one group, every layer sparse (Mixtral names),   |
+|                         | q/k norm over all heads at once, partial rotary                    |
 
 This module imports neither torch nor safetensors.
 """
@@ -45,6 +47,8 @@ class MoeConfig:
     ``names``: the checkpoint layout of separate experts — ``"hf"`` (``mlp.experts.N.gate_proj``)
     or ``"mixtral"`` (``block_sparse_moe.experts.N.w1``). ``cast_weights``: the router's
     weights are cast back to the model dtype before they scale the experts (Qwen3-MoE).
+    ``bias_in_gate``: the correction bias is ``gate.e_score_correction_bias`` (GLM-4.5), else
+    the layer's own ``e_score_correction_bias`` (MiniMax-M2).
     """
 
     router: str
@@ -62,6 +66,7 @@ class MoeConfig:
     swiglu_limit: float = 7.0
     names: str = "hf"
     cast_weights: bool = False
+    bias_in_gate: bool = True  # the correction bias is the gate's (GLM), else the layer's
 
 
 def layer_types_of(f: Fields, n_layers: int, pattern: int | None) -> tuple[str, ...]:
@@ -104,6 +109,8 @@ def family_fields(arch: str, f: Fields, n_layers: int) -> dict[str, Any]:
         return _gpt_oss(f, n_layers)
     if arch == "glm4_moe":
         return _glm4_moe(f, n_layers)
+    if arch == "minimax_m2":
+        return _minimax_m2(f, n_layers)
     return {}
 
 
@@ -199,3 +206,31 @@ def _glm4_moe(f: Fields, n_layers: int) -> dict[str, Any]:
         else 0.5
     )
     return {"moe": moe, "qk_norm": f.flag("use_qk_norm", False), "partial_rotary": partial}
+
+
+def _minimax_m2(f: Fields, n_layers: int) -> dict[str, Any]:
+    """MiniMax-M2: every layer sparse (Mixtral's names), sigmoid scores chosen by score plus
+    the layer's ``e_score_correction_bias`` and renormalised (GLM's router with one group),
+    q/k RMSNorm over all heads at once, partial rotary (``rotary_dim`` of each head)."""
+    n_exp = f.integer("num_local_experts", hi=MAX["experts"])
+    moe = MoeConfig(
+        router="sigmoid_group",
+        experts="swiglu",
+        n_experts=n_exp,
+        top_k=_top_k(f, n_exp),
+        expert_size=f.integer("intermediate_size", hi=MAX["ffn"]),
+        sparse_layers=tuple(range(n_layers)),
+        norm_topk_prob=True,
+        names="mixtral",
+        bias_in_gate=False,
+    )
+    rope = f.table("rope_parameters")
+    key = "partial_rotary_factor"
+    if rope is not None and rope.has(key):
+        partial = rope.real(key, lo=0, hi=1, above=True)
+    elif f.has("rotary_dim"):
+        head_dim = f.integer("head_dim", hi=MAX["width"])
+        partial = f.integer("rotary_dim", hi=head_dim) / head_dim
+    else:
+        partial = 1.0
+    return {"moe": moe, "qk_norm_whole": True, "partial_rotary": partial}  # norms always there

@@ -175,6 +175,8 @@ def hf_name(config: ModelConfig, first: int, local: str) -> str:
         return "model.embed_tokens.weight" if config.tie_word_embeddings else local
     if local.startswith("layers."):
         _, j, rest = local.split(".", 2)
+        if config.moe is not None and not config.moe.bias_in_gate:  # the layer's, not the gate's
+            rest = rest.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")
         return f"model.layers.{first + int(j)}.{rest}"
     return f"model.{local}"
 
