@@ -165,6 +165,9 @@ async def test_malformed_requests_get_400_naming_the_problem(tokenizer: Tokenize
         deep = b"[" * 4000  # nesting deeper than Python's recursion limit: a 400, no crash
         too_deep = await exchange(served.address, post("/v1/completions", deep))
         assert too_deep.status == 400 and too_deep.error()["code"] == "invalid_json"
+        nested = b'{"prompt":' + b"[" * 65 + b"]" * 65 + b"}"  # parses, but past 64 levels
+        past = await exchange(served.address, post("/v1/completions", nested))
+        assert past.status == 400 and "nested more than 64" in past.error()["message"]
         wrong = await exchange(
             served.address, post("/v1/chat/completions", {**CHAT, "max_tokens": "9"})
         )
