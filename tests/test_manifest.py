@@ -379,3 +379,31 @@ def test_deeply_nested_manifest_is_refused_in_one_line(
     assert shard_main(["manifest", "verify", str(path), "--publisher", publisher.public.hex()]) == 1
     err = capsys.readouterr().err.strip()
     assert "nested" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("header", "says"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
+        (b'{"a":' * 70 + b"1" + b"}" * 70, "nested more than 64"),
+        (
+            b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],'
+            b'"data_offsets":[4,8]}}',
+            "duplicate JSON key 'w'",
+        ),
+        (b"[1]", "not a JSON object"),
+    ],
+    ids=["past-the-parser", "past-64", "tensor-twice", "not-an-object"],
+)
+def test_a_hostile_safetensors_header_is_refused_when_building(
+    tmp_path: Path, header: bytes, says: str
+) -> None:
+    """`manifest build` reads safetensors headers strictly: deep nesting, a tensor named
+    twice (two byte ranges) or a header that is not an object is a one-line ManifestInvalid."""
+    from shard.weights.build import safetensors_tensors
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ManifestInvalid, match=says) as refused:
+        safetensors_tensors(path, "model.safetensors")
+    assert "\n" not in str(refused.value)

@@ -10,11 +10,11 @@ Errors: ``ManifestInvalid`` for a directory that is not a usable checkpoint, nam
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Any
 
+from shard import strict_json
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.weights.manifest import DEFAULT_CHUNK_SIZE, TOKENIZER_FILES, Manifest
 from shard.weights.schema import (
@@ -103,10 +103,12 @@ def safetensors_tensors(path: Path, rel: str) -> tuple[int, dict[str, TensorEntr
         if length > MAX_SAFETENSORS_HEADER:
             raise ManifestInvalid(f"{path}: header of {length} bytes; not a safetensors file")
         raw = f.read(length)
-    try:
-        header: dict[str, Any] = json.loads(raw)
+    try:  # strictly: a tensor named twice has two byte ranges; nesting cannot recurse deep
+        header: dict[str, Any] = strict_json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestInvalid(f"{path}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ManifestInvalid(f"{path}: safetensors header is not a JSON object")
     base = 8 + length
     tensors: dict[str, TensorEntry] = {}
     for name, info in header.items():
