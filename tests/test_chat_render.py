@@ -62,6 +62,11 @@ HOSTILE = {
     ),
     "sum-lists": "{{ range(100000)|batch(1)|sum(start=[]) }}",
     "tojson-indent": "{{ range(10000)|list|tojson(indent=4000000) }}",
+    "lipsum": "{{ lipsum(100000) }}",
+    "urlize": "{{ ('x ' * 1000000)|urlize }}",
+    "select": "{{ ('x' * 2000000)|select('equalto', 'y')|list }}",
+    "map": "{{ ('x' * 2000000)|map('upper')|list }}",
+    "batch": "{{ ('x' * 2000000)|batch(1)|list }}",
 }
 
 #: Far above what a refused render allocates (a few MiB), far below what it asked for (GiBs).
@@ -116,6 +121,18 @@ def test_steps_and_time_are_limits_of_their_own() -> None:
     ticks = iter(range(10**9))
     with pytest.raises(TemplateRefused, match="over 50 s"):
         render(nested, {}, RenderLimits(max_seconds=50), clock=lambda: float(next(ticks)))
+
+
+def test_a_long_conversation_renders_well_within_the_bounds() -> None:
+    """3000 turns, with the whole conversation passed to a macro on every turn (a value is
+    measured once per render, not once per use), render in a fraction of the time bound."""
+    source = (
+        "{% macro last(ms) %}{{ ms[-1]['role'] }}{% endmacro %}{% for m in messages %}"
+        "{{ m['role'] }}: {{ m['content'] }} ({{ last(messages) }}){% endfor %}"
+    )
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "hello " * 10} for i in range(3000)]
+    text = render(compile_template(source), {"messages": turns})
+    assert text.count("(assistant)") == 3000
 
 
 def test_the_output_is_bounded_while_it_streams() -> None:

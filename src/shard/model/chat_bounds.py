@@ -73,6 +73,10 @@ class Budget:
         self._deadline = clock() + limits.max_seconds
         self.steps = 0
         self.chars = 0
+        # Sizes of containers already measured, by id, holding each (so no id is reused
+        # during the render): a sandboxed template cannot change a list or dict, and a
+        # template that passes ``messages`` to a macro on every turn must not walk it each time.
+        self._sizes: dict[int, tuple[Any, int]] = {}
 
     def step(self) -> None:
         """Charge one operation. Errors: ``TemplateRefused`` past ``max_steps`` or the time."""
@@ -103,8 +107,17 @@ class Budget:
 
     def value(self, value: Any, what: str) -> Any:
         """``value``, once its text fits (``text_size``); else ``TemplateRefused``."""
-        self.fits(text_size(value, self.limits.max_chars), what)
+        self.fits(self.size(value), what)
         return value
+
+    def size(self, value: Any) -> int:
+        """``text_size(value)``, measured once per container per render."""
+        if not isinstance(value, list | dict | tuple):
+            return text_size(value, self.limits.max_chars)
+        known = self._sizes.get(id(value))
+        if known is None:
+            known = self._sizes[id(value)] = (value, text_size(value, self.limits.max_chars))
+        return known[1]
 
     def arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str) -> None:
         """Refuse an argument over ``max_chars``: an int as a width, count or repeat, any
@@ -113,7 +126,7 @@ class Budget:
             if isinstance(arg, int) and not isinstance(arg, bool):
                 self.fits(abs(arg), f"{what} sized by {arg}")
             else:
-                self.fits(text_size(arg, self.limits.max_chars), f"{what}'s argument")
+                self.fits(self.size(arg), f"{what}'s argument")
 
 
 def text_size(value: Any, limit: int) -> int:
@@ -166,7 +179,9 @@ def binop_size(operator: str, left: Any, right: Any, limit: int) -> int:
         if ints:
             return _bits(left.bit_length() + right.bit_length(), limit)
         seq, times = (left, right) if isinstance(right, int) else (right, left)
-        if isinstance(times, int) and isinstance(seq, str | list | tuple):
+        if isinstance(times, int) and isinstance(seq, str):
+            return max(0, times) * len(seq)
+        if isinstance(times, int) and isinstance(seq, list | tuple):
             return max(0, times) * text_size(seq, limit)
     elif operator == "**" and ints and right > 0 and abs(left) > 1:
         return _bits(left.bit_length() * min(right, MAX_INT_BITS + 1), limit)

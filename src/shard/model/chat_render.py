@@ -8,8 +8,11 @@ render's ``Budget`` (``shard.model.chat_bounds``), and the first charge over its
 ``RenderLimits`` stops the render with ``TemplateRefused``:
 
 - every ``for`` loop's iterable is wrapped (at parse time) in a guard that charges a step per
-  item, so loops nested in loops end; every call, filter, attribute and item lookup charges
-  a step; the time is read at each;
+  item, so loops nested in loops end, and so is the input of every filter that loops in
+  Python (``select``, ``map``, ``batch``, ...); every call, filter, attribute and item lookup
+  charges a step; the time is read at each. Filters that work word by word in Python
+  (``urlize``, ``wordwrap``, ``title``, ...) take bounded input, and ``lipsum`` a bounded
+  count;
 - ``*``, ``**``, ``+`` and ``%`` are intercepted (``intercepted_binops``) and refused before
   they allocate too much; calls and filters have their arguments bounded (ints as widths
   and counts, other values by their text) and the amplifying ones (``join``, ``replace``,
@@ -42,7 +45,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 from jinja2.runtime import Context
-from jinja2.utils import Namespace
+from jinja2.utils import Namespace, generate_lorem_ipsum
 
 from shard.model.chat_bounds import (
     DEFAULT_LIMITS,
@@ -61,6 +64,39 @@ _BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar(
 
 #: ``tojson``'s indent beyond this is refused: it multiplies with every nested item.
 MAX_JSON_INDENT = 16
+
+#: Filters that loop over their input in Python: the input is fed through ``shard_iterate``,
+#: so each item is a step (and the clock is read), as in a ``for`` loop.
+_ITERATING = frozenset(
+    {
+        "select",
+        "reject",
+        "selectattr",
+        "rejectattr",
+        "map",
+        "batch",
+        "slice",
+        "unique",
+        "groupby",
+        "join",
+        "min",
+        "max",
+        "sort",
+    }
+)
+
+#: Text filters that work word by word in Python, slowly (urlize: ~7 µs a character): their
+#: input is bounded (characters), far above a chat template's use and far below a second.
+_SLOW_TEXT = {
+    "urlize": 64 * 1024,
+    "pprint": 64 * 1024,
+    "wordwrap": 256 * 1024,
+    "title": 256 * 1024,
+    "striptags": 256 * 1024,
+}
+
+#: ``lipsum`` beyond these (paragraphs, words) is refused: it loops in Python without steps.
+MAX_LIPSUM = (100, 1000)
 
 
 def compile_template(source: str) -> jinja2.Template:
@@ -118,6 +154,7 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
         self.globals["namespace"] = BoundedNamespace
+        self.globals["lipsum"] = _lipsum
 
     @staticmethod
     def concat(parts: Iterable[str]) -> str:
@@ -240,6 +277,10 @@ def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
             else:
                 bound.apply_defaults()
                 _foresee_filter(budget, name, bound.arguments)
+                value = bound.arguments.get("value")
+                if name in _ITERATING and isinstance(value, Iterable):
+                    bound.arguments["value"] = BoundedSandbox.shard_iterate(value)
+                    args, kwargs = bound.args, bound.kwargs
         return budget.value(f(*args, **kwargs), f"'{name}'")
 
     return bounded
@@ -248,6 +289,10 @@ def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
 def _foresee_filter(budget: Budget, name: str, a: dict[str, Any]) -> None:
     limit = budget.limits.max_chars
     text = a.get("s", a.get("value"))
+    if name in _SLOW_TEXT and budget.size(text) > _SLOW_TEXT[name]:
+        raise TemplateRefused(
+            f"the template would run '{name}' on over {_SLOW_TEXT[name]} characters"
+        )
     if name == "join" and isinstance(text, list | tuple):
         size = text_size(list(text), limit) + len(str(a.get("d", ""))) * len(text)
     elif name == "replace" and isinstance(text, str):
@@ -273,6 +318,13 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     if indent is not None and indent > MAX_JSON_INDENT:
         raise TemplateRefused(f"tojson indent {indent} is over {MAX_JSON_INDENT}")
     return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    """Jinja's ``lipsum``, bounded (``MAX_LIPSUM``)."""
+    if n > MAX_LIPSUM[0] or max > MAX_LIPSUM[1]:
+        raise TemplateRefused(f"lipsum({n}, max={max}) is over {MAX_LIPSUM}")
+    return str(generate_lorem_ipsum(n=n, html=html, min=min, max=max))
 
 
 def _raise_exception(message: str) -> NoReturn:
