@@ -63,6 +63,7 @@ HOSTILE = {
     "sum-lists": "{{ range(100000)|batch(1)|sum(start=[]) }}",
     "tojson-indent": "{{ range(10000)|list|tojson(indent=4000000) }}",
     "lipsum": "{{ lipsum(100000) }}",
+    "tilde-many": "{% set s = 'x' * 4000000 %}{{ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s }}",
     "urlize": "{{ ('x ' * 1000000)|urlize }}",
     "select": "{{ ('x' * 2000000)|select('equalto', 'y')|list }}",
     "map": "{{ ('x' * 2000000)|map('upper')|list }}",
@@ -160,6 +161,8 @@ RICH = """{%- set ns = namespace(system='', tools=0) -%}
 {%- if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}
 <|{{ m['role'] }}|>{{ m['content'] | trim }}{{ '%s/%d' % ('#', loop.index0) }}
 {{ '{0}-{1}'.format(m['role'][:1], m['content'] | length) }}{% if loop.last %}<|end|>{% endif %}
+{{ m['role'] ~ ':' ~ loop.index ~ [1] }}
+{%- autoescape true %}{{ '<' ~ m['content'][:3] }}{% endautoescape %}
 {%- endfor %}
 {%- if add_generation_prompt %}
 <|assistant|>{{ ' ' * 2 }}{{ [1, 2] + [3] }}{{ 2 ** 10 }}{{ (messages | length) * 3 }}

@@ -17,15 +17,15 @@ render's ``Budget`` (``shard.model.chat_bounds``), and the first charge over its
   they allocate too much; calls and filters have their arguments bounded (ints as widths
   and counts, other values by their text) and the amplifying ones (``join``, ``replace``,
   ``indent``, ``format``, ``expandtabs``, ``wordwrap``) their results foreseen; every
-  result, ``namespace`` assignment, captured block (``environment.concat``) and printed
-  value (``finalize``) is checked;
+  result, ``namespace`` assignment, captured block (``environment.concat``), ``~``
+  (``environment.shard_concat``, at parse time) and printed value (``finalize``) is checked;
 - ``render`` streams the output (``Template.generate``) and stops once it is over
   ``max_chars``.
 
-What is left: an expression that joins a few checked values (``a ~ b ~ c``, a literal list
-printed) can make a value as large as their sum before the next check sees it — a small
-multiple of ``max_chars`` written into the template itself; C-level work on a value already
-within bounds (a regular expression in ``urlize`` over 4 MiB) runs to its end. The render
+What is left: a literal list or dict of checked values (``[a, b, c]``) holds references
+only, and is measured before it is printed, passed or joined; C-level work on a value already
+within bounds (a regular expression over 4 MiB, a sort of a million items) runs to its end,
+which is why the bound is a few MiB and not more. The render
 runs synchronously: callers that serve others run it in a worker thread
 (``shard.coordinator.text``).
 """
@@ -44,7 +44,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
-from jinja2.runtime import Context
+import jinja2.visitor
+from jinja2.runtime import Context, markup_join, str_join
 from jinja2.utils import Namespace, generate_lorem_ipsum
 
 from shard.model.chat_bounds import (
@@ -166,13 +167,22 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return "".join(pieces)
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
-        """Parse, then wrap every ``for`` loop's iterable in ``environment.shard_iterate``
-        (an environment attribute: a template cannot shadow it)."""
+        """Parse, then wrap every ``for`` loop's iterable in ``environment.shard_iterate`` and
+        make every ``a ~ b ~ …`` a call of ``environment.shard_concat`` (environment
+        attributes: a template cannot shadow them)."""
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(jinja2.nodes.For):
-            guard = jinja2.nodes.EnvironmentAttribute("shard_iterate", lineno=loop.lineno)
-            loop.iter = jinja2.nodes.Call(guard, [loop.iter], [], None, None, lineno=loop.lineno)
-        return tree
+            loop.iter = _call("shard_iterate", loop.iter)
+        return _ConcatChecked().visit(tree)  # type: ignore[no-any-return]
+
+    @staticmethod
+    @jinja2.pass_eval_context
+    def shard_concat(eval_ctx: jinja2.nodes.EvalContext, items: list[Any]) -> str:
+        """``a ~ b ~ …`` as Jinja joins it, refused before joining if over the bound."""
+        budget = _budget()
+        budget.fits(sum(budget.size(item) for item in items), "'~'")
+        join = markup_join if eval_ctx.autoescape or eval_ctx.volatile else str_join
+        return join(items)
 
     @staticmethod
     def shard_iterate(items: Iterable[Any]) -> Iterator[Any]:
@@ -210,6 +220,20 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def getitem(self, obj: Any, argument: Any) -> Any:
         _budget().step()
         return super().getitem(obj, argument)
+
+
+def _call(attribute: str, argument: jinja2.nodes.Node) -> jinja2.nodes.Call:
+    """The node of ``environment.ATTRIBUTE(argument)``."""
+    target = jinja2.nodes.EnvironmentAttribute(attribute, lineno=argument.lineno)
+    return jinja2.nodes.Call(target, [argument], [], None, None, lineno=argument.lineno)
+
+
+class _ConcatChecked(jinja2.visitor.NodeTransformer):
+    """Turns each ``Concat`` (``a ~ b``) into ``environment.shard_concat([a, b])``."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        return _call("shard_concat", jinja2.nodes.List(node.nodes, lineno=node.lineno))
 
 
 class BoundedNamespace(Namespace):
