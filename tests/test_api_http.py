@@ -157,6 +157,27 @@ async def healthy(served: Served) -> None:
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
+async def test_a_chat_template_that_renders_without_end_is_a_400(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A model whose chat template loops within loops: a chat request is answered 400 in the
+    OpenAI shape naming the template's file, within seconds, and the server serves on."""
+    model = tmp_path / "model"
+    model.mkdir()
+    source = tiny_checkpoint(seed=3, n_layers=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (model / name).write_bytes((source / name).read_bytes())
+    (model / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    )
+    async with serve(Tokenizer.from_dir(model)) as served:
+        with trio.fail_after(5):
+            answer = await exchange(served.address, post("/v1/chat/completions", CHAT))
+        assert answer.status == 400 and answer.error()["param"] == "messages"
+        assert "chat_template.jinja: the chat template failed" in answer.error()["message"]
+        await healthy(served)
+
+
 async def test_malformed_requests_get_400_naming_the_problem(tokenizer: Tokenizer) -> None:
     """Wrong JSON, wrong types and an unsupported parameter are 400s in the OpenAI shape."""
     async with serve(tokenizer) as served:
@@ -165,6 +186,9 @@ async def test_malformed_requests_get_400_naming_the_problem(tokenizer: Tokenize
         deep = b"[" * 4000  # nesting deeper than Python's recursion limit: a 400, no crash
         too_deep = await exchange(served.address, post("/v1/completions", deep))
         assert too_deep.status == 400 and too_deep.error()["code"] == "invalid_json"
+        nested = b'{"prompt":' + b"[" * 65 + b"]" * 65 + b"}"  # parses, but past 64 levels
+        past = await exchange(served.address, post("/v1/completions", nested))
+        assert past.status == 400 and "nested more than 64" in past.error()["message"]
         wrong = await exchange(
             served.address, post("/v1/chat/completions", {**CHAT, "max_tokens": "9"})
         )

@@ -153,6 +153,20 @@ def test_bad_gguf_with_local_is_one_line(
     assert f"{bad}: not a readable GGUF file" in one_error(capsys)
 
 
+def test_a_broken_chat_template_with_local_chat_is_one_line(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate --local --chat` with a chat template that does not compile exits 1 with one
+    line naming the template's file (not a traceback)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint(seed=4, n_layers=2), model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    argv = ["generate", "--local", "--chat", "--model", str(model), "--max-tokens", "2", "hi"]
+    assert main(argv) == 1
+    line = one_error(capsys)
+    assert f"{model / 'chat_template.jinja'}: the chat template does not compile" in line
+
+
 # --- a port already in use --------------------------------------------------------------------
 
 

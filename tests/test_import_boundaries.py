@@ -3,8 +3,9 @@
 
 The rules (each package's ``__init__`` docstring says the same):
 
-- ``shard.model`` is the model runtime: it imports no other shard package and nothing of the
-  network (no trio, WebSockets, msgpack or zstd);
+- ``shard.model`` is the model runtime: it imports no other shard package (but the strict JSON
+  parser, ``shard.strict_json``, which imports nothing) and nothing of the network (no trio,
+  WebSockets, msgpack or zstd);
 - ``shard.wire`` is the one frame codec: it imports only ``shard.messages`` and ``shard.errors``;
 - ``shard.messages`` is plain data and imports no other shard package; ``shard.spec`` is plain
   data too (no torch, no network), reading public keys with ``shard.trust.identity`` and
@@ -51,7 +52,9 @@ class Rule:
 
 
 RULES = (
-    Rule("shard.model", ("shard.", *NETWORK), allowed=("shard.model",)),
+    # shard.strict_json (no imports of its own) is the one strict JSON parser, as shard.errors
+    # is the one shared error: model files are parsed by it too.
+    Rule("shard.model", ("shard.", *NETWORK), allowed=("shard.model", "shard.strict_json")),
     Rule("shard.wire", ("shard.",), allowed=("shard.wire", "shard.messages", "shard.errors")),
     Rule("shard.messages", ("shard.",), allowed=("shard.messages",)),
     # A spec names public keys: it parses them with the identity module (pure crypto). Its

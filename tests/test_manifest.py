@@ -336,3 +336,74 @@ def test_bundled_smollm2_gets_a_manifest(smollm2_dir: Path) -> None:
     plan = block_chunks(manifest, 10, 20)
     weights = manifest.file("model.safetensors")
     assert len(plan["model.safetensors"]) < len(weights.chunks) // 2
+
+
+def test_a_duplicated_signature_key_is_refused(
+    tmp_path: Path, signed: Manifest, publisher: NodeIdentity, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`{"manifest":…, "signature": good, "signature": other}` never verifies: a key given twice
+    anywhere in a manifest is refused at parse, in one line (the CLI exits 1)."""
+    text = signed.to_json().decode().rstrip("\n")
+    good = json.loads(text)["signature"]
+    other = "00" * 64
+    twice = text[:-1] + f',"signature":"{good}"}}'  # good one last: json.loads would keep it
+    first = text.replace(f'"signature":"{good}"', f'"signature":"{other}"')
+    for spelling in (first[:-1] + f',"signature":"{good}"}}', twice):
+        with pytest.raises(ManifestInvalid, match="duplicate JSON key 'signature'"):
+            Manifest.from_json(spelling.encode())
+    inner = text.replace('"format":', '"version":99,"format":', 1)
+    with pytest.raises(ManifestInvalid, match="duplicate JSON key 'version'"):
+        Manifest.from_json(inner.encode())
+    path = tmp_path / "twice.json"
+    path.write_text(first[:-1] + f',"signature":"{good}"}}')
+    assert shard_main(["manifest", "verify", str(path), "--publisher", publisher.public.hex()]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "duplicate JSON key 'signature'" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000, "[" * 65 + "]" * 65],
+    ids=["lists-100000", "objects-100000", "lists-65"],
+)
+def test_deeply_nested_manifest_is_refused_in_one_line(
+    tmp_path: Path, publisher: NodeIdentity, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JSON nested beyond what the parser follows, or beyond 64 levels, is a one-line
+    ManifestInvalid and exit code 1, never a RecursionError traceback."""
+    with pytest.raises(ManifestInvalid, match="nested"):
+        Manifest.from_json(text.encode())
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    assert shard_main(["manifest", "verify", str(path), "--publisher", publisher.public.hex()]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "nested" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("header", "says"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
+        (b'{"a":' * 70 + b"1" + b"}" * 70, "nested more than 64"),
+        (
+            b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],'
+            b'"data_offsets":[4,8]}}',
+            "duplicate JSON key 'w'",
+        ),
+        (b"[1]", "not a JSON object"),
+    ],
+    ids=["past-the-parser", "past-64", "tensor-twice", "not-an-object"],
+)
+def test_a_hostile_safetensors_header_is_refused_when_building(
+    tmp_path: Path, header: bytes, says: str
+) -> None:
+    """`manifest build` reads safetensors headers strictly: deep nesting, a tensor named
+    twice (two byte ranges) or a header that is not an object is a one-line ManifestInvalid."""
+    from shard.weights.build import safetensors_tensors
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ManifestInvalid, match=says) as refused:
+        safetensors_tensors(path, "model.safetensors")
+    assert "\n" not in str(refused.value)

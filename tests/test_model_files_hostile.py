@@ -338,3 +338,23 @@ def test_the_loader_refuses_a_hostile_checkpoint_in_one_line(tmp_path: Path) -> 
     with pytest.raises(FootprintError) as err2:
         stored(config, model)
     one_line(err2.value, "model.safetensors")
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    """A tensor named twice in a header (two byte ranges) or a config field given twice (two
+    readings of one file) is one line, never the last value silently."""
+    path = _tensors(tmp_path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    text = data[8 : 8 + n].decode()
+    entry = json.dumps(json.loads(text)["b"])
+    twice = text[:-1] + f',"b":{entry}}}'
+    bad = tmp_path / "twice.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(twice)) + twice.encode() + data[8 + n :])
+    with pytest.raises(SafetensorsError) as err:
+        read_header(bad)
+    one_line(err.value, "duplicate")
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "model_type": "qwen2"}')
+    with pytest.raises(ModelLoadError) as err2:
+        ModelConfig.from_dir(tmp_path)
+    one_line(err2.value, "duplicate", "config.json")

@@ -252,3 +252,22 @@ def test_cli_says_what_was_pinned(
     assert "receipt INVALID" in capsys.readouterr().err
     assert main(["receipt", "verify", str(bad)]) == 0  # consistent, but says so:
     assert "NOT pinned" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000, "[" * 65 + "]" * 65],
+    ids=["lists-100000", "objects-100000", "lists-65"],
+)
+def test_deeply_nested_receipt_is_refused_in_one_line(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A receipt file nested past the parser's reach or past 64 levels is a one-line
+    ReceiptInvalid (exit 1), never a RecursionError traceback."""
+    with pytest.raises(ReceiptInvalid, match="nested"):
+        receipt_from_json(text)
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    assert main(["receipt", "verify", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "nested" in err and len(err.splitlines()) == 1 and "Traceback" not in err

@@ -9,6 +9,7 @@ loopback WebSockets (127.0.0.1, port 0, every test under a deadline).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -218,6 +219,35 @@ async def test_idle_client_is_cut_after_idle_timeout(
     (fault,) = faults(conn)
     assert fault.kind == "timeout" and "idle_timeout_s" in fault.detail
     assert conn.closed
+
+
+@pytest.mark.usefixtures("fake_complete")
+async def test_a_heartbeating_client_is_cut_at_its_idle_deadline(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that sends a Heartbeat every 3 s and no request after its first is cut
+    idle_timeout_s after that request ended — heartbeats never reset the deadline — and the
+    ignored heartbeats are logged once at warning, not once each."""
+    conn = Scripted([GenerateRequest(1, "hi", 1)])
+    ended_at: list[float] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            await serve_client(conn)
+            ended_at.append(trio.current_time())
+
+        nursery.start_soon(run)
+        await trio.testing.wait_all_tasks_blocked()
+        done_at = trio.current_time()  # the request is done: its GenerateDone was sent
+        assert [type(m).__name__ for m in conn.sent] == ["TokensOut", "GenerateDone"]
+        while not conn.closed:
+            conn.push(Heartbeat(NodeName("c"), trio.current_time()))
+            await trio.sleep(3)
+    assert ended_at[0] - done_at == pytest.approx(LIMITS.idle_timeout_s)
+    (fault,) = faults(conn)
+    assert fault.kind == "timeout" and "idle_timeout_s" in fault.detail
+    warned = [r for r in caplog.records if "sent Heartbeat" in r.getMessage()]
+    assert len([r for r in warned if r.levelno == logging.WARNING]) == 1
 
 
 async def test_client_is_not_idle_while_its_request_runs(

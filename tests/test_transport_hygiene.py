@@ -3,7 +3,8 @@ flood from one address no longer locks an honest client on it out (the host's co
 idle longest makes room, at ``max_peer_connections``), a message trickled after Hello is cut,
 a connection with no message either way is cut, and honest long-lived links are not: one that
 carries messages (heartbeats count), and a client whose request is running
-(``IdleDeadline(…, conn)`` keeps it busy).
+(``IdleDeadline(…, conn)`` keeps it busy). On a client link heartbeats do not count: a flood
+of heartbeating client links is reclaimed for an honest client like a silent one.
 
 Charter: 127.0.0.1 and port 0 only; every I/O test under a ``trio.fail_after`` deadline.
 Time is a ``MockClock`` running at real speed that each test also jumps: idleness is made by
@@ -12,14 +13,29 @@ jumping, never by sleeping (the thresholds are far above the real seconds a test
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from shard.messages import Hello, NodeName, Probe, Welcome
+import shard.nodes.coordinator as coordinator_root
+from shard.messages import (
+    GenerateDone,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    Message,
+    NodeName,
+    Probe,
+    RunStats,
+    Welcome,
+)
+from shard.spec.limits import Limits
 from shard.transport import Connection, ConnectionClosed, TransportError, WebSocketNetwork
 from shard.transport.base import split_address
 from shard.transport.guard import IdleDeadline, PeerDeadlines
@@ -247,3 +263,64 @@ async def test_a_message_the_node_is_too_busy_to_read_is_not_a_trickle(
             assert server.served == 1
             await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_heartbeat_flood_of_client_links_does_not_lock_out_an_honest_client(
+    mock_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CAP client links (the coordinator's own ``_serve_client``) that send a Heartbeat every
+    3 s and never a request fill 127.0.0.1's cap: a newcomer is refused while they are fresh,
+    but once they have run nothing for reclaim_idle_s — heartbeats or not — an honest client
+    is served (the one idle longest is closed for it, with a log line)."""
+    mock_clock.rate = 1.0
+    caplog.set_level(logging.DEBUG)
+
+    async def complete(
+        _coordinator: Any,
+        _text: Any,
+        request: GenerateRequest,
+        emit: Callable[[Message], Awaitable[None]],
+    ) -> None:
+        await emit(
+            GenerateDone(request.request, (), "", "length", RunStats(0, 0.0, 0.0, 0.0, 0, 0.0))
+        )
+
+    monkeypatch.setattr(coordinator_root, "complete", complete)
+    limits = Limits(idle_timeout_s=300.0, message_timeout_s=5.0)
+
+    async def client_link(conn: Connection) -> None:
+        await accept_peer(conn, Welcome(ME, "coordinator", SWARM))
+        await coordinator_root._serve_client(None, None, conn, limits=limits)  # type: ignore[arg-type]
+
+    async def heartbeats(conn: Connection) -> None:
+        with contextlib.suppress(TransportError):
+            while True:
+                await conn.send(Heartbeat(NodeName("f"), trio.current_time()))
+                await trio.sleep(3)
+
+    def heard() -> int:
+        return sum("sent Heartbeat" in r.getMessage() for r in caplog.records)
+
+    server = WebSocketNetwork(max_peer_connections=CAP, deadlines=DEADLINES)
+    with trio.fail_after(DEADLINE_S + DEADLINES.reclaim_idle_s + 1):  # the deadline + the jump
+        async with WebSocketNetwork() as client, trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve, "127.0.0.1:0", client_link)
+            flood = [
+                await dial_peer(client, address, hello(f"f{i}"), timeout_s=5) for i in range(CAP)
+            ]
+            for conn in flood:
+                nursery.start_soon(heartbeats, conn)
+            with pytest.raises(TransportError, match="503"):  # all fresh: refused
+                await client.dial(address)
+            mock_clock.jump(DEADLINES.reclaim_idle_s + 1)  # every flood link heartbeats again
+            while heard() < 2 * CAP:
+                await trio.testing.wait_all_tasks_blocked()
+            honest = await dial_peer(client, address, hello("honest"), timeout_s=5)
+            await honest.send(GenerateRequest(1, "hi", 1))
+            done = await honest.receive()
+            assert isinstance(done, GenerateDone) and done.request == 1
+            nursery.cancel_scope.cancel()
+    assert server.reclaimed == 1
+    assert sum("to make room for" in r.getMessage() for r in caplog.records) == 1

@@ -42,8 +42,9 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     bench/          ``shard bench``: rings side by side against the analytical bound
     testing/        test support (tiny checkpoints, cheating stages, NAT helpers)
 
-Beside them: ``errors.py`` (errors shared by layers that must not import each other) and
-``__main__.py`` (``python -m shard``).
+Beside them: ``errors.py`` (errors shared by layers that must not import each other),
+``strict_json.py`` (JSON from outside, parsed so it cannot crash or fool its reader: no key
+twice, no deep nesting) and ``__main__.py`` (``python -m shard``).
 
 Test helpers are public API; seeded fault injection is
 ``failover/faults.py``; nothing else in ``src`` imports either. Every blocking call leaves the

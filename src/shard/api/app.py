@@ -19,7 +19,6 @@ Cancellation: cancelling a request's task ends its session.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import attrs
 import trio
 
+from shard import strict_json
 from shard.api import responses
 from shard.api.errors import ApiError
 from shard.api.keys import ApiKeys
@@ -233,9 +233,9 @@ class ApiApp:
                 f"the request body took over {self._config.body_timeout_s:g} s to arrive",
                 code="timeout",
             )
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as exc:
+        try:  # nesting is bounded here, so structuring it later cannot recurse deep
+            return strict_json.loads(data, duplicate_keys=True, constants=True)
+        except ValueError as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
     @contextmanager

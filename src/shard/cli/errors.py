@@ -34,6 +34,7 @@ _OPERATOR_ERRORS: Final = (
     ("shard.model.config", "ModelLoadError"),
     ("shard.model.bundled", "ModelNotFound"),
     ("shard.model.gguf_common", "ConvertError"),  # a bad .gguf given to --model / --local
+    ("shard.model.tokenizer", "TokenizerError"),  # --local --chat: a chat template that fails
     ("shard.cli.errors", "InputError"),
     ("shard.model.device", "DeviceUnavailable"),
     ("shard.nodes.launcher", "SwarmError"),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import attrs
 
+from shard import strict_json
 from shard.messages import Sampling
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -53,7 +54,7 @@ class RequestCheckpoint:
     @classmethod
     def from_json(cls, text: str, *, source: str) -> RequestCheckpoint:
         try:
-            data = json.loads(text)
+            data = strict_json.loads(text, constants=True)  # no RecursionError, no key twice
             return cls(
                 request=str(data["request"]),
                 prompt_ids=tuple(int(t) for t in data["prompt_ids"]),

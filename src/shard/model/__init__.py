@@ -22,6 +22,8 @@
     profile.py      what one layer costs a node: its weight bytes and measured time
     device.py       a node's spec'd device and dtype as torch values, checked here
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
+    chat_render.py  the chat template's bounded sandbox: every loop, call and value charged
+    chat_bounds.py  what one render may spend (characters, steps, seconds) and its budget
     gguf_import.py  GGUF -> safetensors checkpoint conversion
     gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
     gguf_common.py  what every GGUF architecture's reader shares (error, metadata, GgufArch)

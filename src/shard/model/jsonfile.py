@@ -1,26 +1,24 @@
 """JSON model files read with bounds: a ``config.json``, a safetensors header or index.
 
 A model file comes from whoever published it, so reading one must cost bounded time and
-memory whatever it says. ``read_json`` refuses a file over its size bound before reading it,
-turns Python's ``RecursionError`` on deep nesting into the caller's typed error, and refuses
-nesting deeper than ``MAX_DEPTH`` after parsing (walked without recursion), so no recursive
-code downstream (attrs, cattrs, a re-encoding) can ever recurse deep on it. ``NaN`` and
-``Infinity`` are not JSON and are refused too.
+memory whatever it says. ``read_json`` refuses a file that is not a regular file or is over
+its size bound before reading it, and parses with ``shard.strict_json`` (the project's one
+strict parser): nesting past 64 levels (or past the C parser's reach), a key given twice (a
+tensor with two byte ranges, a config with two values of one field) and ``NaN`` /
+``Infinity`` are refused, each as the caller's typed error in one line.
 
 This module imports neither torch nor safetensors.
 """
 
 from __future__ import annotations
 
-import json
 import stat
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-__all__ = ["MAX_DEPTH", "loads_bounded", "read_json"]
+from shard import strict_json
 
-#: The deepest nesting a model file may have (real ones nest 3 or 4 deep).
-MAX_DEPTH: Final = 64
+__all__ = ["loads_bounded", "read_json"]
 
 
 def read_json(path: Path, *, max_bytes: int, error: type[Exception], what: str) -> Any:
@@ -48,37 +46,12 @@ def read_json(path: Path, *, max_bytes: int, error: type[Exception], what: str) 
 
 
 def loads_bounded(text: str | bytes, *, error: type[Exception], what: str) -> Any:
-    """``text`` parsed as JSON with the nesting bound; ``error`` saying ``what`` was wrong."""
-
-    def no_constant(name: str) -> float:
-        raise ValueError(f"{name} is not JSON")
-
+    """``text`` parsed by ``shard.strict_json`` (nesting bounded, no key twice, no NaN);
+    ``error`` saying ``what`` was wrong, in one line."""
     try:
-        data = json.loads(text, parse_constant=no_constant)
-    except RecursionError:
-        raise error(f"{what}: JSON nested too deep (more than {MAX_DEPTH} levels)") from None
+        return strict_json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise error(f"{what}: not valid JSON ({_short(str(e))})") from None
-    if _depth_over(data, MAX_DEPTH):
-        raise error(f"{what}: JSON nested too deep (more than {MAX_DEPTH} levels)")
-    return data
-
-
-def _depth_over(data: Any, limit: int) -> bool:
-    """Whether ``data`` nests deeper than ``limit`` containers (an explicit stack, no recursion)."""
-    stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def _short(text: str, limit: int = 120) -> str:

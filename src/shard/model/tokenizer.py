@@ -3,23 +3,31 @@
 Loaded from a model directory in the Hugging Face layout (``tokenizer.json``,
 ``tokenizer_config.json``, ``config.json``, ``generation_config.json``) with the
 ``tokenizers`` library, so encoding is exactly what the model was trained with. Chat
-templates are the model's own Jinja, rendered in a sandbox the way ``transformers`` does.
+templates are the model's own Jinja, rendered in a sandbox the way ``transformers`` does,
+and bounded in size, steps and time (``shard.model.chat_render``): a template is code from
+the model's files, and one that renders without end is refused in one line, not run.
 Nothing here imports torch: the coordinator tokenizes without loading a model.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
+
+from shard.model.chat_bounds import DEFAULT_LIMITS, RenderLimits
+from shard.model.chat_render import compile_template, render
+from shard.model.jsonfile import read_json
+
+#: The largest tokenizer_config.json / config.json / generation_config.json read (real ones,
+#: chat templates included, are under 200 KB).
+MAX_SIDE_FILE = 16 << 20
+#: The largest tokenizer.json read (Gemma 3's, the largest here, is 33 MB).
+MAX_TOKENIZER_FILE = 256 << 20
 
 
 class TokenizerError(Exception):
@@ -43,12 +51,15 @@ class Tokenizer:
         bos_id: int | None,
         chat_template: str | None,
         special_tokens: dict[str, str],
+        chat_source: str = "the model's chat template",
     ) -> None:
+        """``chat_source`` names where ``chat_template`` came from in errors (its file)."""
         self._backend = backend
         self.eos_ids = eos_ids
         self.bos_id = bos_id
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self._chat_source = chat_template
+        self._chat_text = chat_template
+        self._chat_source = chat_source
         self._special_tokens = special_tokens
 
     @classmethod
@@ -60,10 +71,16 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir} has no tokenizer.json; is it a model directory?")
-        try:
+        if path.stat().st_size > MAX_TOKENIZER_FILE:
+            raise TokenizerError(
+                f"{path}: {path.stat().st_size} bytes, more than a tokenizer.json may have "
+                f"({MAX_TOKENIZER_FILE}); re-download the model"
+            )
+        try:  # serde_json bounds nesting (128) itself
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
-            raise TokenizerError(f"{path} is not a valid tokenizer file: {exc}") from exc
+            why = " ".join(str(exc).split())[:200]
+            raise TokenizerError(f"{path} is not a valid tokenizer file: {why}") from exc
         tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
         special = {
             key: name
@@ -81,12 +98,14 @@ class Tokenizer:
         bos_id = next(iter(_ids(config.get("bos_token_id"))), None)
         if bos_id is None and "bos_token" in special:
             bos_id = backend.token_to_id(special["bos_token"])
+        chat_template, chat_source = _chat_template(model_dir, tokenizer_config)
         return cls(
             backend,
             eos_ids=tuple(dict.fromkeys(eos)),
             bos_id=bos_id,
-            chat_template=_chat_template(model_dir, tokenizer_config),
+            chat_template=chat_template,
             special_tokens=special,
+            chat_source=chat_source,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -106,44 +125,50 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def apply_chat(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        limits: RenderLimits = DEFAULT_LIMITS,
     ) -> str:
-        """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template.
+        """Render ``messages`` (``{"role": ..., "content": ...}``) with the model's template,
+        within ``limits`` (output size, steps, seconds: ``shard.model.chat_bounds``).
 
         The result is text to ``encode``; it already holds any BOS the template writes.
 
-        Errors: ``TokenizerError`` when the model has no chat template, the template is
-        invalid, or it rejects the conversation (its ``raise_exception``).
+        Errors: ``TokenizerError``, one line naming the template's file, when the model has
+        no chat template, the template does not compile, it fails or rejects the
+        conversation (its ``raise_exception``), or it goes over ``limits``.
         """
+        template = self._chat
         try:
-            return self._chat.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
+            variables = {
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
                 **self._special_tokens,
-            )
-        except jinja2.TemplateError as exc:
-            raise TokenizerError(f"the model's chat template failed: {exc}") from exc
+            }
+            return render(template, variables, limits)
+        except _TEMPLATE_FAILURES as exc:  # the template is the model's code: any of its errors
+            raise TokenizerError(
+                f"{self._chat_source}: the chat template failed: {_one_line(exc)}"
+            ) from None
 
     @cached_property
     def _chat(self) -> jinja2.Template:
         """The compiled chat template; compiled on first use so a broken template does not
         stop plain encoding."""
-        if not self._chat_source:
+        if not self._chat_text:
             raise TokenizerError(
                 "this model has no chat template (tokenizer_config.json has no chat_template); "
                 "send a plain prompt instead of chat messages"
             )
-        # Same environment as transformers' chat rendering, so templates behave the same.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
         try:
-            return env.from_string(self._chat_source)
-        except jinja2.TemplateError as exc:
-            raise TokenizerError(f"the model's chat template does not compile: {exc}") from exc
+            return compile_template(self._chat_text)
+        except (jinja2.TemplateError, RecursionError, MemoryError) as exc:
+            raise TokenizerError(
+                f"{self._chat_source}: the chat template does not compile: {_one_line(exc)}; "
+                "fix the template or send a plain prompt"
+            ) from None
 
 
 class StreamDecoder:
@@ -187,12 +212,11 @@ class StreamDecoder:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    """A small JSON file of the model (``{}`` when absent), read bounded and strictly
+    (``shard.model.jsonfile``: size, nesting, duplicate keys)."""
+    if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} is not readable JSON: {exc}") from exc
+    data = read_json(path, max_bytes=MAX_SIDE_FILE, error=TokenizerError, what="a model file")
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} should hold a JSON object")
     return data
@@ -214,27 +238,37 @@ def _token_name(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
-    """The default chat template: ``chat_template.jinja`` (newer layout) or the config entry,
-    which may be a string or a list of named templates."""
+def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> tuple[str | None, str]:
+    """The default chat template and the file it is in: ``chat_template.jinja`` (newer
+    layout) or the config entry, which may be a string or a list of named templates."""
     path = model_dir / "chat_template.jinja"
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8"), str(path)
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) else None
+    source = str(model_dir / "tokenizer_config.json")
+    return (template if isinstance(template, str) else None), source
 
 
-def _raise_exception(message: str) -> NoReturn:
-    raise jinja2.TemplateError(message)
+#: What a template's render can raise: its own errors and Python's from the operations it
+#: runs ('a' + 1, 1 / 0, a missing key, an int too large to print, recursion in macros).
+_TEMPLATE_FAILURES = (
+    jinja2.TemplateError,
+    ArithmeticError,
+    LookupError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    RecursionError,
+    MemoryError,
+)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # Jinja's own tojson escapes HTML characters, which changes what the model sees.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+def _one_line(exc: BaseException) -> str:
+    """``exc`` in one line (a syntax error's message says its line, not the source)."""
+    if isinstance(exc, jinja2.TemplateSyntaxError):
+        return f"{exc.message} (line {exc.lineno})"
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: {text}"

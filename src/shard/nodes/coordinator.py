@@ -358,11 +358,17 @@ async def _serve_client(
     go through one writer so concurrent requests never interleave inside a frame. When the
     client goes away its requests are cancelled (their sessions end on the ring).
 
+    Idle means no request running (``IdleDeadline``): a client that only sends heartbeats or
+    other messages is cut ``limits.idle_timeout_s`` after its last request ended (or its Hello),
+    and to the network it is idle meanwhile, so its host's cap can reclaim it for a newcomer.
+
     Errors: ``PeerTooSlow`` when the client runs no request for ``limits.idle_timeout_s`` or
     does not take a reply within ``limits.message_timeout_s``; a malformed frame's
     ``WireError`` (``serve_one`` ends the connection either way)."""
     out_send, out_recv = trio.open_memory_channel[Message](0)
-    idle = IdleDeadline(limits.idle_timeout_s, conn)  # never idle to the network while busy
+    # Only requests keep the link (and its host's slot) alive; heartbeats do not.
+    idle = IdleDeadline(limits.idle_timeout_s, conn)
+    ignored = 0  # messages that were not requests
 
     async with trio.open_nursery() as nursery:
 
@@ -396,8 +402,10 @@ async def _serve_client(
                     if isinstance(msg, GenerateRequest):
                         idle.begin()
                         nursery.start_soon(serve, msg, out_send.clone())
-                    else:
-                        log.warning("client %s sent %s; ignored", conn.peer, type(msg).__name__)
+                    else:  # no request: the idle deadline runs on (a heartbeat flood is idle)
+                        level = logging.DEBUG if ignored else logging.WARNING  # once, not a flood
+                        log.log(level, "client %s sent %s; ignored", conn.peer, type(msg).__name__)
+                        ignored += 1
             if idle.fired:
                 raise PeerTooSlow(
                     f"client {conn.peer} ran no request for {idle.idle_s:g} s "

@@ -14,7 +14,9 @@ bug and propagates.
 its peer (``[limits] idle_timeout_s`` and ``message_timeout_s``): a peer that stops reading, or
 that keeps a connection open without using it, is cut instead of holding the node's memory
 and tasks. ``Activity`` is what "idle" means for any served connection: no whole message in
-either direction (heartbeats count) and no work running for the peer. ``PeerDeadlines`` are
+either direction (heartbeats count) and no work running for the peer — or, on a link whose use
+is work (a client's: ``IdleDeadline``), no work since the last ended, whatever messages came
+(heartbeats do not count there). ``PeerDeadlines`` are
 the deadlines a listening network applies to every connection it serves, whatever its link
 (``shard.transport.websocket``): idle, a message trickled too slowly, and which connection
 makes room when one host's connections fill its cap.
@@ -201,13 +203,33 @@ class Activity:
     """When a connection last carried a whole message in either direction, and how much
     work its link runs for the peer now (a client's requests: ``IdleDeadline`` says). A
     connection is idle while no work runs, counted from its last message or the end of its
-    last work, whichever came later."""
+    last work, whichever came later.
+
+    A link whose use is work (a client link: its requests) says so with ``by_work()``: from
+    then on messages no longer count (``touch`` is ignored), only work does, counted from the
+    end of the last work or from ``by_work()``. So a client that only sends heartbeats is idle
+    to the network (reclaimable under its host's cap, cut at ``idle_s``) however often it
+    sends them; links whose use is messages (ring, return, control, monitor) keep counting
+    them.
+    """
 
     def __init__(self) -> None:
         self.last = trio.current_time()
         self.busy = 0
+        self._by_work = False
 
     def touch(self) -> None:
+        """A whole message went either way (ignored after ``by_work()``)."""
+        if not self._by_work:
+            self.last = trio.current_time()
+
+    def by_work(self) -> None:
+        """Count only work from now on (see the class docstring); idle from now."""
+        self._by_work = True
+        self.last = trio.current_time()
+
+    def worked(self) -> None:
+        """A piece of work for the peer ended now."""
         self.last = trio.current_time()
 
     def idle_for(self, now: float) -> float:
@@ -257,8 +279,12 @@ class IdleDeadline:
 
     Work is bracketed by ``begin()`` / ``end()``; while any runs, the deadline is off. A link
     runs its receive loop in ``scope``: a peer that keeps a connection open without asking for
-    anything is cut, however it trickles bytes or messages that start no work. With ``conn``,
-    its ``Activity`` is kept busy while work runs too, so the network never counts it idle.
+    anything is cut, however it trickles bytes or messages that start no work (heartbeats
+    included). With ``conn``, its ``Activity`` counts work only (``Activity.by_work``): busy
+    while work runs, so the network never counts it idle then, and idle from the end of the
+    last work however many messages the peer sends meanwhile — so when its host is at
+    ``max_peer_connections`` a heartbeating client that runs nothing is reclaimed for a
+    newcomer like a silent one.
     """
 
     def __init__(self, idle_s: float, conn: object = None) -> None:
@@ -266,6 +292,8 @@ class IdleDeadline:
         self.scope = trio.CancelScope(deadline=trio.current_time() + idle_s)
         self._running = 0
         self._activity = activity_of(conn)
+        if self._activity is not None:
+            self._activity.by_work()
 
     def begin(self) -> None:
         self._running += 1
@@ -277,7 +305,7 @@ class IdleDeadline:
         self._running -= 1
         if self._activity is not None:
             self._activity.busy -= 1
-            self._activity.touch()
+            self._activity.worked()
         if self._running == 0:
             self.scope.deadline = trio.current_time() + self.idle_s
 

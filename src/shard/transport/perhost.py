@@ -3,6 +3,18 @@
 at the cap, room made for a new one by closing the one idle longest, when it has been idle for
 at least ``reclaim_idle_s`` (``PeerDeadlines``) — so an honest client is served beside an idle
 flood from its own address. A new connection with no room is refused, with the reason.
+
+"Idle" is ``Activity``'s: on a client link, no request running since the last one ended,
+however many heartbeats (or other messages that start no request) it sends — a flood of
+heartbeating client links is reclaimed like a silent one. Why evict the idle-longest and not
+refuse the newcomer: refusing lets whoever fills the cap first hold it (an honest client on a
+shared or NATed address is locked out until ``idle_timeout_s``), while evicting takes only a
+connection that has done nothing for ``reclaim_idle_s`` and is doing nothing now — a
+connection with a request running is never evicted, and one just opened gets
+``reclaim_idle_s`` to send its first request. The cost: an honest client that keeps a link
+open between requests can lose it to a newcomer from its own host while its host is at the
+cap; it reconnects (the wire client dials per request). Links whose use is messages (ring,
+return, control, monitor) stay busy while they heartbeat: they are nobody's to evict.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 
+from shard import strict_json
 from shard.wire.convert import converter, explain
 
 T = TypeVar("T")
@@ -38,21 +39,10 @@ def from_canonical_json(
     Errors: ``error`` saying what is wrong.
     """
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise error(f"duplicate JSON key {key!r} (a record has one value per key)")
-            out[key] = value
-        return out
-
-    def no_constant(name: str) -> float:
-        raise error(f"{name} is not a number {what} may hold")
-
     try:
-        data = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
-    except ValueError as exc:
-        raise error(f"not JSON: {exc}") from None
+        data = strict_json.loads(text)
+    except ValueError as exc:  # not JSON, a key twice, NaN, or nested too deep
+        raise error(f"not {what}: {exc}") from None
     if not isinstance(data, dict):
         raise error(f"not {what}: expected a JSON object")
     try:

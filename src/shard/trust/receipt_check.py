@@ -34,12 +34,12 @@ internally consistent receipt for one tied to known keys. What a receipt does no
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
 
 import attrs
 
+from shard import strict_json
 from shard.messages import RunReceipt, StageReceipt
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
 from shard.trust.canonical import from_canonical_json, to_canonical_json
@@ -138,7 +138,7 @@ def receipt_from_json(text: str) -> RunReceipt:
 
 def _refuse_old_version(text: str) -> None:
     try:
-        data = json.loads(text)
+        data = strict_json.loads(text, duplicate_keys=True, constants=True)
     except ValueError:
         return  # the strict parse says what is wrong
     if isinstance(data, dict) and "job" in data and "finish_reason" not in data:

@@ -7,7 +7,8 @@ and encoding rules.
 A manifest comes from anywhere (a seeder, a mirror, an e-mail), so parsing trusts nothing:
 every field must be present with exactly the right JSON type, hashes are 64 lowercase hex
 digits, paths are relative, normalised and never hidden (a fetcher writes files at them), and
-unknown keys are refused. Hash and signature checks come after, in ``shard.weights.manifest``.
+unknown keys, keys given twice and nesting deeper than a manifest has are refused. Hash and
+signature checks come after, in ``shard.weights.manifest``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import PurePosixPath
 from typing import Any, Final
 
 import attrs
+
+from shard import strict_json
 
 __all__ = [
     "FileEntry",
@@ -142,9 +145,12 @@ def file_root(size: int, chunks: tuple[str, ...]) -> str:
 
 
 def parse_envelope(data: bytes, source: str) -> tuple[dict[str, Any], bytes | None, bytes | None]:
-    """Split a manifest file into its body and the optional publisher key and signature."""
+    """Split a manifest file into its body and the optional publisher key and signature.
+
+    Parsed strictly (``shard.strict_json``): a key given twice anywhere (two signatures, two
+    roots: which one was verified?), NaN, or nesting deeper than any manifest is refused."""
     try:
-        top = json.loads(data.decode("utf-8"))
+        top = strict_json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestInvalid(f"{source}: not a JSON manifest ({exc})") from None
     if not isinstance(top, dict):
