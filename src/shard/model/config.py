@@ -14,9 +14,16 @@ from typing import Any
 
 import attrs
 
-from shard.model.families import MoeConfig, family_fields
+from shard.model.families import MlaConfig, MoeConfig, family_fields, yarn_mscale
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeScaling"]
+__all__ = [
+    "ARCHITECTURES",
+    "MlaConfig",
+    "ModelConfig",
+    "ModelLoadError",
+    "MoeConfig",
+    "RopeScaling",
+]
 
 #: HF ``model_type`` -> the ``architectures`` entry transformers uses for it.
 ARCHITECTURES: dict[str, str] = {
@@ -29,6 +36,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 #: The activations a feed-forward may use (HF ``hidden_act`` names).
@@ -59,7 +67,8 @@ class RopeScaling:
 @attrs.frozen
 class ModelConfig:
     """Architecture of a decoder: a Llama (Llama 2/3, Qwen2, Mistral, SmolLM) or one of the
-    families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5).
+    families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5,
+    DeepSeek-V3).
 
     ``sliding_window`` is the local attention span (``None``: full causal attention): of
     every layer when ``layer_types`` is ``None`` (Mistral), else of the ``"sliding_attention"``
@@ -97,6 +106,7 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
     o_proj_bias: bool = False
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek-V3)
 
     def __attrs_post_init__(self) -> None:
         _check(self.arch in ARCHITECTURES, f"unsupported architecture {self.arch!r}")
@@ -128,6 +138,40 @@ class ModelConfig:
             _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
             _check(all(0 <= i < self.n_layers for i in m.sparse_layers), "sparse layer range")
             _check(m.n_experts % m.n_group == 0, "n_experts must be a multiple of n_group")
+            _check(m.expert_size > 0, f"moe_intermediate_size {m.expert_size} must be positive")
+            _check(m.n_shared_experts >= 0, f"n_shared_experts {m.n_shared_experts} < 0")
+            _check(m.routed_scaling_factor > 0, "routed_scaling_factor must be positive")
+            _check(0 < m.topk_group <= m.n_group, f"topk_group {m.topk_group} of {m.n_group}")
+            if m.router == "sigmoid_group":
+                per_group = m.n_experts // m.n_group
+                _check(per_group >= 2, "a sigmoid_group router needs 2+ experts per group")
+                _check(m.top_k <= m.topk_group * per_group, "top_k exceeds the kept groups")
+        if self.mla is not None:
+            self._check_mla(self.mla)
+
+    def _check_mla(self, a: MlaConfig) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(a, name) > 0, f"{name} must be positive, got {getattr(a, name)}")
+        _check(a.q_lora_rank is None or a.q_lora_rank > 0, "q_lora_rank must be null or > 0")
+        _check(a.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim {a.qk_rope_head_dim} is odd")
+        _check(self.head_dim == a.qk_rope_head_dim, "an MLA head_dim is its qk_rope_head_dim")
+        _check(self.partial_rotary == 1.0, "MLA rotates the rope dims whole")
+
+    @property
+    def kv_widths(self) -> tuple[int, int, int]:
+        """What a layer's KV cache holds per position: ``(heads, key width, value width)`` —
+        ``n_kv_heads`` keys and values of ``head_dim``, or MLA's one normed latent of
+        ``kv_lora_rank`` beside one rotated key of ``qk_rope_head_dim``
+        (``shard.model.mla``)."""
+        if self.mla is not None:
+            return (1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+        return (self.n_kv_heads, self.head_dim, self.head_dim)
+
+    @property
+    def kv_elements(self) -> int:
+        """Numbers a layer caches per position (``kv_widths``: heads times both widths)."""
+        heads, k, v = self.kv_widths
+        return heads * (k + v)
 
     @property
     def rotary_dim(self) -> int:
@@ -255,7 +299,7 @@ def _from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     n_layers = int(d["num_hidden_layers"])
     eos = d.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    return cls(
+    fields: dict[str, Any] = dict(
         arch=arch,
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
@@ -273,8 +317,8 @@ def _from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=tuple(int(i) for i in eos_ids),
         sliding_window=None if sliding is None else int(sliding),
-        **family_fields(arch, d, n_layers),
     )
+    return cls(**(fields | family_fields(arch, d, n_layers)))  # a family may set head_dim
 
 
 def _arch_of(d: dict[str, Any]) -> str:
@@ -305,11 +349,12 @@ def _rope_scaling(d: dict[str, Any] | None, max_pos: int) -> RopeScaling | None:
             f"rope scaling type {kind!r} is not supported; shard implements 'llama3', 'yarn' "
             "and 'linear'"
         )
-    if kind == "yarn" and (d.get("mscale") or d.get("mscale_all_dim")):
-        raise ModelLoadError("yarn rope with mscale / mscale_all_dim is not supported")
     attn_factor = d.get("attention_factor")
+    factor = float(d["factor"])
+    if kind == "yarn" and attn_factor is None:
+        attn_factor = _yarn_attention_factor(factor, d.get("mscale"), d.get("mscale_all_dim"))
     return RopeScaling(
-        factor=float(d["factor"]),
+        factor=factor,
         low_freq_factor=float(d.get("low_freq_factor", 1.0)),
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", max_pos)),
@@ -319,6 +364,20 @@ def _rope_scaling(d: dict[str, Any] | None, max_pos: int) -> RopeScaling | None:
         truncate=bool(d.get("truncate", True)),
         attention_factor=None if attn_factor is None else float(attn_factor),
     )
+
+
+def _yarn_attention_factor(factor: float, mscale: Any, mscale_all_dim: Any) -> float | None:
+    """The cos/sin scale transformers' ``_compute_yarn_parameters`` derives from ``mscale``
+    and ``mscale_all_dim`` when both are set (DeepSeek): mscale(f, mscale) / mscale(f,
+    mscale_all_dim); None (the plain YaRN factor) otherwise."""
+    for name, v in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        _check(
+            v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0),
+            f"rope {name} must be a number >= 0, got {v!r}",
+        )
+    if not (mscale and mscale_all_dim):
+        return None
+    return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
 
 
 def _one_or_list(ids: tuple[int, ...]) -> int | list[int] | None:

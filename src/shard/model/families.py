@@ -18,17 +18,21 @@ and ``shard.model.moe`` act on the fields, never on the family's name.
 |                         | attention sinks, alternating sliding/full layers, YaRN, biases     |
 | ``glm4_moe``            | sigmoid router with correction bias, group-limited top-k, scaling, |
 |                         | shared experts, first layers dense, partial rotary, q/k norm       |
+| ``deepseek_v3``         | multi-head latent attention (``MlaConfig``), interleaved rotary on |
+|                         | the rope dims only, YaRN ``mscale_all_dim`` in the softmax scale;  |
+|                         | DeepSeekMoE: GLM-4.5's router, shared experts, first layers dense  |
 
 This module imports neither torch nor safetensors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
-__all__ = ["MoeConfig", "family_fields", "layer_types_of"]
+__all__ = ["MlaConfig", "MoeConfig", "family_fields", "layer_types_of"]
 
 
 @attrs.frozen
@@ -60,6 +64,28 @@ class MoeConfig:
     swiglu_limit: float = 7.0
     names: str = "hf"
     cast_weights: bool = False
+
+
+@attrs.frozen
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V3): keys and values are up-projected per head
+    from one shared latent of ``kv_lora_rank`` numbers a token, beside one shared rotary key
+    of ``qk_rope_head_dim``; queries come through a low-rank ``q_lora_rank`` bottleneck (None:
+    a plain ``q_proj``). Each head's query/key is ``qk_nope_head_dim`` unrotated dimensions then
+    ``qk_rope_head_dim`` rotated ones; its value is ``v_head_dim`` wide. ``rope_interleave``:
+    the rotary pairs are adjacent dimensions (transformers' default for DeepSeek-V3)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of one head's query and key (what the softmax scale is taken of)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 def layer_types_of(d: dict[str, Any], n_layers: int, pattern: int | None) -> tuple[str, ...]:
@@ -98,6 +124,8 @@ def family_fields(arch: str, d: dict[str, Any], n_layers: int) -> dict[str, Any]
         return _gpt_oss(d, n_layers)
     if arch == "glm4_moe":
         return _glm4_moe(d, n_layers)
+    if arch == "deepseek_v3":
+        return _deepseek_v3(d, n_layers)
     return {}
 
 
@@ -172,3 +200,74 @@ def _glm4_moe(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
     rope = d.get("rope_parameters") or {}
     partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
     return {"moe": moe, "qk_norm": bool(d.get("use_qk_norm", False)), "partial_rotary": partial}
+
+
+def _deepseek_v3(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """DeepSeek-V3 as transformers' ``DeepseekV3Config`` reads it (its defaults where a key is
+    absent). Types are checked here, ranges in ``ModelConfig`` (one ``_check`` each)."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if d.get(key, want) != want:
+            raise ValueError(f"{key} {d[key]!r} is not DeepSeek-V3's {want!r}")
+    if _int(d, "moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq {d['moe_layer_freq']!r}: only 1 (every layer) is read")
+    q_rank = d.get("q_lora_rank", 1536)
+    mla = MlaConfig(
+        q_lora_rank=None if q_rank is None else _int(d, "q_lora_rank", 1536),
+        kv_lora_rank=_int(d, "kv_lora_rank", 512),
+        qk_nope_head_dim=_int(d, "qk_nope_head_dim", 128),
+        qk_rope_head_dim=_int(d, "qk_rope_head_dim", 64),
+        v_head_dim=_int(d, "v_head_dim", 128),
+        rope_interleave=_bool(d, "rope_interleave", True),
+    )
+    moe = MoeConfig(
+        router="sigmoid_group",
+        experts="swiglu",
+        n_experts=_int(d, "n_routed_experts", 256),
+        top_k=_int(d, "num_experts_per_tok", 8),
+        expert_size=_int(d, "moe_intermediate_size", 2048),
+        sparse_layers=tuple(range(_int(d, "first_k_dense_replace", 3), n_layers)),
+        norm_topk_prob=_bool(d, "norm_topk_prob", True),
+        n_shared_experts=_int(d, "n_shared_experts", 1),
+        routed_scaling_factor=_float(d, "routed_scaling_factor", 2.5),
+        n_group=_int(d, "n_group", 8),
+        topk_group=_int(d, "topk_group", 4),
+    )
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    scale = mla.qk_head_dim**-0.5
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        # transformers' ``yarn_apply_mscale``: the softmax scale of every dimension, not only
+        # the rotated ones, grows by YaRN's mscale(factor, mscale_all_dim) squared
+        all_dim = _float(rope, "mscale_all_dim", 0.0)
+        if all_dim:
+            m = yarn_mscale(_float(rope, "factor", 1.0), all_dim)
+            scale = scale * m * m
+    return {"mla": mla, "moe": moe, "head_dim": mla.qk_rope_head_dim, "attn_scale": scale}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``): transformers'
+    ``yarn_get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _int(d: dict[str, Any], key: str, default: int) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{key} must be an integer, got {v!r}")
+    return v
+
+
+def _float(d: dict[str, Any], key: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"{key} must be true or false, got {v!r}")
+    return v
