@@ -4,6 +4,7 @@
     families.py     each family's declared differences from a Llama, and MoeConfig (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
+    mla.py          MLAttention: DeepSeek-V3's latent attention, its cache the latent
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
     packed.py       one forward for many sessions' chunks, each attending to its own cache
