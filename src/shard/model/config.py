@@ -110,6 +110,8 @@ class ModelConfig:
 
     def __attrs_post_init__(self) -> None:
         _check(self.arch in ARCHITECTURES, f"unsupported architecture {self.arch!r}")
+        if self.mla is not None:  # first: its head_dim is derived from these fields
+            self._check_mla(self.mla)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(
@@ -146,8 +148,6 @@ class ModelConfig:
                 per_group = m.n_experts // m.n_group
                 _check(per_group >= 2, "a sigmoid_group router needs 2+ experts per group")
                 _check(m.top_k <= m.topk_group * per_group, "top_k exceeds the kept groups")
-        if self.mla is not None:
-            self._check_mla(self.mla)
 
     def _check_mla(self, a: MlaConfig) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

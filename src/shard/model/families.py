@@ -208,6 +208,11 @@ def _deepseek_v3(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if d.get(key, want) != want:
             raise ValueError(f"{key} {d[key]!r} is not DeepSeek-V3's {want!r}")
+    if d.get("quantization_config"):  # the published FP8 weights with block scales
+        raise ValueError(
+            "quantization_config is set: shard reads float DeepSeek-V3 weights only; "
+            "dequantize the FP8 checkpoint to bf16 first"
+        )
     if _int(d, "moe_layer_freq", 1) != 1:
         raise ValueError(f"moe_layer_freq {d['moe_layer_freq']!r}: only 1 (every layer) is read")
     q_rank = d.get("q_lora_rank", 1536)

@@ -34,7 +34,7 @@ from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 from shard.model.mla import MLAttention
-from shard.model.moe import FusedExperts
+from shard.model.moe import FusedExperts, Router
 from shard.model.quant import (
     QuantEmbedding,
     Quantized,
@@ -112,7 +112,7 @@ def load_stage(
             _tie_head(stage, device)
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
-            if isinstance(module, Attention | MLAttention):
+            if isinstance(module, Attention | MLAttention | Router):
                 module.rowwise = True
     return stage.to(device).eval()
 
