@@ -9,7 +9,9 @@ embedding matrix quantized at load (``int8`` per channel, ``int4`` in groups of 
 ``shard.model.quant``'s layouts; gpt-oss's fused ``[E, in, out]`` experts as ``E`` such
 linears of ``[out, in]``), everything else (norms, biases, routers) dense in ``dtype``.
 ``measured`` sums what a loaded ``StageModel`` really holds, so the two can be compared
-(``tests/test_footprint.py``).
+(``tests/test_footprint.py``). ``Footprint.kv_token`` prices the KV cache a layer adds per
+position (``ModelConfig.kv_widths``: keys and values, or MLA's latent and rotary key) in the
+compute dtype, as ``StageModel.new_cache`` allocates it.
 
 Kernel layouts depend on the host: the int4 kernel keeps its scales and zeros in the compute
 dtype, bf16 on a GPU or a CPU with bf16 instructions and float32 elsewhere
@@ -61,8 +63,14 @@ class Footprint:
     head: int
     shared_head: int
     #: Bytes of multi-dimensional weights left dense under ``int8``/``int4`` because shard
-    #: does not quantize them (routers), over all layers.
+    #: does not quantize them (routers, MLA's ``kv_b_proj``), over all layers.
     unquantized: int = 0
+    #: KV-cache bytes each layer holds per position of a session (``kv_token[i]``: layer i).
+    kv_token: tuple[int, ...] = ()
+
+    def kv(self, first: int, last: int, positions: int = 1) -> int:
+        """KV-cache bytes of the block ``[first, last)`` for ``positions`` positions."""
+        return sum(self.kv_token[first:last]) * positions
 
     def stage(self, first: int, last: int) -> int:
         """Bytes of the block ``[first, last)`` with the ends it carries."""
@@ -115,7 +123,13 @@ def predict(
     embedding = price.matrix(vocab, d, embedding=True)
     head = norm + price.matrix(vocab, d, embedding=False)
     shared = norm + price.tied_head(vocab, d) if config.tie_word_embeddings else head
-    return Footprint(tuple(layers), embedding, head, shared, unquantized)
+    kv = _kv_token(config, dtype)
+    return Footprint(tuple(layers), embedding, head, shared, unquantized, kv)
+
+
+def _kv_token(config: ModelConfig, dtype: str) -> tuple[int, ...]:
+    """Each layer's KV-cache bytes per position in the compute ``dtype``."""
+    return (config.kv_elements * _DENSE[dtype],) * config.n_layers
 
 
 @attrs.frozen
@@ -239,7 +253,7 @@ def stored(
     shared = head
     if config.tie_word_embeddings and head_t is not None:
         shared = norm + price.tied_head(head_t)
-    return Footprint(tuple(layers), embedding, head, shared)
+    return Footprint(tuple(layers), embedding, head, shared, kv_token=_kv_token(config, dtype))
 
 
 @attrs.frozen
