@@ -25,13 +25,14 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import family_fixtures
 from shard.model.config import ModelConfig, ModelLoadError
-from shard.model.footprint import predict
+from shard.model.footprint import measured, predict, stored
 from shard.model.loader import load_stage
 from shard.model.mla import KvUp, MLAttention
-from shard.model.quant import QuantLinear
+from shard.model.quant import QuantLinear, kernel_dtype, quantize_int4, quantize_int8
 from shard.stage.chunks import kv_refusal
 from test_model_split import bounds_for, greedy_tokens, run_ring
 from test_model_vs_transformers import hf_greedy, shard_greedy
@@ -142,6 +143,27 @@ def test_a_verify_chunk_equals_its_decode_steps(
     report(f"{variant}: verify chunk vs decode steps: fp32 {worst:.2g}, int8 bit-identical")
 
 
+def test_static_positions_and_rollback(family_checkpoint: Callable[[str], Path]) -> None:
+    """``forward_at`` (the CUDA-graph path: positions as a tensor, the whole cache under a
+    mask) gives ``forward``'s logits and latents; a rejected chunk past the frontier leaves no
+    trace in the next step on either path (rollback by overwrite)."""
+    model = load_stage(family_checkpoint("deepseek_v3"), 0, 2)  # the dense MLA layers
+    a, b = model.new_cache(48), model.new_cache(48)
+    x, n = torch.tensor([LONG]), len(LONG)
+    torch.testing.assert_close(model(x, 0, a), model.forward_at(x, torch.arange(n), b))
+    clean_a, clean_b = a.k.clone(), b.k.clone()
+    model(torch.tensor([[250, 1, 77, 3]]), n, a)  # a rejected draft
+    model.forward_at(torch.tensor([[250, 1, 77, 3]]), torch.arange(n, n + 4), b)
+    step = torch.tensor([[42]])
+    fresh = model.new_cache(48)
+    model(x, 0, fresh)
+    want = model(step, n, fresh)
+    assert torch.equal(model(step, n, a), want)
+    torch.testing.assert_close(model.forward_at(step, torch.arange(n, n + 1), b), want)
+    torch.testing.assert_close(a.k[:, :, :, :n], clean_a[:, :, :, :n], rtol=0, atol=0)
+    torch.testing.assert_close(b.k[:, :, :, :n], clean_b[:, :, :, :n], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_per_token_is_the_latent(
     family_checkpoint: Callable[[str], Path], dtype: torch.dtype
@@ -180,6 +202,58 @@ def test_int8_keeps_kv_b_proj_dense_and_quantizes_the_rest(
     ids, _ = shard_greedy(stage, BATCH[0], 8)
     want, _ = shard_greedy(load_stage(model_dir, 0, 4), BATCH[0], 8)
     assert ids[:2] == want[:2]
+
+
+def stored_copy(src: Path, dst: Path) -> Path:
+    """``src`` with every 2-D layer weight and the head kept quantized as ``shard convert``
+    keeps one (codes, ``.scale``, ``.offset``, ``shard.quant`` metadata): int4 g32 where the
+    int4 kernel takes the shape, int8 per channel elsewhere, routers and ``kv_b_proj``
+    included. (An int4 shape no kernel takes runs dequantized per call, a float product
+    whose rows are not row-invariant; so is a float head: a chunk would then differ from its
+    steps in the last bits, in every family.)"""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors, out, quant = load_file(str(src / "model.safetensors")), {}, {}
+    for name, t in tensors.items():
+        if not name.startswith(("model.layers.", "lm_head.")) or t.dim() != 2:
+            out[name] = t
+            continue
+        int4 = t.shape[1] % 32 == 0 and t.shape[0] % 16 == 0  # the int4 kernel's shapes
+        q = quantize_int4(t) if int4 else quantize_int8(t)
+        out[name], out[f"{name}.scale"] = q.codes, q.scale
+        if q.offset is not None:
+            out[f"{name}.offset"] = q.offset
+        quant[name] = {"kind": q.kind, "group": q.group, "shape": list(t.shape)}
+    save_file(out, str(dst / "model.safetensors"), metadata={"shard.quant": json.dumps(quant)})
+    return dst
+
+
+def test_stored_weights_load_run_and_are_priced(
+    family_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A checkpoint kept quantized (``weights = "stored"``): every MLA and expert linear runs
+    stored, kv_b_proj and the routers are installed dense from their codes, the logits stay
+    within 2 % of the largest of the same codes run densely, a verify chunk equals its decode
+    steps bit for bit, and ``footprint.stored`` prices each stage to the byte."""
+    path = stored_copy(family_checkpoint("deepseek_v3"), tmp_path / "stored")
+    config = ModelConfig.from_dir(path)
+    stage = load_stage(path, 0, 4)  # the default for a quantized checkpoint: stored
+    kv_b = [m for m in stage.modules() if isinstance(m, KvUp)]
+    assert len(kv_b) == 4 and all(m.weight.dtype == torch.float32 for m in kv_b)
+    assert sum(isinstance(m, QuantLinear) for m in stage.modules()) > 4 * 4 + 2 * 8 * 3
+    dense = load_stage(path, 0, 4, weights="float32")  # the codes dequantized
+    ids = torch.tensor([LONG])
+    got, want = stage(ids, 0, stage.new_cache(32)), dense(ids, 0, dense.new_cache(32))
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+    chunk, steps = _chunk_and_steps(stage, LONG, [44, 45, 46, 47, 48, 49])
+    assert torch.equal(chunk, steps)
+    prices = stored(config, path, bf16_kernels=kernel_dtype(torch.device("cpu")) is torch.bfloat16)
+    assert prices is not None
+    for first, last in ((0, 1), (1, 3), (3, 4), (0, 4)):
+        block = load_stage(path, first, last)
+        assert measured(block) == prices.stage(first, last), (first, last)
 
 
 def test_scales_are_transformers(family_checkpoint: Callable[[str], Path]) -> None:

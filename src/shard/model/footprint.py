@@ -240,9 +240,12 @@ def stored(
                 "re-convert the checkpoint"
             ) from e
     layers, norm = [0] * config.n_layers, 0
+    owners = _Owners(config)
     for name, t in tensors.items():
         m = _LAYER.match(name)
         if m is not None and int(m[1]) < config.n_layers:
+            if t.kind is not None and owners.keeps_dense(int(m[1]), name[m.end() :]):
+                t = attrs.evolve(t, kind=None)  # a router / kv_b_proj: dequantized at load
             layers[int(m[1])] += price.linear(t)
         elif name.startswith("model.norm."):
             norm += price.linear(t)
@@ -254,6 +257,26 @@ def stored(
     if config.tie_word_embeddings and head_t is not None:
         shared = norm + price.tied_head(head_t)
     return Footprint(tuple(layers), embedding, head, shared, kv_token=_kv_token(config, dtype))
+
+
+class _Owners:
+    """Which stored layer tensors the loader installs dense although kept quantized: those
+    whose module is not a ``Linear`` (routers, MLA's ``kv_b_proj``; ``loader._place``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.blocks: dict[bool, Block] = {}  # by sparseness: the only per-layer difference
+
+    def keeps_dense(self, layer: int, rest: str) -> bool:
+        sparse = self.config.is_sparse(layer)
+        if sparse not in self.blocks:
+            with torch.device("meta"):
+                self.blocks[sparse] = Block(self.config, layer)
+        try:
+            owner = self.blocks[sparse].get_submodule(rest.rpartition(".")[0])
+        except AttributeError:  # not a tensor this model holds: priced as stored
+            return False
+        return not isinstance(owner, nn.Linear)
 
 
 @attrs.frozen
