@@ -12,7 +12,11 @@ own rope base) and full layers with linear rope scaling, a ``query_pre_attn_scal
 the head size and final logit softcapping; gpt-oss alternates windows with YaRN; GLM has a
 dense first layer, 2 expert groups of 4, a shared expert and partial rotary; MiniMax-M2 has
 8 experts under a sigmoid router with a (redrawn, so non-zero) correction bias, q/k norms over
-all heads and half of each head rotated.
+all heads and half of each head rotated; DeepSeek-V3 has
+two dense layers then DeepSeekMoE, MLA with a low-rank query (``VARIANTS``: a plain ``q_proj``
+with rotate-half rope), YaRN with ``mscale`` and ``mscale_all_dim`` that differ (both the
+cos/sin factor and the softmax scale move), a value width unlike the key's, and an
+``rms_norm_eps`` unlike the latent norms' fixed 1e-6.
 """
 
 from __future__ import annotations
@@ -143,6 +147,59 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rotary_dim": 8,
         },
     ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_key_value_heads": 4,  # MLA: every head reads the one latent
+            "head_dim": 8,  # transformers' rope reads it: qk_rope_head_dim
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rms_norm_eps": 1e-5,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        },
+    ),
+}
+
+#: Variants built like the families but run only by their own tests: DeepSeek-V3 with a plain
+#: ``q_proj`` (``q_lora_rank`` null), rotate-half rope (``rope_interleave`` false), no scaling.
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "deepseek_v3_plain_q": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **{
+                k: v
+                for k, v in FAMILIES["deepseek_v3"][2].items()
+                if k not in ("rope_parameters", "q_lora_rank")
+            },
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        },
+    ),
 }
 
 #: Families saved sharded (``model.safetensors.index.json``) rather than as one file.
@@ -153,7 +210,7 @@ def family_dir(name: str, root: Path) -> Path:
     """Build family ``name``'s tiny checkpoint under ``root / name`` and return the directory."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[name]
+    config_cls, model_cls, extra = FAMILIES[name] if name in FAMILIES else VARIANTS[name]
     tok = tiny_tokenizer()
     im_end, endoftext = (tok.token_to_id(t) for t in SPECIAL_TOKENS[1:])
     kw = {**BASE, **extra, "vocab_size": tok.get_vocab_size()}

@@ -186,7 +186,7 @@ def _no_block(d: Path) -> None:
 
 def _other_method(d: Path) -> None:
     c = json.loads((d / "config.json").read_text())
-    c["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    c["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [16, 32]}
     (d / "config.json").write_text(json.dumps(c))
 
 
@@ -202,14 +202,14 @@ def _bad_block(d: Path) -> None:
         (_drop_scale, "weight_scale_inv"),
         (_wrong_scale, "weight_scale_inv"),
         (_no_block, "quantization_config"),
-        (_other_method, "quant_method 'gptq'"),
+        (_other_method, "fmt must be 'e4m3'"),
         (_bad_block, "weight_block_size"),
     ],
 )
 def test_a_malformed_fp8_checkpoint_is_one_line(
     fp8_dirs: tuple[Path, Path], tmp_path: Path, edit: Any, words: str
 ) -> None:
-    """A missing or misshapen scale, no block size, another quantization method: one line."""
+    """A missing or misshapen scale, no block size, another FP8 format: one line."""
     bad = _rewrite(fp8_dirs[0], tmp_path, edit)
     with pytest.raises(ModelLoadError) as err:
         load_stage(bad, 0, 4)

@@ -4,9 +4,10 @@ Before anyone downloads a weight: the model's ``config.json`` alone, a ``weights
 each card's memory give every layer's bytes (``shard.model.footprint``), the contiguous split
 whose largest stage holds the fewest bytes (``shard.placement.split.auto_counts``, the very
 function that cuts a spec's ``layers = "auto"``; embedding and head counted) and a verdict.
-What is left on each card is for the KV cache and the activations; the verdict says how much,
-and the fewest cards of that size that would hold the weights when the asked number does
-not.
+What is left on each card is for the KV cache and the activations; the verdict says how much
+and how many tokens of KV that is on the fullest card (``Footprint.kv``: MLA layers cache
+their latent), and the fewest cards of that size that would hold the weights when the asked
+number does not.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def fit_main(args: argparse.Namespace) -> int:
         None,
     )  # fmt: skip
     report = _report(config, footprint.total, args, asked, memory, fewest)
+    for stage in report["stages"]:  # the KV a session's position adds there (MLA: its latent)
+        stage["kv_bytes_per_token"] = footprint.kv(*stage["layers"])
     report["unquantized_bytes"] = footprint.unquantized
     if args.json:
         print(json.dumps(report, indent=2))
@@ -124,9 +127,12 @@ def _text(r: dict[str, Any]) -> str:
             "docs/model.md)"
         )
     if r["fits"]:
-        worst = min(s["left_bytes"] for s in r["stages"])
+        fullest = min(r["stages"], key=lambda s: s["left_bytes"])
+        worst, per_token = fullest["left_bytes"], fullest["kv_bytes_per_token"]
         lines.append(
             f"verdict: fits; the fullest card keeps {gib(worst)} for its KV cache and activations"
+            f" (its KV: {per_token / 1024:.1f} KiB a token, {worst // max(per_token, 1):,} "
+            "tokens over all sessions at most)"
         )
     elif fewest is not None:
         lines.append(f"verdict: does not fit; {fewest} cards of this size would hold the weights")

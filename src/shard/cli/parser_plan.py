@@ -57,8 +57,9 @@ def add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
     fit.add_argument(
         "--weights",
         default="bfloat16",
-        choices=("float32", "bfloat16", "float16", "int8", "int4"),
-        help="how the stages hold their weights (default: bfloat16)",
+        choices=("float32", "bfloat16", "float16", "int8", "int4", "fp8"),
+        help="how the stages hold their weights (default: bfloat16; fp8: a published FP8 "
+        "checkpoint kept as stored, for a config whose quantization_config is FP8)",
     )
     fit.add_argument(
         "--dtype",

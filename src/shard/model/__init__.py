@@ -6,6 +6,7 @@
     jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
+    mla.py          MLAttention: DeepSeek-V3's latent attention, its cache the latent
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
     packed.py       one forward for many sessions' chunks, each attending to its own cache

@@ -15,10 +15,17 @@ from typing import Any
 import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
-from shard.model.families import MoeConfig, family_fields
+from shard.model.families import MlaConfig, MoeConfig, family_fields, yarn_mscale
 from shard.model.jsonfile import read_json
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeScaling"]
+__all__ = [
+    "ARCHITECTURES",
+    "MlaConfig",
+    "ModelConfig",
+    "ModelLoadError",
+    "MoeConfig",
+    "RopeScaling",
+]
 
 #: HF ``model_type`` -> the ``architectures`` entry transformers uses for it.
 ARCHITECTURES: dict[str, str] = {
@@ -32,7 +39,13 @@ ARCHITECTURES: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+
+#: ``model_type`` s that publish another family's architecture under their own name, taken as
+#: that family only when ``architectures`` names its class too (Kimi-K2 ships ``kimi_k2`` with
+#: ``DeepseekV3ForCausalLM``: DeepSeek-V3's shapes, 384 experts).
+ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 #: The activations a feed-forward may use (HF ``hidden_act`` names).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -63,7 +76,8 @@ class RopeScaling:
 @attrs.frozen
 class ModelConfig:
     """Architecture of a decoder: a Llama (Llama 2/3, Qwen2, Mistral, SmolLM) or one of the
-    families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5).
+    families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5,
+    DeepSeek-V3).
 
     ``sliding_window`` is the local attention span (``None``: full causal attention): of
     every layer when ``layer_types`` is ``None`` (Mistral), else of the ``"sliding_attention"``
@@ -102,11 +116,14 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
     o_proj_bias: bool = False
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek-V3)
     # FP8 block-scaled weights (``quantization_config``, ``shard.model.fp8``): [rows, cols]
     weight_block: tuple[int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
         _check(self.arch in ARCHITECTURES, f"unsupported architecture {self.arch!r}")
+        if self.mla is not None:  # first: its head_dim is derived from these fields
+            self._check_mla(self.mla)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(
@@ -149,7 +166,38 @@ class ModelConfig:
             _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
             _check(all(0 <= i < self.n_layers for i in m.sparse_layers), "sparse layer range")
             _check(m.n_experts % m.n_group == 0, "n_experts must be a multiple of n_group")
+            _check(m.expert_size > 0, f"moe_intermediate_size {m.expert_size} must be positive")
+            _check(m.n_shared_experts >= 0, f"n_shared_experts {m.n_shared_experts} < 0")
+            _check(m.routed_scaling_factor > 0, "routed_scaling_factor must be positive")
             _check(0 < m.topk_group <= m.n_group, f"topk_group {m.topk_group} of {m.n_group}")
+            if m.router == "sigmoid_group":
+                per_group = m.n_experts // m.n_group
+                _check(per_group >= 2, "a sigmoid_group router needs 2+ experts per group")
+                _check(m.top_k <= m.topk_group * per_group, "top_k exceeds the kept groups")
+
+    def _check_mla(self, a: MlaConfig) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(a, name) > 0, f"{name} must be positive, got {getattr(a, name)}")
+        _check(a.q_lora_rank is None or a.q_lora_rank > 0, "q_lora_rank must be null or > 0")
+        _check(a.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim {a.qk_rope_head_dim} is odd")
+        _check(self.head_dim == a.qk_rope_head_dim, "an MLA head_dim is its qk_rope_head_dim")
+        _check(self.partial_rotary == 1.0, "MLA rotates the rope dims whole")
+
+    @property
+    def kv_widths(self) -> tuple[int, int, int]:
+        """What a layer's KV cache holds per position: ``(heads, key width, value width)`` —
+        ``n_kv_heads`` keys and values of ``head_dim``, or MLA's one normed latent of
+        ``kv_lora_rank`` beside one rotated key of ``qk_rope_head_dim``
+        (``shard.model.mla``)."""
+        if self.mla is not None:
+            return (1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+        return (self.n_kv_heads, self.head_dim, self.head_dim)
+
+    @property
+    def kv_elements(self) -> int:
+        """Numbers a layer caches per position (``kv_widths``: heads times both widths)."""
+        heads, k, v = self.kv_widths
+        return heads * (k + v)
 
     @property
     def rotary_dim(self) -> int:
@@ -280,12 +328,15 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         sliding = f.opt_integer("sliding_window", hi=MAX["positions"])
     elif f.flag("use_sliding_window", False):
         raise ModelLoadError(f"{arch} use_sliding_window=true is not supported; set it to false")
+    family = family_fields(arch, f, n_layers)  # MLA sets head_dim itself
     head_dim = (
-        f.integer("head_dim", hi=MAX["width"])
+        family["head_dim"]
+        if "head_dim" in family
+        else f.integer("head_dim", hi=MAX["width"])
         if f.has("head_dim")
         else _divided(hidden, n_heads, f)
     )
-    return cls(
+    fields: dict[str, Any] = dict(
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -304,23 +355,20 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         eos_token_ids=f.integers("eos_token_id", lo=0, hi=vocab - 1, most=64) or (),
         sliding_window=sliding,
         weight_block=_weight_block(f.table("quantization_config")),
-        **family_fields(arch, f, n_layers),
     )
+    return cls(**(fields | family))
 
 
 def _weight_block(q: Fields | None) -> tuple[int, int] | None:
-    """The block of an FP8 checkpoint's scales (``quantization_config``), or None."""
-    if q is None:
+    """The block of an FP8 checkpoint's scales (``quantization_config``), or None.
+
+    Another ``quant_method`` (gpt-oss's ``mxfp4``, GPTQ, AWQ) is not read here: its shapes
+    still plan, and the loader refuses the tensors it cannot read (``*_blocks``, ``qweight``)
+    by name."""
+    if q is None or q.text("quant_method") != "fp8":
         return None
-    method = q.text("quant_method")
-    if method != "fp8":
-        raise ModelLoadError(
-            f"{q.where}: quant_method {method!r} is not supported; shard reads FP8 block-scaled "
-            "checkpoints (quant_method 'fp8') and the stored GGUF quantizations `shard convert` "
-            "writes"
-        )
     fmt = q.text("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells it as torch's dtype
         raise q.error("fmt", "'e4m3'", fmt)
     block = q.integers("weight_block_size", lo=1, hi=MAX["width"], most=2)
     if block is None or len(block) != 2:
@@ -345,6 +393,10 @@ def _arch_of(f: Fields) -> str:
     model_type = f.text("model_type")
     if model_type in ARCHITECTURES:
         return str(model_type)
+    if model_type in ALIASES and ARCHITECTURES[ALIASES[model_type]] in (
+        f.texts("architectures", most=16) or ()
+    ):
+        return ALIASES[model_type]
     names = f.texts("architectures", most=16) or ()
     if model_type is None:
         for name in names:
@@ -370,10 +422,16 @@ def _rope_scaling(f: Fields | None, max_pos: int) -> RopeScaling | None:
             f"rope scaling type {kind!r} is not supported; shard implements 'llama3', 'yarn' "
             "and 'linear'"
         )
-    if kind == "yarn" and (f.raw("mscale") or f.raw("mscale_all_dim")):
-        raise ModelLoadError("yarn rope with mscale / mscale_all_dim is not supported")
+    attn_factor = f.opt_real("attention_factor", lo=0, above=True)
+    factor = f.real("factor", lo=0, above=True)
+    if kind == "yarn" and attn_factor is None:
+        attn_factor = _yarn_attention_factor(
+            factor,
+            f.opt_real("mscale", lo=0),
+            f.opt_real("mscale_all_dim", lo=0),
+        )
     return RopeScaling(
-        factor=f.real("factor", lo=0, above=True),
+        factor=factor,
         low_freq_factor=f.real("low_freq_factor", 1.0, lo=0, above=True),
         high_freq_factor=f.real("high_freq_factor", 4.0, lo=0, above=True),
         original_max_position_embeddings=f.integer(
@@ -383,8 +441,22 @@ def _rope_scaling(f: Fields | None, max_pos: int) -> RopeScaling | None:
         beta_fast=f.real("beta_fast", 32.0, lo=0, above=True),
         beta_slow=f.real("beta_slow", 1.0, lo=0, above=True),
         truncate=f.flag("truncate", True),
-        attention_factor=f.opt_real("attention_factor", lo=0, above=True),
+        attention_factor=attn_factor,
     )
+
+
+def _yarn_attention_factor(factor: float, mscale: Any, mscale_all_dim: Any) -> float | None:
+    """The cos/sin scale transformers' ``_compute_yarn_parameters`` derives from ``mscale``
+    and ``mscale_all_dim`` when both are set (DeepSeek): mscale(f, mscale) / mscale(f,
+    mscale_all_dim); None (the plain YaRN factor) otherwise."""
+    for name, v in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        _check(
+            v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0),
+            f"rope {name} must be a number >= 0, got {v!r}",
+        )
+    if not (mscale and mscale_all_dim):
+        return None
+    return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
 
 
 def _one_or_list(ids: tuple[int, ...]) -> int | list[int] | None:

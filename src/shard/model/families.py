@@ -20,19 +20,23 @@ and ``shard.model.moe`` act on the fields, never on the family's name.
 |                         | shared experts, first layers dense, partial rotary, q/k norm       |
 | ``minimax_m2``          | GLM's router with one group, every layer sparse (Mixtral names),   |
 |                         | q/k norm over all heads at once, partial rotary                    |
+| ``deepseek_v3``         | multi-head latent attention (``MlaConfig``), interleaved rotary on |
+|                         | the rope dims only, YaRN ``mscale_all_dim`` in the softmax scale;  |
+|                         | DeepSeekMoE: GLM-4.5's router, shared experts, first layers dense  |
 
 This module imports neither torch nor safetensors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
 
-__all__ = ["MoeConfig", "family_fields", "layer_types_of"]
+__all__ = ["MlaConfig", "MoeConfig", "family_fields", "layer_types_of"]
 
 
 @attrs.frozen
@@ -67,6 +71,28 @@ class MoeConfig:
     names: str = "hf"
     cast_weights: bool = False
     bias_in_gate: bool = True  # the correction bias is the gate's (GLM), else the layer's
+
+
+@attrs.frozen
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V3): keys and values are up-projected per head
+    from one shared latent of ``kv_lora_rank`` numbers a token, beside one shared rotary key
+    of ``qk_rope_head_dim``; queries come through a low-rank ``q_lora_rank`` bottleneck (None:
+    a plain ``q_proj``). Each head's query/key is ``qk_nope_head_dim`` unrotated dimensions then
+    ``qk_rope_head_dim`` rotated ones; its value is ``v_head_dim`` wide. ``rope_interleave``:
+    the rotary pairs are adjacent dimensions (transformers' default for DeepSeek-V3)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of one head's query and key (what the softmax scale is taken of)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 def layer_types_of(f: Fields, n_layers: int, pattern: int | None) -> tuple[str, ...]:
@@ -111,6 +137,8 @@ def family_fields(arch: str, f: Fields, n_layers: int) -> dict[str, Any]:
         return _glm4_moe(f, n_layers)
     if arch == "minimax_m2":
         return _minimax_m2(f, n_layers)
+    if arch == "deepseek_v3":
+        return _deepseek_v3(f, n_layers)
     return {}
 
 
@@ -234,3 +262,64 @@ def _minimax_m2(f: Fields, n_layers: int) -> dict[str, Any]:
     else:
         partial = 1.0
     return {"moe": moe, "qk_norm_whole": True, "partial_rotary": partial}  # norms always there
+
+
+def _deepseek_v3(f: Fields, n_layers: int) -> dict[str, Any]:
+    """DeepSeek-V3 as transformers' ``DeepseekV3Config`` reads it (its defaults where a key is
+    absent), each field typed and bounded (``Fields``); the MLA shape's consistency is checked
+    by ``ModelConfig``."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        got = f.text(key, want)
+        if got != want:
+            raise f.error(key, f"DeepSeek-V3's {want!r}", got)
+    if f.integer("moe_layer_freq", 1, hi=MAX["layers"]) != 1:
+        raise f.error(
+            "moe_layer_freq", "1 (every layer after the dense ones)", f.raw("moe_layer_freq")
+        )
+    width = MAX["width"]
+    # q_lora_rank null: a plain q_proj; absent: transformers' default
+    absent = f.raw("q_lora_rank", _ABSENT) is _ABSENT
+    q_rank = 1536 if absent else f.opt_integer("q_lora_rank", hi=width)
+    mla = MlaConfig(
+        q_lora_rank=q_rank,
+        kv_lora_rank=f.integer("kv_lora_rank", 512, hi=width),
+        qk_nope_head_dim=f.integer("qk_nope_head_dim", 128, hi=width),
+        qk_rope_head_dim=f.integer("qk_rope_head_dim", 64, hi=width),
+        v_head_dim=f.integer("v_head_dim", 128, hi=width),
+        rope_interleave=f.flag("rope_interleave", True),
+    )
+    n_exp = f.integer("n_routed_experts", 256, hi=MAX["experts"])
+    moe = MoeConfig(
+        router="sigmoid_group",
+        experts="swiglu",
+        n_experts=n_exp,
+        top_k=f.integer("num_experts_per_tok", 8, hi=max(1, n_exp)),
+        expert_size=f.integer("moe_intermediate_size", 2048, hi=MAX["ffn"]),
+        sparse_layers=tuple(
+            range(f.integer("first_k_dense_replace", 3, lo=0, hi=n_layers), n_layers)
+        ),
+        norm_topk_prob=f.flag("norm_topk_prob", True),
+        n_shared_experts=f.integer("n_shared_experts", 1, lo=0, hi=MAX["experts"]),
+        routed_scaling_factor=f.real("routed_scaling_factor", 2.5, lo=0, above=True),
+        n_group=f.integer("n_group", 8, hi=max(1, n_exp)),
+        topk_group=f.integer("topk_group", 4, hi=max(1, n_exp)),
+    )
+    rope = f.table("rope_parameters") or f.table("rope_scaling")
+    scale = mla.qk_head_dim**-0.5
+    if rope is not None and (rope.text("rope_type") or rope.text("type") or "default") != "default":
+        # transformers' ``yarn_apply_mscale``: the softmax scale of every dimension, not only
+        # the rotated ones, grows by YaRN's mscale(factor, mscale_all_dim) squared
+        all_dim = rope.real("mscale_all_dim", 0.0, lo=0)
+        if all_dim:
+            m = yarn_mscale(rope.real("factor", 1.0, lo=0, above=True), all_dim)
+            scale = scale * m * m
+    return {"mla": mla, "moe": moe, "head_dim": mla.qk_rope_head_dim, "attn_scale": scale}
+
+
+_ABSENT = object()
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``): transformers'
+    ``yarn_get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

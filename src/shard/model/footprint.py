@@ -9,7 +9,9 @@ embedding matrix quantized at load (``int8`` per channel, ``int4`` in groups of 
 ``shard.model.quant``'s layouts; gpt-oss's fused ``[E, in, out]`` experts as ``E`` such
 linears of ``[out, in]``), everything else (norms, biases, routers) dense in ``dtype``.
 ``measured`` sums what a loaded ``StageModel`` really holds, so the two can be compared
-(``tests/test_footprint.py``).
+(``tests/test_footprint.py``). ``Footprint.kv_token`` prices the KV cache a layer adds per
+position (``ModelConfig.kv_widths``: keys and values, or MLA's latent and rotary key) in the
+compute dtype, as ``StageModel.new_cache`` allocates it.
 
 Kernel layouts depend on the host: the int4 kernel keeps its scales and zeros in the compute
 dtype, bf16 on a GPU or a CPU with bf16 instructions and float32 elsewhere
@@ -66,8 +68,14 @@ class Footprint:
     head: int
     shared_head: int
     #: Bytes of multi-dimensional weights left dense under ``int8``/``int4`` because shard
-    #: does not quantize them (routers), over all layers.
+    #: does not quantize them (routers, MLA's ``kv_b_proj``), over all layers.
     unquantized: int = 0
+    #: KV-cache bytes each layer holds per position of a session (``kv_token[i]``: layer i).
+    kv_token: tuple[int, ...] = ()
+
+    def kv(self, first: int, last: int, positions: int = 1) -> int:
+        """KV-cache bytes of the block ``[first, last)`` for ``positions`` positions."""
+        return sum(self.kv_token[first:last]) * positions
 
     def stage(self, first: int, last: int) -> int:
         """Bytes of the block ``[first, last)`` with the ends it carries."""
@@ -88,11 +96,15 @@ def predict(
     config: ModelConfig, weights: str, *, dtype: str = "float32", bf16_kernels: bool = True
 ) -> Footprint:
     """Each layer's bytes, the embedding's and the head's, for ``config`` held as
-    ``weights`` (``float32``, ``bfloat16``, ``float16``, ``int8``, ``int4``) with dense parts
-    in ``dtype``. Errors: ``FootprintError`` for ``"stored"`` or an unknown format."""
+    ``weights`` (``float32``, ``bfloat16``, ``float16``, ``int8``, ``int4``, or ``fp8``: a
+    published FP8 checkpoint kept stored, ``shard.model.fp8``, its embedding, head, routers
+    and MLA's ``kv_b_proj`` dense) with dense parts in ``dtype``. Errors: ``FootprintError``
+    for ``"stored"``, ``fp8`` without an FP8 ``quantization_config``, or an unknown format."""
     if weights in _DENSE:
         dtype = weights
-    elif weights not in ("int8", "int4"):
+    elif weights == "fp8" and config.weight_block is None:
+        raise FootprintError("weights 'fp8' needs a config whose quantization_config is FP8")
+    elif weights not in ("int8", "int4", "fp8"):
         raise FootprintError(
             f"weights {weights!r} cannot be sized from a config alone"
             + (
@@ -103,7 +115,7 @@ def predict(
         )
     if dtype not in _DENSE:
         raise FootprintError(f"dtype {dtype!r} is not one of {', '.join(_DENSE)}")
-    price = _Pricer(weights, _DENSE[dtype], 2 if bf16_kernels else 4)
+    price = _Pricer(weights, _DENSE[dtype], 2 if bf16_kernels else 4, config.weight_block)
     layers: list[int] = []
     unquantized = 0
     shapes: dict[tuple[str, ...], tuple[int, int]] = {}
@@ -118,9 +130,16 @@ def predict(
         d, vocab = config.hidden_size, config.vocab_size
         norm = price.module(make_norm(config, d))
     embedding = price.matrix(vocab, d, embedding=True)
-    head = norm + price.matrix(vocab, d, embedding=False)
+    # a published FP8 checkpoint keeps its head in bf16, as its embedding
+    head = norm + price.matrix(vocab, d, embedding=weights == "fp8")
     shared = norm + price.tied_head(vocab, d) if config.tie_word_embeddings else head
-    return Footprint(tuple(layers), embedding, head, shared, unquantized)
+    kv = _kv_token(config, dtype)
+    return Footprint(tuple(layers), embedding, head, shared, unquantized, kv)
+
+
+def _kv_token(config: ModelConfig, dtype: str) -> tuple[int, ...]:
+    """Each layer's KV-cache bytes per position in the compute ``dtype``."""
+    return (config.kv_elements * _DENSE[dtype],) * config.n_layers
 
 
 @attrs.frozen
@@ -128,6 +147,7 @@ class _Pricer:
     weights: str
     dense: int  # bytes per element of a dense tensor
     kernel: int  # bytes per element of the int4 kernel's scales and zeros
+    block: tuple[int, int] | None = None  # an FP8 checkpoint's scale block (``fp8``)
 
     def module(self, module: nn.Module) -> int:
         total = 0
@@ -173,6 +193,8 @@ class _Pricer:
             if embedding or 32 not in KERNEL_GROUPS or n % 16:
                 return n * k // 2 + 2 * 4 * groups  # kept as codes + float32 scale, offset
             return n * k // 2 + 2 * self.kernel * groups  # packed + scales and zeros
+        if self.weights == "fp8" and not embedding and self.block and k % self.block[1] == 0:
+            return n * k + 4 * n * (k // self.block[1])  # e4m3 codes + a scale per row block
         return n * k * self.dense  # not quantizable as asked: dense
 
     def tied_head(self, n: int, k: int) -> int:
@@ -228,9 +250,12 @@ def stored(
     for path in files:
         tensors |= _stored_tensors(path, config.weight_block)
     layers, norm = [0] * config.n_layers, 0
+    owners = _Owners(config)
     for name, t in tensors.items():
         m = _LAYER.match(name)
         if m is not None and int(m[1]) < config.n_layers:
+            if t.kind is not None and owners.keeps_dense(int(m[1]), name[m.end() :]):
+                t = attrs.evolve(t, kind=None)  # a router / kv_b_proj: dequantized at load
             layers[int(m[1])] += price.linear(t)
         elif name.startswith("model.norm."):
             norm += price.linear(t)
@@ -241,7 +266,27 @@ def stored(
     shared = head
     if config.tie_word_embeddings and head_t is not None:
         shared = norm + price.tied_head(head_t)
-    return Footprint(tuple(layers), embedding, head, shared)
+    return Footprint(tuple(layers), embedding, head, shared, kv_token=_kv_token(config, dtype))
+
+
+class _Owners:
+    """Which stored layer tensors the loader installs dense although kept quantized: those
+    whose module is not a ``Linear`` (routers, MLA's ``kv_b_proj``; ``loader._place``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.blocks: dict[bool, Block] = {}  # by sparseness: the only per-layer difference
+
+    def keeps_dense(self, layer: int, rest: str) -> bool:
+        sparse = self.config.is_sparse(layer)
+        if sparse not in self.blocks:
+            with torch.device("meta"):
+                self.blocks[sparse] = Block(self.config, layer)
+        try:
+            owner = self.blocks[sparse].get_submodule(rest.rpartition(".")[0])
+        except AttributeError:  # not a tensor this model holds: priced as stored
+            return False
+        return not isinstance(owner, nn.Linear)
 
 
 @attrs.frozen

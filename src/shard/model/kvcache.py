@@ -17,15 +17,17 @@ class KVCache:
     """Keys and values ``[n_layers_in_block, B, n_kv_heads, max_len, head_dim]``.
 
     Preallocated once per session so the forward pass never allocates cache memory and every
-    chunk shape sees the same storage (what CUDA graphs need).
+    chunk shape sees the same storage (what CUDA graphs need). ``v`` may be narrower than
+    ``k`` (``v_dim``): an MLA layer (``shard.model.mla``) keeps its latent in ``k`` and its
+    rotary key in ``v``, one head each. Everything here acts on the position axis alone.
     """
 
     def __init__(self, k: Tensor, v: Tensor) -> None:
-        if k.dim() != 5 or k.shape != v.shape or k.dtype != v.dtype:
+        if k.dim() != 5 or v.dim() != 5 or k.shape[:4] != v.shape[:4] or k.dtype != v.dtype:
             raise ValueError(
-                "KVCache wants k and v of one shape and dtype "
-                f"[layers, B, kv_heads, max_len, head_dim]; got {tuple(k.shape)} {k.dtype} "
-                f"and {tuple(v.shape)} {v.dtype}"
+                "KVCache wants k and v of one dtype and of shapes "
+                f"[layers, B, kv_heads, max_len, head_dim | v_dim]; got {tuple(k.shape)} "
+                f"{k.dtype} and {tuple(v.shape)} {v.dtype}"
             )
         self.k = k
         self.v = v
@@ -41,8 +43,10 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        v_dim: int | None = None,
     ) -> KVCache:
-        """A zero-filled cache (zeros, not ``empty``, so stray reads are at least deterministic)."""
+        """A zero-filled cache (zeros, not ``empty``, so stray reads are at least deterministic);
+        ``v_dim``: the values' width when it is not ``head_dim``."""
         if n_layers < 1 or batch < 1 or max_len < 1:
             raise ValueError(
                 f"KVCache needs n_layers, batch and max_len >= 1; got {n_layers}, {batch}, "
@@ -50,7 +54,9 @@ class KVCache:
             )
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k, torch.zeros_like(k))
+        if v_dim is None or v_dim == head_dim:
+            return cls(k, torch.zeros_like(k))
+        return cls(k, torch.zeros((*shape[:4], v_dim), dtype=dtype, device=device))
 
     @property
     def n_layers(self) -> int:
@@ -71,6 +77,15 @@ class KVCache:
     @property
     def head_dim(self) -> int:
         return int(self.k.shape[4])
+
+    @property
+    def v_dim(self) -> int:
+        return int(self.v.shape[4])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (keys and values)."""
+        return int(self.k.nbytes + self.v.nbytes)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -99,4 +114,7 @@ class KVCache:
         return self.k[layer], self.v[layer]  # [B, KV, max_len, Dh]
 
     def __repr__(self) -> str:
-        return f"KVCache(shape={tuple(self.k.shape)}, dtype={self.k.dtype}, device={self.k.device})"
+        return (
+            f"KVCache(shape={tuple(self.k.shape)}, v_dim={self.v_dim}, dtype={self.k.dtype}, "
+            f"device={self.k.device})"
+        )

@@ -3,8 +3,8 @@
 ``StageModel`` holds one contiguous block of layers ``[first, last)``: the token embedding iff it
 is the first stage, the final norm and LM head iff it is the last. Read it top-down::
 
-    StageModel -> Block -> Attention (shard.model.attention) / FeedForward | SparseMoE
-    (shard.model.moe) / RMSNorm
+    StageModel -> Block -> Attention (shard.model.attention) | MLAttention (shard.model.mla)
+    / FeedForward | SparseMoE (shard.model.moe) / RMSNorm
 
 Modules and parameters carry Hugging Face's names (``embed_tokens``, ``self_attn.q_proj``,
 ``mlp.gate_proj``, ...) so the loader maps checkpoint tensors by shifting a layer index, nothing
@@ -38,6 +38,7 @@ from shard.model.attention import (
 from shard.model.config import ModelConfig
 from shard.model.kvcache import KVCache
 from shard.model.linear import Linear
+from shard.model.mla import MLAttention
 from shard.model.moe import FeedForward, make_ffn
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Block",
     "FeedForward",
     "KVCache",
+    "MLAttention",
     "RMSNorm",
     "StageModel",
     "TailOut",
@@ -64,6 +66,7 @@ class Block(nn.Module):
     """
 
     mlp: nn.Module  # the feed-forward; Mixtral's sparse layers name it block_sparse_moe
+    self_attn: Attention | MLAttention  # MLA where the family declares it (DeepSeek-V3)
 
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
@@ -71,7 +74,7 @@ class Block(nn.Module):
         self.window, self.local_rope = config.window_of(index), config.local_rope(index)
         self.sandwich = config.sandwich_norms
         self.input_layernorm = make_norm(config, d)
-        self.self_attn = Attention(config)
+        self.self_attn = MLAttention(config) if config.mla is not None else Attention(config)
         self.post_attention_layernorm = make_norm(config, d)
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(config, d)
@@ -248,15 +251,16 @@ class StageModel(nn.Module):
                 f"{self.config.max_position_embeddings}; open a shorter session"
             )
         self.cover_positions(max_len)
-        c = self.config
+        heads, k_dim, v_dim = self.config.kv_widths
         return KVCache.empty(
             len(self.layers),
             batch,
-            c.n_kv_heads,
+            heads,
             max_len,
-            c.head_dim,
+            k_dim,
             dtype=dtype or self.dtype,
             device=device or self.device,
+            v_dim=v_dim,
         )
 
     if TYPE_CHECKING:
@@ -425,8 +429,9 @@ class StageModel(nn.Module):
                 f"positions [{start}, {start + s}) do not fit the KV cache (max_len "
                 f"{cache.max_len}); need 0 <= start and start + S <= max_len with S >= 1"
             )
-        want = (len(self.layers), b, c.n_kv_heads, cache.max_len, c.head_dim)
-        if tuple(cache.k.shape) != want or cache.dtype != self.dtype:
+        heads, k_dim, v_dim = c.kv_widths
+        want = (len(self.layers), b, heads, cache.max_len, k_dim)
+        if tuple(cache.k.shape) != want or cache.v_dim != v_dim or cache.dtype != self.dtype:
             raise ValueError(
                 f"KV cache {tuple(cache.k.shape)} {cache.dtype} does not match this stage and "
                 f"input: want {want} {self.dtype}; make it with StageModel.new_cache"

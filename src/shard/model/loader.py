@@ -33,7 +33,8 @@ from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.fp8 import fp8_weight
 from shard.model.llama import StageModel
-from shard.model.moe import FusedExperts
+from shard.model.mla import MLAttention
+from shard.model.moe import FusedExperts, Router
 from shard.model.quant import (
     QuantEmbedding,
     Quantized,
@@ -112,7 +113,7 @@ def load_stage(
             _tie_head(stage, device)
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, Attention | MLAttention | Router):
                 module.rowwise = True
     return stage.to(device).eval()
 
@@ -283,6 +284,9 @@ def _place(
         fits = weights == "int8" or w.shape[1] % 32 == 0
         q = (quantize_int8(w) if weights == "int8" else quantize_int4(w)) if fits else None
         dense = None if q is not None else w.to(dtype)
+    if q is not None and not linear:  # a router or MLA's kv_b_proj stays a dense matrix
+        dense = q.dequantize().to(dtype)
+        q = None
     if q is not None and weights in ("stored", "int8", "int4"):
         if owner == "embed_tokens":
             _set_module(stage, owner, QuantEmbedding(q, dtype, device))

@@ -18,6 +18,9 @@ weights and its order of addition do not depend on the other rows; only the row 
 expert's product sees does — the same property the dense layers have
 (``shard.model.packed``, "Batch invariance"). The loop over experts reads the chosen ids back to
 the host, so a sparse block cannot be captured in a CUDA graph (graphs stay ``off`` for it).
+On quantized blocks (``Router.rowwise``) the router's float product runs row by row too, so
+with the quantized kernels' row invariance a verify chunk routes and sums exactly as its
+decode steps do.
 
 Checkpoint names: experts are ``<ffn>.experts.N.<gate|up|down>`` (Mixtral's ``w1|w3|w2`` under
 ``block_sparse_moe``), the router ``<ffn>.gate``; gpt-oss keeps its experts fused
@@ -88,9 +91,20 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(n_experts, d))
         self.bias = nn.Parameter(torch.zeros(n_experts)) if bias else None
         self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts)) if group else None
+        #: run the product row by row, so a row's logits are its one-row decode step's bits
+        #: whatever the row count (a float product of 6 rows may round a row differently
+        #: than of 1, enough to move a routing weight); set by the loader with
+        #: ``Attention.rowwise`` on quantized blocks, whose every other product is row-invariant
+        self.rowwise = False
 
     def forward(self, h: Tensor) -> Tensor:
-        return F.linear(h, self.weight, self.bias)
+        return self.product(h, self.weight, self.bias)
+
+    def product(self, h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``h @ weight.T + bias`` over rows ``h`` ``[T, D]`` (row by row under ``rowwise``)."""
+        if self.rowwise and h.shape[0] > 1:
+            return torch.cat([F.linear(h[i : i + 1], weight, bias) for i in range(h.shape[0])])
+        return F.linear(h, weight, bias)
 
 
 class FusedExperts(nn.Module):
@@ -205,7 +219,7 @@ class SparseMoE(nn.Module):
     def _route_groups(self, h: Tensor) -> tuple[Tensor, Tensor]:
         m, gate = self.moe, self.gate
         assert gate.e_score_correction_bias is not None
-        scores = F.linear(h.float(), gate.weight.float()).sigmoid()  # [T, E]
+        scores = gate.product(h.float(), gate.weight.float()).sigmoid()  # [T, E]
         choice = scores + gate.e_score_correction_bias.float()
         per_group = m.n_experts // m.n_group
         group_scores = choice.view(-1, m.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)

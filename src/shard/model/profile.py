@@ -110,9 +110,8 @@ def measure_layer_ms(
     if longest > config.max_position_embeddings:
         raise ValueError(f"a {max(rows)}-token chunk does not fit the model's context")
     cos, sin = rope_tables(config, length=longest)
-    cache = KVCache.empty(
-        1, 1, config.n_kv_heads, longest, config.head_dim, dtype=dtype, device=device
-    )
+    heads, k_dim, v_dim = config.kv_widths
+    cache = KVCache.empty(1, 1, heads, longest, k_dim, dtype=dtype, device=device, v_dim=v_dim)
     timings = []
     for s in rows:
         x = torch.randn(1, s, config.hidden_size, generator=generator).to(device, dtype)  # [1,S,D]

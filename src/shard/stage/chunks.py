@@ -183,9 +183,8 @@ def is_replay(msg: Prefill | Verify) -> bool:
 def kv_refusal(model: StageModel, max_len: int, held: int, budget: int) -> str | None:
     """Why a session of ``max_len`` positions does not fit a KV ``budget`` (bytes) of which
     ``held`` is taken, or None if it fits."""
-    c = model.config
     elem = torch.empty((), dtype=model.dtype).element_size()
-    need = 2 * len(model.layers) * c.n_kv_heads * max_len * c.head_dim * elem
+    need = len(model.layers) * model.config.kv_elements * max_len * elem  # MLA: its latent
     if held + need <= budget:
         return None
     mib = 1 << 20

@@ -172,7 +172,7 @@ class StageExecutor:
         )
 
     def _kv_bytes(self) -> int:
-        return sum(s.cache.k.nbytes + s.cache.v.nbytes for s in self._sessions.values())
+        return sum(s.cache.nbytes for s in self._sessions.values())
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # The local queue lets the reader look past frames waiting to be computed: when a

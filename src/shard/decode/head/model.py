@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from shard.model.config import ModelConfig
 from shard.model.kvcache import KVCache
-from shard.model.llama import Block, RMSNorm, StageModel, rope_tables
+from shard.model.llama import Attention, Block, RMSNorm, StageModel, rope_tables
 
 __all__ = ["CONFIG_FILE", "HEAD_VERSION", "WEIGHTS_FILE", "DraftHead", "HeadConfig", "HeadError"]
 
@@ -70,6 +70,8 @@ class HeadConfig:
             raise HeadError(f"a head needs layers >= 1 and window >= 1, got {self}")
         if not 0 <= self.shortlist <= self.target.vocab_size:
             raise HeadError(f"shortlist {self.shortlist} not in 0..{self.target.vocab_size}")
+        if self.target.mla is not None:
+            raise HeadError("a draft head of an MLA target (DeepSeek-V3) is not built yet")
 
     @property
     def readout_rows(self) -> int:
@@ -312,6 +314,7 @@ def _pass_masks(pos: Tensor, p: int, window: int) -> list[Tensor]:
 def _attend(layer: Block, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """Attention ``[B, H, S, Dh]`` (every mask row holds its own position, so none is empty)."""
     attn = layer.self_attn
+    assert isinstance(attn, Attention)  # a head's own layer is a Llama layer (never MLA)
     y: Tensor = F.scaled_dot_product_attention(
         q,
         keys,

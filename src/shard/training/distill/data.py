@@ -29,7 +29,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from shard.model.kvcache import KVCache
-from shard.model.llama import Block, StageModel, apply_rotary
+from shard.model.llama import Attention, Block, StageModel, apply_rotary
 from shard.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -230,6 +230,8 @@ def hidden_states(model: StageModel, ids: Tensor) -> Tensor:
 def _block(layer: Block, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
     """``Block.forward`` without a KV cache: attention over this call's positions only."""
     attn, (b, s, _) = layer.self_attn, h.shape
+    if not isinstance(attn, Attention):
+        raise ValueError("distilling a draft needs grouped-query attention, not MLA")
     x = layer.input_layernorm(h)
     q = attn.q_proj(x).view(b, s, attn.n_heads, -1).transpose(1, 2)  # [B, H, S, Dh]
     k = attn.k_proj(x).view(b, s, attn.n_kv_heads, -1).transpose(1, 2)  # [B, KV, S, Dh]
