@@ -1,7 +1,7 @@
 """The model runtime: families, stage modules, weights kept quantized, loading, tokenizer.
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
-    families.py     each family's declared differences from a Llama, and MoeConfig (no torch)
+    families.py     each family's declared differences, MoeConfig, MlaConfig (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
     mla.py          MLAttention: DeepSeek-V3's latent attention, its cache the latent

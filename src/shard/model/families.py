@@ -237,7 +237,7 @@ def _deepseek_v3(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
         n_group=_int(d, "n_group", 8),
         topk_group=_int(d, "topk_group", 4),
     )
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}  # as config._from_hf
     scale = mla.qk_head_dim**-0.5
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         # transformers' ``yarn_apply_mscale``: the softmax scale of every dimension, not only
