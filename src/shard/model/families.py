@@ -304,7 +304,7 @@ def _deepseek_v3(f: Fields, n_layers: int) -> dict[str, Any]:
         n_group=f.integer("n_group", 8, hi=max(1, n_exp)),
         topk_group=f.integer("topk_group", 4, hi=max(1, n_exp)),
     )
-    rope = f.table("rope_parameters") or f.table("rope_scaling")
+    rope = f.table("rope_scaling") or f.table("rope_parameters")  # as config._from_hf
     scale = mla.qk_head_dim**-0.5
     if rope is not None and (rope.text("rope_type") or rope.text("type") or "default") != "default":
         # transformers' ``yarn_apply_mscale``: the softmax scale of every dimension, not only
