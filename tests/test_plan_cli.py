@@ -229,6 +229,10 @@ MODELS = Path(__file__).resolve().parents[1] / "specs" / "models"
         ("gpt-oss-120b", "int4", True),
         ("gpt-oss-120b", "int8", False),
         ("deepseek-v3", "int4", False),
+        ("deepseek-v3", "fp8", False),
+        ("kimi-k2", "fp8", False),
+        ("minimax-m2", "fp8", False),
+        ("minimax-m2", "int4", False),
     ],
 )
 def test_config_alone_gives_stage_bytes_and_a_verdict(
@@ -272,3 +276,36 @@ def test_config_plan_refuses_bad_input(capsys: pytest.CaptureFixture[str], tmp_p
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     assert main(["plan", "--config", str(tmp_path), "--stages", "7"]) == 2
     assert "6 layers" in one_error(capsys, "shard plan: error: ")
+
+
+@pytest.mark.parametrize(
+    ("model", "arch"),
+    [
+        ("glm-5", "glm_moe_dsa"),
+        ("qwen3-next-80b-a3b", "qwen3_next"),
+        ("deepseek-v4-flash", "deepseek_v4"),
+    ],
+)
+def test_a_frontier_config_not_run_yet_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], model: str, arch: str
+) -> None:
+    """The published configs of families shard does not run yet: one line naming the type."""
+    assert main(["plan", "--config", str(MODELS / model), "--weights", "int4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"unsupported architecture {arch!r}" in err
+
+
+def test_fp8_prices_a_published_fp8_checkpoint_at_a_byte_a_weight(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--weights fp8`` on DeepSeek-V3's published config: between int8's and bf16's bytes
+    (one byte a weight plus block scales, embedding/head/kv_b_proj/routers bf16); refused for a
+    config that is not FP8."""
+    totals = {}
+    for weights in ("fp8", "int8", "bfloat16"):
+        config = str(MODELS / "deepseek-v3")
+        assert main(["plan", "--config", config, "--weights", weights, "--json"]) == 0
+        totals[weights] = json.loads(capsys.readouterr().out)["total_bytes"]
+    assert totals["int8"] < totals["fp8"] < 0.55 * totals["bfloat16"]
+    assert main(["plan", "--config", str(MODELS / "glm-4.5-air"), "--weights", "fp8"]) == 1
+    assert "quantization_config is FP8" in capsys.readouterr().err

@@ -118,12 +118,12 @@ def predict(
     price = _Pricer(weights, _DENSE[dtype], 2 if bf16_kernels else 4, config.weight_block)
     layers: list[int] = []
     unquantized = 0
-    shapes: dict[tuple[str, ...], tuple[int, int]] = {}
+    shapes: dict[tuple[object, ...], tuple[int, int]] = {}
     with torch.device("meta"):
         for i in range(config.n_layers):
-            block = Block(config, i)
-            key = tuple(f"{n}:{tuple(p.shape)}" for n, p in block.named_parameters())
+            key = _layer_kind(config, i)  # one Block built per kind: 256 experts x 61 is slow
             if key not in shapes:
+                block = Block(config, i)
                 shapes[key] = (price.module(block), price.left_dense(block))
             layers.append(shapes[key][0])
             unquantized += shapes[key][1]
@@ -135,6 +135,13 @@ def predict(
     shared = norm + price.tied_head(vocab, d) if config.tie_word_embeddings else head
     kv = _kv_token(config, dtype)
     return Footprint(tuple(layers), embedding, head, shared, unquantized, kv)
+
+
+def _layer_kind(config: ModelConfig, i: int) -> tuple[object, ...]:
+    """What makes layer ``i``'s modules differ from another's (``Block.__init__`` reads no
+    more of its index): its feed-forward, window, rope kind and declared layer type."""
+    kind = config.layer_types[i] if config.layer_types is not None else None
+    return (config.is_sparse(i), config.window_of(i), config.local_rope(i), kind)
 
 
 def _kv_token(config: ModelConfig, dtype: str) -> tuple[int, ...]:
