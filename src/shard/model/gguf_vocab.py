@@ -14,13 +14,16 @@ three files the runtime and ``transformers`` load. Two vocabularies are rebuilt:
   ``▁``, a ``▁`` is prefixed only where ``tokenizer.ggml.add_space_prefix`` says, and
   characters outside the vocabulary fall back to their UTF-8 byte pieces (``<0x41>``).
 
-Anything else is refused (``VocabError``) rather than approximated. Nothing here imports
-torch.
+Anything else is refused (``VocabError``) rather than approximated, as is metadata that
+lies: values of the wrong type, token types llama.cpp does not define, merges naming tokens
+the vocabulary lacks, BOS/EOS/padding ids outside it, scores that are not finite. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Final
 
 import attrs
 import gguf
@@ -35,11 +38,31 @@ from tokenizers import (
     processors,
 )
 
+from shard.model.gguf_common import ConvertError
+
 __all__ = ["GgufVocab", "VocabError", "read_vocab", "tokenizer_files"]
 
 
-class VocabError(ValueError):
+class VocabError(ConvertError, ValueError):
     """The GGUF's tokenizer metadata cannot be rebuilt faithfully (the message says why)."""
+
+
+_ARRAY: Final = gguf.GGUFValueType.ARRAY
+_STRING: Final = gguf.GGUFValueType.STRING
+_INTS: Final = frozenset(
+    {
+        gguf.GGUFValueType.UINT8,
+        gguf.GGUFValueType.INT8,
+        gguf.GGUFValueType.UINT16,
+        gguf.GGUFValueType.INT16,
+        gguf.GGUFValueType.UINT32,
+        gguf.GGUFValueType.INT32,
+        gguf.GGUFValueType.UINT64,
+        gguf.GGUFValueType.INT64,
+    }
+)
+_FLOATS: Final = frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64})
+_TOKEN_TYPES: Final = frozenset(int(t) for t in gguf.TokenType)
 
 
 @attrs.frozen
@@ -59,35 +82,60 @@ class GgufVocab:
 
 
 def read_vocab(reader: gguf.GGUFReader) -> GgufVocab:
-    """The ``tokenizer.ggml.*`` metadata of an open GGUF.
+    """The ``tokenizer.ggml.*`` metadata of an open GGUF, each value of its type.
 
-    Errors: ``VocabError`` when the file has no tokens, or a BPE vocabulary no merges.
+    Errors: ``VocabError`` when the file has no tokens, a BPE vocabulary no merges, or a
+    value has the wrong type (naming the key).
     """
 
-    def meta(key: str, default: Any) -> Any:
-        field = reader.get_field(f"tokenizer.ggml.{key}")
-        return default if field is None else field.contents()
+    def meta(key: str, kinds: frozenset[gguf.GGUFValueType], default: Any) -> Any:
+        return _typed(reader, f"tokenizer.ggml.{key}", kinds, default)
 
-    tokens: list[str] | None = meta("tokens", None)
+    def array(key: str, kinds: frozenset[gguf.GGUFValueType], default: Any) -> Any:
+        return _typed(reader, f"tokenizer.ggml.{key}", kinds, default, array=True)
+
+    strings, flag = frozenset({_STRING}), frozenset({gguf.GGUFValueType.BOOL})
+    tokens: list[str] | None = array("tokens", strings, None)
     if not tokens:
         raise VocabError("GGUF metadata has no 'tokenizer.ggml.tokens'; the file is incomplete")
-    model = meta("model", "gpt2")
-    merges: list[str] = meta("merges", [])
+    model = meta("model", strings, "gpt2")
+    merges: list[str] = array("merges", strings, [])
     if model == "gpt2" and not merges:
         raise VocabError("GGUF metadata has no 'tokenizer.ggml.merges' for its BPE vocabulary")
-    chat = reader.get_field("tokenizer.chat_template")
     return GgufVocab(
         model=model,
         tokens=tokens,
-        kinds=meta("token_type", [int(gguf.TokenType.NORMAL)] * len(tokens)),
+        kinds=array("token_type", _INTS, [int(gguf.TokenType.NORMAL)] * len(tokens)),
         merges=merges,
-        pre=meta("pre", "gpt-2"),
-        add_bos=bool(meta("add_bos_token", False)),
-        add_eos=bool(meta("add_eos_token", False)),
-        chat_template=None if chat is None else chat.contents(),
-        scores=meta("scores", []),
-        add_space_prefix=bool(meta("add_space_prefix", True)),
+        pre=meta("pre", strings, "gpt-2"),
+        add_bos=meta("add_bos_token", flag, False),
+        add_eos=meta("add_eos_token", flag, False),
+        chat_template=_typed(reader, "tokenizer.chat_template", strings, None),
+        scores=array("scores", _FLOATS, []),
+        add_space_prefix=meta("add_space_prefix", flag, True),
     )
+
+
+def _typed(
+    reader: gguf.GGUFReader,
+    key: str,
+    kinds: frozenset[gguf.GGUFValueType],
+    default: Any,
+    *,
+    array: bool = False,
+) -> Any:
+    """The value under ``key``: one of ``kinds``, or (``array``) an array of them."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    types = list(field.types)
+    if array and types[:1] == [_ARRAY] and (types[1:] == [] or types[1] in kinds):
+        return field.contents()
+    if not array and len(types) == 1 and types[0] in kinds:
+        return field.contents()
+    want = " or ".join(sorted(k.name.lower() for k in kinds))
+    got = " of ".join(t.name.lower() for t in types)
+    raise VocabError(f"{key}: must be {'an array of ' if array else ''}{want}, not {got}")
 
 
 # llama.cpp names its pre-tokenizer in tokenizer.ggml.pre; these are the names whose splitting
@@ -135,6 +183,7 @@ def tokenizer_files(
         raise VocabError("GGUF vocabulary is inconsistent (too many or duplicate tokens)")
     if len(kinds) != len(tokens):
         raise VocabError("GGUF token types do not match the tokens one for one")
+    _check_values(vocab, config)
     if vocab.model == "gpt2":
         tokenizer = _bpe(tokens, vocab.merges, vocab.pre)
     elif vocab.model == "llama":
@@ -153,7 +202,7 @@ def tokenizer_files(
     named = {
         role: (tokens[config[f"{role}_token_id"]], config[f"{role}_token_id"])
         for role in ("bos", "eos", "pad")
-        if config.get(f"{role}_token_id", -1) in range(len(tokens))
+        if f"{role}_token_id" in config
     }
     add_bos, add_eos = vocab.add_bos, vocab.add_eos
     byte_level = vocab.model == "gpt2"
@@ -174,6 +223,34 @@ def tokenizer_files(
     keys = ("bos_token_id", "pad_token_id")
     generation: dict[str, Any] = {key: config[key] for key in keys if key in config}
     return tokenizer, tokenizer_config, {**generation, "eos_token_id": eos}
+
+
+def _check_values(vocab: GgufVocab, config: dict[str, Any]) -> None:
+    """Refuse what the tokenizer would misread or crash on: special ids outside the tokens,
+    unknown token types, merges of tokens the vocabulary lacks, scores that are not finite."""
+    n = len(vocab.tokens)
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        token_id = config.get(f"{role}_token_id")
+        if token_id is not None and not 0 <= token_id < n:
+            raise VocabError(
+                f"tokenizer.ggml.{key}_token_id: {token_id} is not a token id (0..{n - 1})"
+            )
+    unknown = sorted(set(vocab.kinds) - _TOKEN_TYPES)
+    if unknown:
+        raise VocabError(
+            f"tokenizer.ggml.token_type: {unknown[0]} is not a llama.cpp token type "
+            f"({', '.join(f'{int(t)} {t.name}' for t in gguf.TokenType)})"
+        )
+    if vocab.scores and not all(math.isfinite(s) for s in vocab.scores):
+        raise VocabError("tokenizer.ggml.scores: not every score is finite")
+    known = set(vocab.tokens)
+    for i, merge in enumerate(vocab.merges):
+        left, space, right = merge.partition(" ")
+        if not space or not {left, right, left + right} <= known:
+            raise VocabError(
+                f"tokenizer.ggml.merges: merge {i} {merge[:40]!r} is not 'left right' with "
+                "left, right and their join all tokens of the vocabulary"
+            )
 
 
 def _bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:

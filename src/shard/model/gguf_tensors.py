@@ -1,0 +1,111 @@
+"""Which tensors a converted architecture needs, and the shapes its ``config.json`` implies.
+
+A GGUF that leaves a tensor out, or gives one a shape its metadata contradicts, would
+otherwise convert into a checkpoint that fails at load (or, for a missing norm, runs
+silently wrong). ``check_tensors`` refuses it first, naming the tensor: every block's
+attention, norms and feed-forward (dense, or router and experts, per layer as the family
+lays them out) must be there, and the attention, norm, embedding and dense feed-forward
+shapes must agree with the hidden size, head counts and head size. Expert widths are
+checked by the expert planners (``shard.model.gguf_plan``). This module imports neither
+torch nor safetensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from shard.model.gguf_common import ConvertError
+
+__all__ = ["check_tensors"]
+
+_ATTENTION: Final = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+_QK_NORM: Final = ("attn_q_norm", "attn_k_norm")
+_DENSE: Final = ("ffn_gate", "ffn_up", "ffn_down")
+_ROUTED: Final = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_SHARED: Final = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+_DENSE_FAMILIES: Final = frozenset({"llama", "qwen3", "gemma3"})
+
+
+def check_tensors(arch: str, config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a GGUF of architecture ``arch`` (``gguf_arch.arch_of``'s name) whose tensors
+    (``shapes``: name -> shape in numpy order) miss one its ``config`` needs or contradict
+    it. Errors: ``ConvertError`` naming the tensor."""
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in shapes:
+            raise ConvertError(f"tensor {name!r}: missing; the file is incomplete")
+    for layer in range(config["num_hidden_layers"]):
+        for short in _block_needs(arch, config, layer):
+            name = f"blk.{layer}.{short}"
+            if name not in shapes:
+                raise ConvertError(f"tensor {name!r}: missing; the file is incomplete")
+    for name, shape in shapes.items():
+        want = _expected(arch, config, name)
+        if want is not None and not _fits(shape, want):
+            raise ConvertError(
+                f"tensor {name!r}: shape {list(shape)} contradicts the metadata "
+                f"(expected {['*' if d is None else d for d in want]})"
+            )
+
+
+def _block_needs(arch: str, config: dict[str, Any], layer: int) -> list[str]:
+    """The tensor names (less ``blk.N.``) every block ``layer`` of ``arch`` has."""
+    names = list(_ATTENTION)
+    if arch in ("qwen3", "gemma3", "qwen3moe") or config.get("use_qk_norm"):
+        names += _QK_NORM
+    if arch in ("gpt-oss", "glm4moe", "gemma3"):
+        names.append("post_attention_norm")
+    if arch not in ("gpt-oss", "glm4moe"):
+        names.append("ffn_norm")
+    if arch == "gemma3":
+        names.append("post_ffw_norm")
+    if arch in _DENSE_FAMILIES:
+        names += _DENSE
+    elif arch == "qwen3moe":
+        names += _DENSE if layer in config["mlp_only_layers"] else _ROUTED
+    elif arch == "glm4moe" and layer < config["first_k_dense_replace"]:
+        names += _DENSE
+    else:  # Mixtral, gpt-oss, GLM's sparse layers
+        names += _ROUTED
+    if arch == "gpt-oss":
+        names.append("attn_sinks")
+    sparse_glm = arch == "glm4moe" and layer >= config["first_k_dense_replace"]
+    if sparse_glm and config["n_shared_experts"]:
+        names += _SHARED
+    suffixed = [f"{n}.weight" for n in names]
+    if sparse_glm:
+        suffixed.append("exp_probs_b.bias")
+    return suffixed
+
+
+def _expected(arch: str, config: dict[str, Any], name: str) -> tuple[int | None, ...] | None:
+    """The shape ``name`` must have (None: any size there), or None when not checked here."""
+    d, dh = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * dh, config["num_key_value_heads"] * dh
+    ffn = config["intermediate_size"]
+    short = name.split(".", 2)[2] if name.startswith("blk.") else name
+    dense = arch in _DENSE_FAMILIES
+    table: dict[str, tuple[int | None, ...]] = {
+        "token_embd.weight": (None, d),
+        "output.weight": (config["vocab_size"], d),
+        "output_norm.weight": (d,),
+        "attn_q.weight": (q, d),
+        "attn_k.weight": (kv, d),
+        "attn_v.weight": (kv, d),
+        "attn_output.weight": (d, q),
+        "attn_q_norm.weight": (dh,),
+        "attn_k_norm.weight": (dh,),
+        **{f"{n}.weight": (d,) for n in _NORMS},
+        **({"ffn_gate.weight": (ffn, d), "ffn_up.weight": (ffn, d)} if dense else {}),
+        **({"ffn_down.weight": (d, ffn)} if dense else {}),
+    }
+    return table.get(short)
+
+
+_NORMS: Final = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")
+
+
+def _fits(shape: tuple[int, ...], want: tuple[int | None, ...]) -> bool:
+    if len(shape) != len(want):
+        return False
+    return all(w is None or s == w for s, w in zip(shape, want, strict=True))
