@@ -91,10 +91,13 @@ def finite_positive(key: str, value: float) -> float:
     """``f32(value)``, which must be finite and above zero (``ConvertError`` naming ``key``)."""
     if not (math.isfinite(value) and value > 0):
         raise ConvertError(f"{key}: {value} is not a finite positive number")
-    rounded = f32(value)
+    rounded = f32(value) if value <= _F32_MAX else math.inf
     if not (math.isfinite(rounded) and rounded > 0):
         raise ConvertError(f"{key}: {value} does not fit a float32")
     return rounded
+
+
+_F32_MAX: Final = float(np.finfo(np.float32).max)
 
 
 def _kind(field: gguf.ReaderField) -> str:
@@ -167,20 +170,23 @@ def common(
     rotate part of each head, read by the caller)."""
     hidden = count(reader, f"{arch}.embedding_length", most=MAX_WIDTH)
     n_head = count(reader, f"{arch}.attention.head_count", most=min(MAX_HEADS, hidden))
-    n_kv = count(reader, f"{arch}.attention.head_count_kv", n_head, most=n_head)
-    if n_head % n_kv:
-        raise ConvertError(
-            f"{arch}.attention.head_count_kv: {n_kv} does not divide the {n_head} query heads"
-        )
     if reader.get_field(f"{arch}.attention.key_length") is None and hidden % n_head:
         raise ConvertError(
             f"{arch}.attention.head_count: {n_head} heads do not divide the embedding width "
             f"{hidden} (and no attention.key_length gives the head size)"
         )
+    n_kv = count(reader, f"{arch}.attention.head_count_kv", n_head, most=n_head)
+    if n_head % n_kv:
+        raise ConvertError(
+            f"{arch}.attention.head_count_kv: {n_kv} does not divide the {n_head} query heads"
+        )
     head_dim = count(reader, f"{arch}.attention.key_length", hidden // n_head, most=MAX_WIDTH)
     rotary = count(reader, f"{arch}.rope.dimension_count", head_dim, least=2, most=head_dim)
     if not partial and rotary != head_dim:
-        raise ConvertError(f"partial rotary embeddings are not supported for {arch} GGUFs")
+        raise ConvertError(
+            f"{arch}.rope.dimension_count: {rotary} of a head of {head_dim}; partial rotary "
+            f"embeddings are not supported for {arch} GGUFs"
+        )
     if rotary % 2:
         raise ConvertError(f"{arch}.rope.dimension_count: {rotary} is odd; rope rotates pairs")
     ffn = count(reader, f"{arch}.feed_forward_length", ffn_default, most=MAX_WIDTH)

@@ -169,7 +169,8 @@ def _open(path: Path) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, KeyError, ...; scan() should not
-        raise ConvertError(f"not a readable GGUF file ({exc})") from exc  # have let one by
+        why = " ".join(str(exc).split())  # one line, whatever the reader said
+        raise ConvertError(f"not a readable GGUF file ({why})") from exc  # have let one by
     if reader.data_offset != layout.data_offset or len(reader.tensors) != len(layout.tensors):
         raise ConvertError("the file changed while it was read; try again")
     return reader

@@ -177,9 +177,9 @@ class _Cursor:
         for _ in range(n_kv):
             key = self.string("metadata key", MAX_KEY_BYTES)
             if key in seen:
-                raise ConvertError(f"{key}: the key appears twice")
+                raise ConvertError(f"{_show(key)}: the key appears twice")
             seen.add(key)
-            value = self.value(key)
+            value = self.value(_show(key))
             if key == "general.alignment":
                 alignment = _alignment(value)
         infos = [self.tensor_info(i) for i in range(n_tensors)]
@@ -236,7 +236,7 @@ class _Cursor:
     ) -> tuple[TensorInfo, ...]:
         """The tensors, each checked to start where the one before ends (padded)."""
         names: set[str] = set()
-        tensors = []
+        tensors: list[TensorInfo] = []
         expected = 0
         for name, dims, qtype, offset in infos:
             if name in names:
@@ -249,11 +249,7 @@ class _Cursor:
                     f"{alignment}"
                 )
             if offset != expected:
-                how = "overlaps the tensor before" if offset < expected else "leaves a gap after"
-                raise ConvertError(
-                    f"tensor {name!r} offset: {offset} {how} it (expected {expected}: each "
-                    "tensor's size is its dims times its type's block size)"
-                )
+                raise ConvertError(_misplaced(name, offset, expected, tensors))
             end = data_offset + offset + nbytes
             if end > self.size:
                 raise ConvertError(
@@ -263,6 +259,25 @@ class _Cursor:
             tensors.append(TensorInfo(name, dims, qtype, offset, nbytes))
             expected = offset + -(-nbytes // alignment) * alignment
         return tuple(tensors)
+
+
+def _misplaced(name: str, offset: int, expected: int, before: list[TensorInfo]) -> str:
+    """Why ``name`` at ``offset`` is not where the tensors ``before`` it end (``expected``)."""
+    if not before:
+        return f"tensor {name!r} offset: {offset}; the first tensor starts the data section (0)"
+    prev = before[-1]
+    how = "overlaps" if offset < expected else "leaves a gap after"
+    return (
+        f"tensor {name!r} offset: {offset} {how} tensor {prev.name!r}, whose dims "
+        f"{list(prev.dims)} of {prev.qtype.name} take {prev.nbytes} bytes (padded, up to "
+        f"{expected}); one of the two lies about its offset or size"
+    )
+
+
+def _show(key: str) -> str:
+    """A key as a message shows it: as is, or quoted and escaped when it has characters that
+    are not printable (a refusal stays one line)."""
+    return key if key.isprintable() else repr(key)
 
 
 def _alignment(value: tuple[GGUFValueType, int | float | bool | None]) -> int:

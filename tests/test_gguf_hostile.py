@@ -1,0 +1,601 @@
+"""Hostile GGUF files: every lie, bad type and oversized declaration is one ``ConvertError``
+naming the file and the field, found quickly and without a large allocation.
+
+Each file is the tiny valid GGUF of ``fixtures_smollm2.write_tiny_gguf``, read into plain
+records (``Doc``) and written back by ``encode`` with ``struct``, so a test can declare what
+``gguf.GGUFWriter`` would never write: a 2^40-element array, an unaligned or overlapping
+offset, a count that is a string. The property test at the end mutates the bytes and the
+fields of the same file (seeded, derandomized) and asserts the outcome is a ``ConvertError``
+or a conversion equal to a reference read — never another exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fixtures_smollm2 import write_tiny_gguf
+from shard.cli import main
+from shard.model.config import ModelConfig
+from shard.model.gguf_import import ConvertError, convert_gguf
+
+#: What a refusal may cost: time (generous for a loaded CI box) and traced Python memory.
+SECONDS = 2.0
+PEAK_BYTES = 64 << 20
+
+
+@attrs.frozen
+class Field:
+    """One metadata key: its value type, value, and for an array its item type (``length``:
+    the declared length when it should lie)."""
+
+    key: str
+    kind: int
+    value: Any
+    item: int | None = None
+    length: int | None = None
+
+
+@attrs.frozen
+class Tensor:
+    """One tensor: dims innermost first, ggml type, raw data (``offset``: a lie, if set)."""
+
+    name: str
+    dims: tuple[int, ...]
+    qtype: int
+    data: bytes
+    offset: int | None = None
+
+
+@attrs.frozen
+class Doc:
+    fields: tuple[Field, ...]
+    tensors: tuple[Tensor, ...]
+
+    def field(self, key: str, **changes: Any) -> Doc:
+        """This file with ``key`` changed (added when absent; ``kind=None`` removes it)."""
+        fields = [f for f in self.fields if f.key != key]
+        if changes.get("kind", 0) is not None:
+            old = next((f for f in self.fields if f.key == key), Field(key, V.UINT32, 0))
+            fields.append(attrs.evolve(old, **changes))
+        return attrs.evolve(self, fields=tuple(fields))
+
+    def tensor(self, which: str, **changes: Any) -> Doc:
+        """This file with tensor ``which`` changed (``drop=True`` removes it)."""
+        drop = changes.pop("drop", False)
+        tensors = [
+            t if t.name != which else attrs.evolve(t, **changes)
+            for t in self.tensors
+            if not (drop and t.name == which)
+        ]
+        return attrs.evolve(self, tensors=tuple(tensors))
+
+
+_FMT = {
+    V.UINT8: "B",
+    V.INT8: "b",
+    V.UINT16: "H",
+    V.INT16: "h",
+    V.UINT32: "I",
+    V.INT32: "i",
+    V.FLOAT32: "f",
+    V.BOOL: "?",
+    V.UINT64: "Q",
+    V.INT64: "q",
+    V.FLOAT64: "d",
+}
+
+
+def _string(s: str | bytes) -> bytes:
+    raw = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _scalar(kind: int, value: Any) -> bytes:
+    if kind == V.STRING:
+        return _string(value)
+    if kind not in _FMT:
+        return b""  # a type GGUF does not define: no payload to write
+    return struct.pack("<" + _FMT[V(kind)], value)
+
+
+def encode(doc: Doc, *, version: int = 3, counts: tuple[int, int] | None = None) -> bytes:
+    """``doc`` as GGUF bytes, tensors laid out one after another (32-byte alignment, or
+    ``general.alignment`` when it is a plain uint32); ``counts`` lies about (tensors, keys)."""
+    n_tensors, n_kv = counts or (len(doc.tensors), len(doc.fields))
+    out = [b"GGUF", struct.pack("<IQQ", version, n_tensors, n_kv)]
+    align = 32
+    for f in doc.fields:
+        out.append(_string(f.key) + struct.pack("<I", f.kind))
+        if f.kind == V.ARRAY:
+            assert f.item is not None
+            n = len(f.value) if f.length is None else f.length
+            out.append(struct.pack("<IQ", f.item, n))
+            out += [_scalar(f.item, v) for v in f.value]
+        else:
+            out.append(_scalar(f.kind, f.value))
+        if f.key == "general.alignment" and f.kind == V.UINT32 and f.value in (8, 16, 32, 64):
+            align = f.value
+    offset = 0
+    placed = []
+    for t in doc.tensors:
+        at = offset if t.offset is None else t.offset
+        out.append(_string(t.name) + struct.pack("<I", len(t.dims)))
+        out.append(struct.pack(f"<{len(t.dims)}QIQ", *t.dims, t.qtype, at))
+        placed.append((at, t.data))
+        offset += -(-len(t.data) // align) * align
+    head = b"".join(out)
+    head += bytes(-len(head) % align)
+    body = bytearray(max((at + len(d) for at, d in placed), default=0))
+    for at, data in placed:
+        body[at : at + len(data)] = data
+    return head + bytes(body) + bytes(-len(body) % align)
+
+
+def read_doc(path: Path) -> Doc:
+    """``path`` (a valid GGUF) as plain records."""
+    reader = gguf.GGUFReader(path)
+    fields = []
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF."):
+            continue
+        if f.types[0] == V.ARRAY:
+            fields.append(Field(f.name, V.ARRAY, f.contents(), f.types[-1]))
+        else:
+            fields.append(Field(f.name, f.types[0], f.contents()))
+    tensors = tuple(
+        Tensor(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), t.data.tobytes())
+        for t in reader.tensors
+    )
+    return Doc(tuple(fields), tensors)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Doc:
+    """The tiny valid GGUF as records (re-encoded: ``encode`` round-trips it)."""
+    path = tmp_path_factory.mktemp("base") / "tiny.gguf"
+    write_tiny_gguf(path)
+    doc = read_doc(path)
+    assert encode(doc) == path.read_bytes()
+    return doc
+
+
+@pytest.fixture
+def refuse(tmp_path: Path) -> Callable[..., str]:
+    """``refuse(bytes_or_doc, field)``: write the file, convert it, and assert one
+    ``ConvertError`` naming the file and ``field``, quickly and within ``PEAK_BYTES``;
+    returns the message."""
+    n = iter(range(1000))
+
+    def run(data: bytes | Doc, field: str) -> str:
+        raw = encode(data) if isinstance(data, Doc) else data
+        i = next(n)
+        path = tmp_path / f"hostile{i}.gguf"
+        path.write_bytes(raw)
+        out = tmp_path / f"out{i}"
+        tracemalloc.start()
+        start = time.perf_counter()
+        try:
+            with pytest.raises(ConvertError) as caught:
+                convert_gguf(path, out, progress=False)
+        finally:
+            elapsed = time.perf_counter() - start
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+        message = str(caught.value)
+        assert message.startswith(f"{path}: "), message
+        assert field in message, message
+        assert message.isprintable(), message  # one line
+        assert elapsed < SECONDS, (elapsed, message)
+        assert peak < PEAK_BYTES, (peak, message)
+        assert not out.exists()
+        return message
+
+    return run
+
+
+def _header(counts: tuple[int, int], version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, *counts)
+
+
+# --- declared sizes, checked before anything loops or allocates --------------------------
+
+
+def test_array_of_2_40_elements_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A token array declaring 2^40 elements is refused by its length, not read."""
+    doc = base.field("tokenizer.ggml.tokens", length=1 << 40)
+    refuse(doc, "tokenizer.ggml.tokens (array length)")
+
+
+def test_array_longer_than_the_file_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """An array within the maximum but longer than the bytes left is refused."""
+    doc = base.field("tokenizer.ggml.merges", length=1 << 19)
+    assert "room" in refuse(doc, "tokenizer.ggml.merges (array length)")
+
+
+@pytest.mark.parametrize("blocks", [1 << 31, (1 << 32) - 1, 4097])
+def test_huge_block_count_is_refused(base: Doc, refuse: Callable[..., str], blocks: int) -> None:
+    """A block count of 2^31 (or any above 4096) is refused, not planned layer by layer."""
+    refuse(base.field("llama.block_count", value=blocks), "llama.block_count")
+
+
+def test_block_count_2_40_as_uint64_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """2^40 blocks as a uint64 is refused the same way."""
+    doc = base.field("llama.block_count", kind=V.UINT64, value=1 << 40)
+    refuse(doc, "llama.block_count")
+
+
+def test_context_of_2_30_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A context length of 2^30 would cost gigabytes of rope table at load: refused."""
+    refuse(base.field("llama.context_length", value=1 << 30), "llama.context_length")
+
+
+@pytest.mark.parametrize(
+    ("counts", "field"),
+    [((1 << 40, 0), "tensor count"), ((0, 1 << 40), "metadata key count")],
+)
+def test_huge_header_counts_are_refused(
+    refuse: Callable[..., str], counts: tuple[int, int], field: str
+) -> None:
+    """n_tensors or n_kv of 2^40 is refused before the header is walked."""
+    refuse(_header(counts) + bytes(64), field)
+
+
+def test_huge_string_length_is_refused(refuse: Callable[..., str]) -> None:
+    """A key whose length says 2^40 bytes is refused."""
+    refuse(_header((0, 1)) + struct.pack("<Q", 1 << 40) + bytes(64), "metadata key")
+
+
+def test_nested_array_and_unknown_value_type_are_refused(
+    base: Doc, refuse: Callable[..., str]
+) -> None:
+    """An array of arrays, or a value type GGUF does not define, is refused by key."""
+    nested = base.field("general.x", kind=V.ARRAY, item=V.ARRAY, value=[])
+    refuse(nested, "general.x: an array of arrays")
+    refuse(base.field("general.x", kind=99, value=0), "general.x: unknown value type 99")
+
+
+def test_truncated_file_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A file cut inside its last tensor, or inside its header, is refused."""
+    raw = encode(base)
+    refuse(raw[: len(raw) - 600], "run past the end of the file")
+    refuse(raw[:300], "")
+
+
+@pytest.mark.parametrize(
+    ("dims", "qtype", "field"),
+    [
+        ((64, 1, 1, 1, 1), Q.F32, "n_dims: 5"),
+        ((64, 0), Q.F32, "has a dimension below 1"),
+        ((1 << 20, 1 << 20), Q.F32, "bytes at"),
+        ((1 << 40, 1 << 40), Q.F32, "too many elements"),
+        ((64, 64), 200, "is not a known ggml type"),
+    ],
+)
+def test_bad_tensor_dims_and_types_are_refused(
+    base: Doc, refuse: Callable[..., str], dims: tuple[int, ...], qtype: int, field: str
+) -> None:
+    """More than 4 dims, a zero dim, a product too large, an unknown ggml type: refused."""
+    doc = base.tensor("blk.1.ffn_down.weight", dims=dims, qtype=qtype)
+    assert field in refuse(doc, "tensor 'blk.1.ffn_down.weight'")
+
+
+# --- wrong types and values -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "changes", "why"),
+    [
+        ("llama.block_count", {"kind": V.STRING, "value": "30"}, "must be one integer"),
+        ("llama.block_count", {"kind": V.FLOAT32, "value": math.nan}, "must be one integer"),
+        ("llama.block_count", {"kind": V.ARRAY, "item": V.UINT32, "value": [2]}, "integer"),
+        ("llama.block_count", {"value": 0}, "outside 1..4096"),
+        ("llama.attention.head_count", {"value": 0}, "outside"),
+        ("llama.attention.head_count", {"kind": V.STRING, "value": "4"}, "integer"),
+        ("llama.attention.head_count", {"value": 3}, "do not divide the embedding width"),
+        ("llama.attention.head_count_kv", {"value": 3}, "does not divide the 4 query heads"),
+        ("llama.attention.head_count_kv", {"value": 8}, "outside 1..4"),
+        ("llama.embedding_length", {"kind": V.INT32, "value": -64}, "outside"),
+        ("llama.feed_forward_length", {"kind": V.BOOL, "value": True}, "integer"),
+        ("llama.attention.layer_norm_rms_epsilon", {"value": math.nan}, "finite positive"),
+        ("llama.attention.layer_norm_rms_epsilon", {"value": -1e-5}, "finite positive"),
+        ("llama.attention.layer_norm_rms_epsilon", {"kind": V.STRING, "value": "x"}, "number"),
+        ("llama.rope.freq_base", {"value": 0.0}, "finite positive"),
+        ("llama.rope.freq_base", {"value": math.inf}, "finite positive"),
+        ("llama.rope.freq_base", {"kind": V.FLOAT64, "value": 1e300}, "float32"),
+        ("llama.rope.dimension_count", {"value": 17}, "outside 2..16"),
+        ("llama.rope.dimension_count", {"value": 8}, "partial rotary"),
+        ("tokenizer.ggml.bos_token_id", {"value": 10**6}, "outside 0.."),
+        ("tokenizer.ggml.eos_token_id", {"kind": V.INT32, "value": -1}, "outside 0.."),
+        ("tokenizer.ggml.tokens", {"item": V.INT32, "value": list(range(264))}, "string"),
+        ("tokenizer.ggml.token_type", {"value": [7] * 264}, "not a llama.cpp token type"),
+        ("tokenizer.ggml.token_type", {"item": V.FLOAT32, "value": [1.0] * 264}, "array of"),
+        ("tokenizer.ggml.merges", {"value": ["Ġ t", "zz qq"]}, "merge 1 'zz qq'"),
+        ("tokenizer.ggml.merges", {"value": ["nospace"]}, "merge 0"),
+        ("tokenizer.ggml.add_bos_token", {"kind": V.STRING, "value": "no"}, "must be bool"),
+        ("general.alignment", {"value": 0}, "not a power of two"),
+        ("general.alignment", {"value": 48}, "not a power of two"),
+        ("general.alignment", {"kind": V.STRING, "value": "32"}, "must be a uint32"),
+    ],
+)
+def test_wrong_types_and_values_are_refused(
+    base: Doc, refuse: Callable[..., str], key: str, changes: dict[str, Any], why: str
+) -> None:
+    """Counts that are strings, NaN, arrays, zero or indivisible; eps and rope bases that
+    are not finite and positive; special ids outside the vocabulary; unknown token types;
+    merges of unknown tokens; a bad alignment: each refused, naming the key."""
+    message = refuse(base.field(key, **changes), key)
+    assert why in message, message
+
+
+def test_tokenizer_bos_beyond_the_tokens_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A BOS id within the embedding rows but naming no token is refused, not dropped."""
+    tokens = next(f for f in base.fields if f.key == "tokenizer.ggml.tokens").value
+    kinds = next(f for f in base.fields if f.key == "tokenizer.ggml.token_type").value
+    doc = base.field("tokenizer.ggml.tokens", value=tokens[:-4])
+    doc = doc.field("tokenizer.ggml.token_type", value=kinds[:-4])
+    doc = doc.field("tokenizer.ggml.bos_token_id", value=len(tokens) - 2)
+    refuse(doc, "tokenizer.ggml.bos_token_id: 262 is not a token id")
+
+
+def test_quantized_row_not_whole_blocks_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A Q8_0 tensor whose row is not a whole number of 32-value groups is refused."""
+    t = next(t for t in base.tensors if t.name == "blk.0.ffn_down.weight")
+    assert t.qtype == Q.Q8_0
+    doc = base.tensor(t.name, dims=(48, 64))
+    refuse(doc, "is not a whole number of Q8_0 blocks")
+
+
+# --- lies about the layout and the model ----------------------------------------------------
+
+
+def test_unaligned_offset_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A tensor offset that is not a multiple of the alignment is refused."""
+    t = base.tensors[3]
+    doc = base.tensor(t.name, offset=len(base.tensors[0].data) + 4)
+    refuse(doc, f"tensor {t.name!r} offset")
+    refuse(doc, "is not a multiple of general.alignment 32")
+
+
+def test_two_tensors_at_one_offset_are_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A tensor placed on the one before it (the same offset) is refused as an overlap."""
+    a, b = base.tensors[4], base.tensors[5]
+    offset = sum(-(-len(t.data) // 32) * 32 for t in base.tensors[:4])
+    doc = base.tensor(b.name, offset=offset)
+    assert f"overlaps tensor {a.name!r}" in refuse(doc, f"tensor {b.name!r} offset")
+
+
+def test_size_that_does_not_match_dims_and_type_is_refused(
+    base: Doc, refuse: Callable[..., str]
+) -> None:
+    """A tensor whose dims say more (or fewer) bytes than the file gives it is refused,
+    naming it and its size."""
+    t = next(t for t in base.tensors if t.name == "blk.0.attn_q.weight")  # F32 [64, 64]
+    bigger = base.tensor(t.name, dims=(64, 128), data=t.data)
+    assert "whose dims [64, 128] of F32 take 32768 bytes" in refuse(bigger, "overlaps")
+    smaller = base.tensor(t.name, dims=(64, 32), data=t.data)
+    assert "leaves a gap after tensor 'blk.0.attn_q.weight'" in refuse(smaller, "offset")
+
+
+def test_duplicate_names_and_keys_are_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A tensor name or a metadata key appearing twice is refused."""
+    twice = attrs.evolve(base, tensors=(*base.tensors, base.tensors[1]))
+    refuse(twice, f"tensor {base.tensors[1].name!r}: the name appears twice")
+    keys = attrs.evolve(base, fields=(*base.fields, base.fields[1]))
+    refuse(keys, f"{base.fields[1].key}: the key appears twice")
+
+
+def test_names_that_are_not_utf8_or_too_long_are_refused(
+    base: Doc, refuse: Callable[..., str]
+) -> None:
+    """A key that is not UTF-8, or a tensor name over llama.cpp's 63 bytes, is refused."""
+    raw = encode(base)
+    refuse(raw.replace(b"llama.block_count", b"llama.block\xffcount"), "metadata key: not UTF-8")
+    refuse(base.tensor("output_norm.weight", name="x" * 64), "tensor 1 name")
+
+
+@pytest.mark.parametrize(
+    "name", ["blk.1.ffn_down.weight", "output_norm.weight", "blk.0.attn_norm.weight"]
+)
+def test_missing_tensor_is_refused(base: Doc, refuse: Callable[..., str], name: str) -> None:
+    """A block or global tensor the architecture needs, left out, is refused rather than
+    converted into a broken checkpoint."""
+    refuse(base.tensor(name, drop=True), f"tensor {name!r}: missing")
+
+
+def test_shape_contradicting_the_metadata_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A K projection with the Q projection's rows (64, not 2 heads of 16) is refused."""
+    k = next(t for t in base.tensors if t.name == "blk.0.attn_k.weight")
+    doc = base.tensor(k.name, dims=(64, 64), data=k.data * 2)
+    refuse(doc, "tensor 'blk.0.attn_k.weight': shape [64, 64] contradicts the metadata")
+
+
+# --- the commands -----------------------------------------------------------------------
+
+
+def test_shard_convert_prints_one_line_and_exits_2(
+    base: Doc, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`shard convert` on a hostile file: exit 2, one `shard convert: error:` line naming
+    the file and the field."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(encode(base.field("llama.block_count", kind=V.STRING, value="30")))
+    assert main(["convert", str(path), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"shard convert: error: {path}: llama.block_count: "), err
+
+
+def test_shard_plan_of_a_hostile_gguf_is_one_line(
+    base: Doc, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`shard plan` over a spec whose model is a hostile GGUF refuses it the same way: one
+    line naming the file and the field (exit 1, as plan reports a model it cannot read)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(encode(base.tensor("blk.1.ffn_down.weight", drop=True)))
+    spec = tmp_path / "swarm.toml"
+    stages = "".join(
+        f'[[stage]]\nname = "s{i}"\nlisten = "127.0.0.1:{7901 + i}"\nlayers = "auto"\n'
+        for i in range(2)
+    )
+    spec.write_text(
+        f'[swarm]\nname = "t"\nmodel = "{path}"\ninsecure = true\n'
+        f'[coordinator]\nlisten = "127.0.0.1:7900"\n{stages}'
+    )
+    assert main(["plan", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"shard: error: {path}: tensor 'blk.1.ffn_down.weight': missing"), err
+
+
+# --- the property: a mutated file is refused or read correctly -----------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(base: Doc, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The valid file's conversion (config and tensors), to compare accepted mutants with."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "tiny.gguf").write_bytes(encode(base))
+    out = convert_gguf(tmp / "tiny.gguf", tmp / "out", progress=False)
+    return {
+        "config": json.loads((out / "config.json").read_text()),
+        "weights": (out / "model.safetensors").read_bytes(),
+    }
+
+
+def _mutations(base: Doc) -> st.SearchStrategy[tuple[str, Any]]:
+    raw = encode(base)
+    header = len(raw) - sum(-(-len(t.data) // 32) * 32 for t in base.tensors)
+    positions = st.integers(0, len(raw) - 1)
+    header_positions = st.integers(0, header - 1)
+    values = st.one_of(
+        st.sampled_from([0, 1, 0x7F, 0x80, 0xFF]),
+        st.integers(0, 255),
+    )
+    return st.one_of(
+        st.tuples(st.just("byte"), st.tuples(header_positions, values)),
+        st.tuples(st.just("byte"), st.tuples(positions, values)),
+        st.tuples(st.just("truncate"), positions),
+        st.tuples(
+            st.just("u64"),
+            st.tuples(header_positions, st.sampled_from([0, 1, 1 << 31, 1 << 40, 2**64 - 1])),
+        ),
+        st.tuples(
+            st.just("field"),
+            st.tuples(
+                st.sampled_from([f.key for f in base.fields]),
+                st.sampled_from(list(_FMT)),
+                st.sampled_from([0, 1, -1, 3, 1 << 31, math.nan, math.inf, 0.5]),
+            ),
+        ),
+    )
+
+
+def _apply(base: Doc, mutation: tuple[str, Any]) -> tuple[bytes, bool]:
+    """The mutated file, and whether its header (everything before the tensor data) is
+    unchanged."""
+    kind, arg = mutation
+    original = encode(base)
+    raw = bytearray(original)
+    if kind == "byte":
+        at, value = arg
+        raw[at] = value
+    elif kind == "truncate":
+        del raw[arg:]
+    elif kind == "u64":
+        at, value = arg
+        raw[at : at + 8] = struct.pack("<Q", value)[: len(raw) - at]
+    else:
+        key, value_type, value = arg
+        fmt = _FMT[value_type]
+        if fmt in "fd":
+            value = float(value)
+        elif fmt == "?":
+            value = bool(value) if value == value else True
+        elif not isinstance(value, int) or not _packs(fmt, value):
+            value = 1
+        raw = bytearray(encode(base.field(key, kind=value_type, value=value, item=None)))
+    header = original.index(base.tensors[0].data[:64])
+    return bytes(raw), len(raw) == len(original) and raw[:header] == original[:header]
+
+
+def _packs(fmt: str, value: int) -> bool:
+    try:
+        struct.pack("<" + fmt, value)
+    except struct.error:
+        return False
+    return True
+
+
+def test_mutated_files_are_refused_or_read_correctly(
+    base: Doc, reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Any one-byte, 8-byte, truncating or retyping mutation of a valid GGUF (seeded,
+    derandomized) ends in a one-line ``ConvertError`` naming the file, or in a conversion
+    shard can load; one that left the header alone converts to the reference's config and
+    layout."""
+    tmp = tmp_path_factory.mktemp("mutants")
+    counter = iter(range(10**6))
+
+    @settings(
+        max_examples=150,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(_mutations(base))
+    def check(mutation: tuple[str, Any]) -> None:
+        data, header_intact = _apply(base, mutation)
+        i = next(counter)
+        path = tmp / f"m{i}.gguf"
+        path.write_bytes(data)
+        out = tmp / f"out{i}"
+        start = time.perf_counter()
+        error: ConvertError | None = None
+        try:
+            convert_gguf(path, out, progress=False)
+        except ConvertError as exc:
+            error = exc
+        finally:
+            path.unlink()
+        elapsed = time.perf_counter() - start
+        if error is not None:
+            assert str(error).startswith(f"{path}: "), error
+            assert str(error).isprintable(), error  # one line, even for a key like "a\nb"
+            assert not out.exists()
+        else:
+            ModelConfig.from_dir(out)  # a checkpoint shard can load, not a broken one
+            if header_intact:
+                assert json.loads((out / "config.json").read_text()) == reference["config"]
+                weights = (out / "model.safetensors").read_bytes()
+                assert weights[:8] == reference["weights"][:8]
+                (n,) = struct.unpack("<Q", weights[:8])
+                assert weights[: 8 + n] == reference["weights"][: 8 + n]
+            shutil.rmtree(out)
+        assert elapsed < SECONDS, mutation
+
+    check()
+
+
+def test_valid_file_still_converts(base: Doc, reference: dict[str, Any]) -> None:
+    """The unmutated file converts (the reference the property compares against)."""
+    assert reference["config"]["num_hidden_layers"] == 2
+    assert np.frombuffer(reference["weights"][:8], "<u8")[0] > 0
