@@ -271,6 +271,18 @@ def test_nested_array_and_unknown_value_type_are_refused(
     refuse(base.field("general.x", kind=99, value=0), "general.x: unknown value type 99")
 
 
+@pytest.mark.parametrize(
+    ("version", "why"),
+    [(struct.pack("<I", 1), "version: 1 "), (struct.pack(">I", 3), "big-endian")],
+)
+def test_versions_not_read_here_are_refused(
+    base: Doc, refuse: Callable[..., str], version: bytes, why: str
+) -> None:
+    """GGUF version 1 (32-bit counts) and a big-endian file are refused by their version."""
+    raw = encode(base)
+    assert why in refuse(raw[:4] + version + raw[8:], "version: ")
+
+
 def test_truncated_file_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
     """A file cut inside its last tensor, or inside its header, is refused."""
     raw = encode(base)

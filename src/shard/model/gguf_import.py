@@ -166,6 +166,8 @@ def _open(path: Path) -> gguf.GGUFReader:
         layout = scan(path)
     except OSError as exc:
         raise ConvertError(f"cannot read it ({exc.strerror or exc})") from exc
+    except ConvertError as exc:
+        raise ConvertError(f"not a readable GGUF file: {exc}") from exc
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, KeyError, ...; scan() should not

@@ -169,7 +169,11 @@ class _Cursor:
             raise ConvertError("magic: not a GGUF file (it does not start with 'GGUF')")
         version = self.uint("I", "version")
         if version not in (2, 3):
-            raise ConvertError(f"version: {version} is not a GGUF version read here (2 or 3)")
+            swapped = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
+            raise ConvertError(
+                f"version: {version} is not a GGUF version read here (2 or 3, little-endian)"
+                f"{swapped}"
+            )
         n_tensors = self.count("tensor count", MAX_TENSORS, 8 + 1 + 4 + 8 + 4 + 8)
         n_kv = self.count("metadata key count", MAX_KEYS, 8 + 1 + 4 + 1)
         alignment = 32
