@@ -2,11 +2,12 @@
 naming the file and the field, found quickly and without a large allocation.
 
 Each file is the tiny valid GGUF of ``fixtures_smollm2.write_tiny_gguf``, read into plain
-records (``Doc``) and written back by ``encode`` with ``struct``, so a test can declare what
-``gguf.GGUFWriter`` would never write: a 2^40-element array, an unaligned or overlapping
-offset, a count that is a string. The property test at the end mutates the bytes and the
-fields of the same file (seeded, derandomized) and asserts the outcome is a ``ConvertError``
-or a conversion equal to a reference read — never another exception.
+records (``gguf_forge.Doc``) and written back by ``encode`` with ``struct``, so a test can
+declare what ``gguf.GGUFWriter`` would never write: a 2^40-element array, an unaligned or
+overlapping offset, a count that is a string. The property test at the end mutates the bytes
+and the fields of the same file (seeded, derandomized: the same 150 cases every run) and
+asserts the outcome is a one-line ``ConvertError`` or a conversion shard can load (equal to
+the reference where the header was left alone) — never another exception.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures_smollm2 import write_tiny_gguf
+from gguf_forge import FORMATS, Doc, encode, read_doc
 from shard.cli import main
 from shard.model.config import ModelConfig
 from shard.model.gguf_import import ConvertError, convert_gguf
@@ -38,132 +39,6 @@ from shard.model.gguf_import import ConvertError, convert_gguf
 #: What a refusal may cost: time (generous for a loaded CI box) and traced Python memory.
 SECONDS = 2.0
 PEAK_BYTES = 64 << 20
-
-
-@attrs.frozen
-class Field:
-    """One metadata key: its value type, value, and for an array its item type (``length``:
-    the declared length when it should lie)."""
-
-    key: str
-    kind: int
-    value: Any
-    item: int | None = None
-    length: int | None = None
-
-
-@attrs.frozen
-class Tensor:
-    """One tensor: dims innermost first, ggml type, raw data (``offset``: a lie, if set)."""
-
-    name: str
-    dims: tuple[int, ...]
-    qtype: int
-    data: bytes
-    offset: int | None = None
-
-
-@attrs.frozen
-class Doc:
-    fields: tuple[Field, ...]
-    tensors: tuple[Tensor, ...]
-
-    def field(self, key: str, **changes: Any) -> Doc:
-        """This file with ``key`` changed (added when absent; ``kind=None`` removes it)."""
-        fields = [f for f in self.fields if f.key != key]
-        if changes.get("kind", 0) is not None:
-            old = next((f for f in self.fields if f.key == key), Field(key, V.UINT32, 0))
-            fields.append(attrs.evolve(old, **changes))
-        return attrs.evolve(self, fields=tuple(fields))
-
-    def tensor(self, which: str, **changes: Any) -> Doc:
-        """This file with tensor ``which`` changed (``drop=True`` removes it)."""
-        drop = changes.pop("drop", False)
-        tensors = [
-            t if t.name != which else attrs.evolve(t, **changes)
-            for t in self.tensors
-            if not (drop and t.name == which)
-        ]
-        return attrs.evolve(self, tensors=tuple(tensors))
-
-
-_FMT = {
-    V.UINT8: "B",
-    V.INT8: "b",
-    V.UINT16: "H",
-    V.INT16: "h",
-    V.UINT32: "I",
-    V.INT32: "i",
-    V.FLOAT32: "f",
-    V.BOOL: "?",
-    V.UINT64: "Q",
-    V.INT64: "q",
-    V.FLOAT64: "d",
-}
-
-
-def _string(s: str | bytes) -> bytes:
-    raw = s.encode() if isinstance(s, str) else s
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _scalar(kind: int, value: Any) -> bytes:
-    if kind == V.STRING:
-        return _string(value)
-    if kind not in _FMT:
-        return b""  # a type GGUF does not define: no payload to write
-    return struct.pack("<" + _FMT[V(kind)], value)
-
-
-def encode(doc: Doc, *, version: int = 3, counts: tuple[int, int] | None = None) -> bytes:
-    """``doc`` as GGUF bytes, tensors laid out one after another (32-byte alignment, or
-    ``general.alignment`` when it is a plain uint32); ``counts`` lies about (tensors, keys)."""
-    n_tensors, n_kv = counts or (len(doc.tensors), len(doc.fields))
-    out = [b"GGUF", struct.pack("<IQQ", version, n_tensors, n_kv)]
-    align = 32
-    for f in doc.fields:
-        out.append(_string(f.key) + struct.pack("<I", f.kind))
-        if f.kind == V.ARRAY:
-            assert f.item is not None
-            n = len(f.value) if f.length is None else f.length
-            out.append(struct.pack("<IQ", f.item, n))
-            out += [_scalar(f.item, v) for v in f.value]
-        else:
-            out.append(_scalar(f.kind, f.value))
-        if f.key == "general.alignment" and f.kind == V.UINT32 and f.value in (8, 16, 32, 64):
-            align = f.value
-    offset = 0
-    placed = []
-    for t in doc.tensors:
-        at = offset if t.offset is None else t.offset
-        out.append(_string(t.name) + struct.pack("<I", len(t.dims)))
-        out.append(struct.pack(f"<{len(t.dims)}QIQ", *t.dims, t.qtype, at))
-        placed.append((at, t.data))
-        offset += -(-len(t.data) // align) * align
-    head = b"".join(out)
-    head += bytes(-len(head) % align)
-    body = bytearray(max((at + len(d) for at, d in placed), default=0))
-    for at, data in placed:
-        body[at : at + len(data)] = data
-    return head + bytes(body) + bytes(-len(body) % align)
-
-
-def read_doc(path: Path) -> Doc:
-    """``path`` (a valid GGUF) as plain records."""
-    reader = gguf.GGUFReader(path)
-    fields = []
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF."):
-            continue
-        if f.types[0] == V.ARRAY:
-            fields.append(Field(f.name, V.ARRAY, f.contents(), f.types[-1]))
-        else:
-            fields.append(Field(f.name, f.types[0], f.contents()))
-    tensors = tuple(
-        Tensor(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), t.data.tobytes())
-        for t in reader.tensors
-    )
-    return Doc(tuple(fields), tensors)
 
 
 @pytest.fixture(scope="module")
@@ -513,7 +388,7 @@ def _mutations(base: Doc) -> st.SearchStrategy[tuple[str, Any]]:
             st.just("field"),
             st.tuples(
                 st.sampled_from([f.key for f in base.fields]),
-                st.sampled_from(list(_FMT)),
+                st.sampled_from(list(FORMATS)),
                 st.sampled_from([0, 1, -1, 3, 1 << 31, math.nan, math.inf, 0.5]),
             ),
         ),
@@ -536,7 +411,7 @@ def _apply(base: Doc, mutation: tuple[str, Any]) -> tuple[bytes, bool]:
         raw[at : at + 8] = struct.pack("<Q", value)[: len(raw) - at]
     else:
         key, value_type, value = arg
-        fmt = _FMT[value_type]
+        fmt = FORMATS[value_type]
         if fmt in "fd":
             value = float(value)
         elif fmt == "?":
