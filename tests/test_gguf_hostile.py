@@ -35,6 +35,7 @@ from gguf_forge import FORMATS, Doc, encode, read_doc
 from shard.cli import main
 from shard.model.config import ModelConfig
 from shard.model.gguf_import import ConvertError, convert_gguf
+from shard.model.gguf_tensors import check_tensors
 
 #: What a refusal may cost: time (generous for a loaded CI box) and traced Python memory.
 SECONDS = 2.0
@@ -311,6 +312,45 @@ def test_shape_contradicting_the_metadata_is_refused(base: Doc, refuse: Callable
     k = next(t for t in base.tensors if t.name == "blk.0.attn_k.weight")
     doc = base.tensor(k.name, dims=(64, 64), data=k.data * 2)
     refuse(doc, "tensor 'blk.0.attn_k.weight': shape [64, 64] contradicts the metadata")
+
+
+def test_expert_tensors_must_match_the_expert_count() -> None:
+    """A Qwen3-MoE layer's experts must number ``expert_count`` and be as wide as the
+    metadata says, and its router must be there (checked on names and shapes alone)."""
+    config = {
+        "num_hidden_layers": 1,
+        "hidden_size": 8,
+        "head_dim": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 6,
+        "moe_intermediate_size": 6,
+        "num_experts": 4,
+        "vocab_size": 10,
+        "mlp_only_layers": [],
+    }
+    shapes = {
+        "token_embd.weight": (10, 8),
+        "output_norm.weight": (8,),
+        **{f"blk.0.{n}.weight": (8,) for n in ("attn_norm", "ffn_norm")},
+        **{f"blk.0.{n}.weight": (4,) for n in ("attn_q_norm", "attn_k_norm")},
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (4, 8),
+        "blk.0.attn_v.weight": (4, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_gate_inp.weight": (4, 8),
+        "blk.0.ffn_gate_exps.weight": (4, 6, 8),
+        "blk.0.ffn_up_exps.weight": (4, 6, 8),
+        "blk.0.ffn_down_exps.weight": (4, 8, 6),
+    }
+    check_tensors("qwen3moe", config, shapes)
+    with pytest.raises(ConvertError, match=r"'blk.0.ffn_up_exps.weight': shape \[3, 6, 8\]"):
+        check_tensors("qwen3moe", config, {**shapes, "blk.0.ffn_up_exps.weight": (3, 6, 8)})
+    with pytest.raises(ConvertError, match=r"'blk.0.ffn_down_exps.weight': shape \[4, 8, 7\]"):
+        check_tensors("qwen3moe", config, {**shapes, "blk.0.ffn_down_exps.weight": (4, 8, 7)})
+    del shapes["blk.0.ffn_gate_inp.weight"]
+    with pytest.raises(ConvertError, match=r"'blk.0.ffn_gate_inp.weight': missing"):
+        check_tensors("qwen3moe", config, shapes)
 
 
 # --- the commands -----------------------------------------------------------------------

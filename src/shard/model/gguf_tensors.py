@@ -4,10 +4,9 @@ A GGUF that leaves a tensor out, or gives one a shape its metadata contradicts, 
 otherwise convert into a checkpoint that fails at load (or, for a missing norm, runs
 silently wrong). ``check_tensors`` refuses it first, naming the tensor: every block's
 attention, norms and feed-forward (dense, or router and experts, per layer as the family
-lays them out) must be there, and the attention, norm, embedding and dense feed-forward
-shapes must agree with the hidden size, head counts and head size. Expert widths are
-checked by the expert planners (``shard.model.gguf_plan``). This module imports neither
-torch nor safetensors.
+lays them out) must be there, and every tensor's shape must agree with the hidden size, head
+counts, head size, feed-forward widths and expert count (a shared expert's width is free).
+This module imports neither torch nor safetensors.
 """
 
 from __future__ import annotations
@@ -84,7 +83,6 @@ def _expected(arch: str, config: dict[str, Any], name: str) -> tuple[int | None,
     q, kv = config["num_attention_heads"] * dh, config["num_key_value_heads"] * dh
     ffn = config["intermediate_size"]
     short = name.split(".", 2)[2] if name.startswith("blk.") else name
-    dense = arch in _DENSE_FAMILIES
     table: dict[str, tuple[int | None, ...]] = {
         "token_embd.weight": (None, d),
         "output.weight": (config["vocab_size"], d),
@@ -95,11 +93,44 @@ def _expected(arch: str, config: dict[str, Any], name: str) -> tuple[int | None,
         "attn_output.weight": (d, q),
         "attn_q_norm.weight": (dh,),
         "attn_k_norm.weight": (dh,),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,),
+        "attn_output.bias": (d,),
+        "attn_sinks.weight": (config["num_attention_heads"],),
         **{f"{n}.weight": (d,) for n in _NORMS},
-        **({"ffn_gate.weight": (ffn, d), "ffn_up.weight": (ffn, d)} if dense else {}),
-        **({"ffn_down.weight": (d, ffn)} if dense else {}),
+        "ffn_gate.weight": (ffn, d),
+        "ffn_up.weight": (ffn, d),
+        "ffn_down.weight": (d, ffn),
+        "ffn_gate_shexp.weight": (None, d),
+        "ffn_up_shexp.weight": (None, d),
+        "ffn_down_shexp.weight": (d, None),
+        **_expert_shapes(config),
     }
     return table.get(short)
+
+
+def _expert_shapes(config: dict[str, Any]) -> dict[str, tuple[int | None, ...]]:
+    """The router's and the fused experts' shapes (``[E, out, in]``), where ``config`` has
+    experts: ``E`` their count, each ``moe_intermediate_size`` wide (Mixtral and gpt-oss:
+    ``intermediate_size``)."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    e = next((config[k] for k in keys if k in config), None)
+    if e is None:
+        return {}
+    d = config["hidden_size"]
+    f = config.get("moe_intermediate_size", config["intermediate_size"])
+    return {
+        "ffn_gate_inp.weight": (e, d),
+        "ffn_gate_inp.bias": (e,),
+        "exp_probs_b.bias": (e,),
+        "ffn_gate_exps.weight": (e, f, d),
+        "ffn_up_exps.weight": (e, f, d),
+        "ffn_down_exps.weight": (e, d, f),
+        "ffn_gate_exps.bias": (e, f),
+        "ffn_up_exps.bias": (e, f),
+        "ffn_down_exps.bias": (e, d),
+    }
 
 
 _NORMS: Final = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")
