@@ -242,6 +242,15 @@ def test_tokenizer_bos_beyond_the_tokens_is_refused(base: Doc, refuse: Callable[
     refuse(doc, "tokenizer.ggml.bos_token_id: 262 is not a token id")
 
 
+def test_token_too_long_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
+    """A 5,000-character token (whose SentencePiece splits would cost its length squared)
+    is refused."""
+    tokens = list(next(f for f in base.fields if f.key == "tokenizer.ggml.tokens").value)
+    tokens[200] = "x" * 5000
+    doc = base.field("tokenizer.ggml.tokens", value=tokens)
+    refuse(doc, "tokenizer.ggml.tokens: token 200 has 5000 characters; at most 1024")
+
+
 def test_quantized_row_not_whole_blocks_is_refused(base: Doc, refuse: Callable[..., str]) -> None:
     """A Q8_0 tensor whose row is not a whole number of 32-value groups is refused."""
     t = next(t for t in base.tensors if t.name == "blk.0.ffn_down.weight")

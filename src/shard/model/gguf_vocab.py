@@ -16,7 +16,8 @@ three files the runtime and ``transformers`` load. Two vocabularies are rebuilt:
 
 Anything else is refused (``VocabError``) rather than approximated, as is metadata that
 lies: values of the wrong type, token types llama.cpp does not define, merges naming tokens
-the vocabulary lacks, BOS/EOS/padding ids outside it, scores that are not finite. Nothing
+the vocabulary lacks, BOS/EOS/padding ids outside it, scores that are not finite, tokens
+longer than ``MAX_TOKEN_CHARS``. Nothing
 here imports torch.
 """
 
@@ -63,6 +64,11 @@ _INTS: Final = frozenset(
 )
 _FLOATS: Final = frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64})
 _TOKEN_TYPES: Final = frozenset(int(t) for t in gguf.TokenType)
+MAX_TOKEN_CHARS: Final = 1024
+"""Characters in one token (real vocabularies: under 300). The SentencePiece rebuild tries
+every split of every piece, so its time grows with the square of a piece's length."""
+MAX_VOCAB_CHARS: Final = 1 << 24
+"""Characters in all tokens together (Gemma 3's 262,144 tokens: about 2 million)."""
 
 
 @attrs.frozen
@@ -226,9 +232,18 @@ def tokenizer_files(
 
 
 def _check_values(vocab: GgufVocab, config: dict[str, Any]) -> None:
-    """Refuse what the tokenizer would misread or crash on: special ids outside the tokens,
-    unknown token types, merges of tokens the vocabulary lacks, scores that are not finite."""
+    """Refuse what the tokenizer would misread, crash or stall on: tokens too long, special
+    ids outside the tokens, unknown token types, merges of tokens the vocabulary lacks, scores
+    that are not finite."""
     n = len(vocab.tokens)
+    longest = max(range(n), key=lambda i: len(vocab.tokens[i]))
+    if len(vocab.tokens[longest]) > MAX_TOKEN_CHARS:
+        raise VocabError(
+            f"tokenizer.ggml.tokens: token {longest} has {len(vocab.tokens[longest])} "
+            f"characters; at most {MAX_TOKEN_CHARS} are read"
+        )
+    if sum(len(t) for t in vocab.tokens) > MAX_VOCAB_CHARS:
+        raise VocabError(f"tokenizer.ggml.tokens: more than {MAX_VOCAB_CHARS} characters in all")
     for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         token_id = config.get(f"{role}_token_id")
         if token_id is not None and not 0 <= token_id < n:
