@@ -325,7 +325,8 @@ def test_shape_contradicting_the_metadata_is_refused(base: Doc, refuse: Callable
 
 def test_expert_tensors_must_match_the_expert_count() -> None:
     """A Qwen3-MoE layer's experts must number ``expert_count`` and be as wide as the
-    metadata says, and its router must be there (checked on names and shapes alone)."""
+    metadata says, its router must be there, and experts times blocks is bounded (checked on
+    names and shapes alone)."""
     config = {
         "num_hidden_layers": 1,
         "hidden_size": 8,
@@ -357,6 +358,9 @@ def test_expert_tensors_must_match_the_expert_count() -> None:
         check_tensors("qwen3moe", config, {**shapes, "blk.0.ffn_up_exps.weight": (3, 6, 8)})
     with pytest.raises(ConvertError, match=r"'blk.0.ffn_down_exps.weight': shape \[4, 8, 7\]"):
         check_tensors("qwen3moe", config, {**shapes, "blk.0.ffn_down_exps.weight": (4, 8, 7)})
+    many = {**config, "num_experts": 4096, "num_hidden_layers": 65}
+    with pytest.raises(ConvertError, match="expert_count: 4096 experts in each of 65 blocks"):
+        check_tensors("qwen3moe", many, shapes)
     del shapes["blk.0.ffn_gate_inp.weight"]
     with pytest.raises(ConvertError, match=r"'blk.0.ffn_gate_inp.weight': missing"):
         check_tensors("qwen3moe", config, shapes)

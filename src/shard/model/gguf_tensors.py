@@ -24,12 +24,23 @@ _DENSE: Final = ("ffn_gate", "ffn_up", "ffn_down")
 _ROUTED: Final = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _SHARED: Final = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _DENSE_FAMILIES: Final = frozenset({"llama", "qwen3", "gemma3"})
+MAX_EXPERT_MATRICES: Final = 1 << 18
+"""Experts times blocks: each is planned as its own output tensor, so this bounds the plan
+(the largest real models have under 25,000)."""
+_EXPERT_KEYS: Final = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def check_tensors(arch: str, config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Refuse a GGUF of architecture ``arch`` (``gguf_arch.arch_of``'s name) whose tensors
     (``shapes``: name -> shape in numpy order) miss one its ``config`` needs or contradict
     it. Errors: ``ConvertError`` naming the tensor."""
+    experts = _expert_count(config) * config["num_hidden_layers"]
+    if experts > MAX_EXPERT_MATRICES:
+        raise ConvertError(
+            f"expert_count: {_expert_count(config)} experts in each of "
+            f"{config['num_hidden_layers']} blocks are {experts} per projection; at most "
+            f"{MAX_EXPERT_MATRICES} are converted"
+        )
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in shapes:
             raise ConvertError(f"tensor {name!r}: missing; the file is incomplete")
@@ -114,9 +125,8 @@ def _expert_shapes(config: dict[str, Any]) -> dict[str, tuple[int | None, ...]]:
     """The router's and the fused experts' shapes (``[E, out, in]``), where ``config`` has
     experts: ``E`` their count, each ``moe_intermediate_size`` wide (Mixtral and gpt-oss:
     ``intermediate_size``)."""
-    keys = ("num_experts", "num_local_experts", "n_routed_experts")
-    e = next((config[k] for k in keys if k in config), None)
-    if e is None:
+    e = _expert_count(config)
+    if not e:
         return {}
     d = config["hidden_size"]
     f = config.get("moe_intermediate_size", config["intermediate_size"])
@@ -134,6 +144,11 @@ def _expert_shapes(config: dict[str, Any]) -> dict[str, tuple[int | None, ...]]:
 
 
 _NORMS: Final = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm")
+
+
+def _expert_count(config: dict[str, Any]) -> int:
+    """The experts per block (0: a dense model)."""
+    return next((int(config[k]) for k in _EXPERT_KEYS if k in config), 0)
 
 
 def _fits(shape: tuple[int, ...], want: tuple[int | None, ...]) -> bool:
