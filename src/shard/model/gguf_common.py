@@ -56,6 +56,7 @@ _INTEGER_TYPES: Final = frozenset(
     }
 )
 _NUMBER_TYPES: Final = _INTEGER_TYPES | {gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64}
+_F32_MAX: Final = float(np.finfo(np.float32).max)
 
 
 def count(
@@ -95,9 +96,6 @@ def finite_positive(key: str, value: float) -> float:
     if not (math.isfinite(rounded) and rounded > 0):
         raise ConvertError(f"{key}: {value} does not fit a float32")
     return rounded
-
-
-_F32_MAX: Final = float(np.finfo(np.float32).max)
 
 
 def _kind(field: gguf.ReaderField) -> str:
