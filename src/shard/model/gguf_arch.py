@@ -31,7 +31,7 @@ safetensors.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
@@ -55,6 +55,9 @@ from shard.model.gguf_common import (
 )
 from shard.model.gguf_moe import FUSED_EXPERTS, GLM4MOE, GPT_OSS, MIXTRAL, QWEN3MOE
 
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
+
 __all__ = [
     "ARCHES",
     "FUSED_EXPERTS",
@@ -75,7 +78,7 @@ _GEMMA3_BLOCKS = {
 }
 
 
-def llama_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def llama_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys; Llama
     3.x's rope scaling from its ``rope_freqs`` tensor (``llama3_scaling``), linear scaling
     from ``rope.scaling.*``."""
@@ -104,7 +107,7 @@ model tensor."""
 
 
 def llama3_scaling(
-    factors: np.ndarray, reader: gguf.GGUFReader, keys: dict[str, Any]
+    factors: np.ndarray, reader: GgufFile, keys: dict[str, Any]
 ) -> dict[str, Any] | None:
     """Llama 3.x ``rope_scaling`` from the ``rope_freqs`` a llama.cpp converter computed
     (``LlamaModel.generate_extra_tensors``: per frequency 1, ``factor``, or the smooth blend
@@ -155,7 +158,7 @@ _LLAMA_ORDER = (
 )
 
 
-def gemma3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def gemma3_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Gemma3ForCausalLM`` (``gemma3_text``) from ``gemma3.*``, with
     llama.cpp's defaults for what the file leaves out (module docstring)."""
     keys = common(reader, "gemma3", vocab_rows)
@@ -187,13 +190,13 @@ def gemma3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def _gemma3_sliding(reader: gguf.GGUFReader, n_layers: int) -> list[bool]:
+def _gemma3_sliding(reader: GgufFile, n_layers: int) -> list[bool]:
     """Which layers slide: ``attention.sliding_window_pattern`` is one flag per layer (True:
     sliding) or a period (every ``pattern``-th layer is full)."""
     key = "gemma3.attention.sliding_window_pattern"
     field = reader.get_field(key)
     if field is not None and field.types[:1] == [gguf.GGUFValueType.ARRAY]:
-        if field.types[1:] != [gguf.GGUFValueType.BOOL] or len(field.data) != n_layers:
+        if field.types[1:] != [gguf.GGUFValueType.BOOL] or len(field.contents()) != n_layers:
             raise ConvertError(f"{key}: expected one bool per layer ({n_layers})")
         return [bool(p) for p in field.contents()]
     pattern = count(reader, key, 6, most=MAX_BLOCKS)
@@ -203,7 +206,7 @@ def _gemma3_sliding(reader: gguf.GGUFReader, n_layers: int) -> list[bool]:
 _QWEN3_BLOCKS = {**LLAMA_BLOCKS, **QK_NORM_BLOCKS}
 
 
-def qwen3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def qwen3_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Qwen3ForCausalLM`` from the ``qwen3.*`` metadata keys."""
     no_scaling(reader, "qwen3")
     return {
@@ -215,7 +218,7 @@ def qwen3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def arch_of(reader: gguf.GGUFReader) -> tuple[str, GgufArch | None]:
+def arch_of(reader: GgufFile) -> tuple[str, GgufArch | None]:
     """``general.architecture`` and its ``GgufArch`` (None: not supported); a ``llama`` file
     with ``llama.expert_count`` is Mixtral."""
     name = str(meta(reader, "general.architecture"))

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import gguf
 import numpy as np
+
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
+    from shard.model.gguf_scan import GgufField
 
 
 class ConvertError(Exception):
     """A GGUF file cannot be converted; the message says why and what to do."""
 
 
-def meta(reader: gguf.GGUFReader, key: str, default: Any = ...) -> Any:
+def meta(reader: GgufFile, key: str, default: Any = ...) -> Any:
     """The metadata value under ``key``; ``ConvertError`` when absent and no default given."""
     field = reader.get_field(key)
     if field is None:
@@ -59,9 +63,7 @@ _NUMBER_TYPES: Final = _INTEGER_TYPES | {gguf.GGUFValueType.FLOAT32, gguf.GGUFVa
 _F32_MAX: Final = float(np.finfo(np.float32).max)
 
 
-def count(
-    reader: gguf.GGUFReader, key: str, default: Any = ..., *, least: int = 1, most: int
-) -> int:
+def count(reader: GgufFile, key: str, default: Any = ..., *, least: int = 1, most: int) -> int:
     """The integer under ``key`` (one scalar of an integer type) in ``[least, most]``;
     ``default`` (returned as is) when absent. Errors: ``ConvertError`` naming the key."""
     field = reader.get_field(key)
@@ -75,7 +77,7 @@ def count(
     return value
 
 
-def positive(reader: gguf.GGUFReader, key: str, default: Any = ...) -> float:
+def positive(reader: GgufFile, key: str, default: Any = ...) -> float:
     """The number under ``key`` as the shortest float32 decimal (``f32``), finite and above
     zero; ``default`` when absent. Errors: ``ConvertError`` naming the key."""
     field = reader.get_field(key)
@@ -98,7 +100,7 @@ def finite_positive(key: str, value: float) -> float:
     return rounded
 
 
-def _kind(field: gguf.ReaderField) -> str:
+def _kind(field: GgufField) -> str:
     names = [t.name.lower() for t in field.types]
     return " of ".join(names) if names else "nothing"
 
@@ -108,7 +110,7 @@ def f32(value: float) -> float:
     return float(np.format_float_scientific(np.float32(value), unique=True))
 
 
-ConfigReader = Callable[[gguf.GGUFReader, int], dict[str, Any]]
+ConfigReader = Callable[["GgufFile", int], dict[str, Any]]
 
 
 @attrs.frozen
@@ -157,7 +159,7 @@ QK_NORM_BLOCKS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k
 
 
 def common(
-    reader: gguf.GGUFReader,
+    reader: GgufFile,
     arch: str,
     vocab_rows: int,
     ffn_default: Any = ...,
@@ -210,7 +212,7 @@ def common(
     return config
 
 
-def linear_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+def linear_scaling(reader: GgufFile, arch: str) -> dict[str, Any] | None:
     """``rope_scaling`` for linear scaling (Gemma 3 4B and up, full layers only), or None."""
     kind = meta(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
@@ -220,7 +222,7 @@ def linear_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": positive(reader, f"{arch}.rope.scaling.factor")}
 
 
-def no_scaling(reader: gguf.GGUFReader, arch: str) -> None:
+def no_scaling(reader: GgufFile, arch: str) -> None:
     scaling = meta(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ConvertError(f"rope scaling {scaling!r} is not supported for {arch} GGUFs")

@@ -57,8 +57,8 @@ from shard.model.gguf_arch import (
     arch_of,
 )
 from shard.model.gguf_common import MAX_BLOCKS, count
+from shard.model.gguf_file import GgufFile
 from shard.model.gguf_plan import Planned, fuse_experts, split_experts
-from shard.model.gguf_scan import scan
 from shard.model.gguf_tensors import check_tensors
 from shard.model.gguf_vocab import read_vocab, tokenizer_files
 from shard.model.quant_gguf import Decoded, decode, stored_layout
@@ -157,28 +157,19 @@ def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np
     return w.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, in] -> [H * D, in]
 
 
-def _open(path: Path) -> gguf.GGUFReader:
-    """``gguf.GGUFReader`` over ``path`` once ``scan`` has bounded and checked its header,
-    so the reader's loops and views stay within what the file holds."""
+def _open(path: Path) -> GgufFile:
+    """The GGUF at ``path``, its header read within bounds and checked (``GgufFile``)."""
     if not path.is_file():
         raise ConvertError("no such file; pass the path of a .gguf checkpoint")
     try:
-        layout = scan(path)
+        return GgufFile(path)
     except OSError as exc:
         raise ConvertError(f"cannot read it ({exc.strerror or exc})") from exc
     except ConvertError as exc:
         raise ConvertError(f"not a readable GGUF file: {exc}") from exc
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, KeyError, ...; scan() should not
-        why = " ".join(str(exc).split())  # one line, whatever the reader said
-        raise ConvertError(f"not a readable GGUF file ({why})") from exc  # have let one by
-    if reader.data_offset != layout.data_offset or len(reader.tensors) != len(layout.tensors):
-        raise ConvertError("the file changed while it was read; try again")
-    return reader
 
 
-def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], list[Planned]]:
+def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Planned]]:
     """The HF ``config.json`` and the list of output tensors, both validated (``stored``:
     gpt-oss's experts are planned per expert where their format is kept)."""
     name, arch = arch_of(reader)

@@ -40,7 +40,7 @@ This module imports neither torch nor safetensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 
@@ -61,6 +61,9 @@ from shard.model.gguf_common import (
     positive,
 )
 
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
+
 _QWEN3MOE_BLOCKS = {**LLAMA_BLOCKS, **QK_NORM_BLOCKS, "ffn_gate_inp": "mlp.gate"}
 
 QWEN3MOE_EXPERTS = {
@@ -70,7 +73,7 @@ QWEN3MOE_EXPERTS = {
 }
 
 
-def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def qwen3moe_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Qwen3MoeForCausalLM`` from the ``qwen3moe.*`` metadata keys
     (module docstring: top-k renormalised, layers without a router dense)."""
     no_scaling(reader, "qwen3moe")
@@ -91,7 +94,7 @@ def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def mixtral_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def mixtral_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``MixtralForCausalLM`` from a ``llama`` GGUF with experts (its
     ``feed_forward_length`` is each expert's size, as Mixtral's ``intermediate_size``)."""
     no_scaling(reader, "llama")
@@ -106,7 +109,7 @@ def mixtral_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def gpt_oss_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def gpt_oss_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``GptOssForCausalLM`` from the ``gpt-oss.*`` keys (module
     docstring: alternating windows from layer 0, YaRN, llama.cpp's SwiGLU clamp)."""
     a = "gpt-oss"
@@ -148,7 +151,7 @@ def gpt_oss_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def glm4moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def glm4moe_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Glm4MoeForCausalLM`` from the ``glm4moe.*`` keys and the tensors
     present (q/k norms, attention biases); module docstring for the MTP layers left out."""
     a = "glm4moe"
@@ -189,13 +192,13 @@ def glm4moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def _experts(reader: gguf.GGUFReader, arch: str, name: str) -> dict[str, int]:
+def _experts(reader: GgufFile, arch: str, name: str) -> dict[str, int]:
     """``{name: expert_count, "num_experts_per_tok": expert_used_count}``, each bounded."""
     n = count(reader, f"{arch}.expert_count", most=MAX_EXPERTS)
     return {name: n, "num_experts_per_tok": count(reader, f"{arch}.expert_used_count", most=n)}
 
 
-def _clamp(reader: gguf.GGUFReader, key: str) -> float | None:
+def _clamp(reader: GgufFile, key: str) -> float | None:
     """gpt-oss's SwiGLU clamp: one finite positive number, or one per layer all equal (the
     model uses one value); None when absent."""
     field = reader.get_field(key)

@@ -1,10 +1,11 @@
-"""The first, bounded read of a GGUF file: its header, before ``gguf.GGUFReader`` sees it.
+"""The bounded read of a GGUF file's header: its metadata and where its tensors lie.
 
 A GGUF comes from strangers. ``gguf.GGUFReader`` trusts every count it reads: it loops over a
-declared array length (2^40 elements: minutes and gigabytes), builds every tensor it is told
-of, and accepts tensor offsets that are unaligned, overlapping or past the end. ``scan`` walks
-the same layout with ``struct`` over a read-only map of the file and checks each declared
-count and length against the bytes left and a maximum *before* looping or allocating:
+declared array length (2^40 elements: minutes and gigabytes; even the 2 million a real file
+may declare cost it a minute, a numpy view each), builds every tensor it is told of, and
+accepts tensor offsets that are unaligned, overlapping or past the end. ``scan`` reads the
+same layout with ``struct`` over a read-only map of the file and checks each declared count
+and length against the bytes left and a maximum *before* looping or allocating:
 
 - the magic, version 2 or 3, little-endian;
 - ``n_tensors`` <= ``MAX_TENSORS``, ``n_kv`` <= ``MAX_KEYS``; key and string lengths, array
@@ -18,8 +19,9 @@ count and length against the bytes left and a maximum *before* looping or alloca
   a ``uint32``), so offsets are aligned and no two tensors overlap; the last ends inside the
   file.
 
-What it returns is the layout (``GgufLayout``) that ``gguf.GGUFReader`` will then compute;
-the metadata *values* the converter uses are checked where it reads them
+It returns the layout (``GgufLayout``): every metadata value, typed as stored
+(``GgufField``), and every tensor's place; ``shard.model.gguf_file`` maps the tensors. The
+metadata *values* the converter uses are checked where it reads them
 (``shard.model.gguf_common``). Errors: ``ConvertError`` naming the field and what is wrong
 (the caller adds the file). Nothing here imports torch or numpy.
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 import mmap
 import struct
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import attrs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -41,6 +43,7 @@ __all__ = [
     "MAX_ELEMENTS",
     "MAX_KEYS",
     "MAX_TENSORS",
+    "GgufField",
     "GgufLayout",
     "TensorInfo",
     "scan",
@@ -57,8 +60,8 @@ MAX_STRING: Final = 1 << 24
 MAX_ARRAY: Final = 1 << 20
 """Elements in one metadata array (the largest vocabularies have 262,144 tokens)."""
 MAX_ELEMENTS: Final = 1 << 21
-"""Array elements in all: ``gguf.GGUFReader`` builds a numpy view per element, so this bounds
-its time (seconds) and memory (hundreds of MB); Gemma 3's tokens, scores and types are 786,432."""
+"""Array elements in all (one Python object each once read); Gemma 3's tokens, scores and
+types are 786,432."""
 MAX_NAME_BYTES: Final = 63  # llama.cpp's GGML_MAX_NAME (64) less its NUL
 MAX_DIMS: Final = 4
 MAX_ELEMENTS_PER_TENSOR: Final = 1 << 48
@@ -82,6 +85,20 @@ _GGML_TYPES: Final = {int(t): t for t in GGML_QUANT_SIZES}
 
 
 @attrs.frozen
+class GgufField:
+    """One metadata value as stored: ``types`` is ``[kind]``, or ``[ARRAY, item kind]`` for a
+    non-empty array (``[ARRAY]`` for an empty one), as ``gguf.ReaderField.types`` has it."""
+
+    name: str
+    types: list[GGUFValueType]
+    value: Any
+
+    def contents(self) -> Any:
+        """The value: a Python scalar or string, or a list of them."""
+        return self.value
+
+
+@attrs.frozen
 class TensorInfo:
     """One tensor's header entry: ``dims`` innermost first (as stored), ``offset`` into the
     data section, ``nbytes`` its data's size."""
@@ -102,6 +119,7 @@ class GgufLayout:
     alignment: int
     data_offset: int
     file_size: int
+    fields: dict[str, GgufField]
     tensors: tuple[TensorInfo, ...]
 
 
@@ -176,30 +194,26 @@ class _Cursor:
             )
         n_tensors = self.count("tensor count", MAX_TENSORS, 8 + 1 + 4 + 8 + 4 + 8)
         n_kv = self.count("metadata key count", MAX_KEYS, 8 + 1 + 4 + 1)
-        alignment = 32
-        seen: set[str] = set()
+        fields: dict[str, GgufField] = {}
         for _ in range(n_kv):
             key = self.string("metadata key", MAX_KEY_BYTES)
-            if key in seen:
+            if key in fields:
                 raise ConvertError(f"{_show(key)}: the key appears twice")
-            seen.add(key)
-            value = self.value(_show(key))
-            if key == "general.alignment":
-                alignment = _alignment(value)
+            types, value = self.value(_show(key))
+            fields[key] = GgufField(key, types, value)
+        alignment = _alignment(fields.get("general.alignment"))
         infos = [self.tensor_info(i) for i in range(n_tensors)]
         data_offset = -(-self.at // alignment) * alignment
-        return GgufLayout(
-            version, alignment, data_offset, self.size, self._place(infos, data_offset, alignment)
-        )
+        tensors = self._place(infos, data_offset, alignment)
+        return GgufLayout(version, alignment, data_offset, self.size, fields, tensors)
 
-    def value(self, key: str) -> tuple[GGUFValueType, int | float | bool | None]:
-        """Skip one value, returning its type and, for a scalar, the value."""
+    def value(self, key: str) -> tuple[list[GGUFValueType], Any]:
+        """Read one value: its types (``GgufField.types``) and the value."""
         kind = self.value_type(key)
         if kind in _SCALARS:
-            return kind, self.unpack(_SCALARS[kind], key)
+            return [kind], self.unpack(_SCALARS[kind], key)
         if kind == GGUFValueType.STRING:
-            self.string(key, MAX_STRING)
-            return kind, None
+            return [kind], self.string(key, MAX_STRING)
         item = self.value_type(f"{key} (array item type)")
         if item == GGUFValueType.ARRAY:
             raise ConvertError(f"{key}: an array of arrays; not read here")
@@ -208,12 +222,11 @@ class _Cursor:
         self.elements += n
         if self.elements > MAX_ELEMENTS:
             raise ConvertError(f"{key}: the metadata arrays exceed {MAX_ELEMENTS} elements")
+        types: list[GGUFValueType] = [kind, item] if n else [kind]
         if item in _SCALARS:
-            self.skip(n * width, key)
-        else:
-            for _ in range(n):
-                self.string(key, MAX_STRING)
-        return kind, None
+            start = self.skip(n * width, key)
+            return types, list(struct.unpack_from(f"<{n}{_SCALARS[item]}", self.data, start))
+        return types, [self.string(key, MAX_STRING) for _ in range(n)]
 
     def value_type(self, what: str) -> GGUFValueType:
         raw = self.uint("I", f"{what} type")
@@ -284,10 +297,14 @@ def _show(key: str) -> str:
     return key if key.isprintable() else repr(key)
 
 
-def _alignment(value: tuple[GGUFValueType, int | float | bool | None]) -> int:
-    kind, align = value
-    if kind != GGUFValueType.UINT32 or not isinstance(align, int):
-        raise ConvertError(f"general.alignment: must be a uint32, not {kind.name}")
+def _alignment(field: GgufField | None) -> int:
+    """``general.alignment`` (default 32): a uint32, a power of two."""
+    if field is None:
+        return 32
+    align = field.value
+    if field.types != [GGUFValueType.UINT32] or not isinstance(align, int):
+        kind = " of ".join(t.name for t in field.types)
+        raise ConvertError(f"general.alignment: must be a uint32, not {kind}")
     if align < 1 or align > MAX_ALIGNMENT or align & (align - 1):
         raise ConvertError(
             f"general.alignment: {align} is not a power of two up to {MAX_ALIGNMENT}"

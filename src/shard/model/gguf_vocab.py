@@ -24,7 +24,7 @@ here imports torch.
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import gguf
@@ -40,6 +40,9 @@ from tokenizers import (
 )
 
 from shard.model.gguf_common import ConvertError
+
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
 
 __all__ = ["GgufVocab", "VocabError", "read_vocab", "tokenizer_files"]
 
@@ -87,7 +90,7 @@ class GgufVocab:
     add_space_prefix: bool = True  # SentencePiece: prefix the text with "▁"
 
 
-def read_vocab(reader: gguf.GGUFReader) -> GgufVocab:
+def read_vocab(reader: GgufFile) -> GgufVocab:
     """The ``tokenizer.ggml.*`` metadata of an open GGUF, each value of its type.
 
     Errors: ``VocabError`` when the file has no tokens, a BPE vocabulary no merges, or a
@@ -123,7 +126,7 @@ def read_vocab(reader: gguf.GGUFReader) -> GgufVocab:
 
 
 def _typed(
-    reader: gguf.GGUFReader,
+    reader: GgufFile,
     key: str,
     kinds: frozenset[gguf.GGUFValueType],
     default: Any,
