@@ -105,6 +105,20 @@ def test_array_longer_than_the_file_is_refused(base: Doc, refuse: Callable[..., 
     assert "room" in refuse(doc, "tokenizer.ggml.merges (array length)")
 
 
+def test_the_largest_arrays_the_bounds_allow_are_read_quickly(base: Doc, tmp_path: Path) -> None:
+    """2^20 tokens and about as many token types (the most the bounds let through) are read
+    and refused in seconds, not the minute gguf.GGUFReader's per-element parse took."""
+    n = 1 << 20
+    doc = base.field("tokenizer.ggml.tokens", value=[f"t{i}" for i in range(n)])
+    doc = doc.field("tokenizer.ggml.token_type", value=[1] * (n - 16))
+    path = tmp_path / "big.gguf"
+    path.write_bytes(encode(doc))
+    start = time.perf_counter()
+    with pytest.raises(ConvertError, match=r"tokenizer.ggml.tokens: 1048576 tokens for 264"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+    assert time.perf_counter() - start < 5 * SECONDS
+
+
 @pytest.mark.parametrize("blocks", [1 << 31, (1 << 32) - 1, 4097])
 def test_huge_block_count_is_refused(base: Doc, refuse: Callable[..., str], blocks: int) -> None:
     """A block count of 2^31 (or any above 4096) is refused, not planned layer by layer."""

@@ -188,10 +188,20 @@ def tokenizer_files(
     Errors: ``VocabError`` when the vocabulary cannot be rebuilt faithfully.
     """
     tokens, kinds = vocab.tokens, vocab.kinds
-    if len(tokens) > config["vocab_size"] or len(set(tokens)) != len(tokens):
-        raise VocabError("GGUF vocabulary is inconsistent (too many or duplicate tokens)")
+    if len(tokens) > config["vocab_size"]:
+        raise VocabError(
+            f"tokenizer.ggml.tokens: {len(tokens)} tokens for {config['vocab_size']} embedding "
+            "rows; the GGUF vocabulary is inconsistent"
+        )
+    if len(set(tokens)) != len(tokens):
+        raise VocabError(
+            "tokenizer.ggml.tokens: a token appears twice; the vocabulary is inconsistent"
+        )
     if len(kinds) != len(tokens):
-        raise VocabError("GGUF token types do not match the tokens one for one")
+        raise VocabError(
+            f"tokenizer.ggml.token_type: {len(kinds)} types for {len(tokens)} tokens; they do "
+            "not match one for one"
+        )
     _check_values(vocab, config)
     if vocab.model == "gpt2":
         tokenizer = _bpe(tokens, vocab.merges, vocab.pre)
@@ -311,9 +321,15 @@ def _sentencepiece(vocab: GgufVocab) -> tokenizers.Tokenizer:
     """
     pieces = [_sp_piece(t, k) for t, k in zip(vocab.tokens, vocab.kinds, strict=True)]
     if len(vocab.scores) != len(pieces):
-        raise VocabError("GGUF SentencePiece vocabulary has no score per token")
+        raise VocabError(
+            f"tokenizer.ggml.scores: {len(vocab.scores)} scores for {len(pieces)} tokens; a "
+            "SentencePiece vocabulary has one per token"
+        )
     if len(set(pieces)) != len(pieces):
-        raise VocabError("GGUF SentencePiece vocabulary has duplicate pieces once spaces are ▁")
+        raise VocabError(
+            "tokenizer.ggml.tokens: the SentencePiece vocabulary has duplicate pieces once "
+            "spaces are ▁"
+        )
     unknown = [t for t, k in zip(pieces, vocab.kinds, strict=True) if k == gguf.TokenType.UNKNOWN]
     model = models.BPE(
         vocab={t: i for i, t in enumerate(pieces)},
