@@ -163,7 +163,10 @@ def gemma3_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     llama.cpp's defaults for what the file leaves out (module docstring)."""
     keys = common(reader, "gemma3", vocab_rows)
     if meta(reader, "gemma3.attn_logit_softcapping", None) is not None:
-        raise ConvertError("attention logit softcapping is not supported (Gemma 3 has none)")
+        raise ConvertError(
+            "gemma3.attn_logit_softcapping: attention logit softcapping is not supported "
+            "(Gemma 3 has none)"
+        )
     n_layers = keys["num_hidden_layers"]
     sliding = _gemma3_sliding(reader, n_layers)
     scale = meta(reader, "gemma3.attention.scale", None)

@@ -218,11 +218,15 @@ def linear_scaling(reader: GgufFile, arch: str) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind != "linear":
-        raise ConvertError(f"rope scaling {kind!r} is not supported for {arch}; only 'linear'")
+        raise ConvertError(
+            f"{arch}.rope.scaling.type: {kind!r} is not supported for {arch}; only 'linear'"
+        )
     return {"rope_type": "linear", "factor": positive(reader, f"{arch}.rope.scaling.factor")}
 
 
 def no_scaling(reader: GgufFile, arch: str) -> None:
     scaling = meta(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        raise ConvertError(f"rope scaling {scaling!r} is not supported for {arch} GGUFs")
+        raise ConvertError(
+            f"{arch}.rope.scaling.type: {scaling!r} is not supported for {arch} GGUFs"
+        )

@@ -175,13 +175,13 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
     name, arch = arch_of(reader)
     if arch is None:
         raise ConvertError(
-            f"architecture {name!r} is not supported; this converter handles "
+            f"general.architecture: architecture {name!r} is not supported; this converter handles "
             f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, Mixtral, SmolLM, Gemma 3, Qwen3, "
             "Qwen3-MoE, gpt-oss, GLM-4.5-MoE) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
-        raise ConvertError("GGUF has no token_embd.weight tensor; the file is incomplete")
+        raise ConvertError("tensor 'token_embd.weight': missing; the file is incomplete")
     config = arch.config(reader, int(by_name["token_embd.weight"].shape[-1]))
     config["tie_word_embeddings"] = "output.weight" not in by_name
     check_tensors(name, config, {t.name: _shape(t) for t in reader.tensors})
@@ -219,7 +219,10 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
     if layers != set(range(n_layers + extra)):
         n = n_layers + extra
-        raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
+        raise ConvertError(
+            f"block_count: the metadata says {n} blocks but the file has tensors for "
+            f"{len(layers)} (numbered {min(layers, default=0)}..{max(layers, default=-1)})"
+        )
     return config, plan
 
 

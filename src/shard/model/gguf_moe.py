@@ -121,7 +121,9 @@ def gpt_oss_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     n_layers = keys["num_hidden_layers"]
     kind = meta(reader, f"{a}.rope.scaling.type", "none")
     if kind != "yarn":
-        raise ConvertError(f"a gpt-oss GGUF must declare YaRN rope scaling, not {kind!r}")
+        raise ConvertError(
+            f"{a}.rope.scaling.type: a gpt-oss GGUF must declare YaRN rope scaling, not {kind!r}"
+        )
     yarn = {
         "rope_type": "yarn",
         "rope_theta": keys["rope_theta"],
@@ -159,7 +161,9 @@ def glm4moe_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     keys = common(reader, a, vocab_rows, partial=True)
     gating = count(reader, f"{a}.expert_gating_func", 2, least=0, most=1 << 16)
     if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-        raise ConvertError(f"GLM-4.5 routes with a sigmoid (expert_gating_func 2), not {gating}")
+        raise ConvertError(
+            f"{a}.expert_gating_func: GLM-4.5 routes with a sigmoid (2), not {gating}"
+        )
     nextn = count(reader, f"{a}.nextn_predict_layers", 0, least=0, most=MAX_BLOCKS)
     n_layers = keys["num_hidden_layers"] - nextn
     if n_layers < 1:
@@ -210,7 +214,7 @@ def _clamp(reader: GgufFile, key: str) -> float | None:
     if field.types[1:] not in ([gguf.GGUFValueType.FLOAT32], [gguf.GGUFValueType.FLOAT64]):
         raise ConvertError(f"{key}: must be numbers")
     if len(set(values)) != 1:
-        raise ConvertError("a per-layer swiglu_clamp_exp is not supported for gpt-oss")
+        raise ConvertError(f"{key}: a per-layer clamp is not supported for gpt-oss")
     return finite_positive(key, values[0])
 
 
