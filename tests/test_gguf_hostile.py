@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -263,6 +264,19 @@ def test_token_too_long_is_refused(base: Doc, refuse: Callable[..., str]) -> Non
     tokens[200] = "x" * 5000
     doc = base.field("tokenizer.ggml.tokens", value=tokens)
     refuse(doc, "tokenizer.ggml.tokens: token 200 has 5000 characters; at most 1024")
+
+
+@pytest.mark.parametrize("qtype", [Q.I8, Q.F64, Q.Q8_K])
+def test_tensor_type_the_converter_cannot_read_is_refused(
+    base: Doc, refuse: Callable[..., str], qtype: Q
+) -> None:
+    """A weight stored as an integer, F64 or Q8_K tensor (which nothing decodes) is refused
+    before the tensor pass, not a NotImplementedError halfway through it."""
+    t = next(t for t in base.tensors if t.name == "blk.1.ffn_down.weight")  # [64, 96]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    dims = (256, 24)  # a whole number of blocks for every type
+    doc = base.tensor(t.name, qtype=qtype, dims=dims, data=bytes(256 * 24 // block * size))
+    refuse(doc, f"tensor {t.name!r} type: {qtype.name} is not a weight type")
 
 
 def test_quantized_row_not_whole_blocks_is_refused(base: Doc, refuse: Callable[..., str]) -> None:

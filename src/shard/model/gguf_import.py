@@ -59,7 +59,7 @@ from shard.model.gguf_arch import (
 from shard.model.gguf_common import MAX_BLOCKS, count
 from shard.model.gguf_file import GgufFile
 from shard.model.gguf_plan import Planned, fuse_experts, split_experts
-from shard.model.gguf_tensors import check_tensors
+from shard.model.gguf_tensors import check_tensors, check_types
 from shard.model.gguf_vocab import read_vocab, tokenizer_files
 from shard.model.quant_gguf import Decoded, decode, stored_layout
 
@@ -184,6 +184,7 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
         raise ConvertError("tensor 'token_embd.weight': missing; the file is incomplete")
     config = arch.config(reader, int(by_name["token_embd.weight"].shape[-1]))
     config["tie_word_embeddings"] = "output.weight" not in by_name
+    check_types({t.name: t.tensor_type for t in reader.tensors})
     check_tensors(name, config, {t.name: _shape(t) for t in reader.tensors})
     n_layers = config["num_hidden_layers"]
     extra = 0

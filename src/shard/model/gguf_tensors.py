@@ -14,9 +14,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from gguf import GGMLQuantizationType as T
+
 from shard.model.gguf_common import ConvertError
 
-__all__ = ["check_tensors"]
+__all__ = ["READABLE_TYPES", "check_tensors", "check_types"]
+
+READABLE_TYPES: Final = frozenset(
+    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.NVFP4}
+    | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0}
+    | {T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS}
+)
+"""The ggml types a tensor may have: those ``gguf.quants.dequantize`` decodes (a superset of
+what ``shard.model.quant_gguf`` keeps stored). The integer, F64, Q8_1, Q8_K and Q1_0 types
+are no model weight's, and the gguf package cannot decode them."""
 
 _ATTENTION: Final = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
 _QK_NORM: Final = ("attn_q_norm", "attn_k_norm")
@@ -55,6 +66,16 @@ def check_tensors(arch: str, config: dict[str, Any], shapes: Mapping[str, tuple[
             raise ConvertError(
                 f"tensor {name!r}: shape {list(shape)} contradicts the metadata "
                 f"(expected {['*' if d is None else d for d in want]})"
+            )
+
+
+def check_types(types: Mapping[str, T]) -> None:
+    """Refuse a tensor (``types``: name -> ggml type) in a type the converter cannot read."""
+    for name, qtype in types.items():
+        if qtype not in READABLE_TYPES:
+            raise ConvertError(
+                f"tensor {name!r} type: {qtype.name} is not a weight type this converter "
+                "reads (float, or one of llama.cpp's block quantizations)"
             )
 
 
