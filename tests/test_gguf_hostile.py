@@ -453,6 +453,7 @@ def _mutations(base: Doc) -> st.SearchStrategy[tuple[str, Any]]:
     header = len(raw) - sum(-(-len(t.data) // 32) * 32 for t in base.tensors)
     positions = st.integers(0, len(raw) - 1)
     header_positions = st.integers(0, header - 1)
+    names = st.sampled_from([t.name for t in base.tensors])
     values = st.one_of(
         st.sampled_from([0, 1, 0x7F, 0x80, 0xFF]),
         st.integers(0, 255),
@@ -473,7 +474,37 @@ def _mutations(base: Doc) -> st.SearchStrategy[tuple[str, Any]]:
                 st.sampled_from([0, 1, -1, 3, 1 << 31, math.nan, math.inf, 0.5]),
             ),
         ),
+        st.tuples(st.just("tensor"), st.tuples(names, _TENSOR_CHANGES)),
+        st.tuples(st.just("tensor"), st.tuples(names, _TENSOR_CHANGES)),  # drawn twice as often
+        st.tuples(st.just("drop field"), st.sampled_from([f.key for f in base.fields])),
     )
+
+
+_RENAMES = (
+    *("blk.2.attn_q.weight", "blk.0.attn_q.bias", "rope_freqs.weight", "output.weight"),
+    *("blk.1.ffn_gate_inp.weight", "blk.0.ffn_up_exps.weight", "x"),
+)
+_TENSOR_CHANGES = st.one_of(
+    st.just({"drop": True}),
+    st.fixed_dictionaries({"dims": st.sampled_from([(64,), (32, 64), (64, 96), (256, 24)])}),
+    st.fixed_dictionaries({"qtype": st.sampled_from([Q.F16, Q.BF16, Q.Q4_K, Q.I8, Q.Q8_K])}),
+    st.fixed_dictionaries({"name": st.sampled_from(_RENAMES)}),
+)
+"""What a tensor mutation changes (its data is resized to what its dims and type take)."""
+
+
+def _retensor(base: Doc, name: str, changes: dict[str, Any]) -> Doc:
+    """``base`` with tensor ``name`` changed, its data zeroed to the size its new dims and
+    type take (so the layout stays consistent and the change itself is what is judged)."""
+    if changes.get("drop"):
+        return base.tensor(name, drop=True)
+    t = next(t for t in base.tensors if t.name == name)
+    dims, qtype = changes.get("dims", t.dims), changes.get("qtype", t.qtype)
+    block, size = gguf.GGML_QUANT_SIZES[Q(qtype)]
+    if dims[0] % block:
+        dims = (block, *dims[1:])
+    data = bytes(math.prod(dims) // block * size)
+    return base.tensor(name, **{**changes, "dims": dims, "qtype": qtype, "data": data})
 
 
 def _apply(base: Doc, mutation: tuple[str, Any]) -> tuple[bytes, bool]:
@@ -487,6 +518,10 @@ def _apply(base: Doc, mutation: tuple[str, Any]) -> tuple[bytes, bool]:
         raw[at] = value
     elif kind == "truncate":
         del raw[arg:]
+    elif kind == "tensor":
+        raw = bytearray(encode(_retensor(base, *arg)))
+    elif kind == "drop field":
+        raw = bytearray(encode(base.field(arg, kind=None)))
     elif kind == "u64":
         at, value = arg
         raw[at : at + 8] = struct.pack("<Q", value)[: len(raw) - at]
@@ -515,10 +550,10 @@ def _packs(fmt: str, value: int) -> bool:
 def test_mutated_files_are_refused_or_read_correctly(
     base: Doc, reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Any one-byte, 8-byte, truncating or retyping mutation of a valid GGUF (seeded,
-    derandomized) ends in a one-line ``ConvertError`` naming the file, or in a conversion
-    shard can load; one that left the header alone converts to the reference's config and
-    layout."""
+    """Any one-byte, 8-byte, truncating, retyping or dropping mutation of a valid GGUF's
+    bytes, fields or tensors (dims, type, name; seeded, derandomized) ends in a one-line
+    ``ConvertError`` naming the file, or in a conversion shard can load; one that left the
+    header alone converts to the reference's config and layout."""
     tmp = tmp_path_factory.mktemp("mutants")
     counter = iter(range(10**6))
 
