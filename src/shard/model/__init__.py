@@ -19,6 +19,9 @@
     device.py       a node's spec'd device and dtype as torch values, checked here
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
     gguf_import.py  GGUF -> safetensors checkpoint conversion
+    gguf_scan.py    the bounded read of a GGUF header (input from strangers)
+    gguf_file.py    a scanned GGUF: its metadata and its tensors mapped read-only
+    gguf_tensors.py the tensors an architecture needs, their types and shapes
     gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
     gguf_common.py  what every GGUF architecture's reader shares (error, metadata, GgufArch)
     gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5
