@@ -26,6 +26,9 @@
     chat_render.py  the chat template's bounded sandbox: every loop, call and value charged
     chat_bounds.py  what one render may spend (characters, steps, seconds) and its budget
     gguf_import.py  GGUF -> safetensors checkpoint conversion
+    gguf_scan.py    the bounded read of a GGUF header (input from strangers)
+    gguf_file.py    a scanned GGUF: its metadata and its tensors mapped read-only
+    gguf_tensors.py the tensors an architecture needs, their types and shapes
     gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
     gguf_common.py  what every GGUF architecture's reader shares (error, metadata, GgufArch)
     gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5

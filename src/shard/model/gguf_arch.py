@@ -31,7 +31,7 @@ safetensors.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
@@ -39,16 +39,24 @@ import numpy as np
 from shard.model.gguf_common import (
     GLOBAL_NAMES,
     LLAMA_BLOCKS,
+    MAX_BLOCKS,
+    MAX_CONTEXT,
+    MAX_EXPERTS,
     QK_NORM_BLOCKS,
     ConvertError,
     GgufArch,
     common,
+    count,
     f32,
     linear_scaling,
     meta,
     no_scaling,
+    positive,
 )
 from shard.model.gguf_moe import FUSED_EXPERTS, GLM4MOE, GPT_OSS, MIXTRAL, QWEN3MOE
+
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
 
 __all__ = [
     "ARCHES",
@@ -70,7 +78,7 @@ _GEMMA3_BLOCKS = {
 }
 
 
-def llama_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def llama_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``LlamaForCausalLM`` from the ``llama.*`` metadata keys; Llama
     3.x's rope scaling from its ``rope_freqs`` tensor (``llama3_scaling``), linear scaling
     from ``rope.scaling.*``."""
@@ -99,7 +107,7 @@ model tensor."""
 
 
 def llama3_scaling(
-    factors: np.ndarray, reader: gguf.GGUFReader, keys: dict[str, Any]
+    factors: np.ndarray, reader: GgufFile, keys: dict[str, Any]
 ) -> dict[str, Any] | None:
     """Llama 3.x ``rope_scaling`` from the ``rope_freqs`` a llama.cpp converter computed
     (``LlamaModel.generate_extra_tensors``: per frequency 1, ``factor``, or the smooth blend
@@ -110,7 +118,7 @@ def llama3_scaling(
     whose divisors equal the stored ones in float32. None when every divisor is 1; a
     ``ConvertError`` when no Llama 3 curve gives them."""
     head_dim, theta = keys["head_dim"], keys["rope_theta"]
-    rotary = int(meta(reader, "llama.rope.dimension_count", head_dim))
+    rotary = count(reader, "llama.rope.dimension_count", head_dim, least=2, most=head_dim)
     if factors.shape != (rotary // 2,) or not np.isfinite(factors).all():
         raise ConvertError(f"rope_freqs has {factors.size} values; expected {rotary // 2}")
     if (factors == 1).all():
@@ -118,8 +126,9 @@ def llama3_scaling(
     factor = float(factors.max())
     freqs = 1.0 / (theta ** (np.arange(0, rotary, 2, dtype=np.float32) / rotary))
     wavelen = 2 * math.pi / freqs.astype(np.float64)
-    given = meta(reader, "llama.rope.scaling.original_context_length", None)
-    contexts = ([int(given)] if given else []) + [2**k for k in range(4, 21)]
+    key = "llama.rope.scaling.original_context_length"
+    given = count(reader, key, None, most=MAX_CONTEXT) if reader.get_field(key) else None
+    contexts = ([given] if given else []) + [2**k for k in range(4, 21)]
     for context in contexts:
         for low, high in ((1.0, 4.0), (1.0, 8.0), (2.0, 4.0), (2.0, 8.0)):
             smooth = (context / wavelen - low) / (high - low)
@@ -149,47 +158,58 @@ _LLAMA_ORDER = (
 )
 
 
-def gemma3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def gemma3_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Gemma3ForCausalLM`` (``gemma3_text``) from ``gemma3.*``, with
     llama.cpp's defaults for what the file leaves out (module docstring)."""
     keys = common(reader, "gemma3", vocab_rows)
     if meta(reader, "gemma3.attn_logit_softcapping", None) is not None:
-        raise ConvertError("attention logit softcapping is not supported (Gemma 3 has none)")
+        raise ConvertError(
+            "gemma3.attn_logit_softcapping: attention logit softcapping is not supported "
+            "(Gemma 3 has none)"
+        )
     n_layers = keys["num_hidden_layers"]
-    pattern = meta(reader, "gemma3.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):  # one flag per layer: True = sliding
-        if len(pattern) != n_layers:
-            raise ConvertError("attention.sliding_window_pattern does not list every layer")
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layers)]
+    sliding = _gemma3_sliding(reader, n_layers)
     scale = meta(reader, "gemma3.attention.scale", None)
     if scale is not None:
-        scalar = float(scale) ** -2
+        scalar = positive(reader, "gemma3.attention.scale") ** -2
     elif n_layers == 62:  # llama.cpp's LLM_TYPE_27B rule
         scalar = keys["hidden_size"] / keys["num_attention_heads"]
     else:
         scalar = keys["head_dim"]
-    cap = meta(reader, "gemma3.final_logit_softcapping", None)
+    cap_key = "gemma3.final_logit_softcapping"
+    cap = positive(reader, cap_key) if reader.get_field(cap_key) else None
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": int(meta(reader, "gemma3.attention.sliding_window")),
+        "sliding_window": count(reader, "gemma3.attention.sliding_window", most=MAX_CONTEXT),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "rope_local_base_freq": f32(meta(reader, "gemma3.rope.freq_base_swa", 10000.0)),
+        "rope_local_base_freq": positive(reader, "gemma3.rope.freq_base_swa", 10000.0),
         "rope_scaling": linear_scaling(reader, "gemma3"),
         "query_pre_attn_scalar": scalar,
-        "final_logit_softcapping": None if cap is None else f32(cap),
+        "final_logit_softcapping": cap,
         "attn_logit_softcapping": None,
         **keys,
     }
 
 
+def _gemma3_sliding(reader: GgufFile, n_layers: int) -> list[bool]:
+    """Which layers slide: ``attention.sliding_window_pattern`` is one flag per layer (True:
+    sliding) or a period (every ``pattern``-th layer is full)."""
+    key = "gemma3.attention.sliding_window_pattern"
+    field = reader.get_field(key)
+    if field is not None and field.types[:1] == [gguf.GGUFValueType.ARRAY]:
+        if field.types[1:] != [gguf.GGUFValueType.BOOL] or len(field.contents()) != n_layers:
+            raise ConvertError(f"{key}: expected one bool per layer ({n_layers})")
+        return [bool(p) for p in field.contents()]
+    pattern = count(reader, key, 6, most=MAX_BLOCKS)
+    return [(i + 1) % pattern != 0 for i in range(n_layers)]
+
+
 _QWEN3_BLOCKS = {**LLAMA_BLOCKS, **QK_NORM_BLOCKS}
 
 
-def qwen3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def qwen3_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Qwen3ForCausalLM`` from the ``qwen3.*`` metadata keys."""
     no_scaling(reader, "qwen3")
     return {
@@ -201,11 +221,11 @@ def qwen3_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def arch_of(reader: gguf.GGUFReader) -> tuple[str, GgufArch | None]:
+def arch_of(reader: GgufFile) -> tuple[str, GgufArch | None]:
     """``general.architecture`` and its ``GgufArch`` (None: not supported); a ``llama`` file
     with ``llama.expert_count`` is Mixtral."""
     name = str(meta(reader, "general.architecture"))
-    if name == "llama" and int(meta(reader, "llama.expert_count", 0) or 0) > 0:
+    if name == "llama" and count(reader, "llama.expert_count", 0, least=0, most=MAX_EXPERTS):
         return "llama (Mixtral)", MIXTRAL
     return name, ARCHES.get(name)
 

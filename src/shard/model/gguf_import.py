@@ -45,7 +45,6 @@ import attrs
 import gguf
 import numpy as np
 import numpy.typing as npt
-import tokenizers
 from tqdm import tqdm
 
 from shard.model.gguf_arch import (
@@ -56,10 +55,12 @@ from shard.model.gguf_arch import (
     ConvertError,
     GgufArch,
     arch_of,
-    meta,
 )
+from shard.model.gguf_common import MAX_BLOCKS, count
+from shard.model.gguf_file import GgufFile
 from shard.model.gguf_plan import Planned, fuse_experts, split_experts
-from shard.model.gguf_vocab import VocabError, read_vocab, tokenizer_files
+from shard.model.gguf_tensors import check_tensors, check_types
+from shard.model.gguf_vocab import read_vocab, tokenizer_files
 from shard.model.quant_gguf import Decoded, decode, stored_layout
 
 CONVERTER_VERSION = 2
@@ -98,16 +99,22 @@ def convert_gguf(
     """Convert ``gguf_path`` into a new model directory ``out_dir`` and return ``out_dir``;
     ``stored``: keep the quantized tensors as stored (module docstring), else float32.
 
-    Everything that can be checked cheaply (architecture, metadata, tensor names, tokenizer)
-    is checked before the slow tensor pass, so bad input fails in well under a second.
+    Everything that can be checked cheaply (the header's layout, bounded before anything is
+    allocated: ``shard.model.gguf_scan``; architecture, metadata, tensor names and shapes,
+    tokenizer) is checked before the slow tensor pass, so bad input fails in well under a
+    second.
 
-    Errors: ``ConvertError`` for unreadable or unsupported input; ``OutputExists`` when
-    ``out_dir`` exists and is not empty, before or after the conversion (a concurrent
-    converter published first; this run's work is discarded).
+    Errors: ``ConvertError`` for unreadable, inconsistent or unsupported input, one line
+    starting with the file's path; ``OutputExists`` when ``out_dir`` exists and is not
+    empty, before or after the conversion (a concurrent converter published first; this
+    run's work is discarded).
     """
-    reader = _open(gguf_path)
-    config, plan = _plan(reader, stored=stored)
-    tokenizer, tokenizer_config, generation_config = _vocab(reader, config)
+    try:
+        reader = _open(gguf_path)
+        config, plan = _plan(reader, stored=stored)
+        tokenizer, tokenizer_config, generation_config = tokenizer_files(read_vocab(reader), config)
+    except ConvertError as exc:
+        raise ConvertError(f"{gguf_path}: {exc}") from exc
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputExists(f"{out_dir} already exists; remove it or choose another directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -150,32 +157,39 @@ def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np
     return w.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, in] -> [H * D, in]
 
 
-def _open(path: Path) -> gguf.GGUFReader:
+def _open(path: Path) -> GgufFile:
+    """The GGUF at ``path``, its header read within bounds and checked (``GgufFile``)."""
     if not path.is_file():
-        raise ConvertError(f"{path}: no such file; pass the path of a .gguf checkpoint")
+        raise ConvertError("no such file; pass the path of a .gguf checkpoint")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct.error, ...
-        raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from exc
+        return GgufFile(path)
+    except OSError as exc:
+        raise ConvertError(f"cannot read it ({exc.strerror or exc})") from exc
+    except ConvertError as exc:
+        raise ConvertError(f"not a readable GGUF file: {exc}") from exc
 
 
-def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], list[Planned]]:
+def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Planned]]:
     """The HF ``config.json`` and the list of output tensors, both validated (``stored``:
     gpt-oss's experts are planned per expert where their format is kept)."""
     name, arch = arch_of(reader)
     if arch is None:
         raise ConvertError(
-            f"architecture {name!r} is not supported; this converter handles "
+            f"general.architecture: architecture {name!r} is not supported; this converter handles "
             f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, Mixtral, SmolLM, Gemma 3, Qwen3, "
             "Qwen3-MoE, gpt-oss, GLM-4.5-MoE) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
-        raise ConvertError("GGUF has no token_embd.weight tensor; the file is incomplete")
+        raise ConvertError("tensor 'token_embd.weight': missing; the file is incomplete")
     config = arch.config(reader, int(by_name["token_embd.weight"].shape[-1]))
     config["tie_word_embeddings"] = "output.weight" not in by_name
+    check_types({t.name: t.tensor_type for t in reader.tensors})
+    check_tensors(name, config, {t.name: _shape(t) for t in reader.tensors})
     n_layers = config["num_hidden_layers"]
-    extra = int(meta(reader, arch.extra_blocks, 0)) if arch.extra_blocks else 0
+    extra = 0
+    if arch.extra_blocks:
+        extra = count(reader, arch.extra_blocks, 0, least=0, most=MAX_BLOCKS)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     if not arch.permuted_qk:
         heads = {}
@@ -183,7 +197,7 @@ def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], lis
     fused: dict[tuple[int, str], dict[str, gguf.ReaderTensor]] = {}
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        shape = _shape(t)
         if t.name == ROPE_FREQS and name == "llama":
             continue  # read into rope_scaling by the config reader (Llama 3.x)
         if block and int(block[1]) >= n_layers:
@@ -206,18 +220,16 @@ def _plan(reader: gguf.GGUFReader, *, stored: bool) -> tuple[dict[str, Any], lis
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
     if layers != set(range(n_layers + extra)):
         n = n_layers + extra
-        raise ConvertError(f"GGUF has tensors for {len(layers)} blocks but metadata says {n}")
+        raise ConvertError(
+            f"block_count: the metadata says {n} blocks but the file has tensors for "
+            f"{len(layers)} (numbered {min(layers, default=0)}..{max(layers, default=-1)})"
+        )
     return config, plan
 
 
-def _vocab(
-    reader: gguf.GGUFReader, config: dict[str, Any]
-) -> tuple[tokenizers.Tokenizer, dict[str, Any], dict[str, Any]]:
-    """tokenizer.json, tokenizer_config.json and generation_config.json from the metadata."""
-    try:
-        return tokenizer_files(read_vocab(reader), config)
-    except VocabError as exc:
-        raise ConvertError(str(exc)) from None
+def _shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
+    """``t``'s shape in numpy order (GGUF lists dims innermost first)."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
 def _hf_name(name: str, arch: GgufArch, arch_name: str) -> str:

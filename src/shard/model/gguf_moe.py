@@ -40,20 +40,29 @@ This module imports neither torch nor safetensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 
 from shard.model.gguf_common import (
     LLAMA_BLOCKS,
+    MAX_BLOCKS,
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_WIDTH,
     QK_NORM_BLOCKS,
     ConvertError,
     GgufArch,
     common,
-    f32,
+    count,
+    finite_positive,
     meta,
     no_scaling,
+    positive,
 )
+
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
 
 _QWEN3MOE_BLOCKS = {**LLAMA_BLOCKS, **QK_NORM_BLOCKS, "ffn_gate_inp": "mlp.gate"}
 
@@ -64,11 +73,11 @@ QWEN3MOE_EXPERTS = {
 }
 
 
-def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def qwen3moe_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Qwen3MoeForCausalLM`` from the ``qwen3moe.*`` metadata keys
     (module docstring: top-k renormalised, layers without a router dense)."""
     no_scaling(reader, "qwen3moe")
-    expert_size = int(meta(reader, "qwen3moe.expert_feed_forward_length"))
+    expert_size = count(reader, "qwen3moe.expert_feed_forward_length", most=MAX_WIDTH)
     keys = common(reader, "qwen3moe", vocab_rows, ffn_default=expert_size)
     routed = {t.name.split(".")[1] for t in reader.tensors if ".ffn_gate_inp." in t.name}
     return {
@@ -76,8 +85,7 @@ def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
         "model_type": "qwen3_moe",
         "hidden_act": "silu",
         "rope_scaling": None,
-        "num_experts": int(meta(reader, "qwen3moe.expert_count")),
-        "num_experts_per_tok": int(meta(reader, "qwen3moe.expert_used_count")),
+        **_experts(reader, "qwen3moe", "num_experts"),
         "moe_intermediate_size": expert_size,
         "norm_topk_prob": True,  # llama.cpp's qwen3moe graph hard-codes it (norm_w)
         "decoder_sparse_step": 1,
@@ -86,7 +94,7 @@ def qwen3moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
     }
 
 
-def mixtral_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def mixtral_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``MixtralForCausalLM`` from a ``llama`` GGUF with experts (its
     ``feed_forward_length`` is each expert's size, as Mixtral's ``intermediate_size``)."""
     no_scaling(reader, "llama")
@@ -96,72 +104,73 @@ def mixtral_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
         "hidden_act": "silu",
         "rope_scaling": None,
         "sliding_window": None,
-        "num_local_experts": int(meta(reader, "llama.expert_count")),
-        "num_experts_per_tok": int(meta(reader, "llama.expert_used_count")),
+        **_experts(reader, "llama", "num_local_experts"),
         **common(reader, "llama", vocab_rows),
     }
 
 
-def gpt_oss_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def gpt_oss_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``GptOssForCausalLM`` from the ``gpt-oss.*`` keys (module
     docstring: alternating windows from layer 0, YaRN, llama.cpp's SwiGLU clamp)."""
     a = "gpt-oss"
-    ffn = meta(reader, f"{a}.expert_feed_forward_length", None)
-    if ffn is None:
-        ffn = meta(reader, f"{a}.feed_forward_length")
-    keys = {**common(reader, a, vocab_rows, ffn_default=ffn), "intermediate_size": int(ffn)}
+    ffn_key = f"{a}.expert_feed_forward_length"
+    if reader.get_field(ffn_key) is None:
+        ffn_key = f"{a}.feed_forward_length"
+    ffn = count(reader, ffn_key, most=MAX_WIDTH)
+    keys = {**common(reader, a, vocab_rows, ffn_default=ffn), "intermediate_size": ffn}
     n_layers = keys["num_hidden_layers"]
     kind = meta(reader, f"{a}.rope.scaling.type", "none")
     if kind != "yarn":
-        raise ConvertError(f"a gpt-oss GGUF must declare YaRN rope scaling, not {kind!r}")
+        raise ConvertError(
+            f"{a}.rope.scaling.type: a gpt-oss GGUF must declare YaRN rope scaling, not {kind!r}"
+        )
     yarn = {
         "rope_type": "yarn",
         "rope_theta": keys["rope_theta"],
-        "factor": f32(meta(reader, f"{a}.rope.scaling.factor")),
-        "beta_fast": f32(meta(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-        "beta_slow": f32(meta(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
-        "original_max_position_embeddings": int(
-            meta(reader, f"{a}.rope.scaling.original_context_length")
+        "factor": positive(reader, f"{a}.rope.scaling.factor"),
+        "beta_fast": positive(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": positive(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0),
+        "original_max_position_embeddings": count(
+            reader, f"{a}.rope.scaling.original_context_length", most=MAX_CONTEXT
         ),
         "truncate": False,
     }
-    limit = meta(reader, f"{a}.swiglu_clamp_exp", None)
-    if isinstance(limit, list):  # one per layer; gpt-oss uses one value
-        if len(set(limit)) != 1:
-            raise ConvertError("a per-layer swiglu_clamp_exp is not supported for gpt-oss")
-        limit = limit[0]
+    limit = _clamp(reader, f"{a}.swiglu_clamp_exp")
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
         "hidden_act": "silu",
-        "num_local_experts": int(meta(reader, f"{a}.expert_count")),
-        "num_experts_per_tok": int(meta(reader, f"{a}.expert_used_count")),
-        "sliding_window": int(meta(reader, f"{a}.attention.sliding_window")),
+        **_experts(reader, a, "num_local_experts"),
+        "sliding_window": count(reader, f"{a}.attention.sliding_window", most=MAX_CONTEXT),
         "layer_types": [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
         ],
         "rope_scaling": yarn,
         "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0 if limit is None else f32(limit),
+        "swiglu_limit": 7.0 if limit is None else limit,
         **keys,
         "attention_bias": True,
     }
 
 
-def glm4moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
+def glm4moe_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     """``config.json`` for ``Glm4MoeForCausalLM`` from the ``glm4moe.*`` keys and the tensors
     present (q/k norms, attention biases); module docstring for the MTP layers left out."""
     a = "glm4moe"
     no_scaling(reader, a)
     keys = common(reader, a, vocab_rows, partial=True)
-    gating = int(meta(reader, f"{a}.expert_gating_func", 2))
+    gating = count(reader, f"{a}.expert_gating_func", 2, least=0, most=1 << 16)
     if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-        raise ConvertError(f"GLM-4.5 routes with a sigmoid (expert_gating_func 2), not {gating}")
-    nextn = int(meta(reader, f"{a}.nextn_predict_layers", 0))
+        raise ConvertError(
+            f"{a}.expert_gating_func: GLM-4.5 routes with a sigmoid (2), not {gating}"
+        )
+    nextn = count(reader, f"{a}.nextn_predict_layers", 0, least=0, most=MAX_BLOCKS)
     n_layers = keys["num_hidden_layers"] - nextn
     if n_layers < 1:
         raise ConvertError(f"{a}.nextn_predict_layers {nextn} leaves no decoder layer")
-    rotary = int(meta(reader, f"{a}.rope.dimension_count", keys["head_dim"]))
+    rotary = count(reader, f"{a}.rope.dimension_count", keys["head_dim"], most=keys["head_dim"])
+    experts = _experts(reader, a, "n_routed_experts")
+    groups = count(reader, f"{a}.expert_group_count", 1, most=experts["n_routed_experts"])
     names = {t.name for t in reader.tensors}
     return {
         "architectures": ["Glm4MoeForCausalLM"],
@@ -173,17 +182,40 @@ def glm4moe_config(reader: gguf.GGUFReader, vocab_rows: int) -> dict[str, Any]:
         "partial_rotary_factor": rotary / keys["head_dim"],
         "attention_bias": "blk.0.attn_q.bias" in names,
         "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
-        "moe_intermediate_size": int(meta(reader, f"{a}.expert_feed_forward_length")),
-        "n_routed_experts": int(meta(reader, f"{a}.expert_count")),
-        "num_experts_per_tok": int(meta(reader, f"{a}.expert_used_count")),
-        "n_shared_experts": int(meta(reader, f"{a}.expert_shared_count", 1)),
-        "first_k_dense_replace": int(meta(reader, f"{a}.leading_dense_block_count", 1)),
-        "routed_scaling_factor": f32(meta(reader, f"{a}.expert_weights_scale", 1.0)),
+        "moe_intermediate_size": count(reader, f"{a}.expert_feed_forward_length", most=MAX_WIDTH),
+        **experts,
+        "n_shared_experts": count(reader, f"{a}.expert_shared_count", 1, least=0, most=MAX_EXPERTS),
+        "first_k_dense_replace": count(
+            reader, f"{a}.leading_dense_block_count", 1, least=0, most=n_layers
+        ),
+        "routed_scaling_factor": positive(reader, f"{a}.expert_weights_scale", 1.0),
         "norm_topk_prob": bool(meta(reader, f"{a}.expert_weights_norm", True)),
-        "n_group": int(meta(reader, f"{a}.expert_group_count", 1)),
-        "topk_group": int(meta(reader, f"{a}.expert_group_used_count", 1)),
+        "n_group": groups,
+        "topk_group": count(reader, f"{a}.expert_group_used_count", 1, most=groups),
         "num_nextn_predict_layers": 0,
     }
+
+
+def _experts(reader: GgufFile, arch: str, name: str) -> dict[str, int]:
+    """``{name: expert_count, "num_experts_per_tok": expert_used_count}``, each bounded."""
+    n = count(reader, f"{arch}.expert_count", most=MAX_EXPERTS)
+    return {name: n, "num_experts_per_tok": count(reader, f"{arch}.expert_used_count", most=n)}
+
+
+def _clamp(reader: GgufFile, key: str) -> float | None:
+    """gpt-oss's SwiGLU clamp: one finite positive number, or one per layer all equal (the
+    model uses one value); None when absent."""
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    if field.types[:1] != [gguf.GGUFValueType.ARRAY]:
+        return positive(reader, key)
+    values = field.contents()
+    if field.types[1:] not in ([gguf.GGUFValueType.FLOAT32], [gguf.GGUFValueType.FLOAT64]):
+        raise ConvertError(f"{key}: must be numbers")
+    if len(set(values)) != 1:
+        raise ConvertError(f"{key}: a per-layer clamp is not supported for gpt-oss")
+    return finite_positive(key, values[0])
 
 
 _MIXTRAL_BLOCKS = {**LLAMA_BLOCKS, "ffn_gate_inp": "block_sparse_moe.gate"}

@@ -14,13 +14,17 @@ three files the runtime and ``transformers`` load. Two vocabularies are rebuilt:
   ``▁``, a ``▁`` is prefixed only where ``tokenizer.ggml.add_space_prefix`` says, and
   characters outside the vocabulary fall back to their UTF-8 byte pieces (``<0x41>``).
 
-Anything else is refused (``VocabError``) rather than approximated. Nothing here imports
-torch.
+Anything else is refused (``VocabError``) rather than approximated, as is metadata that
+lies: values of the wrong type, token types llama.cpp does not define, merges naming tokens
+the vocabulary lacks, BOS/EOS/padding ids outside it, scores that are not finite, tokens
+longer than ``MAX_TOKEN_CHARS``. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import gguf
@@ -35,11 +39,39 @@ from tokenizers import (
     processors,
 )
 
+from shard.model.gguf_common import ConvertError
+
+if TYPE_CHECKING:
+    from shard.model.gguf_file import GgufFile
+
 __all__ = ["GgufVocab", "VocabError", "read_vocab", "tokenizer_files"]
 
 
-class VocabError(ValueError):
+class VocabError(ConvertError, ValueError):
     """The GGUF's tokenizer metadata cannot be rebuilt faithfully (the message says why)."""
+
+
+_ARRAY: Final = gguf.GGUFValueType.ARRAY
+_STRING: Final = gguf.GGUFValueType.STRING
+_INTS: Final = frozenset(
+    {
+        gguf.GGUFValueType.UINT8,
+        gguf.GGUFValueType.INT8,
+        gguf.GGUFValueType.UINT16,
+        gguf.GGUFValueType.INT16,
+        gguf.GGUFValueType.UINT32,
+        gguf.GGUFValueType.INT32,
+        gguf.GGUFValueType.UINT64,
+        gguf.GGUFValueType.INT64,
+    }
+)
+_FLOATS: Final = frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64})
+_TOKEN_TYPES: Final = frozenset(int(t) for t in gguf.TokenType)
+MAX_TOKEN_CHARS: Final = 1024
+"""Characters in one token (real vocabularies: under 300). The SentencePiece rebuild tries
+every split of every piece, so its time grows with the square of a piece's length."""
+MAX_VOCAB_CHARS: Final = 1 << 24
+"""Characters in all tokens together (Gemma 3's 262,144 tokens: about 2 million)."""
 
 
 @attrs.frozen
@@ -58,36 +90,61 @@ class GgufVocab:
     add_space_prefix: bool = True  # SentencePiece: prefix the text with "▁"
 
 
-def read_vocab(reader: gguf.GGUFReader) -> GgufVocab:
-    """The ``tokenizer.ggml.*`` metadata of an open GGUF.
+def read_vocab(reader: GgufFile) -> GgufVocab:
+    """The ``tokenizer.ggml.*`` metadata of an open GGUF, each value of its type.
 
-    Errors: ``VocabError`` when the file has no tokens, or a BPE vocabulary no merges.
+    Errors: ``VocabError`` when the file has no tokens, a BPE vocabulary no merges, or a
+    value has the wrong type (naming the key).
     """
 
-    def meta(key: str, default: Any) -> Any:
-        field = reader.get_field(f"tokenizer.ggml.{key}")
-        return default if field is None else field.contents()
+    def meta(key: str, kinds: frozenset[gguf.GGUFValueType], default: Any) -> Any:
+        return _typed(reader, f"tokenizer.ggml.{key}", kinds, default)
 
-    tokens: list[str] | None = meta("tokens", None)
+    def array(key: str, kinds: frozenset[gguf.GGUFValueType], default: Any) -> Any:
+        return _typed(reader, f"tokenizer.ggml.{key}", kinds, default, array=True)
+
+    strings, flag = frozenset({_STRING}), frozenset({gguf.GGUFValueType.BOOL})
+    tokens: list[str] | None = array("tokens", strings, None)
     if not tokens:
         raise VocabError("GGUF metadata has no 'tokenizer.ggml.tokens'; the file is incomplete")
-    model = meta("model", "gpt2")
-    merges: list[str] = meta("merges", [])
+    model = meta("model", strings, "gpt2")
+    merges: list[str] = array("merges", strings, [])
     if model == "gpt2" and not merges:
         raise VocabError("GGUF metadata has no 'tokenizer.ggml.merges' for its BPE vocabulary")
-    chat = reader.get_field("tokenizer.chat_template")
     return GgufVocab(
         model=model,
         tokens=tokens,
-        kinds=meta("token_type", [int(gguf.TokenType.NORMAL)] * len(tokens)),
+        kinds=array("token_type", _INTS, [int(gguf.TokenType.NORMAL)] * len(tokens)),
         merges=merges,
-        pre=meta("pre", "gpt-2"),
-        add_bos=bool(meta("add_bos_token", False)),
-        add_eos=bool(meta("add_eos_token", False)),
-        chat_template=None if chat is None else chat.contents(),
-        scores=meta("scores", []),
-        add_space_prefix=bool(meta("add_space_prefix", True)),
+        pre=meta("pre", strings, "gpt-2"),
+        add_bos=meta("add_bos_token", flag, False),
+        add_eos=meta("add_eos_token", flag, False),
+        chat_template=_typed(reader, "tokenizer.chat_template", strings, None),
+        scores=array("scores", _FLOATS, []),
+        add_space_prefix=meta("add_space_prefix", flag, True),
     )
+
+
+def _typed(
+    reader: GgufFile,
+    key: str,
+    kinds: frozenset[gguf.GGUFValueType],
+    default: Any,
+    *,
+    array: bool = False,
+) -> Any:
+    """The value under ``key``: one of ``kinds``, or (``array``) an array of them."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    types = list(field.types)
+    if array and types[:1] == [_ARRAY] and (types[1:] == [] or types[1] in kinds):
+        return field.contents()
+    if not array and len(types) == 1 and types[0] in kinds:
+        return field.contents()
+    want = " or ".join(sorted(k.name.lower() for k in kinds))
+    got = " of ".join(t.name.lower() for t in types)
+    raise VocabError(f"{key}: must be {'an array of ' if array else ''}{want}, not {got}")
 
 
 # llama.cpp names its pre-tokenizer in tokenizer.ggml.pre; these are the names whose splitting
@@ -131,10 +188,21 @@ def tokenizer_files(
     Errors: ``VocabError`` when the vocabulary cannot be rebuilt faithfully.
     """
     tokens, kinds = vocab.tokens, vocab.kinds
-    if len(tokens) > config["vocab_size"] or len(set(tokens)) != len(tokens):
-        raise VocabError("GGUF vocabulary is inconsistent (too many or duplicate tokens)")
+    if len(tokens) > config["vocab_size"]:
+        raise VocabError(
+            f"tokenizer.ggml.tokens: {len(tokens)} tokens for {config['vocab_size']} embedding "
+            "rows; the GGUF vocabulary is inconsistent"
+        )
+    if len(set(tokens)) != len(tokens):
+        raise VocabError(
+            "tokenizer.ggml.tokens: a token appears twice; the vocabulary is inconsistent"
+        )
     if len(kinds) != len(tokens):
-        raise VocabError("GGUF token types do not match the tokens one for one")
+        raise VocabError(
+            f"tokenizer.ggml.token_type: {len(kinds)} types for {len(tokens)} tokens; they do "
+            "not match one for one"
+        )
+    _check_values(vocab, config)
     if vocab.model == "gpt2":
         tokenizer = _bpe(tokens, vocab.merges, vocab.pre)
     elif vocab.model == "llama":
@@ -153,7 +221,7 @@ def tokenizer_files(
     named = {
         role: (tokens[config[f"{role}_token_id"]], config[f"{role}_token_id"])
         for role in ("bos", "eos", "pad")
-        if config.get(f"{role}_token_id", -1) in range(len(tokens))
+        if f"{role}_token_id" in config
     }
     add_bos, add_eos = vocab.add_bos, vocab.add_eos
     byte_level = vocab.model == "gpt2"
@@ -174,6 +242,43 @@ def tokenizer_files(
     keys = ("bos_token_id", "pad_token_id")
     generation: dict[str, Any] = {key: config[key] for key in keys if key in config}
     return tokenizer, tokenizer_config, {**generation, "eos_token_id": eos}
+
+
+def _check_values(vocab: GgufVocab, config: dict[str, Any]) -> None:
+    """Refuse what the tokenizer would misread, crash or stall on: tokens too long, special
+    ids outside the tokens, unknown token types, merges of tokens the vocabulary lacks, scores
+    that are not finite."""
+    n = len(vocab.tokens)
+    longest = max(range(n), key=lambda i: len(vocab.tokens[i]))
+    if len(vocab.tokens[longest]) > MAX_TOKEN_CHARS:
+        raise VocabError(
+            f"tokenizer.ggml.tokens: token {longest} has {len(vocab.tokens[longest])} "
+            f"characters; at most {MAX_TOKEN_CHARS} are read"
+        )
+    if sum(len(t) for t in vocab.tokens) > MAX_VOCAB_CHARS:
+        raise VocabError(f"tokenizer.ggml.tokens: more than {MAX_VOCAB_CHARS} characters in all")
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        token_id = config.get(f"{role}_token_id")
+        if token_id is not None and not 0 <= token_id < n:
+            raise VocabError(
+                f"tokenizer.ggml.{key}_token_id: {token_id} is not a token id (0..{n - 1})"
+            )
+    unknown = sorted(set(vocab.kinds) - _TOKEN_TYPES)
+    if unknown:
+        raise VocabError(
+            f"tokenizer.ggml.token_type: {unknown[0]} is not a llama.cpp token type "
+            f"({', '.join(f'{int(t)} {t.name}' for t in gguf.TokenType)})"
+        )
+    if vocab.scores and not all(math.isfinite(s) for s in vocab.scores):
+        raise VocabError("tokenizer.ggml.scores: not every score is finite")
+    known = set(vocab.tokens)
+    for i, merge in enumerate(vocab.merges):
+        left, space, right = merge.partition(" ")
+        if not space or not {left, right, left + right} <= known:
+            raise VocabError(
+                f"tokenizer.ggml.merges: merge {i} {merge[:40]!r} is not 'left right' with "
+                "left, right and their join all tokens of the vocabulary"
+            )
 
 
 def _bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
@@ -216,9 +321,15 @@ def _sentencepiece(vocab: GgufVocab) -> tokenizers.Tokenizer:
     """
     pieces = [_sp_piece(t, k) for t, k in zip(vocab.tokens, vocab.kinds, strict=True)]
     if len(vocab.scores) != len(pieces):
-        raise VocabError("GGUF SentencePiece vocabulary has no score per token")
+        raise VocabError(
+            f"tokenizer.ggml.scores: {len(vocab.scores)} scores for {len(pieces)} tokens; a "
+            "SentencePiece vocabulary has one per token"
+        )
     if len(set(pieces)) != len(pieces):
-        raise VocabError("GGUF SentencePiece vocabulary has duplicate pieces once spaces are ▁")
+        raise VocabError(
+            "tokenizer.ggml.tokens: the SentencePiece vocabulary has duplicate pieces once "
+            "spaces are ▁"
+        )
     unknown = [t for t, k in zip(pieces, vocab.kinds, strict=True) if k == gguf.TokenType.UNKNOWN]
     model = models.BPE(
         vocab={t: i for i, t in enumerate(pieces)},
