@@ -2,6 +2,7 @@
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
     config_fields.py  a config.json's fields read typed and bounded (Fields, ModelLoadError)
+    rope_config.py  RopeScaling read from rope_scaling / rope_parameters (YaRN mscale too)
     families.py     each family's declared differences, MoeConfig, MlaConfig (no torch)
     jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch

@@ -15,8 +15,9 @@ from typing import Any
 import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
-from shard.model.families import MlaConfig, MoeConfig, family_fields, yarn_mscale
+from shard.model.families import MlaConfig, MoeConfig, family_fields
 from shard.model.jsonfile import read_json
+from shard.model.rope_config import RopeScaling, rope_scaling
 
 __all__ = [
     "ARCHITECTURES",
@@ -54,23 +55,6 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: The largest ``config.json`` read (real ones are a few KB; a Gemma 3's with its layer
 #: types and vision tables is under 4 KB).
 MAX_CONFIG_BYTES = 1 << 20
-
-
-@attrs.frozen
-class RopeScaling:
-    """Rotary frequency scaling: ``kind`` is HF's ``rope_type`` — ``"llama3"`` (Llama 3.x),
-    ``"yarn"`` (gpt-oss; ``beta_*``, ``truncate``, ``attention_factor``) or ``"linear"``
-    (positions divided by ``factor``). Fields another kind does not use keep their defaults."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    kind: str = "llama3"
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None
 
 
 @attrs.frozen
@@ -347,7 +331,7 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=f.real("rms_norm_eps", 1e-6, lo=0, hi=1, above=True),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(scaling, max_pos),
+        rope_scaling=rope_scaling(scaling, max_pos),
         max_position_embeddings=max_pos,
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
         attention_bias=arch == "qwen2" or f.flag("attention_bias", arch == "gpt_oss"),
@@ -408,55 +392,6 @@ def _arch_of(f: Fields) -> str:
         f"{f.where}: unsupported architecture {found!r}: shard runs {sorted(ARCHITECTURES)} "
         "(model_type in config.json); convert or pick a supported checkpoint"
     )
-
-
-def _rope_scaling(f: Fields | None, max_pos: int) -> RopeScaling | None:
-    """Parse a ``rope_scaling`` / ``rope_parameters`` table (``llama3``, ``yarn``, ``linear``)."""
-    if f is None:
-        return None
-    kind = f.text("rope_type") or f.text("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ("llama3", "yarn", "linear"):
-        raise ModelLoadError(
-            f"rope scaling type {kind!r} is not supported; shard implements 'llama3', 'yarn' "
-            "and 'linear'"
-        )
-    attn_factor = f.opt_real("attention_factor", lo=0, above=True)
-    factor = f.real("factor", lo=0, above=True)
-    if kind == "yarn" and attn_factor is None:
-        attn_factor = _yarn_attention_factor(
-            factor,
-            f.opt_real("mscale", lo=0),
-            f.opt_real("mscale_all_dim", lo=0),
-        )
-    return RopeScaling(
-        factor=factor,
-        low_freq_factor=f.real("low_freq_factor", 1.0, lo=0, above=True),
-        high_freq_factor=f.real("high_freq_factor", 4.0, lo=0, above=True),
-        original_max_position_embeddings=f.integer(
-            "original_max_position_embeddings", max_pos, hi=MAX["positions"]
-        ),
-        kind=kind,
-        beta_fast=f.real("beta_fast", 32.0, lo=0, above=True),
-        beta_slow=f.real("beta_slow", 1.0, lo=0, above=True),
-        truncate=f.flag("truncate", True),
-        attention_factor=attn_factor,
-    )
-
-
-def _yarn_attention_factor(factor: float, mscale: Any, mscale_all_dim: Any) -> float | None:
-    """The cos/sin scale transformers' ``_compute_yarn_parameters`` derives from ``mscale``
-    and ``mscale_all_dim`` when both are set (DeepSeek): mscale(f, mscale) / mscale(f,
-    mscale_all_dim); None (the plain YaRN factor) otherwise."""
-    for name, v in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
-        _check(
-            v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0),
-            f"rope {name} must be a number >= 0, got {v!r}",
-        )
-    if not (mscale and mscale_all_dim):
-        return None
-    return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
 
 
 def _one_or_list(ids: tuple[int, ...]) -> int | list[int] | None:
