@@ -35,6 +35,7 @@ from shard.model.footprint import predict
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.model.mla import MLAttention
+from shard.model.packed import Segment, forward_packed, segment_bounds
 from shard.stage.chunks import kv_refusal
 from test_model_split import bounds_for, greedy_tokens, run_ring
 from test_model_vs_transformers import hf_greedy, shard_greedy
@@ -173,6 +174,34 @@ def test_a_verify_chunk_selects_and_gives_what_its_decode_steps_do(
     assert torch.equal(chunk, steps)
     assert in_chunk == in_steps
     report(f"{NAME}: verify chunk vs decode steps: fp32 {worst:.2g}, int8 bit-identical")
+
+
+def test_packed_sessions_select_and_give_what_each_alone_does(
+    family_checkpoint: Callable[[str], Path],
+) -> None:
+    """Three sessions' chunks (a prefill, a decode step, a verify chunk) packed in one forward
+    with int8 weights: each segment's selections and logits equal its lone run's bit for bit
+    (the batch's rows never reach another row's indexer or products)."""
+    model = load_stage(family_checkpoint(NAME), 0, 4, weights="int8")
+    prefix = [model.new_cache(48) for _ in range(3)]
+    for c in prefix:
+        model(torch.tensor([LONG]), 0, c)
+    chunks = [(len(LONG), [7, 8, 9, 10, 11]), (len(LONG), [3]), (len(LONG), [60, 61, 62, 63])]
+    alone = [model.new_cache(48) for _ in chunks]
+    packed = [model.new_cache(48) for _ in chunks]
+    for c, a, p in zip(prefix, alone, packed, strict=True):
+        for cache in (a, p):
+            cache.k.copy_(c.k)
+            cache.v.copy_(c.v)
+    with recorded(model) as lone:
+        want = [model(torch.tensor([ids]), s, c) for (s, ids), c in zip(chunks, alone, strict=True)]
+    segs = [Segment(s, len(ids), c) for (s, ids), c in zip(chunks, packed, strict=True)]
+    with recorded(model) as together:
+        rows = [t for _, ids in chunks for t in ids]
+        got = forward_packed(model, torch.tensor([rows]), segs)
+    for (lo, hi), w in zip(segment_bounds(segs), want, strict=True):
+        assert torch.equal(got[:, lo:hi], w)
+    assert lone == together
 
 
 def test_static_positions_and_rollback(family_checkpoint: Callable[[str], Path]) -> None:
