@@ -308,6 +308,31 @@ def test_int8_quantizes_the_indexer_projections_and_keeps_its_weights_dense(
     report(f"{NAME}: int8 keeps float's first-layer selection on {same} of {len(LONG)} rows")
 
 
+def test_stored_weights_run_row_invariant_and_are_priced(
+    family_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A checkpoint kept quantized (``weights = "stored"``, every 2-D layer weight stored as
+    codes, weights_proj too): weights_proj is installed dense from its codes, a verify chunk
+    equals its decode steps bit for bit with the same selections, and ``footprint.stored``
+    prices each stage to the byte."""
+    from shard.model.dsa import IndexWeights
+    from shard.model.footprint import measured, stored
+    from shard.model.quant import kernel_dtype
+    from test_deepseek_v3 import stored_copy
+
+    path = stored_copy(family_checkpoint(NAME), tmp_path / "stored")
+    config = ModelConfig.from_dir(path)
+    stage = load_stage(path, 0, 4)
+    weights = [m for m in stage.modules() if isinstance(m, IndexWeights)]
+    assert len(weights) == 4 and all(m.weight.dtype == torch.float32 for m in weights)
+    chunk, steps, in_chunk, in_steps = _chunk_and_steps(stage, LONG, [44, 45, 46, 47, 48, 49])
+    assert torch.equal(chunk, steps) and in_chunk == in_steps
+    prices = stored(config, path, bf16_kernels=kernel_dtype(torch.device("cpu")) is torch.bfloat16)
+    assert prices is not None
+    for first, last in ((0, 1), (1, 3), (3, 4), (0, 4)):
+        assert measured(load_stage(path, first, last)) == prices.stage(first, last)
+
+
 def test_bfloat16_runs_close_to_float32_until_a_near_tie(
     family_checkpoint: Callable[[str], Path], report: Callable[[str], None]
 ) -> None:
