@@ -35,7 +35,12 @@ from torch import Tensor, nn
 from shard.model.config import ModelConfig
 from shard.model.linear import Linear
 
-__all__ = ["INDEX_KEY_EPS", "IndexWeights", "Indexer", "rotate_first"]
+__all__ = ["INDEX_KEY_EPS", "SCORE_ROWS", "IndexWeights", "Indexer", "rotate_first"]
+
+#: Rows a prefill chunk is scored by at once: their float32 head scores take
+#: ``SCORE_ROWS x index_n_heads x T x 4`` bytes (GLM-5 over 128k keys: 268 MB), not a whole
+#: chunk's; a decode step or verify chunk of up to ``SCORE_ROWS`` rows is one block.
+SCORE_ROWS = 16
 
 #: transformers builds the indexer's ``k_norm`` (a LayerNorm) with this epsilon, not the
 #: config's ``rms_norm_eps``.
@@ -105,11 +110,21 @@ class Indexer(nn.Module):
 
     def forward(self, q: Tensor, w: Tensor, keys: Tensor, mask: Tensor) -> Tensor:
         """Which keys each query attends: boolean ``[B, 1, S, T]``, ``mask`` ``[S, T]`` (the
-        keys a row may see) narrowed to each row's ``index_topk`` best-scored keys."""
+        keys a row may see) narrowed to each row's ``index_topk`` best-scored keys; rows are
+        scored ``SCORE_ROWS`` at a time (a decode step or a verify chunk: at once)."""
         b, s, t = int(q.shape[0]), int(q.shape[2]), int(keys.shape[2])
         if t <= self.topk:  # every visible key is kept (transformers: topk of min(k, T))
             return mask.expand(b, s, t).unsqueeze(1)
+        blocks = [
+            self._keep(q[:, :, i : i + SCORE_ROWS], w[:, :, i : i + SCORE_ROWS], keys,
+                       mask[..., i : i + SCORE_ROWS, :])
+            for i in range(0, s, SCORE_ROWS)
+        ]  # fmt: skip
+        return torch.cat(blocks, dim=1).unsqueeze(1)
+
+    def _keep(self, q: Tensor, w: Tensor, keys: Tensor, mask: Tensor) -> Tensor:
+        """``forward`` of a block of rows, ``[B, S, T]``."""
         scores = self.scores(q, w, keys).masked_fill(~mask, float("-inf"))  # [B, S, T]
         best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : self.topk]
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True)
-        return (keep & mask).unsqueeze(1)  # a row seeing fewer than topk keys keeps them all
+        return keep & mask  # a row seeing fewer than topk keys keeps them all
