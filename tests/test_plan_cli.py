@@ -229,6 +229,7 @@ MODELS = Path(__file__).resolve().parents[1] / "specs" / "models"
         ("gpt-oss-120b", "int4", True),
         ("gpt-oss-120b", "int8", False),
         ("deepseek-v3", "int4", False),
+        ("glm-5", "int4", False),
     ],
 )
 def test_config_alone_gives_stage_bytes_and_a_verdict(
