@@ -42,6 +42,36 @@ BASE: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+#: What DeepSeek-V3 and GLM-5 share: MLA with a low-rank query, a value narrower than the key,
+#: YaRN with ``mscale`` unlike ``mscale_all_dim``, 8 experts (2 a token) and a shared one.
+FAMILIES_MLA: dict[str, Any] = {
+    "num_key_value_heads": 4,  # MLA: every head reads the one latent
+    "head_dim": 8,  # transformers' rope reads it: qk_rope_head_dim
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-5,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    },
+}
+
 #: family name -> (transformers config class, model class, config kwargs).
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama3": (
@@ -151,34 +181,23 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         {
-            "num_key_value_heads": 4,  # MLA: every head reads the one latent
-            "head_dim": 8,  # transformers' rope reads it: qk_rope_head_dim
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
+            **FAMILIES_MLA,
             "n_group": 2,
             "topk_group": 1,
             "first_k_dense_replace": 2,
-            "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True,
-            "rms_norm_eps": 1e-5,
-            "q_lora_rank": 48,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 12,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 0.8,
-            },
+        },
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        {
+            **FAMILIES_MLA,
+            "n_group": 1,
+            "topk_group": 1,
+            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+            "index_n_heads": 16,  # relu zeroes all of 4 heads too often: exact ties
+            "index_head_dim": 16,
+            "index_topk": 4,  # fewer than the prompts' positions: the indexer drops keys
         },
     ),
 }
@@ -247,6 +266,8 @@ def _draw(
     if name == "model.norm.weight":  # Gemma's tied head reads a small embedding: a larger gain
         gain = (16.0 if gemma else 4.0) * (1.0 + normal(0.1))
         return gain - 1.0 if gemma else gain
+    if name.endswith("norm.bias"):  # GLM-5's indexer k_norm is a LayerNorm: a small shift
+        return normal(0.1)
     if "norm" in name:
         return normal(0.1) if gemma else 1.0 + normal(0.1)
     if "embed_tokens" in name or name == "lm_head.weight":  # Gemma scales it by sqrt(hidden)

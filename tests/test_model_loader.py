@@ -225,7 +225,7 @@ def test_cpu_attention_in_bfloat16_computes_in_float32(
     q = torch.randn(1, h, 5, attn.head_dim, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(1, kv, 5, attn.head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
     mask = low.causal_mask(0, 5, q.device)
-    got = attn.attend(q, k, v, mask, cache, 0, 0)
+    got = attn.attend(q, k, v, mask=mask, cache=cache, layer=0, start=0)
     assert got.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float(), v.float(), attn_mask=mask, scale=attn.head_dim**-0.5,

@@ -233,6 +233,7 @@ MODELS = Path(__file__).resolve().parents[1] / "specs" / "models"
         ("kimi-k2", "fp8", False),
         ("minimax-m2", "fp8", False),
         ("minimax-m2", "int4", False),
+        ("glm-5", "int4", False),
     ],
 )
 def test_config_alone_gives_stage_bytes_and_a_verdict(
@@ -281,7 +282,6 @@ def test_config_plan_refuses_bad_input(capsys: pytest.CaptureFixture[str], tmp_p
 @pytest.mark.parametrize(
     ("model", "arch"),
     [
-        ("glm-5", "glm_moe_dsa"),
         ("qwen3-next-80b-a3b", "qwen3_next"),
         ("deepseek-v4-flash", "deepseek_v4"),
     ],

@@ -3,11 +3,12 @@
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
     config_fields.py  a config.json's fields read typed and bounded (Fields, ModelLoadError)
     rope_config.py  RopeScaling read from rope_scaling / rope_parameters (YaRN mscale too)
-    families.py     each family's declared differences, MoeConfig, MlaConfig (no torch)
+    families.py     each family's declared differences, MoeConfig, MlaConfig, DsaConfig (no torch)
     jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
     mla.py          MLAttention: DeepSeek-V3's latent attention, its cache the latent
+    dsa.py          Indexer: GLM-5's sparse attention, each query's top-k keys, row-invariant
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
     packed.py       one forward for many sessions' chunks, each attending to its own cache

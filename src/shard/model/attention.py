@@ -214,7 +214,7 @@ class Attention(nn.Module):
         ``start`` a tensor: the positions ``[S]`` themselves, and keys are the whole cache
         (``StageModel.forward_at``)."""
         q, k, v = self.project(x, rope)
-        y = self.attend(q, k, v, mask, cache, layer, start)  # [B, H, S, Dh]
+        y = self.attend(q, k, v, mask=mask, cache=cache, layer=layer, start=start)
         b, s, _ = x.shape
         y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H*Dh]
         out: Tensor = self.o_proj(y)
@@ -240,6 +240,7 @@ class Attention(nn.Module):
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        *,
         mask: Tensor,
         cache: KVCache,
         layer: int,

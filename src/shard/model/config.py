@@ -15,12 +15,13 @@ from typing import Any
 import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
-from shard.model.families import MlaConfig, MoeConfig, family_fields
+from shard.model.families import DsaConfig, MlaConfig, MoeConfig, family_fields
 from shard.model.jsonfile import read_json
 from shard.model.rope_config import RopeScaling, rope_scaling
 
 __all__ = [
     "ARCHITECTURES",
+    "DsaConfig",
     "MlaConfig",
     "ModelConfig",
     "ModelLoadError",
@@ -41,6 +42,7 @@ ARCHITECTURES: dict[str, str] = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 
 #: ``model_type`` s that publish another family's architecture under their own name, taken as
@@ -61,7 +63,7 @@ MAX_CONFIG_BYTES = 1 << 20
 class ModelConfig:
     """Architecture of a decoder: a Llama (Llama 2/3, Qwen2, Mistral, SmolLM) or one of the
     families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5,
-    DeepSeek-V3).
+    MiniMax-M2, DeepSeek-V3, GLM-5).
 
     ``sliding_window`` is the local attention span (``None``: full causal attention): of
     every layer when ``layer_types`` is ``None`` (Mistral), else of the ``"sliding_attention"``
@@ -101,6 +103,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek-V3)
+    dsa: DsaConfig | None = None  # DeepSeek sparse attention's indexer over MLA (GLM-5)
     # FP8 block-scaled weights (``quantization_config``, ``shard.model.fp8``): [rows, cols]
     weight_block: tuple[int, int] | None = None
 
@@ -108,6 +111,7 @@ class ModelConfig:
         _check(self.arch in ARCHITECTURES, f"unsupported architecture {self.arch!r}")
         if self.mla is not None:  # first: its head_dim is derived from these fields
             self._check_mla(self.mla)
+        _check(self.dsa is None or self.mla is not None, "the DSA indexer needs MLA")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _check(
@@ -166,15 +170,24 @@ class ModelConfig:
         _check(a.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim {a.qk_rope_head_dim} is odd")
         _check(self.head_dim == a.qk_rope_head_dim, "an MLA head_dim is its qk_rope_head_dim")
         _check(self.partial_rotary == 1.0, "MLA rotates the rope dims whole")
+        if self.dsa is not None:
+            _check(a.q_lora_rank is not None, "the DSA indexer reads a low-rank query")
+            _check(
+                self.dsa.index_head_dim >= a.qk_rope_head_dim,
+                f"index_head_dim {self.dsa.index_head_dim} must hold the "
+                f"qk_rope_head_dim {a.qk_rope_head_dim} rotated dims",
+            )
 
     @property
     def kv_widths(self) -> tuple[int, int, int]:
         """What a layer's KV cache holds per position: ``(heads, key width, value width)`` —
         ``n_kv_heads`` keys and values of ``head_dim``, or MLA's one normed latent of
         ``kv_lora_rank`` beside one rotated key of ``qk_rope_head_dim``
-        (``shard.model.mla``)."""
+        (``shard.model.mla``), followed by the DSA indexer's own key of ``index_head_dim``
+        where there is one (``shard.model.dsa``)."""
         if self.mla is not None:
-            return (1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+            index = 0 if self.dsa is None else self.dsa.index_head_dim
+            return (1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim + index)
         return (self.n_kv_heads, self.head_dim, self.head_dim)
 
     @property

@@ -23,6 +23,9 @@ and ``shard.model.moe`` act on the fields, never on the family's name.
 | ``deepseek_v3``         | multi-head latent attention (``MlaConfig``), interleaved rotary on |
 |                         | the rope dims only, YaRN ``mscale_all_dim`` in the softmax scale;  |
 |                         | DeepSeekMoE: GLM-4.5's router, shared experts, first layers dense  |
+| ``glm_moe_dsa``         | DeepSeek-V3's MLA and MoE (GLM-5's defaults, ``mlp_layer_types``)  |
+|                         | plus DeepSeek sparse attention's indexer (``DsaConfig``): each     |
+|                         | query attends its ``index_topk`` best-scored keys only             |
 
 This module imports neither torch nor safetensors.
 """
@@ -36,7 +39,7 @@ import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
 
-__all__ = ["MlaConfig", "MoeConfig", "family_fields", "layer_types_of"]
+__all__ = ["DsaConfig", "MlaConfig", "MoeConfig", "family_fields", "layer_types_of"]
 
 
 @attrs.frozen
@@ -95,6 +98,18 @@ class MlaConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@attrs.frozen
+class DsaConfig:
+    """DeepSeek sparse attention (GLM-5, ``shard.model.dsa``): an indexer of
+    ``index_n_heads`` heads of ``index_head_dim`` scores every visible key per query (its own
+    projections, and its own key of ``index_head_dim`` cached per position), and MLA attends
+    the ``index_topk`` best-scored keys only."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+
+
 def layer_types_of(f: Fields, n_layers: int, pattern: int | None) -> tuple[str, ...]:
     """``layer_types`` as transformers fills them: given, else every ``pattern``-th layer full."""
     given = f.texts("layer_types", most=MAX["layers"])
@@ -139,6 +154,8 @@ def family_fields(arch: str, f: Fields, n_layers: int) -> dict[str, Any]:
         return _minimax_m2(f, n_layers)
     if arch == "deepseek_v3":
         return _deepseek_v3(f, n_layers)
+    if arch == "glm_moe_dsa":
+        return _glm_moe_dsa(f, n_layers)
     return {}
 
 
@@ -264,10 +281,22 @@ def _minimax_m2(f: Fields, n_layers: int) -> dict[str, Any]:
     return {"moe": moe, "qk_norm_whole": True, "partial_rotary": partial}  # norms always there
 
 
-def _deepseek_v3(f: Fields, n_layers: int) -> dict[str, Any]:
+#: transformers' defaults where a key is absent (``DeepseekV3Config``, ``GlmMoeDsaConfig``);
+#: both default kv_lora_rank 512, qk_rope_head_dim 64, 256 experts of 2048, 8 a token, the
+#: first 3 layers dense and a routed scaling of 2.5.
+_MLA_DEFAULTS: dict[str, dict[str, int]] = {
+    "deepseek_v3": {"q_lora_rank": 1536, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                    "n_group": 8, "topk_group": 4},
+    "glm_moe_dsa": {"q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256,
+                    "n_group": 1, "topk_group": 1},
+}  # fmt: skip
+
+
+def _deepseek_v3(f: Fields, n_layers: int, arch: str = "deepseek_v3") -> dict[str, Any]:
     """DeepSeek-V3 as transformers' ``DeepseekV3Config`` reads it (its defaults where a key is
     absent), each field typed and bounded (``Fields``); the MLA shape's consistency is checked
-    by ``ModelConfig``."""
+    by ``ModelConfig``. ``arch``: whose defaults (``_MLA_DEFAULTS``)."""
+    defaults = _MLA_DEFAULTS[arch]
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         got = f.text(key, want)
         if got != want:
@@ -279,13 +308,13 @@ def _deepseek_v3(f: Fields, n_layers: int) -> dict[str, Any]:
     width = MAX["width"]
     # q_lora_rank null: a plain q_proj; absent: transformers' default
     absent = f.raw("q_lora_rank", _ABSENT) is _ABSENT
-    q_rank = 1536 if absent else f.opt_integer("q_lora_rank", hi=width)
+    q_rank = defaults["q_lora_rank"] if absent else f.opt_integer("q_lora_rank", hi=width)
     mla = MlaConfig(
         q_lora_rank=q_rank,
         kv_lora_rank=f.integer("kv_lora_rank", 512, hi=width),
-        qk_nope_head_dim=f.integer("qk_nope_head_dim", 128, hi=width),
+        qk_nope_head_dim=f.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], hi=width),
         qk_rope_head_dim=f.integer("qk_rope_head_dim", 64, hi=width),
-        v_head_dim=f.integer("v_head_dim", 128, hi=width),
+        v_head_dim=f.integer("v_head_dim", defaults["v_head_dim"], hi=width),
         rope_interleave=f.flag("rope_interleave", True),
     )
     n_exp = f.integer("n_routed_experts", 256, hi=MAX["experts"])
@@ -301,8 +330,8 @@ def _deepseek_v3(f: Fields, n_layers: int) -> dict[str, Any]:
         norm_topk_prob=f.flag("norm_topk_prob", True),
         n_shared_experts=f.integer("n_shared_experts", 1, lo=0, hi=MAX["experts"]),
         routed_scaling_factor=f.real("routed_scaling_factor", 2.5, lo=0, above=True),
-        n_group=f.integer("n_group", 8, hi=max(1, n_exp)),
-        topk_group=f.integer("topk_group", 4, hi=max(1, n_exp)),
+        n_group=f.integer("n_group", defaults["n_group"], hi=max(1, n_exp)),
+        topk_group=f.integer("topk_group", defaults["topk_group"], hi=max(1, n_exp)),
     )
     rope = f.table("rope_scaling") or f.table("rope_parameters")  # as config._from_hf
     scale = mla.qk_head_dim**-0.5
@@ -314,6 +343,62 @@ def _deepseek_v3(f: Fields, n_layers: int) -> dict[str, Any]:
             m = yarn_mscale(rope.real("factor", 1.0, lo=0, above=True), all_dim)
             scale = scale * m * m
     return {"mla": mla, "moe": moe, "head_dim": mla.qk_rope_head_dim, "attn_scale": scale}
+
+
+def _glm_moe_dsa(f: Fields, n_layers: int) -> dict[str, Any]:
+    """GLM-5 as transformers' ``GlmMoeDsaConfig`` reads it: DeepSeek-V3's MLA and MoE with
+    GLM's defaults, dense layers by ``mlp_layer_types`` (else the first
+    ``first_k_dense_replace``), and the DSA indexer (``DsaConfig``) in every layer.
+
+    transformers' GLM-5 rotates interleaved whatever ``rope_interleave`` or
+    ``indexer_rope_interleave`` say, and its indexer reads the low-rank query: a config that
+    asks otherwise, or whose ``indexer_types`` share one layer's selection with the next
+    (``"shared"``), is refused rather than run as something else."""
+    for key in ("rope_interleave", "indexer_rope_interleave"):
+        if not f.flag(key, True):
+            raise f.error(key, "true (transformers' GLM-5 always interleaves)", False)
+    if f.raw("q_lora_rank", 0) is None:
+        raise f.error("q_lora_rank", "an integer (GLM-5's indexer reads the low-rank query)", None)
+    out = _deepseek_v3(f, n_layers, "glm_moe_dsa")
+    kinds = f.texts("mlp_layer_types", most=MAX["layers"])
+    if kinds is not None:
+        if len(kinds) != n_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise f.error("mlp_layer_types", f"{n_layers} of 'dense' / 'sparse'", list(kinds))
+        sparse = tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
+        out["moe"] = attrs.evolve(out["moe"], sparse_layers=sparse)
+    shared = [i for i, kind in enumerate(_indexer_types(f, n_layers)) if kind != "full"]
+    if shared:
+        raise ModelLoadError(
+            f"{f.where}: indexer_types {shared[:4]}... are 'shared' (a layer reusing an "
+            "earlier layer's top-k); shard runs every layer's own indexer only"
+        )
+    out["dsa"] = DsaConfig(
+        index_n_heads=f.integer("index_n_heads", 32, hi=MAX["heads"]),
+        index_head_dim=f.integer("index_head_dim", 128, hi=MAX["width"]),
+        index_topk=f.integer("index_topk", 2048, hi=MAX["positions"]),
+    )
+    return out
+
+
+def _indexer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
+    """``indexer_types`` as ``GlmMoeDsaConfig`` fills them: given; else from
+    ``index_topk_pattern`` (``"FSS..."``: full / shared); else every ``index_topk_freq``-th
+    layer from ``index_skip_topk_offset`` on is full (the defaults: every layer)."""
+    given = f.texts("indexer_types", most=MAX["layers"])
+    pattern = f.raw("index_topk_pattern")
+    if given is None and isinstance(pattern, str) and len(pattern) <= MAX["layers"]:
+        given = tuple({"F": "full", "S": "shared"}.get(c, c) for c in pattern)
+    elif given is None and pattern is not None:
+        given = f.texts("index_topk_pattern", most=MAX["layers"])
+    if given is not None:
+        if len(given) != n_layers or not set(given) <= {"full", "shared"}:
+            raise f.error("indexer_types", f"{n_layers} of 'full' / 'shared'", list(given))
+        return given
+    freq = f.integer("index_topk_freq", 1, lo=0, hi=MAX["layers"])
+    offset = f.integer("index_skip_topk_offset", 2, lo=0, hi=MAX["layers"])
+    return tuple(
+        "full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(n_layers)
+    )
 
 
 _ABSENT = object()

@@ -19,7 +19,8 @@ class KVCache:
     Preallocated once per session so the forward pass never allocates cache memory and every
     chunk shape sees the same storage (what CUDA graphs need). ``v`` may be narrower than
     ``k`` (``v_dim``): an MLA layer (``shard.model.mla``) keeps its latent in ``k`` and its
-    rotary key in ``v``, one head each. Everything here acts on the position axis alone.
+    rotary key in ``v``, one head each (GLM-5: the DSA indexer's key after it in ``v``,
+    ``shard.model.dsa``). Everything here acts on the position axis alone.
     """
 
     def __init__(self, k: Tensor, v: Tensor) -> None:

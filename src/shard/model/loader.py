@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from shard.model import heap
 from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
+from shard.model.dsa import IndexWeights
 from shard.model.fp8 import fp8_weight
 from shard.model.llama import StageModel
 from shard.model.mla import MLAttention
@@ -113,7 +114,7 @@ def load_stage(
             _tie_head(stage, device)
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
-            if isinstance(module, Attention | MLAttention | Router):
+            if isinstance(module, Attention | MLAttention | Router | IndexWeights):
                 module.rowwise = True
     return stage.to(device).eval()
 

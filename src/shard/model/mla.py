@@ -26,6 +26,12 @@ up to float rounding), and its output is ``(sum_t p_t c_t) W_v^T``. Why:
 - a step costs ``O(H (r + rope))`` per cached position instead of re-expanding
   ``H (nope + v)`` numbers per position per layer.
 
+GLM-5 adds DeepSeek sparse attention (``shard.model.dsa``): an ``Indexer`` projects from the
+same input and low-rank query, caches its key after ``k_pe`` in ``KVCache.v``, and narrows each
+row's mask to its ``index_topk`` best-scored keys before the absorbed attention; ``project``
+then returns the indexer's queries and head weights too (rows on dimension 2, like the rest,
+so ``shard.model.packed`` slices them per session), and ``attend`` takes them after ``k_pe``.
+
 Measured against transformers' expansion in float32 (``tests/test_deepseek_v3.py``): logits
 within 1.5e-5 (low-rank query) and 6.2e-5 (plain ``q_proj``) of transformers' (std ~3.3);
 the cache equals transformers' latent cache within 1e-5. ``kv_b_proj`` stays a dense matrix
@@ -35,12 +41,15 @@ absorbed products read its halves per head); everything else quantizes as a line
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shard.model.attention import ROWWISE_MAX_ROWS, RMSNorm, apply_rotary
 from shard.model.config import ModelConfig
+from shard.model.dsa import Indexer
 from shard.model.kvcache import KVCache
 from shard.model.linear import Linear
 
@@ -94,6 +103,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_EPS)
         self.kv_b_proj = KvUp(self.rank, h * (self.nope + self.v_dim))
         self.o_proj = Linear(h * self.v_dim, d, bias=bias)
+        self.indexer = Indexer(config) if config.dsa is not None else None
         #: attend a short chunk row by row, each row through its own decode step's ops
         #: (``Attention.rowwise``; set by the loader on quantized blocks)
         self.rowwise = False
@@ -108,22 +118,26 @@ class MLAttention(nn.Module):
         start: int | Tensor,
     ) -> Tensor:
         """``x`` ``[B, S, D]`` at positions ``[start, start+S)`` (``Attention.forward``)."""
-        q, latent, k_pe = self.project(x, rope)
-        y = self.attend(q, latent, k_pe, mask, cache, layer, start)  # [B, H, S, v]
+        parts = self.project(x, rope)
+        y = self.attend(*parts, mask=mask, cache=cache, layer=layer, start=start)  # [B,H,S,v]
         b, s, _ = x.shape
         out: Tensor = self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.v_dim))
         return out
 
-    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
         """The query ``[B, H, S, nope + rope]`` (rope part rotated), the normed latent
         ``[B, 1, S, r]`` and the rotated shared key ``[B, 1, S, rope]`` of ``x`` ``[B, S, D]``
-        (row-wise, as ``Attention.project``)."""
+        (row-wise, as ``Attention.project``). With an indexer the key is followed by the
+        indexer's key ``[B, 1, S, rope + Di]`` (what ``KVCache.v`` holds), and its queries
+        ``[B, Hi, S, Di]`` and head weights ``[B, 1, S, Hi]`` follow (``Indexer.project``)."""
         b, s, _ = x.shape
+        q_resid: Tensor | None = None
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(b, s, self.n_heads, self.nope + self.rope).transpose(1, 2)  # [B, H, S, qk]
         q_nope, q_rot = torch.split(q, [self.nope, self.rope], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)  # [B, S, r + rope]
@@ -131,43 +145,59 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, S, r]
         k_pe = k_pe.unsqueeze(1)  # [B, 1, S, rope]
         rotate = apply_rotary_interleaved if self.interleave else apply_rotary
-        return torch.cat((q_nope, rotate(q_rot, *rope)), dim=-1), latent, rotate(k_pe, *rope)
+        q, k_pe = torch.cat((q_nope, rotate(q_rot, *rope)), dim=-1), rotate(k_pe, *rope)
+        if self.indexer is None:
+            return q, latent, k_pe
+        assert q_resid is not None  # ModelConfig: the indexer reads the low-rank query
+        index_q, index_k, index_w = self.indexer.project(x, q_resid, rope)
+        return q, latent, torch.cat((k_pe, index_k), dim=-1), index_q, index_w
 
     def attend(
         self,
         q: Tensor,
         latent: Tensor,
         k_pe: Tensor,
+        *index: Tensor,
         mask: Tensor,
         cache: KVCache,
         layer: int,
         start: int | Tensor,
     ) -> Tensor:
         """Write ``latent, k_pe`` into ``cache`` at ``start``; attend ``q`` over it:
-        ``[B, H, S, v_head_dim]`` (``Attention.attend``'s contract)."""
+        ``[B, H, S, v_head_dim]`` (``Attention.attend``'s contract). ``index``: the indexer's
+        queries and weights (``project``); each row then attends its selection only."""
         if isinstance(start, Tensor):
-            latents, k_pes = cache.update_at(layer, start, latent, k_pe)  # [B, 1, max_len, *]
+            latents, tails = cache.update_at(layer, start, latent, k_pe)  # [B, 1, max_len, *]
         else:
-            latents, k_pes = cache.update(layer, start, latent, k_pe)  # [B, 1, start+S, *]
+            latents, tails = cache.update(layer, start, latent, k_pe)  # [B, 1, start+S, *]
+        k_pes, index_keys = tails[..., : self.rope], tails[..., self.rope :]
         rows = q.shape[2]
         if self.rowwise and 1 < rows <= ROWWISE_MAX_ROWS and not isinstance(start, Tensor):
-            return torch.cat(
-                [
-                    self._attend(
-                        q[:, :, i : i + 1],
-                        latents[:, :, : start + i + 1],
-                        k_pes[:, :, : start + i + 1],
-                        mask[..., i : i + 1, : start + i + 1],
-                    )
-                    for i in range(rows)
-                ],
-                dim=2,
-            )
-        return self._attend(q, latents, k_pes, mask)
+            # row i as its decode step at start + i runs it: keys [0, start + i], its mask
+            outs = []
+            for i in range(rows):
+                end = start + i + 1
+                keep = mask[..., i : i + 1, :end]
+                if index:
+                    row = [t[:, :, i : i + 1] for t in index]
+                    keep = self._select(row, index_keys[:, :, :end], keep)
+                outs.append(
+                    self._attend(q[:, :, i : i + 1], latents[:, :, :end], k_pes[:, :, :end], keep)
+                )
+            return torch.cat(outs, dim=2)
+        keep = self._select(index, index_keys, mask) if index else mask
+        return self._attend(q, latents, k_pes, keep)
+
+    def _select(self, index: Sequence[Tensor], keys: Tensor, mask: Tensor) -> Tensor:
+        """The indexer's selection ``[B, 1, S, T]`` within ``mask`` (``Indexer.forward``)."""
+        assert self.indexer is not None and len(index) == 2
+        keep: Tensor = self.indexer(index[0], index[1], keys, mask)
+        return keep
 
     def _attend(self, q: Tensor, latents: Tensor, k_pes: Tensor, mask: Tensor) -> Tensor:
         """Absorbed attention of ``q`` ``[B, H, S, qk]`` over ``latents`` ``[B, 1, T, r]`` and
-        ``k_pes`` ``[B, 1, T, rope]`` under ``mask`` ``[S, T]``: ``[B, H, S, v]``."""
+        ``k_pes`` ``[B, 1, T, rope]`` under ``mask`` ``[S, T]`` (or ``[B, 1, S, T]``, a DSA
+        selection): ``[B, H, S, v]``."""
         dtype, w = q.dtype, self.kv_b_proj.weight.data
         if q.device.type == "cpu" and dtype != torch.float32:  # as Attention._attend: fp32 is
             q, latents, k_pes, w = q.float(), latents.float(), k_pes.float(), w.float()  # faster

@@ -133,19 +133,17 @@ def forward_packed(
     bounds = segment_bounds(segments)
     for j, layer in enumerate(model.blocks()):
         attn = layer.self_attn
-        q, k, v = attn.project(
-            layer.input_layernorm(h), ropes[layer.local_rope]
-        )  # [1, H|KV, T, Dh]
+        # q, k, v [1, H|KV, T, Dh] (MLA: q, latent, k_pe, and a DSA indexer's rows after)
+        projected = attn.project(layer.input_layernorm(h), ropes[layer.local_rope])
         ys = []
         for i, (lo, hi) in enumerate(bounds):
             seg = segments[i]
             start: int | Tensor = pos[i] if static else seg.start
-            mask = masks[i][layer.window]
-            ys.append(
-                attn.attend(
-                    q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], mask, seg.cache, j, start
-                )
-            )  # [1, H, S_i, Dh]
+            mine = [t[:, :, lo:hi] for t in projected]
+            y = attn.attend(
+                *mine, mask=masks[i][layer.window], cache=seg.cache, layer=j, start=start
+            )
+            ys.append(y)  # [1, H, S_i, Dh]
         y = torch.cat(ys, dim=2).transpose(1, 2).reshape(1, total, -1)  # [1, T, H*Dh]
         h = layer.feed_forward(layer.attn_residual(h, attn.o_proj(y)))
     if model.norm is None or model.lm_head is None:
