@@ -9,6 +9,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
 from quant_fixtures import stored_tiny
 from shard.coordinator.coordinator import Completion
@@ -16,6 +17,7 @@ from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultPlan
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
+from shard.model.quant import kernel_dtype
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, run_scenario
 
 
@@ -43,9 +45,11 @@ def test_a_killed_stored_stage_is_replaced_with_identical_output(
 ) -> None:
     """s1 of a stored ring is killed while decoding; its standby, holding the stored block,
     takes over hot, and each request's tokens equal the local stored run (which differ from
-    the dense run's: the ring really runs the quantized kernels)."""
+    the dense run's where the host's kernels run bf16: the ring really runs the quantized
+    kernels; with fp32 kernels the two agree, and only the equality is shown)."""
     want = local_references(stored, "stored")
-    assert want != local_references(stored, "float32")
+    if kernel_dtype(torch.device("cpu")) is torch.bfloat16:
+        assert want != local_references(stored, "float32")
     spec = attrs.evolve(failover_spec(stored, speculate=speculate), weights="stored")
     plan = FaultPlan.random(1200 + speculate, kind="kill", node="s1", frames=DECODE)
     out = run_scenario(spec, stored, plan)

@@ -31,9 +31,11 @@ class InputError(Exception):
 #: cost a client whose coordinator died ~10 s (torch), 18 s on a loaded host, before its line.
 _OPERATOR_ERRORS: Final = (
     ("shard.spec.validate", "SpecError"),
-    ("shard.model.config", "ModelLoadError"),
+    ("shard.model.config_fields", "ModelLoadError"),
     ("shard.model.bundled", "ModelNotFound"),
     ("shard.model.gguf_common", "ConvertError"),  # a bad .gguf given to --model / --local
+    ("shard.model.safetensors_header", "SafetensorsError"),  # a hostile header or index
+    ("shard.model.footprint", "FootprintError"),  # plan: a checkpoint it cannot price
     ("shard.model.tokenizer", "TokenizerError"),  # --local --chat: a chat template that fails
     ("shard.cli.errors", "InputError"),
     ("shard.model.device", "DeviceUnavailable"),
