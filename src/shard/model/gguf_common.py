@@ -47,7 +47,7 @@ MAX_CONTEXT: Final = 1 << 20
 """Context length: the runtime builds its rope table that long at load (512 MiB at 2^20
 positions and head size 128); real GGUFs declare up to 262,144."""
 
-_INTEGER_TYPES: Final = frozenset(
+INTEGER_TYPES: Final = frozenset(
     {
         gguf.GGUFValueType.UINT8,
         gguf.GGUFValueType.INT8,
@@ -59,7 +59,11 @@ _INTEGER_TYPES: Final = frozenset(
         gguf.GGUFValueType.INT64,
     }
 )
-_NUMBER_TYPES: Final = _INTEGER_TYPES | {gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64}
+NUMBER_TYPES: Final = INTEGER_TYPES | {
+    gguf.GGUFValueType.FLOAT32,
+    gguf.GGUFValueType.FLOAT64,
+}  # metadata value types
+FLOAT_TYPES: Final = frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64})
 _F32_MAX: Final = float(np.finfo(np.float32).max)
 
 
@@ -69,7 +73,7 @@ def count(reader: GgufFile, key: str, default: Any = ..., *, least: int = 1, mos
     field = reader.get_field(key)
     if field is None:
         return int(meta(reader, key, default))
-    if len(field.types) != 1 or field.types[0] not in _INTEGER_TYPES:
+    if len(field.types) != 1 or field.types[0] not in INTEGER_TYPES:
         raise ConvertError(f"{key}: must be one integer, not {_kind(field)}")
     value = int(field.contents())
     if not least <= value <= most:
@@ -83,7 +87,7 @@ def positive(reader: GgufFile, key: str, default: Any = ...) -> float:
     field = reader.get_field(key)
     if field is None:
         value = meta(reader, key, default)
-    elif len(field.types) != 1 or field.types[0] not in _NUMBER_TYPES:
+    elif len(field.types) != 1 or field.types[0] not in NUMBER_TYPES:
         raise ConvertError(f"{key}: must be one number, not {_kind(field)}")
     else:
         value = field.contents()

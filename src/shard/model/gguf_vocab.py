@@ -39,7 +39,7 @@ from tokenizers import (
     processors,
 )
 
-from shard.model.gguf_common import ConvertError
+from shard.model.gguf_common import FLOAT_TYPES, INTEGER_TYPES, ConvertError
 
 if TYPE_CHECKING:
     from shard.model.gguf_file import GgufFile
@@ -53,19 +53,7 @@ class VocabError(ConvertError, ValueError):
 
 _ARRAY: Final = gguf.GGUFValueType.ARRAY
 _STRING: Final = gguf.GGUFValueType.STRING
-_INTS: Final = frozenset(
-    {
-        gguf.GGUFValueType.UINT8,
-        gguf.GGUFValueType.INT8,
-        gguf.GGUFValueType.UINT16,
-        gguf.GGUFValueType.INT16,
-        gguf.GGUFValueType.UINT32,
-        gguf.GGUFValueType.INT32,
-        gguf.GGUFValueType.UINT64,
-        gguf.GGUFValueType.INT64,
-    }
-)
-_FLOATS: Final = frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64})
+_INTS, _FLOATS = INTEGER_TYPES, FLOAT_TYPES  # the metadata reader's own sets
 _TOKEN_TYPES: Final = frozenset(int(t) for t in gguf.TokenType)
 MAX_TOKEN_CHARS: Final = 1024
 """Characters in one token (real vocabularies: under 300). The SentencePiece rebuild tries
