@@ -72,6 +72,22 @@ FAMILIES_MLA: dict[str, Any] = {
     },
 }
 
+#: What Qwen3-Next and Qwen3.5-MoE share: Gated DeltaNet layers (2 key heads serving 4 value
+#: heads, a 4-tap convolution) around one gated full-attention layer, 8 experts (2 a token)
+#: and a gated shared expert. Layers 2 and 3 are both linear: a stage may hold no attention.
+HYBRID: dict[str, Any] = {
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "linear_conv_kernel_dim": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
 #: family name -> (transformers config class, model class, config kwargs).
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama3": (
@@ -200,6 +216,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "index_topk": 4,  # fewer than the prompts' positions: the indexer drops keys
         },
     ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {**HYBRID, "intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [1]},
+    ),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
 }
 
 #: Variants built like the families but run only by their own tests: DeepSeek-V3 with a plain
@@ -217,6 +239,18 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "q_lora_rank": None,
             "rope_interleave": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        },
+    ),
+    # six layers, for the failover harness's three stages of two (tests/test_qwen3_next.py)
+    "qwen3_next_6": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **HYBRID,
+            "num_hidden_layers": 6,
+            "layer_types": ["linear_attention", "full_attention"] * 3,
+            "intermediate_size": 128,
+            "mlp_only_layers": [1],
         },
     ),
 }
@@ -249,7 +283,7 @@ def family_dir(name: str, root: Path) -> Path:
 def _redraw(model: Any, family: str, gen: torch.Generator) -> None:
     """Every tensor re-drawn in name order at a trained model's scales (``shard.testing``'s
     rules: ~1/sqrt(fan_in) projections, residual outputs doubled, norms ~1, a sharp head)."""
-    gemma = family == "gemma3"
+    gemma = family in ("gemma3", *HYBRIDS)  # norms scale by 1 + weight
     with torch.no_grad():
         for name, t in sorted(model.state_dict(keep_vars=True).items()):
             if not t.is_floating_point():
@@ -268,19 +302,24 @@ def _draw(
         return gain - 1.0 if gemma else gain
     if name.endswith("norm.bias"):  # GLM-5's indexer k_norm is a LayerNorm: a small shift
         return normal(0.1)
-    if "norm" in name:
-        return normal(0.1) if gemma else 1.0 + normal(0.1)
+    if "norm" in name:  # (a DeltaNet's gated norm scales by its weight)
+        return normal(0.1) if gemma and "linear_attn.norm" not in name else 1.0 + normal(0.1)
+    if "conv1d" in name:  # [C, 1, K]
+        return normal(shape[-1] ** -0.5)
     if "embed_tokens" in name or name == "lm_head.weight":  # Gemma scales it by sqrt(hidden)
         return normal(0.025 if gemma else 0.1)
     if name.endswith(("bias", "sinks")):
         return normal(0.5 if name.endswith("sinks") else 0.1)
     if len(shape) == 3:  # fused experts: gpt-oss's [E, in, out]; MiniMax-M2's [E, out, in]
-        fan_in = shape[2] if family == "minimax_m2" else shape[1]  # (the others' draws kept)
+        fan_in = shape[2] if family in ("minimax_m2", *HYBRIDS) else shape[1]  # (others kept)
         return normal((1.0 if "gate_up" in name else 2.0) * fan_in**-0.5)
     fan_in = shape[-1]
     doubled = ("q_proj", "k_proj", "o_proj", "down_proj", "w2", "gate.weight", "router.weight")
     return normal((2.0 if any(k in name for k in doubled) else 1.0) * fan_in**-0.5)
 
+
+#: The linear-attention hybrids (``shard.model.hybrid_config``).
+HYBRIDS = ("qwen3_next", "qwen3_5_moe_text", "qwen3_next_6")
 
 #: Built checkpoints, shared by every test module that imports the fixture (one build each).
 _MADE: dict[str, Path] = {}

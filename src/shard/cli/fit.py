@@ -6,7 +6,8 @@ whose largest stage holds the fewest bytes (``shard.placement.split.auto_counts`
 function that cuts a spec's ``layers = "auto"``; embedding and head counted) and a verdict.
 What is left on each card is for the KV cache and the activations; the verdict says how much
 and how many tokens of KV that is on the fullest card (``Footprint.kv``: MLA layers cache
-their latent), and the fewest cards of that size that would hold the weights when the asked
+their latent; linear-attention layers hold a state per session instead, ``Footprint.state``),
+and the fewest cards of that size that would hold the weights when the asked
 number does not.
 """
 
@@ -66,6 +67,8 @@ def fit_main(args: argparse.Namespace) -> int:
     report = _report(config, footprint.total, args, asked, memory, fewest)
     for stage in report["stages"]:  # the KV a session's position adds there (MLA: its latent)
         stage["kv_bytes_per_token"] = footprint.kv(*stage["layers"])
+        # and what a session holds there whatever its length (linear attention's state)
+        stage["state_bytes_per_session"] = footprint.state(*stage["layers"])
     report["unquantized_bytes"] = footprint.unquantized
     if args.json:
         print(json.dumps(report, indent=2))
@@ -129,11 +132,14 @@ def _text(r: dict[str, Any]) -> str:
     if r["fits"]:
         fullest = min(r["stages"], key=lambda s: s["left_bytes"])
         worst, per_token = fullest["left_bytes"], fullest["kv_bytes_per_token"]
+        state = fullest["state_bytes_per_session"]
         lines.append(
             f"verdict: fits; the fullest card keeps {gib(worst)} for its KV cache and activations"
             f" (its KV: {per_token / 1024:.1f} KiB a token, {worst // max(per_token, 1):,} "
-            "tokens over all sessions at most)"
-        )
+            "tokens over all sessions at most"
+            + (f"; and {state / (1 << 20):.1f} MiB a session for its linear-attention state)"
+               if state else ")")
+        )  # fmt: skip
     elif fewest is not None:
         lines.append(f"verdict: does not fit; {fewest} cards of this size would hold the weights")
     else:

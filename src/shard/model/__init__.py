@@ -4,11 +4,15 @@
     config_fields.py  a config.json's fields read typed and bounded (Fields, ModelLoadError)
     rope_config.py  RopeScaling read from rope_scaling / rope_parameters (YaRN mscale too)
     families.py     each family's declared differences, MoeConfig, MlaConfig, DsaConfig (no torch)
+    hybrid_config.py  Qwen3-Next / Qwen3.5-MoE's differences, LinearAttnConfig (no torch)
     jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
     mla.py          MLAttention: DeepSeek-V3's latent attention, its cache the latent
     dsa.py          Indexer: GLM-5's sparse attention, each query's top-k keys, row-invariant
+    deltanet.py     GatedDeltaNet: Qwen3-Next's linear attention, a state instead of a KV cache
+    recurrent.py    RecurrentCache: that state per session, kept so that a session can roll back
+    masks.py        causal masks of a chunk (eager, and over a whole cache for CUDA graphs)
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
     packed.py       one forward for many sessions' chunks, each attending to its own cache

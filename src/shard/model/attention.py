@@ -182,7 +182,9 @@ class Attention(nn.Module):
         d, dh, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, dh
         self.scale = config.attn_scale if config.attn_scale is not None else dh**-0.5
-        self.q_proj = Linear(d, config.n_heads * dh, bias=bias)
+        #: Qwen3-Next: each head's query is followed by as many gate values (``attend``)
+        self.gated = config.attn_output_gate
+        self.q_proj = Linear(d, config.n_heads * dh * (2 if self.gated else 1), bias=bias)
         self.k_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
         self.v_proj = Linear(d, config.n_kv_heads * dh, bias=bias)
         self.o_proj = Linear(config.n_heads * dh, d, bias=config.o_proj_bias)
@@ -213,18 +215,22 @@ class Attention(nn.Module):
 
         ``start`` a tensor: the positions ``[S]`` themselves, and keys are the whole cache
         (``StageModel.forward_at``)."""
-        q, k, v = self.project(x, rope)
-        y = self.attend(q, k, v, mask=mask, cache=cache, layer=layer, start=start)
+        y = self.attend(*self.project(x, rope), mask=mask, cache=cache, layer=layer, start=start)
         b, s, _ = x.shape
         y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H*Dh]
         out: Tensor = self.o_proj(y)
         return out
 
-    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
         """Rotated ``q`` ``[B, H, S, Dh]`` and ``k``, ``v`` ``[B, KV, S, Dh]`` of ``x``
-        ``[B, S, D]`` (row-wise: ``shard.model.packed`` runs it over many sessions' rows)."""
+        ``[B, S, D]`` (row-wise: ``shard.model.packed`` runs it over many sessions' rows),
+        then the output gate ``[B, H, S, Dh]`` when the family has one."""
         b, s, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)  # [B, S, H*Dh], [B, S, KV*Dh]
+        gate = None
+        if self.gated:  # per head: Dh of query then Dh of gate
+            q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(b, s, -1), gate.transpose(1, 2)  # gate [B, H, S, Dh]
         if self.qk_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, H, Dh]
@@ -233,9 +239,27 @@ class Attention(nn.Module):
         if not self.qk_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H|KV, S, Dh]
-        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+        rotated = apply_rotary(q, *rope), apply_rotary(k, *rope), v
+        return rotated if gate is None else (*rotated, gate)
 
     def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        gate: Tensor | None = None,
+        *,
+        mask: Tensor,
+        cache: KVCache,
+        layer: int,
+        start: int | Tensor,
+    ) -> Tensor:
+        """Write ``k, v`` into ``cache`` at ``start``; attend ``q`` over it: ``[B, H, S, Dh]``
+        (times ``sigmoid(gate)`` when ``project`` gave one)."""
+        y = self._attend_cached(q, k, v, mask=mask, cache=cache, layer=layer, start=start)
+        return y if gate is None else y * torch.sigmoid(gate)
+
+    def _attend_cached(
         self,
         q: Tensor,
         k: Tensor,
@@ -246,7 +270,6 @@ class Attention(nn.Module):
         layer: int,
         start: int | Tensor,
     ) -> Tensor:
-        """Write ``k, v`` into ``cache`` at ``start``; attend ``q`` over it: ``[B, H, S, Dh]``."""
         if isinstance(start, Tensor):
             keys, values = cache.update_at(layer, start, k, v)  # [B, KV, max_len, Dh]
         else:

@@ -16,12 +16,14 @@ import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
 from shard.model.families import DsaConfig, MlaConfig, MoeConfig, family_fields
+from shard.model.hybrid_config import HYBRIDS, LinearAttnConfig, hybrid_fields
 from shard.model.jsonfile import read_json
 from shard.model.rope_config import RopeScaling, rope_scaling
 
 __all__ = [
     "ARCHITECTURES",
     "DsaConfig",
+    "LinearAttnConfig",
     "MlaConfig",
     "ModelConfig",
     "ModelLoadError",
@@ -43,6 +45,8 @@ ARCHITECTURES: dict[str, str] = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 #: ``model_type`` s that publish another family's architecture under their own name, taken as
@@ -63,7 +67,8 @@ MAX_CONFIG_BYTES = 1 << 20
 class ModelConfig:
     """Architecture of a decoder: a Llama (Llama 2/3, Qwen2, Mistral, SmolLM) or one of the
     families of ``shard.model.families`` (Qwen3, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5,
-    MiniMax-M2, DeepSeek-V3, GLM-5).
+    MiniMax-M2, DeepSeek-V3, GLM-5; the linear-attention hybrids of
+    ``shard.model.hybrid_config``: Qwen3-Next, Qwen3.5-MoE).
 
     ``sliding_window`` is the local attention span (``None``: full causal attention): of
     every layer when ``layer_types`` is ``None`` (Mistral), else of the ``"sliding_attention"``
@@ -104,6 +109,8 @@ class ModelConfig:
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek-V3)
     dsa: DsaConfig | None = None  # DeepSeek sparse attention's indexer over MLA (GLM-5)
+    linear_attn: LinearAttnConfig | None = None  # Gated DeltaNet layers (Qwen3-Next)
+    attn_output_gate: bool = False  # q_proj's second half gates the attention output
     # FP8 block-scaled weights (``quantization_config``, ``shard.model.fp8``): [rows, cols]
     weight_block: tuple[int, int] | None = None
 
@@ -143,12 +150,21 @@ class ModelConfig:
         _check(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "the rotary part must be even")
         if self.layer_types is not None:
             _check(len(self.layer_types) == self.n_layers, "layer_types must name every layer")
-            kinds = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            known = {"full_attention", "sliding_attention"}
+            kinds = (
+                set(self.layer_types)
+                - known
+                - ({"linear_attention"} if self.linear_attn is not None else set())
+            )
             _check(not kinds, f"unknown layer_types {sorted(kinds)}")
             _check(
                 self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                 "sliding_attention layers need a sliding_window",
             )
+        _check(
+            self.linear_attn is None or self.layer_types is not None,
+            "linear-attention layers are named by layer_types",
+        )
         if self.moe is not None:
             m = self.moe
             _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
@@ -210,6 +226,10 @@ class ModelConfig:
     def local_rope(self, layer: int) -> bool:
         """Whether ``layer`` uses the sliding layers' own rope base (``rope_local_theta``)."""
         return self.rope_local_theta is not None and self.window_of(layer) is not None
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether (global) ``layer`` is a linear-attention (Gated DeltaNet) layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     def is_sparse(self, layer: int) -> bool:
         """Whether (global) ``layer``'s feed-forward is a sparse mixture of experts."""
@@ -325,7 +345,9 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         sliding = f.opt_integer("sliding_window", hi=MAX["positions"])
     elif f.flag("use_sliding_window", False):
         raise ModelLoadError(f"{arch} use_sliding_window=true is not supported; set it to false")
-    family = family_fields(arch, f, n_layers)  # MLA sets head_dim itself
+    family = (  # MLA sets head_dim itself; Qwen3.5-MoE its (unused) dense width
+        hybrid_fields(arch, f, n_layers) if arch in HYBRIDS else family_fields(arch, f, n_layers)
+    )
     head_dim = (
         family["head_dim"]
         if "head_dim" in family
@@ -337,7 +359,8 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=f.integer("intermediate_size", hi=MAX["ffn"]),
+        intermediate_size=family.get("intermediate_size")
+        or f.integer("intermediate_size", hi=MAX["ffn"]),
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=f.integer("num_key_value_heads", n_heads, hi=n_heads),

@@ -74,6 +74,10 @@ class MoeConfig:
     names: str = "hf"
     cast_weights: bool = False
     bias_in_gate: bool = True  # the correction bias is the gate's (GLM), else the layer's
+    #: one ``shared_expert`` of ``shared_size`` scaled by ``sigmoid(shared_expert_gate(x))``
+    #: (Qwen3-Next, Qwen3.5-MoE), beside or instead of ``n_shared_experts``
+    shared_gate: bool = False
+    shared_size: int = 0
 
 
 @attrs.frozen

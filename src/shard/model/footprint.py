@@ -11,7 +11,8 @@ linears of ``[out, in]``), everything else (norms, biases, routers) dense in ``d
 ``measured`` sums what a loaded ``StageModel`` really holds, so the two can be compared
 (``tests/test_footprint.py``). ``Footprint.kv_token`` prices the KV cache a layer adds per
 position (``ModelConfig.kv_widths``: keys and values, or MLA's latent and rotary key) in the
-compute dtype, as ``StageModel.new_cache`` allocates it.
+compute dtype, as ``StageModel.new_cache`` allocates it; ``Footprint.state_session`` the
+bytes a linear-attention layer holds per session instead (``shard.model.recurrent``).
 
 Kernel layouts depend on the host: the int4 kernel keeps its scales and zeros in the compute
 dtype, bf16 on a GPU or a CPU with bf16 instructions and float32 elsewhere
@@ -38,6 +39,7 @@ from shard.model.config import ModelConfig
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
+from shard.model.recurrent import recurrent_bytes
 from shard.model.safetensors_header import (
     INDEX_FILE,
     Entry,
@@ -72,10 +74,17 @@ class Footprint:
     unquantized: int = 0
     #: KV-cache bytes each layer holds per position of a session (``kv_token[i]``: layer i).
     kv_token: tuple[int, ...] = ()
+    #: Bytes each layer holds per session whatever its length: a linear-attention layer's
+    #: recurrent state and what its rollbacks need (``shard.model.recurrent``), else 0.
+    state_session: tuple[int, ...] = ()
 
     def kv(self, first: int, last: int, positions: int = 1) -> int:
         """KV-cache bytes of the block ``[first, last)`` for ``positions`` positions."""
         return sum(self.kv_token[first:last]) * positions
+
+    def state(self, first: int, last: int) -> int:
+        """Bytes a session's linear-attention state takes in the block ``[first, last)``."""
+        return sum(self.state_session[first:last])
 
     def stage(self, first: int, last: int) -> int:
         """Bytes of the block ``[first, last)`` with the ends it carries."""
@@ -133,8 +142,8 @@ def predict(
     # a published FP8 checkpoint keeps its head in bf16, as its embedding
     head = norm + price.matrix(vocab, d, embedding=weights == "fp8")
     shared = norm + price.tied_head(vocab, d) if config.tie_word_embeddings else head
-    kv = _kv_token(config, dtype)
-    return Footprint(tuple(layers), embedding, head, shared, unquantized, kv)
+    kv, state = _kv_token(config, dtype), _state_session(config, dtype)
+    return Footprint(tuple(layers), embedding, head, shared, unquantized, kv, state)
 
 
 def _layer_kind(config: ModelConfig, i: int) -> tuple[object, ...]:
@@ -145,8 +154,22 @@ def _layer_kind(config: ModelConfig, i: int) -> tuple[object, ...]:
 
 
 def _kv_token(config: ModelConfig, dtype: str) -> tuple[int, ...]:
-    """Each layer's KV-cache bytes per position in the compute ``dtype``."""
-    return (config.kv_elements * _DENSE[dtype],) * config.n_layers
+    """Each layer's KV-cache bytes per position in the compute ``dtype`` (none for a
+    linear-attention layer: its state does not grow)."""
+    per = config.kv_elements * _DENSE[dtype]
+    return tuple(0 if config.is_linear(i) else per for i in range(config.n_layers))
+
+
+def _state_session(config: ModelConfig, dtype: str) -> tuple[int, ...]:
+    """Each layer's bytes per session whatever its length (``Footprint.state_session``)."""
+    la = config.linear_attn
+    if la is None:
+        return (0,) * config.n_layers
+    one = recurrent_bytes(
+        heads=la.n_v_heads, k_dim=la.k_head_dim, v_dim=la.v_head_dim, conv_dim=la.conv_dim,
+        kernel=la.conv_kernel, elem=_DENSE[dtype],
+    )  # fmt: skip
+    return tuple(one if config.is_linear(i) else 0 for i in range(config.n_layers))
 
 
 @attrs.frozen

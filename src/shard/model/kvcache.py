@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shard.model.recurrent import RecurrentCache
+
 __all__ = ["KVCache"]
 
 
@@ -21,9 +23,13 @@ class KVCache:
     ``k`` (``v_dim``): an MLA layer (``shard.model.mla``) keeps its latent in ``k`` and its
     rotary key in ``v``, one head each (GLM-5: the DSA indexer's key after it in ``v``,
     ``shard.model.dsa``). Everything here acts on the position axis alone.
+
+    In a model with linear-attention layers (Qwen3-Next), ``k`` and ``v`` hold the attention
+    layers of the stage only (possibly none) and ``recurrent`` the linear layers' states
+    (``shard.model.recurrent``): ``StageModel.cache_slot`` maps a layer to its index in either.
     """
 
-    def __init__(self, k: Tensor, v: Tensor) -> None:
+    def __init__(self, k: Tensor, v: Tensor, recurrent: RecurrentCache | None = None) -> None:
         if k.dim() != 5 or v.dim() != 5 or k.shape[:4] != v.shape[:4] or k.dtype != v.dtype:
             raise ValueError(
                 "KVCache wants k and v of one dtype and of shapes "
@@ -32,6 +38,7 @@ class KVCache:
             )
         self.k = k
         self.v = v
+        self.recurrent = recurrent
 
     @classmethod
     def empty(
@@ -48,9 +55,9 @@ class KVCache:
     ) -> KVCache:
         """A zero-filled cache (zeros, not ``empty``, so stray reads are at least deterministic);
         ``v_dim``: the values' width when it is not ``head_dim``."""
-        if n_layers < 1 or batch < 1 or max_len < 1:
+        if n_layers < 0 or batch < 1 or max_len < 1:
             raise ValueError(
-                f"KVCache needs n_layers, batch and max_len >= 1; got {n_layers}, {batch}, "
+                f"KVCache needs n_layers >= 0, batch and max_len >= 1; got {n_layers}, {batch}, "
                 f"{max_len}"
             )
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
@@ -85,8 +92,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds (keys and values)."""
-        return int(self.k.nbytes + self.v.nbytes)
+        """Bytes the cache holds (keys and values, and the recurrent states if any)."""
+        held = 0 if self.recurrent is None else self.recurrent.nbytes
+        return int(self.k.nbytes + self.v.nbytes) + held
 
     @property
     def dtype(self) -> torch.dtype:

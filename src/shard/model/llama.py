@@ -36,10 +36,13 @@ from shard.model.attention import (
     rope_tables,
 )
 from shard.model.config import ModelConfig
+from shard.model.deltanet import GatedDeltaNet
 from shard.model.kvcache import KVCache
 from shard.model.linear import Linear
+from shard.model.masks import causal_mask, static_mask
 from shard.model.mla import MLAttention
 from shard.model.moe import FeedForward, make_ffn
+from shard.model.recurrent import RecurrentCache
 
 __all__ = [
     "Attention",
@@ -67,6 +70,7 @@ class Block(nn.Module):
 
     mlp: nn.Module  # the feed-forward; Mixtral's sparse layers name it block_sparse_moe
     self_attn: Attention | MLAttention  # MLA where the family declares it (DeepSeek-V3)
+    linear_attn: GatedDeltaNet  # instead of self_attn in a linear-attention layer (Qwen3-Next)
 
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
@@ -74,7 +78,11 @@ class Block(nn.Module):
         self.window, self.local_rope = config.window_of(index), config.local_rope(index)
         self.sandwich = config.sandwich_norms
         self.input_layernorm = make_norm(config, d)
-        self.self_attn = MLAttention(config) if config.mla is not None else Attention(config)
+        self.linear = config.is_linear(index)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = MLAttention(config) if config.mla is not None else Attention(config)
         self.post_attention_layernorm = make_norm(config, d)
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(config, d)
@@ -91,8 +99,13 @@ class Block(nn.Module):
         layer: int,
         start: int | Tensor,
     ) -> Tensor:
-        a = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
+        a = self.mixer(self.input_layernorm(x), rope, mask, cache, layer, start)
         return self.feed_forward(self.attn_residual(x, a))
+
+    @property
+    def mixer(self) -> Attention | MLAttention | GatedDeltaNet:
+        """The layer's token mixer: its attention, or its linear attention."""
+        return self.linear_attn if self.linear else self.self_attn
 
     def attn_residual(self, x: Tensor, a: Tensor) -> Tensor:
         """``x`` plus the attention output ``a`` (normed first under ``sandwich_norms``)."""
@@ -160,6 +173,15 @@ class StageModel(nn.Module):
         self.register_buffer("rope_local_cos", local and local[0], persistent=False)
         self.register_buffer("rope_local_sin", local and local[1], persistent=False)
         self._retired_ropes: list[tuple[Tensor | None, Tensor | None]] = []
+        #: each layer's index in the cache part it uses (``cache_slot``)
+        kinds = [layer.linear for layer in self.blocks()]
+        self._slots = [kinds[:j].count(kind) for j, kind in enumerate(kinds)]
+        self.n_attention = kinds.count(False)  # the layers that keep KV (the rest: a state)
+
+    def cache_slot(self, j: int) -> int:
+        """Layer ``j`` of this block's index in ``KVCache.k`` / ``v`` (an attention layer) or in
+        ``KVCache.recurrent`` (a linear-attention layer)."""
+        return self._slots[j]
 
     def cover_positions(self, n: int) -> None:
         """Grow the rope tables (``ROPE_START`` rows at first) to cover positions ``[0, n)``,
@@ -252,16 +274,14 @@ class StageModel(nn.Module):
             )
         self.cover_positions(max_len)
         heads, k_dim, v_dim = self.config.kv_widths
-        return KVCache.empty(
-            len(self.layers),
-            batch,
-            heads,
-            max_len,
-            k_dim,
-            dtype=dtype or self.dtype,
-            device=device or self.device,
-            v_dim=v_dim,
+        dtype, device = dtype or self.dtype, device or self.device
+        cache = KVCache.empty(
+            self.n_attention, batch, heads, max_len, k_dim, dtype=dtype, device=device, v_dim=v_dim
         )
+        n_linear = len(self.layers) - self.n_attention
+        if n_linear:
+            cache.recurrent = RecurrentCache.of(self.config, n_linear, batch, dtype, device)
+        return cache
 
     if TYPE_CHECKING:
         # nn.Module.__call__ is typed ``Any``; callers get ``forward``'s signature instead.
@@ -312,9 +332,9 @@ class StageModel(nn.Module):
         s = self._check_input(x, start, cache)
         h: Tensor = self.embed(x) if self.embed_tokens is not None else x  # [B, S, D]
         ropes = self.ropes_at(slice(start, start + s), h.dtype)  # [S, R/2] each
-        masks = {w: self.causal_mask(start, s, h.device, w) for w in self.windows()}
+        masks = {w: causal_mask(start, s, h.device, w) for w in self.windows()}
         for j, layer in enumerate(self.blocks()):
-            h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, j, start)
+            h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, self._slots[j], start)
         if feature_rows is not None:
             return self.finish(h, s if head_rows is None else head_rows, feature_rows)
         if self.norm is None or self.lm_head is None:
@@ -374,40 +394,18 @@ class StageModel(nn.Module):
         self._check_input(x, 0, cache)
         h: Tensor = self.embed(x) if self.embed_tokens is not None else x  # [B, S, D]
         ropes = self.ropes_at(pos, h.dtype)  # [S, R/2] each
-        masks = {w: self.static_mask(pos, cache.max_len, w) for w in self.windows()}
+        masks = {w: static_mask(pos, cache.max_len, w) for w in self.windows()}
         for j, layer in enumerate(self.blocks()):
-            h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, j, pos)
+            h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, self._slots[j], pos)
         if feature_rows is not None:
             return self.finish(h, int(h.shape[1]), feature_rows)
         if self.norm is None or self.lm_head is None:
             return h
         return self.logits(self.norm(h))  # [B, S, V]
 
-    def _window(self, window: int | str | None) -> int | None:
-        """``"model"``: the window of the first layer of this block (every layer's, except in
-        families that alternate windows, whose callers pass each layer's own)."""
-        return self.blocks()[0].window if isinstance(window, str) else window
-
-    def static_mask(self, pos: Tensor, max_len: int, window: int | str | None = "model") -> Tensor:
-        """Boolean ``[S, max_len]``: queries at ``pos`` ``[S]`` over a whole cache (forward_at)."""
-        k_pos = torch.arange(max_len, device=pos.device)[None, :]  # [1, max_len]
-        q_pos = pos[:, None]  # [S, 1]
-        mask = k_pos <= q_pos
-        w = self._window(window)
-        return mask & (k_pos > q_pos - w) if w is not None else mask
-
-    def causal_mask(
-        self, start: int, s: int, device: torch.device, window: int | str | None = "model"
-    ) -> Tensor:
-        """Boolean ``[S, start+S]``: query ``start+i`` sees key ``j`` iff ``j <= start+i``
-        (and ``j > start+i - window`` for a sliding ``window``)."""
-        q_pos = torch.arange(start, start + s, device=device)[:, None]  # [S, 1]
-        k_pos = torch.arange(start + s, device=device)[None, :]  # [1, start+S]
-        mask = k_pos <= q_pos
-        window = self._window(window)
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        return mask
+    def causal_mask(self, start: int, s: int, device: torch.device) -> Tensor:
+        """``shard.model.masks.causal_mask`` with the window of this block's first layer."""
+        return causal_mask(start, s, device, self.blocks()[0].window)
 
     def _check_input(self, x: Tensor, start: int, cache: KVCache) -> int:
         """Validate ``x``, ``start`` and ``cache`` against this stage; return ``S``."""
@@ -430,7 +428,8 @@ class StageModel(nn.Module):
                 f"{cache.max_len}); need 0 <= start and start + S <= max_len with S >= 1"
             )
         heads, k_dim, v_dim = c.kv_widths
-        want = (len(self.layers), b, heads, cache.max_len, k_dim)
+        want = (self.n_attention, b, heads, cache.max_len, k_dim)
+        RecurrentCache.check(cache.recurrent, len(self.layers) - self.n_attention, b)
         if tuple(cache.k.shape) != want or cache.v_dim != v_dim or cache.dtype != self.dtype:
             raise ValueError(
                 f"KV cache {tuple(cache.k.shape)} {cache.dtype} does not match this stage and "

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from shard.model import heap
 from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
+from shard.model.deltanet import GatedDeltaNet
 from shard.model.dsa import IndexWeights
 from shard.model.fp8 import fp8_weight
 from shard.model.llama import StageModel
@@ -114,7 +115,7 @@ def load_stage(
             _tie_head(stage, device)
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
-            if isinstance(module, Attention | MLAttention | Router | IndexWeights):
+            if isinstance(module, Attention | MLAttention | GatedDeltaNet | Router | IndexWeights):
                 module.rowwise = True
     return stage.to(device).eval()
 
@@ -215,7 +216,9 @@ def _load_file(
                         _place(stage, local, None, w.to(dtype), dtype, device, weights)
                     heap.trim()
                     continue
-                if param.dim() == 3 and remote not in quant and _fused_fits(got, weights):
+                owner = stage.get_submodule(local.rpartition(".")[0])
+                fused = param.dim() == 3 and isinstance(owner, FusedExperts)  # not a conv1d
+                if fused and remote not in quant and _fused_fits(got, weights):
                     _place_fused(stage, local, f, remote, weights)
                     heap.trim()
                     continue

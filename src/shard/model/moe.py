@@ -11,6 +11,9 @@ the router. Each router is transformers' own, op for op (``MoeConfig.router``):
   score: its two best), the weights are the plain scores, renormalised, times
   ``routed_scaling_factor``; shared experts are added for every row.
 
+Qwen3-Next and Qwen3.5-MoE route as Qwen3-MoE and add one ``shared_expert`` for every row,
+scaled by ``sigmoid(shared_expert_gate(x))`` (a one-output ``Router``: kept dense).
+
 Experts run per row group: the router runs row-wise, then each chosen expert runs once over
 the rows that chose it (gathered), and each row's outputs are added in ascending expert order
 (``index_add_`` from zeros, as transformers does). Rows never interact: a row's experts, its
@@ -178,6 +181,9 @@ class SparseMoE(nn.Module):
             if moe.n_shared_experts
             else None
         )
+        if moe.shared_gate:  # Qwen3-Next: one shared expert, scaled by a sigmoid gate
+            self.shared_expert = FeedForward(config, moe.shared_size)
+            self.shared_expert_gate = Router(d, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -191,6 +197,9 @@ class SparseMoE(nn.Module):
         out = out.reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.moe.shared_gate:
+            shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)  # [T, D]
+            out = out + shared.reshape(shape)
         return out
 
     def _expert(self, e: int, x: Tensor) -> Tensor:

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel, TailOut
+from shard.model.masks import causal_mask, static_mask
 
 __all__ = ["Segment", "forward_packed", "segment_bounds"]
 
@@ -116,14 +117,13 @@ def forward_packed(
     pos = [torch.arange(s.start, s.start + s.rows, device=dev) for s in segments]  # [S_i] each
     if static:
         masks = [
-            {w: model.static_mask(p, s.cache.max_len, w) for w in model.windows()}
+            {w: static_mask(p, s.cache.max_len, w) for w in model.windows()}
             for p, s in zip(pos, segments, strict=True)
         ]
         parts = [model.ropes_at(p, h.dtype) for p in pos]
     else:  # [S_i, start+S_i] each
         masks = [
-            {w: model.causal_mask(s.start, s.rows, dev, w) for w in model.windows()}
-            for s in segments
+            {w: causal_mask(s.start, s.rows, dev, w) for w in model.windows()} for s in segments
         ]
         parts = [model.ropes_at(slice(s.start, s.start + s.rows), h.dtype) for s in segments]
     ropes = {  # kind -> [T, R/2] each, segments in order
@@ -132,8 +132,9 @@ def forward_packed(
     }
     bounds = segment_bounds(segments)
     for j, layer in enumerate(model.blocks()):
-        attn = layer.self_attn
-        # q, k, v [1, H|KV, T, Dh] (MLA: q, latent, k_pe, and a DSA indexer's rows after)
+        attn, slot = layer.mixer, model.cache_slot(j)
+        # q, k, v [1, H|KV, T, Dh] (MLA: q, latent, k_pe, and a DSA indexer's rows after;
+        # a linear-attention layer: its convolution's input, z, b, a [1, 1, T, *])
         projected = attn.project(layer.input_layernorm(h), ropes[layer.local_rope])
         ys = []
         for i, (lo, hi) in enumerate(bounds):
@@ -141,7 +142,7 @@ def forward_packed(
             start: int | Tensor = pos[i] if static else seg.start
             mine = [t[:, :, lo:hi] for t in projected]
             y = attn.attend(
-                *mine, mask=masks[i][layer.window], cache=seg.cache, layer=j, start=start
+                *mine, mask=masks[i][layer.window], cache=seg.cache, layer=slot, start=start
             )
             ys.append(y)  # [1, H, S_i, Dh]
         y = torch.cat(ys, dim=2).transpose(1, 2).reshape(1, total, -1)  # [1, T, H*Dh]

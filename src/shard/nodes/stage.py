@@ -165,10 +165,11 @@ class _StageNode:
         return self._config.idle_role
 
     def _graphs(self, block: LoadedBlock) -> ChunkGraphs | None:
-        """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``)."""
+        """The block's CUDA graphs per the spec's ``graphs`` mode (None when ``off``, and for a
+        model with linear attention, whose chunks run eagerly)."""
         mode = self._config.graphs
-        if mode == "off":
-            return None
+        if mode == "off" or block.model.config.linear_attn is not None:
+            return None  # a linear-attention layer reads its state's positions on the host
         return ChunkGraphs(block.model, mode=mode, rows=self._config.graph_rows)
 
     async def build(self, block: LoadedBlock, slot: str, successor: str) -> _Serving:

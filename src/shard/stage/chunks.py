@@ -19,6 +19,7 @@ from shard.decode.verify import check_q
 from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
+from shard.model.recurrent import recurrent_bytes
 from shard.stage.batch import Answer, Planned, rows_of
 from shard.stage.features import FeatureWindow
 
@@ -184,7 +185,13 @@ def kv_refusal(model: StageModel, max_len: int, held: int, budget: int) -> str |
     """Why a session of ``max_len`` positions does not fit a KV ``budget`` (bytes) of which
     ``held`` is taken, or None if it fits."""
     elem = torch.empty((), dtype=model.dtype).element_size()
-    need = len(model.layers) * model.config.kv_elements * max_len * elem  # MLA: its latent
+    need = model.n_attention * model.config.kv_elements * max_len * elem  # MLA: its latent
+    la = model.config.linear_attn
+    if la is not None:  # and each linear-attention layer's state, whatever max_len
+        need += (len(model.layers) - model.n_attention) * recurrent_bytes(
+            heads=la.n_v_heads, k_dim=la.k_head_dim, v_dim=la.v_head_dim,
+            conv_dim=la.conv_dim, kernel=la.conv_kernel, elem=elem,
+        )  # fmt: skip
     if held + need <= budget:
         return None
     mib = 1 << 20

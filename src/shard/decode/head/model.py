@@ -72,6 +72,10 @@ class HeadConfig:
             raise HeadError(f"shortlist {self.shortlist} not in 0..{self.target.vocab_size}")
         if self.target.mla is not None:
             raise HeadError("a draft head of an MLA target (DeepSeek-V3) is not built yet")
+        if self.target.linear_attn is not None:
+            raise HeadError(
+                "a draft head of a linear-attention target (Qwen3-Next) is not built yet"
+            )
 
     @property
     def readout_rows(self) -> int:
