@@ -16,6 +16,7 @@ import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
 from shard.model.families import DsaConfig, MlaConfig, MoeConfig, family_fields
+from shard.model.families_v4 import V4Config, check_v4
 from shard.model.jsonfile import read_json
 from shard.model.rope_config import RopeScaling, rope_scaling
 
@@ -43,6 +44,7 @@ ARCHITECTURES: dict[str, str] = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 #: ``model_type`` s that publish another family's architecture under their own name, taken as
@@ -104,6 +106,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek-V3)
     dsa: DsaConfig | None = None  # DeepSeek sparse attention's indexer over MLA (GLM-5)
+    v4: V4Config | None = None  # DeepSeek-V4: hyper-connections, CSA/HCA, hash routing
     # FP8 block-scaled weights (``quantization_config``, ``shard.model.fp8``): [rows, cols]
     weight_block: tuple[int, int] | None = None
 
@@ -149,6 +152,8 @@ class ModelConfig:
                 self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                 "sliding_attention layers need a sliding_window",
             )
+        if self.v4 is not None:
+            check_v4(self.v4, self.n_layers, self.head_dim, self.rotary_dim)
         if self.moe is not None:
             m = self.moe
             _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
@@ -188,6 +193,8 @@ class ModelConfig:
         if self.mla is not None:
             index = 0 if self.dsa is None else self.dsa.index_head_dim
             return (1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim + index)
+        if self.v4 is not None:  # K=V, then the compressors' state (shard.model.v4_attention)
+            return (1, self.head_dim, self.v4.state_width(self.head_dim))
         return (self.n_kv_heads, self.head_dim, self.head_dim)
 
     @property
@@ -195,6 +202,25 @@ class ModelConfig:
         """Numbers a layer caches per position (``kv_widths``: heads times both widths)."""
         heads, k, v = self.kv_widths
         return heads * (k + v)
+
+    @property
+    def hidden_wire_width(self) -> int:
+        """Numbers per row of the hidden state one stage hands the next: ``hidden_size``, or
+        DeepSeek-V4's ``hc_mult`` streams then its ``id_digits`` (``shard.model.deepseek_v4``)."""
+        if self.v4 is None:
+            return self.hidden_size
+        return self.v4.hc_mult * self.hidden_size + self.id_digits
+
+    @property
+    def id_digits(self) -> int:
+        """Base-256 digits of each row's token id carried in the hidden state: DeepSeek-V4's
+        hash-routed layers past the first read the ids on any stage (0: no such layer)."""
+        if self.v4 is None or not any(i > 0 for i in self.v4.hash_layers):
+            return 0
+        digits = 1
+        while 256**digits < self.vocab_size:
+            digits += 1
+        return digits
 
     @property
     def rotary_dim(self) -> int:
@@ -337,7 +363,8 @@ def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=f.integer("intermediate_size", hi=MAX["ffn"]),
+        intermediate_size=family.get("intermediate_size")
+        or f.integer("intermediate_size", hi=MAX["ffn"]),
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=f.integer("num_key_value_heads", n_heads, hi=n_heads),

@@ -418,9 +418,10 @@ class StageModel(nn.Module):
                     f"stage [{self.first}, {self.last}) is first: wants int64 token ids [B, S], "
                     f"got {x.dtype} {tuple(x.shape)}"
                 )
-        elif x.dim() != 3 or x.shape[-1] != c.hidden_size or not x.is_floating_point():
+        elif x.dim() != 3 or x.shape[-1] != c.hidden_wire_width or not x.is_floating_point():
             raise ValueError(
-                f"stage [{self.first}, {self.last}) wants hidden states [B, S, {c.hidden_size}], "
+                f"stage [{self.first}, {self.last}) wants hidden states [B, S, "
+                f"{c.hidden_wire_width}], "
                 f"got {x.dtype} {tuple(x.shape)}"
             )
         b, s = int(x.shape[0]), int(x.shape[1])
