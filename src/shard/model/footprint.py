@@ -123,7 +123,7 @@ def predict(
         for i in range(config.n_layers):
             key = _layer_kind(config, i)  # one Block built per kind: 256 experts x 61 is slow
             if key not in shapes:
-                block = Block(config, i)
+                block = _block(config, i)
                 shapes[key] = (price.module(block), price.left_dense(block))
             layers.append(shapes[key][0])
             unquantized += shapes[key][1]
@@ -137,10 +137,21 @@ def predict(
     return Footprint(tuple(layers), embedding, head, shared, unquantized, kv)
 
 
+def _block(config: ModelConfig, i: int) -> nn.Module:
+    """Layer ``i`` as its stage builds it (DeepSeek-V4: ``shard.model.deepseek_v4.V4Block``)."""
+    if config.v4 is None:
+        return Block(config, i)
+    from shard.model.deepseek_v4 import V4Block
+
+    return V4Block(config, i)
+
+
 def _layer_kind(config: ModelConfig, i: int) -> tuple[object, ...]:
     """What makes layer ``i``'s modules differ from another's (``Block.__init__`` reads no
     more of its index): its feed-forward, window, rope kind and declared layer type."""
     kind = config.layer_types[i] if config.layer_types is not None else None
+    if config.v4 is not None:  # its attention kind and whether it hashes
+        kind = (config.v4.kinds[i], i in config.v4.hash_layers)
     return (config.is_sparse(i), config.window_of(i), config.local_rope(i), kind)
 
 

@@ -169,7 +169,7 @@ def chunk_input(model: StageModel, node: NodeName, msg: Prefill | Verify) -> tor
             f"{node}: hidden states are {msg.hidden.dtype}, this block runs in "
             f"{model.dtype}; every stage of a swarm must use the spec's dtype"
         )
-    dim = model.config.hidden_size
+    dim = model.config.hidden_wire_width
     shape = tuple(hidden.shape)
     if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != dim:
         raise StageFailed(f"{node}: hidden shape {shape} is not [1, S >= 1, {dim}]")

@@ -190,7 +190,7 @@ class ChunkGraphs:
         if self._mode != "warm":
             return
         first = self._model.is_first
-        dim = self._model.config.hidden_size
+        dim = self._model.config.hidden_wire_width
         for rows in sorted(self._rows):
             if rows > cache.max_len or not self.graphed(rows, cache):
                 continue
