@@ -149,7 +149,7 @@ def _block(config: ModelConfig, i: int) -> nn.Module:
 def _layer_kind(config: ModelConfig, i: int) -> tuple[object, ...]:
     """What makes layer ``i``'s modules differ from another's (``Block.__init__`` reads no
     more of its index): its feed-forward, window, rope kind and declared layer type."""
-    kind = config.layer_types[i] if config.layer_types is not None else None
+    kind: object = config.layer_types[i] if config.layer_types is not None else None
     if config.v4 is not None:  # its attention kind and whether it hashes
         kind = (config.v4.kinds[i], i in config.v4.hash_layers)
     return (config.is_sparse(i), config.window_of(i), config.local_rope(i), kind)
