@@ -4,11 +4,16 @@
     config_fields.py  a config.json's fields read typed and bounded (Fields, ModelLoadError)
     rope_config.py  RopeScaling read from rope_scaling / rope_parameters (YaRN mscale too)
     families.py     each family's declared differences, MoeConfig, MlaConfig, DsaConfig (no torch)
+    families_v4.py  V4Config: DeepSeek-V4's streams, attention kinds, hash layers (no torch)
     jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
     mla.py          MLAttention: DeepSeek-V3's latent attention, its cache the latent
     dsa.py          Indexer: GLM-5's sparse attention, each query's top-k keys, row-invariant
+    deepseek_v4.py  V4Stage -> V4Block: hyper-connected streams and token ids cross every hop
+    hyper.py        hyper-connections: collapse, merge and the final head of V4's streams
+    v4_attention.py V4Attention: sliding K=V plus CSA/HCA entries, position-addressed state
+    v4_moe.py       V4MoE: hash (tid2eid) or top-k routers, clamped SwiGLU experts
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
     packed.py       one forward for many sessions' chunks, each attending to its own cache
