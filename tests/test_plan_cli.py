@@ -234,6 +234,7 @@ MODELS = Path(__file__).resolve().parents[1] / "specs" / "models"
         ("minimax-m2", "fp8", False),
         ("minimax-m2", "int4", False),
         ("glm-5", "int4", False),
+        ("deepseek-v4-flash", "fp8", False),
     ],
 )
 def test_config_alone_gives_stage_bytes_and_a_verdict(
@@ -283,7 +284,6 @@ def test_config_plan_refuses_bad_input(capsys: pytest.CaptureFixture[str], tmp_p
     ("model", "arch"),
     [
         ("qwen3-next-80b-a3b", "qwen3_next"),
-        ("deepseek-v4-flash", "deepseek_v4"),
     ],
 )
 def test_a_frontier_config_not_run_yet_is_refused_in_one_line(
