@@ -127,6 +127,8 @@ class HcHead(nn.Module):
 class V4Stage(StageModel):
     """Layers ``[first, last)`` of a DeepSeek-V4 (module docstring)."""
 
+    static_positions = False  # no forward_at: its stages run eager (CUDA graphs off)
+
     def __init__(self, config: ModelConfig, first: int, last: int) -> None:
         nn.Module.__init__(self)
         v = config.v4

@@ -125,6 +125,9 @@ class StageModel(nn.Module):
     A tied tail that is not stage 0 still owns a copy of the embedding matrix as its head weight.
     """
 
+    #: whether ``forward_at`` (static positions, CUDA graphs) is available
+    static_positions = True
+
     def __init__(self, config: ModelConfig, first: int, last: int) -> None:
         super().__init__()
         if not 0 <= first < last <= config.n_layers:
