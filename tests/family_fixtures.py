@@ -16,7 +16,10 @@ all heads and half of each head rotated; DeepSeek-V3 has
 two dense layers then DeepSeekMoE, MLA with a low-rank query (``VARIANTS``: a plain ``q_proj``
 with rotate-half rope), YaRN with ``mscale`` and ``mscale_all_dim`` that differ (both the
 cos/sin factor and the softmax scale move), a value width unlike the key's, and an
-``rms_norm_eps`` unlike the latent norms' fixed 1e-6.
+``rms_norm_eps`` unlike the latent norms' fixed 1e-6. DeepSeek-V4 has 3 hyper-connection
+streams, hash-routed layers 0 and 1 (``tid2eid`` drawn: distinct experts per token id), CSA
+(rate 4, an indexer keeping 2 entries), HCA (rate 8) and sliding layers of window 8, and YaRN
+on the compressed rope.
 """
 
 from __future__ import annotations
@@ -222,6 +225,42 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {**HYBRID, "intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [1]},
     ),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID),
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        {
+            "num_key_value_heads": 1,  # one shared K=V head
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "q_lora_rank": 32,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "sliding_window": 8,
+            "hc_mult": 3,
+            "rms_norm_eps": 1e-5,
+            "partial_rotary_factor": 0.5,
+            "index_n_heads": 16,  # relu zeroes all of 4 heads too often: exact ties
+            "index_head_dim": 8,
+            "index_topk": 2,  # fewer than the prompts' entries: the indexer drops some
+            "layer_types": [
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "sliding_attention",
+                "compressed_sparse_attention",
+            ],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],  # layer 1 on stage 2
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        },
+    ),
 }
 
 #: Variants built like the families but run only by their own tests: DeepSeek-V3 with a plain
@@ -286,6 +325,12 @@ def _redraw(model: Any, family: str, gen: torch.Generator) -> None:
     gemma = family in ("gemma3", *HYBRIDS)  # norms scale by 1 + weight
     with torch.no_grad():
         for name, t in sorted(model.state_dict(keep_vars=True).items()):
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routes: distinct experts per id
+                n_exp = model.config.n_routed_experts
+                rows = [
+                    torch.randperm(n_exp, generator=gen)[: t.shape[1]] for _ in range(t.shape[0])
+                ]
+                t.copy_(torch.stack(rows))
             if not t.is_floating_point():
                 continue
             t.copy_(_draw(name, tuple(t.shape), gemma, gen, family))

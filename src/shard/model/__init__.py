@@ -1,10 +1,12 @@
 """The model runtime: families, stage modules, weights kept quantized, loading, tokenizer.
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
+    hf_config.py    a ModelConfig written back as a Llama/Qwen2/Mistral config.json (no torch)
     config_fields.py  a config.json's fields read typed and bounded (Fields, ModelLoadError)
     rope_config.py  RopeScaling read from rope_scaling / rope_parameters (YaRN mscale too)
     families.py     each family's declared differences, MoeConfig, MlaConfig, DsaConfig (no torch)
     hybrid_config.py  Qwen3-Next / Qwen3.5-MoE's differences, LinearAttnConfig (no torch)
+    families_v4.py  V4Config: DeepSeek-V4's streams, attention kinds, hash layers (no torch)
     jsonfile.py     JSON model files read with size and nesting bounds (no torch)
     llama.py        StageModel -> Block, in plain torch
     attention.py    rope tables (llama3/yarn/linear), RMSNorm variants, Attention
@@ -13,6 +15,10 @@
     deltanet.py     GatedDeltaNet: Qwen3-Next's linear attention, a state instead of a KV cache
     recurrent.py    RecurrentCache: that state per session, kept so that a session can roll back
     masks.py        causal masks of a chunk (eager, and over a whole cache for CUDA graphs)
+    deepseek_v4.py  V4Stage -> V4Block: hyper-connected streams and token ids cross every hop
+    hyper.py        hyper-connections: collapse, merge and the final head of V4's streams
+    v4_attention.py V4Attention: sliding K=V plus CSA/HCA entries, position-addressed state
+    v4_moe.py       V4MoE: hash (tid2eid) or top-k routers, clamped SwiGLU experts
     moe.py          FeedForward, SparseMoE (routers, experts run per row group)
     linear.py       Linear: nn.Linear whose one-row bf16 products sum as many-row ones do
     packed.py       one forward for many sessions' chunks, each attending to its own cache

@@ -16,6 +16,7 @@ import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
 from shard.model.families import DsaConfig, MlaConfig, MoeConfig, family_fields
+from shard.model.families_v4 import V4Config, check_v4
 from shard.model.hybrid_config import HYBRIDS, LinearAttnConfig, hybrid_fields
 from shard.model.jsonfile import read_json
 from shard.model.rope_config import RopeScaling, rope_scaling
@@ -47,6 +48,7 @@ ARCHITECTURES: dict[str, str] = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 #: ``model_type`` s that publish another family's architecture under their own name, taken as
@@ -111,6 +113,7 @@ class ModelConfig:
     dsa: DsaConfig | None = None  # DeepSeek sparse attention's indexer over MLA (GLM-5)
     linear_attn: LinearAttnConfig | None = None  # Gated DeltaNet layers (Qwen3-Next)
     attn_output_gate: bool = False  # q_proj's second half gates the attention output
+    v4: V4Config | None = None  # DeepSeek-V4: hyper-connections, CSA/HCA, hash routing
     # FP8 block-scaled weights (``quantization_config``, ``shard.model.fp8``): [rows, cols]
     weight_block: tuple[int, int] | None = None
 
@@ -165,6 +168,8 @@ class ModelConfig:
             self.linear_attn is None or self.layer_types is not None,
             "linear-attention layers are named by layer_types",
         )
+        if self.v4 is not None:
+            check_v4(self.v4, self.n_layers, self.head_dim, self.rotary_dim)
         if self.moe is not None:
             m = self.moe
             _check(0 < m.top_k <= m.n_experts, f"top_k {m.top_k} of {m.n_experts} experts")
@@ -204,6 +209,8 @@ class ModelConfig:
         if self.mla is not None:
             index = 0 if self.dsa is None else self.dsa.index_head_dim
             return (1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim + index)
+        if self.v4 is not None:  # K=V, then the compressors' state (shard.model.v4_attention)
+            return (1, self.head_dim, self.v4.state_width(self.head_dim))
         return (self.n_kv_heads, self.head_dim, self.head_dim)
 
     @property
@@ -211,6 +218,25 @@ class ModelConfig:
         """Numbers a layer caches per position (``kv_widths``: heads times both widths)."""
         heads, k, v = self.kv_widths
         return heads * (k + v)
+
+    @property
+    def hidden_wire_width(self) -> int:
+        """Numbers per row of the hidden state one stage hands the next: ``hidden_size``, or
+        DeepSeek-V4's ``hc_mult`` streams then its ``id_digits`` (``shard.model.deepseek_v4``)."""
+        if self.v4 is None:
+            return self.hidden_size
+        return self.v4.hc_mult * self.hidden_size + self.id_digits
+
+    @property
+    def id_digits(self) -> int:
+        """Base-256 digits of each row's token id carried in the hidden state: DeepSeek-V4's
+        hash-routed layers past the first read the ids on any stage (0: no such layer)."""
+        if self.v4 is None or not any(i > 0 for i in self.v4.hash_layers):
+            return 0
+        digits = 1
+        while 256**digits < self.vocab_size:
+            digits += 1
+        return digits
 
     @property
     def rotary_dim(self) -> int:
@@ -271,50 +297,11 @@ class ModelConfig:
         return cls.from_hf(d, str(cfg))
 
     def to_hf(self) -> dict[str, Any]:
-        """A ``config.json`` dict that transformers' ``*ForCausalLM`` classes accept.
+        """A ``config.json`` dict that transformers' ``*ForCausalLM`` classes accept
+        (``shard.model.hf_config.to_hf``: Llama, Qwen2 and Mistral only)."""
+        from shard.model.hf_config import to_hf
 
-        Llama, Qwen2 and Mistral only: ``ValueError`` for another family (its checkpoints
-        carry their own ``config.json``; writing one would drop its declared differences)."""
-        if self.arch not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"to_hf writes llama/qwen2/mistral configs only, not {self.arch!r}")
-        d: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.arch,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": _one_or_list(self.eos_token_ids),
-            "torch_dtype": "float32",
-        }
-        if self.rope_scaling is not None:
-            rs = self.rope_scaling
-            d["rope_scaling"] = {
-                "rope_type": rs.kind,
-                "factor": rs.factor,
-                "low_freq_factor": rs.low_freq_factor,
-                "high_freq_factor": rs.high_freq_factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings,
-            }
-        if self.arch == "llama":
-            d["attention_bias"] = self.attention_bias
-            d["mlp_bias"] = False
-        elif self.arch == "qwen2":
-            d["use_sliding_window"] = False
-            d["sliding_window"] = None
-        else:
-            d["sliding_window"] = self.sliding_window
-        return d
+        return to_hf(self)
 
 
 def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
@@ -428,12 +415,6 @@ def _arch_of(f: Fields) -> str:
         f"{f.where}: unsupported architecture {found!r}: shard runs {sorted(ARCHITECTURES)} "
         "(model_type in config.json); convert or pick a supported checkpoint"
     )
-
-
-def _one_or_list(ids: tuple[int, ...]) -> int | list[int] | None:
-    if not ids:
-        return None
-    return ids[0] if len(ids) == 1 else list(ids)
 
 
 def _check(ok: bool, what: str) -> None:

@@ -160,6 +160,10 @@ def family_fields(arch: str, f: Fields, n_layers: int) -> dict[str, Any]:
         return _deepseek_v3(f, n_layers)
     if arch == "glm_moe_dsa":
         return _glm_moe_dsa(f, n_layers)
+    if arch == "deepseek_v4":  # its own module (it imports rope_config, which imports this)
+        from shard.model.families_v4 import deepseek_v4_fields
+
+        return deepseek_v4_fields(f, n_layers)
     return {}
 
 

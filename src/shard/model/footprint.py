@@ -39,7 +39,7 @@ from shard.model.config import ModelConfig
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
-from shard.model.recurrent import recurrent_bytes
+from shard.model.recurrent import layer_state_bytes
 from shard.model.safetensors_header import (
     INDEX_FILE,
     Entry,
@@ -132,7 +132,7 @@ def predict(
         for i in range(config.n_layers):
             key = _layer_kind(config, i)  # one Block built per kind: 256 experts x 61 is slow
             if key not in shapes:
-                block = Block(config, i)
+                block = _block(config, i)
                 shapes[key] = (price.module(block), price.left_dense(block))
             layers.append(shapes[key][0])
             unquantized += shapes[key][1]
@@ -146,10 +146,21 @@ def predict(
     return Footprint(tuple(layers), embedding, head, shared, unquantized, kv, state)
 
 
+def _block(config: ModelConfig, i: int) -> nn.Module:
+    """Layer ``i`` as its stage builds it (DeepSeek-V4: ``shard.model.deepseek_v4.V4Block``)."""
+    if config.v4 is None:
+        return Block(config, i)
+    from shard.model.deepseek_v4 import V4Block
+
+    return V4Block(config, i)
+
+
 def _layer_kind(config: ModelConfig, i: int) -> tuple[object, ...]:
     """What makes layer ``i``'s modules differ from another's (``Block.__init__`` reads no
     more of its index): its feed-forward, window, rope kind and declared layer type."""
-    kind = config.layer_types[i] if config.layer_types is not None else None
+    kind: object = config.layer_types[i] if config.layer_types is not None else None
+    if config.v4 is not None:  # its attention kind and whether it hashes
+        kind = (config.v4.kinds[i], i in config.v4.hash_layers)
     return (config.is_sparse(i), config.window_of(i), config.local_rope(i), kind)
 
 
@@ -162,13 +173,7 @@ def _kv_token(config: ModelConfig, dtype: str) -> tuple[int, ...]:
 
 def _state_session(config: ModelConfig, dtype: str) -> tuple[int, ...]:
     """Each layer's bytes per session whatever its length (``Footprint.state_session``)."""
-    la = config.linear_attn
-    if la is None:
-        return (0,) * config.n_layers
-    one = recurrent_bytes(
-        heads=la.n_v_heads, k_dim=la.k_head_dim, v_dim=la.v_head_dim, conv_dim=la.conv_dim,
-        kernel=la.conv_kernel, elem=_DENSE[dtype],
-    )  # fmt: skip
+    one = layer_state_bytes(config, _DENSE[dtype])
     return tuple(one if config.is_linear(i) else 0 for i in range(config.n_layers))
 
 

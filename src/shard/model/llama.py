@@ -138,6 +138,9 @@ class StageModel(nn.Module):
     A tied tail that is not stage 0 still owns a copy of the embedding matrix as its head weight.
     """
 
+    #: whether ``forward_at`` (static positions, CUDA graphs) is available
+    static_positions = True
+
     def __init__(self, config: ModelConfig, first: int, last: int) -> None:
         super().__init__()
         if not 0 <= first < last <= config.n_layers:
@@ -173,10 +176,14 @@ class StageModel(nn.Module):
         self.register_buffer("rope_local_cos", local and local[0], persistent=False)
         self.register_buffer("rope_local_sin", local and local[1], persistent=False)
         self._retired_ropes: list[tuple[Tensor | None, Tensor | None]] = []
-        #: each layer's index in the cache part it uses (``cache_slot``)
-        kinds = [layer.linear for layer in self.blocks()]
+        self._index_slots()
+
+    def _index_slots(self) -> None:
+        """Each layer's index in the cache part it uses (``cache_slot``), and how many keep KV
+        (the rest, linear-attention layers, keep a state)."""
+        kinds = [bool(getattr(layer, "linear", False)) for layer in self.layers]
         self._slots = [kinds[:j].count(kind) for j, kind in enumerate(kinds)]
-        self.n_attention = kinds.count(False)  # the layers that keep KV (the rest: a state)
+        self.n_attention = kinds.count(False)
 
     def cache_slot(self, j: int) -> int:
         """Layer ``j`` of this block's index in ``KVCache.k`` / ``v`` (an attention layer) or in
@@ -416,9 +423,10 @@ class StageModel(nn.Module):
                     f"stage [{self.first}, {self.last}) is first: wants int64 token ids [B, S], "
                     f"got {x.dtype} {tuple(x.shape)}"
                 )
-        elif x.dim() != 3 or x.shape[-1] != c.hidden_size or not x.is_floating_point():
+        elif x.dim() != 3 or x.shape[-1] != c.hidden_wire_width or not x.is_floating_point():
             raise ValueError(
-                f"stage [{self.first}, {self.last}) wants hidden states [B, S, {c.hidden_size}], "
+                f"stage [{self.first}, {self.last}) wants hidden states [B, S, "
+                f"{c.hidden_wire_width}], "
                 f"got {x.dtype} {tuple(x.shape)}"
             )
         b, s = int(x.shape[0]), int(x.shape[1])

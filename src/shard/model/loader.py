@@ -95,7 +95,7 @@ def load_stage(
         )
     weight_map = checkpoint_index(model_dir)
     with torch.device("meta"):
-        stage = StageModel(config, first, last)
+        stage = build_stage(config, first, last)
     wanted = {name: hf_name(config, first, name) for name, _ in stage.named_parameters()}
     by_file: dict[str, list[str]] = defaultdict(list)
     for local, remote in wanted.items():
@@ -144,6 +144,15 @@ def load_truncated(
     )
 
 
+def build_stage(config: ModelConfig, first: int, last: int) -> StageModel:
+    """The family's stage module: ``StageModel``, or DeepSeek-V4's own (``V4Stage``)."""
+    if config.v4 is not None:
+        from shard.model.deepseek_v4 import V4Stage
+
+        return V4Stage(config, first, last)
+    return StageModel(config, first, last)
+
+
 def checkpoint_index(model_dir: Path) -> dict[str, str]:
     """Map every tensor name in the checkpoint to the safetensors file (relative) holding it.
 
@@ -175,7 +184,8 @@ def hf_name(config: ModelConfig, first: int, local: str) -> str:
     A tied head reads the embedding matrix (tied checkpoints carry no ``lm_head.weight``).
     """
     if local == "lm_head.weight":
-        return "model.embed_tokens.weight" if config.tie_word_embeddings else local
+        tied = "model.embed_tokens.weight" if config.tie_word_embeddings else local
+        return "head.weight" if config.v4 is not None and not config.tie_word_embeddings else tied
     if local.startswith("layers."):
         _, j, rest = local.split(".", 2)
         if config.moe is not None and not config.moe.bias_in_gate:  # the layer's, not the gate's

@@ -112,6 +112,24 @@ def forward_packed(
         raise ValueError(f"packed input {tuple(x.shape)} does not hold {total} rows in one batch")
     for seg in segments:
         model._check_input(x[:, : seg.rows], seg.start, seg.cache)
+    own = getattr(model, "run_packed", None)  # a family with its own layers (DeepSeek-V4)
+    h = own(x, segments, static) if own is not None else _layers(model, x, segments, static)
+    bounds = segment_bounds(segments)
+    if model.norm is None or model.lm_head is None:
+        return h
+    if head_rows is None:
+        return model.head(h)  # [1, T, V]
+    _check_rows("head_rows", head_rows, segments)
+    if feature_rows is not None:
+        _check_rows("feature_rows", feature_rows, segments)
+        return _finish(model, h, bounds, head_rows, feature_rows)
+    rows = [h[:, hi - n : hi] for n, (_lo, hi) in zip(head_rows, bounds, strict=True)]
+    return model.head(torch.cat(rows, dim=1))  # [1, sum(head_rows), V]
+
+
+def _layers(model: StageModel, x: Tensor, segments: Sequence[Segment], static: bool) -> Tensor:
+    """The block's layers over packed ``x``: hidden ``[1, T, D]`` (module docstring)."""
+    total, bounds = int(x.shape[1]), segment_bounds(segments)
     h: Tensor = model.embed(x) if model.embed_tokens is not None else x  # [1, T, D]
     dev = h.device
     pos = [torch.arange(s.start, s.start + s.rows, device=dev) for s in segments]  # [S_i] each
@@ -130,7 +148,6 @@ def forward_packed(
         kind: (torch.cat([p[kind][0] for p in parts]), torch.cat([p[kind][1] for p in parts]))
         for kind in parts[0]
     }
-    bounds = segment_bounds(segments)
     for j, layer in enumerate(model.blocks()):
         attn, slot = layer.mixer, model.cache_slot(j)
         # q, k, v [1, H|KV, T, Dh] (MLA: q, latent, k_pe, and a DSA indexer's rows after;
@@ -147,16 +164,7 @@ def forward_packed(
             ys.append(y)  # [1, H, S_i, Dh]
         y = torch.cat(ys, dim=2).transpose(1, 2).reshape(1, total, -1)  # [1, T, H*Dh]
         h = layer.feed_forward(layer.attn_residual(h, attn.o_proj(y)))
-    if model.norm is None or model.lm_head is None:
-        return h
-    if head_rows is None:
-        return model.head(h)  # [1, T, V]
-    _check_rows("head_rows", head_rows, segments)
-    if feature_rows is not None:
-        _check_rows("feature_rows", feature_rows, segments)
-        return _finish(model, h, bounds, head_rows, feature_rows)
-    rows = [h[:, hi - n : hi] for n, (_lo, hi) in zip(head_rows, bounds, strict=True)]
-    return model.head(torch.cat(rows, dim=1))  # [1, sum(head_rows), V]
+    return h
 
 
 def _check_rows(name: str, counts: Sequence[int], segments: Sequence[Segment]) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "ROLLBACK",
     "RecurrentCache",
     "RecurrentRollbackError",
+    "layer_state_bytes",
     "recurrent_bytes",
     "recurrent_shape",
 ]
@@ -76,6 +77,17 @@ def recurrent_bytes(
     ring, n_snaps = recurrent_shape(kernel)
     states = (1 + n_snaps) * heads * k_dim * v_dim * 4
     return states + ring * (conv_dim * elem + (heads * (k_dim + v_dim) + 2 * heads) * 4)
+
+
+def layer_state_bytes(config: ModelConfig, elem: int) -> int:
+    """Bytes one of ``config``'s linear-attention layers keeps per session (0 without any)."""
+    la = config.linear_attn
+    if la is None:
+        return 0
+    return recurrent_bytes(
+        heads=la.n_v_heads, k_dim=la.k_head_dim, v_dim=la.v_head_dim, conv_dim=la.conv_dim,
+        kernel=la.conv_kernel, elem=elem,
+    )  # fmt: skip
 
 
 class RecurrentCache:

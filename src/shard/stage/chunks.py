@@ -19,7 +19,7 @@ from shard.decode.verify import check_q
 from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
-from shard.model.recurrent import recurrent_bytes
+from shard.model.recurrent import layer_state_bytes
 from shard.stage.batch import Answer, Planned, rows_of
 from shard.stage.features import FeatureWindow
 
@@ -170,7 +170,7 @@ def chunk_input(model: StageModel, node: NodeName, msg: Prefill | Verify) -> tor
             f"{node}: hidden states are {msg.hidden.dtype}, this block runs in "
             f"{model.dtype}; every stage of a swarm must use the spec's dtype"
         )
-    dim = model.config.hidden_size
+    dim = model.config.hidden_wire_width
     shape = tuple(hidden.shape)
     if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != dim:
         raise StageFailed(f"{node}: hidden shape {shape} is not [1, S >= 1, {dim}]")
@@ -186,12 +186,8 @@ def kv_refusal(model: StageModel, max_len: int, held: int, budget: int) -> str |
     ``held`` is taken, or None if it fits."""
     elem = torch.empty((), dtype=model.dtype).element_size()
     need = model.n_attention * model.config.kv_elements * max_len * elem  # MLA: its latent
-    la = model.config.linear_attn
-    if la is not None:  # and each linear-attention layer's state, whatever max_len
-        need += (len(model.layers) - model.n_attention) * recurrent_bytes(
-            heads=la.n_v_heads, k_dim=la.k_head_dim, v_dim=la.v_head_dim,
-            conv_dim=la.conv_dim, kernel=la.conv_kernel, elem=elem,
-        )  # fmt: skip
+    n_linear = len(model.layers) - model.n_attention  # each keeps a state, whatever max_len
+    need += n_linear * layer_state_bytes(model.config, elem)
     if held + need <= budget:
         return None
     mib = 1 << 20

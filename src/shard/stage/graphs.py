@@ -131,6 +131,8 @@ class ChunkGraphs:
         if mode not in ("off", "lazy", "warm"):
             raise ValueError(f"unknown graphs mode {mode!r}; use off, lazy or warm")
         on_cuda = model.device.type == "cuda"
+        if not model.static_positions:  # a family without forward_at (DeepSeek-V4) runs eager
+            mode = "off"
         if capture is None and on_cuda and mode != "off":
             capture = cuda_capture()
         self._model = model
@@ -190,7 +192,7 @@ class ChunkGraphs:
         if self._mode != "warm":
             return
         first = self._model.is_first
-        dim = self._model.config.hidden_size
+        dim = self._model.config.hidden_wire_width
         for rows in sorted(self._rows):
             if rows > cache.max_len or not self.graphed(rows, cache):
                 continue
