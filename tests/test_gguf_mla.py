@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 import family_fixtures
+from gguf_forge import encode, read_doc
 from shard.model.config import ModelConfig
 from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
@@ -227,8 +229,9 @@ def test_float32_conversion_is_the_reference_exactly(
 ) -> None:
     """Converted with --float32, every tensor equals the reference's bit for bit (``kv_b_proj``
     joined back from the transposed split), the config reads back to the same MLA, MoE, rope
-    and softmax scale, shard's logits on both are identical, and transformers' own model of
-    the reference agrees within 1e-4 with the same greedy ids."""
+    and softmax scale, shard's logits on both are identical, transformers' own model of the
+    reference agrees within 1e-4 with the same greedy ids, and transformers reads the converted
+    directory into that same model (bit-identical logits)."""
     import transformers
 
     path, ref = built[family, form]
@@ -243,13 +246,16 @@ def test_float32_conversion_is_the_reference_exactly(
     assert ours.state_dict().keys() == expect.keys()
     for name, value in ours.state_dict().items():
         assert torch.equal(value, expect[name]), name
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(ref, attn_implementation="eager")
+    cls = transformers.DeepseekV3ForCausalLM
+    hf = cls.from_pretrained(ref, attn_implementation="eager").eval()
+    converted = cls.from_pretrained(out, attn_implementation="eager").eval()
     for row in IDS:
         ids = torch.tensor([row])
         got = _logits(ours, ids)
         assert torch.equal(got, _logits(theirs, ids))
         with torch.no_grad():
-            reference = hf.eval()(input_ids=ids).logits
+            reference = hf(input_ids=ids).logits
+            assert torch.equal(converted(input_ids=ids).logits, reference)
         assert float((got - reference).abs().max()) < 1e-4
         assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
@@ -287,3 +293,21 @@ def test_stored_conversion_keeps_the_stored_blocks(
     assert isinstance(quantized.layers[0].self_attn.kv_a_proj_with_mqa, QuantLinear)
     _check_against_dense(quantized, dense)
     assert torch.isfinite(_logits(quantized, torch.tensor([IDS[1]]))).all()
+
+
+def test_a_file_with_both_forms_reads_the_whole_one(
+    built: dict[tuple[str, str], tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """A file holding ``attn_kv_b`` and the split halves too converts exactly as the whole form
+    alone: the halves, shape-checked, are a copy and left out."""
+    whole, split = (read_doc(built["deepseek_v3", form][0]) for form in ("whole", "split"))
+    halves = [t for t in split.tensors if t.name.endswith(("attn_k_b.weight", "attn_v_b.weight"))]
+    both = tmp_path / "both.gguf"
+    both.write_bytes(encode(attrs.evolve(whole, tensors=whole.tensors + tuple(halves))))
+    a = convert_gguf(both, tmp_path / "both", progress=False, stored=False)
+    b = convert_gguf(
+        built["deepseek_v3", "whole"][0], tmp_path / "one", progress=False, stored=False
+    )
+    got, want = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

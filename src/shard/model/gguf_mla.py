@@ -19,7 +19,8 @@ deepseek2 hparams loader and ``llama-context.cpp``'s YaRN setup, ``gguf-py``'s
   numpy order — and ``attn_v_b`` ``[H, v, r]``, write ``head_count_kv`` 1 (MQA over the
   latent), ``key_length`` ``r + rope``, ``value_length`` ``r`` and the per-head sizes in
   ``key_length_mla`` / ``value_length_mla``. ``join_kv_b`` puts the split form back (float32:
-  the transposed key's blocks run along ``nope``, not along the latent).
+  the transposed key's blocks run along ``nope``, not along the latent). A file holding both
+  forms of a layer is read from ``attn_kv_b`` (the halves, shape-checked, are a copy).
 - Routing: ``expert_gating_func`` 2 (sigmoid, DeepSeek-V3's); llama.cpp reads a file without it
   as softmax (DeepSeek-V2), which shard's ``deepseek_v3`` does not run, so it is refused.
   ``expert_weights_scale`` absent means 1, ``expert_weights_norm`` absent means false.
