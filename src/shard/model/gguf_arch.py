@@ -20,8 +20,11 @@ llama.cpp's ``convert_hf_to_gguf.py`` applies on the way in, which ``gguf_import
 The architectures with experts (Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5, MiniMax-M2) are read by
 ``shard.model.gguf_moe``; ``deepseek2`` (DeepSeek-V3, Kimi K2: MLA, whose split ``attn_k_b`` is
 stored transposed and is joined back into ``kv_b_proj``) by ``shard.model.gguf_mla``; what every
-reader shares is ``shard.model.gguf_common``. Each is tested against transformers' model holding
-the weights the GGUF holds (``tests/test_gguf_moe.py``, ``tests/test_gguf_mla.py``).
+reader shares is ``shard.model.gguf_common``. MiniMax-M2 and ``deepseek2`` are tested, as the
+other MoE architectures, on tiny GGUFs written as llama.cpp's converter writes them, against
+transformers' model holding the weights the GGUF holds (``tests/test_gguf_moe.py``;
+``tests/test_gguf_mla.py``: both ``kv_b_proj`` forms, both query forms, bit-exact in float32;
+lies refused: ``tests/test_gguf_hostile.py``).
 
 Gemma 3's GGUF leaves out most of what its ``config.json`` declares; llama.cpp fills it in at
 load (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``), and so does this module, the same way: every
