@@ -31,12 +31,17 @@ from gguf import GGUFValueType as V
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import family_fixtures
 from fixtures_smollm2 import write_tiny_gguf
 from gguf_forge import FORMATS, Doc, encode, read_doc
 from shard.cli import main
 from shard.model.config import ModelConfig
 from shard.model.gguf_import import ConvertError, convert_gguf
 from shard.model.gguf_tensors import check_tensors
+from test_gguf_mla import write_deepseek2
+from test_gguf_moe import _write as write_moe_gguf
+
+family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
 
 #: What a refusal may cost: time (generous for a loaded CI box) and traced Python memory.
 SECONDS = 2.0
@@ -392,6 +397,78 @@ def test_expert_tensors_must_match_the_expert_count() -> None:
     del shapes["blk.0.ffn_gate_inp.weight"]
     with pytest.raises(ConvertError, match=r"'blk.0.ffn_gate_inp.weight': missing"):
         check_tensors("qwen3moe", config, shapes)
+
+
+# --- the frontier architectures: deepseek2 (MLA) and minimax-m2 -------------------------
+
+
+@pytest.fixture(scope="module")
+def frontier(
+    family_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Doc]:
+    """Valid ``deepseek2`` (split ``attn_k_b`` / ``attn_v_b``, low-rank query, YaRN) and
+    ``minimax-m2`` GGUFs of the tiny family checkpoints, as records."""
+    root = tmp_path_factory.mktemp("frontier")
+    write_deepseek2(family_checkpoint("deepseek_v3"), root / "ds.gguf", "split")
+    write_moe_gguf("minimax_m2", family_checkpoint("minimax_m2"), root / "mm.gguf")
+    return {"deepseek2": read_doc(root / "ds.gguf"), "minimax-m2": read_doc(root / "mm.gguf")}
+
+
+_DS = "deepseek2"
+_FRONTIER_CASES: list[tuple[str, str, dict[str, Any], str]] = [
+    (_DS, "blk.3.attn_v_b.weight", {"drop": True}, "tensor 'blk.3.attn_v_b.weight': missing"),
+    (_DS, "blk.0.attn_q_b.weight", {"drop": True}, "tensor 'blk.0.attn_q_b.weight': missing"),
+    (_DS, "blk.2.exp_probs_b.bias", {"drop": True}, "tensor 'blk.2.exp_probs_b.bias': missing"),
+    # k_b left untransposed ([H, nope, r]: the bytes fit, the layout does not)
+    (_DS, "blk.2.attn_k_b.weight", {"dims": (32, 16, 4)}, "'blk.2.attn_k_b.weight': shape [4, 16"),
+    (_DS, "blk.2.attn_v_b.weight", {"dims": (12, 32, 4)}, "'blk.2.attn_v_b.weight': shape [4, 32"),
+    (_DS, "deepseek2.attention.head_count_kv", {"value": 2}, "head_count_kv: 2; a GGUF with"),
+    (_DS, "deepseek2.attention.head_count", {"value": 8}, "contradicts the metadata"),
+    (_DS, "deepseek2.attention.head_count", {"value": 0}, "head_count: 0 is outside"),
+    (_DS, "deepseek2.attention.kv_lora_rank", {"value": 16}, "contradict kv_lora_rank 16"),
+    (_DS, "deepseek2.attention.key_length_mla", {"value": 8}, "leaves no unrotated part"),
+    (_DS, "deepseek2.attention.q_lora_rank", {"kind": None}, "has no attention.q_lora_rank"),
+    (_DS, "deepseek2.expert_gating_func", {"kind": None}, "expert_gating_func: absent"),
+    (_DS, "deepseek2.rope.scaling.yarn_log_multiplier", {"kind": None}, "yarn_log_multiplier"),
+    ("minimax-m2", "minimax-m2.expert_gating_func", {"value": 1}, "sigmoid (2), not 1"),
+    ("minimax-m2", "blk.1.attn_q_norm.weight", {"dims": (16,)}, "attn_q_norm.weight': shape"),
+]
+
+
+@pytest.mark.parametrize(("arch", "what", "change", "message"), _FRONTIER_CASES)
+def test_frontier_lies_are_refused(
+    frontier: dict[str, Doc],
+    refuse: Callable[..., str],
+    arch: str,
+    what: str,
+    change: dict[str, Any],
+    message: str,
+) -> None:
+    """A ``deepseek2`` file missing a tensor, with ``attn_k_b`` / ``attn_v_b`` laid out
+    otherwise, head counts or ``kv_lora_rank`` its tensors contradict, a query form without its
+    key, softmax routing or YaRN without its multiplier — or a ``minimax-m2`` file with another
+    router or a per-head q norm — is one quick ``ConvertError``."""
+    doc = frontier[arch]
+    if what.startswith("blk."):
+        t = next(t for t in doc.tensors if t.name == what)
+        if "dims" in change:
+            count = math.prod(change["dims"])
+            change = {**change, "data": t.data[: 4 * count].ljust(4 * count, b"\0")}
+        doc = doc.tensor(what, **change)
+    else:
+        doc = doc.field(what, **change)
+    refuse(doc, message)
+
+
+def test_a_kv_lora_rank_the_tensors_contradict_is_refused(
+    frontier: dict[str, Doc], refuse: Callable[..., str]
+) -> None:
+    """``kv_lora_rank`` 16 with ``key_length`` and ``value_length`` agreeing with it (the
+    metadata consistent in itself) contradicts the latent tensors' shapes: refused."""
+    doc = frontier["deepseek2"].field("deepseek2.attention.kv_lora_rank", value=16)
+    doc = doc.field("deepseek2.attention.key_length", value=16 + 8)
+    doc = doc.field("deepseek2.attention.value_length", value=16)
+    refuse(doc, "shape [32] contradicts the metadata (expected [16])")
 
 
 # --- the commands -----------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Mixtral, gpt-oss, GLM-4.5-MoE and Llama 3.x GGUFs, written as llama.cpp writes them,
-converted by shard.
+"""Mixtral, gpt-oss, GLM-4.5-MoE, MiniMax-M2 and Llama 3.x GGUFs, written as llama.cpp writes
+them, converted by shard (DeepSeek-V3's ``deepseek2``: ``tests/test_gguf_mla.py``).
 
 Each tiny checkpoint comes from ``family_fixtures``' builder (transformers' own classes, a fixed
 seed). ``_to_gguf`` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does (its
@@ -17,6 +17,11 @@ seed). ``_to_gguf`` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does
   ``ffn_*_shexp``, ``rope.dimension_count`` the rotated part, the group counts, and one
   multi-token-prediction block after the decoder blocks (``nextn_predict_layers`` 1, with
   ``nextn.*`` tensors), which shard leaves out.
+- MiniMax-M2 (``conversion/minimax.py``): Mixtral's per-expert ``w1|w3|w2`` stacked, the
+  correction bias as ``exp_probs_b.bias``, q/k norms over all heads as they are,
+  ``rope.dimension_count`` the ``rotary_dim``, ``expert_feed_forward_length`` the
+  ``intermediate_size``, the sigmoid gating its converter writes from the published
+  ``config.json``'s ``scoring_func`` (transformers' config does not keep that key).
 - Llama 3.x: Q and K permuted, and the rope scaling only as ``rope_freqs.weight``, the
   per-frequency divisors ``LlamaModel.generate_extra_tensors`` computes (the test computes them
   from the checkpoint's own ``rope_parameters``).
@@ -64,6 +69,7 @@ ARCH = {
     "mixtral": ("llama", gguf.MODEL_ARCH.LLAMA),
     "gpt_oss": ("gpt-oss", gguf.MODEL_ARCH.GPT_OSS),
     "glm4_moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE),
+    "minimax_m2": ("minimax-m2", gguf.MODEL_ARCH.MINIMAXM2),
 }
 #: Tensors written quantized (the rest F32), per family.
 QUANT = {
@@ -85,8 +91,13 @@ QUANT = {
         "blk.1.ffn_gate_exps.weight": Q.Q4_0,
         "blk.2.ffn_down_shexp.weight": Q.Q8_0,
     },
+    "minimax_m2": {
+        "blk.0.attn_q.weight": Q.Q8_0,
+        "blk.1.ffn_up_exps.weight": Q.Q4_0,
+        "blk.2.ffn_down_exps.weight": Q.Q8_0,
+    },
 }
-MOE = ["mixtral", "gpt_oss", "glm4_moe"]
+MOE = ["mixtral", "gpt_oss", "glm4_moe", "minimax_m2"]
 IDS = [[270, *range(3, 40, 3), 5, 9, 270], [11, 200, 3, 3, 3, 64, 65, 66, 7, 1, 2, 250, 8, 9, 10]]
 
 
@@ -157,6 +168,10 @@ def _metadata(w: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> int:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if family == "minimax_m2":
+        w.add_expert_feed_forward_length(config["intermediate_size"])
+        w.add_rope_dimension_count(config["rotary_dim"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if family == "glm4_moe":
         w.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
@@ -319,6 +334,8 @@ def test_float32_conversion_equals_transformers_on_the_held_weights(
     assert len(ours) == len(state)
     for name, value in ours.items():
         key = name if name == "lm_head.weight" else f"model.{name}"
+        if key not in state:  # MiniMax-M2's bias: shard's router holds it, HF's block does
+            key = key.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")
         assert torch.equal(value, state[key]), name
     hf = _transformers(family, src, state, tmp_path)
     for row in IDS:
@@ -369,6 +386,11 @@ def test_stored_conversion_keeps_the_stored_blocks(
         assert kinds["model.layers.0.self_attn.k_proj.weight"] == "int8"
         ups = {kinds[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"] for e in range(4)}
         assert ups == {"int4"} and len(kinds) == 1 + 4 + 4
+        assert isinstance(quantized.layers[1].block_sparse_moe.experts[0].w3, QuantLinear)
+    elif family == "minimax_m2":
+        assert kinds["model.layers.0.self_attn.q_proj.weight"] == "int8"
+        ups = {kinds[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"] for e in range(8)}
+        assert ups == {"int4"} and len(kinds) == 1 + 8 + 8
         assert isinstance(quantized.layers[1].block_sparse_moe.experts[0].w3, QuantLinear)
     else:
         assert kinds["model.layers.0.mlp.up_proj.weight"] == "int4"

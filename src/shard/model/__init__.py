@@ -43,7 +43,9 @@
     gguf_tensors.py the tensors an architecture needs, their types and shapes
     gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
     gguf_common.py  what every GGUF architecture's reader shares (error, metadata, GgufArch)
-    gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5
+    gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5,
+                    MiniMax-M2
+    gguf_mla.py     llama.cpp's deepseek2 (DeepSeek-V3's MLA, split kv_b joined back)
     gguf_plan.py    a conversion's output tensors, experts split or re-fused
     gguf_vocab.py   a GGUF's tokenizer metadata -> tokenizer.json (for gguf_import)
     bundled.py      find a model by name or path (the shipped SmolLM2 and Gemma 3 270M)

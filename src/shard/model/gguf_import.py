@@ -1,5 +1,6 @@
-"""Convert a Llama-, Mixtral-, Gemma 3-, Qwen3-, Qwen3-MoE-, gpt-oss- or GLM-4.5-MoE-architecture
-GGUF checkpoint into a Hugging Face-style model directory.
+"""Convert a Llama-, Mixtral-, Gemma 3-, Qwen3-, Qwen3-MoE-, gpt-oss-, GLM-4.5-MoE-, DeepSeek-V3-
+(``deepseek2``) or MiniMax-M2-architecture GGUF checkpoint into a Hugging Face-style model
+directory.
 
 The output is what the runtime loads: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
@@ -21,7 +22,8 @@ stored), gpt-oss's are put back into its fused layout (``mlp.experts.gate_up_pro
 kept stored, into one 2-D linear weight per expert and projection
 (``mlp.experts.gate_up_proj.E``: ``[2F, D]``, rows interleaved; ``mlp.experts.down_proj.E``:
 ``[D, F]``), which the loader installs as ``FusedExperts``' quantized linears — GLM's
-multi-token-prediction layers are left out, and the tokenizer is
+multi-token-prediction layers are left out, ``deepseek2``'s split ``attn_k_b`` / ``attn_v_b``
+are joined back into ``kv_b_proj`` (``shard.model.gguf_mla``), and the tokenizer is
 stored as metadata arrays rather than a ``tokenizer.json`` (read here, rebuilt by
 ``shard.model.gguf_vocab``).
 
@@ -58,6 +60,7 @@ from shard.model.gguf_arch import (
 )
 from shard.model.gguf_common import MAX_BLOCKS, count
 from shard.model.gguf_file import GgufFile
+from shard.model.gguf_mla import SPLIT_KV, join_arrays, join_kv_b
 from shard.model.gguf_plan import Planned, fuse_experts, split_experts
 from shard.model.gguf_tensors import check_tensors, check_types
 from shard.model.gguf_vocab import read_vocab, tokenizer_files
@@ -177,7 +180,7 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
         raise ConvertError(
             f"general.architecture: architecture {name!r} is not supported; this converter handles "
             f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, Mixtral, SmolLM, Gemma 3, Qwen3, "
-            "Qwen3-MoE, gpt-oss, GLM-4.5-MoE) only"
+            "Qwen3-MoE, gpt-oss, GLM-4.5-MoE, DeepSeek-V3 / Kimi K2, MiniMax-M2) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
@@ -195,6 +198,7 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
         heads = {}
     plan = []
     fused: dict[tuple[int, str], dict[str, gguf.ReaderTensor]] = {}
+    split: dict[int, dict[str, gguf.ReaderTensor]] = {}
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
         shape = _shape(t)
@@ -204,6 +208,10 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
             continue  # a multi-token-prediction layer (``extra``), counted below
         if block and arch.fused and block[2] in FUSED_EXPERTS:
             fused.setdefault((int(block[1]), block[3]), {})[block[2]] = t
+            continue
+        if block and block[2] in SPLIT_KV and name == "deepseek2" and block[3] == "weight":
+            if f"blk.{block[1]}.attn_kv_b.weight" not in by_name:  # else a redundant copy
+                split.setdefault(int(block[1]), {})[block[2]] = t
             continue
         if block and block[2] in arch.experts:
             if block[3] != "weight":
@@ -217,6 +225,7 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
         plan.append(Planned(hf, shape, t, permuted, plus_one))
     for (layer, suffix), parts in sorted(fused.items()):
         plan += fuse_experts(layer, suffix, parts, stored=stored)
+    plan += [join_kv_b(layer, parts) for layer, parts in sorted(split.items())]
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
     if layers != set(range(n_layers + extra)):
         n = n_layers + extra
@@ -268,6 +277,9 @@ def _float32(p: Planned, source: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
 
 def _load(planned: Planned) -> npt.NDArray[np.float32]:
     array = _float32(planned, planned.source)
+    if planned.latent:  # deepseek2's split kv_b_proj
+        assert planned.up is not None
+        return join_arrays(array, _float32(planned, planned.up), planned.shape)
     if planned.up is not None:  # gate and up interleaved along the output axis, gate first
         axis = 0 if planned.expert is not None else 1
         up = _float32(planned, planned.up)

@@ -1,5 +1,6 @@
 """GGUF architectures with experts (``shard.model.gguf_arch`` assembles them): Qwen3-MoE,
-Mixtral, gpt-oss and GLM-4.5 — their tensor names and ``config.json`` readers.
+Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2 — their tensor names and ``config.json`` readers
+(DeepSeek-V3's ``deepseek2``, with MLA: ``shard.model.gguf_mla``).
 
 Qwen3-MoE's experts are stored fused, one 3-D tensor per projection and layer
 (``blk.N.ffn_{gate,up,down}_exps``, ``[n_expert, out, in]`` in numpy order); ``experts`` maps
@@ -35,6 +36,18 @@ the first ``leading_dense_block_count`` layers dense, the rotated fraction
 ``rope.dimension_count / key_length``; the router must be sigmoid (``expert_gating_func`` 2).
 Group-limited routing is read from ``expert_group_count`` / ``expert_group_used_count`` where a
 file has them, else one group (GLM-4.5 and 4.5-Air use one).
+
+MiniMax-M2 (``minimax-m2``; llama.cpp's ``conversion/minimax.py`` ``MiniMaxM2Model``,
+``src/models/minimax-m2.cpp``) keeps Mixtral's expert names (``block_sparse_moe.experts.E.w1|w3|w2``
+stacked into ``ffn_*_exps``, the router ``ffn_gate_inp``), its correction bias as
+``exp_probs_b.bias``, and q/k RMSNorms over all heads at once (``attn_q_norm`` ``[H * D]``,
+``attn_k_norm`` ``[Hkv * D]``, applied before the heads are split, as transformers does).
+Nothing is permuted (llama.cpp's rope type for it is NeoX, transformers' rotate-half), the
+rotated part is ``rope.dimension_count`` (``rotary_dim``), the top-k weights are always
+renormalised (the graph passes ``norm_w`` true), and ``expert_feed_forward_length`` is each
+expert's width (transformers' ``intermediate_size``). The router must be sigmoid
+(``expert_gating_func`` 2, what the converter writes from ``scoring_func``; absent: taken as 2,
+MiniMax-M2's only router), and routed weights unscaled.
 This module imports neither torch nor safetensors.
 """
 
@@ -196,6 +209,40 @@ def glm4moe_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
     }
 
 
+def minimax_m2_config(reader: GgufFile, vocab_rows: int) -> dict[str, Any]:
+    """``config.json`` for ``MiniMaxM2ForCausalLM`` from the ``minimax-m2.*`` keys (module
+    docstring: sigmoid router, renormalised, no scaling; the rotated part of each head)."""
+    a = "minimax-m2"
+    no_scaling(reader, a)
+    gating = count(reader, f"{a}.expert_gating_func", 2, least=0, most=1 << 16)
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ConvertError(
+            f"{a}.expert_gating_func: MiniMax-M2 routes with a sigmoid (2), not {gating}"
+        )
+    if positive(reader, f"{a}.expert_weights_scale", 1.0) != 1.0:
+        raise ConvertError(
+            f"{a}.expert_weights_scale: MiniMax-M2 does not scale its routed experts"
+        )
+    expert_size = count(reader, f"{a}.expert_feed_forward_length", most=MAX_WIDTH)
+    keys = common(reader, a, vocab_rows, ffn_default=expert_size, partial=True)
+    head_dim = keys["head_dim"]
+    rotary = count(reader, f"{a}.rope.dimension_count", head_dim, least=2, most=head_dim)
+    return {
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "model_type": "minimax_m2",
+        "hidden_act": "silu",
+        **keys,
+        "intermediate_size": expert_size,  # MiniMax-M2's intermediate_size is each expert's
+        **_experts(reader, a, "num_local_experts"),
+        "rotary_dim": rotary,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": keys["rope_theta"],
+            "partial_rotary_factor": rotary / head_dim,
+        },
+    }
+
+
 def _experts(reader: GgufFile, arch: str, name: str) -> dict[str, int]:
     """``{name: expert_count, "num_experts_per_tok": expert_used_count}``, each bounded."""
     n = count(reader, f"{arch}.expert_count", most=MAX_EXPERTS)
@@ -219,6 +266,11 @@ def _clamp(reader: GgufFile, key: str) -> float | None:
 
 
 _MIXTRAL_BLOCKS = {**LLAMA_BLOCKS, "ffn_gate_inp": "block_sparse_moe.gate"}
+_MINIMAX_M2_BLOCKS = {
+    **_MIXTRAL_BLOCKS,
+    **QK_NORM_BLOCKS,
+    "exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias",
+}
 _MIXTRAL_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 
 _GPT_OSS_BLOCKS = {
@@ -273,4 +325,12 @@ GLM4MOE = GgufArch(
     norm_plus_one=False,
     experts=QWEN3MOE_EXPERTS,
     extra_blocks="glm4moe.nextn_predict_layers",
+)
+MINIMAX_M2 = GgufArch(
+    _MINIMAX_M2_BLOCKS,
+    minimax_m2_config,
+    permuted_qk=False,
+    norm_plus_one=False,
+    experts=_MIXTRAL_EXPERTS,
+    experts_prefix="block_sparse_moe.experts",
 )

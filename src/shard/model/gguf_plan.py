@@ -25,7 +25,9 @@ class Planned:
     is a Q/K projection whose rows llama.cpp permuted (None otherwise), whether it is a
     norm weight stored as ``1 + w``, and which slice of a fused 3-D expert tensor it is.
     gpt-oss: ``up`` is interleaved with ``source`` (the gate) along the expert's output axis,
-    gate first; ``transpose`` swaps the last two axes (``[E, out, in]`` -> ``[E, in, out]``)."""
+    gate first; ``transpose`` swaps the last two axes (``[E, out, in]`` -> ``[E, in, out]``).
+    ``latent``: MLA's ``kv_b_proj`` joined from ``deepseek2``'s split ``attn_k_b`` (``source``)
+    and ``attn_v_b`` (``up``; ``shard.model.gguf_mla``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -35,6 +37,7 @@ class Planned:
     expert: int | None = None
     up: gguf.ReaderTensor | None = None
     transpose: bool = False
+    latent: bool = False
 
     def data(self, source: gguf.ReaderTensor | None = None) -> npt.NDArray[Any]:
         """``source``'s (default: the source's) raw data, its expert's slice when this is one
@@ -45,7 +48,8 @@ class Planned:
     @property
     def dense_only(self) -> bool:
         """Written as float32 whatever the source's format (a rebuilt fused tensor, a norm)."""
-        return self.plus_one or (self.expert is None and (self.up is not None or self.transpose))
+        rebuilt = self.up is not None or self.transpose
+        return self.plus_one or self.latent or (self.expert is None and rebuilt)
 
 
 def split_experts(

@@ -17,6 +17,7 @@ from typing import Any, Final
 from gguf import GGMLQuantizationType as T
 
 from shard.model.gguf_common import ConvertError
+from shard.model.gguf_mla import mla_needs, mla_shapes
 
 __all__ = ["READABLE_TYPES", "check_tensors", "check_types"]
 
@@ -35,6 +36,7 @@ _DENSE: Final = ("ffn_gate", "ffn_up", "ffn_down")
 _ROUTED: Final = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _SHARED: Final = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _DENSE_FAMILIES: Final = frozenset({"llama", "qwen3", "gemma3"})
+# deepseek2's blocks and attention shapes: ``shard.model.gguf_mla``
 MAX_EXPERT_MATRICES: Final = 1 << 18
 """Experts times blocks: each is planned as its own output tensor, so this bounds the plan
 (the largest real models have under 25,000)."""
@@ -56,7 +58,7 @@ def check_tensors(arch: str, config: dict[str, Any], shapes: Mapping[str, tuple[
         if name not in shapes:
             raise ConvertError(f"tensor {name!r}: missing; the file is incomplete")
     for layer in range(config["num_hidden_layers"]):
-        for short in _block_needs(arch, config, layer):
+        for short in _block_needs(arch, config, layer, shapes):
             name = f"blk.{layer}.{short}"
             if name not in shapes:
                 raise ConvertError(f"tensor {name!r}: missing; the file is incomplete")
@@ -79,10 +81,15 @@ def check_types(types: Mapping[str, T]) -> None:
             )
 
 
-def _block_needs(arch: str, config: dict[str, Any], layer: int) -> list[str]:
-    """The tensor names (less ``blk.N.``) every block ``layer`` of ``arch`` has."""
+def _block_needs(
+    arch: str, config: dict[str, Any], layer: int, present: Mapping[str, Any]
+) -> list[str]:
+    """The tensor names (less ``blk.N.``) every block ``layer`` of ``arch`` has (``present``:
+    the file's tensors, which say which form of ``kv_b_proj`` a ``deepseek2`` file holds)."""
+    if arch == "deepseek2":
+        return mla_needs(config, layer, present)
     names = list(_ATTENTION)
-    if arch in ("qwen3", "gemma3", "qwen3moe") or config.get("use_qk_norm"):
+    if arch in ("qwen3", "gemma3", "qwen3moe", "minimax-m2") or config.get("use_qk_norm"):
         names += _QK_NORM
     if arch in ("gpt-oss", "glm4moe", "gemma3"):
         names.append("post_attention_norm")
@@ -96,7 +103,7 @@ def _block_needs(arch: str, config: dict[str, Any], layer: int) -> list[str]:
         names += _DENSE if layer in config["mlp_only_layers"] else _ROUTED
     elif arch == "glm4moe" and layer < config["first_k_dense_replace"]:
         names += _DENSE
-    else:  # Mixtral, gpt-oss, GLM's sparse layers
+    else:  # Mixtral, gpt-oss, MiniMax-M2, GLM's sparse layers
         names += _ROUTED
     if arch == "gpt-oss":
         names.append("attn_sinks")
@@ -104,7 +111,7 @@ def _block_needs(arch: str, config: dict[str, Any], layer: int) -> list[str]:
     if sparse_glm and config["n_shared_experts"]:
         names += _SHARED
     suffixed = [f"{n}.weight" for n in names]
-    if sparse_glm:
+    if sparse_glm or arch == "minimax-m2":
         suffixed.append("exp_probs_b.bias")
     return suffixed
 
@@ -138,7 +145,10 @@ def _expected(arch: str, config: dict[str, Any], name: str) -> tuple[int | None,
         "ffn_up_shexp.weight": (None, d),
         "ffn_down_shexp.weight": (d, None),
         **_expert_shapes(config),
+        **mla_shapes(config),
     }
+    if arch == "minimax-m2":  # its q/k norms span all heads at once
+        table |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
     return table.get(short)
 
 
