@@ -136,3 +136,33 @@ async def test_ring_ignore_eos_matches_local(stopping: tuple[Path, tuple[int, ..
     stopped, ignoring = done
     assert (stopped.token_ids, stopped.finish_reason) == (_stopped(model_dir, full), "stop")
     assert (ignoring.token_ids, ignoring.finish_reason) == (full, "length")
+
+
+def test_an_empty_prompt_or_a_missing_chat_template_is_refused_before_the_weights_load(
+    stopping: tuple[Path, tuple[int, ...]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An empty prompt (argument or standard input), and ``--chat`` on a model without a chat
+    template (a base model), are one-line errors before ``load_stage`` runs: the operator
+    does not wait for the weights to hear it."""
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("the weights were loaded before the input was checked")
+
+    monkeypatch.setattr("shard.model.loader.load_stage", never)
+    model_dir, _ = stopping
+    base = tmp_path / "base"
+    shutil.copytree(model_dir, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    for argv in (["--model", str(model_dir), ""], ["--model", str(base), "--chat", "Hi"]):
+        assert main(["generate", "--local", *argv]) != 0
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("shard"), err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert main(["generate", "--local", "--model", str(model_dir), "-"]) != 0
+    assert "the prompt is empty" in capsys.readouterr().err

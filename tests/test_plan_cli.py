@@ -217,6 +217,7 @@ def test_plan_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 MODELS = Path(__file__).resolve().parents[1] / "specs" / "models"
+NO_FIT = 3  # plan --config's exit code when the cards do not hold the model
 
 
 @pytest.mark.parametrize(
@@ -241,9 +242,11 @@ def test_config_alone_gives_stage_bytes_and_a_verdict(
     capsys: pytest.CaptureFixture[str], model: str, weights: str, fits: bool
 ) -> None:
     """``plan --config`` on a checked-in config prints each of 3 stages' bytes on 24 GiB
-    cards and a verdict; the stages tile every layer, and the verdict follows the bytes."""
+    cards and a verdict; the stages tile every layer, the verdict follows the bytes, and the
+    exit code says it too (0 fits, 3 does not)."""
     config = MODELS / model / "config.json"
-    assert main(["plan", "--config", str(config), "--weights", weights, "--json"]) == 0
+    code = 0 if fits else NO_FIT
+    assert main(["plan", "--config", str(config), "--weights", weights, "--json"]) == code
     report = json.loads(capsys.readouterr().out)
     stages = report["stages"]
     assert stages[0]["layers"][0] == 0
@@ -253,9 +256,11 @@ def test_config_alone_gives_stage_bytes_and_a_verdict(
     assert all(s["fits"] == (s["bytes"] <= 24 << 30) for s in stages)
     if not fits:
         assert report["fewest_cards"] is None or report["fewest_cards"] > 3
-    assert main(["plan", "--config", str(config), "--weights", weights]) == 0
+    assert main(["plan", "--config", str(config), "--weights", weights]) == code
     text = capsys.readouterr().out
     assert text.count("stage ") == 3
+    dense = weights in ("float32", "bfloat16", "float16")
+    assert ("dense parts" in text.splitlines()[0]) is not dense  # a dense format is its dtype
     assert ("verdict: fits" if fits else "verdict: does not fit") in text
 
 
@@ -318,7 +323,7 @@ def test_fp8_prices_a_published_fp8_checkpoint_at_a_byte_a_weight(
     totals = {}
     for weights in ("fp8", "int8", "bfloat16"):
         config = str(MODELS / "deepseek-v3")
-        assert main(["plan", "--config", config, "--weights", weights, "--json"]) == 0
+        assert main(["plan", "--config", config, "--weights", weights, "--json"]) == NO_FIT
         totals[weights] = json.loads(capsys.readouterr().out)["total_bytes"]
     assert totals["int8"] < totals["fp8"] < 0.55 * totals["bfloat16"]
     assert main(["plan", "--config", str(MODELS / "glm-4.5-air"), "--weights", "fp8"]) == 1

@@ -21,12 +21,14 @@ from typing import Any
 from shard.cli.errors import InputError, UsageError
 
 _GIB = 1 << 30
+#: ``plan --config``'s exit code when the asked cards do not hold the model.
+NO_FIT = 3
 _MAX_CARDS = 64
 
 
 def fit_main(args: argparse.Namespace) -> int:
-    """Print the per-stage bytes and the verdict; exit 0 whether it fits or not (the verdict
-    is the answer), 1 only for bad input."""
+    """Print the per-stage bytes and the verdict; exit 0 when it fits, ``NO_FIT`` (3) when it
+    does not (a script can tell without parsing the verdict), 1 for bad input."""
     from shard.model.config import ModelConfig, ModelLoadError
     from shard.model.footprint import FootprintError, predict
     from shard.placement import ModelFacts
@@ -74,7 +76,7 @@ def fit_main(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(_text(report))
-    return 0
+    return 0 if report["fits"] else NO_FIT
 
 
 def _report(
@@ -97,7 +99,8 @@ def _report(
         "arch": config.arch,
         "layers": config.n_layers,
         "weights": args.weights,
-        "dtype": args.dtype,
+        # a dense format is its own dtype (footprint.predict prices it so), whatever --dtype
+        "dtype": args.weights if args.weights in ("float32", "bfloat16", "float16") else args.dtype,
         "total_bytes": total,
         "card_bytes": memory,
         "stages": stages,
@@ -114,7 +117,8 @@ def gib(n: int) -> str:
 def _text(r: dict[str, Any]) -> str:
     lines = [
         f"model:   {r['model']} ({r['arch']}, {r['layers']} layers): {gib(r['total_bytes'])} "
-        f"of weights as {r['weights']} (dense parts {r['dtype']})",
+        f"of weights as {r['weights']}"
+        + ("" if r["weights"] == r["dtype"] else f" (dense parts {r['dtype']})"),
         f"cards:   {len(r['stages'])} x {gib(r['card_bytes'])}; each stage's split minimises "
         "the largest stage's bytes (embedding on the first, head on the last)",
     ]

@@ -189,9 +189,6 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     model_dir = resolve_model(args.model or "smollm2")
     config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    weights = resolve_weights(args.weights, model_dir, float32)  # as load_stage does
-    log.info("%s: weights %s, dtype float32", model_dir.name, weights)
-    model = load_stage(model_dir, 0, config.n_layers, weights=weights)
     max_len = args.max_len or min(2048, config.max_position_embeddings)
     if max_len > config.max_position_embeddings:
         print(
@@ -203,6 +200,10 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     req = GenerateRequest(
         1, prompt, args.max_tokens, sampling(args), chat=args.chat, ignore_eos=args.ignore_eos
     )
+    ids = prompt_ids(tokenizer, req)  # a chat template's refusal before the weights load
+    weights = resolve_weights(args.weights, model_dir, float32)  # as load_stage does
+    log.info("%s: weights %s, dtype float32", model_dir.name, weights)
+    model = load_stage(model_dir, 0, config.n_layers, weights=weights)
     stream = StreamDecoder(tokenizer)
 
     def show(ids: list[int]) -> None:
@@ -211,7 +212,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
 
     result = generate_reference(
         model,
-        prompt_ids(tokenizer, req),
+        ids,
         max_tokens=args.max_tokens,
         eos_ids=() if req.ignore_eos else (*config.eos_token_ids, *tokenizer.eos_ids),
         sampling=req.sampling,

@@ -21,19 +21,26 @@ def prompt_arg(text: str, *, stdin: BinaryIO | None = None) -> str:
     """The prompt argument as text; ``-`` reads standard input (one trailing newline is
     dropped, as a shell's ``echo`` or an editor adds it).
 
-    Errors: ``InputError`` when the text is not UTF-8.
+    Errors: ``InputError`` when the text is not UTF-8, or empty (refused here, before any
+    model loads or process starts, rather than after).
     """
     if text == "-":
         data = (stdin or sys.stdin.buffer).read()
         prompt = utf8(data, "standard input")
-        return prompt[:-2] if prompt.endswith("\r\n") else prompt.removesuffix("\n")
+        return _not_empty(prompt[:-2] if prompt.endswith("\r\n") else prompt.removesuffix("\n"))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         # undo surrogateescape to report the operator's own bytes
         utf8(text.encode("utf-8", "surrogateescape"), "the prompt argument")
         raise  # not reached: the bytes were not UTF-8
-    return text
+    return _not_empty(text)
+
+
+def _not_empty(prompt: str) -> str:
+    if not prompt:
+        raise InputError("the prompt is empty: nothing to condition on; give some text")
+    return prompt
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -51,7 +51,8 @@ def add_plan(sub: argparse._SubParsersAction[Parser]) -> None:
         "fit a model before downloading it (--config; no SPEC, no --rtt)",
         "From a config.json alone (e.g. specs/models/*/config.json): each stage's bytes "
         "under --weights, the contiguous split whose largest stage is smallest, and whether "
-        "--stages cards of --memory GiB hold it (or how many would).",
+        "--stages cards of --memory GiB hold it (or how many would). Exit 0 when it fits, "
+        "3 when it does not (the verdict says how many cards would), 1 for a bad config.",
     )
     fit.add_argument("--config", metavar="PATH", help="a config.json, or its directory")
     fit.add_argument(
