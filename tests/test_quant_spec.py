@@ -53,14 +53,19 @@ def test_swarm_weights_with_a_node_override() -> None:
     ("swarm", "s1", "match"),
     [
         ({"weights": "int3"}, None, r"swarm\.weights.*unknown weights 'int3'"),
-        ({"weights": "bfloat16"}, None, r"weights = 'bfloat16' contradicts dtype = 'float32'"),
-        ({"dtype": "bfloat16"}, {"weights": "float32"}, r"s.*weights.*contradicts dtype"),
+        (
+            {"weights": "bfloat16"},
+            None,
+            r"swarm\.weights.*'bfloat16' contradicts dtype = 'float32'",
+        ),
+        ({"dtype": "bfloat16"}, {"weights": "float32"}, r"stage\[1\]\.weights.*contradicts"),
     ],
 )
 def test_bad_or_contradictory_weights_are_one_line_errors(
     swarm: dict[str, Any], s1: dict[str, Any] | None, match: str
 ) -> None:
-    """An unknown weights value, or a float one other than the node's dtype, is refused."""
+    """An unknown weights value, or a float one other than the node's dtype, is refused, at
+    the key that made the clash (``[swarm]``'s when the node inherits both)."""
     with pytest.raises(SpecError, match=match) as info:
         _spec(swarm, s1)
     assert "\n" not in str(info.value)

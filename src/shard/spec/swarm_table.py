@@ -46,11 +46,18 @@ def read_weights(swarm: Table) -> str | None:
 def check_nodes_weights(
     source: str, dtype: str, weights: str | None, nodes: list[tuple[str, DeviceSpec]]
 ) -> None:
-    """Each node's ``weights`` (its own, else the swarm's) agrees with its dtype."""
+    """Each node's ``weights`` (its own, else the swarm's) agrees with its dtype; a clash is
+    reported at the key that made it: the node's own ``weights`` or ``dtype``, else
+    ``swarm.weights`` (both inherited from ``[swarm]``)."""
     for key, runtime in nodes:
         why = check_weights_dtype(runtime.weights or weights, runtime.dtype or dtype)
         if why is not None:
-            raise SpecError(source, f"{key}.weights", why)
+            where = (
+                f"{key}.weights" if runtime.weights is not None
+                else f"{key}.dtype" if runtime.dtype is not None
+                else "swarm.weights"
+            )  # fmt: skip
+            raise SpecError(source, where, why)
 
 
 def read_dtype(swarm: Table) -> str:
