@@ -42,6 +42,8 @@ PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(5)] + [
     [7, 7, 7, 7, 7, 7],
 ]
 MAX_TOKENS = 16
+#: The rings run every family and DeepSeek-V3 without ``q_lora_rank`` (a plain ``q_proj``).
+RINGS = [*FAMILIES, "deepseek_v3_plain_q"]
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -91,7 +93,7 @@ def ring_spec(model_dir: Path) -> SwarmSpec:
     return SwarmSpec.from_dict(data, source="family.toml")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", RINGS)
 async def test_eight_sessions_with_and_without_speculation(
     family_checkpoint: Callable[[str], Path], family: str, report: Callable[[str], None]
 ) -> None:
@@ -128,7 +130,7 @@ PROMPT = "in in in the the river river"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", RINGS)
 async def test_process_ring_matches_local(
     family_checkpoint: Callable[[str], Path], family: str, tmp_path: Path
 ) -> None:
