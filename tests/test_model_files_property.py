@@ -73,6 +73,29 @@ def test_any_config_mutation_is_refused_or_sane(
     assert all(0 <= i < c.vocab_size for i in c.eos_token_ids)
 
 
+#: The published configs of the frontier families (specs/models): MLA, DSA, MiniMax-M2,
+#: Gated DeltaNet and DeepSeek-V4's fields, mutated as the Llama-family bases are.
+FRONTIER = [
+    json.loads((Path(__file__).resolve().parents[1] / "specs" / "models" / name /
+                "config.json").read_text())
+    for name in ("deepseek-v3", "glm-5", "minimax-m2", "qwen3-next-80b-a3b", "deepseek-v4-flash")
+]  # fmt: skip
+FRONTIER_KEYS = sorted({k for base in FRONTIER for k in base})
+
+
+@SEEDED
+@given(
+    base=st.sampled_from(FRONTIER),
+    changes=st.lists(st.tuples(st.sampled_from(FRONTIER_KEYS), HOSTILE), min_size=1, max_size=3),
+)
+def test_any_frontier_config_mutation_is_refused_or_sane(
+    base: dict[str, Any], changes: list[tuple[str, Any]]
+) -> None:
+    """A mutated frontier config.json (its family's own fields too) gives a one-line
+    ModelLoadError or a config within every bound, never another exception."""
+    test_any_config_mutation_is_refused_or_sane.hypothesis.inner_test(base, changes)  # type: ignore[attr-defined]
+
+
 def _valid_file(tmp_path: Path) -> bytes:
     path = tmp_path / "v.safetensors"
     save_file(
