@@ -397,3 +397,39 @@ async def test_the_chat_page_streams_a_reply_in_a_real_browser(
         assert detail["chunks"] >= 2  # streamed, not delivered whole
         shown = await page.evaluate("document.querySelector('.assistant .stats').textContent")
         assert "tok/s" in shown and "acceptance" in shown
+
+
+async def test_the_page_offers_plain_completion_for_a_base_model(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """Where ``/v1/models`` says the model has no chat template (a base model; here the
+    answer is rewritten in the browser, the rest is the real swarm), the page says so and
+    continues the typed text through ``/v1/completions``: the plain API's greedy reply."""
+    models = json.loads(await in_thread(lambda: _get(f"{swarm.api}/v1/models", swarm.key)))
+    assert models["data"][0]["shard"] == {"chat_template": True}  # the tiny model has one
+    prompt, ref = next(iter(swarm.plain.items()))
+    async with Browser(chromium_path(), tmp_path) as browser:
+        page = await browser.open(f"{swarm.api}/")
+        await page.evaluate(f"localStorage.setItem('shard-api-key', {json.dumps(swarm.key)})")
+        await page.navigate(f"{swarm.api}/")
+        await page.wait_for("document.getElementById('status').textContent.startsWith('model')")
+        await page.evaluate(
+            "const real = window.fetch; window.fetch = async (url, init) => {"
+            " const r = await real(url, init); if (url !== '/v1/models') return r;"
+            " const body = await r.json(); body.data[0].shard.chat_template = false;"
+            " return new Response(JSON.stringify(body), {status: r.status}); }; loadModel()",
+            await_promise=True,
+        )
+        await page.wait_for("document.getElementById('status').textContent.includes('plain')")
+        await page.evaluate(f"document.getElementById('max-tokens').value = {MAX_TOKENS}")
+        await page.evaluate(
+            "window.__reply = new Promise(r => document.addEventListener("
+            "'shard-reply', e => r(e.detail), {once: true}))"
+        )
+        await page.click("#input")
+        await page.type_text(prompt)
+        await page.press_enter()
+        with trio.fail_after(60):
+            detail = await page.evaluate("window.__reply", await_promise=True)
+        assert detail["finish"] != "error", detail
+        assert detail["text"] == ref["text"]

@@ -176,7 +176,15 @@ class ApiApp:
             )
 
     def _models(self, rest: str) -> dict[str, Any]:
-        model = {"id": self._config.model_id, "object": "model", "created": 0, "owned_by": "shard"}
+        model = {
+            "id": self._config.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "shard",
+            # shard's own: whether chat completions work (a base model has no chat template;
+            # the chat page then offers plain completion)
+            "shard": {"chat_template": self._text.tokenizer.has_chat_template},
+        }
         if not rest:
             return {"object": "list", "data": [model]}
         self._check_model(rest.removeprefix("/"))

@@ -153,6 +153,11 @@ class Tokenizer:
                 f"{self._chat_source}: the chat template failed: {_one_line(exc)}"
             ) from None
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a chat template (a base model has none: plain text only)."""
+        return bool(self._chat_text)
+
     @cached_property
     def _chat(self) -> jinja2.Template:
         """The compiled chat template; compiled on first use so a broken template does not
