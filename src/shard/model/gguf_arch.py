@@ -63,6 +63,7 @@ from shard.model.gguf_common import (
 )
 from shard.model.gguf_mla import DEEPSEEK2
 from shard.model.gguf_moe import FUSED_EXPERTS, GLM4MOE, GPT_OSS, MINIMAX_M2, MIXTRAL, QWEN3MOE
+from shard.model.gguf_next import QWEN3NEXT
 
 if TYPE_CHECKING:
     from shard.model.gguf_file import GgufFile
@@ -248,5 +249,6 @@ ARCHES: dict[str, GgufArch] = {
     "glm4moe": GLM4MOE,
     "minimax-m2": MINIMAX_M2,
     "deepseek2": DEEPSEEK2,
+    "qwen3next": QWEN3NEXT,
 }
 """The architectures ``gguf_import`` converts, by ``general.architecture``."""
