@@ -210,6 +210,7 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
         if bare and bare[2] in arch.bare and int(bare[1]) < n_layers:  # qwen3next's ssm_a
             hf = f"model.layers.{bare[1]}.{arch.bare[bare[2]]}"
             plan.append(Planned(hf, shape, t, None, a_log=True))
+            a_log(_float32(plan[-1], t))  # refused now, not after the slow pass (tiny: [Hv])
             continue
         if t.name == ROPE_FREQS and name == "llama":
             continue  # read into rope_scaling by the config reader (Llama 3.x)

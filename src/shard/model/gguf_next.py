@@ -201,6 +201,11 @@ def next_needs(config: dict[str, Any], layer: int, present: Mapping[str, Any]) -
     else:
         names += [*_LINEAR, "ssm_out.weight"]
         whole = f"blk.{layer}.ssm_in.weight" in present
+        if whole and any(f"blk.{layer}.{n}.weight" in present for n in QKVZ_PARTS):
+            raise ConvertError(
+                f"tensor 'blk.{layer}.ssm_in.weight': block {layer} holds in_proj_qkvz twice "
+                "(whole, and split into attn_qkv / attn_gate); a file has one form"
+            )
         names += ["ssm_in.weight"] if whole else [f"{n}.weight" for n in QKVZ_PARTS]
     if layer in config["mlp_only_layers"]:
         names += ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
