@@ -40,6 +40,7 @@ from shard.model.gguf_import import ConvertError, convert_gguf
 from shard.model.gguf_tensors import check_tensors
 from test_gguf_mla import write_deepseek2
 from test_gguf_moe import _write as write_moe_gguf
+from test_gguf_next import write_qwen3next
 
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
 
@@ -399,22 +400,29 @@ def test_expert_tensors_must_match_the_expert_count() -> None:
         check_tensors("qwen3moe", config, shapes)
 
 
-# --- the frontier architectures: deepseek2 (MLA) and minimax-m2 -------------------------
+# --- the frontier architectures: deepseek2 (MLA), minimax-m2 and qwen3next ----------------
 
 
 @pytest.fixture(scope="module")
 def frontier(
     family_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Doc]:
-    """Valid ``deepseek2`` (split ``attn_k_b`` / ``attn_v_b``, low-rank query, YaRN) and
-    ``minimax-m2`` GGUFs of the tiny family checkpoints, as records."""
+    """Valid ``deepseek2`` (split ``attn_k_b`` / ``attn_v_b``, low-rank query, YaRN),
+    ``minimax-m2`` and ``qwen3next`` (split ``in_proj_qkvz``, per-layer ``recurrent_layers``)
+    GGUFs of the tiny family checkpoints, as records."""
     root = tmp_path_factory.mktemp("frontier")
     write_deepseek2(family_checkpoint("deepseek_v3"), root / "ds.gguf", "split")
     write_moe_gguf("minimax_m2", family_checkpoint("minimax_m2"), root / "mm.gguf")
-    return {"deepseek2": read_doc(root / "ds.gguf"), "minimax-m2": read_doc(root / "mm.gguf")}
+    write_qwen3next(family_checkpoint("qwen3_next"), root / "qn.gguf", "split", {})
+    return {
+        "deepseek2": read_doc(root / "ds.gguf"),
+        "minimax-m2": read_doc(root / "mm.gguf"),
+        "qwen3next": read_doc(root / "qn.gguf"),
+    }
 
 
 _DS = "deepseek2"
+_QN = "qwen3next"
 _FRONTIER_CASES: list[tuple[str, str, dict[str, Any], str]] = [
     (_DS, "blk.3.attn_v_b.weight", {"drop": True}, "tensor 'blk.3.attn_v_b.weight': missing"),
     (_DS, "blk.0.attn_q_b.weight", {"drop": True}, "tensor 'blk.0.attn_q_b.weight': missing"),
@@ -432,6 +440,24 @@ _FRONTIER_CASES: list[tuple[str, str, dict[str, Any], str]] = [
     (_DS, "deepseek2.rope.scaling.yarn_log_multiplier", {"kind": None}, "yarn_log_multiplier"),
     ("minimax-m2", "minimax-m2.expert_gating_func", {"value": 1}, "sigmoid (2), not 1"),
     ("minimax-m2", "blk.1.attn_q_norm.weight", {"dims": (16,)}, "attn_q_norm.weight': shape"),
+    (_QN, "blk.0.ssm_a", {"drop": True}, "tensor 'blk.0.ssm_a': missing"),
+    (_QN, "blk.2.attn_gate.weight", {"drop": True}, "tensor 'blk.2.attn_gate.weight': missing"),
+    (_QN, "blk.1.attn_k_norm.weight", {"drop": True}, "'blk.1.attn_k_norm.weight': missing"),
+    (_QN, "blk.3.ffn_gate_inp_shexp.weight", {"drop": True}, "ffn_gate_inp_shexp.weight': miss"),
+    # conv1d left unsqueezed ([C, 1, K]: the bytes fit, the layout does not)
+    (_QN, "blk.0.ssm_conv1d.weight", {"dims": (4, 1, 80)}, "ssm_conv1d.weight': shape [80, 1, 4]"),
+    (_QN, "qwen3next.ssm.conv_kernel", {"value": 3}, "ssm_conv1d.weight': shape [80, 4] contra"),
+    (_QN, "qwen3next.ssm.conv_kernel", {"value": 1000}, "conv_kernel: 1000 is outside"),
+    (_QN, "qwen3next.ssm.group_count", {"value": 4}, "contradicts the metadata"),
+    (_QN, "qwen3next.ssm.group_count", {"value": 3}, "4 value heads are not a multiple of the 3"),
+    (_QN, "qwen3next.ssm.time_step_rank", {"value": 0}, "time_step_rank: 0 is outside"),
+    (_QN, "qwen3next.ssm.inner_size", {"value": 50}, "inner_size: 50 is not a whole value head"),
+    (_QN, "qwen3next.attention.head_count", {"value": 2}, "contradicts the metadata"),
+    (_QN, "qwen3next.attention.value_length", {"value": 8}, "value heads are as wide"),
+    (_QN, "qwen3next.rope.dimension_count", {"value": 32}, "dimension_count: 32 is outside"),
+    (_QN, "qwen3next.expert_gating_func", {"value": 2}, "expert_gating_func: 2; Qwen3-Next's"),
+    (_QN, "qwen3next.attention.recurrent_layers", {"value": [1, 0, 1]}, "one flag (0 or 1)"),
+    (_QN, "qwen3next.attention.recurrent_layers", {"value": [1, 0, 2, 1], "item": V.INT32}, "0 or"),
 ]
 
 
@@ -447,7 +473,10 @@ def test_frontier_lies_are_refused(
     """A ``deepseek2`` file missing a tensor, with ``attn_k_b`` / ``attn_v_b`` laid out
     otherwise, head counts or ``kv_lora_rank`` its tensors contradict, a query form without its
     key, softmax routing or YaRN without its multiplier — or a ``minimax-m2`` file with another
-    router or a per-head q norm — is one quick ``ConvertError``."""
+    router or a per-head q norm, or a ``qwen3next`` file missing a tensor, with ``conv1d``
+    unsqueezed, DeltaNet head counts its tensors contradict or value heads not a multiple of
+    the key heads, another router or layer flags that are not one per layer — is one quick
+    ``ConvertError``."""
     doc = frontier[arch]
     if what.startswith("blk."):
         t = next(t for t in doc.tensors if t.name == what)
@@ -469,6 +498,45 @@ def test_a_kv_lora_rank_the_tensors_contradict_is_refused(
     doc = doc.field("deepseek2.attention.key_length", value=16 + 8)
     doc = doc.field("deepseek2.attention.value_length", value=16)
     refuse(doc, "shape [32] contradicts the metadata (expected [16])")
+
+
+@pytest.mark.parametrize(
+    ("interval", "message"),
+    [
+        (0, "full_attention_interval: 0 is outside"),
+        ("4", "full_attention_interval: must be one integer"),
+        (4, "tensor 'blk.1.ssm_conv1d.weight': missing"),  # layer 1 linear, 3 full: a lie
+    ],
+)
+def test_a_bad_full_attention_interval_is_refused(
+    frontier: dict[str, Doc], refuse: Callable[..., str], interval: Any, message: str
+) -> None:
+    """Without ``recurrent_layers``, a ``full_attention_interval`` of 0, a string, or one
+    whose full layers the tensors contradict is refused."""
+    doc = frontier[_QN].field("qwen3next.attention.recurrent_layers", kind=None)
+    kind = V.STRING if isinstance(interval, str) else V.UINT32
+    refuse(doc.field("qwen3next.full_attention_interval", kind=kind, value=interval), message)
+
+
+def test_both_forms_of_in_proj_qkvz_are_refused(
+    frontier: dict[str, Doc], refuse: Callable[..., str]
+) -> None:
+    """A block holding ``ssm_in`` beside ``attn_qkv`` / ``attn_gate`` would write
+    ``in_proj_qkvz`` twice: refused."""
+    doc = frontier[_QN]
+    qkv = next(t for t in doc.tensors if t.name == "blk.0.attn_qkv.weight")
+    whole = attrs.evolve(qkv, name="blk.0.ssm_in.weight", dims=(64, 128), data=qkv.data * 2)
+    whole = attrs.evolve(whole, data=whole.data[: 4 * 64 * 128])
+    refuse(attrs.evolve(doc, tensors=(*doc.tensors, whole)), "holds in_proj_qkvz twice")
+
+
+def test_a_positive_ssm_a_is_refused(frontier: dict[str, Doc], refuse: Callable[..., str]) -> None:
+    """``ssm_a`` is ``-exp(A_log)``: a value not below zero has no ``A_log`` and is refused
+    before the slow pass."""
+    doc = frontier[_QN]
+    t = next(t for t in doc.tensors if t.name == "blk.2.ssm_a")
+    data = struct.pack("<f", 0.5) + t.data[4:]
+    refuse(doc.tensor("blk.2.ssm_a", data=data), "ssm_a: every value must be negative")
 
 
 # --- the commands -----------------------------------------------------------------------

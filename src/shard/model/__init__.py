@@ -46,6 +46,7 @@
     gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5,
                     MiniMax-M2
     gguf_mla.py     llama.cpp's deepseek2 (DeepSeek-V3's MLA, split kv_b joined back)
+    gguf_next.py    llama.cpp's qwen3next (Qwen3-Next: A_log, in_proj_qkvz, conv1d put back)
     gguf_plan.py    a conversion's output tensors, experts split or re-fused
     gguf_vocab.py   a GGUF's tokenizer metadata -> tokenizer.json (for gguf_import)
     bundled.py      find a model by name or path (the shipped SmolLM2 and Gemma 3 270M)

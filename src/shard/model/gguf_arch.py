@@ -16,15 +16,20 @@ llama.cpp's ``convert_hf_to_gguf.py`` applies on the way in, which ``gguf_import
 | ``glm4moe``  | no (NeoX rope, on the rotated part)        | ``w``                   |
 | ``minimax-m2`` | no (NeoX rope, on the rotated part)      | ``w``                   |
 | ``deepseek2`` | no (interleaved rope on the checkpoint's own rows: ``rope_interleave``) | ``w`` |
+| ``qwen3next`` | no (NeoX rope, on the rotated part) | ``1 + w`` (all but ``ssm_norm``) |
 
 The architectures with experts (Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5, MiniMax-M2) are read by
 ``shard.model.gguf_moe``; ``deepseek2`` (DeepSeek-V3, Kimi K2: MLA, whose split ``attn_k_b`` is
 stored transposed and is joined back into ``kv_b_proj``) by ``shard.model.gguf_mla``; what every
-reader shares is ``shard.model.gguf_common``. MiniMax-M2 and ``deepseek2`` are tested, as the
-other MoE architectures, on tiny GGUFs written as llama.cpp's converter writes them, against
-transformers' model holding the weights the GGUF holds (``tests/test_gguf_moe.py``;
-``tests/test_gguf_mla.py``: both ``kv_b_proj`` forms, both query forms, bit-exact in float32;
-lies refused: ``tests/test_gguf_hostile.py``).
+reader shares is ``shard.model.gguf_common``; ``qwen3next`` (Qwen3-Next: Gated DeltaNet, whose
+``A_log`` is stored as ``-exp(A_log)`` and ``in_proj_qkvz`` split in two) by
+``shard.model.gguf_next``, tested against the checkpoint it was written from
+(``tests/test_gguf_next.py``: logits bit-identical; ``A_log`` and the (1+w) norms within their
+float32 rounding, the model's ``-exp(A_log)`` and ``1 + w`` bit for bit). MiniMax-M2 and
+``deepseek2`` are tested, as the other MoE architectures, on tiny GGUFs written as llama.cpp's
+converter writes them, against transformers' model holding the weights the GGUF holds
+(``tests/test_gguf_moe.py``; ``tests/test_gguf_mla.py``: both ``kv_b_proj`` forms, both query
+forms, bit-exact in float32; lies refused: ``tests/test_gguf_hostile.py``).
 
 Gemma 3's GGUF leaves out most of what its ``config.json`` declares; llama.cpp fills it in at
 load (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``), and so does this module, the same way: every
@@ -63,6 +68,7 @@ from shard.model.gguf_common import (
 )
 from shard.model.gguf_mla import DEEPSEEK2
 from shard.model.gguf_moe import FUSED_EXPERTS, GLM4MOE, GPT_OSS, MINIMAX_M2, MIXTRAL, QWEN3MOE
+from shard.model.gguf_next import QWEN3NEXT
 
 if TYPE_CHECKING:
     from shard.model.gguf_file import GgufFile
@@ -248,5 +254,6 @@ ARCHES: dict[str, GgufArch] = {
     "glm4moe": GLM4MOE,
     "minimax-m2": MINIMAX_M2,
     "deepseek2": DEEPSEEK2,
+    "qwen3next": QWEN3NEXT,
 }
 """The architectures ``gguf_import`` converts, by ``general.architecture``."""

@@ -129,7 +129,9 @@ class GgufArch:
     the module's) or a short name with its suffix (``attn_sinks.weight``), whose value is then
     the whole Hugging Face name. ``fused``: the experts are gpt-oss's (``FUSED_EXPERTS``).
     ``extra_blocks``: the metadata key counting trailing blocks shard does not run (GLM's
-    multi-token prediction), or None."""
+    multi-token prediction), or None. ``bare``: block tensors stored without a ``.weight``
+    suffix (qwen3next's ``ssm_a``) by short name, each with its whole Hugging Face name;
+    ``plain_norms``: the ``*norm.weight`` tensors (with suffix) not stored as ``1 + w``."""
 
     blocks: dict[str, str]
     config: ConfigReader
@@ -139,6 +141,8 @@ class GgufArch:
     experts_prefix: str = "mlp.experts"
     fused: bool = False
     extra_blocks: str | None = None
+    bare: dict[str, str] = attrs.field(factory=dict)
+    plain_norms: tuple[str, ...] = ()
 
 
 GLOBAL_NAMES = {

@@ -1,6 +1,6 @@
-"""Convert a Llama-, Mixtral-, Gemma 3-, Qwen3-, Qwen3-MoE-, gpt-oss-, GLM-4.5-MoE-, DeepSeek-V3-
-(``deepseek2``) or MiniMax-M2-architecture GGUF checkpoint into a Hugging Face-style model
-directory.
+"""Convert a Llama-, Mixtral-, Gemma 3-, Qwen3-, Qwen3-MoE-, Qwen3-Next-, gpt-oss-, GLM-4.5-MoE-,
+DeepSeek-V3- (``deepseek2``) or MiniMax-M2-architecture GGUF checkpoint into a Hugging Face-style
+model directory.
 
 The output is what the runtime loads: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
@@ -23,7 +23,8 @@ kept stored, into one 2-D linear weight per expert and projection
 (``mlp.experts.gate_up_proj.E``: ``[2F, D]``, rows interleaved; ``mlp.experts.down_proj.E``:
 ``[D, F]``), which the loader installs as ``FusedExperts``' quantized linears — GLM's
 multi-token-prediction layers are left out, ``deepseek2``'s split ``attn_k_b`` / ``attn_v_b``
-are joined back into ``kv_b_proj`` (``shard.model.gguf_mla``), and the tokenizer is
+are joined back into ``kv_b_proj`` (``shard.model.gguf_mla``), ``qwen3next``'s ``A_log``,
+``in_proj_qkvz`` and ``conv1d`` are put back (``shard.model.gguf_next``), and the tokenizer is
 stored as metadata arrays rather than a ``tokenizer.json`` (read here, rebuilt by
 ``shard.model.gguf_vocab``).
 
@@ -61,6 +62,7 @@ from shard.model.gguf_arch import (
 from shard.model.gguf_common import MAX_BLOCKS, count
 from shard.model.gguf_file import GgufFile
 from shard.model.gguf_mla import SPLIT_KV, join_arrays, join_kv_b
+from shard.model.gguf_next import QKVZ_PARTS, a_log, hf_shape, join_qkvz, qkvz_arrays
 from shard.model.gguf_plan import Planned, fuse_experts, split_experts
 from shard.model.gguf_tensors import check_tensors, check_types
 from shard.model.gguf_vocab import read_vocab, tokenizer_files
@@ -94,6 +96,7 @@ class OutputExists(ConvertError):
 
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)\.(weight|bias)")
+_BARE_RE = re.compile(r"blk\.(\d+)\.(\w+)")  # a block tensor without suffix (GgufArch.bare)
 
 
 def convert_gguf(
@@ -180,7 +183,7 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
         raise ConvertError(
             f"general.architecture: architecture {name!r} is not supported; this converter handles "
             f"{', '.join(sorted(ARCHES))} GGUFs (Llama, Mistral, Mixtral, SmolLM, Gemma 3, Qwen3, "
-            "Qwen3-MoE, gpt-oss, GLM-4.5-MoE, DeepSeek-V3 / Kimi K2, MiniMax-M2) only"
+            "Qwen3-MoE, Qwen3-Next, gpt-oss, GLM-4.5-MoE, DeepSeek-V3 / Kimi K2, MiniMax-M2) only"
         )
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
@@ -199,9 +202,16 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
     plan = []
     fused: dict[tuple[int, str], dict[str, gguf.ReaderTensor]] = {}
     split: dict[int, dict[str, gguf.ReaderTensor]] = {}
+    qkvz: dict[int, dict[str, gguf.ReaderTensor]] = {}
     for t in reader.tensors:
         block = _BLOCK_RE.fullmatch(t.name)
         shape = _shape(t)
+        bare = _BARE_RE.fullmatch(t.name)
+        if bare and bare[2] in arch.bare and int(bare[1]) < n_layers:  # qwen3next's ssm_a
+            hf = f"model.layers.{bare[1]}.{arch.bare[bare[2]]}"
+            plan.append(Planned(hf, shape, t, None, a_log=True))
+            a_log(_float32(plan[-1], t))  # refused now, not after the slow pass (tiny: [Hv])
+            continue
         if t.name == ROPE_FREQS and name == "llama":
             continue  # read into rope_scaling by the config reader (Llama 3.x)
         if block and int(block[1]) >= n_layers:
@@ -213,6 +223,9 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
             if f"blk.{block[1]}.attn_kv_b.weight" not in by_name:  # else a redundant copy
                 split.setdefault(int(block[1]), {})[block[2]] = t
             continue
+        if block and name == "qwen3next" and block[2] in QKVZ_PARTS and block[3] == "weight":
+            qkvz.setdefault(int(block[1]), {})[block[2]] = t
+            continue
         if block and block[2] in arch.experts:
             if block[3] != "weight":
                 raise ConvertError(f"tensor {t.name!r}: {name} experts have no biases")
@@ -221,12 +234,17 @@ def _plan(reader: GgufFile, *, stored: bool) -> tuple[dict[str, Any], list[Plann
             continue
         hf = _hf_name(t.name, arch, name)
         plus_one = arch.norm_plus_one and t.name.endswith("norm.weight")
+        plus_one = plus_one and not t.name.endswith(arch.plain_norms)
         permuted = heads.get(block[2]) if block and block[3] == "weight" else None
+        if block and name == "qwen3next":
+            shape = hf_shape(f"{block[2]}.{block[3]}", shape)
         plan.append(Planned(hf, shape, t, permuted, plus_one))
     for (layer, suffix), parts in sorted(fused.items()):
         plan += fuse_experts(layer, suffix, parts, stored=stored)
     plan += [join_kv_b(layer, parts) for layer, parts in sorted(split.items())]
+    plan += [join_qkvz(layer, parts, config) for layer, parts in sorted(qkvz.items())]
     layers = {int(m[1]) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
+    layers |= {int(m[1]) for t in reader.tensors if (m := _BARE_RE.fullmatch(t.name))}
     if layers != set(range(n_layers + extra)):
         n = n_layers + extra
         raise ConvertError(
@@ -277,6 +295,11 @@ def _float32(p: Planned, source: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
 
 def _load(planned: Planned) -> npt.NDArray[np.float32]:
     array = _float32(planned, planned.source)
+    if planned.a_log:  # qwen3next's ssm_a: -exp(A_log)
+        return a_log(array)
+    if planned.qkvz is not None:  # qwen3next's in_proj_qkvz, split on the way out
+        assert planned.up is not None
+        return qkvz_arrays(array, _float32(planned, planned.up), planned.qkvz)
     if planned.latent:  # deepseek2's split kv_b_proj
         assert planned.up is not None
         return join_arrays(array, _float32(planned, planned.up), planned.shape)

@@ -27,7 +27,10 @@ class Planned:
     gpt-oss: ``up`` is interleaved with ``source`` (the gate) along the expert's output axis,
     gate first; ``transpose`` swaps the last two axes (``[E, out, in]`` -> ``[E, in, out]``).
     ``latent``: MLA's ``kv_b_proj`` joined from ``deepseek2``'s split ``attn_k_b`` (``source``)
-    and ``attn_v_b`` (``up``; ``shard.model.gguf_mla``)."""
+    and ``attn_v_b`` (``up``; ``shard.model.gguf_mla``). qwen3next (``shard.model.gguf_next``):
+    ``a_log``: ``A_log`` read back from ``ssm_a``; ``qkvz``: ``in_proj_qkvz`` regrouped from
+    ``attn_qkv`` (``source``) and ``attn_gate`` (``up``), ``(key heads, key head size, value
+    rows per key head)``."""
 
     name: str
     shape: tuple[int, ...]
@@ -38,6 +41,8 @@ class Planned:
     up: gguf.ReaderTensor | None = None
     transpose: bool = False
     latent: bool = False
+    a_log: bool = False
+    qkvz: tuple[int, int, int] | None = None
 
     def data(self, source: gguf.ReaderTensor | None = None) -> npt.NDArray[Any]:
         """``source``'s (default: the source's) raw data, its expert's slice when this is one
@@ -49,7 +54,8 @@ class Planned:
     def dense_only(self) -> bool:
         """Written as float32 whatever the source's format (a rebuilt fused tensor, a norm)."""
         rebuilt = self.up is not None or self.transpose
-        return self.plus_one or self.latent or (self.expert is None and rebuilt)
+        undone = self.latent or self.a_log or self.qkvz is not None
+        return self.plus_one or undone or (self.expert is None and rebuilt)
 
 
 def split_experts(

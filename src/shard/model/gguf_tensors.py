@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from shard.model.gguf_common import ConvertError
 from shard.model.gguf_mla import mla_needs, mla_shapes
+from shard.model.gguf_next import gate_row, next_needs, next_shapes
 
 __all__ = ["READABLE_TYPES", "check_tensors", "check_types"]
 
@@ -36,7 +37,7 @@ _DENSE: Final = ("ffn_gate", "ffn_up", "ffn_down")
 _ROUTED: Final = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _SHARED: Final = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _DENSE_FAMILIES: Final = frozenset({"llama", "qwen3", "gemma3"})
-# deepseek2's blocks and attention shapes: ``shard.model.gguf_mla``
+# deepseek2's blocks and attention shapes: ``shard.model.gguf_mla``; qwen3next's: ``gguf_next``
 MAX_EXPERT_MATRICES: Final = 1 << 18
 """Experts times blocks: each is planned as its own output tensor, so this bounds the plan
 (the largest real models have under 25,000)."""
@@ -64,6 +65,7 @@ def check_tensors(arch: str, config: dict[str, Any], shapes: Mapping[str, tuple[
                 raise ConvertError(f"tensor {name!r}: missing; the file is incomplete")
     for name, shape in shapes.items():
         want = _expected(arch, config, name)
+        shape = gate_row(name, shape) if arch == "qwen3next" else shape
         if want is not None and not _fits(shape, want):
             raise ConvertError(
                 f"tensor {name!r}: shape {list(shape)} contradicts the metadata "
@@ -88,6 +90,8 @@ def _block_needs(
     the file's tensors, which say which form of ``kv_b_proj`` a ``deepseek2`` file holds)."""
     if arch == "deepseek2":
         return mla_needs(config, layer, present)
+    if arch == "qwen3next":
+        return next_needs(config, layer, present)
     names = list(_ATTENTION)
     if arch in ("qwen3", "gemma3", "qwen3moe", "minimax-m2") or config.get("use_qk_norm"):
         names += _QK_NORM
@@ -121,7 +125,7 @@ def _expected(arch: str, config: dict[str, Any], name: str) -> tuple[int | None,
     d, dh = config["hidden_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * dh, config["num_key_value_heads"] * dh
     ffn = config["intermediate_size"]
-    short = name.split(".", 2)[2] if name.startswith("blk.") else name
+    short = name.split(".", 2)[2] if name.startswith("blk.") and name.count(".") > 1 else name
     table: dict[str, tuple[int | None, ...]] = {
         "token_embd.weight": (None, d),
         "output.weight": (config["vocab_size"], d),
@@ -146,6 +150,7 @@ def _expected(arch: str, config: dict[str, Any], name: str) -> tuple[int | None,
         "ffn_down_shexp.weight": (d, None),
         **_expert_shapes(config),
         **mla_shapes(config),
+        **next_shapes(config),
     }
     if arch == "minimax-m2":  # its q/k norms span all heads at once
         table |= {"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)}
