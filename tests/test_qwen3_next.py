@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -31,7 +32,9 @@ from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.footprint import predict
 from shard.model.loader import load_stage
 from shard.model.recurrent import EVERY, ROLLBACK, RecurrentRollbackError, recurrent_bytes
+from shard.spec.audit import AuditSpec
 from shard.stage.chunks import kv_refusal
+from test_audit_wired import _run as run_audited
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, run_scenario
 
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
@@ -133,6 +136,19 @@ def test_an_audit_replay_through_rejected_chunks_equals_the_stage(
     assert torch.equal(claimed.argmax(-1), want.argmax(-1))
 
 
+def _local_runs(model_dir: Path) -> list[tuple[int, ...]]:
+    """``generate --local`` of each of the failover harness's ``PROMPTS``, as it runs them."""
+    config = ModelConfig.from_dir(model_dir)
+    model = load_stage(model_dir, 0, config.n_layers)
+    return [
+        generate_reference(
+            model, list(p), eos_ids=config.eos_token_ids, max_tokens=MAX_TOKENS,
+            prefill_chunk=4, max_len=96,
+        ).token_ids
+        for p in PROMPTS
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
 def test_a_killed_stage_is_spliced_onto_its_standby_with_identical_output(
     family_checkpoint: Callable[[str], Path], speculate: bool
@@ -142,15 +158,7 @@ def test_a_killed_stage_is_spliced_onto_its_standby_with_identical_output(
     tokens into a fresh state and takes over, and each request's tokens equal the local
     plain run — with speculation too, whose rejected drafts roll every stage's state back."""
     model_dir = family_checkpoint("qwen3_next_6")
-    config = ModelConfig.from_dir(model_dir)
-    model = load_stage(model_dir, 0, config.n_layers)
-    want = [
-        generate_reference(
-            model, list(p), eos_ids=config.eos_token_ids, max_tokens=MAX_TOKENS,
-            prefill_chunk=4, max_len=96,
-        ).token_ids
-        for p in PROMPTS
-    ]  # fmt: skip
+    want = _local_runs(model_dir)
     plan = FaultPlan.random(3800 + speculate, kind="kill", node="s1", frames=DECODE)
     out = run_scenario(failover_spec(model_dir, speculate=speculate), model_dir, plan)
     assert out.injector.fired, f"{plan}: the fault never fired"
@@ -158,6 +166,25 @@ def test_a_killed_stage_is_spliced_onto_its_standby_with_identical_output(
     for i, result in enumerate(out.results):
         assert isinstance(result, Completion), f"{plan}: request {i} failed: {result}"
         assert result.token_ids == want[i], f"{plan}: request {i} output differs"
+
+
+def test_spot_checks_of_a_speculative_ring_find_every_honest_stage_honest(
+    family_checkpoint: Callable[[str], Path],
+) -> None:
+    """Every chunk of every stage of a speculative Qwen3-Next ring is audited (rate 1): each
+    auditor replays the session's chunks — rejected drafts, rollbacks and all — into a fresh
+    state and agrees with every honest stage; no one is struck, and the outputs equal the
+    local plain run."""
+    model_dir = family_checkpoint("qwen3_next_6")
+    want = _local_runs(model_dir)
+    spec = failover_spec(model_dir, speculate=True)
+    spec = attrs.evolve(spec, audit=AuditSpec(enabled=True, rate=1.0))
+    rounds, stats, verdicts, _ = run_audited(spec, model_dir, "s1", "none")
+    assert verdicts and all(v.ok for v in verdicts), [v for v in verdicts if not v.ok]
+    assert stats.audits.evictions == 0
+    assert {v.accused for v in verdicts} == {"s0", "s1", "s2"}
+    for r in rounds:
+        assert not r.errors and r.outputs == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
