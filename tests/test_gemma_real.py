@@ -216,6 +216,11 @@ async def test_stored_ring_equals_local_stored(gemma_dir: Path, prompts: list[li
     """weights = "stored" (int4/int8 codes): a 3-stage ring in this process gives each of
     several concurrent sessions exactly the local stored run's tokens."""
     spec = attrs.evolve(spec_for(gemma_dir, "none", n_layers=18), weights="stored")
+    # On a CPU without bf16 instructions the int4 kernel runs in fp32, ~10x slower
+    # (shard.model.quant): four Gemma sessions in one process can then leave the ring silent
+    # past its 60 s stall bound on a loaded machine (seen at load 5). Equality is the point
+    # here, not the bound: give it room.
+    spec = attrs.evolve(spec, limits=attrs.evolve(spec.limits, verdict_timeout_s=600.0))
     short = prompts[:4]
     want = _local(gemma_dir, "stored", short, 8)
     got = await _ring(spec, gemma_dir, short, 8, 0)
