@@ -1,12 +1,13 @@
 """A ring that lost its only holder of a block is down, not dead: it repairs itself whenever a
 node that can hold the block registers, however late (issue 40, part 5).
 
-In process and in virtual time, with the harness of ``tests/test_failover.py``: s1 is killed
-mid-decode with no standby; after ``join_deadline_s`` the requests in flight fail with their
-committed tokens (a prefix of the reference), and the ring says what it waits for. Two
-minutes later a node that can hold s1's layers comes — a standby of that block (hot), a spare
-that loads it (cold), or s1 itself restarted — and is spliced in; the next requests equal the
-single-process reference.
+In process and in virtual time, with the harness of ``tests/test_failover.py``: a stage (s1;
+s0 and s2 for the coordinator's own link and the tail's return link) is killed mid-decode
+with no standby; after ``join_deadline_s`` the requests in flight fail with their committed
+tokens (a prefix of the reference), and the ring says what it waits for. Two minutes later a
+node that can hold the lost layers comes — a standby of that block (hot), a spare that loads
+it (cold), or the lost stage itself restarted — and is spliced in; the next requests equal
+the single-process reference, and a replaced node that comes back is still refused.
 """
 
 from __future__ import annotations
@@ -22,38 +23,67 @@ from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion, RingError
 from shard.coordinator.service import ring_unready
 from shard.failover.faults import FaultInjector, FaultPlan
+from shard.messages import Fault, Hello, NodeName, Register
 from shard.nodes.coordinator import run_standby
 from shard.nodes.stage import run_stage
 from shard.transport import MemoryNetwork, Network
+from shard.transport.links import dial_peer
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, start_swarm
 from test_failover import model_dir as model_dir
 from test_failover import references as references
 
 #: how long after the kill the node that repairs the ring is started (virtual seconds)
 LATE_S = 120.0
-WAITING = "layers [2, 4) lost with s1; waiting for a node that can hold them"
+
+
+def waiting(victim: str) -> str:
+    i = int(victim[1:])
+    return (
+        f"layers [{2 * i}, {2 * i + 2}) lost with {victim}; waiting for a node that can hold them"
+    )
 
 
 async def _come_back(who: str, model_dir: Path, network: Network, nursery: trio.Nursery) -> None:
-    """Start the node that can hold s1's block: ``late`` (a standby of it), ``spare`` (no
-    block: the cold path) or ``s1`` itself, restarted with its spec."""
-    if who == "s1":
+    """Start the node that can hold the lost block: ``late`` (a standby of s1's), ``spare``
+    (no block: the cold path) or the lost stage itself, restarted with its spec."""
+    if who in ("s0", "s1", "s2"):
         spec = failover_spec(model_dir, standbys=False)
-        await nursery.start(partial(run_stage, spec, "s1", network=network, model_dir=model_dir))
+        await nursery.start(partial(run_stage, spec, who, network=network, model_dir=model_dir))
         return
     spec = failover_spec(model_dir, standbys=False, late=who == "late", spare=who == "spare")
     await nursery.start(partial(run_standby, spec, who, network=network, model_dir=model_dir))
 
 
-@pytest.mark.parametrize(("who", "how"), [("late", "hot"), ("spare", "cold"), ("s1", "rejoin")])
+async def _register(network: Network, victim: str) -> str:
+    """Register ``victim`` again on a raw control link, as a restarted stage would; the
+    scheduler's refusal."""
+    i, node = int(victim[1:]), NodeName(victim)
+    hello = Hello(node=node, role="stage", swarm="test", link="control")
+    conn = await dial_peer(network, "127.0.0.1:9000", hello, timeout_s=5)
+    await conn.send(Register(node, "stage", f"127.0.0.1:{9001 + i}", 2 * i, 2 * i + 2, slot=node))
+    fault = await conn.receive()
+    assert isinstance(fault, Fault), fault
+    return fault.detail
+
+
+@pytest.mark.parametrize(
+    ("victim", "who", "how"),
+    [
+        ("s1", "late", "hot"),
+        ("s1", "spare", "cold"),
+        ("s1", "s1", "rejoin"),
+        ("s0", "spare", "cold"),  # the coordinator's own ring link is rewired
+        ("s2", "spare", "cold"),  # the tail: the return link comes from the spare
+    ],
+)
 def test_a_ring_that_lost_a_block_repairs_when_a_node_joins_minutes_later(
-    model_dir: Path, references: list[tuple[int, ...]], who: str, how: str
+    model_dir: Path, references: list[tuple[int, ...]], victim: str, who: str, how: str
 ) -> None:
-    """s1 dies with no standby: the requests fail after join_deadline_s with a prefix of the
+    """A stage dies with no standby: the requests fail after join_deadline_s with a prefix of the
     reference, the ring reports what it waits for (readiness, monitor, statistics), a new
-    request fails at once; a node that can hold s1's layers joins 120 s later and is
+    request fails at once; a node that can hold the lost layers joins 120 s later and is
     spliced in (a ``late`` recovery), and the next requests equal the reference."""
-    plan = FaultPlan.random(93, kind="kill", node="s1", frames=DECODE)
+    plan = FaultPlan.random(93, kind="kill", node=victim, frames=DECODE)
     spec = failover_spec(model_dir, standbys=False, join_deadline_s=5.0)
     injector = FaultInjector(plan)
     failed: dict[int, Completion | RingError] = {}
@@ -83,10 +113,12 @@ def test_a_ring_that_lost_a_block_repairs_when_a_node_joins_minutes_later(
 
                 # down, and saying what it waits for: readiness, the monitor, the scheduler
                 reason = ring_unready(coordinator)
-                assert reason is not None and WAITING in reason, reason
+                assert reason is not None and waiting(victim) in reason, reason
                 stats = coordinator.statistics()
-                assert stats.ring_down is not None and WAITING in stats.ring_down
-                assert [w.startswith(WAITING) for w in scheduler.statistics().waiting] == [True]
+                assert stats.ring_down is not None and waiting(victim) in stats.ring_down
+                assert [w.startswith(waiting(victim)) for w in scheduler.statistics().waiting] == [
+                    True
+                ]
                 with pytest.raises(RingError, match="waiting for a node"):  # no client hangs
                     await coordinator.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
 
@@ -102,12 +134,14 @@ def test_a_ring_that_lost_a_block_repairs_when_a_node_joins_minutes_later(
 
                 recoveries = scheduler.statistics().recoveries
                 assert [(r.kind, r.lost, r.replacement) for r in recoveries] == [
-                    ("failed", "s1", None),
-                    ("late", "s1", who),
+                    ("failed", victim, None),
+                    ("late", victim, who),
                 ], recoveries
                 assert recoveries[1].detail.startswith(f"{how}: "), recoveries[1]
                 assert recoveries[1].total_s >= LATE_S
-                assert scheduler.ring()[2] == who
+                assert scheduler.ring()[1 + int(victim[1:])] == who
+                if who != victim:  # replaced: the lost node coming back now is refused
+                    assert await _register(network, victim) == f"{victim} was replaced by {who}"
 
                 async def again(i: int) -> None:
                     after.append(await coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS))
