@@ -210,6 +210,25 @@ def test_dropped_feed_shows_reconnecting_then_live() -> None:
     drive(scenario)
 
 
+def test_a_ring_that_lost_a_block_shows_down_not_live() -> None:
+    """The feed is live but the ring lost a block: the link line says "ring down" and what
+    it waits for (not "● live"); a repair says "repairing"; a whole ring is live again."""
+    waits = "layers [2, 4) lost with s1; waiting for a node that can hold them"
+
+    async def scenario(feed: FakeFeed, pilot: Pilot[None]) -> None:
+        await feed.play(pilot, attrs.evolve(sample_snapshot(), ring_down=waits))
+        link = feed.text("#link")
+        assert link.startswith("✖ ring down  swarm local · coord") and link.endswith(waits)
+        assert feed.app.query_one("#link").has_class("ring-down")
+        await feed.play(pilot, attrs.evolve(sample_snapshot(seq=2), repairing="late joined"))
+        assert feed.text("#link").startswith("◐ repairing  swarm local")
+        await feed.play(pilot, sample_snapshot(seq=3))
+        assert feed.text("#link").startswith("● live")
+        assert not feed.app.query_one("#link").has_class("ring-down")
+
+    drive(scenario)
+
+
 def test_connecting_before_the_first_snapshot() -> None:
     """Before any snapshot the app says it is connecting and waits, with nothing invented."""
 

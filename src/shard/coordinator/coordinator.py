@@ -148,7 +148,8 @@ class Coordinator:
         return self._gate.log
 
     def statistics(self) -> CoordinatorStatistics:
-        return self._ledger.statistics()
+        stats = self._ledger.statistics()
+        return attrs.evolve(stats, ring_down=self.ring_down, repairing=self._gate.repair)
 
     def reset_statistics(self) -> None:
         """Clear the rolling ring statistics (counters since start are kept)."""
@@ -177,6 +178,10 @@ class Coordinator:
         """Why the ring was declared lost (no request can run any more), or None."""
         lost = self._gate.lost
         return None if lost is None else lost.detail
+
+    async def wait_ring_up(self) -> None:
+        """Wait until the ring can take requests (not lost, not under repair)."""
+        await self._gate.wait_up()
 
     # --- the router -------------------------------------------------------------------
 

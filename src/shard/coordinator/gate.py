@@ -44,6 +44,7 @@ class RingGate:
         self._repairing: str | None = None
         self._lost: Fault | None = None
         self._sending: set[trio.CancelScope] = set()
+        self._changed = trio.Event()  # set (and replaced) on each change of condition
 
     @property
     def log(self) -> ReplayLog:
@@ -56,6 +57,11 @@ class RingGate:
         return self._repairing is not None
 
     @property
+    def repair(self) -> str | None:
+        """What the scheduler is repairing (its ``Pause``), or None."""
+        return self._repairing
+
+    @property
     def lost(self) -> Fault | None:
         """Why the ring was declared lost (None while it is not)."""
         return self._lost
@@ -65,19 +71,31 @@ class RingGate:
 
     # --- what the router sets -------------------------------------------------------------
 
+    async def wait_up(self) -> None:
+        """Wait until the ring is neither under repair nor lost."""
+        while self._repairing is not None or self._lost is not None:
+            await self._changed.wait()
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
     def pause(self, detail: str) -> None:
         self._repairing = detail
+        self._change()
 
     def resume(self) -> None:
         """The ring is whole again; one that was given up is usable again too (a node
         declared dead came back into its slot: ``shard.failover.splice``'s rejoin)."""
         self._repairing = None
         self._lost = None
+        self._change()
 
     def lose(self, fault: Fault, *, cancel_sends: bool) -> None:
         """The ring is lost; ``cancel_sends`` also ends every send waiting on the link (one
         that will never be rewired)."""
         self._lost = fault
+        self._change()
         if cancel_sends:
             for scope in self._sending:
                 scope.cancel()

@@ -29,6 +29,8 @@ class CoordinatorStatistics:
 
     ``k`` is the current draft length (0: plain decoding) and ``depth`` the verify chunks kept
     in flight per session; ``events`` are the most recent ring events, oldest first.
+    ``ring_down``: why the ring is down (lost; what it waits for), ``repairing``: what is
+    being repaired, each None when not (the ``Coordinator`` fills them in).
     """
 
     node: NodeName
@@ -41,6 +43,8 @@ class CoordinatorStatistics:
     stale_dropped: int
     ring: RingStatistics
     events: tuple[RingEvent, ...]
+    ring_down: str | None = None
+    repairing: str | None = None
 
 
 class Ledger:

@@ -4,10 +4,11 @@ the coordinator's router while it repairs the ring.
 None of these go on the wire (``shard.messages`` is the wire's union): they travel over Trio
 memory channels inside the coordinator's process.
 
-- ``NodeDead``, ``LinkLost``, ``Relink`` — the scheduler's own queue: a member died (closed
-  control link or silence), a ring edge failed (reported by the node that sends on it, or by
-  this coordinator's own ring link), and a broken edge whose successor is still alive after
-  the grace period (re-dial it);
+- ``NodeDead``, ``LinkLost``, ``Relink``, ``Rejoin``, ``Joined`` — the scheduler's own queue:
+  a member died (closed control link or silence), a ring edge failed (reported by the node
+  that sends on it, or by this coordinator's own ring link), a broken edge whose successor is
+  still alive after the grace period (re-dial it), a node declared dead came back, and a node
+  registered while a slot waits for one (try it);
 - ``Pause``, ``Resume``, ``RingLost``, ``RingNote`` — scheduler -> router: requests wait
   instead of timing out; the ring is whole again (re-send); the ring cannot be repaired (fail
   every request); a ring event for the status feed (a node joined, a fault was reported).
@@ -55,7 +56,15 @@ class Rejoin:
     at: float  # when it was lost
 
 
-Problem = NodeDead | LinkLost | Relink | Rejoin
+@attrs.frozen
+class Joined:
+    """``node`` registered while a ring slot waits for a node that can hold its block (no
+    standby came within ``join_deadline_s``): see whether it, or anyone, can take it now."""
+
+    node: NodeName
+
+
+Problem = NodeDead | LinkLost | Relink | Rejoin | Joined
 
 
 @attrs.frozen
@@ -75,7 +84,9 @@ class Resume:
 
 @attrs.frozen
 class RingLost:
-    """The ring cannot be repaired: every request ends with the tokens it committed."""
+    """The ring cannot be repaired now: every request ends with the tokens it committed.
+    The ring stays down until a ``Resume`` (a slot waiting for a node that can hold its block
+    is spliced whenever one registers; ``detail`` then says what it waits for)."""
 
     detail: str
 
@@ -92,10 +103,12 @@ class RingNote:
 RingControl = Pause | Resume | RingLost | RingNote
 
 __all__ = [
+    "Joined",
     "LinkLost",
     "NodeDead",
     "Pause",
     "Problem",
+    "Rejoin",
     "Relink",
     "Resume",
     "RingControl",

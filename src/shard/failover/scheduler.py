@@ -10,7 +10,9 @@ go on the scheduler's own queue as messages (``shard.failover.events``: ``NodeDe
 (``shard.failover.splice``):
 
 - **a ring node died** — splice a standby into its slot, with replay; no standby in time and
-  the requests fail with the committed tokens (``RingError``), never a silent stop.
+  the requests fail with the committed tokens (``RingError``), never a silent stop; the slot
+  then waits, however long, and the first node that registers and can hold its block is
+  spliced in (``Joined``: a late repair), so the ring serves again.
 - **a node declared dead but not replaced registers again** (it was frozen, or restarted) —
   it is taken back into its slot, re-synced from its predecessor's replay log like a standby.
   Only a node whose slot another node really holds is refused ("replaced by ...").
@@ -41,6 +43,7 @@ from shard.audit.strikes import AuditStatistics
 from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import (
+    Joined,
     LinkLost,
     NodeDead,
     Problem,
@@ -96,6 +99,8 @@ class SchedulerStatistics:
     slots: tuple[tuple[NodeName, NodeName], ...]  # (slot, holder)
     standbys: tuple[NodeName, ...]
     recoveries: tuple[Recovery, ...]
+    #: slots given up on that wait for a node able to hold their block (one line each)
+    waiting: tuple[str, ...] = ()
     #: (node, median control-link round trip in seconds, None until measured)
     rtt_s: tuple[tuple[NodeName, float | None], ...] = ()
     audits: AuditStatistics = attrs.field(factory=AuditStatistics)  # spot checks
@@ -173,6 +178,7 @@ class Scheduler(SpotChecks):
             slots=tuple((s.name, s.holder) for s in reg.slots),
             standbys=reg.standbys(),
             recoveries=tuple(self._splicer.recoveries),
+            waiting=tuple(w.describe() for w in self._splicer.waiting.values()),
             rtt_s=tuple((m.node, m.rtt.rtt_s) for m in reg.members.values()),
             audits=self.strikes.statistics(),
             mesh=None if self.formation is None else self.formation.statistics(),
@@ -237,6 +243,8 @@ class Scheduler(SpotChecks):
         if old is not None and not old.alive and self._registry.slot_of(member.node) is not None:
             # declared dead, not replaced (it still holds its slot): take it back
             await self._problems_send.send(Rejoin(member.node, old.last_seen))
+        elif self._splicer.waiting and member.role == "standby":  # it may fill a lost slot
+            await self._problems_send.send(Joined(member.node))
         reason = "control link closed"
         try:
             async with trio.open_nursery() as nursery:
@@ -337,6 +345,8 @@ class Scheduler(SpotChecks):
                         nursery.start_soon(self._relink_later, problem)
                     elif isinstance(problem, Rejoin):
                         await self._splicer.rejoin(problem)
+                    elif isinstance(problem, Joined):
+                        await self._splicer.late()
                     else:
                         await self._splicer.relink(problem)
 

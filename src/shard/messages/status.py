@@ -87,7 +87,9 @@ class StatusSnapshot:
     values cover the last laps of every request: ``lap_*`` are full laps (the ring's round
     trip), ``alpha`` is accepted / drafted (None before a draft was verified), ``tok_s``
     counts committed tokens over the last seconds. ``tokens``, ``requests_*`` are totals.
-    ``devices``: GPU memory and utilisation (``shard.observe.devices``).
+    ``devices``: GPU memory and utilisation (``shard.observe.devices``). ``ring_down``: why
+    the ring serves nothing now (a block lost, what it waits for); ``repairing``: what the
+    scheduler is repairing; each None when not.
     """
 
     swarm: str
@@ -116,6 +118,8 @@ class StatusSnapshot:
     events: tuple[EventRecord, ...] = ()
     devices: tuple[DeviceStatus, ...] = ()  # the coordinator's GPUs (none without a driver)
     audit: AuditCounts = AuditCounts()  # spot checks (all zero in a swarm that does not audit)
+    ring_down: str | None = None
+    repairing: str | None = None
 
 
 @attrs.frozen

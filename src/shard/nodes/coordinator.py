@@ -296,9 +296,11 @@ async def run_coordinator(
         nursery.start_soon(ring_link.run)
         with trio.fail_after(startup_timeout_s):
             await endpoint.joined.wait()
-        api = make_server(
-            spec, coordinator, text, failovers=lambda: len(scheduler.statistics().recoveries)
-        )
+
+        def repairs() -> int:  # a give-up ("failed") repaired nothing
+            return sum(r.kind != "failed" for r in scheduler.statistics().recoveries)
+
+        api = make_server(spec, coordinator, text, failovers=repairs)
         api_address = None if api is None else await _serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
             CoordinatorHandle(name, bound, coordinator, tokenizer, text, scheduler, api_address)

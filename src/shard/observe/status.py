@@ -112,6 +112,8 @@ def build_snapshot(
         events=tuple(EventRecord(e.at, e.kind, e.detail) for e in stats.events),
         devices=tuple(devices),
         audit=audit,
+        ring_down=stats.ring_down,
+        repairing=stats.repairing,
     )
 
 

@@ -54,6 +54,7 @@ class MonitorApp(App[None]):
     #link { height: 1; padding: 0 1; background: $success-darken-2; color: $text; }
     #link.connecting { background: $primary-darken-2; }
     #link.reconnecting { background: $warning-darken-2; }
+    #link.ring-down { background: $error-darken-2; }
     #body.stale { opacity: 60%; }
     #ring { height: auto; border: round $accent; padding: 0 1; }
     #summary { height: auto; padding: 0 1; }
@@ -177,10 +178,14 @@ class MonitorApp(App[None]):
         snap = state.snapshot
         where = state.address or "the coordinator"
         if state.link == "live" and snap is not None:
+            # the feed is live; the ring itself may not be (a block lost, a repair)
+            mark = "✖ ring down" if snap.ring_down else "◐ repairing" if snap.repairing else ""
             text = (
-                f"● live  swarm {snap.swarm} · {snap.coordinator} @ {where}"
+                f"{mark or '● live'}  swarm {snap.swarm} · {snap.coordinator} @ {where}"
                 f" · updated {self._time(snap.at)}"
             )
+            if mark:
+                text += f": {snap.ring_down or snap.repairing}"
         elif state.link == "reconnecting":
             text = f"⟳ reconnecting to {where} (attempt {state.attempt})"
             if state.reason:
@@ -197,6 +202,8 @@ class MonitorApp(App[None]):
         link.update(Text(text, no_wrap=True, overflow="ellipsis"))
         link.set_class(state.link == "connecting", "connecting")
         link.set_class(state.link == "reconnecting", "reconnecting")
+        down = snap is not None and bool(snap.ring_down or snap.repairing)
+        link.set_class(state.link == "live" and down, "ring-down")
 
     def _draw_stages(self, snap: StatusSnapshot | None) -> None:
         table = self.query_one("#stages", DataTable)
