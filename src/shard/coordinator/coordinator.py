@@ -54,6 +54,7 @@ from shard.messages import (
     RunStats,
     Sampling,
     SessionId,
+    SpliceRecord,
     StageReceiptOut,
     Verdict,
 )
@@ -127,6 +128,8 @@ class Coordinator:
         self._spec = speculation
         self._signer = signer
         self._routes: dict[SessionId, trio.MemorySendChannel[RouteEvent]] = {}
+        # requests that sign a receipt, with their decode state: a splice is listed in each
+        self._jobs: dict[SessionId, tuple[RunJob, DecodeState]] = {}
         self._gate = RingGate(to_ring, sent_log if sent_log is not None else ReplayLog())
         self._ledger = Ledger(node, speculation, wall_clock)
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
@@ -203,6 +206,10 @@ class Coordinator:
         elif isinstance(msg, Resume):  # every request re-sends from its committed tokens
             self._gate.resume()
             self._ledger.event("splice", msg.detail)
+            if (sp := msg.spliced) is not None:
+                for job, state in self._jobs.values():
+                    replaced, by = NodeName(sp.replaced), NodeName(sp.by)
+                    job.spliced(SpliceRecord(sp.first, sp.last, replaced, by, len(state.output)))
             self._notify(Resync(full=False, reason=msg.detail))
         elif isinstance(msg, RingLost):  # every request ends with RingError
             fault = Fault(node=self._node, kind="ring", detail=msg.detail)
@@ -317,6 +324,8 @@ class Coordinator:
             ended = False
             try:
                 job = self._job(prompt_ids, sid, state) if receipt else None
+                if job is not None:
+                    self._jobs[sid] = (job, state)
                 completion = await self._drive(
                     sid, route, job, prompt_ids, state, sampling, tokens, spec, checkpoint
                 )
@@ -338,6 +347,7 @@ class Coordinator:
                 raise request_failed(sid, exc, state.output) from exc
             finally:
                 del self._routes[sid]
+                self._jobs.pop(sid, None)
                 self._ledger.sessions = len(self._routes)
                 if not ended:
                     await self._gate.end_session(sid)

@@ -36,6 +36,7 @@ from shard.failover.events import (
     RingControl,
     RingLost,
     RingNote,
+    Spliced,
 )
 from shard.membership.registry import NO_BLOCK, Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, NodeName, Rewire
@@ -161,7 +162,8 @@ class Splicer:
             f"(detected {started - at:.3f} s, spliced {done - started:.3f} s)"
         )
         log.warning("scheduler: %s", detail)
-        await self._to_router.send(Resume(detail))
+        spliced = Spliced(slot.first, slot.last, dead, standby.node)
+        await self._to_router.send(Resume(detail, spliced))
 
     async def rejoin(self, problem: Rejoin) -> None:
         """``node`` was declared dead (at ``at``), nobody took its slot, and it registered

@@ -79,6 +79,7 @@ from shard.messages.reach import (
 from shard.messages.receipts import (
     EdgeRecord,
     RunReceipt,
+    SpliceRecord,
     StageReceipt,
     VerdictRecord,
 )
@@ -239,6 +240,7 @@ __all__ = [
     "RunStats",
     "Sampling",
     "SessionId",
+    "SpliceRecord",
     "StageReceipt",
     "StageReceiptOut",
     "StageReport",

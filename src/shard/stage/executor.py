@@ -248,7 +248,7 @@ class StageExecutor:
         if self._receipts is None:
             return
         if isinstance(msg, OpenSession):
-            self._receipts.opened(msg.session, msg.job, msg.nonce)
+            self._receipts.opened(msg.session, msg.job, msg.nonce, msg.receipt_base)
         elif isinstance(msg, Prefill | Verify):
             data = msg.hidden.data if msg.hidden is not None else None
             payload = payload_of(msg.ids, data)
