@@ -17,7 +17,7 @@ import pytest
 from receipt_fixtures import resign
 from shard.cli import main
 from shard.failover.faults import FaultPlan
-from shard.messages import RunReceipt
+from shard.messages import ResumeRecord, RunReceipt
 from shard.trust import ledger as ledger_module
 from shard.trust.identity import NodeIdentity
 from shard.trust.ledger import LedgerPins, build_ledger, credits, period_of
@@ -120,6 +120,24 @@ def test_forged_duplicated_replayed_unpinned_and_hostile_files_are_refused(
     assert all("\n" not in why and len(why) < 400 for why in reasons.values())
     assert book.totals == attrs.evolve(honest.totals, refused=7)
     assert book.rows == honest.rows
+
+
+def test_a_run_resuming_a_counted_request_is_refused(run: Run, tmp_path: Path) -> None:
+    """A run that says it resumes a request already counted (``resumes``: that request's
+    first job) is the same request: refused, so its tokens count once."""
+    first, second = run.receipts[0], run.receipts[1]
+    resumed = resign(second, run.coordinator, resumes=ResumeRecord("r1", first.job, 3))
+    files = [
+        ("a.json", receipt_to_json(first).encode()),
+        ("b.json", receipt_to_json(resumed).encode()),
+    ]
+    book = build_ledger(files, LedgerPins(coordinators={run.coordinator.public}), "all")
+    assert book.totals.receipts == 1 and book.totals.tokens == len(first.output_ids)
+    (refused,) = book.refused
+    assert refused.file == "b.json"
+    assert refused.reason.startswith(f"replayed: request {first.job}")
+    alone = build_ledger(files[1:], LedgerPins(coordinators={run.coordinator.public}), "all")
+    assert alone.refused == () and alone.totals.tokens == len(second.output_ids)
 
 
 def test_a_huge_file_is_refused_unparsed(

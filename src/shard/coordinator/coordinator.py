@@ -326,6 +326,9 @@ class Coordinator:
                 job = self._job(prompt_ids, sid, state) if receipt else None
                 if job is not None:
                     self._jobs[sid] = (job, state)
+                    if checkpoint is not None:  # a resumed run names what it resumes
+                        job.resumes = checkpoint.resumes
+                        checkpoint.bind(job.job)
                 completion = await self._drive(
                     sid, route, job, prompt_ids, state, sampling, tokens, spec, checkpoint
                 )
@@ -409,10 +412,12 @@ class Coordinator:
         *,
         tokens: trio.MemorySendChannel[Committed] | None = None,
         speculation: SpeculationConfig | None = None,
+        receipt: bool = False,
     ) -> Completion:
         """Continue a request a previous coordinator checkpointed: the committed tokens are
         kept, the rest is generated on the ring (``tokens`` gets only the new ones). The
-        returned completion holds every output token, old and new.
+        returned completion holds every output token, old and new. ``receipt``: a receipt
+        of this run (the new tokens), naming the request it resumes (``RunReceipt.resumes``).
 
         Errors: as ``generate``; the checkpoint stays until the request ends.
         """
@@ -430,17 +435,11 @@ class Coordinator:
             sampling=checkpoint.sampling,
             tokens=tokens,
             spec=speculation or self._spec,
-            receipt=False,
+            receipt=receipt,
             eos_ids=self._eos_ids,
             checkpoint=None if store is None else Checkpointer(store, checkpoint),
         )
         return attrs.evolve(rest, token_ids=(*checkpoint.output_ids, *rest.token_ids))
 
 
-__all__ = [
-    "Completion",
-    "Coordinator",
-    "CoordinatorStatistics",
-    "Resync",
-    "RingError",
-]
+__all__ = ["Completion", "Coordinator", "CoordinatorStatistics", "Resync", "RingError"]

@@ -78,6 +78,7 @@ from shard.messages.reach import (
 )
 from shard.messages.receipts import (
     EdgeRecord,
+    ResumeRecord,
     RunReceipt,
     SpliceRecord,
     StageReceipt,
@@ -234,6 +235,7 @@ __all__ = [
     "ProbeReply",
     "Ready",
     "Register",
+    "ResumeRecord",
     "Rewire",
     "RttReport",
     "RunReceipt",

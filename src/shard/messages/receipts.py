@@ -89,6 +89,19 @@ class SpliceRecord:
 
 
 @attrs.frozen
+class ResumeRecord:
+    """A run that continues a request another coordinator began and could not finish (it
+    died; ``Coordinator.resume_request``), in the resuming coordinator's words: the request's
+    checkpoint id, the job id of its first run ("" if that one asked for no receipt) and how
+    many output tokens were committed before this run (its prompt is the request's prompt and
+    those tokens, its output the rest)."""
+
+    request: str
+    job: str
+    at_token: int
+
+
+@attrs.frozen
 class RunReceipt:
     """The coordinator's signed account of a whole run: every stage receipt, every verdict,
     the output, how it ended, and the admission token of the coordinator's key.
@@ -125,3 +138,5 @@ class RunReceipt:
     signature: str = ""
     #: standbys spliced in during the run, in order (version 4; empty: spelt as version 3)
     splices: tuple[SpliceRecord, ...] = attrs.field(default=(), metadata=OMIT_EMPTY)
+    #: the request this run resumes, if any (version 4; None: spelt as version 3)
+    resumes: ResumeRecord | None = attrs.field(default=None, metadata=OMIT_EMPTY)

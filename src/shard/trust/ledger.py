@@ -12,9 +12,12 @@ with one line saying why. Refused, never counted:
   ``receipt verify --authority``), and the coordinator's key must be one of ``coordinators``
   when any are given. With neither pin every receipt is refused: anyone's keys make one;
 - a **duplicate** (the same bytes as a file counted before), a **replay** (a job already
-  counted, in other bytes: re-signed, or another coordinator's copy) and a receipt that
-  **reuses a nonce** already counted (the stages signed that nonce for one job only). The
-  first file in name order is the one counted.
+  counted, in other bytes: re-signed, or another coordinator's copy), a receipt that
+  **reuses a nonce** already counted (the stages signed that nonce for one job only), and a
+  second receipt of one **request**: a run that resumed a request a dead coordinator began
+  (``RunReceipt.resumes``) belongs to the request's first job, so it and a receipt of that
+  job (or of another resume of it) are one request, counted once. The first file in name
+  order is the one counted.
 
 What a receipt credits (``credits``): each stage that signed it, for its block
 (``layers`` = last - first), the chunks it computed and sent on (``chunks_out``), its compute
@@ -25,7 +28,10 @@ the standby gets what it signed and the output from ``at_token`` on; the node it
 which signed nothing, having died — gets the rest, in chunks as its successor counted them
 (the successor's received chunks less the standby's), the prompt if the splice came after
 the first output token, and the ``at_token`` tokens before it; its key is unknown (``""``).
-The request's own tokens (``Totals.tokens``) are counted once, whatever the ring did.
+The request's own tokens (``Totals.tokens``) are counted once, whatever the ring did. A
+resumed run's receipt covers its own run: its prompt is the request's prompt and the tokens
+committed before the restart (it recomputed them), its output the rest; the tokens before the
+restart were signed by nobody (the first coordinator died) and are counted nowhere.
 
 Receipts carry no audit outcome: spot-check strikes are signed evidence files
 (``shard receipt verify --evidence``), so the ledger has no audited-chunks or strikes column.
@@ -61,6 +67,7 @@ __all__ = [
     "build_ledger",
     "credits",
     "period_of",
+    "request_of",
 ]
 
 #: A receipt file larger than this is refused unread (a run of 8,192 tokens is ~2 MiB).
@@ -139,6 +146,12 @@ def period_of(signed_at: int, period: str) -> str:
     return time.strftime("%Y-%m-%dT%HZ" if period == "hour" else "%Y-%m-%d", t)
 
 
+def request_of(receipt: RunReceipt) -> str:
+    """The request a receipt is of: the job it resumes, if it names one, else its own."""
+    rs = receipt.resumes
+    return rs.job if rs is not None and rs.job else receipt.job
+
+
 def _prompt_len(receipt: RunReceipt) -> int:
     """The prompt's length: where the tail's answer to the prompt sits (verified unique)."""
     return next(v.at for v in receipt.verdicts if v.prefill)
@@ -205,6 +218,7 @@ class _Book:
     digests: dict[bytes, str] = attrs.field(factory=dict)
     jobs: dict[str, str] = attrs.field(factory=dict)
     nonces: dict[str, str] = attrs.field(factory=dict)
+    requests: dict[str, str] = attrs.field(factory=dict)
 
     def seen(self, name: str, data: bytes, receipt: RunReceipt | None) -> str | None:
         digest = hashlib.blake2b(data, digest_size=32).digest()
@@ -219,12 +233,18 @@ class _Book:
                 f"replayed: nonce {receipt.nonce} was counted already from "
                 f"{self.nonces[receipt.nonce]} (the stages signed it for one job)"
             )
+        if (request := request_of(receipt)) in self.requests:
+            return (
+                f"replayed: request {request} (a job and the runs resuming it) was counted "
+                f"already from {self.requests[request]}"
+            )
         return None
 
     def count(self, name: str, data: bytes, receipt: RunReceipt) -> None:
         self.digests[hashlib.blake2b(data, digest_size=32).digest()] = name
         self.jobs[receipt.job] = name
         self.nonces[receipt.nonce] = name
+        self.requests[request_of(receipt)] = name
 
 
 def _read(name: str, data: bytes, pins: LedgerPins, book: _Book) -> RunReceipt:

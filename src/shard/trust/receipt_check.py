@@ -19,6 +19,8 @@
   out of it is checked by counts — its output is the tail of what its successor (or the
   coordinator) received, which also holds what the replaced node sent, so it may have sent no
   more chunks than were received there. One splice per block per run;
+- a run that resumes a request (version 4, ``resumes``) names it well-formed (the claim
+  itself is the resuming coordinator's word);
 - the verdicts listed are the ones the tail's output chain commits to, and every output
   token is the tail's last word for its position: the output is bound to the tail's
   signature, not just to the coordinator's;
@@ -402,6 +404,11 @@ def verify_run(receipt: RunReceipt, pins: ReceiptPins = ReceiptPins()) -> Verifi
         )
     if receipt.output_hash != hash_ids(receipt.output_ids):
         raise ReceiptInvalid("output hash does not match the output token ids")
+    if (rs := receipt.resumes) is not None:
+        if rs.job:
+            _hex(rs.job, 32, "run receipt: resumes.job")
+        if not rs.request or rs.at_token < 0:
+            raise ReceiptInvalid(f"resumes request {rs.request!r} at token {rs.at_token}")
     _check_ring(receipt, pins)
     stop_id = _check_ending(receipt, _check_output_bound(receipt))
     return Verified(receipt, _unpinned(receipt, pins), stop_id)

@@ -29,8 +29,9 @@ an ``OpenSession`` for a job it already records (a full re-send, or the copy a s
 standby forwards) does not restart them. The spliced-in standby's input chain starts where
 its predecessor's chain over what it had sent the replaced node stood (the replayed
 ``OpenSession`` carries it: ``receipt_base``), so it ends equal to the predecessor's output
-chain; the coordinator lists each splice (``SpliceRecord``) in the run receipt. Version 4 is
-those two fields; a receipt with neither is spelt and signed exactly as version 3.
+chain; the coordinator lists each splice (``SpliceRecord``) in the run receipt. A run that
+resumes a request a dead coordinator began names it (``ResumeRecord``). Version 4 is those
+three fields; a receipt with none is spelt and signed exactly as version 3.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import attrs
 from shard.messages import (
     EdgeRecord,
     NodeName,
+    ResumeRecord,
     RunReceipt,
     SpliceRecord,
     StageReceipt,
@@ -63,6 +65,7 @@ __all__ = [
     "EdgeRecord",
     "ReceiptInvalid",
     "ReceiptSigner",
+    "ResumeRecord",
     "RunJob",
     "RunReceipt",
     "RunSigner",
@@ -180,10 +183,11 @@ def stage_signed_bytes(receipt: StageReceipt) -> bytes:
 
 def run_signed_bytes(receipt: RunReceipt) -> bytes:
     """What the coordinator signs: every field but its signature (stage receipts whole, their
-    signatures included), canonical JSON, kind "run"; version 4 with splices, else 3."""
+    signatures included), canonical JSON, kind "run"; version 4 with splices or a resume,
+    else 3."""
     body = as_body(receipt)
     body.pop("signature")
-    spliced = "splices" in body or any(s.input_base for s in receipt.stages)
+    spliced = "splices" in body or "resumes" in body or any(s.input_base for s in receipt.stages)
     version = SPLICED_VERSION if spliced else RECEIPT_VERSION
     return _canonical({"kind": "run", "v": version, **body})
 
@@ -328,6 +332,7 @@ class RunJob:
     verdicts: list[VerdictRecord] = attrs.field(factory=list)
     stages: list[StageReceipt] = attrs.field(factory=list)
     splices: list[SpliceRecord] = attrs.field(factory=list)
+    resumes: ResumeRecord | None = None  # the request this run continues (resume_request)
 
     @classmethod
     def start(
@@ -416,6 +421,7 @@ class RunJob:
                 stop_ids=self.stop_ids,
                 stop_at=len(output_ids) if finish_reason == "stop" else -1,
                 splices=tuple(self.splices),
+                resumes=self.resumes,
             ),
             signer.identity,
         )
