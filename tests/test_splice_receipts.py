@@ -28,16 +28,33 @@ def spliced_s1(model_dir: Path) -> list[RunReceipt]:
     return receipts_of(results)
 
 
-@pytest.mark.parametrize("node", ["s0", "s2"])
-def test_a_killed_first_or_last_stage_leaves_receipts_that_verify(
-    model_dir: Path, node: str
+PREFILL, DECODE = (1, 5), (14, 40)  # frames as in tests/test_failover.py
+
+
+@pytest.mark.parametrize(
+    ("kind", "node", "frames"),
+    [
+        ("kill", "s0", DECODE),
+        ("kill", "s2", DECODE),
+        *[("kill", node, PREFILL) for node in ("s0", "s1", "s2")],
+        ("stall", "s1", DECODE),  # frozen past dead_after_s: spliced as a dead node
+    ],
+    ids=["kill-s0-decode", "kill-s2-decode", "kill-s0-prefill", "kill-s1-prefill",
+         "kill-s2-prefill", "stall-s1-decode"],
+)  # fmt: skip
+def test_every_spliced_stage_leaves_receipts_that_verify(
+    model_dir: Path, kind: str, node: str, frames: tuple[int, int]
 ) -> None:
-    """Stage 0 (fed by the coordinator) or the tail (feeding it) spliced: receipts verify."""
-    plan = FaultPlan.random(1030, kind="kill", node=node, frames=(14, 40))
+    """Stage 0 (fed by the coordinator), a middle stage or the tail spliced, during prefill
+    or decode, killed or frozen: every request's receipt verifies and names the splice."""
+    plan = FaultPlan.random(1030, kind=kind, node=node, frames=frames, seconds=(2.0, 4.0))
     results, injector = spliced_receipts(model_dir, plan)
     assert injector.fired, f"{plan}: the fault never fired"
     for receipt in receipts_of(results):
-        verify_run(receipt)
+        try:
+            verify_run(receipt)
+        except ReceiptInvalid as exc:
+            raise AssertionError(f"{plan}: {exc}") from None
         (splice,) = receipt.splices
         assert (splice.replaced, splice.by) == (node, f"{node}-standby"), plan
 

@@ -14,8 +14,8 @@ starts earlier is kept whole even when it is partly overwritten, because the chu
 were computed against its KV. What is left is about one copy of each session's positions.
 
 For receipts the log also keeps, per session with a job, the receipt chain over every chunk
-the edge really sent (``shard.trust.receipts``: the records its sender's output chain
-hashes): the replayed ``OpenSession`` carries it as ``receipt_base``, so a spliced-in
+the edge really sent (``sent``, called by the edge after each send; ``shard.trust.receipts``:
+the records its sender's output chain hashes): the replayed ``OpenSession`` carries it as ``receipt_base``, so a spliced-in
 standby's input chain starts where the replaced node's stood and ends equal to the sender's
 output chain. It lives for the job (a re-sent ``OpenSession`` of the same job keeps it).
 
@@ -116,10 +116,6 @@ class ReplayLog:
             log = self._sessions.get(msg.session)
             if log is None:
                 return
-            if log.open.nonce:
-                data = msg.hidden.data if msg.hidden is not None else None
-                record = chunk_record(msg.epoch, msg.seq, msg.start, payload_of(msg.ids, data))
-                log.sent.add(record)
             # Starts increase along the list (every record drops the chunks at or after its
             # own start), so pruning only ever pops from the end: O(1) amortised per chunk.
             freed = 0
@@ -132,6 +128,17 @@ class ReplayLog:
             if self._nbytes > self._max_bytes:
                 self._forget(msg.session)
                 self._dropped.add(msg.session)
+
+    def sent(self, msg: Message) -> None:
+        """Note a chunk the edge really sent (not a replay) in its session's receipt chain:
+        called by the sender after the send, where ``record`` may come before it (the
+        coordinator logs a chunk as it queues it for the link)."""
+        if not isinstance(msg, Prefill | Verify) or (isinstance(msg, Prefill) and msg.replay):
+            return
+        log = self._sessions.get(msg.session)
+        if log is not None and log.open.nonce:
+            data = msg.hidden.data if msg.hidden is not None else None
+            log.sent.add(chunk_record(msg.epoch, msg.seq, msg.start, payload_of(msg.ids, data)))
 
     def chunks(self, session: SessionId) -> tuple[LoggedChunk, ...]:
         log = self._sessions.get(session)
