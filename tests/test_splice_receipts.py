@@ -7,15 +7,23 @@ virtual time) with receipts on; each fault's plan is in the failure message."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 
 from shard.failover.faults import FaultPlan
-from shard.messages import RunReceipt
+from shard.messages import NodeName, RunReceipt, SpliceRecord, VerdictRecord
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipt_check import receipt_from_json, receipt_to_json, verify_run
-from shard.trust.receipts import CHAIN_START, ReceiptInvalid, sign_run, sign_stage
+from shard.trust.receipts import (
+    CHAIN_START,
+    Chain,
+    ReceiptInvalid,
+    sign_run,
+    sign_stage,
+    verdict_chunk_record,
+)
 from splice_receipts import receipts_of, spliced_receipts
 from test_failover import model_dir as model_dir
 
@@ -57,6 +65,27 @@ def test_every_spliced_stage_leaves_receipts_that_verify(
             raise AssertionError(f"{plan}: {exc}") from None
         (splice,) = receipt.splices
         assert (splice.replaced, splice.by) == (node, f"{node}-standby"), plan
+    if node == "s2":  # the spliced-in tail's verdicts stay bound to its signature
+        receipt = receipts_of(results)[0]
+        last = receipt.verdicts[-1]
+        altered = (*receipt.verdicts[:-1], attrs.evolve(last, accepted=last.accepted + 1))
+        with pytest.raises(ReceiptInvalid, match="sent other verdicts than the last listed"):
+            verify_run(_forged(receipt, verdicts=altered, received_chain=_chain(altered)))
+
+
+def _chain(verdicts: tuple[VerdictRecord, ...]) -> str:
+    chain = Chain()
+    for v in verdicts:
+        chain.add(verdict_chunk_record(v))
+    return chain.value
+
+
+def _forged(receipt: RunReceipt, **changes: Any) -> RunReceipt:
+    """``receipt`` with ``changes``, re-signed by a forger's coordinator key (what is checked
+    is then the ring, not the coordinator's signature)."""
+    forger = NodeIdentity.generate()
+    changed = attrs.evolve(receipt, coordinator_key=forger.public.hex(), **changes)
+    return sign_run(changed, forger)
 
 
 def test_a_spliced_request_receipt_verifies_and_names_the_standby(
@@ -75,6 +104,19 @@ def test_a_spliced_request_receipt_verifies_and_names_the_standby(
         assert standby.chunks_in < s0.chunks_out  # the rest went to s1 before it died
         assert standby.chunks_out < s2.chunks_in
         assert not s0.input_base and not s2.input_base
+
+
+def test_a_splice_record_alone_relaxes_no_edge(spliced_s1: list[RunReceipt]) -> None:
+    """A splice listed for a block whose stage did not sign that it began mid-job (a
+    coordinator excusing the tail's chain, say) changes nothing: the edge must link."""
+    receipt = spliced_s1[0]
+    ghost = SpliceRecord(4, 6, NodeName("ghost"), NodeName("s2"), 0)
+    fewer = receipt.verdicts[:-1]
+    forged = _forged(
+        receipt, splices=(*receipt.splices, ghost), verdicts=fewer, received_chain=_chain(fewer)
+    )
+    with pytest.raises(ReceiptInvalid, match="coordinator received other verdicts than s2"):
+        verify_run(forged)
 
 
 def test_a_spliced_receipt_with_its_splice_removed_is_refused(

@@ -15,9 +15,10 @@ were computed against its KV. What is left is about one copy of each session's p
 
 For receipts the log also keeps, per session with a job, the receipt chain over every chunk
 the edge really sent (``sent``, called by the edge after each send; ``shard.trust.receipts``:
-the records its sender's output chain hashes): the replayed ``OpenSession`` carries it as ``receipt_base``, so a spliced-in
-standby's input chain starts where the replaced node's stood and ends equal to the sender's
-output chain. It lives for the job (a re-sent ``OpenSession`` of the same job keeps it).
+the records its sender's output chain hashes): the replayed ``OpenSession`` carries it as
+``receipt_base``, so a spliced-in standby's input chain starts where the replaced node's
+stood and ends equal to the sender's output chain. It lives for the job (a re-sent
+``OpenSession`` of the same job keeps it).
 
 A session whose log would pass ``max_bytes`` is dropped from the log (``replayable`` says so):
 a standby then misses its KV, reports a gap, and the coordinator re-sends the session from its

@@ -15,10 +15,12 @@
   tail output == coordinator-received (so nobody can claim work it did not pass on);
 - splices (version 4): a standby spliced into a block mid-run is the stage the run's splice
   record names, its input chain began at its predecessor's chain over what the replaced node
-  was sent (``input_base``) and so still equals the predecessor's output chain; only the edge
-  out of it is checked by counts — its output is the tail of what its successor (or the
-  coordinator) received, which also holds what the replaced node sent, so it may have sent no
-  more chunks than were received there. One splice per block per run;
+  was sent (``input_base``) and so still equals the predecessor's output chain; the edge out
+  of it is checked by counts — its output is the last part of what its successor received,
+  which also holds what the replaced node sent, so it may have sent no more chunks than were
+  received there — except out of a spliced-in tail, whose chain must hash exactly the last
+  verdicts listed. A splice record relaxes nothing unless the stage signed ``input_base``.
+  One splice per block per run;
 - a run that resumes a request (version 4, ``resumes``) names it well-formed (the claim
   itself is the resuming coordinator's word);
 - the verdicts listed are the ones the tail's output chain commits to, and every output
@@ -271,7 +273,8 @@ def _check_ring(receipt: RunReceipt, pins: ReceiptPins) -> None:
             raise ReceiptInvalid(f"{who}: its input chain starts mid-job, but no splice is listed")
         expected_first = stage.last
         upstream_chain, upstream = stage.output_chain, str(stage.node)
-        spliced_out = stage.chunks_out if sp is not None else None
+        # only a standby that signed it began mid-job: a splice record alone relaxes nothing
+        spliced_out = stage.chunks_out if sp is not None and stage.input_base else None
     if expected_first != receipt.n_layers:
         raise ReceiptInvalid(
             f"blocks end at layer {expected_first} but the model has {receipt.n_layers}"
@@ -279,10 +282,20 @@ def _check_ring(receipt: RunReceipt, pins: ReceiptPins) -> None:
     if splices:
         sp = next(iter(splices.values()))
         raise ReceiptInvalid(f"the splice of [{sp.first}, {sp.last}) matches no stage's block")
-    who = "coordinator"
-    _check_edge(
-        upstream, upstream_chain, spliced_out, receipt.received_chain, len(receipt.verdicts), who
-    )
+    if spliced_out is None:
+        _check_edge(upstream, upstream_chain, None, receipt.received_chain, 0, "coordinator")
+        return
+    # A tail spliced in: its verdicts are the last ones listed, bound to its signature.
+    if spliced_out > len(receipt.verdicts):
+        raise ReceiptInvalid(
+            f"{upstream}, spliced in, claims {spliced_out} verdicts sent but the coordinator "
+            f"received {len(receipt.verdicts)} in all"
+        )
+    chain = Chain()
+    for v in receipt.verdicts[len(receipt.verdicts) - spliced_out :]:
+        chain.add(verdict_chunk_record(v))
+    if chain.value != upstream_chain:
+        raise ReceiptInvalid(f"{upstream}, spliced in, sent other verdicts than the last listed")
 
 
 def _check_edge(
