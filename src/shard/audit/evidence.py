@@ -50,7 +50,7 @@ from shard.messages import StageReceipt
 from shard.messages import Tensor as WireTensor
 from shard.messages.audit import AuditedChunk, ChainProof, Evidence
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
-from shard.trust.canonical import from_canonical_json, to_canonical_json
+from shard.trust.canonical import as_body, from_canonical_json, to_canonical_json
 from shard.trust.identity import NodeIdentity, short, verify_signature
 from shard.trust.receipts import (
     RECEIPT_VERSION,
@@ -122,8 +122,9 @@ def _canonical(record: dict[str, Any]) -> bytes:
 
 
 def signed_bytes(evidence: Evidence) -> bytes:
-    """What the auditor signs: every field but its signature, canonical JSON, kind "audit"."""
-    body = attrs.asdict(evidence, recurse=True)
+    """What the auditor signs: every field but its signature, canonical JSON, kind "audit"
+    (an embedded receipt's empty version-4 fields left out, as its file leaves them)."""
+    body = as_body(evidence)
     body.pop("signature")
     return _canonical({"kind": "audit", "v": RECEIPT_VERSION, **body})
 

@@ -6,7 +6,7 @@ runs, so ``shard --help`` stays fast.
 Every subcommand's arguments are declared here::
 
     parser.py        builds the parser: ``generate``, ``swarm``, ``up``, ``monitor``, ``plan``
-    parser_tools.py  keys, receipts, manifests, ``convert`` and ``relay``; ``Parser``
+    parser_tools.py  keys, receipts, ``ledger``, manifests, ``convert`` and ``relay``; ``Parser``
     parser_plan.py   ``plan``'s arguments (the planner, and the fit before a download)
     parser_draft.py  ``draft``
     parser_bench.py  ``bench``
@@ -19,6 +19,7 @@ library that does the work::
     swarm.py         ``shard swarm up|run``, ``shard monitor``
     plan.py          ``shard plan SPEC`` (the placement planner); fit.py: ``plan --config``
     keys.py          ``keygen``, ``admit``, ``receipt verify``, ``api-key``
+    ledger.py        ``shard ledger DIR``: the metering ledger of a folder of receipts
     weights.py       ``manifest build|sign|verify``, ``fetch``
     convert.py       ``shard convert MODEL.gguf OUT_DIR``
     relay.py         ``shard relay``, the delaying TCP relay
@@ -49,6 +50,7 @@ HANDLERS: Final = {
     "api-key": ("shard.cli.keys", "api_key"),
     "admit": ("shard.cli.keys", "admit"),
     "receipt": ("shard.cli.keys", "receipt"),
+    "ledger": ("shard.cli.ledger", "ledger"),
     "manifest": ("shard.cli.weights", "manifest_main"),
     "fetch": ("shard.cli.weights", "fetch_main"),
     "convert": ("shard.cli.convert", "convert"),

@@ -16,6 +16,7 @@ from shard import __version__
 from shard.cli.parser_plan import add_plan
 from shard.cli.parser_tools import (
     Parser,
+    add_ledger,
     add_manifest,
     add_receipt,
     add_tools,
@@ -390,6 +391,7 @@ def build_parser() -> Parser:
     add_plan(sub)
     add_trust(sub)
     add_receipt(sub)
+    add_ledger(sub)
     add_manifest(sub)
     add_tools(sub)
     return parser

@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 
 from shard import strict_json
-from shard.messages import Sampling
+from shard.messages import ResumeRecord, Sampling
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -39,6 +39,7 @@ class RequestCheckpoint:
     output_ids: tuple[int, ...]
     max_tokens: int
     sampling: Sampling = Sampling()
+    job: str = ""  # the job id of the request's first run, when it asked for a receipt
 
     def to_json(self) -> str:
         return json.dumps(
@@ -48,6 +49,7 @@ class RequestCheckpoint:
                 "output_ids": list(self.output_ids),
                 "max_tokens": self.max_tokens,
                 "sampling": attrs.asdict(self.sampling),
+                **({"job": self.job} if self.job else {}),
             }
         )
 
@@ -61,9 +63,16 @@ class RequestCheckpoint:
                 output_ids=tuple(int(t) for t in data["output_ids"]),
                 max_tokens=int(data["max_tokens"]),
                 sampling=Sampling(**data["sampling"]),
+                job=_job_id(data.get("job", "")),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{source}: not a request checkpoint: {exc!r}") from exc
+
+
+def _job_id(value: object) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{32}|", value):
+        raise ValueError(f"job {value!r} is not 32 lowercase hex digits")
+    return value
 
 
 class CheckpointStore:
@@ -102,6 +111,19 @@ class Checkpointer:
     def __init__(self, store: CheckpointStore, start: RequestCheckpoint) -> None:
         self._store = store
         self._checkpoint = start
+        #: what a receipt of this run says it resumes (None for a request's first run)
+        self.resumes = (
+            ResumeRecord(start.request, start.job, len(start.output_ids))
+            if start.job or start.output_ids
+            else None
+        )
+
+    def bind(self, job: str) -> None:
+        """Note the job id of the request's first run that signs a receipt, so a coordinator
+        that resumes the request names it in its own receipt (kept across resumes)."""
+        if not self._checkpoint.job:
+            self._checkpoint = attrs.evolve(self._checkpoint, job=job)
+            self._store.save(self._checkpoint)
 
     @classmethod
     def fresh(

@@ -54,6 +54,7 @@ from shard.messages import (
     RunStats,
     Sampling,
     SessionId,
+    SpliceRecord,
     StageReceiptOut,
     Verdict,
 )
@@ -127,6 +128,8 @@ class Coordinator:
         self._spec = speculation
         self._signer = signer
         self._routes: dict[SessionId, trio.MemorySendChannel[RouteEvent]] = {}
+        # requests that sign a receipt, with their decode state: a splice is listed in each
+        self._jobs: dict[SessionId, tuple[RunJob, DecodeState]] = {}
         self._gate = RingGate(to_ring, sent_log if sent_log is not None else ReplayLog())
         self._ledger = Ledger(node, speculation, wall_clock)
         self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
@@ -208,6 +211,10 @@ class Coordinator:
         elif isinstance(msg, Resume):  # every request re-sends from its committed tokens
             self._gate.resume()
             self._ledger.event("splice", msg.detail)
+            if (sp := msg.spliced) is not None:
+                for job, state in self._jobs.values():
+                    replaced, by = NodeName(sp.replaced), NodeName(sp.by)
+                    job.spliced(SpliceRecord(sp.first, sp.last, replaced, by, len(state.output)))
             self._notify(Resync(full=False, reason=msg.detail))
         elif isinstance(msg, RingLost):  # every request ends with RingError
             fault = Fault(node=self._node, kind="ring", detail=msg.detail)
@@ -322,6 +329,11 @@ class Coordinator:
             ended = False
             try:
                 job = self._job(prompt_ids, sid, state) if receipt else None
+                if job is not None:
+                    self._jobs[sid] = (job, state)
+                    if checkpoint is not None:  # a resumed run names what it resumes
+                        job.resumes = checkpoint.resumes
+                        checkpoint.bind(job.job)
                 completion = await self._drive(
                     sid, route, job, prompt_ids, state, sampling, tokens, spec, checkpoint
                 )
@@ -343,6 +355,7 @@ class Coordinator:
                 raise request_failed(sid, exc, state.output) from exc
             finally:
                 del self._routes[sid]
+                self._jobs.pop(sid, None)
                 self._ledger.sessions = len(self._routes)
                 if not ended:
                     await self._gate.end_session(sid)
@@ -404,10 +417,12 @@ class Coordinator:
         *,
         tokens: trio.MemorySendChannel[Committed] | None = None,
         speculation: SpeculationConfig | None = None,
+        receipt: bool = False,
     ) -> Completion:
         """Continue a request a previous coordinator checkpointed: the committed tokens are
         kept, the rest is generated on the ring (``tokens`` gets only the new ones). The
-        returned completion holds every output token, old and new.
+        returned completion holds every output token, old and new. ``receipt``: a receipt
+        of this run (the new tokens), naming the request it resumes (``RunReceipt.resumes``).
 
         Errors: as ``generate``; the checkpoint stays until the request ends.
         """
@@ -425,17 +440,11 @@ class Coordinator:
             sampling=checkpoint.sampling,
             tokens=tokens,
             spec=speculation or self._spec,
-            receipt=False,
+            receipt=receipt,
             eos_ids=self._eos_ids,
             checkpoint=None if store is None else Checkpointer(store, checkpoint),
         )
         return attrs.evolve(rest, token_ids=(*checkpoint.output_ids, *rest.token_ids))
 
 
-__all__ = [
-    "Completion",
-    "Coordinator",
-    "CoordinatorStatistics",
-    "Resync",
-    "RingError",
-]
+__all__ = ["Completion", "Coordinator", "CoordinatorStatistics", "Resync", "RingError"]

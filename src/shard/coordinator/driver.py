@@ -283,7 +283,7 @@ class RequestDriver:
                     Prefill(sid, epoch, ChunkSeq(seq), start=start, final=final, ids=ids)
                 )
                 if self._job is not None:
-                    self._job.sent_chunk(0, seq, start, ids)
+                    self._job.sent_chunk(epoch, seq, start, ids)
             while True:
                 event = await self._next_event(epoch)
                 if isinstance(event, Resync) or event.epoch == epoch:
@@ -314,6 +314,8 @@ class RequestDriver:
             seq = ChunkSeq(stream.next_seq)
             stream.next_seq += 1
             await ring.send(Prefill(sid, epoch, seq, start=c.start, final=False, ids=c.ids))
+            if self._job is not None:  # the stages' chains hash re-sent chunks too
+                self._job.sent_chunk(epoch, seq, c.start, c.ids)
 
     async def _fill(
         self, stream: SpeculationStream, proposer: Proposer | None, control: SpeculationController

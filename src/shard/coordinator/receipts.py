@@ -26,7 +26,8 @@ async def collect_receipts(
     chain includes), and sign the run receipt.
 
     Errors: ``RingError`` (with the committed tokens) when a stage faults, the ring is
-    repaired meanwhile (receipts do not span a splice), or receipts are missing after
+    repaired meanwhile (a splice now leaves the replaced stage's receipt unsigned: the session
+    had ended before the standby had it), or receipts are missing after
     ``timeout_s`` (the spec's ``limits.receipt_timeout_s``).
     """
     with trio.move_on_after(timeout_s) as waited:
@@ -40,8 +41,9 @@ async def collect_receipts(
                 raise RingError(f"{msg.node}: {msg.detail}", committed=completion.token_ids)
             elif isinstance(msg, Resync):
                 raise RingError(
-                    f"the ring was repaired before every receipt arrived ({msg.reason}); "
-                    "receipts do not span a splice",
+                    f"the ring was repaired before every receipt arrived ({msg.reason}): "
+                    "a repair while receipts are collected can leave a stage's receipt "
+                    "unsigned (a replaced stage's, always)",
                     committed=completion.token_ids,
                 )
     if waited.cancelled_caught:

@@ -162,6 +162,7 @@ class DownstreamLink:
                                 await self._send(held)
                                 if self._records:
                                     self._log.record(held)
+                                self._log.sent(held)  # receipts: what really went out
                                 self._sent += 1
                                 held = None
                         except trio.EndOfChannel:

@@ -75,11 +75,23 @@ class Pause:
 
 
 @attrs.frozen
+class Spliced:
+    """Who replaced whom in which block, for the run receipts of the requests it crossed."""
+
+    first: int
+    last: int
+    replaced: str
+    by: str
+
+
+@attrs.frozen
 class Resume:
     """The ring is whole again (``detail``: who replaced what, how fast): requests re-send
-    from their committed tokens in a new epoch."""
+    from their committed tokens in a new epoch. ``spliced``: the standby put in a dead node's
+    place, if that was the repair (run receipts list it)."""
 
     detail: str
+    spliced: Spliced | None = None
 
 
 @attrs.frozen
@@ -114,4 +126,5 @@ __all__ = [
     "RingControl",
     "RingLost",
     "RingNote",
+    "Spliced",
 ]

@@ -13,6 +13,13 @@ their KV (a chunk attends only to positions before its own start and to itself).
 starts earlier is kept whole even when it is partly overwritten, because the chunks after it
 were computed against its KV. What is left is about one copy of each session's positions.
 
+For receipts the log also keeps, per session with a job, the receipt chain over every chunk
+the edge really sent (``sent``, called by the edge after each send; ``shard.trust.receipts``:
+the records its sender's output chain hashes): the replayed ``OpenSession`` carries it as
+``receipt_base``, so a spliced-in standby's input chain starts where the replaced node's
+stood and ends equal to the sender's output chain. It lives for the job (a re-sent
+``OpenSession`` of the same job keeps it).
+
 A session whose log would pass ``max_bytes`` is dropped from the log (``replayable`` says so):
 a standby then misses its KV, reports a gap, and the coordinator re-sends the session from its
 own log of token ids, which is small. Nothing is lost; it only costs more compute.
@@ -35,6 +42,7 @@ from shard.messages import (
     Tensor,
     Verify,
 )
+from shard.trust.receipts import Chain, chunk_record, payload_of
 
 #: Default bound on one edge's log: hidden states of every live session, in host memory.
 DEFAULT_MAX_BYTES = 1 << 30
@@ -64,6 +72,7 @@ class _SessionLog:
     open: OpenSession
     chunks: list[LoggedChunk] = attrs.field(factory=list)
     nbytes: int = 0
+    sent: Chain = attrs.field(factory=Chain)  # receipts: every chunk sent for the job
 
 
 @attrs.frozen
@@ -94,9 +103,13 @@ class ReplayLog:
     def record(self, msg: Message) -> None:
         """Note a message that was sent downstream."""
         if isinstance(msg, OpenSession):
+            known = self._sessions.get(msg.session)
             self._forget(msg.session)
             self._dropped.discard(msg.session)
-            self._sessions[msg.session] = _SessionLog(msg)
+            fresh = _SessionLog(msg)
+            if known is not None and (known.open.job, known.open.nonce) == (msg.job, msg.nonce):
+                fresh.sent = known.sent  # the same job re-sent: its receipt chain carries on
+            self._sessions[msg.session] = fresh
         elif isinstance(msg, EndSession):
             self._forget(msg.session)
             self._dropped.discard(msg.session)
@@ -117,6 +130,17 @@ class ReplayLog:
                 self._forget(msg.session)
                 self._dropped.add(msg.session)
 
+    def sent(self, msg: Message) -> None:
+        """Note a chunk the edge really sent (not a replay) in its session's receipt chain:
+        called by the sender after the send, where ``record`` may come before it (the
+        coordinator logs a chunk as it queues it for the link)."""
+        if not isinstance(msg, Prefill | Verify) or (isinstance(msg, Prefill) and msg.replay):
+            return
+        log = self._sessions.get(msg.session)
+        if log is not None and log.open.nonce:
+            data = msg.hidden.data if msg.hidden is not None else None
+            log.sent.add(chunk_record(msg.epoch, msg.seq, msg.start, payload_of(msg.ids, data)))
+
     def chunks(self, session: SessionId) -> tuple[LoggedChunk, ...]:
         log = self._sessions.get(session)
         return tuple(log.chunks) if log is not None else ()
@@ -128,7 +152,8 @@ class ReplayLog:
     def replay(self) -> Iterator[Message]:
         """Every live session: its ``OpenSession``, then its chunks as replay prefills."""
         for sid, log in list(self._sessions.items()):
-            yield log.open
+            opening = log.open
+            yield attrs.evolve(opening, receipt_base=log.sent.value) if opening.nonce else opening
             for c in log.chunks:
                 yield Prefill(
                     sid,

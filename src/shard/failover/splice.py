@@ -42,6 +42,7 @@ from shard.failover.events import (
     RingControl,
     RingLost,
     RingNote,
+    Spliced,
 )
 from shard.membership.registry import NO_BLOCK, Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, NodeName, Rewire
@@ -238,15 +239,17 @@ class Splicer:
             )
         )  # fmt: skip
         log.warning("scheduler: %s", detail)
-        await self._resume(detail)
+        spliced = Spliced(slot.first, slot.last, dead, standby.node)
+        await self._resume(detail, spliced)
 
-    async def _resume(self, detail: str) -> None:
-        """The ring is whole again — unless other slots still wait (the ring stays down)."""
+    async def _resume(self, detail: str, spliced: Spliced | None = None) -> None:
+        """The ring is whole again — unless other slots still wait (the ring stays down).
+        ``spliced``: the standby put in a dead node's place, for the run receipts."""
         if self.waiting:
             still = "; ".join(w.describe() for w in self.waiting.values())
             await self._to_router.send(RingLost(f"{detail}; still {still}"))
             return
-        await self._to_router.send(Resume(detail))
+        await self._to_router.send(Resume(detail, spliced))
 
     async def rejoin(self, problem: Rejoin) -> None:
         """``node`` was declared dead (at ``at``), nobody took its slot, and it registered

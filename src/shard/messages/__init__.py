@@ -78,7 +78,9 @@ from shard.messages.reach import (
 )
 from shard.messages.receipts import (
     EdgeRecord,
+    ResumeRecord,
     RunReceipt,
+    SpliceRecord,
     StageReceipt,
     VerdictRecord,
 )
@@ -233,12 +235,14 @@ __all__ = [
     "ProbeReply",
     "Ready",
     "Register",
+    "ResumeRecord",
     "Rewire",
     "RttReport",
     "RunReceipt",
     "RunStats",
     "Sampling",
     "SessionId",
+    "SpliceRecord",
     "StageReceipt",
     "StageReceiptOut",
     "StageReport",

@@ -7,8 +7,8 @@ What is signed, how, and what a verifier checks live in ``shard.trust.receipts``
 ``RunReceipt`` (``shard.trust.receipt_check.receipt_to_json``).
 
 Hex fields are lowercase, of fixed length: ``job`` and ``nonce`` 32 digits, keys, chains and
-hashes 64, signatures 128. ``token`` fields hold an admission token's text
-(``shard-token-v1 <base64>``, no newline), or "" where the swarm has no authority.
+hashes 64 (``input_base`` 64, or ""), signatures 128. ``token`` fields hold an admission
+token's text (``shard-token-v1 <base64>``, no newline), or "" where the swarm has no authority.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from __future__ import annotations
 import attrs
 
 from shard.messages.ids import NodeName
+
+#: Field metadata: the field is left out of the file and of the signed bytes while it is empty,
+#: so a record that does not use it is spelt and signed exactly as before the field existed.
+OMIT_EMPTY = {"omit_empty": True}
 
 
 @attrs.frozen
@@ -38,6 +42,10 @@ class StageReceipt:
     device: str
     token: str = ""
     signature: str = ""
+    #: a standby spliced in mid-job: where its input chain began — its predecessor's chain
+    #: over what it sent the replaced node (``OpenSession.receipt_base``), so its input chain
+    #: ends equal to the predecessor's output chain; "" for a stage there from the start
+    input_base: str = attrs.field(default="", metadata=OMIT_EMPTY)
 
 
 @attrs.frozen
@@ -65,6 +73,32 @@ class VerdictRecord:
     prefill: bool
     target_ids: tuple[int, ...]
     accepted: int
+
+
+@attrs.frozen
+class SpliceRecord:
+    """A standby spliced into the ring mid-run, in the coordinator's words: ``replaced`` held
+    layers ``[first, last)`` until the output had ``at_token`` committed tokens, ``by`` from
+    then on (the request re-sent from there)."""
+
+    first: int
+    last: int
+    replaced: NodeName
+    by: NodeName
+    at_token: int
+
+
+@attrs.frozen
+class ResumeRecord:
+    """A run that continues a request another coordinator began and could not finish (it
+    died; ``Coordinator.resume_request``), in the resuming coordinator's words: the request's
+    checkpoint id, the job id of its first run ("" if that one asked for no receipt) and how
+    many output tokens were committed before this run (its prompt is the request's prompt and
+    those tokens, its output the rest)."""
+
+    request: str
+    job: str
+    at_token: int
 
 
 @attrs.frozen
@@ -102,3 +136,7 @@ class RunReceipt:
     stop_ids: tuple[int, ...]  # ids that end the run, sorted (the EOS ids; () with ignore_eos)
     stop_at: int  # output index where the tail chose the stop id (== len(output_ids)); -1: length
     signature: str = ""
+    #: standbys spliced in during the run, in order (version 4; empty: spelt as version 3)
+    splices: tuple[SpliceRecord, ...] = attrs.field(default=(), metadata=OMIT_EMPTY)
+    #: the request this run resumes, if any (version 4; None: spelt as version 3)
+    resumes: ResumeRecord | None = attrs.field(default=None, metadata=OMIT_EMPTY)

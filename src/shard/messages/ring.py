@@ -80,6 +80,9 @@ class OpenSession:
     job: str = ""  # with ``nonce``: the job each stage signs a receipt for ("" = no receipt)
     nonce: str = ""
     features: int = 0
+    #: set only on the copy an edge's sender replays to a spliced-in standby: its chain over
+    #: what it sent the replaced node for this job, where the standby's input chain begins
+    receipt_base: str = ""
 
 
 @attrs.frozen

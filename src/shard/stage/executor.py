@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import attrs
 import torch
 import trio
 
@@ -248,7 +249,7 @@ class StageExecutor:
         if self._receipts is None:
             return
         if isinstance(msg, OpenSession):
-            self._receipts.opened(msg.session, msg.job, msg.nonce)
+            self._receipts.opened(msg.session, msg.job, msg.nonce, msg.receipt_base)
         elif isinstance(msg, Prefill | Verify):
             data = msg.hidden.data if msg.hidden is not None else None
             payload = payload_of(msg.ids, data)
@@ -297,6 +298,8 @@ class StageExecutor:
             log.warning("%s: ignoring unexpected %s", self._node, type(msg).__name__)
 
     async def _open(self, msg: OpenSession) -> None:
+        if msg.receipt_base:  # where this stage's input chain began: not the next one's
+            msg = attrs.evolve(msg, receipt_base="")
         if msg.session in self._sessions:  # re-sent after a failure: keep the KV
             if not self._model.is_last:
                 await self._outbox.send(msg)

@@ -19,12 +19,22 @@ from shard.wire.convert import converter, explain
 
 T = TypeVar("T")
 
-__all__ = ["from_canonical_json", "to_canonical_json"]
+__all__ = ["as_body", "from_canonical_json", "to_canonical_json"]
+
+
+def _kept(field: attrs.Attribute[Any], value: Any) -> bool:
+    return not (field.metadata.get("omit_empty") and not value)
+
+
+def as_body(record: Any) -> dict[str, Any]:
+    """``record`` (an attrs instance) as plain data, every field but empty ``omit_empty`` ones
+    (at any depth)."""
+    return attrs.asdict(record, recurse=True, filter=_kept)
 
 
 def to_canonical_json(record: Any) -> str:
     """``record`` (an attrs instance) as its one file spelling."""
-    body = attrs.asdict(record, recurse=True)
+    body = as_body(record)
     return json.dumps(body, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n"
 
 

@@ -13,6 +13,16 @@
 - the blocks tile ``[0, n_layers)`` in ring order with no gap or overlap;
 - the chains link: coordinator-sent == stage 0 input, stage i output == stage i+1 input,
   tail output == coordinator-received (so nobody can claim work it did not pass on);
+- splices (version 4): a standby spliced into a block mid-run is the stage the run's splice
+  record names, its input chain began at its predecessor's chain over what the replaced node
+  was sent (``input_base``) and so still equals the predecessor's output chain; the edge out
+  of it is checked by counts — its output is the last part of what its successor received,
+  which also holds what the replaced node sent, so it may have sent no more chunks than were
+  received there — except out of a spliced-in tail, whose chain must hash exactly the last
+  verdicts listed. A splice record relaxes nothing unless the stage signed ``input_base``.
+  One splice per block per run;
+- a run that resumes a request (version 4, ``resumes``) names it well-formed (the claim
+  itself is the resuming coordinator's word);
 - the verdicts listed are the ones the tail's output chain commits to, and every output
   token is the tail's last word for its position: the output is bound to the tail's
   signature, not just to the coordinator's;
@@ -40,12 +50,13 @@ from collections.abc import Collection
 import attrs
 
 from shard import strict_json
-from shard.messages import RunReceipt, StageReceipt
+from shard.messages import RunReceipt, SpliceRecord, StageReceipt
 from shard.trust.admission import AdmissionError, AdmissionToken, TokenMalformed, verify
 from shard.trust.canonical import from_canonical_json, to_canonical_json
 from shard.trust.identity import short, verify_signature
 from shard.trust.receipts import (
     RECEIPT_VERSION,
+    SPLICED_VERSION,
     Chain,
     ReceiptInvalid,
     hash_ids,
@@ -79,6 +90,7 @@ class Verified:
 # --- canonical encodings ---------------------------------------------------------------------
 
 _HEX_DIGITS = {"job": 32, "nonce": 32, "signature": 128}
+_VERSIONS = f"version {RECEIPT_VERSION} or {SPLICED_VERSION}"
 
 
 def _hex(value: str, digits: int, what: str) -> bytes:
@@ -92,6 +104,8 @@ def _hex(value: str, digits: int, what: str) -> bytes:
 def _check_stage_hex(stage: StageReceipt, who: str) -> None:
     for field in ("job", "nonce", "public_key", "input_chain", "output_chain", "signature"):
         _hex(getattr(stage, field), _HEX_DIGITS.get(field, 64), f"{who}: {field}")
+    if stage.input_base:
+        _hex(stage.input_base, 64, f"{who}: input_base")
 
 
 def _check_run_hex(receipt: RunReceipt) -> None:
@@ -130,7 +144,7 @@ def receipt_from_json(text: str) -> RunReceipt:
         text,
         RunReceipt,
         error=ReceiptInvalid,
-        what=f"a shard run receipt (version {RECEIPT_VERSION})",
+        what=f"a shard run receipt ({_VERSIONS})",
         canonical="not in the canonical encoding (the file must be exactly what `--receipt` "
         "wrote: sorted keys, two-space indent, one spelling per number)",
     )
@@ -145,7 +159,7 @@ def _refuse_old_version(text: str) -> None:
         raise ReceiptInvalid(
             "a version-2 receipt: it was signed before receipts bound how the output ended "
             "(finish reason, max_tokens, stop ids), so it cannot show that its output was not "
-            f"cut; this shard verifies version {RECEIPT_VERSION} only — run the request again "
+            f"cut; this shard verifies {_VERSIONS} only — run the request again "
             "with --receipt"
         )
 
@@ -214,12 +228,33 @@ def _check_coordinator(receipt: RunReceipt, pins: ReceiptPins) -> None:
         _check_admitted(token, key=key, role="coordinator", receipt=receipt, pins=pins, who=who)
 
 
+def splices_by_block(receipt: RunReceipt) -> dict[int, SpliceRecord]:
+    """The run's splice records by the first layer of their block. Errors: ``ReceiptInvalid``
+    for a block spliced twice (which replaced node computed which chunks is then unknown) or
+    a splice past the output."""
+    found: dict[int, SpliceRecord] = {}
+    for sp in receipt.splices:
+        where = f"splice of [{sp.first}, {sp.last}) ({sp.replaced} -> {sp.by})"
+        if sp.first in found:
+            raise ReceiptInvalid(
+                f"{where}: that block was spliced twice in one run; receipts credit one "
+                "replaced node per block, so this one cannot say who computed which chunks"
+            )
+        if not 0 <= sp.at_token <= len(receipt.output_ids) or sp.replaced == sp.by:
+            raise ReceiptInvalid(f"{where}: at token {sp.at_token} of {len(receipt.output_ids)}")
+        found[sp.first] = sp
+    return found
+
+
 def _check_ring(receipt: RunReceipt, pins: ReceiptPins) -> None:
-    """Stage signatures and pins, the tiling, and the chains from coordinator to tail."""
+    """Stage signatures and pins, the tiling, and the chains from coordinator to tail (the
+    edge out of a spliced-in standby by counts: module docstring)."""
     if not receipt.stages:
         raise ReceiptInvalid("no stage receipts")
+    splices = splices_by_block(receipt)
     expected_first = 0
     upstream_chain, upstream = receipt.sent_chain, str(receipt.coordinator)
+    spliced_out: int | None = None  # chunks a spliced-in upstream sent (its edge: by counts)
     for stage in receipt.stages:
         who = f"stage {stage.node} [{stage.first}, {stage.last})"
         _check_stage(stage, receipt, pins, who)
@@ -228,16 +263,58 @@ def _check_ring(receipt: RunReceipt, pins: ReceiptPins) -> None:
                 f"{who}: blocks do not tile the layers (expected a block starting at "
                 f"{expected_first})"
             )
-        if stage.input_chain != upstream_chain:
-            raise ReceiptInvalid(f"{who}: input chain differs from what {upstream} sent")
+        _check_edge(upstream, upstream_chain, spliced_out, stage.input_chain, stage.chunks_in, who)
+        sp = splices.pop(stage.first, None)
+        if sp is not None and (sp.last, sp.by) != (stage.last, stage.node):
+            raise ReceiptInvalid(
+                f"{who}: the run says {sp.by} was spliced into [{sp.first}, {sp.last})"
+            )
+        if sp is None and stage.input_base:
+            raise ReceiptInvalid(f"{who}: its input chain starts mid-job, but no splice is listed")
         expected_first = stage.last
         upstream_chain, upstream = stage.output_chain, str(stage.node)
+        # only a standby that signed it began mid-job: a splice record alone relaxes nothing
+        spliced_out = stage.chunks_out if sp is not None and stage.input_base else None
     if expected_first != receipt.n_layers:
         raise ReceiptInvalid(
             f"blocks end at layer {expected_first} but the model has {receipt.n_layers}"
         )
-    if receipt.received_chain != upstream_chain:
-        raise ReceiptInvalid(f"coordinator received other verdicts than {upstream} sent")
+    if splices:
+        sp = next(iter(splices.values()))
+        raise ReceiptInvalid(f"the splice of [{sp.first}, {sp.last}) matches no stage's block")
+    if spliced_out is None:
+        _check_edge(upstream, upstream_chain, None, receipt.received_chain, 0, "coordinator")
+        return
+    # A tail spliced in: its verdicts are the last ones listed, bound to its signature.
+    if spliced_out > len(receipt.verdicts):
+        raise ReceiptInvalid(
+            f"{upstream}, spliced in, claims {spliced_out} verdicts sent but the coordinator "
+            f"received {len(receipt.verdicts)} in all"
+        )
+    chain = Chain()
+    for v in receipt.verdicts[len(receipt.verdicts) - spliced_out :]:
+        chain.add(verdict_chunk_record(v))
+    if chain.value != upstream_chain:
+        raise ReceiptInvalid(f"{upstream}, spliced in, sent other verdicts than the last listed")
+
+
+def _check_edge(
+    upstream: str, sent: str, spliced_out: int | None, received: str, count: int, who: str
+) -> None:
+    """One ring edge: what ``upstream`` sent is what ``who`` received — unless ``upstream``
+    was spliced in mid-run (``spliced_out``: how many chunks it sent), whose output is only the
+    last part of what was received: it cannot have sent more than that."""
+    if received == sent:
+        return
+    if spliced_out is None:
+        if who == "coordinator":
+            raise ReceiptInvalid(f"coordinator received other verdicts than {upstream} sent")
+        raise ReceiptInvalid(f"{who}: input chain differs from what {upstream} sent")
+    if spliced_out > count:
+        raise ReceiptInvalid(
+            f"{upstream}, spliced in, claims {spliced_out} chunks sent but {who} received "
+            f"{count} in all"
+        )
 
 
 def _check_output_bound(receipt: RunReceipt) -> dict[int, int]:
@@ -340,6 +417,11 @@ def verify_run(receipt: RunReceipt, pins: ReceiptPins = ReceiptPins()) -> Verifi
         )
     if receipt.output_hash != hash_ids(receipt.output_ids):
         raise ReceiptInvalid("output hash does not match the output token ids")
+    if (rs := receipt.resumes) is not None:
+        if rs.job:
+            _hex(rs.job, 32, "run receipt: resumes.job")
+        if not rs.request or rs.at_token < 0:
+            raise ReceiptInvalid(f"resumes request {rs.request!r} at token {rs.at_token}")
     _check_ring(receipt, pins)
     stop_id = _check_ending(receipt, _check_output_bound(receipt))
     return Verified(receipt, _unpinned(receipt, pins), stop_id)

@@ -23,6 +23,15 @@ cannot later claim another maximum or other stop ids to pass off a cut output as
 
 What is signed is canonical JSON (sorted keys, no spaces, ASCII, no NaN) of every field but
 the signature, under a ``kind`` and a version, so a stage signature is never valid as a run's.
+
+A splice (``docs/failover.md``) keeps the chains whole. A stage's chains live for the job:
+an ``OpenSession`` for a job it already records (a full re-send, or the copy a spliced-in
+standby forwards) does not restart them. The spliced-in standby's input chain starts where
+its predecessor's chain over what it had sent the replaced node stood (the replayed
+``OpenSession`` carries it: ``receipt_base``), so it ends equal to the predecessor's output
+chain; the coordinator lists each splice (``SpliceRecord``) in the run receipt. A run that
+resumes a request a dead coordinator began names it (``ResumeRecord``). Version 4 is those
+three fields; a receipt with none is spelt and signed exactly as version 3.
 """
 
 from __future__ import annotations
@@ -36,18 +45,31 @@ from typing import Any
 
 import attrs
 
-from shard.messages import EdgeRecord, NodeName, RunReceipt, StageReceipt, VerdictRecord
+from shard.messages import (
+    EdgeRecord,
+    NodeName,
+    ResumeRecord,
+    RunReceipt,
+    SpliceRecord,
+    StageReceipt,
+    VerdictRecord,
+)
+from shard.trust.canonical import as_body
 from shard.trust.identity import NodeIdentity
 
 __all__ = [
+    "CHAIN_START",
     "RECEIPT_VERSION",
+    "SPLICED_VERSION",
     "Chain",
     "EdgeRecord",
     "ReceiptInvalid",
     "ReceiptSigner",
+    "ResumeRecord",
     "RunJob",
     "RunReceipt",
     "RunSigner",
+    "SpliceRecord",
     "StageReceipt",
     "VerdictRecord",
     "chunk_record",
@@ -67,7 +89,13 @@ __all__ = [
 #: 3: run receipts bind how the output ended (``finish_reason``, ``max_tokens``, ``stop_ids``,
 #: ``stop_at``) and the job id binds the end rules; version-2 receipts are refused.
 RECEIPT_VERSION = 3
+#: 4: splices (``RunReceipt.splices``, ``StageReceipt.input_base``); a receipt without them is
+#: signed as version 3, so every version-3 receipt still verifies.
+SPLICED_VERSION = 4
 _CHAIN_INIT = hashlib.blake2b(b"shard-receipt-chain-v1", digest_size=32).hexdigest()
+#: the value every chain starts from (but a spliced-in standby's input chain)
+CHAIN_START = _CHAIN_INIT
+_HEX64 = frozenset("0123456789abcdef")
 
 
 class ReceiptInvalid(Exception):
@@ -145,18 +173,23 @@ def _canonical(record: dict[str, Any]) -> bytes:
 
 
 def stage_signed_bytes(receipt: StageReceipt) -> bytes:
-    """What a stage signs: every field but the signature, canonical JSON, kind "stage"."""
-    body = attrs.asdict(receipt)
+    """What a stage signs: every field but the signature, canonical JSON, kind "stage";
+    version 4 with an ``input_base``, else exactly version 3's bytes."""
+    body = as_body(receipt)
     body.pop("signature")
-    return _canonical({"kind": "stage", "v": RECEIPT_VERSION, **body})
+    version = SPLICED_VERSION if "input_base" in body else RECEIPT_VERSION
+    return _canonical({"kind": "stage", "v": version, **body})
 
 
 def run_signed_bytes(receipt: RunReceipt) -> bytes:
     """What the coordinator signs: every field but its signature (stage receipts whole, their
-    signatures included), canonical JSON, kind "run"."""
-    body = attrs.asdict(receipt, recurse=True)
+    signatures included), canonical JSON, kind "run"; version 4 with splices or a resume,
+    else 3."""
+    body = as_body(receipt)
     body.pop("signature")
-    return _canonical({"kind": "run", "v": RECEIPT_VERSION, **body})
+    spliced = "splices" in body or "resumes" in body or any(s.input_base for s in receipt.stages)
+    version = SPLICED_VERSION if spliced else RECEIPT_VERSION
+    return _canonical({"kind": "run", "v": version, **body})
 
 
 def sign_stage(receipt: StageReceipt, identity: NodeIdentity) -> StageReceipt:
@@ -182,6 +215,7 @@ def _finite(value: float, digits: int) -> float:
 class _Job:
     job: str
     nonce: str
+    base: str = ""
     inputs: Chain = attrs.field(factory=Chain)
     outputs: Chain = attrs.field(factory=Chain)
     compute_s: float = 0.0
@@ -216,9 +250,19 @@ class ReceiptSigner:
         self._token = token
         self._jobs: dict[int, _Job] = {}
 
-    def opened(self, session: int, job: str, nonce: str) -> None:
-        if nonce:
-            self._jobs[session] = _Job(job, nonce)
+    def opened(self, session: int, job: str, nonce: str, base: str = "") -> None:
+        """A session opened for ``job``. Its chains live for the job: opened again for the same
+        job (a re-send, or a standby's forwarded copy after a splice) they carry on. ``base``
+        (a replayed ``OpenSession``'s ``receipt_base``) starts a new job's input chain there;
+        anything but 64 lowercase hex digits is ignored (the receipt then will not link)."""
+        if not nonce:
+            return
+        known = self._jobs.get(session)
+        if known is not None and (known.job, known.nonce) == (job, nonce):
+            return
+        if len(base) != 64 or not _HEX64.issuperset(base):
+            base = ""
+        self._jobs[session] = _Job(job, nonce, base, Chain(base or _CHAIN_INIT))
 
     def received(self, session: int, epoch: int, seq: int, start: int, payload: bytes) -> None:
         job = self._jobs.get(session)
@@ -253,6 +297,7 @@ class ReceiptSigner:
             compute_s=_finite(job.compute_s, 6),
             device=self._device,
             token=self._token,
+            input_base=job.base,
         )
         return sign_stage(receipt, self._identity)
 
@@ -286,6 +331,8 @@ class RunJob:
     received: Chain = attrs.field(factory=Chain)
     verdicts: list[VerdictRecord] = attrs.field(factory=list)
     stages: list[StageReceipt] = attrs.field(factory=list)
+    splices: list[SpliceRecord] = attrs.field(factory=list)
+    resumes: ResumeRecord | None = None  # the request this run continues (resume_request)
 
     @classmethod
     def start(
@@ -330,6 +377,11 @@ class RunJob:
     def stage_receipt(self, receipt: StageReceipt) -> None:
         self.stages.append(receipt)
 
+    def spliced(self, record: SpliceRecord) -> None:
+        """A standby took a block over while the job ran (``record.at_token``: the output
+        tokens committed then)."""
+        self.splices.append(record)
+
     def finish(
         self,
         signer: RunSigner,
@@ -368,6 +420,8 @@ class RunJob:
                 max_tokens=self.max_tokens,
                 stop_ids=self.stop_ids,
                 stop_at=len(output_ids) if finish_reason == "stop" else -1,
+                splices=tuple(self.splices),
+                resumes=self.resumes,
             ),
             signer.identity,
         )

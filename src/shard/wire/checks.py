@@ -43,6 +43,7 @@ NON_NEGATIVE_FIELDS = frozenset(
         "chunks_out",
         "n_layers",
         "signed_at",
+        "at_token",
     }
 )
 
