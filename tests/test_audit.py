@@ -201,3 +201,21 @@ def test_auditor_refuses_another_block(blocks: tuple[StageModel, ...]) -> None:
     (req, *_) = Driver(head, accused, sampler).session(1, random.Random(1), chunks=2)
     with pytest.raises(AuditFailed, match="holds layers"):
         run_audit(head, attrs.evolve(req))
+
+
+def test_audited_chunks_the_block_cannot_run_are_an_error_not_a_crash(
+    blocks: tuple[StageModel, ...],
+) -> None:
+    """A request whose chunk the auditor's block cannot run (hidden states of another
+    width: a malformed or hostile request) is ``AuditFailed`` — an error verdict that accuses
+    nobody — never an exception out of the auditor."""
+    from shard.audit.auditor import AuditFailed
+    from shard.audit.compare import blob_of
+
+    head, accused = blocks
+    sampler = AuditSampler(accused_record(accused), seed=bytes(32), rate=1.0)
+    (req, *_) = Driver(head, accused, sampler).session(1, random.Random(1), chunks=2)
+    assert req.chunk.hidden is not None
+    wrong = blob_of(torch.zeros(1, 2, 7))  # not the model's width
+    with pytest.raises(AuditFailed, match="do not run on this block"):
+        run_audit(accused, attrs.evolve(req, chunk=attrs.evolve(req.chunk, hidden=wrong)))

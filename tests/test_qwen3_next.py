@@ -24,16 +24,18 @@ import torch
 
 import family_fixtures
 from shard.audit.auditor import recompute
+from shard.compute.tensors import to_wire
 from shard.coordinator.coordinator import Completion
 from shard.decode.reference import generate_reference
 from shard.failover.faults import FaultPlan
+from shard.messages import ChunkSeq, Epoch, NodeName, Prefill, Sampling, SessionId
 from shard.messages.audit import AuditedChunk
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.footprint import predict
 from shard.model.loader import load_stage
 from shard.model.recurrent import EVERY, ROLLBACK, RecurrentRollbackError, recurrent_bytes
 from shard.spec.audit import AuditSpec
-from shard.stage.chunks import kv_refusal
+from shard.stage.chunks import Session, StageFailed, kv_refusal, plan
 from test_audit_wired import _run as run_audited
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, run_scenario
 
@@ -108,6 +110,44 @@ def test_a_rollback_deeper_than_kept_or_a_gap_is_refused(
     with pytest.raises(RecurrentRollbackError, match="skips positions"):
         model(torch.tensor([[5]]), n + 1, cache)
     model(torch.tensor([[5]]), n - ROLLBACK, cache)  # the deepest kept rollback runs
+
+
+def test_a_session_sent_again_from_its_start_needs_nothing_kept(
+    family_checkpoint: Callable[[str], Path],
+) -> None:
+    """A session far past ``ROLLBACK`` sent again from position 0 (the coordinator's full
+    re-send) runs from zeros: its logits equal a fresh session's, bit for bit."""
+    model = load_stage(family_checkpoint("qwen3_next"), 0, 4)
+    long = [(11 * i + 3) % 250 + 1 for i in range(ROLLBACK + 40)]
+    cache, fresh = model.new_cache(ROLLBACK + 48), model.new_cache(ROLLBACK + 48)
+    model(torch.tensor([long]), 0, cache)
+    x = torch.tensor([PROMPT])
+    assert torch.equal(model(x, 0, cache), model(x, 0, fresh))
+
+
+def test_a_stage_refuses_a_rollback_deeper_than_kept_as_a_gap(
+    family_checkpoint: Callable[[str], Path],
+) -> None:
+    """A chunk more than ``ROLLBACK`` positions behind what a linear-attention stage wrote is
+    refused before it runs, as a "gap" (the coordinator then sends the session again from
+    position 0); an attention-only stage of the same model takes it (its KV is cut by
+    position); a chunk from position 0 is always taken."""
+    model_dir = family_checkpoint("qwen3_next")
+    linear, attention = load_stage(model_dir, 0, 2), load_stage(model_dir, 1, 2)
+    for stage, refused in ((linear, True), (attention, False)):
+        sess = Session(stage.new_cache(ROLLBACK + 48), Sampling(), written=ROLLBACK + 40)
+        sessions = {SessionId(1): sess}
+        chunk = Prefill(SessionId(1), Epoch(0), ChunkSeq(0), 20, False, ids=(5, 6))
+        if not stage.is_first:
+            chunk = attrs.evolve(chunk, ids=(), hidden=to_wire(torch.zeros(1, 2, 64)))
+        if refused:
+            with pytest.raises(StageFailed, match="rolls back 148 positions") as err:
+                plan(stage, NodeName("s"), sessions, chunk, 0.0)
+            assert err.value.kind == "gap"
+        else:
+            plan(stage, NodeName("s"), sessions, chunk, 0.0)
+        sess.written = ROLLBACK + 40
+        plan(stage, NodeName("s"), sessions, attrs.evolve(chunk, start=0), 0.0)
 
 
 def test_an_audit_replay_through_rejected_chunks_equals_the_stage(

@@ -171,7 +171,10 @@ def audit_chunk(
         )
     if model.is_last and not choice_rows(req.chunk):
         raise AuditFailed("the tail makes no choice on a prefill chunk before the last")
-    out = recompute(model, req.prior, req.chunk)
+    try:
+        out = recompute(model, req.prior, req.chunk)
+    except ValueError as exc:  # chunks the model cannot run: a width, a position, a rollback
+        raise AuditFailed(f"the audited chunks do not run on this block: {exc}") from None
     # What the evidence holds: at the tail the logits its choice reads ([R, V], fp32 on the
     # CPU, as it reads them), else the hidden states (a float64 auditor, a reference run,
     # reports in float32: evidence holds wire dtypes only).

@@ -25,7 +25,9 @@ To start at ``s`` behind the live state, the layer takes the snapshot after posi
 same ops on the same stored operands as when those positions first ran, so the state is the
 same bits as an uninterrupted run's (``tests/test_qwen3_next.py``). A rollback deeper than
 ``ROLLBACK`` positions, or a chunk that skips positions, is refused with
-``RecurrentRollbackError`` rather than computed from a wrong state. ``ROLLBACK`` covers the
+``RecurrentRollbackError`` rather than computed from a wrong state; a stage refuses such a
+chunk before it runs (``shard.stage.chunks.plan``: a "gap" fault, on which the coordinator
+sends the session again from position 0, which needs nothing kept). ``ROLLBACK`` covers the
 deepest rollback the coordinator makes with its defaults (``depth_max`` 4 chunks of
 ``k_max + 1`` = 9 rows in flight: 36 positions) with room to spare.
 """
@@ -180,6 +182,8 @@ class RecurrentCache:
         ``(state, first)`` means steps ``[first, start)`` still have to be replayed onto
         ``state`` from the ring (``step_inputs``). Errors: ``RecurrentRollbackError``."""
         live = self.live[layer]
+        if start == 0:  # a session sent again from its start (a full re-send) needs nothing kept
+            return torch.zeros_like(self.state[layer]), 0
         if start > live + 1:
             raise RecurrentRollbackError(
                 f"a chunk at position {start} skips positions: this layer's state is after "

@@ -260,7 +260,8 @@ class Problem:
             )
         if self.ring_size is not None and not 1 <= self.ring_size <= len(names):
             raise PlanError(
-                f"a ring of {self.ring_size} stages cannot be made of {len(names)} candidates"
+                f"a ring of {self.ring_size} stages cannot be made of {len(names)} "
+                f"candidate{'' if len(names) == 1 else 's'}"
             )
         missing = [n for n in (*names, *self.coordinators) if not self.rtt.has(n)]
         if missing:

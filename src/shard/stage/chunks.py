@@ -19,7 +19,7 @@ from shard.decode.verify import check_q
 from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
-from shard.model.recurrent import layer_state_bytes
+from shard.model.recurrent import ROLLBACK, layer_state_bytes
 from shard.stage.batch import Answer, Planned, rows_of
 from shard.stage.features import FeatureWindow
 
@@ -100,6 +100,14 @@ def plan(
         raise StageFailed(
             f"{node}: session {msg.session} chunk at {msg.start} but only positions "
             f"< {sess.written} are written here (frames were lost)",
+            "gap",
+        )
+    back = sess.written - msg.start  # positions written and now discarded
+    if msg.start > 0 and back > ROLLBACK and len(model.layers) > model.n_attention:
+        raise StageFailed(
+            f"{node}: session {msg.session} chunk at {msg.start} rolls back {back} positions; "
+            f"linear-attention layers keep their state {ROLLBACK} back at most: send the "
+            "session again from its start",
             "gap",
         )
     if isinstance(msg, Verify) and len(msg.draft) >= n:
