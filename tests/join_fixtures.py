@@ -66,9 +66,10 @@ def ring_of(line: str) -> list[tuple[str, int, int]]:
 
 
 def formed_ring(coord_log: Path) -> tuple[list[tuple[str, int, int]], str]:
-    """The ring the coordinator logged it formed, and its standbys (``-`` for none)."""
+    """The ring the coordinator logged it formed, and its standbys (``-`` for none). The
+    line is good news: logged at NOTE (shown without ``--verbose``), never WARNING."""
     log = coord_log.read_text()
-    formed = re.search(r"formed the ring (.+); standbys: (\S+);", log)
+    formed = re.search(r" NOTE formation: formed the ring (.+); standbys: (\S+);", log)
     assert formed is not None, log
     return ring_of(formed.group(1)), formed.group(2)
 

@@ -43,6 +43,7 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     testing/        test support (tiny checkpoints, cheating stages, NAT helpers)
 
 Beside them: ``errors.py`` (errors shared by layers that must not import each other),
+``logs.py`` (the ``NOTE`` level: good news an operator sees without ``--verbose``),
 ``strict_json.py`` (JSON from outside, parsed so it cannot crash or fool its reader: no key
 twice, no deep nesting) and ``__main__.py`` (``python -m shard``).
 

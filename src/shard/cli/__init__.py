@@ -38,6 +38,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from shard.logs import NOTE
+
 __all__ = ["HANDLERS", "main"]
 
 HANDLERS: Final = {
@@ -91,7 +93,7 @@ def dispatch(args: argparse.Namespace) -> int:
     from shard.cli.errors import UsageError, leaves, operator_errors
 
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if args.verbose else NOTE,  # NOTE: the good news, shown by default
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )

@@ -44,6 +44,7 @@ from shard.failover.events import (
     RingNote,
     Spliced,
 )
+from shard.logs import NOTE
 from shard.membership.registry import NO_BLOCK, Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, NodeName, Rewire
 from shard.spec.failover import FailoverSpec
@@ -238,7 +239,7 @@ class Splicer:
                 done - started, done - at, f"{kind}: {detail}" if late else "",
             )
         )  # fmt: skip
-        log.warning("scheduler: %s", detail)
+        log.log(NOTE, "scheduler: %s", detail)
         spliced = Spliced(slot.first, slot.last, dead, standby.node)
         await self._resume(detail, spliced)
 
@@ -290,7 +291,7 @@ class Splicer:
                 done - started, done - at, f"rejoin: {detail}" if late else "",
             )
         )  # fmt: skip
-        log.warning("scheduler: %s", detail)
+        log.log(NOTE, "scheduler: %s", detail)
         await self._resume(detail)
 
     async def _splice(self, i: int, standby: Member) -> None:

@@ -44,6 +44,7 @@ import attrs
 import trio
 
 from shard.formation.mesh import Mesh, MeshStatistics
+from shard.logs import NOTE
 from shard.membership.registry import Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, MeasureRtt, NodeName, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
@@ -167,7 +168,7 @@ class Formation:
         self.plan = found
         self._formed.set()
         out = f"; behind NAT (dialled through the relay): {', '.join(sorted(behind))}"
-        log.warning("formation: formed the ring %s%s", describe(found), out if behind else "")
+        log.log(NOTE, "formation: formed the ring %s%s", describe(found), out if behind else "")
         return found
 
     @property
@@ -400,7 +401,8 @@ class Formation:
             return
         before, after = self.plan, self._next[1]
         self.plan, self._next = after, None
-        log.warning(
+        log.log(
+            NOTE,
             "formation: re-planned after %s died: %s (moved %d layers: %s)",
             dead, describe(after), moved_layers(before, after), after.method,
         )  # fmt: skip

@@ -171,7 +171,9 @@ class DelayRelay:
         try:
             upstream = await trio.open_tcp_stream(*self._target)
         except OSError as exc:
-            log.warning("relay: target %s refused a client: %s", self._target_text, exc)
+            # INFO: at a swarm's start the relays run before their targets listen, and the
+            # client retries; one that gives up says what it could not reach
+            log.info("relay: target %s refused a client: %s", self._target_text, exc)
             await client.aclose()
             return
         self._open += 1
