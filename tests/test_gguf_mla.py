@@ -47,7 +47,7 @@ from shard.model.config import ModelConfig
 from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.quant import QuantLinear
-from test_gguf_moe import IDS, _check_against_dense, _logits
+from test_gguf_moe import IDS, _check_against_dense, _logits, stored_against_float32
 from test_gguf_qwen3 import write_vocab
 
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
@@ -269,11 +269,7 @@ def test_stored_conversion_keeps_the_stored_blocks(
     are the float32 conversion bit for bit, and loaded stored they run as quantized linears
     within a bf16 rounding of their dense twins, the logits finite."""
     path, _ = built["deepseek_v3", form]
-    stored = convert_gguf(path, tmp_path / "stored", progress=False, stored=True)
-    f32 = convert_gguf(path, tmp_path / "f32", progress=False, stored=False)
-    with open(stored / "model.safetensors", "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    kinds = {k: v["kind"] for k, v in json.loads(header["__metadata__"]["shard.quant"]).items()}
+    _, kinds, quantized, dense = stored_against_float32(path, tmp_path)
     layers = "model.layers.{}."
     want = {
         layers.format(0) + "self_attn.kv_a_proj_with_mqa.weight": "int8",
@@ -284,12 +280,6 @@ def test_stored_conversion_keeps_the_stored_blocks(
     if form == "whole":
         want[layers.format(1) + "self_attn.kv_b_proj.weight"] = "int8"
     assert kinds == want
-    n = ModelConfig.from_dir(stored).n_layers
-    as_f32 = load_stage(stored, 0, n, weights="float32").state_dict()
-    dense = load_stage(f32, 0, n, weights="float32")
-    for name, value in dense.state_dict().items():
-        assert torch.equal(as_f32[name], value), name
-    quantized = load_stage(stored, 0, n, weights="stored")
     assert isinstance(quantized.layers[0].self_attn.kv_a_proj_with_mqa, QuantLinear)
     _check_against_dense(quantized, dense)
     assert torch.isfinite(_logits(quantized, torch.tensor([IDS[1]]))).all()

@@ -358,18 +358,8 @@ def test_stored_conversion_keeps_the_stored_blocks(
     dense twin (``_check_against_dense``), the logits finite; each stage of a 3-stage split holds
     exactly the bytes ``footprint.stored`` prices from the headers (per-expert names too)."""
     _, path, _ = built[family]
-    stored = convert_gguf(path, tmp_path / "stored", progress=False, stored=True)
-    f32 = convert_gguf(path, tmp_path / "f32", progress=False, stored=False)
-    with open(stored / "model.safetensors", "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    kinds = {k: v["kind"] for k, v in json.loads(header["__metadata__"]["shard.quant"]).items()}
+    stored, kinds, quantized, dense = stored_against_float32(path, tmp_path)
     config = ModelConfig.from_dir(stored)
-    n = config.n_layers
-    as_f32 = load_stage(stored, 0, n, weights="float32").state_dict()
-    dense = load_stage(f32, 0, n, weights="float32")
-    for name, value in dense.state_dict().items():
-        assert torch.equal(as_f32[name], value), name
-    quantized = load_stage(stored, 0, n, weights="stored")
     if family == "gpt_oss":
         experts = "model.layers.{}.mlp.experts.{}.{}"
         for layer in (0, 1, 3):
@@ -405,6 +395,24 @@ def test_stored_conversion_keeps_the_stored_blocks(
     for first, last in ((0, 1), (1, 3), (3, 4)):
         stage = load_stage(stored, first, last, weights="stored")
         assert footprint.measured(stage) == priced.stage(first, last), (first, last)
+
+
+def stored_against_float32(path: Path, tmp: Path) -> tuple[Path, dict[str, str], Any, Any]:
+    """Convert the GGUF ``path`` stored and in float32 under ``tmp``; assert that the stored
+    checkpoint, dequantized, is the float32 conversion bit for bit. Returns the stored
+    directory, each stored tensor's kind (``shard.quant``), and the whole model loaded
+    ``stored`` and from the float32 conversion."""
+    stored = convert_gguf(path, tmp / "stored", progress=False, stored=True)
+    f32 = convert_gguf(path, tmp / "f32", progress=False, stored=False)
+    with open(stored / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    kinds = {k: v["kind"] for k, v in json.loads(header["__metadata__"]["shard.quant"]).items()}
+    n = ModelConfig.from_dir(stored).n_layers
+    as_f32 = load_stage(stored, 0, n, weights="float32").state_dict()
+    dense = load_stage(f32, 0, n, weights="float32")
+    for name, value in dense.state_dict().items():
+        assert torch.equal(as_f32[name], value), name
+    return stored, kinds, load_stage(stored, 0, n, weights="stored"), dense
 
 
 def _check_against_dense(quantized: Any, dense: Any) -> None:
