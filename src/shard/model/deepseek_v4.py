@@ -226,16 +226,7 @@ class V4Stage(StageModel):
     ) -> Tensor | TailOut:  # fmt: skip
         """``StageModel.forward``'s contract, on the wire hidden of ``hidden_wire_width``."""
         s = self._check_input(x, start, cache)
-        h = self._run(x, [(0, s, start, cache)])
-        if feature_rows is not None:
-            return self.finish(h, s if head_rows is None else head_rows, feature_rows)
-        if self.norm is None or self.lm_head is None:
-            return h
-        if head_rows is None:
-            return self.head(h)
-        if not 0 <= head_rows <= s:
-            raise ValueError(f"head_rows {head_rows} not in [0, {s}]")
-        return self.head(h[:, s - head_rows :])
+        return self.outputs(self._run(x, [(0, s, start, cache)]), head_rows, feature_rows)
 
     def forward_at(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("DeepSeek-V4 stages run eager: set graphs off for this model")

@@ -342,15 +342,18 @@ class StageModel(nn.Module):
         masks = {w: causal_mask(start, s, h.device, w) for w in self.windows()}
         for j, layer in enumerate(self.blocks()):
             h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, self._slots[j], start)
-        if feature_rows is not None:
-            return self.finish(h, s if head_rows is None else head_rows, feature_rows)
+        return self.outputs(h, head_rows, feature_rows)
+
+    def outputs(self, h: Tensor, head_rows: int | None, feat: int | None) -> Tensor | TailOut:
+        """What ``forward`` returns for the block's output ``h`` ``[B, S, D]`` (its docstring)."""
+        s = int(h.shape[1])  # feat: feature_rows
+        if feat is not None:
+            return self.finish(h, s if head_rows is None else head_rows, feat)
         if self.norm is None or self.lm_head is None:
             return h
-        if head_rows is None:
-            return self.head(h)
-        if not 0 <= head_rows <= s:
+        if head_rows is not None and not 0 <= head_rows <= s:
             raise ValueError(f"head_rows {head_rows} not in [0, {s}]")
-        return self.head(h[:, s - head_rows :])
+        return self.head(h if head_rows is None else h[:, s - head_rows :])
 
     def head(self, h: Tensor) -> Tensor:
         """The last stage's final norm and head: hidden ``[B, S, D]`` -> logits ``[B, S, V]``."""
