@@ -29,6 +29,7 @@ from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.driver import Hold
+from shard.coordinator.receipt_log import ReceiptLog
 from shard.coordinator.service import complete
 from shard.coordinator.text import TextAdapter
 from shard.decode.draft import (
@@ -151,6 +152,7 @@ def _router(
         ),
         speculation=spec.speculation.policy,
         feature_dim=config.hidden_size,
+        receipts=None if spec.ledger.receipts is None else ReceiptLog(Path(spec.ledger.receipts)),
     )
     return coordinator, tokenizer
 
