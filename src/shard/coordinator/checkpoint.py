@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+import trio
 
 from shard import strict_json
 from shard.messages import ResumeRecord, Sampling
@@ -75,29 +76,66 @@ def _job_id(value: object) -> str:
     return value
 
 
-class CheckpointStore:
-    """A directory of request checkpoints (see the module docstring)."""
+def checkpoint_name(request: str) -> str:
+    """``request`` if it can name a checkpoint. Errors: ``CheckpointError``."""
+    if not _NAME.fullmatch(request):
+        raise CheckpointError(f"request id {request!r}: use letters, digits, '_', '.', '-'")
+    return request
 
-    def __init__(self, directory: Path) -> None:
+
+class CheckpointStore:
+    """A directory of request checkpoints (see the module docstring), and the running ones in
+    memory (``live``), which a standby coordinator follows (``shard.coordinator.follow``).
+
+    ``directory`` None: in memory only (a primary with a standby and no ``checkpoint_dir``).
+    ``changed`` is set (and replaced) on every save and end: a follower waits on it."""
+
+    def __init__(self, directory: Path | None) -> None:
         self._dir = directory
-        self._dir.mkdir(parents=True, exist_ok=True)
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.live: dict[str, RequestCheckpoint] = {}
+        self.changed = trio.Event()
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def adopt(self, checkpoints: Sequence[RequestCheckpoint]) -> None:
+        """Take over requests another coordinator ran (a standby's followed ones): they are
+        live here, and resumable (``get``), until they end."""
+        for checkpoint in checkpoints:
+            self.save(checkpoint)
+
+    def get(self, request: str) -> RequestCheckpoint | None:
+        """The live checkpoint of ``request``, if any."""
+        return self.live.get(request)
 
     def _path(self, request: str) -> Path:
-        if not _NAME.fullmatch(request):
-            raise CheckpointError(f"request id {request!r}: use letters, digits, '_', '.', '-'")
-        return self._dir / f"{request}.json"
+        checkpoint_name(request)
+        return (self._dir or Path()) / f"{request}.json"
 
     def save(self, checkpoint: RequestCheckpoint) -> None:
         path = self._path(checkpoint.request)
+        self.live[checkpoint.request] = checkpoint
+        self._changed()
+        if self._dir is None:
+            return
         tmp = path.with_suffix(".tmp")
         tmp.write_text(checkpoint.to_json(), encoding="utf-8")
         os.replace(tmp, path)
 
     def done(self, request: str) -> None:
-        self._path(request).unlink(missing_ok=True)
+        path = self._path(request)
+        if self.live.pop(request, None) is not None:
+            self._changed()
+        if self._dir is not None:
+            path.unlink(missing_ok=True)
 
     def pending(self) -> list[RequestCheckpoint]:
         """Checkpoints left by requests that never ended (a coordinator died), oldest first."""
+        if self._dir is None:
+            return list(self.live.values())
         paths = sorted(self._dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
         return [RequestCheckpoint.from_json(p.read_text(), source=str(p)) for p in paths]
 
@@ -135,7 +173,9 @@ class Checkpointer:
         sampling: Sampling,
     ) -> Checkpointer:
         prompt = tuple(int(t) for t in prompt_ids)
-        return cls(store, RequestCheckpoint(request, prompt, (), max_tokens, sampling))
+        start = RequestCheckpoint(request, prompt, (), max_tokens, sampling)
+        store.save(start)  # a standby knows the request before its first token
+        return cls(store, start)
 
     def commit(self, ids: Sequence[int]) -> None:
         done = (*self._checkpoint.output_ids, *ids)
