@@ -312,7 +312,7 @@ async def run_coordinator(
         def repairs() -> int:  # a give-up ("failed") repaired nothing
             return sum(r.kind != "failed" for r in scheduler.statistics().recoveries)
 
-        api = make_server(spec, coordinator, text, failovers=repairs)
+        api = make_server(spec, coordinator, text, failovers=repairs, checkpoints=store)
         api_address = None if api is None else await _serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
             CoordinatorHandle(name, bound, coordinator, tokenizer, text, scheduler, api_address)
