@@ -5,12 +5,32 @@ from __future__ import annotations
 import pytest
 
 from shard.coordinator.checkpoint import CheckpointError, RequestCheckpoint
+from shard.coordinator.follow import Followed, _opening
+from shard.messages import FollowCommit
 
 
-def test_a_checkpoint_reads_back_as_written() -> None:
-    """``from_json(to_json())`` is the same checkpoint."""
-    checkpoint = RequestCheckpoint("r1", (1, 2), (3,), 8)
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_checkpoint_reads_back_as_written(ignore_eos: bool) -> None:
+    """``from_json(to_json())`` is the same checkpoint (``ignore_eos`` too)."""
+    checkpoint = RequestCheckpoint("r1", (1, 2), (3,), 8, ignore_eos=ignore_eos)
     assert RequestCheckpoint.from_json(checkpoint.to_json(), source="r1.json") == checkpoint
+
+
+def test_a_non_boolean_ignore_eos_is_a_checkpoint_error() -> None:
+    """``"ignore_eos": 1`` is refused, naming the file."""
+    text = RequestCheckpoint("r1", (1,), (), 4).to_json()[:-1] + ', "ignore_eos": 1}'
+    with pytest.raises(CheckpointError, match=r"bad\.json: .*ignore_eos"):
+        RequestCheckpoint.from_json(text, source="bad.json")
+
+
+def test_a_followed_request_keeps_ignore_eos() -> None:
+    """The follow link's opening carries ``ignore_eos``: the standby resumes the request
+    with EOS ignored, as its first run had it."""
+    checkpoint = RequestCheckpoint("r1", (1, 2), (3,), 8, ignore_eos=True)
+    followed = Followed()
+    followed.apply(_opening(checkpoint, 1))
+    followed.apply(FollowCommit("r1", 1, (4,), generation=1))
+    assert followed.requests["r1"] == RequestCheckpoint("r1", (1, 2), (3, 4), 8, ignore_eos=True)
 
 
 @pytest.mark.parametrize(

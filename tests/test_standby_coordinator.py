@@ -11,18 +11,31 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from shard.compute.offload import inline_compute
+from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.client import request
+from shard.coordinator.coordinator import Coordinator
 from shard.errors import HandshakeError
+from shard.failover.events import RingControl
 from shard.failover.fence import Fence
-from shard.messages import GenerateDone, GenerateRequest, Hello, NodeName, TokensOut
+from shard.messages import (
+    GenerateDone,
+    GenerateRequest,
+    Hello,
+    Message,
+    NodeName,
+    OpenSession,
+    TokensOut,
+)
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.nodes.standby_coordinator import run_standby_coordinator
+from shard.spec.limits import Limits
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
 from shard.transport import ConnectionClosed, MemoryNetwork
@@ -170,3 +183,41 @@ def test_a_control_link_to_a_lower_generation_is_refused(model_dir: Path) -> Non
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     (error,) = errors
     assert "fenced" in str(error)
+
+
+def test_a_resumed_request_keeps_ignore_eos() -> None:
+    """A checkpoint whose last token is EOS has stopped, unless its request ignores EOS:
+    then the resumed request goes on through the ring, as its first run would have."""
+    opened: list[int] = []
+
+    async def ring(frames: trio.MemoryReceiveChannel[Message]) -> None:
+        async for msg in frames:
+            if isinstance(msg, OpenSession):
+                opened.append(msg.session)
+
+    async def main() -> None:
+        to_ring, frames = trio.open_memory_channel[Message](0)
+        _, from_ring = trio.open_memory_channel[Message](0)
+        _, control = trio.open_memory_channel[RingControl](0)
+        coordinator = Coordinator(
+            node=NodeName("coord"),
+            eos_ids=(2,),
+            to_ring=to_ring,
+            from_ring=from_ring,
+            limits=Limits(max_len=64, max_sessions=4),
+            control=control,
+            checkpoints=CheckpointStore(None),
+        )
+        stopped = RequestCheckpoint("r1", (1, 7), (5, 2), 8)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ring, frames)
+            await nursery.start(coordinator.run)
+            done = await coordinator.resume_request(stopped)
+            assert (done.finish_reason, done.token_ids, opened) == ("stop", (5, 2), [])
+            going = attrs.evolve(stopped, request="r2", ignore_eos=True)
+            nursery.start_soon(partial(coordinator.resume_request, going))
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(opened) == 1, "the EOS-ignoring request was not resumed on the ring"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -41,6 +41,7 @@ class RequestCheckpoint:
     max_tokens: int
     sampling: Sampling = Sampling()
     job: str = ""  # the job id of the request's first run, when it asked for a receipt
+    ignore_eos: bool = False  # EOS does not end it (a benchmark's fixed length), resumed too
 
     def to_json(self) -> str:
         return json.dumps(
@@ -51,6 +52,7 @@ class RequestCheckpoint:
                 "max_tokens": self.max_tokens,
                 "sampling": attrs.asdict(self.sampling),
                 **({"job": self.job} if self.job else {}),
+                **({"ignore_eos": True} if self.ignore_eos else {}),
             }
         )
 
@@ -65,9 +67,16 @@ class RequestCheckpoint:
                 max_tokens=int(data["max_tokens"]),
                 sampling=Sampling(**data["sampling"]),
                 job=_job_id(data.get("job", "")),
+                ignore_eos=_flag(data.get("ignore_eos", False)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{source}: not a request checkpoint: {exc!r}") from exc
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"ignore_eos {value!r} is not true or false")
+    return value
 
 
 def _job_id(value: object) -> str:
@@ -171,9 +180,10 @@ class Checkpointer:
         prompt_ids: Sequence[int],
         max_tokens: int,
         sampling: Sampling,
+        ignore_eos: bool = False,
     ) -> Checkpointer:
         prompt = tuple(int(t) for t in prompt_ids)
-        start = RequestCheckpoint(request, prompt, (), max_tokens, sampling)
+        start = RequestCheckpoint(request, prompt, (), max_tokens, sampling, ignore_eos=ignore_eos)
         store.save(start)  # a standby knows the request before its first token
         return cls(store, start)
 

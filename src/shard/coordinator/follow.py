@@ -78,6 +78,7 @@ def _opening(checkpoint: RequestCheckpoint, generation: int) -> FollowCommit:
         sampling=checkpoint.sampling,
         job=checkpoint.job,
         generation=generation,
+        ignore_eos=checkpoint.ignore_eos,
     )
 
 
@@ -98,7 +99,13 @@ class Followed:
         self.generation = max(self.generation, msg.generation)
         if msg.request not in self.requests:  # its opening: the prompt and the budget
             self.requests[msg.request] = RequestCheckpoint(
-                msg.request, msg.prompt_ids, msg.output_ids, msg.max_tokens, msg.sampling, msg.job
+                msg.request,
+                msg.prompt_ids,
+                msg.output_ids,
+                msg.max_tokens,
+                msg.sampling,
+                msg.job,
+                ignore_eos=msg.ignore_eos,
             )
             return
         known = self.requests.get(msg.request)

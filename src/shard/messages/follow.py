@@ -14,9 +14,9 @@ from shard.messages.values import Sampling
 class FollowCommit:
     """Primary -> standby: request ``request``'s output from position ``offset`` on.
 
-    ``offset == 0`` opens the request: the prompt, ``max_tokens``, sampling and the job id its
-    receipt runs under come with it; later ones carry only new output. ``generation`` is the
-    primary's (the standby takes over with the next one)."""
+    ``offset == 0`` opens the request: the prompt, ``max_tokens``, sampling, the job id its
+    receipt runs under and ``ignore_eos`` come with it; later ones carry only new output.
+    ``generation`` is the primary's (the standby takes over with the next one)."""
 
     request: str
     offset: int
@@ -26,6 +26,7 @@ class FollowCommit:
     sampling: Sampling = Sampling()
     job: str = ""
     generation: int = 0
+    ignore_eos: bool = False
 
 
 @attrs.frozen
