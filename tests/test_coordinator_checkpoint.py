@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard.coordinator.checkpoint import CheckpointError, RequestCheckpoint
+from shard.coordinator.checkpoint import CheckpointError, CheckpointStore, RequestCheckpoint
 from shard.coordinator.follow import Followed, _opening
 from shard.messages import FollowCommit
 
@@ -42,3 +42,29 @@ def test_deep_nesting_is_a_checkpoint_error(text: str) -> None:
     """A deeply nested file is a ``CheckpointError`` naming it, never a ``RecursionError``."""
     with pytest.raises(CheckpointError, match=r"bad\.json: not a request checkpoint.*nested"):
         RequestCheckpoint.from_json(text, source="bad.json")
+
+
+def test_a_checkpoint_left_without_an_end_is_dropped_after_keep_s() -> None:
+    """A live checkpoint not saved for ``keep_s`` is dropped at the next save; one saved
+    since stays; a request that commits again gets its entry back."""
+    now = [0.0]
+    store = CheckpointStore(None, keep_s=10.0, clock=lambda: now[0])
+    left = RequestCheckpoint("left", (1,), (2,), 8)
+    store.save(left)
+    now[0] = 5.0
+    store.save(RequestCheckpoint("running", (1,), (), 8))
+    now[0] = 10.5
+    store.save(RequestCheckpoint("running", (1,), (3,), 8))
+    assert store.get("left") is None and store.get("running") is not None
+    store.save(left)
+    assert store.get("left") == left
+
+
+def test_at_most_max_live_checkpoints_are_kept() -> None:
+    """Beyond ``max_live`` the least recently saved go first."""
+    store = CheckpointStore(None, max_live=2, clock=lambda: 0.0)
+    for name in ("a", "b", "c"):
+        store.save(RequestCheckpoint(name, (1,), (), 4))
+    store.save(RequestCheckpoint("b", (1,), (5,), 4))
+    store.save(RequestCheckpoint("d", (1,), (), 4))
+    assert sorted(store.live) == ["b", "d"]

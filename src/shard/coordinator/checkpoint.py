@@ -13,10 +13,12 @@ A ``Checkpointer`` is one request's file: the driver records each commit in it d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 import attrs
 import trio
@@ -24,7 +26,13 @@ import trio
 from shard import strict_json
 from shard.messages import ResumeRecord, Sampling
 
+log = logging.getLogger(__name__)
+
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+#: How long a live checkpoint stays resumable after its last save (a client that left without
+#: an end, a standby's adopted request whose client never came back), and how many are kept
+KEEP_S: Final = 600.0
+MAX_LIVE: Final = 1024
 
 
 class CheckpointError(Exception):
@@ -97,14 +105,40 @@ class CheckpointStore:
     memory (``live``), which a standby coordinator follows (``shard.coordinator.follow``).
 
     ``directory`` None: in memory only (a primary with a standby and no ``checkpoint_dir``).
-    ``changed`` is set (and replaced) on every save and end: a follower waits on it."""
+    ``changed`` is set (and replaced) on every save and end: a follower waits on it.
 
-    def __init__(self, directory: Path | None) -> None:
+    ``live`` is bounded: a request whose client left without an end (or an adopted one whose
+    client never came back) stays resumable for ``keep_s`` after its last save, and at most
+    ``max_live`` are kept (the least recently saved go first); each save sweeps. A running
+    request that lost its entry gets it back, whole, at its next commit. Files in
+    ``directory`` are not swept: they are what a restarted coordinator resumes (``pending``).
+    """
+
+    def __init__(
+        self,
+        directory: Path | None,
+        *,
+        keep_s: float = KEEP_S,
+        max_live: int = MAX_LIVE,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         self._dir = directory
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
         self.live: dict[str, RequestCheckpoint] = {}
         self.changed = trio.Event()
+        self._keep_s, self._max_live, self._clock = keep_s, max_live, clock
+        self._saved: dict[str, float] = {}  # request -> when last saved, oldest first
+
+    def _sweep(self, now: float) -> None:
+        """Drop live checkpoints saved over ``keep_s`` ago, and the oldest beyond
+        ``max_live``."""
+        for request, saved in list(self._saved.items()):
+            if now - saved <= self._keep_s and len(self._saved) <= self._max_live:
+                break  # oldest first: the rest are newer
+            del self._saved[request]
+            self.live.pop(request, None)
+            log.info("checkpoint %s dropped: last saved %.0f s ago", request, now - saved)
 
     def _changed(self) -> None:
         self.changed.set()
@@ -126,7 +160,11 @@ class CheckpointStore:
 
     def save(self, checkpoint: RequestCheckpoint) -> None:
         path = self._path(checkpoint.request)
+        now = self._clock()
         self.live[checkpoint.request] = checkpoint
+        self._saved.pop(checkpoint.request, None)  # to the end: the newest
+        self._saved[checkpoint.request] = now
+        self._sweep(now)
         self._changed()
         if self._dir is None:
             return
@@ -136,6 +174,7 @@ class CheckpointStore:
 
     def done(self, request: str) -> None:
         path = self._path(request)
+        self._saved.pop(request, None)
         if self.live.pop(request, None) is not None:
             self._changed()
         if self._dir is not None:
