@@ -333,15 +333,11 @@ class ApiApp:
         self, request: Prepared, rid: responses.ReplyId, reply: Reply, again: Resume | None
     ) -> None:
         usage = request.generation.include_usage
-        store = self._checkpoints
-        key = None if store is None else again.key if again is not None else new_key()
-        have = 0 if again is None else again.have
-        job = text_request(
-            request,
-            key,
-            None if key is None or store is None else store.get(key),
-            have,
-        )
+        store, key, have = self._checkpoints, None, 0 if again is None else again.have
+        job = text_request(request, skip=have)
+        if store is not None:  # resumable: checkpointed under its key (docs/api.md)
+            key = again.key if again is not None else new_key()
+            job = text_request(request, key, store.get(key), have)
         await reply.start_events(() if key is None else ((KEY_HEADER, key),))
         if rid.chat:  # the role first, at once: the client knows it was admitted
             await reply.event(responses.chunk(rid, role=True, with_usage=usage))
