@@ -340,8 +340,9 @@ async def launch(
     listen = parse_api_address(api) if api is not None else spec.api.listen
     if listen is not None:
         await check_api_free(str(listen))
-    if listen is not None and spec.coordinator.standby_api not in (None, listen):
-        await check_api_free(str(spec.coordinator.standby_api))
+    standby_api = spec.coordinator.standby_api  # bound at takeover: free now, at least
+    if standby_api is not None and standby_api != listen:
+        await check_api_free(str(standby_api))
     procs: list[trio.Process] = []
     coordinator = spec.coordinator.name
     standby = None if spec.coordinator.standby is None else coordinator + STANDBY_SUFFIX
