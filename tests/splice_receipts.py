@@ -14,22 +14,32 @@ from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion, RingError
 from shard.failover.faults import FaultInjector, FaultPlan
 from shard.messages import RunReceipt
+from shard.spec.ledger import LedgerSpec
 from shard.spec.trust import CredentialPaths
 from shard.transport import MemoryNetwork
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec, start_swarm
 
 
 def spliced_receipts(
-    model_dir: Path, plan: FaultPlan | None, *, coordinator_key: Path | None = None
+    model_dir: Path,
+    plan: FaultPlan | None,
+    *,
+    coordinator_key: Path | None = None,
+    receipt_log: Path | None = None,
+    asked: bool = True,
 ) -> tuple[list[Completion | RingError], FaultInjector]:
     """Run ``PROMPTS`` with receipts under ``plan``'s fault; every request's result. The
-    coordinator signs with ``coordinator_key`` if given (else a fresh key)."""
+    coordinator signs with ``coordinator_key`` if given (else a fresh key) and keeps every
+    receipt in ``receipt_log`` (``[ledger] receipts``) if given; ``asked``: the requests ask
+    for their receipts (``receipt=True``)."""
     injector = FaultInjector(plan or FaultPlan(0, ()))
     results: list[Completion | RingError | None] = [None] * len(PROMPTS)
     spec = failover_spec(model_dir)
     if coordinator_key is not None:
         keyed = attrs.evolve(spec.coordinator, credentials=CredentialPaths(key=coordinator_key))
         spec = attrs.evolve(spec, coordinator=keyed)
+    if receipt_log is not None:
+        spec = attrs.evolve(spec, ledger=LedgerSpec(receipts=str(receipt_log)))
 
     async def main() -> None:
         with inline_compute(), trio.fail_after(600):
@@ -46,7 +56,7 @@ def spliced_receipts(
                 async def one(i: int) -> None:
                     try:
                         results[i] = await handle.coordinator.generate(
-                            PROMPTS[i], max_tokens=MAX_TOKENS, receipt=True
+                            PROMPTS[i], max_tokens=MAX_TOKENS, receipt=asked
                         )
                     except RingError as exc:
                         results[i] = exc

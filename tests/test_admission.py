@@ -23,6 +23,7 @@ from shard.trust.admission import (
     parse_duration,
     verify,
 )
+from shard.trust.identity import short, told_apart
 from trust_fixtures import AUTHORITY, NOW, OTHER_AUTHORITY, SWARM, forged, identity, token
 
 S0 = identity("s0")
@@ -155,3 +156,14 @@ def test_bad_durations(text: str) -> None:
     """Anything else is a ValueError listing the accepted forms."""
     with pytest.raises(ValueError, match="like 30d, 12h"):
         parse_duration(text)
+
+
+def test_keys_that_differ_past_their_short_form_are_written_whole() -> None:
+    """A key altered after its 16th hex digit reads as different from the one it is not (a
+    fuzzer's flipped bit once gave 'belongs to key X, but presented by key X')."""
+    key = bytes(range(32))
+    altered = key[:-1] + b"\xff"
+    assert told_apart(key, identity("s1").public) == (short(key), short(identity("s1").public))
+    owner, presenter = told_apart(key, altered)
+    assert owner != presenter
+    assert owner == f"ed25519:{key.hex()}" and presenter == f"ed25519:{altered.hex()}"

@@ -187,6 +187,36 @@ async def test_serving_on_a_taken_port_is_a_listen_error(taken_port: int) -> Non
     assert "\n" not in text
 
 
+@pytest.mark.parametrize("role", ["stage", "coordinator", "coordinator-api"])
+def test_a_node_on_a_taken_port_says_so_before_loading_weights(
+    role: str, taken_port: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`shard up` on a taken port (a stage's, the coordinator's or its API's) says so
+    first: the model folder here has no weights at all, so an error about them would mean
+    the node began loading before it looked at its port."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    taken = f"127.0.0.1:{taken_port}"
+    free = "127.0.0.1:0"
+    node, listen = ("s0", taken) if role == "stage" else ("coord", free)
+    api = f'[api]\nlisten = "{taken}"\n' if role == "coordinator-api" else ""
+    coordinator = taken if role == "coordinator" else free
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        f'[swarm]\nname = "t"\nmodel = "{model}"\ninsecure = true\n{api}'
+        f'[coordinator]\nlisten = "{coordinator}"\n'
+        f'[[stage]]\nname = "s0"\nlisten = "{listen if role == "stage" else free}"\n'
+        'layers = "auto"\n'
+    )
+    argv = ["up", "--role", role.split("-")[0], "--spec", str(spec), "--node", node]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    *before, line = err.strip().splitlines()
+    assert line.startswith(f"shard: error: cannot listen on {taken}: port {taken_port} is"), err
+    assert all("insecure = true" in other for other in before), err  # its warning, no more
+
+
 async def test_relay_on_a_taken_port_is_a_listen_error(taken_port: int) -> None:
     """A DelayRelay whose listen port is taken raises the same ListenError."""
     relay = DelayRelay(f"127.0.0.1:{taken_port}", "127.0.0.1:1", latency_s=0.0)

@@ -13,6 +13,7 @@ real NAT networks (``NatNetwork`` on demand, the relay hub) and the real probe c
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from functools import partial
 
@@ -469,3 +470,38 @@ async def test_joined_nodes_nobody_reaches_form_a_ring_through_the_relay(
     adjacent = abs(ring.index("x") - ring.index("y")) == 1
     assert hub_stats.pairs == int(adjacent)  # x -> y (or y -> x) meets at the relay
     print(f"ring {ring}; relayed pairs {hub_stats.pairs}; callbacks {through - hub_stats.pairs}")
+
+
+async def test_a_node_that_dies_during_a_round_is_not_reported_missing(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """c's measurement hangs and c dies mid-round: the round names nobody as missing (a dead
+    node is gone, not late: the soak's log warned 'no RTT report from n1' for a node the
+    scheduler had declared dead a moment before) and counts no miss against it."""
+
+    async def hang(order: MeasureRtt) -> RttReport:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    caplog.set_level(logging.WARNING, logger="shard.formation.formation")
+    sched, _ = scheduler(expect=3, remeasure_s=0.0)
+    assert sched.formation is not None
+    network = MemoryNetwork()
+    async with network, trio.open_nursery() as nursery:
+        await serving(nursery, network, sched)
+        for name in ("a", "b"):
+            others = {n: 5.0 for n in ("a", "b", "c") if n != name}
+            await nursery.start(
+                Joiner(name, GOOD, {**others, "coord": 20.0}).client(network, []).run
+            )
+        await nursery.start(client("c", network, hang).run)
+
+        async def dies_mid_round() -> None:
+            await trio.sleep(MEASURE_TIMEOUT_S / 2)
+            sched._registry.members[NodeName("c")].alive = False
+
+        nursery.start_soon(dies_mid_round)
+        with trio.fail_after(MEASURE_TIMEOUT_S + 10):
+            await sched.formation.form()
+        assert not [r for r in caplog.records if "no RTT report" in r.getMessage()]
+        nursery.cancel_scope.cancel()

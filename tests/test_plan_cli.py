@@ -328,3 +328,23 @@ def test_fp8_prices_a_published_fp8_checkpoint_at_a_byte_a_weight(
     assert totals["int8"] < totals["fp8"] < 0.55 * totals["bfloat16"]
     assert main(["plan", "--config", str(MODELS / "glm-4.5-air"), "--weights", "fp8"]) == 1
     assert "quantization_config is FP8" in capsys.readouterr().err
+
+
+def test_plan_of_a_spec_shows_each_stage_s_bytes(
+    spec: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`plan SPEC` splits by bytes, so it prints them: each stage's weights as it holds
+    them, the embedding on the first and the head (a copy of the tied table, and the final
+    norm) on the last, counted here by hand from the config (float32, the spec's default)."""
+    h, kv, ffn, vocab = 64, 2 * 16, 128, 300
+    layer = 4 * (h * h + 2 * h * kv + h * h + 3 * h * ffn + 2 * h)
+    embedding, head = 4 * vocab * h, 4 * vocab * h + 4 * h
+    assert main(["plan", str(spec), "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    want = [layer * (s["last"] - s["first"]) for s in stages]
+    want[0] += embedding
+    want[-1] += head
+    assert [s["weight_bytes"] for s in stages] == want
+    assert main(["plan", str(spec)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "layers [" in line]
+    assert [row.split()[-4:-2] for row in rows] == [[f"{b / 2**20:.1f}", "MiB"] for b in want]

@@ -474,3 +474,22 @@ def test_standby_block_of_a_non_standby() -> None:
         spec.standby_block("s1", 30)
     with pytest.raises(SpecError, match="no node named 'nope'"):
         spec.standby_block("nope", 30)
+
+
+def test_the_receipt_log_folder_resolves_against_the_spec(tmp_path: Path) -> None:
+    """`[ledger] receipts` is a folder relative to the spec's directory (absent: no log); a
+    key it does not know, or a folder that is not a string, is one error naming it."""
+    body = (
+        '[swarm]\nname = "t"\nmodel = "smollm2"\ninsecure = true\n'
+        '[coordinator]\nlisten = "127.0.0.1:7700"\n'
+        '[[stage]]\nname = "s0"\nlisten = "127.0.0.1:7701"\n'
+    )
+    path = tmp_path / "swarm.toml"
+    path.write_text(body)
+    assert SwarmSpec.from_file(path).ledger.receipts is None
+    path.write_text(body + '[ledger]\nreceipts = "metering"\n')
+    assert SwarmSpec.from_file(path).ledger.receipts == str(tmp_path / "metering")
+    for bad, key in (('receipt = "x"', "receipt"), ("receipts = 3", "receipts")):
+        path.write_text(body + f"[ledger]\n{bad}\n")
+        with pytest.raises(SpecError, match=key):
+            SwarmSpec.from_file(path)

@@ -114,6 +114,24 @@ def _joined_fetches(spec: Any, name: str) -> bool:
     return fetches_weights(spec, name)
 
 
+async def _ports_free(spec: Any, name: str, *, api: bool) -> None:
+    """Fail now, in one line, when a port this node will listen on is taken: before its
+    weights load (seconds to minutes), not after. Each port is bound and let go at once; a
+    program that takes it in between is still reported when the node binds it for good.
+
+    Errors: ``ListenError`` (``shard.transport.base``), naming the address and what to do."""
+    from shard.transport.base import open_listeners, split_address
+
+    addresses = [str(spec.node(name).listen)]
+    if api and spec.api.listen is not None:
+        addresses.append(str(spec.api.listen))
+    for address in addresses:
+        if split_address(address)[1] == 0:  # any free port: nothing to check
+            continue
+        for listener in await open_listeners(address):
+            await listener.aclose()
+
+
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:
     from shard.nodes.compose import node_network
     from shard.nodes.coordinator import run_coordinator, run_stage, run_standby
@@ -123,6 +141,7 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
     # (a standby is admitted as a stage: it becomes one when the scheduler activates it; an
     # auditor holds a stage's block and talks to the scheduler as a standby does)
     role = "stage" if args.role in ("standby", "auditor") else args.role
+    await _ports_free(spec, name, api=args.role == "coordinator")
     network = node_network(spec, name, role)
     async with network, trio.open_nursery() as nursery:
         if args.join:

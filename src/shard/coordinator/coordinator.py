@@ -6,14 +6,12 @@ runs the (speculative) decoding loop until end-of-sequence or ``max_tokens``. Ve
 straight back from the tail (direct return) on ``from_ring``; the router hands each one to
 the route of the session that owns it, so many sessions interleave through one ring.
 
-The router owns the routes and the shared parts: the ring gate (the send side of the ring
-link, its log, the ring's condition: ``shard.coordinator.gate``), the ledger (statistics,
-events and the K/D model: ``shard.coordinator.ledger``), receipts and checkpoints. The
-scheduler (``shard.failover.scheduler``) tells it about repairs on the ``control`` channel:
-``Pause``, ``Resume``, ``RingLost`` and ``RingNote`` (``shard.failover.events``).
+The router owns the routes and the shared parts: the ring gate (``shard.coordinator.gate``),
+the ledger (statistics, events, the K/D model: ``shard.coordinator.ledger``), receipts and
+checkpoints. The scheduler tells it about repairs on ``control`` (``shard.failover.events``).
 
-Chunking is identical to the single-process reference (``shard.decode.reference``): the same prefill
-chunk size, then one position per step, so greedy output is token-identical to one machine.
+Chunking is identical to the single-process reference (``shard.decode.reference``), so
+greedy output is token-identical to one machine.
 """
 
 from __future__ import annotations
@@ -39,7 +37,8 @@ from shard.coordinator.events import (
 )
 from shard.coordinator.gate import RingGate
 from shard.coordinator.ledger import CoordinatorStatistics, Ledger
-from shard.coordinator.receipts import collect_receipts
+from shard.coordinator.receipt_log import ReceiptLog
+from shard.coordinator.receipts import collect_receipts, kept
 from shard.coordinator.supervise import request_failed
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter
@@ -61,27 +60,24 @@ from shard.messages import (
 from shard.spec.limits import Limits
 from shard.trust.receipts import RunJob, RunSigner
 
-# Verdicts a session's route can hold before the router waits: the chunks in flight
-# (depth_max) plus stale ones still arriving after a rejection, and a late Fault.
+# Verdicts a session's route holds before the router waits: chunks in flight, stale ones.
 _SESSION_BUFFER = 16
 
 
 class Coordinator:
     """The router: drives requests through the ring.
 
-    ``run`` routes verdicts and faults from the ring to the request that owns the session, and
-    applies the scheduler's messages from ``control``; ``generate`` serves one request and may
-    be called from many tasks at once. ``statistics``, ``reset_statistics`` and ``event`` are
-    the ledger's snapshot and records (the status feed's calls).
+    ``run`` routes verdicts and faults from the ring to the session's request and applies
+    ``control``; ``generate`` serves one request (from many tasks at once). ``statistics``,
+    ``reset_statistics`` and ``event``: the ledger's (the status feed's calls).
 
     Cancellation: cancelling ``generate`` ends its session on the ring (a shielded
     ``EndSession``, bounded by one second); cancelling ``run`` stops routing, and requests
     still waiting see ``RingError``.
 
-    Errors: a ``Fault`` for a session, or one for the whole ring (a dead link), ends the
-    affected requests with ``RingError`` carrying the committed ids. Anything else a
-    request's path raises ends that request alone with ``RequestFailed``
-    (``shard.coordinator.supervise``); bugs in the router itself propagate.
+    Errors: a ``Fault`` for a session, or for the ring (a dead link), ends the requests it
+    touches with ``RingError`` (their committed ids). Anything else on a request's path ends
+    it alone (``RequestFailed``); bugs in the router itself propagate.
     """
 
     def __init__(
@@ -103,19 +99,21 @@ class Coordinator:
         nonces: Callable[[SessionId], bytes] | None = None,
         feature_dim: int | None = None,
         hold: Hold | None = None,
+        receipts: ReceiptLog | None = None,
     ) -> None:
         """``control`` carries the scheduler's messages (None: no scheduler, a test's ring).
-        ``checkpoints`` keeps each running request's committed tokens on disk (so a
-        restarted coordinator can ``resume_request`` it); ``incarnation`` goes into the high
-        bits of session ids, so a restarted coordinator's sessions never collide with the ones
-        its predecessor left on the stages (which drop those: ``shard.stage.executor``).
+        ``checkpoints`` keeps each running request's committed tokens (a restarted
+        coordinator can ``resume_request`` it); ``incarnation``, in the high bits of session
+        ids, keeps its sessions apart from a predecessor's (``shard.stage.executor``).
         ``sent_log`` is the log of what each session sent (default: a fresh one); the ring
         link replays it to a standby that replaces stage 0. ``nonces(session)`` is the job
         nonce a receipt-signing session sends (default: 16 random bytes); a swarm that audits
         derives it from the session's committed audit seed (``shard.audit.hub``).
         ``feature_dim`` is the target's hidden size: the width of the features a proposer
         may ask for (``shard.coordinator.features``; None: any width). ``hold``: each
-        request's release gate in ``[audit] mode = "hold"`` (``RequestDriver``)."""
+        request's release gate in ``[audit] mode = "hold"`` (``RequestDriver``). ``receipts``:
+        every request signs a receipt, kept there (``shard.coordinator.receipt_log``)."""
+        self._receipts = receipts
         self._hold = hold
         self._nonces = nonces
         self._feature_dim = feature_dim
@@ -328,7 +326,8 @@ class Coordinator:
             self._ledger.sessions = len(self._routes)
             ended = False
             try:
-                job = self._job(prompt_ids, sid, state) if receipt else None
+                signs = receipt or self._receipts is not None
+                job = self._job(prompt_ids, sid, state) if signs else None
                 if job is not None:
                     self._jobs[sid] = (job, state)
                     if checkpoint is not None:  # a resumed run names what it resumes
@@ -345,6 +344,7 @@ class Coordinator:
                     completion = await collect_receipts(
                         job, self._signer, route, completion, self._limits.receipt_timeout_s
                     )
+                    completion = await kept(completion, self._receipts, wanted=receipt)
             except RingError:
                 self._ledger.request_failed()
                 raise

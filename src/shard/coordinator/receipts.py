@@ -11,6 +11,7 @@ import attrs
 import trio
 
 from shard.coordinator.events import Completion, Resync, RingError, RouteEvent
+from shard.coordinator.receipt_log import ReceiptLog
 from shard.messages import Fault, StageReceiptOut, Verdict
 from shard.trust.receipts import EdgeRecord, RunJob, RunSigner
 
@@ -63,4 +64,12 @@ async def collect_receipts(
     return attrs.evolve(completion, receipt=run)
 
 
-__all__ = ["collect_receipts"]
+async def kept(completion: Completion, log: ReceiptLog | None, *, wanted: bool) -> Completion:
+    """``completion`` once its receipt is in the coordinator's receipt ``log`` (if any),
+    without the receipt when its caller did not ask for one (signed for the log only)."""
+    if log is not None and completion.receipt is not None:
+        await log.keep(completion.receipt)
+    return completion if wanted else attrs.evolve(completion, receipt=None)
+
+
+__all__ = ["collect_receipts", "kept"]

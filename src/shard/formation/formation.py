@@ -287,10 +287,12 @@ class Formation:
             with trio.move_on_after(MEASURE_TIMEOUT_S):
                 while not all(self.mesh.answered(m.node) for m in joined if m.alive):
                     await self._reported.wait()
-        missing = [m.node for m in joined if not self.mesh.answered(m.node)]
+        # A node that died during the round is gone, not late: no warning, no miss counted.
+        alive = [m for m in joined if m.alive]
+        missing = [m.node for m in alive if not self.mesh.answered(m.node)]
         if missing:
             log.warning("formation: no RTT report from %s; estimated", ", ".join(missing))
-        notes = self.mesh.round_done((m.node for m in joined), self._clock())
+        notes = self.mesh.round_done((m.node for m in alive), self._clock())
         for note in notes:
             log.warning("formation: %s", note)
         stats = self.mesh.statistics([m.node for m in joined], self._clock())

@@ -8,8 +8,7 @@ coordinator's dial to stage 0 succeeds the whole ring is connected, end to end.
 Supervision: every actor of a node lives in one nursery. The coordinator's process also runs
 the scheduler (``shard.failover.scheduler``): every stage and standby keeps a control link
 to it, and a node that dies is replaced by a standby while the requests wait
-(docs/failover.md). The stage and standby roots live in ``shard.nodes.stage``; the tail's
-return link ends at ``shard.nodes.return_link``.
+(docs/failover.md). Stage roots: ``shard.nodes.stage``; the return link: ``return_link``.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.driver import Hold
 from shard.coordinator.follow import serve_follower
+from shard.coordinator.receipt_log import ReceiptLog
 from shard.coordinator.service import complete
 from shard.coordinator.text import TextAdapter
 from shard.decode.draft import Drafter
@@ -147,6 +147,7 @@ def _router(
         ),
         speculation=spec.speculation.policy,
         feature_dim=config.hidden_size,
+        receipts=None if spec.ledger.receipts is None else ReceiptLog(Path(spec.ledger.receipts)),
     )
     return coordinator, tokenizer
 

@@ -30,12 +30,14 @@ __all__ = ["Alternative", "Hop", "Mesh", "Plan", "Stage", "evaluate"]
 @attrs.frozen
 class Stage:
     """One stage of a plan: ``node`` holds layers ``[first, last)``, costing ``compute_ms``
-    per verify chunk."""
+    per verify chunk, and ``weight_bytes`` of weights as it holds them (the embedding on the
+    first stage, the head on the last: what the split balances)."""
 
     node: str
     first: int
     last: int
     compute_ms: float
+    weight_bytes: int
 
     @property
     def layers(self) -> int:
@@ -149,7 +151,8 @@ def evaluate(
     one_token = 0.0
     for name, (first, last) in zip(order, blocks_of(counts), strict=True):
         node = problem.candidate(name)
-        stages.append(Stage(name, first, last, (last - first) * node.ms_per_layer_chunk))
+        held = problem.model.sizes_of(name).stage(first, last)
+        stages.append(Stage(name, first, last, (last - first) * node.ms_per_layer_chunk, held))
         one_token += (last - first) * node.ms_per_layer_one
     chosen = set(order)
     latency = sum(h.ms for h in hops)

@@ -29,8 +29,8 @@ def text(
     ]
     for i, s in enumerate(plan.stages):
         lines.append(
-            f"  {i}. {name(s.node):<28} layers [{s.first}, {s.last})  {s.layers:>3} layers  "
-            f"{s.compute_ms:7.1f} ms"
+            f"  {i}. {name(s.node):<28} layers {f'[{s.first}, {s.last})':<10} "
+            f"{s.layers:>3} layers  {_mib(s.weight_bytes):>10}  {s.compute_ms:7.1f} ms"
         )
     lines.append(f"standbys:    {', '.join(name(n) for n in plan.standbys) or 'none'}")
     lines.append("hops:")
@@ -51,6 +51,10 @@ def text(
     for line in assumed:
         lines.append(f"assumed: {line}")
     return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
 
 
 def as_json(plan: Plan, *, assumed: Sequence[str] = ()) -> dict[str, object]:

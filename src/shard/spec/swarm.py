@@ -48,6 +48,7 @@ from shard.spec.failover import (
 )
 from shard.spec.fetch import FetchSpec, read_fetch
 from shard.spec.formation import FORMATION_KEYS, FormationSpec, read_formation
+from shard.spec.ledger import LEDGER_KEYS, LedgerSpec, read_ledger
 from shard.spec.limits import LIMIT_KEYS, Limits, read_limits
 from shard.spec.nodes import (
     COORDINATOR_KEYS,
@@ -105,6 +106,7 @@ _TOP_KEYS: Final = (
     "api",
     "audit",
     "formation",
+    "ledger",
 )
 _SWARM_KEYS: Final = ("name", "model", "dtype", "weights", "insecure", "relay")
 
@@ -140,6 +142,7 @@ class SwarmSpec:
     audit: AuditSpec = attrs.field(factory=AuditSpec)  # [audit]: spot checks (shard.spec.audit)
     #: [formation]: the ring forms from nodes that --join (no [[stage]]); None: as written
     formation: FormationSpec | None = None
+    ledger: LedgerSpec = attrs.field(factory=LedgerSpec)  # [ledger]: the receipt log
     relay: str = ""  # [swarm] relay: the relay's node (shard.spec.reach); "": the coordinator
     #: [swarm] weights: how nodes hold weights (shard.spec.device.WEIGHTS); None: dense in dtype
     weights: str | None = None
@@ -230,6 +233,7 @@ class SwarmSpec:
             trust=trust,
             fetch=read_fetch(top, base_dir, [(s.name, str(s.listen)) for s in stages]),
             failover=read_failover(top.table("failover", FAILOVER_KEYS, required=False), base_dir),
+            ledger=read_ledger(top.table("ledger", LEDGER_KEYS, required=False), base_dir),
             standbys=standbys,
             faults=read_faults(top, names, coordinator.name),
             api=read_api(

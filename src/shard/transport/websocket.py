@@ -54,6 +54,7 @@ from shard.transport.wsconnection import (
     SEAL_OVERHEAD_BYTES,
     WebSocketConnection,
     WebSocketPipe,
+    guarded_reader,
     max_message_size,
 )
 from shard.wire import PlainSealer, Sealer, WireLimits
@@ -208,7 +209,7 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         async with stream, trio.open_nursery() as nursery:
             with trio.fail_at(deadline):
                 ws = await trio_websocket.wrap_client_stream(
-                    nursery,
+                    guarded_reader(nursery, address),
                     stream,  # type: ignore[arg-type]  # it needs only a trio Stream
                     join_address(host, port),
                     target.path,
@@ -316,7 +317,9 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
             with trio.move_on_after(self._timeout_s):
                 try:
                     request = await trio_websocket.wrap_server_stream(
-                        nursery, stream, message_queue_size=MESSAGE_QUEUE
+                        guarded_reader(nursery, "a refused peer"),
+                        stream,
+                        message_queue_size=MESSAGE_QUEUE,
                     )
                     await request.reject(503, body=reason.encode())
                 except trio_websocket.ConnectionClosed:
@@ -369,7 +372,7 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         with trio.move_on_after(self._timeout_s):
             try:
                 request = await trio_websocket.wrap_server_stream(
-                    nursery,
+                    guarded_reader(nursery, peer),
                     stream,
                     message_queue_size=MESSAGE_QUEUE,
                     max_message_size=max_message_size(self._limits),

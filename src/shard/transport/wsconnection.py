@@ -12,8 +12,13 @@ touches it, so a listening network can tell an idle connection from a busy one.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+from typing import cast
+
 import trio
 import trio_websocket
+from wsproto.utilities import LocalProtocolError
 
 from shard.compute import offload
 from shard.messages import Message
@@ -22,6 +27,8 @@ from shard.transport.budget import BudgetedStream
 from shard.transport.guard import Activity
 from shard.wire import Sealer, WireError, WireLimits, decode, encode
 
+log = logging.getLogger("shard.transport")
+
 #: Room for what a sealer adds to an encoded frame (nonce, tag, counters).
 SEAL_OVERHEAD_BYTES = 4096
 POLICY_VIOLATION = 1008
@@ -29,6 +36,38 @@ MESSAGE_TOO_BIG = 1009
 #: Frames bigger than this are sealed/opened and coded in a worker thread (64 MiB of ChaCha20
 #: is ~50 ms of CPU; below 1 MiB the thread hop costs more than it saves).
 OFFLOAD_BYTES = 1 << 20
+
+
+class _GuardedReader:
+    """The nursery that trio-websocket starts a connection's reader task in, with that task
+    guarded (``guarded_reader``)."""
+
+    def __init__(self, nursery: trio.Nursery, peer: str) -> None:
+        self._nursery = nursery
+        self._peer = peer
+
+    def start_soon(self, fn: Callable[[], Awaitable[object]], *args: object) -> None:
+        self._nursery.start_soon(self._run, fn, *args)
+
+    async def _run(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        try:
+            await fn(*args)
+        except LocalProtocolError as exc:
+            log.info("%s went on talking after its connection began to close (%s); cut",
+                     self._peer, exc)  # fmt: skip
+            self._nursery.cancel_scope.cancel()
+
+
+def guarded_reader(nursery: trio.Nursery, peer: str) -> trio.Nursery:
+    """``nursery`` as trio-websocket's ``wrap_*_stream`` should get it: one connection's.
+
+    trio-websocket's reader task answers the peer itself (a pong for a ping, a 1009 close for
+    a message over the cap). Once this side has begun to close (say, after a malformed frame)
+    wsproto forbids those answers and raises ``LocalProtocolError`` in the reader task, and a
+    peer decides when that happens: a ping or a big frame after the close was enough to end
+    the whole node. Guarded, it ends only this connection: ``nursery`` (the connection's own)
+    is cancelled, logged at info (the malformed frame before it was already logged)."""
+    return cast(trio.Nursery, _GuardedReader(nursery, peer))
 
 
 class WebSocketConnection:

@@ -29,6 +29,7 @@ from shard.trust.identity import (
     SIGNATURE_BYTES,
     NodeIdentity,
     short,
+    told_apart,
     verify_signature,
     write_new,
 )
@@ -346,9 +347,10 @@ def verify(
     if token.swarm != swarm:
         raise ForeignSwarm(f"{what} admits to swarm {token.swarm!r}, not {swarm!r}; {_FIX}")
     if node_pub is not None and token.node_pub != node_pub:
+        owner, presenter = told_apart(token.node_pub, node_pub)
         raise WrongIdentity(
-            f"{what} belongs to key {short(token.node_pub)}, but it was presented by key "
-            f"{short(node_pub)}; each node must present its own token"
+            f"{what} belongs to key {owner}, but it was presented by key {presenter}; each "
+            "node must present its own token"
         )
     _check_window(token, what, now)
     if token.serial in revoked:

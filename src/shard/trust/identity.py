@@ -184,3 +184,11 @@ def verify_signature(public: bytes, message: bytes, signature: bytes) -> bool:
 def short(public: bytes) -> str:
     """A key as people compare it in logs: ``ed25519:`` and its first 16 hex digits."""
     return f"ed25519:{public.hex()[:16]}"
+
+
+def told_apart(a: bytes, b: bytes) -> tuple[str, str]:
+    """Two different keys as ``short`` writes them, or whole when their short forms are the
+    same (a key altered past its 16th digit must not read as equal to the one it differs from)."""
+    if short(a) != short(b):
+        return short(a), short(b)
+    return f"ed25519:{a.hex()}", f"ed25519:{b.hex()}"
