@@ -21,11 +21,12 @@ import trio
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys, add_key
 from shard.api.server import ApiServer
+from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.text import TextAdapter
 from shard.failover.events import Pause, RingControl, RingLost
-from shard.messages import EndSession, Message, NodeName, OpenSession
-from shard.model.tokenizer import Tokenizer
+from shard.messages import EndSession, Message, NodeName, OpenSession, Sampling
+from shard.model.tokenizer import StreamDecoder, Tokenizer
 from shard.spec.limits import Limits
 
 MODEL = "tiny"
@@ -63,7 +64,9 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(tokenizer: Tokenizer, **config: Any) -> AsyncIterator[Served]:
+async def serve(
+    tokenizer: Tokenizer, checkpoints: CheckpointStore | None = None, **config: Any
+) -> AsyncIterator[Served]:
     to_ring, frames = trio.open_memory_channel[Message](0)
     _, from_ring = trio.open_memory_channel[Message](0)
     control_send, control = trio.open_memory_channel[RingControl](0)
@@ -74,10 +77,14 @@ async def serve(tokenizer: Tokenizer, **config: Any) -> AsyncIterator[Served]:
         from_ring=from_ring,
         limits=Limits(max_len=MAX_LEN, max_sessions=4),
         control=control,
+        checkpoints=checkpoints,
     )
     options = {"max_sessions": 2, "body_timeout_s": 0.5, "max_body_bytes": 4096, **config}
     app = ApiApp(
-        coordinator, TextAdapter(tokenizer), ApiConfig(model_id=MODEL, max_len=MAX_LEN, **options)
+        coordinator,
+        TextAdapter(tokenizer),
+        ApiConfig(model_id=MODEL, max_len=MAX_LEN, **options),
+        checkpoints=checkpoints,
     )
     ring = Ring()
     async with trio.open_nursery() as nursery:
@@ -369,3 +376,85 @@ async def test_a_ring_failure_without_a_stream_is_a_503(tokenizer: Tokenizer) ->
         await served.control.send(RingLost("every stage is gone"))
     assert answers[0].status == 503 and answers[0].error()["code"] == "ring_failed"
     assert "every stage is gone" in answers[0].error()["message"]
+
+
+PLAIN = {"model": MODEL, "prompt": "the river", "max_tokens": 8, "stream": True}
+
+
+async def test_hostile_resume_headers_are_400s(tokenizer: Tokenizer) -> None:
+    """A malformed ``X-Shard-Resume``, a count past the request's, or one on a request that
+    is not streamed: 400 ``invalid_resume``, and the server serves on."""
+    async with serve(tokenizer, CheckpointStore(None)) as served:
+        for value, body in [
+            ("nokey", PLAIN),
+            ("k:", PLAIN),
+            (":3", PLAIN),
+            ("k:-1", PLAIN),
+            ("k:1e3", PLAIN),
+            ("k:٣", PLAIN),  # a digit, not an ASCII one
+            ("../../etc/passwd:1", PLAIN),
+            ("k" * 129 + ":1", PLAIN),
+            ("k:9", PLAIN),  # more than max_tokens
+            ("k:" + "9" * 4000, PLAIN),
+            ("k:1", {**PLAIN, "stream": False}),
+        ]:
+            answer = await exchange(
+                served.address, post("/v1/completions", body, {"X-Shard-Resume": value})
+            )
+            assert answer.status == 400, (value, answer.body)
+            assert answer.error()["code"] == "invalid_resume"
+            assert answer.error()["param"] == "X-Shard-Resume"
+        await healthy(served)
+        assert served.ring.opened == []
+
+
+async def test_a_stream_names_its_resume_key_and_is_checkpointed_under_it(
+    tokenizer: Tokenizer,
+) -> None:
+    """With checkpoints (a standby coordinator follows them), a streamed reply names its
+    request's key in ``X-Shard-Resume-Key`` and the request is checkpointed under it."""
+    store = CheckpointStore(None)
+    async with serve(tokenizer, store) as served:
+        stream = await trio.open_tcp_stream(*served.address)
+        await stream.send_all(post("/v1/completions", PLAIN))
+        with trio.fail_after(10):
+            head = await read_until(stream, b"\r\n\r\n")
+            while not served.ring.opened:
+                await served.ring.changed.wait()
+        key = head.decode().lower().split("x-shard-resume-key: ")[1].split("\r\n")[0]
+        assert len(key) == 32 and store.get(key) is not None
+        await stream.aclose()
+
+
+async def test_a_resumed_stream_sends_only_the_tokens_past_have(tokenizer: Tokenizer) -> None:
+    """Re-issued with ``X-Shard-Resume: KEY:N`` to a coordinator holding KEY's checkpoint,
+    the stream gives the text of the tokens after the first N, each chunk saying the count
+    its text covers."""
+    ids = tokenizer.encode(" and the sea runs to the river")
+    store = CheckpointStore(None)
+    prompt = tuple(tokenizer.encode("the river"))
+    store.save(RequestCheckpoint("k1", prompt, tuple(ids), len(ids), Sampling()))
+    decoder = StreamDecoder(tokenizer)
+    pieces = [decoder.push(token) for token in ids]
+    async with serve(tokenizer, store) as served:
+        answer = await exchange(
+            served.address, post("/v1/completions", PLAIN, {"X-Shard-Resume": "k1:3"})
+        )
+    assert answer.status == 200 and answer.headers["x-shard-resume-key"] == "k1"
+    assert served.ring.opened == []  # the checkpoint had every token: nothing to generate
+    events = [json.loads(e[6:]) for e in _sse(answer.body) if e != "data: [DONE]"]
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert text == "".join(pieces[3:]) + decoder.flush()
+    counts = [e["shard"]["tokens"] for e in events[:-1] if e["choices"][0]["text"]]
+    assert counts and counts[-1] <= len(ids) and counts == sorted(counts)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _sse(body: bytes) -> list[str]:
+    """The ``data:`` lines of a chunked SSE body."""
+    data = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        data, body = data + rest[:n], rest[n + 2 :]
+    return [line for line in data.decode().split("\n") if line.startswith("data: ")]

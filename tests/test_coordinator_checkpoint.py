@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import pytest
 
-from shard.coordinator.checkpoint import CheckpointError, RequestCheckpoint
+from shard.coordinator.checkpoint import CheckpointError, CheckpointStore, RequestCheckpoint
+from shard.coordinator.follow import Followed, _opening
+from shard.messages import FollowCommit
 
 
-def test_a_checkpoint_reads_back_as_written() -> None:
-    """``from_json(to_json())`` is the same checkpoint."""
-    checkpoint = RequestCheckpoint("r1", (1, 2), (3,), 8)
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_checkpoint_reads_back_as_written(ignore_eos: bool) -> None:
+    """``from_json(to_json())`` is the same checkpoint (``ignore_eos`` too)."""
+    checkpoint = RequestCheckpoint("r1", (1, 2), (3,), 8, ignore_eos=ignore_eos)
     assert RequestCheckpoint.from_json(checkpoint.to_json(), source="r1.json") == checkpoint
+
+
+def test_a_non_boolean_ignore_eos_is_a_checkpoint_error() -> None:
+    """``"ignore_eos": 1`` is refused, naming the file."""
+    text = RequestCheckpoint("r1", (1,), (), 4).to_json()[:-1] + ', "ignore_eos": 1}'
+    with pytest.raises(CheckpointError, match=r"bad\.json: .*ignore_eos"):
+        RequestCheckpoint.from_json(text, source="bad.json")
+
+
+def test_a_followed_request_keeps_ignore_eos() -> None:
+    """The follow link's opening carries ``ignore_eos``: the standby resumes the request
+    with EOS ignored, as its first run had it."""
+    checkpoint = RequestCheckpoint("r1", (1, 2), (3,), 8, ignore_eos=True)
+    followed = Followed()
+    followed.apply(_opening(checkpoint, 1))
+    followed.apply(FollowCommit("r1", 1, (4,), generation=1))
+    assert followed.requests["r1"] == RequestCheckpoint("r1", (1, 2), (3, 4), 8, ignore_eos=True)
 
 
 @pytest.mark.parametrize(
@@ -22,3 +42,29 @@ def test_deep_nesting_is_a_checkpoint_error(text: str) -> None:
     """A deeply nested file is a ``CheckpointError`` naming it, never a ``RecursionError``."""
     with pytest.raises(CheckpointError, match=r"bad\.json: not a request checkpoint.*nested"):
         RequestCheckpoint.from_json(text, source="bad.json")
+
+
+def test_a_checkpoint_left_without_an_end_is_dropped_after_keep_s() -> None:
+    """A live checkpoint not saved for ``keep_s`` is dropped at the next save; one saved
+    since stays; a request that commits again gets its entry back."""
+    now = [0.0]
+    store = CheckpointStore(None, keep_s=10.0, clock=lambda: now[0])
+    left = RequestCheckpoint("left", (1,), (2,), 8)
+    store.save(left)
+    now[0] = 5.0
+    store.save(RequestCheckpoint("running", (1,), (), 8))
+    now[0] = 10.5
+    store.save(RequestCheckpoint("running", (1,), (3,), 8))
+    assert store.get("left") is None and store.get("running") is not None
+    store.save(left)
+    assert store.get("left") == left
+
+
+def test_at_most_max_live_checkpoints_are_kept() -> None:
+    """Beyond ``max_live`` the least recently saved go first."""
+    store = CheckpointStore(None, max_live=2, clock=lambda: 0.0)
+    for name in ("a", "b", "c"):
+        store.save(RequestCheckpoint(name, (1,), (), 4))
+    store.save(RequestCheckpoint("b", (1,), (5,), 4))
+    store.save(RequestCheckpoint("d", (1,), (), 4))
+    assert sorted(store.live) == ["b", "d"]

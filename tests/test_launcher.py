@@ -19,6 +19,7 @@ from trio.testing import MockClock
 from procs import LineReader, alive, orphans, run_python, run_shard, started_python, wait_gone
 from shard.nodes.launcher import (
     EXITED_PREFIX,
+    STANDBY_SUFFIX,
     NodeExit,
     Supervisor,
     SwarmError,
@@ -65,6 +66,25 @@ def test_the_coordinators_death_ends_the_swarm() -> None:
     with pytest.raises(SwarmError, match=r"coordinator coord \(pid 7\) exited .* cannot replace"):
         supervisor.exited("coord", 7, -9)
     assert seen == []
+
+
+def test_with_a_standby_coordinator_the_primarys_death_is_reported_not_the_end() -> None:
+    """A standby coordinator takes over: the primary's exit is one report; the last
+    coordinator's exit ends the swarm."""
+    supervisor, seen = _supervisor()
+    supervisor.coordinators.add("coord" + STANDBY_SUFFIX)
+    supervisor.up = True
+    supervisor.exited("coord", 7, -9)
+    assert seen == [NodeExit("coord", 7, -9)]
+    with pytest.raises(SwarmError, match=r"coordinator coord/standby \(pid 8\) exited"):
+        supervisor.exited("coord/standby", 8, 1)
+
+
+def test_a_standby_coordinator_is_started_following_the_primary() -> None:
+    """The standby coordinator runs under the coordinator's name with ``--standby-of``."""
+    cmd = _command(Path("s.toml"), "coord", "coordinator", Path("m"), None, 1, None, None, "a:1")
+    assert cmd[cmd.index("--node") + 1] == "coord"
+    assert cmd[cmd.index("--standby-of") + 1] == "a:1"
 
 
 def test_exit_line_is_machine_readable() -> None:

@@ -6,7 +6,8 @@ the coordinator's process: ``GET /v1/models``, ``POST /v1/completions``,
 ``GET /metrics`` (Prometheus text) and the chat page at ``/`` (``page.html``, one static file).
 The pure parts have modules of their own, each with plain tests: request validation into typed
 records (``schema.py``), the OpenAI error shape (``errors.py``), the OpenAI response shapes
-(``responses.py``), hashed bearer keys (``keys.py``) and the metrics text (``metrics.py``);
+(``responses.py``), hashed bearer keys (``keys.py``), the metrics text (``metrics.py``) and
+the ``X-Shard-Resume`` header of a stream resumed on a standby coordinator (``resume.py``);
 ``reply.py`` is the ASGI plumbing of one response; ``runner.py`` prepares one validated request
 for the coordinator's text adapter (``shard.coordinator.text``, which the wire clients share;
 stop strings are ``shard.coordinator.stops``), whose stream the app reads, and maps how it

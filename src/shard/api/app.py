@@ -45,8 +45,10 @@ from shard.api.reply import (
     header,
     lifespan,
 )
+from shard.api.resume import KEY_HEADER, REQUEST_HEADER, Resume, new_key, parse_resume
 from shard.api.runner import Prepared, RingFailed, check_size, finished, prepare, text_request
 from shard.api.schema import Generation, parse_chat, parse_completion
+from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import ring_unready
 from shard.coordinator.text import TextAdapter
@@ -95,8 +97,10 @@ class ApiApp:
         *,
         failovers: Callable[[], int] = lambda: 0,
         wall_clock: Callable[[], float] = time.time,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         self._coordinator = coordinator
+        self._checkpoints = checkpoints  # set: streams are resumable (shard.api.resume)
         self._text = text  # the coordinator's one text adapter (shared with the wire's)
         self._config = config
         self._failovers = failovers
@@ -158,7 +162,8 @@ class ApiApp:
             else:
                 data = await self._body(scope, receive)
                 parse = parse_chat if path == "/v1/chat/completions" else parse_completion
-                await self._complete(parse(data), receive, reply)
+                resume = header(scope, REQUEST_HEADER)
+                await self._complete(parse(data), resume, receive, reply)
 
     def _authorize(self, scope: Scope) -> None:
         keys = self._config.keys
@@ -269,8 +274,12 @@ class ApiApp:
         finally:
             counters.in_flight -= 1
 
-    async def _complete(self, generation: Generation, receive: Receive, reply: Reply) -> None:
+    async def _complete(
+        self, generation: Generation, resume: str, receive: Receive, reply: Reply
+    ) -> None:
         self._check_model(generation.model)
+        most = generation.max_tokens or self._config.max_len
+        again = parse_resume(resume, stream=generation.stream, max_tokens=most)
         reason = ring_unready(self._coordinator)
         if reason is not None:
             raise ApiError(503, reason, code="ring_unavailable", headers=(("retry-after", "1"),))
@@ -289,7 +298,7 @@ class ApiApp:
                 nursery.start_soon(self._watch, receive, reply, nursery.cancel_scope)
                 try:
                     if generation.stream:
-                        await self._stream(request, rid, reply)
+                        await self._stream(request, rid, reply, again)
                     else:
                         await self._whole(request, rid, reply)
                 except ApiError as exc:  # raised out of the nursery, not inside its group
@@ -320,15 +329,26 @@ class ApiApp:
         body = responses.whole(rid, "".join(pieces), outcome.finish_reason, use, extra)
         await reply.json(200, body)
 
-    async def _stream(self, request: Prepared, rid: responses.ReplyId, reply: Reply) -> None:
+    async def _stream(
+        self, request: Prepared, rid: responses.ReplyId, reply: Reply, again: Resume | None
+    ) -> None:
         usage = request.generation.include_usage
-        await reply.start_events()
+        store, key, have = self._checkpoints, None, 0 if again is None else again.have
+        job = text_request(request, skip=have)
+        if store is not None:  # resumable: checkpointed under its key (docs/api.md)
+            key = again.key if again is not None else new_key()
+            job = text_request(request, key, store.get(key), have)
+        await reply.start_events(() if key is None else ((KEY_HEADER, key),))
         if rid.chat:  # the role first, at once: the client knows it was admitted
             await reply.event(responses.chunk(rid, role=True, with_usage=usage))
-        async with self._text.stream(self._coordinator, text_request(request)) as stream:
+        async with self._text.stream(self._coordinator, job) as stream:
             async for piece in stream:  # each delta as its tokens commit
+                have += len(piece.token_ids)
                 if piece.text:
-                    await reply.event(responses.chunk(rid, text=piece.text, with_usage=usage))
+                    event = responses.chunk(rid, text=piece.text, with_usage=usage)
+                    if key is not None:  # what a resumed request says it has (.resume)
+                        event["shard"] = {"tokens": have}
+                    await reply.event(event)
         try:
             outcome = finished(request, stream.done)
         except RingFailed as exc:

@@ -77,11 +77,12 @@ class Reply:
         data = json.dumps(body, separators=(",", ":")).encode()
         await self.raw(status, data, (("content-type", "application/json"), *headers))
 
-    async def start_events(self) -> None:
+    async def start_events(self, extra: tuple[tuple[str, str], ...] = ()) -> None:
         headers = (
             ("content-type", "text/event-stream; charset=utf-8"),
             ("cache-control", "no-cache"),
             ("x-accel-buffering", "no"),
+            *extra,
         )
         await self._start(200, headers)
 

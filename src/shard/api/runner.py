@@ -27,6 +27,7 @@ import attrs
 
 from shard.api.errors import ApiError, bad_param
 from shard.api.schema import Generation
+from shard.coordinator.checkpoint import RequestCheckpoint
 from shard.coordinator.coordinator import RingError
 from shard.coordinator.events import RequestFailed
 from shard.coordinator.text import Prompt, TextAdapter, TextDone, TextRequest
@@ -132,13 +133,25 @@ def _prompt(generation: Generation) -> Prompt:
     return generation.prompt
 
 
-def text_request(request: Prepared) -> TextRequest:
-    """What the coordinator's text adapter runs for ``request`` (its stop strings too)."""
+def text_request(
+    request: Prepared,
+    key: str | None = None,
+    resume: RequestCheckpoint | None = None,
+    skip: int = 0,
+) -> TextRequest:
+    """What the coordinator's text adapter runs for ``request`` (its stop strings too).
+
+    ``key`` checkpoints it under that resume key; ``resume`` goes on from a checkpoint
+    (a standby's takeover), and ``skip`` output tokens the client has are not given again
+    (``shard.api.resume``)."""
     return TextRequest(
         request.prompt_ids,
         request.max_tokens,
         request.sampling,
         stop=tuple(request.generation.stop),
+        request_id=key,
+        resume=resume,
+        skip=skip,
     )
 
 

@@ -21,6 +21,7 @@ from hypercorn.trio import serve
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys
 from shard.api.reply import MAX_HEAD_BYTES
+from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.text import TextAdapter
 from shard.spec.swarm import SwarmSpec
@@ -83,8 +84,10 @@ def make_server(
     text: TextAdapter,
     *,
     failovers: Callable[[], int] = lambda: 0,
+    checkpoints: CheckpointStore | None = None,
 ) -> ApiServer | None:
-    """The API server ``spec``'s ``[api]`` asks for (None when ``listen`` is not set).
+    """The API server ``spec``'s ``[api]`` asks for (None when ``listen`` is not set);
+    ``checkpoints``: the coordinator's, which makes its streams resumable (``.resume``).
 
     Errors: ``KeyFileError`` when the keys file is missing or malformed."""
     api = spec.api
@@ -100,5 +103,5 @@ def make_server(
         keys=keys,
         max_prompt_bytes=spec.limits.max_prompt_bytes,
     )
-    app = ApiApp(coordinator, text, config, failovers=failovers)
+    app = ApiApp(coordinator, text, config, failovers=failovers, checkpoints=checkpoints)
     return ApiServer(app, str(api.listen))

@@ -143,9 +143,12 @@ async def ask(
     )
     try:
         async with network:
+            # a standby coordinator in the spec: the client goes on there if this one dies
+            standby = spec.coordinator.standby
+            addresses = address if standby is None else (address, str(standby))
             done = await request(
                 network,
-                address,
+                addresses,
                 req,
                 swarm=spec.name,
                 on_text=show,

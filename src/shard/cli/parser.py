@@ -190,6 +190,13 @@ def _add_up(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--spec", required=True, help="swarm spec (TOML)")
     p.add_argument("--node", help="node name in the spec (default: the coordinator's name)")
+    p.add_argument(
+        "--standby-of",
+        metavar="HOST:PORT",
+        help="with --role coordinator: be the standby coordinator of the primary at "
+        "HOST:PORT — follow its checkpoints and take over at [coordinator] standby when it "
+        "dies (docs/failover.md, 'Standby coordinator')",
+    )
     _join_args(p)
     p.add_argument("--model", help="checkpoint dir to use instead of resolving the spec's model")
     p.add_argument(

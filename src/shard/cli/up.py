@@ -182,6 +182,21 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
                     task_status=task_status,
                 )
             )
+        elif getattr(args, "standby_of", None):
+            from shard.nodes.standby_coordinator import run_standby_coordinator
+
+            await nursery.start(
+                lambda task_status: run_standby_coordinator(
+                    spec,
+                    network=network,
+                    model_dir=model_dir,
+                    primary=args.standby_of,
+                    startup_timeout_s=args.startup_timeout,
+                    task_status=task_status,
+                )
+            )
+            print(ready_line(name, str(spec.coordinator.standby)), flush=True)
+            return
         else:
             handle = await nursery.start(
                 lambda task_status: run_coordinator(

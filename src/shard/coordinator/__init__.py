@@ -7,8 +7,9 @@ statistics it keeps, ``ringstats.py``, are what the status feed and the monitor 
 shares (``text.py``: tokenizing off the event loop, a request's committed tokens read as
 text, with stop strings from ``stops.py``), the client side of that protocol
 (``client.py``), per-request
-checkpoints (``checkpoint.py``), receipt gathering (``receipts.py``) and the receipt log that
-keeps every request's (``receipt_log.py``), the features a tail
+checkpoints (``checkpoint.py``) and the link a standby coordinator follows them on
+(``follow.py``), receipt gathering (``receipts.py``) and the receipt log that keeps every
+request's (``receipt_log.py``), the features a tail
 returns (``features.py``) and the boundary that turns any failure on one request's path into
 that request's error (``supervise.py``). It may import decode,
 failover (its replay log and the scheduler's messages), trust, transport and messages; never

@@ -13,17 +13,26 @@ A ``Checkpointer`` is one request's file: the driver records each commit in it d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 import attrs
+import trio
 
 from shard import strict_json
 from shard.messages import ResumeRecord, Sampling
 
+log = logging.getLogger(__name__)
+
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+#: How long a live checkpoint stays resumable after its last save (a client that left without
+#: an end, a standby's adopted request whose client never came back), and how many are kept
+KEEP_S: Final = 600.0
+MAX_LIVE: Final = 1024
 
 
 class CheckpointError(Exception):
@@ -40,6 +49,7 @@ class RequestCheckpoint:
     max_tokens: int
     sampling: Sampling = Sampling()
     job: str = ""  # the job id of the request's first run, when it asked for a receipt
+    ignore_eos: bool = False  # EOS does not end it (a benchmark's fixed length), resumed too
 
     def to_json(self) -> str:
         return json.dumps(
@@ -50,6 +60,7 @@ class RequestCheckpoint:
                 "max_tokens": self.max_tokens,
                 "sampling": attrs.asdict(self.sampling),
                 **({"job": self.job} if self.job else {}),
+                **({"ignore_eos": True} if self.ignore_eos else {}),
             }
         )
 
@@ -64,9 +75,16 @@ class RequestCheckpoint:
                 max_tokens=int(data["max_tokens"]),
                 sampling=Sampling(**data["sampling"]),
                 job=_job_id(data.get("job", "")),
+                ignore_eos=_flag(data.get("ignore_eos", False)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{source}: not a request checkpoint: {exc!r}") from exc
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"ignore_eos {value!r} is not true or false")
+    return value
 
 
 def _job_id(value: object) -> str:
@@ -75,29 +93,97 @@ def _job_id(value: object) -> str:
     return value
 
 
-class CheckpointStore:
-    """A directory of request checkpoints (see the module docstring)."""
+def checkpoint_name(request: str) -> str:
+    """``request`` if it can name a checkpoint. Errors: ``CheckpointError``."""
+    if not _NAME.fullmatch(request):
+        raise CheckpointError(f"request id {request!r}: use letters, digits, '_', '.', '-'")
+    return request
 
-    def __init__(self, directory: Path) -> None:
+
+class CheckpointStore:
+    """A directory of request checkpoints (see the module docstring), and the running ones in
+    memory (``live``), which a standby coordinator follows (``shard.coordinator.follow``).
+
+    ``directory`` None: in memory only (a primary with a standby and no ``checkpoint_dir``).
+    ``changed`` is set (and replaced) on every save and end: a follower waits on it.
+
+    ``live`` is bounded: a request whose client left without an end (or an adopted one whose
+    client never came back) stays resumable for ``keep_s`` after its last save, and at most
+    ``max_live`` are kept (the least recently saved go first); each save sweeps. A running
+    request that lost its entry gets it back, whole, at its next commit. Files in
+    ``directory`` are not swept: they are what a restarted coordinator resumes (``pending``).
+    """
+
+    def __init__(
+        self,
+        directory: Path | None,
+        *,
+        keep_s: float = KEEP_S,
+        max_live: int = MAX_LIVE,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         self._dir = directory
-        self._dir.mkdir(parents=True, exist_ok=True)
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.live: dict[str, RequestCheckpoint] = {}
+        self.changed = trio.Event()
+        self._keep_s, self._max_live, self._clock = keep_s, max_live, clock
+        self._saved: dict[str, float] = {}  # request -> when last saved, oldest first
+
+    def _sweep(self, now: float) -> None:
+        """Drop live checkpoints saved over ``keep_s`` ago, and the oldest beyond
+        ``max_live``."""
+        for request, saved in list(self._saved.items()):
+            if now - saved <= self._keep_s and len(self._saved) <= self._max_live:
+                break  # oldest first: the rest are newer
+            del self._saved[request]
+            self.live.pop(request, None)
+            log.info("checkpoint %s dropped: last saved %.0f s ago", request, now - saved)
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def adopt(self, checkpoints: Sequence[RequestCheckpoint]) -> None:
+        """Take over requests another coordinator ran (a standby's followed ones): they are
+        live here, and resumable (``get``), until they end."""
+        for checkpoint in checkpoints:
+            self.save(checkpoint)
+
+    def get(self, request: str) -> RequestCheckpoint | None:
+        """The live checkpoint of ``request``, if any."""
+        return self.live.get(request)
 
     def _path(self, request: str) -> Path:
-        if not _NAME.fullmatch(request):
-            raise CheckpointError(f"request id {request!r}: use letters, digits, '_', '.', '-'")
-        return self._dir / f"{request}.json"
+        checkpoint_name(request)
+        return (self._dir or Path()) / f"{request}.json"
 
     def save(self, checkpoint: RequestCheckpoint) -> None:
         path = self._path(checkpoint.request)
+        now = self._clock()
+        self.live[checkpoint.request] = checkpoint
+        self._saved.pop(checkpoint.request, None)  # to the end: the newest
+        self._saved[checkpoint.request] = now
+        self._sweep(now)
+        self._changed()
+        if self._dir is None:
+            return
         tmp = path.with_suffix(".tmp")
         tmp.write_text(checkpoint.to_json(), encoding="utf-8")
         os.replace(tmp, path)
 
     def done(self, request: str) -> None:
-        self._path(request).unlink(missing_ok=True)
+        path = self._path(request)
+        self._saved.pop(request, None)
+        if self.live.pop(request, None) is not None:
+            self._changed()
+        if self._dir is not None:
+            path.unlink(missing_ok=True)
 
     def pending(self) -> list[RequestCheckpoint]:
         """Checkpoints left by requests that never ended (a coordinator died), oldest first."""
+        if self._dir is None:
+            return list(self.live.values())
         paths = sorted(self._dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
         return [RequestCheckpoint.from_json(p.read_text(), source=str(p)) for p in paths]
 
@@ -133,9 +219,12 @@ class Checkpointer:
         prompt_ids: Sequence[int],
         max_tokens: int,
         sampling: Sampling,
+        ignore_eos: bool = False,
     ) -> Checkpointer:
         prompt = tuple(int(t) for t in prompt_ids)
-        return cls(store, RequestCheckpoint(request, prompt, (), max_tokens, sampling))
+        start = RequestCheckpoint(request, prompt, (), max_tokens, sampling, ignore_eos=ignore_eos)
+        store.save(start)  # a standby knows the request before its first token
+        return cls(store, start)
 
     def commit(self, ids: Sequence[int]) -> None:
         done = (*self._checkpoint.output_ids, *ids)

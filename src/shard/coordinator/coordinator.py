@@ -286,7 +286,7 @@ class Coordinator:
         checkpoint = None
         if request_id is not None and self._checkpoints is not None:
             checkpoint = Checkpointer.fresh(
-                self._checkpoints, request_id, prompt_ids, max_tokens, sampling
+                self._checkpoints, request_id, prompt_ids, max_tokens, sampling, ignore_eos
             )
         return await self._serve(
             prompt_ids,
@@ -426,13 +426,13 @@ class Coordinator:
 
         Errors: as ``generate``; the checkpoint stays until the request ends.
         """
-        done = checkpoint.output_ids
-        left = checkpoint.max_tokens - len(done)
+        done, left = checkpoint.output_ids, checkpoint.max_tokens - len(checkpoint.output_ids)
+        eos_ids = () if checkpoint.ignore_eos else self._eos_ids  # as its first run had them
         store = self._checkpoints
-        if left <= 0 or (done and done[-1] in self._eos_ids):
+        if left <= 0 or (done and done[-1] in eos_ids):
             if store is not None:
                 store.done(checkpoint.request)
-            reason = "stop" if done and done[-1] in self._eos_ids else "length"
+            reason = "stop" if done and done[-1] in eos_ids else "length"
             return Completion(done, reason, RunStats(0, 0.0, 0.0, 0.0, 0, 0.0))
         rest = await self._serve(
             (*checkpoint.prompt_ids, *checkpoint.output_ids),
@@ -441,7 +441,7 @@ class Coordinator:
             tokens=tokens,
             spec=speculation or self._spec,
             receipt=receipt,
-            eos_ids=self._eos_ids,
+            eos_ids=eos_ids,
             checkpoint=None if store is None else Checkpointer(store, checkpoint),
         )
         return attrs.evolve(rest, token_ids=(*checkpoint.output_ids, *rest.token_ids))

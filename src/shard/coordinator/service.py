@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
+from shard.coordinator.checkpoint import CheckpointError, CheckpointStore, checkpoint_name
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.events import RequestFailed
 from shard.coordinator.text import Prompt, TextAdapter, TextDone, TextRequest, encode_prompt
@@ -76,16 +77,25 @@ def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
 
 
 async def complete(
-    coordinator: Coordinator, text: TextAdapter, request: GenerateRequest, emit: Emit
+    coordinator: Coordinator,
+    text: TextAdapter,
+    request: GenerateRequest,
+    emit: Emit,
+    store: CheckpointStore | None = None,
 ) -> GenerateDone:
     """Serve one request, streaming its tokens through ``emit``; returns (and emits) the end.
+
+    ``store``: the coordinator's checkpoints. A request with a ``resume`` key is checkpointed
+    under it; one whose key names a checkpoint (a standby that took over, or the same
+    coordinator after the client's link broke) goes on from it, and ``have`` tokens are not
+    sent again (docs/failover.md, "Standby coordinator").
 
     Errors: only ``emit``'s (the client's connection is gone: nothing left to answer)."""
     try:
         check_request(request, coordinator.limits.max_prompt_bytes)
         ids = await text.encode(request_prompt(request))
-        done = await _run(coordinator, text, request, ids, emit)
-    except (BadRequest, TokenizerError) as exc:
+        done = await _run(coordinator, text, request, ids, emit, store)
+    except (BadRequest, TokenizerError, CheckpointError) as exc:
         done = error_message(request.request, exc, (), "")
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         raise  # emit's: the client's connection is gone, nothing left to answer
@@ -102,7 +112,11 @@ async def _run(
     request: GenerateRequest,
     ids: list[int],
     emit: Emit,
+    store: CheckpointStore | None = None,
 ) -> GenerateDone:
+    key = request.resume if request.resume and store is not None else None
+    if key is not None:
+        checkpoint_name(key)  # a key that cannot name a checkpoint is refused
     job = TextRequest(
         tuple(ids),
         request.max_tokens,
@@ -110,6 +124,9 @@ async def _run(
         speculation=request_speculation(coordinator, request),
         receipt=request.receipt,
         ignore_eos=request.ignore_eos,
+        request_id=key,
+        resume=None if key is None or store is None else store.get(key),
+        skip=request.have if key is not None else 0,
     )
     async with text.stream(coordinator, job) as stream:
         async for piece in stream:

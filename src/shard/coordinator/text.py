@@ -34,6 +34,7 @@ import attrs
 import trio
 
 from shard.compute import offload
+from shard.coordinator.checkpoint import RequestCheckpoint
 from shard.coordinator.coordinator import Completion, Coordinator
 from shard.coordinator.events import CallerLeft, Committed, RequestFailed, RingError
 from shard.coordinator.stops import StopText
@@ -60,6 +61,12 @@ class TextRequest:
     speculation: SpeculationConfig | None = None  # None: the swarm's policy
     receipt: bool = False
     ignore_eos: bool = False
+    #: a standby coordinator's takeover (docs/failover.md): the request's checkpoint name,
+    #: the checkpoint to go on from (None: from the start), and how many output tokens the
+    #: caller already has (their text is not given again)
+    request_id: str | None = None
+    resume: RequestCheckpoint | None = None
+    skip: int = 0
 
 
 @attrs.frozen
@@ -101,8 +108,10 @@ class TextStream:
         tokens: trio.MemoryReceiveChannel[Committed],
         outcome: list[Completion | Exception],
         request: trio.CancelScope,
+        skip: int = 0,
     ) -> None:
         self._decoder = StreamDecoder(tokenizer)
+        self._skip = skip
         self._stops = StopText(stop)
         self._tokens = tokens
         self._outcome = outcome  # the request's end, set before ``tokens`` closes
@@ -121,25 +130,28 @@ class TextStream:
         return self
 
     async def __anext__(self) -> TextPiece:
-        if self._done is not None:
-            raise StopAsyncIteration
-        try:
-            batch = await self._tokens.receive()
-        except trio.EndOfChannel:
-            self._done = self._ended()
-            raise StopAsyncIteration from None
-        ids: list[int] = []
-        text = ""
-        for token in batch.token_ids:
-            ids.append(token)
-            text += self._stops.push(self._decoder.push(token))
-            if self._stops.hit:
+        while self._done is None:
+            try:
+                batch = await self._tokens.receive()
+            except trio.EndOfChannel:
+                self._done = self._ended()
                 break
-        self._delivered.extend(ids)
-        if self._stops.hit:  # a stop string ends the session now, on every stage
-            self._request.cancel()
-            self._done = TextDone(tuple(self._delivered), "stop")
-        return TextPiece(text, tuple(ids))
+            ids: list[int] = []
+            text = ""
+            for token in batch.token_ids:
+                piece = self._stops.push(self._decoder.push(token))
+                self._delivered.append(token)
+                if len(self._delivered) > self._skip:  # the caller had the first ``skip``
+                    ids.append(token)
+                    text += piece
+                if self._stops.hit:
+                    break
+            if self._stops.hit:  # a stop string ends the session now, on every stage
+                self._request.cancel()
+                self._done = TextDone(tuple(self._delivered), "stop")
+            if ids or self._done is not None:
+                return TextPiece(text, tuple(ids))
+        raise StopAsyncIteration
 
     def _ended(self) -> TextDone:
         delivered = tuple(self._delivered)
@@ -191,7 +203,9 @@ class TextAdapter:
             nursery.start_soon(_generate, coordinator, request, send, outcome, scope)
             with receive:
                 try:
-                    yield TextStream(self.tokenizer, request.stop, receive, outcome, scope)
+                    yield TextStream(
+                        self.tokenizer, request.stop, receive, outcome, scope, request.skip
+                    )
                 except Exception as exc:  # the caller's own: raised as it was, below
                     failure = exc
             scope.cancel()  # read out or left early: nothing more is wanted
@@ -210,15 +224,27 @@ async def _generate(
     (a bug past the coordinator's own boundary becomes ``RequestFailed``, logged here)."""
     with tokens, scope:
         try:
-            completion: Completion | Exception = await coordinator.generate(
-                request.prompt_ids,
-                max_tokens=request.max_tokens,
-                sampling=request.sampling,
-                tokens=tokens,
-                speculation=request.speculation,
-                receipt=request.receipt,
-                ignore_eos=request.ignore_eos,
-            )
+            completion: Completion | Exception
+            if request.resume is not None:  # the committed tokens first, then the rest
+                if request.resume.output_ids:
+                    await tokens.send(Committed(request.resume.output_ids))
+                completion = await coordinator.resume_request(
+                    request.resume,
+                    tokens=tokens,
+                    speculation=request.speculation,
+                    receipt=request.receipt,
+                )
+            else:
+                completion = await coordinator.generate(
+                    request.prompt_ids,
+                    max_tokens=request.max_tokens,
+                    sampling=request.sampling,
+                    tokens=tokens,
+                    speculation=request.speculation,
+                    receipt=request.receipt,
+                    ignore_eos=request.ignore_eos,
+                    request_id=request.request_id,
+                )
         except (BadRequest, RingError, CallerLeft) as exc:
             completion = exc
         except Exception as exc:

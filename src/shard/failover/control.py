@@ -26,19 +26,22 @@ holder dead, so a restart under the same name goes through), then ends the clien
 ``NameTaken``; the live member is never disturbed.
 
 If the coordinator goes away, the client re-dials until it is back (a restarted coordinator
-finds its warm ring registering again).
+finds its warm ring registering again). With a standby coordinator it has two addresses and
+tries them in turn; a coordinator whose ``Welcome`` carries a generation below the highest this
+node has seen (``shard.failover.fence``) is refused and the next address tried.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
 from shard.errors import HandshakeError
+from shard.failover.fence import Fence
 from shard.messages import (
     Activate,
     Fault,
@@ -57,7 +60,7 @@ from shard.messages import (
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
 from shard.transport import Connection, Network, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
-from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_peer
+from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_welcome
 from shard.transport.nat import BehindNat
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class ControlClient:
         self,
         node: NodeName,
         network: Network,
-        address: str,
+        address: str | Sequence[str],
         hello: Hello,
         register: Callable[[], Register],
         on_order: OnOrder,
@@ -132,10 +135,13 @@ class ControlClient:
         connect_timeout_s: float = 10.0,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         name_wait_s: float | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self._node = node
         self._network = network
-        self._address = address
+        self._addresses = (address,) if isinstance(address, str) else tuple(address)
+        self._at = 0  # the address tried now
+        self._fence = fence if fence is not None else Fence()
         self._hello = hello
         self._register = register
         self._on_order = on_order
@@ -149,6 +155,35 @@ class ControlClient:
         self._handshake_timeout_s = handshake_timeout_s
         self._name_wait_s = 3 * dead_after_s if name_wait_s is None else name_wait_s
         self._conn: Connection | None = None
+
+    @property
+    def _address(self) -> str:
+        return self._addresses[self._at]
+
+    def _next_address(self) -> None:
+        self._at = (self._at + 1) % len(self._addresses)
+
+    async def _dial(self, started: bool) -> Connection:
+        """Dial the coordinator at ``_address`` (re-dials with several addresses are short:
+        the next is tried soon). Errors: as ``dial_welcome``; ``HandshakeError`` for a
+        coordinator of a generation this node has left behind."""
+        timeout_s = self._connect_timeout_s
+        if started and len(self._addresses) > 1:
+            timeout_s = min(timeout_s, self._dead_after_s)
+        conn, welcome = await dial_welcome(
+            self._network,
+            self._address,
+            self._hello,
+            timeout_s=timeout_s,
+            handshake_timeout_s=self._handshake_timeout_s,
+        )
+        if not self._fence.admit(welcome.generation):
+            await abandon(conn)
+            raise HandshakeError(
+                f"{self._node}: the coordinator at {self._address} is of generation "
+                f"{welcome.generation}, this node follows {self._fence.generation} (fenced)"
+            )
+        return conn
 
     async def _report_faults(
         self, faults: trio.MemoryReceiveChannel[Fault] | trio.MemoryReceiveChannel[AuditCopy]
@@ -185,21 +220,18 @@ class ControlClient:
     async def _stay_linked(self, task_status: trio.TaskStatus[None]) -> None:
         """Dial, register and obey; re-dial whenever the link fails."""
         started = False
+        failed_first = 0  # addresses that failed before the first registration
         name_refused_at: float | None = None  # first of a run of "name taken" refusals
         while True:
             try:
-                conn = await dial_peer(
-                    self._network,
-                    self._address,
-                    self._hello,
-                    timeout_s=self._connect_timeout_s,
-                    handshake_timeout_s=self._handshake_timeout_s,
-                )
+                conn = await self._dial(started)
             except (TransportError, HandshakeError) as exc:
-                if not started:
+                failed_first += not started
+                if failed_first >= len(self._addresses):  # none answered at start
                     raise
                 log.warning("%s: control link: %s; retrying", self._node, exc)
-                await trio.sleep(1.0)
+                self._next_address()
+                await trio.sleep(1.0 if len(self._addresses) == 1 else self._heartbeat_s)
                 continue
             pause = self._heartbeat_s
             try:

@@ -20,6 +20,7 @@ One module per conversation::
 
     ring.py      the handshake on every link, heartbeats, probes, and what flows round the ring
     client.py    a generation request in, committed tokens out, the run's statistics
+    follow.py    a standby coordinator following the primary's committed tokens
     control.py   a node and the scheduler: registration, profiles, rewiring, RTT reports
     fetch.py     a joining node and a seeder: manifest chunks
     audit.py     spot checks: audited chunks, inclusion proofs, signed evidence
@@ -59,6 +60,10 @@ from shard.messages.fetch import (
     ChunkData,
     ChunkMissing,
     ChunkRequest,
+)
+from shard.messages.follow import (
+    FollowCommit,
+    FollowEnd,
 )
 from shard.messages.ids import (
     MAX_FEATURES,
@@ -151,6 +156,8 @@ Message = (
     | CallRequest
     | CallMe
     | CallPlaced
+    | FollowCommit
+    | FollowEnd
 )
 
 #: Every concrete message class, in a fixed order (the wire's tag table is derived from names).
@@ -189,6 +196,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     CallRequest,
     CallMe,
     CallPlaced,
+    FollowCommit,
+    FollowEnd,
 )
 
 __all__ = [
@@ -219,6 +228,8 @@ __all__ = [
     "Epoch",
     "EventRecord",
     "Fault",
+    "FollowCommit",
+    "FollowEnd",
     "GenerateDone",
     "GenerateRequest",
     "Heartbeat",

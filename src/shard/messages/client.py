@@ -24,6 +24,10 @@ class GenerateRequest:
     k: int = -1  # drafted tokens per chunk for this request; -1: the swarm's policy, 0: plain
     depth: int = 0  # verify chunks in flight; 0: the swarm's policy
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks): EOS does not stop it
+    #: the client's key for this request (random, ``[A-Za-z0-9_.-]{1,128}``; "": none): a
+    #: standby coordinator that took over resumes the request under it
+    resume: str = ""
+    have: int = 0  # with ``resume``: output tokens the client already has (sent again: none)
 
 
 @attrs.frozen

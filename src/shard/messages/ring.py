@@ -19,7 +19,10 @@ class Hello:
     role: str
     swarm: str
     protocol: int = PROTOCOL_VERSION
-    link: str = "ring"  # "ring" (a ring edge or the return link) or "control" (to the scheduler)
+    link: str = "ring"  # "ring" (a ring edge or the return link), "control", "follow"
+    #: a coordinator's generation (docs/failover.md, "Standby coordinator"): a stage refuses a
+    #: ring link from a lower one than it has seen; 0 from every other node
+    generation: int = 0
 
 
 @attrs.frozen
@@ -30,6 +33,7 @@ class Welcome:
     role: str
     swarm: str
     protocol: int = PROTOCOL_VERSION
+    generation: int = 0  # a coordinator's (as ``Hello.generation``): a control link checks it
 
 
 @attrs.frozen

@@ -8,15 +8,14 @@ coordinator's dial to stage 0 succeeds the whole ring is connected, end to end.
 Supervision: every actor of a node lives in one nursery. The coordinator's process also runs
 the scheduler (``shard.failover.scheduler``): every stage and standby keeps a control link
 to it, and a node that dies is replaced by a standby while the requests wait
-(docs/failover.md). The stage and standby roots live in ``shard.nodes.stage``; the tail's
-return link ends at ``shard.nodes.return_link``.
+(docs/failover.md). Stage roots: ``shard.nodes.stage``; the return link: ``return_link``.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -26,15 +25,14 @@ import trio
 from shard.api.server import ApiServer, make_server
 from shard.audit.hub import AuditHub
 from shard.compute import offload
-from shard.coordinator.checkpoint import CheckpointStore
+from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.driver import Hold
+from shard.coordinator.follow import serve_follower
 from shard.coordinator.receipt_log import ReceiptLog
 from shard.coordinator.service import complete
 from shard.coordinator.text import TextAdapter
-from shard.decode.draft import (
-    Drafter,
-)
+from shard.decode.draft import Drafter
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
@@ -119,15 +117,12 @@ def _router(
     sent_log: ReplayLog,
     nonces: Callable[[SessionId], bytes] | None,
     hold: Hold | None = None,
+    checkpoints: CheckpointStore | None = None,
 ) -> tuple[Coordinator, Tokenizer]:
     """The coordinator's router and its tokenizer."""
     name = NodeName(spec.coordinator.name)
     tokenizer = Tokenizer.from_dir(model_dir)
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
-    failover = spec.failover
-    checkpoints = None
-    if failover.checkpoint_dir is not None:
-        checkpoints = CheckpointStore(Path(failover.checkpoint_dir))
     coordinator = Coordinator(
         checkpoints=checkpoints,
         incarnation=secrets.randbits(20),
@@ -169,6 +164,11 @@ class _Listener:
     scheduler: Scheduler
     feed: StatusFeed
     endpoint: ReturnEndpoint
+    store: CheckpointStore | None  # its checkpoints: what a standby follows, clients resume
+
+    @property
+    def generation(self) -> int:
+        return self.welcome.generation
 
     async def handle(self, conn: Connection) -> None:
         try:
@@ -178,11 +178,16 @@ class _Listener:
             return
         # Each link's errors end that link only (shard.transport.guard), never this node.
         node = self.welcome.node
-        if hello.link == "control" and hello.role == "stage":
+        if hello.link == "follow" and hello.role == "coordinator" and self.store is not None:
+            follower = partial(serve_follower, self.store, node=node, generation=self.generation)
+            await serve_one(conn, follower, what="follow link", node=node)
+        elif hello.link == "control" and hello.role == "stage":
             serve = partial(self.scheduler.serve, hello=hello)
             await serve_one(conn, serve, what="control link")
         elif hello.role == "client":
-            client = partial(_serve_client, self.coordinator, self.text, limits=self.limits)
+            client = partial(
+                _serve_client, self.coordinator, self.text, limits=self.limits, store=self.store
+            )
             await serve_one(conn, client, what="client link", node=node)
         elif hello.role == "monitor":  # the status feed: reads, may reset
             await serve_one(conn, self.feed.serve, what="monitor link", node=node)
@@ -200,10 +205,14 @@ async def run_coordinator(
     successor: str | None = None,
     startup_timeout_s: float = 120.0,
     drafts: DrafterMaker = make_drafter,
+    generation: int = 1,
+    adopted: Sequence[RequestCheckpoint] = (),
     task_status: trio.TaskStatus[CoordinatorHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the coordinator and its scheduler: serve the return endpoint, control links and
     clients, dial stage 0. ``drafts`` builds its draft proposers (the spec's, by default).
+    ``generation`` fences older coordinators off the stages; ``adopted``: the requests a
+    standby took over, resumed when their clients come back (docs/failover.md).
 
     The channels: requests -> ring link (``to_ring``), return link -> router (``from_ring``),
     scheduler -> router (``control``: pause, resume, ring lost, events), ring link ->
@@ -224,6 +233,7 @@ async def run_coordinator(
     failover = spec.failover
     sent_log = ReplayLog(max_bytes=failover.replay_max_bytes)  # recorded by the router
     config = ModelConfig.from_dir(model_dir)
+    store = _store(spec, adopted)
     batched = spec.limits.max_batch_rows > 1  # then no audit can be bit-exact
     hub = None
     if spec.audit.enabled:  # each accused's weights declared as the spec gives them
@@ -239,6 +249,7 @@ async def run_coordinator(
         sent_log=sent_log,
         nonces=hub.nonce if hub is not None else None,
         hold=hold_gate(hub),
+        checkpoints=store,
     )
     # The ring link's and the return link's copies of ring chunks go to the scheduler.
     copies_send, copies_recv = trio.open_memory_channel[AuditCopy](0)
@@ -247,7 +258,7 @@ async def run_coordinator(
         name,
         to_ring_recv,
         mirror if mirror is not None else network,
-        _hello(spec, name, "coordinator"),
+        attrs.evolve(_hello(spec, name, "coordinator"), generation=generation),
         replay_log=sent_log,
         records=False,
         heartbeat_s=failover.heartbeat_s,
@@ -281,10 +292,10 @@ async def run_coordinator(
         devices=DeviceProbe(name).read,
         audits=scheduler.audit_counts,
     )
-    welcome = Welcome(node=name, role="coordinator", swarm=spec.name)
+    welcome = Welcome(node=name, role="coordinator", swarm=spec.name, generation=generation)
     # One text adapter (and one tokenizing thread) for the wire clients and the HTTP API.
     text = TextAdapter(tokenizer)
-    listener = _Listener(welcome, spec.limits, coordinator, text, scheduler, feed, endpoint)
+    listener = _Listener(welcome, spec.limits, coordinator, text, scheduler, feed, endpoint, store)
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
         await nursery.start(feed.run)
@@ -302,11 +313,22 @@ async def run_coordinator(
         def repairs() -> int:  # a give-up ("failed") repaired nothing
             return sum(r.kind != "failed" for r in scheduler.statistics().recoveries)
 
-        api = make_server(spec, coordinator, text, failovers=repairs)
+        api = make_server(spec, coordinator, text, failovers=repairs, checkpoints=store)
         api_address = None if api is None else await _serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
             CoordinatorHandle(name, bound, coordinator, tokenizer, text, scheduler, api_address)
         )
+
+
+def _store(spec: SwarmSpec, adopted: Sequence[RequestCheckpoint]) -> CheckpointStore | None:
+    """The coordinator's checkpoints: on disk with ``[failover] checkpoint_dir``, in memory
+    for a standby to follow (or one that took over); None when neither."""
+    directory = spec.failover.checkpoint_dir
+    if directory is None and spec.coordinator.standby is None and not adopted:
+        return None
+    store = CheckpointStore(None if directory is None else Path(directory))
+    store.adopt(adopted)
+    return store
 
 
 async def _serve_api(nursery: trio.Nursery, api: ApiServer, listen: str) -> str:
@@ -357,6 +379,7 @@ async def _serve_client(
     conn: Connection,
     *,
     limits: Limits,
+    store: CheckpointStore | None = None,
 ) -> None:
     """Serve one client connection: each ``GenerateRequest`` runs as its own task; replies
     go through one writer so concurrent requests never interleave inside a frame. When the
@@ -390,7 +413,7 @@ async def _serve_client(
         async def serve(request: GenerateRequest, emit: trio.MemorySendChannel[Message]) -> None:
             try:
                 async with emit:
-                    await complete(coordinator, text, request, emit.send)
+                    await complete(coordinator, text, request, emit.send, store)
             finally:
                 idle.end()
 

@@ -8,8 +8,11 @@ ready (``SHARD READY node=NAME pid=PID address=HOST:PORT``); the launcher waits 
 Once the swarm is up the launcher supervises as the scheduler does: a stage or standby that
 exits is reported (``SHARD NODE EXITED node=NAME pid=PID code=CODE``, via ``on_exit``) and
 left to failover — the coordinator's scheduler splices a standby in its place — and the rest
-serve on. Only the coordinator's exit, or any exit before the swarm is up, ends the swarm
-(``SwarmError``): nothing can replace a coordinator.
+serve on. A spec whose ``[coordinator]`` names a ``standby`` address gets a standby coordinator
+process too (``shard up --role coordinator --standby-of PRIMARY``, launched as
+``COORD/standby``); then the primary's exit is reported like a stage's and the standby takes
+over. Only the last coordinator's exit, or any exit before the swarm is up, ends the swarm
+(``SwarmError``).
 
 No child outlives the launcher. Each runs in a session of its own (so a terminal's Ctrl-C or
 hang-up reaches the launcher, which stops the nodes in order, not every node at once), and on
@@ -51,6 +54,9 @@ _GRACE_S = 5.0
 #: A node's exit code when the swarm replaced it (declared dead after a freeze, or evicted by
 #: an audit; ``NodeReplaced``): not an error of the run, which a standby carries on.
 REPLACED_EXIT = 3
+#: The launcher's name for the standby coordinator process of coordinator ``COORD``: not a
+#: valid node name, so it never collides with one (``SHARD NODE EXITED node=coord/standby``)
+STANDBY_SUFFIX = "/standby"
 
 
 class SwarmError(Exception):
@@ -107,12 +113,19 @@ class NodeExit:
 @attrs.define
 class Supervisor:
     """What a child's exit means: ``exited`` raises ``SwarmError`` when it ends the swarm
-    (before every node was ready, or the coordinator), else reports it to ``on_exit``."""
+    (before every node was ready, or the last of its coordinators), else reports it to
+    ``on_exit``.
+
+    ``coordinators``: the coordinator processes still running — the primary, and the standby
+    coordinator (``COORD/standby``) when the spec names one."""
 
     coordinator: str
     expected: set[str]
     on_exit: Callable[[NodeExit], None]
     up: bool = False
+    coordinators: set[str] = attrs.field(
+        default=attrs.Factory(lambda self: {self.coordinator}, takes_self=True)
+    )
 
     def exited(self, name: str, pid: int, code: int) -> None:
         if not self.up:
@@ -120,13 +133,26 @@ class Supervisor:
                 f"node {name} (pid {pid}) exited with code {code} before the swarm was up; "
                 "see its log above"
             )
-        if name == self.coordinator:
-            raise SwarmError(
-                f"coordinator {name} (pid {pid}) exited with code {code}; a swarm cannot "
-                "replace its coordinator, so every node is stopped; see its log above"
-            )
         scripted = name in self.expected
-        if scripted:
+        if name in self.coordinators:
+            self.coordinators.discard(name)
+            if not self.coordinators:
+                raise SwarmError(
+                    f"coordinator {name} (pid {pid}) exited with code {code}; no other "
+                    "coordinator runs and a swarm cannot replace its last one, so every node "
+                    "is stopped; see its log above ([coordinator] standby adds a standby "
+                    "coordinator: docs/failover.md)"
+                )
+            if not scripted:
+                log.warning(
+                    "coordinator %s (pid %d) exited with code %d; %s serves on "
+                    "(docs/failover.md, 'Standby coordinator')",
+                    name,
+                    pid,
+                    code,
+                    ", ".join(sorted(self.coordinators)),
+                )
+        elif scripted:
             log.info("node %s (pid %d) exited with code %d, as scripted", name, pid, code)
         elif code == REPLACED_EXIT:
             log.info("node %s (pid %d) was replaced by a standby and stopped", name, pid)
@@ -214,7 +240,10 @@ def _command(
     threads: int,
     api: str | None = None,
     layout: Layout | None = None,
+    standby_of: str | None = None,
 ) -> list[str]:
+    """``shard up`` for one node; ``standby_of``: a standby coordinator of the primary at
+    that address (``node`` is the coordinator's name: the same role, at another address)."""
     cmd = [sys.executable, "-m", "shard", "up", "--role", role, "--spec", str(spec_path)]
     cmd += ["--node", node, "--model", str(model_dir), "--threads", str(threads)]
     cmd += ["--die-with-parent", str(os.getpid())]
@@ -224,6 +253,8 @@ def _command(
         cmd += ["--successor", via]
     if api is not None and role == "coordinator":
         cmd += ["--api", api]
+    if standby_of is not None:
+        cmd += ["--standby-of", standby_of]
     return cmd
 
 
@@ -243,8 +274,8 @@ async def _watch(
             *lines, buffer = buffer.split(b"\n")
             for raw in lines:
                 fields = _parse_ready(raw.decode(errors="replace").strip())
-                if fields is not None:
-                    await ready.send(fields)
+                if fields is not None:  # by the launcher's name (a standby coordinator's
+                    await ready.send({**fields, "node": name})  # line names the coordinator)
     supervisor.exited(name, proc.pid, await proc.wait())
 
 
@@ -297,22 +328,35 @@ async def launch(
 
     Cancellation: stops every child (``_terminate``), shielded, before returning.
 
-    Errors: ``SwarmError`` when a node exits before the swarm is up, the coordinator exits, or
-    the swarm is not ready by ``startup_timeout_s`` and not working towards it (a start that
-    uses CPU is waited for longer, ``shard.nodes.startup``); ``ListenError`` when the API's
-    address is taken (checked before any node starts).
+    A spec whose ``[coordinator]`` names a ``standby`` address gets its standby coordinator
+    (``COORD/standby``) too: the primary's exit is then one ``on_exit`` and the standby takes
+    over (docs/failover.md, "Standby coordinator").
+
+    Errors: ``SwarmError`` when a node exits before the swarm is up, the last coordinator
+    exits, or the swarm is not ready by ``startup_timeout_s`` and not working towards it (a
+    start that uses CPU is waited for longer, ``shard.nodes.startup``); ``ListenError`` when
+    an API's address is taken (checked before any node starts).
     """
     listen = parse_api_address(api) if api is not None else spec.api.listen
     if listen is not None:
         await check_api_free(str(listen))
+    standby_api = spec.coordinator.standby_api  # bound at takeover: free now, at least
+    if standby_api is not None and standby_api != listen:
+        await check_api_free(str(standby_api))
     procs: list[trio.Process] = []
-    supervisor = Supervisor(spec.coordinator.name, set(), on_exit)
+    coordinator = spec.coordinator.name
+    standby = None if spec.coordinator.standby is None else coordinator + STANDBY_SUFFIX
+    supervisor = Supervisor(coordinator, set(), on_exit)
+    if standby is not None:
+        supervisor.coordinators.add(standby)
     try:
         async with trio.open_nursery() as nursery:
             overrides, relays, relay_of = await _start_relays(spec, nursery)
             ready_send, ready_recv = trio.open_memory_channel[dict[str, str]](0)
             nodes = [(s.name, "stage") for s in spec.stages]
-            nodes.append((spec.coordinator.name, "coordinator"))
+            nodes.append((coordinator, "coordinator"))
+            if standby is not None:  # follows the primary, so started after it
+                nodes.append((standby, "coordinator"))
             nodes += [(s.name, s.role) for s in spec.standbys]  # standby | auditor
             # Every node computes on this machine: give each its share of the cores, since
             # torch's default (all cores per process) thrashes when processes compete.
@@ -320,7 +364,10 @@ async def launch(
             async with ready_send:
                 for name, role in nodes:
                     via = overrides.get(name)
-                    cmd = _command(spec_path, name, role, model_dir, via, threads, api, layout)
+                    node, of = name, None
+                    if name == standby:
+                        node, of = coordinator, str(spec.coordinator.listen)
+                    cmd = _command(spec_path, node, role, model_dir, via, threads, api, layout, of)
                     proc = await trio.lowlevel.open_process(
                         cmd,
                         stdin=subprocess.DEVNULL,

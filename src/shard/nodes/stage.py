@@ -30,6 +30,7 @@ import trio
 
 from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
+from shard.failover.fence import Fence
 from shard.failover.replay import ReplayLog
 from shard.membership.rtt import measure_row, serve_probes
 from shard.messages import (
@@ -130,6 +131,7 @@ class _StageNode:
         measures RTTs). With ``config.fetch`` a cold load fetches its block (verified) instead
         of reading ``model_dir``."""
         self._config = config
+        self._fence = Fence()  # the coordinator generation it follows
         self._profile = profile
         self._name = config.name
         self._auditing = audits
@@ -261,6 +263,10 @@ class _StageNode:
             await serve_one(conn, serve_probes, what="probe link")
             return
         pump = partial(pump_in, self._name, sink=self._inbox_send.clone())
+        if hello.role == "coordinator":  # fenced by its generation (shard.failover.fence)
+            ring = partial(serve_one, conn, pump, what="ring link")
+            await self._fence.serve(hello.generation, ring, conn, node=self._name)
+            return
         await serve_one(conn, pump, what="ring link")  # its errors end it, not this node
 
     async def _serve_monitor(self, conn: Connection) -> None:
@@ -303,7 +309,7 @@ class _StageNode:
         return ControlClient(
             self._name,
             self._network,
-            config.coordinator,
+            config.coordinators,
             self._hello("control"),
             self._register,
             self._obey,
@@ -315,6 +321,7 @@ class _StageNode:
             dead_after_s=config.dead_after_s,
             connect_timeout_s=self._timeout_s,
             handshake_timeout_s=config.handshake_timeout_s,
+            fence=self._fence,
         )
 
     async def run(

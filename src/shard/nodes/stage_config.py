@@ -27,6 +27,7 @@ class StageNodeConfig:
     name: NodeName
     swarm: str  # the swarm's name, in every Hello and Welcome
     coordinator: str  # where the scheduler listens (the control link dials it)
+    coordinators: tuple[str, ...]  # the primary's and a standby coordinator's: tried in turn
     idle_role: str  # out of the ring: "standby", or "auditor" ([[standby]] role)
     graphs: str  # the CUDA-graph mode ("off": none)
     graph_rows: frozenset[int]  # the chunk row counts graphs are captured for
@@ -57,6 +58,7 @@ def stage_config(spec: SwarmSpec, name: str, *, fetch: bool = False) -> StageNod
         name=NodeName(name),
         swarm=spec.name,
         coordinator=str(spec.coordinator.listen),
+        coordinators=spec.coordinator.addresses,
         idle_role=node.role if isinstance(node, StandbySpec) else "standby",
         graphs=spec.runtime(name).graphs,
         graph_rows=chunk_rows(policy.k, policy.k_max),

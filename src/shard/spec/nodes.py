@@ -29,6 +29,8 @@ _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 NODE_KEYS: Final = ("name", "listen", "reachable", *CREDENTIAL_KEYS, *DEVICE_KEYS)
+#: ``[coordinator]``: a node's keys, and a standby coordinator's addresses (docs/failover.md)
+COORDINATOR_KEYS: Final = (*NODE_KEYS, "standby", "standby_api")
 STAGE_KEYS: Final = (
     "name", "listen", "reachable", "layers", *CREDENTIAL_KEYS, *STAGE_DEVICE_KEYS
 )  # fmt: skip
@@ -106,6 +108,17 @@ class CoordinatorSpec:
     credentials: CredentialPaths = attrs.field(factory=CredentialPaths)
     runtime: DeviceSpec = attrs.field(factory=DeviceSpec)
     reachable: bool = True
+    #: a standby coordinator's listen address (``shard up --role coordinator --standby-of``)
+    #: and its HTTP API's once it took over; None: no standby coordinator
+    standby: Address | None = None
+    standby_api: Address | None = None
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Where the coordinator is, in the order stages and clients try: the primary, then
+        the standby."""
+        standby = () if self.standby is None else (str(self.standby),)
+        return (str(self.listen), *standby)
 
 
 @attrs.frozen
@@ -167,6 +180,12 @@ def read_coordinator(table: Table, base_dir: Path | None) -> CoordinatorSpec:
         credentials=read_credentials(table, base_dir, name),
         runtime=read_device(table, graphs=False),
         reachable=read_reachable(table),
+        standby=_address(table, "standby", '"127.0.0.1:7790"') if "standby" in table.data else None,
+        standby_api=(
+            _address(table, "standby_api", '"127.0.0.1:8090"')
+            if "standby_api" in table.data
+            else None
+        ),
     )
 
 

@@ -51,9 +51,9 @@ from shard.spec.formation import FORMATION_KEYS, FormationSpec, read_formation
 from shard.spec.ledger import LEDGER_KEYS, LedgerSpec, read_ledger
 from shard.spec.limits import LIMIT_KEYS, Limits, read_limits
 from shard.spec.nodes import (
+    COORDINATOR_KEYS,
     EDGE_KEYS,
     LINK_KEYS,
-    NODE_KEYS,
     STAGE_KEYS,
     Address,
     CoordinatorSpec,
@@ -182,7 +182,9 @@ class SwarmSpec:
         top = Table.open(source, "", data, _TOP_KEYS)
         swarm = top.table("swarm", _SWARM_KEYS, required=True)
         limits = read_limits(top.table("limits", LIMIT_KEYS, required=False))
-        coordinator = read_coordinator(top.table("coordinator", NODE_KEYS, required=True), base_dir)
+        coordinator = read_coordinator(
+            top.table("coordinator", COORDINATOR_KEYS, required=True), base_dir
+        )
         stages = tuple(read_stage(t, base_dir) for t in top.tables("stage", STAGE_KEYS))
         names = [s.name for s in stages]
         standbys = tuple(

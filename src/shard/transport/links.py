@@ -39,6 +39,21 @@ async def dial_peer(
     Errors: ``TransportError`` when nothing answers within ``timeout_s``; ``HandshakeError``
     when the peer answers wrongly, or not within ``handshake_timeout_s``.
     """
+    conn, _ = await dial_welcome(
+        network, address, hello, timeout_s=timeout_s, handshake_timeout_s=handshake_timeout_s
+    )
+    return conn
+
+
+async def dial_welcome(
+    network: Network,
+    address: str,
+    hello: Hello,
+    *,
+    timeout_s: float,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> tuple[Connection, Welcome]:
+    """``dial_peer``, also returning the peer's ``Welcome`` (a coordinator's generation)."""
     deadline = trio.current_time() + timeout_s
     delay = 0.05
     while True:
@@ -53,7 +68,7 @@ async def dial_peer(
                 ) from exc
             await trio.sleep(delay)
             delay = min(delay * 2, 1.0)
-    return await shake_hands(conn, hello, address, timeout_s=handshake_timeout_s)
+    return await _shake(conn, hello, address, timeout_s=handshake_timeout_s)
 
 
 async def shake_hands(
@@ -63,6 +78,13 @@ async def shake_hands(
 
     Errors: ``HandshakeError`` (``conn`` closed) when the peer answers wrongly, or not within
     ``timeout_s``."""
+    conn, _ = await _shake(conn, hello, address, timeout_s=timeout_s)
+    return conn
+
+
+async def _shake(
+    conn: Connection, hello: Hello, address: str, *, timeout_s: float
+) -> tuple[Connection, Welcome]:
     try:
         with trio.fail_after(timeout_s):
             await conn.send(hello)
@@ -74,7 +96,7 @@ async def shake_hands(
         await conn.aclose()
         detail = reply.detail if isinstance(reply, Fault) else type(reply).__name__
         raise HandshakeError(f"{hello.node}: {address} refused the connection: {detail}")
-    return conn
+    return conn, reply
 
 
 async def accept_peer(

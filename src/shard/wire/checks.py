@@ -44,6 +44,10 @@ NON_NEGATIVE_FIELDS = frozenset(
         "n_layers",
         "signed_at",
         "at_token",
+        # a standby coordinator (shard.messages.follow, GenerateRequest.have)
+        "offset",
+        "have",
+        "generation",
     }
 )
 
