@@ -20,7 +20,13 @@ import trio.testing
 from shard.failover.control import ControlClient, JoinRefused
 from shard.failover.events import RingControl
 from shard.failover.scheduler import Scheduler
-from shard.formation.formation import UNREACHABLE_MS, FormationError, check_report, describe
+from shard.formation.formation import (
+    UNREACHABLE_MS,
+    FormationError,
+    check_report,
+    describe,
+    unmeasured,
+)
 from shard.formation.registration import check_register
 from shard.messages import (
     Activate,
@@ -34,7 +40,8 @@ from shard.messages import (
     RttReport,
     Welcome,
 )
-from shard.placement import ModelFacts
+from shard.placement import Candidate, ModelFacts, Problem, RttMatrix
+from shard.placement.lap import Mesh, evaluate
 from shard.placement.replan import moved_layers
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
@@ -283,3 +290,28 @@ async def test_at_the_deadline_the_nodes_that_hold_the_model_form_the_ring(
         assert trio.current_time() - started >= 5.0
         assert sorted(s.node for s in plan.stages) == ["b", "c"]
         nursery.cancel_scope.cancel()
+
+
+def test_a_hop_not_measured_yet_is_named_not_added_to_the_printed_lap() -> None:
+    """A standby spliced in before any round measured it (its round trips are the
+    UNREACHABLE_MS stand-in) is printed with the lap over the measured hops and the hops
+    not measured yet named — not a 60-second 'prediction' (issue 40)."""
+    names = ("b", "d", "coord")
+    far = UNREACHABLE_MS
+    rows = ((0.0, far, 20.0), (far, 0.0, far), (20.0, far, 0.0))
+    problem = Problem(
+        (Candidate("b", ROOM, 1.0, 1.2), Candidate("d", ROOM, 1.0, 1.2)),
+        RttMatrix(names, rows),
+        MODEL,
+        (COORD,),
+    )
+    spliced = evaluate(Mesh(problem), COORD, ["d", "b"], [3, 3], "d took a's layers")
+    assert spliced.lap_ms > far  # what the planner counts, so it avoids such hops
+    line = describe(spliced)
+    assert unmeasured(spliced) == spliced.hops[:2]
+    # measured: b -> coord, 10 ms one way; compute 6 layers x 1.2 ms
+    assert "predicted lap 17.20 ms over the measured hops" in line, line
+    assert "not measured yet: coord -> d, d -> b" in line, line
+    assert "60" not in line.split("predicted lap")[1].split("ms")[0]
+    measured = evaluate(Mesh(problem), COORD, ["b"], [6], "b alone")
+    assert unmeasured(measured) == () and describe(measured).endswith("predicted lap 27.20 ms")

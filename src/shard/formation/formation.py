@@ -48,6 +48,7 @@ from shard.logs import NOTE
 from shard.membership.registry import Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, MeasureRtt, NodeName, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
+from shard.placement.lap import Hop
 from shard.placement.replan import moved_layers, replan
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
@@ -408,14 +409,28 @@ class Formation:
         )  # fmt: skip
 
 
+def unmeasured(p: Plan) -> tuple[Hop, ...]:
+    """The hops of ``p`` priced with the ``UNREACHABLE_MS`` stand-in, not a measurement: a
+    node that joined after the last mesh round (its round trips are not known yet), or one
+    whose row was dropped. The planner counts them so to avoid them; a lap quoted to an
+    operator must not (60 s a hop is no prediction)."""
+    return tuple(h for h in p.hops if h.ms >= UNREACHABLE_MS / 2)
+
+
 def describe(p: Plan) -> str:
-    """One line: ``coord -> a [0, 3) -> b [3, 6) -> coord; standbys: c; predicted lap 1.2 ms``."""
+    """One line: ``coord -> a [0, 3) -> b [3, 6) -> coord; standbys: c; predicted lap 1.2 ms``.
+    Hops not measured yet are named, not added: ``predicted lap 14.78 ms over the measured
+    hops; not measured yet: coord -> d, d -> b (the next mesh round measures them)``."""
     stages = " -> ".join(f"{s.node} [{s.first}, {s.last})" for s in p.stages)
     standbys = ", ".join(p.standbys) or "none"
-    return (
-        f"{p.coordinator} -> {stages} -> {p.coordinator}; standbys: {standbys}; "
-        f"predicted lap {p.lap_ms:.2f} ms"
-    )
+    missing = unmeasured(p)
+    lap = f"predicted lap {p.lap_ms - sum(h.ms for h in missing):.2f} ms"
+    if missing:
+        hops = ", ".join(f"{h.src} -> {h.dst}" for h in missing)
+        lap += (
+            f" over the measured hops; not measured yet: {hops} (the next mesh round measures them)"
+        )
+    return f"{p.coordinator} -> {stages} -> {p.coordinator}; standbys: {standbys}; {lap}"
 
 
 __all__ = [
@@ -426,4 +441,5 @@ __all__ = [
     "Prober",
     "check_report",
     "describe",
+    "unmeasured",
 ]
