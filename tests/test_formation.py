@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from shard.failover.control import ControlClient, JoinRefused
-from shard.failover.events import RingControl
+from shard.failover.events import RingControl, RingLost
 from shard.failover.scheduler import Scheduler
 from shard.formation.formation import (
     UNREACHABLE_MS,
@@ -117,6 +117,9 @@ class Joiner:
     rtt_ms: dict[str, float]
     orders: list[Activate | Rewire] = attrs.field(factory=list)
     asked: list[MeasureRtt] = attrs.field(factory=list)
+    #: when set, an ``Activate`` waits for this (a block still loading), and says it came
+    loading: trio.Event | None = None
+    activating: trio.Event = attrs.field(factory=trio.Event)
 
     def client(self, network: Network, order_log: list[str]) -> ControlClient:
         node = NodeName(self.name)
@@ -124,6 +127,9 @@ class Joiner:
         async def on_order(order: Activate | Rewire) -> None:
             self.orders.append(order)
             order_log.append(self.name)
+            if isinstance(order, Activate) and self.loading is not None:
+                self.activating.set()
+                await self.loading.wait()
 
         async def on_measure(order: MeasureRtt) -> RttReport:
             self.asked.append(order)
@@ -315,3 +321,43 @@ def test_a_hop_not_measured_yet_is_named_not_added_to_the_printed_lap() -> None:
     assert "60" not in line.split("predicted lap")[1].split("ms")[0]
     measured = evaluate(Mesh(problem), COORD, ["b"], [6], "b alone")
     assert unmeasured(measured) == () and describe(measured).endswith("predicted lap 27.20 ms")
+
+
+async def test_a_standby_that_loaded_the_block_is_in_the_plan_even_if_its_rewire_fails(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The tail dies; while the standby loads its block, the tail's predecessor dies too, so
+    rewiring it fails. The standby holds the slot all the same, and the formation's plan
+    says so: the next re-plan (the predecessor's slot) builds on it, and a later death of
+    that standby is re-planned too (found by the swarm simulation, issue 40)."""
+    sched, told = scheduler(expect=3)
+    assert sched.formation is not None
+    joiners = {n: Joiner(n, GOOD, MESH[n]) for n in ("a", "b", "c")}
+    network = MemoryNetwork()
+    scopes = {n: trio.CancelScope() for n in joiners}
+
+    async def node(j: Joiner, *, task_status: trio.TaskStatus[None]) -> None:
+        with scopes[j.name]:
+            await j.client(network, []).run(task_status=task_status)
+
+    async with network, trio.open_nursery() as nursery:
+        await serving(nursery, network, sched)
+        for j in joiners.values():
+            await nursery.start(node, j)
+        with trio.fail_after(60):
+            plan = await sched.formation.form()
+        first, tail = (s.node for s in plan.stages)
+        joiners["a"].loading = trio.Event()
+        scopes[tail].cancel()  # the tail dies: a is activated in its place ...
+        with trio.fail_after(60):
+            await joiners["a"].activating.wait()
+        scopes[first].cancel()  # ... and its predecessor dies while a loads
+        joiners["a"].loading.set()
+        with trio.fail_after(60):  # the splice fails at the rewire (the order is lost)
+            while not isinstance(event := await told.receive(), RingLost):
+                pass
+        assert "could not be repaired" in event.detail, event
+        after = sched.formation.plan
+        assert after is not None and after.block_of("a") == plan.block_of(tail)
+        assert sched.ring()[-1] == "a"  # the registry agrees with the plan
+        nursery.cancel_scope.cancel()

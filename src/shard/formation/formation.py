@@ -397,10 +397,12 @@ class Formation:
         return chosen
 
     def spliced(self, dead: NodeName, standby: NodeName) -> None:
-        """``standby`` took ``dead``'s slot: the re-plan chosen for it is the plan now."""
-        if self._next is None or self._next[0] != dead or self.plan is None:
-            return
-        before, after = self.plan, self._next[1]
+        """``standby`` holds ``dead``'s slot (it loaded the block; the rewire into it follows,
+        and may fail): the re-plan chosen for it is the plan now."""
+        nxt = self._next
+        if nxt is None or nxt[0] != dead or standby not in nxt[1].ring() or self.plan is None:
+            return  # not the choice made (a node taken back into its own slot)
+        before, after = self.plan, nxt[1]
         self.plan, self._next = after, None
         log.log(
             NOTE,
