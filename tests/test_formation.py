@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from shard.failover.control import ControlClient, JoinRefused
-from shard.failover.events import RingControl, RingLost
+from shard.failover.events import Resume, RingControl, RingLost
 from shard.failover.scheduler import Scheduler
 from shard.formation.formation import (
     UNREACHABLE_MS,
@@ -360,4 +360,55 @@ async def test_a_standby_that_loaded_the_block_is_in_the_plan_even_if_its_rewire
         after = sched.formation.plan
         assert after is not None and after.block_of("a") == plan.block_of(tail)
         assert sched.ring()[-1] == "a"  # the registry agrees with the plan
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["dies", "too slow"])
+async def test_a_standby_that_fails_loading_is_replaced_by_the_next_one(
+    how: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The tail dies; the standby chosen for it fails while it loads the block — it dies (the
+    splice fails when its control link ends, not at splice_timeout_s), or it is too slow
+    (the splice times out, the slot stays with it, and then it dies). A node that joins then
+    is re-planned into the slot (found by the swarm simulation, issue 40)."""
+    sched, told = scheduler(expect=3)
+    assert sched.formation is not None
+    joiners = {n: Joiner(n, GOOD, MESH[n]) for n in ("a", "b", "c")}
+    joiners["a"].loading = trio.Event()  # never set: a is still loading when it fails
+    network = MemoryNetwork()
+    scopes = {n: trio.CancelScope() for n in (*joiners, "d")}
+
+    async def node(j: Joiner, *, task_status: trio.TaskStatus[None]) -> None:
+        with scopes[j.name]:
+            await j.client(network, []).run(task_status=task_status)
+
+    async with network, trio.open_nursery() as nursery:
+        await serving(nursery, network, sched)
+        for j in joiners.values():
+            await nursery.start(node, j)
+        with trio.fail_after(60):
+            plan = await sched.formation.form()
+        tail = plan.stages[-1].node
+        scopes[tail].cancel()
+        with trio.fail_after(60):
+            await joiners["a"].activating.wait()
+        failed = trio.current_time()
+        if how == "dies":
+            scopes["a"].cancel()
+        with trio.fail_after(60):
+            while not isinstance(event := await told.receive(), RingLost):
+                pass
+        if how == "dies":
+            assert trio.current_time() - failed < 5.0, "waited for the splice timeout"
+            assert "control link ended" in event.detail, event
+        else:
+            assert "longer than 30 s" in event.detail, event
+            scopes["a"].cancel()
+        await nursery.start(node, Joiner("d", GOOD, {"coord": 20.0, "b": 2.0, "c": 2.0}))
+        with trio.fail_after(120):
+            while not isinstance(event := await told.receive(), Resume):
+                pass
+        after = sched.formation.plan
+        assert after is not None and after.block_of("d") == plan.block_of(tail), describe(after)
+        assert sched.ring()[-1] == "d"
         nursery.cancel_scope.cancel()

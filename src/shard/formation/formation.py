@@ -373,24 +373,27 @@ class Formation:
 
     def choose(self, slot: Slot, live: Sequence[Member]) -> Member | None:
         """The standby the sticky re-plan puts in ``slot`` (its holder died), or None when no
-        live standby can take it (the splicer waits for one to join, then gives up)."""
+        live standby can take it (the splicer waits for one to join, then gives up). The
+        holder may be a standby that died loading the block, which the plan never named: the
+        slot is the plan's stage at the same place in the ring."""
         previous, dead = self.plan, slot.holder
-        if previous is None or dead not in {s.node for s in previous.stages}:
+        i = next((j for j, s in enumerate(self._registry.slots) if s.name == slot.name), None)
+        if previous is None or i is None or i >= len(previous.stages):
             return None
+        planned = previous.stages[i].node  # ``dead`` itself, unless a splice into it failed
         spares = [m for m in live if m.profile is not None and m.role == "standby"]
         ring = [self._member(s.node) for s in previous.stages]
         try:
             found = replan(
                 attrs.evolve(previous, standbys=tuple(m.node for m in spares)),
-                dead,
+                planned,
                 self._problem([*ring, *spares]),
                 neighbours=False,
             )
         except PlanError as exc:
             log.warning("formation: no re-plan after %s died: %s", dead, exc)
             return None
-        self._next = (dead, found)
-        i = [s.node for s in previous.stages].index(dead)
+        self._next = (dead, found)  # what the splicer's ``spliced`` will name
         chosen = self._member(found.stages[i].node)
         if self.unreachable(chosen):  # activated behind NAT, dialled at nat:NAME
             self._registry.behind_nat.add(chosen.node)
