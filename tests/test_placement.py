@@ -381,3 +381,24 @@ def test_the_search_splits_with_the_capacities_it_computed_once() -> None:
                 times = [nodes[i].ms_per_layer_chunk for i in members]
                 want = balanced_counts(times, caps, model.n_layers)
                 assert search.counts(mask, f, t) == want, (mask, f, t)
+
+
+def test_pool_and_candidate_lookups_are_unchanged_at_hundreds_of_candidates() -> None:
+    """At 300 candidates with many tied round trips, the pool is the 12 nearest with ties in
+    file order (as ranking by ``names.index`` gave it), and ``candidate`` finds each by
+    name and refuses an unknown one."""
+    rng = random.Random(41)
+    names = [f"n{i}" for i in range(300)]
+    far = {n: float(rng.randint(1, 20)) for n in names} | {"c": 0.0}
+    pairs = {(a, b): far[a] + far[b] for a in far for b in far if a < b}
+    rtt = RttMatrix.symmetric([*names, "c"], pairs)
+    nodes = tuple(node(n, trusted=rng.random() < 0.2) for n in names)
+    for pinned in (False, True):
+        problem = Problem(nodes, rtt, MODEL, ("c",), pin_boundaries=pinned)
+        ranked = sorted(names, key=lambda n: (2 * problem.rtt.rtt(n, "c"), names.index(n)))
+        keep = [n for n in ranked if problem.candidate(n).trusted][:2] if pinned else []
+        keep += [n for n in ranked if n not in keep][: EXACT_LIMIT - len(keep)]
+        assert pool(problem) == tuple(n for n in names if n in keep)
+        assert all(problem.candidate(n) is c for n, c in zip(names, nodes, strict=True))
+    with pytest.raises(PlanError, match="no candidate node 'x'"):
+        problem.candidate("x")
