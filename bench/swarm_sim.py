@@ -105,6 +105,7 @@ def one_sim(n: int, seed: int, args: argparse.Namespace) -> dict[str, object]:
     done = [r for r in report.repairs if r.replacement is not None]
     out = attrs.asdict(report)
     out.update(
+        n=n,
         formed=True,
         nodes_ever=len(world.nodes),
         repair_median_s=report.repair_s(),

@@ -11,11 +11,13 @@ No weights, no forward pass, no ring data.
 
 What is simulated rather than run: a node's row of the mesh is the world's round trips (no
 probe links between nodes: a million of them at 1,000 nodes), truncated as ``measure_row``
-truncates it (``MAX_PEERS``: peers past the first 256 are reported unreached); replay after a
-splice costs nothing. Churn comes from the world (Weibull sessions, Poisson joins) and, on top,
-``ring_kills`` deaths of ring nodes at seeded times after forming, so repairs are exercised at
-any size. A node's end goes through the existing fault injection (``FaultInjector``): ``kill``
-closes its links, ``stall`` for good freezes it with its links open (a silent death).
+truncates it (``MAX_PEERS``: peers past the first 256 are reported unreached); the
+coordinator's own probe of each listen address answers after the node's round trip; replay
+after a splice costs nothing. Churn comes from the world (Weibull sessions, Poisson joins)
+and, on top, ``ring_kills`` deaths of ring nodes at seeded times after forming, so repairs
+are exercised at any size. A node's end goes through the existing fault injection
+(``FaultInjector``): ``kill`` closes its links, ``stall`` for good freezes it with its links
+open (a silent death).
 
 ``choose`` (the re-plan after a death) is timed on the wall clock, and the planner is timed
 again on the problem the ring formed from, so the bench (``bench/swarm_sim.py``) can show
@@ -92,7 +94,7 @@ class Repair:
 class SimReport:
     """What one simulation measured. Times in virtual seconds unless ``_wall``."""
 
-    n: int
+    expect: int  # the formation's ``expect``
     seed: int
     joined_at_form: int  # live joined nodes when the ring formed
     form_s: float  # from the first arrival to the formed ring
@@ -233,6 +235,7 @@ class _Sim:
         sched = Scheduler(
             node=COORD, slots=[], return_address="coord:9", ring_link=_RingLink(self.network),
             to_router=to_router, policy=self.policy, formation=(spec, self.model),
+            mesh_probe=self._probe,
         )  # fmt: skip
         assert sched.formation is not None
         self._time(sched.formation)
@@ -256,6 +259,17 @@ class _Sim:
 
         setattr(formation, "choose", timed_choose)  # noqa: B010 (an instance's method)
         setattr(formation, "spliced", timed_spliced)  # noqa: B010
+
+    async def _probe(self, address: str) -> float | None:
+        """The coordinator's own probe of a node's listen address (as a formed swarm's
+        coordinator does): its round trip, or None from a node that is gone or frozen."""
+        name = address.rsplit(":", 1)[0]
+        rtt_s = self.world.rtt_ms(name, COORD) / 1000.0
+        if name in self.gone:
+            await trio.sleep(10.0)  # measure_rtt's timeout
+            return None
+        await trio.sleep(rtt_s)
+        return rtt_s
 
     async def kill_ring(self, sched: Scheduler, formed_at: float, horizon_s: float) -> None:
         """``ring_kills`` deaths of ring nodes at seeded times in the first half of the
@@ -349,7 +363,7 @@ async def _run(
     )
     expect_at = sorted(n.join_at for n in world.nodes)[expect - 1]
     return SimReport(
-        n=expect,
+        expect=expect,
         seed=world.seed,
         joined_at_form=len(joined),
         form_s=formed_at - world.nodes[0].join_at,
