@@ -173,9 +173,9 @@ class _Sim:
 
         async def on_measure(order: MeasureRtt) -> RttReport:
             rtt = self.world.rtt_ms
+            # as measure_row: past MAX_PEERS (the coordinator last of all) -1, not tried
             values = tuple(
-                rtt(node.name, n) if i < MAX_PEERS or n == COORD else -1.0
-                for i, n in enumerate(order.names)
+                rtt(node.name, n) if i < MAX_PEERS else -1.0 for i, n in enumerate(order.names)
             )
             return RttReport(name, order.names, values)
 
