@@ -18,9 +18,15 @@ import trio
 import trio.testing
 
 from shard.failover.control import ControlClient, JoinRefused
-from shard.failover.events import RingControl
+from shard.failover.events import Resume, RingControl, RingLost
 from shard.failover.scheduler import Scheduler
-from shard.formation.formation import UNREACHABLE_MS, FormationError, check_report, describe
+from shard.formation.formation import (
+    UNREACHABLE_MS,
+    FormationError,
+    check_report,
+    describe,
+    unmeasured,
+)
 from shard.formation.registration import check_register
 from shard.messages import (
     Activate,
@@ -34,7 +40,8 @@ from shard.messages import (
     RttReport,
     Welcome,
 )
-from shard.placement import ModelFacts
+from shard.placement import Candidate, ModelFacts, Problem, RttMatrix
+from shard.placement.lap import Mesh, evaluate
 from shard.placement.replan import moved_layers
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
@@ -110,6 +117,9 @@ class Joiner:
     rtt_ms: dict[str, float]
     orders: list[Activate | Rewire] = attrs.field(factory=list)
     asked: list[MeasureRtt] = attrs.field(factory=list)
+    #: when set, an ``Activate`` waits for this (a block still loading), and says it came
+    loading: trio.Event | None = None
+    activating: trio.Event = attrs.field(factory=trio.Event)
 
     def client(self, network: Network, order_log: list[str]) -> ControlClient:
         node = NodeName(self.name)
@@ -117,6 +127,9 @@ class Joiner:
         async def on_order(order: Activate | Rewire) -> None:
             self.orders.append(order)
             order_log.append(self.name)
+            if isinstance(order, Activate) and self.loading is not None:
+                self.activating.set()
+                await self.loading.wait()
 
         async def on_measure(order: MeasureRtt) -> RttReport:
             self.asked.append(order)
@@ -282,4 +295,120 @@ async def test_at_the_deadline_the_nodes_that_hold_the_model_form_the_ring(
         plan = await sched.formation.form()
         assert trio.current_time() - started >= 5.0
         assert sorted(s.node for s in plan.stages) == ["b", "c"]
+        nursery.cancel_scope.cancel()
+
+
+def test_a_hop_not_measured_yet_is_named_not_added_to_the_printed_lap() -> None:
+    """A standby spliced in before any round measured it (its round trips are the
+    UNREACHABLE_MS stand-in) is printed with the lap over the measured hops and the hops
+    not measured yet named — not a 60-second 'prediction' (issue 40)."""
+    names = ("b", "d", "coord")
+    far = UNREACHABLE_MS
+    rows = ((0.0, far, 20.0), (far, 0.0, far), (20.0, far, 0.0))
+    problem = Problem(
+        (Candidate("b", ROOM, 1.0, 1.2), Candidate("d", ROOM, 1.0, 1.2)),
+        RttMatrix(names, rows),
+        MODEL,
+        (COORD,),
+    )
+    spliced = evaluate(Mesh(problem), COORD, ["d", "b"], [3, 3], "d took a's layers")
+    assert spliced.lap_ms > far  # what the planner counts, so it avoids such hops
+    line = describe(spliced)
+    assert unmeasured(spliced) == spliced.hops[:2]
+    # measured: b -> coord, 10 ms one way; compute 6 layers x 1.2 ms
+    assert "predicted lap 17.20 ms over the measured hops" in line, line
+    assert "not measured yet: coord -> d, d -> b" in line, line
+    assert "60" not in line.split("predicted lap")[1].split("ms")[0]
+    measured = evaluate(Mesh(problem), COORD, ["b"], [6], "b alone")
+    assert unmeasured(measured) == () and describe(measured).endswith("predicted lap 27.20 ms")
+
+
+async def test_a_standby_that_loaded_the_block_is_in_the_plan_even_if_its_rewire_fails(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The tail dies; while the standby loads its block, the tail's predecessor dies too, so
+    rewiring it fails. The standby holds the slot all the same, and the formation's plan
+    says so: the next re-plan (the predecessor's slot) builds on it, and a later death of
+    that standby is re-planned too (found by the swarm simulation, issue 40)."""
+    sched, told = scheduler(expect=3)
+    assert sched.formation is not None
+    joiners = {n: Joiner(n, GOOD, MESH[n]) for n in ("a", "b", "c")}
+    network = MemoryNetwork()
+    scopes = {n: trio.CancelScope() for n in joiners}
+
+    async def node(j: Joiner, *, task_status: trio.TaskStatus[None]) -> None:
+        with scopes[j.name]:
+            await j.client(network, []).run(task_status=task_status)
+
+    async with network, trio.open_nursery() as nursery:
+        await serving(nursery, network, sched)
+        for j in joiners.values():
+            await nursery.start(node, j)
+        with trio.fail_after(60):
+            plan = await sched.formation.form()
+        first, tail = (s.node for s in plan.stages)
+        joiners["a"].loading = trio.Event()
+        scopes[tail].cancel()  # the tail dies: a is activated in its place ...
+        with trio.fail_after(60):
+            await joiners["a"].activating.wait()
+        scopes[first].cancel()  # ... and its predecessor dies while a loads
+        joiners["a"].loading.set()
+        with trio.fail_after(60):  # the splice fails at the rewire (the order is lost)
+            while not isinstance(event := await told.receive(), RingLost):
+                pass
+        assert "could not be repaired" in event.detail, event
+        after = sched.formation.plan
+        assert after is not None and after.block_of("a") == plan.block_of(tail)
+        assert sched.ring()[-1] == "a"  # the registry agrees with the plan
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["dies", "too slow"])
+async def test_a_standby_that_fails_loading_is_replaced_by_the_next_one(
+    how: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The tail dies; the standby chosen for it fails while it loads the block — it dies (the
+    splice fails when its control link ends, not at splice_timeout_s), or it is too slow
+    (the splice times out, the slot stays with it, and then it dies). A node that joins then
+    is re-planned into the slot (found by the swarm simulation, issue 40)."""
+    sched, told = scheduler(expect=3)
+    assert sched.formation is not None
+    joiners = {n: Joiner(n, GOOD, MESH[n]) for n in ("a", "b", "c")}
+    joiners["a"].loading = trio.Event()  # never set: a is still loading when it fails
+    network = MemoryNetwork()
+    scopes = {n: trio.CancelScope() for n in (*joiners, "d")}
+
+    async def node(j: Joiner, *, task_status: trio.TaskStatus[None]) -> None:
+        with scopes[j.name]:
+            await j.client(network, []).run(task_status=task_status)
+
+    async with network, trio.open_nursery() as nursery:
+        await serving(nursery, network, sched)
+        for j in joiners.values():
+            await nursery.start(node, j)
+        with trio.fail_after(60):
+            plan = await sched.formation.form()
+        tail = plan.stages[-1].node
+        scopes[tail].cancel()
+        with trio.fail_after(60):
+            await joiners["a"].activating.wait()
+        failed = trio.current_time()
+        if how == "dies":
+            scopes["a"].cancel()
+        with trio.fail_after(60):
+            while not isinstance(event := await told.receive(), RingLost):
+                pass
+        if how == "dies":
+            assert trio.current_time() - failed < 5.0, "waited for the splice timeout"
+            assert "control link ended" in event.detail, event
+        else:
+            assert "longer than 30 s" in event.detail, event
+            scopes["a"].cancel()
+        await nursery.start(node, Joiner("d", GOOD, {"coord": 20.0, "b": 2.0, "c": 2.0}))
+        with trio.fail_after(120):
+            while not isinstance(event := await told.receive(), Resume):
+                pass
+        after = sched.formation.plan
+        assert after is not None and after.block_of("d") == plan.block_of(tail), describe(after)
+        assert sched.ring()[-1] == "d"
         nursery.cancel_scope.cancel()

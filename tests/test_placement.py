@@ -353,3 +353,52 @@ def test_byte_counts_move_layers_off_the_embedding_stage() -> None:
     moe = [5, 5, 5] + [40] * 9
     counts = byte_counts(moe, 3, embedding=0, head=0)
     assert counts is not None and counts[0] > counts[2]
+
+
+def test_the_search_splits_with_the_capacities_it_computed_once() -> None:
+    """``Search.counts`` (capacities computed once per node and place) gives the split that
+    ``capacity`` computed for each call gave, for every subset and pair of ends of 200
+    seeded problems with tight memory at the ends."""
+    from shard.placement.search import Search
+
+    rng = random.Random(40)
+    for _ in range(200):
+        n = rng.randint(1, 5)
+        names = [f"n{i}" for i in range(n)]
+        nodes = tuple(
+            Candidate(name, rng.randint(1, 6) * GIB, rng.uniform(0.5, 2), rng.uniform(0.5, 2))
+            for name in names
+        )
+        model = ModelFacts(
+            rng.randint(1, 10), GIB, rng.randint(0, 3) * GIB, rng.randint(0, 3) * GIB
+        )
+        rtt = line([*names, "c"], [rng.uniform(1, 9) for _ in names])
+        search = Search(Mesh(Problem(nodes, rtt, model, ("c",))), names)
+        for mask in range(1, 1 << n):
+            members = [i for i in range(n) if mask >> i & 1]
+            for f, t in itertools.product(members, repeat=2):
+                caps = [capacity(nodes[i], model, first=i == f, last=i == t) for i in members]
+                times = [nodes[i].ms_per_layer_chunk for i in members]
+                want = balanced_counts(times, caps, model.n_layers)
+                assert search.counts(mask, f, t) == want, (mask, f, t)
+
+
+def test_pool_and_candidate_lookups_are_unchanged_at_hundreds_of_candidates() -> None:
+    """At 300 candidates with many tied round trips, the pool is the 12 nearest with ties in
+    file order (as ranking by ``names.index`` gave it), and ``candidate`` finds each by
+    name and refuses an unknown one."""
+    rng = random.Random(41)
+    names = [f"n{i}" for i in range(300)]
+    far = {n: float(rng.randint(1, 20)) for n in names} | {"c": 0.0}
+    pairs = {(a, b): far[a] + far[b] for a in far for b in far if a < b}
+    rtt = RttMatrix.symmetric([*names, "c"], pairs)
+    nodes = tuple(node(n, trusted=rng.random() < 0.2) for n in names)
+    for pinned in (False, True):
+        problem = Problem(nodes, rtt, MODEL, ("c",), pin_boundaries=pinned)
+        ranked = sorted(names, key=lambda n: (2 * problem.rtt.rtt(n, "c"), names.index(n)))
+        keep = [n for n in ranked if problem.candidate(n).trusted][:2] if pinned else []
+        keep += [n for n in ranked if n not in keep][: EXACT_LIMIT - len(keep)]
+        assert pool(problem) == tuple(n for n in names if n in keep)
+        assert all(problem.candidate(n) is c for n, c in zip(names, nodes, strict=True))
+    with pytest.raises(PlanError, match="no candidate node 'x'"):
+        problem.candidate("x")

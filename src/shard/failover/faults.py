@@ -133,6 +133,13 @@ class FaultInjector:
                 return injection
         return None
 
+    def stall(self, node: str, seconds: float) -> None:
+        """Freeze ``node`` now for ``seconds`` (``math.inf``: for good, a machine that is
+        gone): nothing in or out on its wrapped connections, which stay open — only the
+        failure detector can tell. A fault by time, not by frame (simulated churn)."""
+        state = self._nodes.setdefault(node, _NodeState(node))
+        state.stalled_until = trio.current_time() + seconds
+
     def kill(self, node: str) -> None:
         scope = self.scopes.get(node)
         if scope is not None:

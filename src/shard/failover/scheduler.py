@@ -262,6 +262,7 @@ class Scheduler(SpotChecks):
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
+            replies_send.close()  # an order waiting for its Ready fails now, not at its timeout
             self._declare_dead(member, reason)
 
     async def _listen(self, member: Member, replies: trio.MemorySendChannel[Ready]) -> None:

@@ -221,8 +221,6 @@ class Splicer:
         """``standby`` holds ``slot`` now (``dead`` lost it at ``at``): fence ``dead`` off,
         record the recovery (``late`` for a slot that was given up on) and resume."""
         self._registry.fenced[dead] = standby.node
-        if self._replanner is not None:
-            self._replanner.spliced(dead, standby.node)
         done = self._clock()
         late = self.waiting.pop(slot.name, None) is not None
         detail = (
@@ -309,6 +307,8 @@ class Splicer:
             raise
         slot.address = reg.dial_address(standby)
         standby.role = "stage"
+        if self._replanner is not None:  # it holds the slot now, even if the rewire fails
+            self._replanner.spliced(holder_before, standby.node)
         await self._rewire(reg.predecessor_of(i), slot.address, replay=True)
 
     async def _give_up(

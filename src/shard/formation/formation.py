@@ -48,6 +48,7 @@ from shard.logs import NOTE
 from shard.membership.registry import Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, MeasureRtt, NodeName, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
+from shard.placement.lap import Hop
 from shard.placement.replan import moved_layers, replan
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
@@ -374,34 +375,39 @@ class Formation:
 
     def choose(self, slot: Slot, live: Sequence[Member]) -> Member | None:
         """The standby the sticky re-plan puts in ``slot`` (its holder died), or None when no
-        live standby can take it (the splicer waits for one to join, then gives up)."""
+        live standby can take it (the splicer waits for one to join, then gives up). The
+        holder may be a standby that died loading the block, which the plan never named: the
+        slot is the plan's stage at the same place in the ring."""
         previous, dead = self.plan, slot.holder
-        if previous is None or dead not in {s.node for s in previous.stages}:
+        i = next((j for j, s in enumerate(self._registry.slots) if s.name == slot.name), None)
+        if previous is None or i is None or i >= len(previous.stages):
             return None
+        planned = previous.stages[i].node  # ``dead`` itself, unless a splice into it failed
         spares = [m for m in live if m.profile is not None and m.role == "standby"]
         ring = [self._member(s.node) for s in previous.stages]
         try:
             found = replan(
                 attrs.evolve(previous, standbys=tuple(m.node for m in spares)),
-                dead,
+                planned,
                 self._problem([*ring, *spares]),
                 neighbours=False,
             )
         except PlanError as exc:
             log.warning("formation: no re-plan after %s died: %s", dead, exc)
             return None
-        self._next = (dead, found)
-        i = [s.node for s in previous.stages].index(dead)
+        self._next = (dead, found)  # what the splicer's ``spliced`` will name
         chosen = self._member(found.stages[i].node)
         if self.unreachable(chosen):  # activated behind NAT, dialled at nat:NAME
             self._registry.behind_nat.add(chosen.node)
         return chosen
 
     def spliced(self, dead: NodeName, standby: NodeName) -> None:
-        """``standby`` took ``dead``'s slot: the re-plan chosen for it is the plan now."""
-        if self._next is None or self._next[0] != dead or self.plan is None:
-            return
-        before, after = self.plan, self._next[1]
+        """``standby`` holds ``dead``'s slot (it loaded the block; the rewire into it follows,
+        and may fail): the re-plan chosen for it is the plan now."""
+        nxt = self._next
+        if nxt is None or nxt[0] != dead or standby not in nxt[1].ring() or self.plan is None:
+            return  # not the choice made (a node taken back into its own slot)
+        before, after = self.plan, nxt[1]
         self.plan, self._next = after, None
         log.log(
             NOTE,
@@ -410,14 +416,28 @@ class Formation:
         )  # fmt: skip
 
 
+def unmeasured(p: Plan) -> tuple[Hop, ...]:
+    """The hops of ``p`` priced with the ``UNREACHABLE_MS`` stand-in, not a measurement: a
+    node that joined after the last mesh round (its round trips are not known yet), or one
+    whose row was dropped. The planner counts them so to avoid them; a lap quoted to an
+    operator must not (60 s a hop is no prediction)."""
+    return tuple(h for h in p.hops if h.ms >= UNREACHABLE_MS / 2)
+
+
 def describe(p: Plan) -> str:
-    """One line: ``coord -> a [0, 3) -> b [3, 6) -> coord; standbys: c; predicted lap 1.2 ms``."""
+    """One line: ``coord -> a [0, 3) -> b [3, 6) -> coord; standbys: c; predicted lap 1.2 ms``.
+    Hops not measured yet are named, not added: ``predicted lap 14.78 ms over the measured
+    hops; not measured yet: coord -> d, d -> b (the next mesh round measures them)``."""
     stages = " -> ".join(f"{s.node} [{s.first}, {s.last})" for s in p.stages)
     standbys = ", ".join(p.standbys) or "none"
-    return (
-        f"{p.coordinator} -> {stages} -> {p.coordinator}; standbys: {standbys}; "
-        f"predicted lap {p.lap_ms:.2f} ms"
-    )
+    missing = unmeasured(p)
+    lap = f"predicted lap {p.lap_ms - sum(h.ms for h in missing):.2f} ms"
+    if missing:
+        hops = ", ".join(f"{h.src} -> {h.dst}" for h in missing)
+        lap += (
+            f" over the measured hops; not measured yet: {hops} (the next mesh round measures them)"
+        )
+    return f"{p.coordinator} -> {stages} -> {p.coordinator}; standbys: {standbys}; {lap}"
 
 
 __all__ = [
@@ -428,4 +448,5 @@ __all__ = [
     "Prober",
     "check_report",
     "describe",
+    "unmeasured",
 ]

@@ -88,13 +88,17 @@ class Member:
 
     async def order(self, order: Activate | Rewire, *, timeout_s: float) -> None:
         """Send ``order`` and wait for its ``Ready``. Errors: ``RecoveryFailed`` (the link
-        failed, or the member reported failure), ``trio.TooSlowError`` (no reply in time)."""
+        failed or ended before the reply, or the member reported failure),
+        ``trio.TooSlowError`` (no reply in time)."""
         try:
             await self.conn.send(order)
         except TransportError as exc:
             raise RecoveryFailed(f"{self.node}: {exc}") from exc
         with trio.fail_after(timeout_s):
-            reply = await self.replies.receive()
+            try:
+                reply = await self.replies.receive()
+            except trio.EndOfChannel:  # its control link ended (it died, or re-registered)
+                raise RecoveryFailed(f"{self.node}: its control link ended first") from None
         if not reply.ok:
             raise RecoveryFailed(f"{self.node}: {reply.action} failed: {reply.detail}")
 

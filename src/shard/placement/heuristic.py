@@ -30,7 +30,8 @@ def pool(problem: Problem, limit: int = EXACT_LIMIT) -> tuple[str, ...]:
             problem.rtt.rtt(c, name) + problem.rtt.rtt(name, c) for c in problem.coordinators
         )
 
-    ranked = sorted(names, key=lambda n: (distance(n), names.index(n)))
+    order = {n: i for i, n in enumerate(names)}  # ties in file order (not names.index: N^2)
+    ranked = sorted(names, key=lambda n: (distance(n), order[n]))
     keep: list[str] = []
     if problem.pin_boundaries:
         keep = [n for n in ranked if problem.candidate(n).trusted][:2]

@@ -241,6 +241,7 @@ class Problem:
     written: tuple[str, ...] = ()
     ring_size: int | None = None
     by_bytes: bool = False
+    _by_name: Mapping[str, Candidate] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.candidates:
@@ -269,10 +270,12 @@ class Problem:
                 f"the RTT matrix has no row for {', '.join(missing)}; measure or add them "
                 f"(it has {', '.join(self.rtt.names)})"
             )
+        object.__setattr__(self, "_by_name", {c.name: c for c in self.candidates})
 
     def candidate(self, name: str) -> Candidate:
-        """The candidate called ``name``. Errors: ``PlanError`` if there is none."""
-        for c in self.candidates:
-            if c.name == name:
-                return c
-        raise PlanError(f"no candidate node {name!r}")
+        """The candidate called ``name`` (by a dict: the re-plan asks it for each of
+        hundreds of standbys). Errors: ``PlanError`` if there is none."""
+        found = self._by_name.get(name)
+        if found is None:
+            raise PlanError(f"no candidate node {name!r}")
+        return found

@@ -77,6 +77,7 @@ class Search:
             )
             for c in self.nodes
         ]
+        self.mids = [capacity(c, model, first=False, last=False) for c in self.nodes]
 
     def run(self) -> tuple[Best | None, dict[int, Best], dict[str, Best]]:
         """The best candidate plan overall, the best for each ring size, the best for each
@@ -138,12 +139,16 @@ class Search:
     def counts(self, mask: int, first: int, last: int) -> tuple[int, ...] | None:
         """The balanced split of mask's members (index order) with these ends, or None."""
         members = self._members(mask)
-        caps = [
-            capacity(self.nodes[i], self.mesh.problem.model, first=(i == first), last=(i == last))
-            for i in members
-        ]
+        caps = [self._capacity(i, first=i == first, last=i == last) for i in members]
         times = [self.times[i] for i in members]
         return balanced_counts(times, caps, self.mesh.problem.model.n_layers)
+
+    def _capacity(self, i: int, *, first: bool, last: bool) -> int:
+        """``capacity`` of node ``i`` at that place in the ring, computed once in ``__init__``
+        (this is called for every subset and pair of ends whose memory is tight)."""
+        if first or last:
+            return self.caps[i][2 if first and last else 0 if first else 1]
+        return self.mids[i]
 
     def _members(self, mask: int) -> list[int]:
         return [i for i in range(self.n) if mask >> i & 1]
@@ -151,7 +156,7 @@ class Search:
     def _rings(self) -> Iterator[tuple[int, int, int, float, float]]:
         """``(mask, first, last, path + compute, slowest stage)`` of every feasible ring."""
         model = self.mesh.problem.model
-        mids = [capacity(c, model, first=False, last=False) for c in self.nodes]
+        mids = self.mids
         for mask in range(1, 1 << self.n):
             members = self._members(mask)
             if len(members) > model.n_layers:

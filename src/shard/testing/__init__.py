@@ -8,6 +8,10 @@ it; nothing else in ``src`` imports it.
     nat.py          a firewall and a tampering relay for NAT tests (``Firewall``,
                     ``TamperingHub``)
     requests.py     ``generate_watching``: a request whose committed tokens a test watches
+    swarm_world.py  a seeded synthetic swarm: regions and round trips, cards, Poisson joins,
+                    Weibull sessions (``World.generate``)
+    swarm_sim.py    ``simulate``: a ``World`` formed, placed and repaired by the real scheduler
+                    in virtual time, one ``ControlClient`` per simulated node (issue 40)
     cheat_node.py   ``python -m shard.testing.cheat_node KIND NODE ARGS``: ``shard ARGS`` with one
                     node's block cheating (process tests of audits)
     nat_node.py     ``python -m shard.testing.nat_node MODE ARGS``: ``shard ARGS`` with the relay
