@@ -10,10 +10,9 @@ of kind ``register`` and the connection closed; nothing else is affected). ``for
    forms with whoever joined if they hold it; else ``FormationError`` says who came and what
    is missing);
 2. asks every candidate (``MeasureRtt``) to measure its round trip to every other one and to
-   the coordinator with ``Probe``/``ProbeReply`` (the median of ``probes``) and waits for
-   their ``RttReport``; the coordinator's own row is its control links' median RTTs, and it
-   probes every candidate's listen address itself (``probe``) to detect reachability
-   (``shard.formation.mesh``);
+   the coordinator (the median of ``probes``) and waits for their ``RttReport``; the
+   coordinator's row is its control links' RTTs, and it probes every candidate's listen
+   address itself to detect reachability (``shard.formation.mesh``);
 3. plans with ``shard.placement.plan`` (memory, profiles, the mesh, pinning to the spec's
    ``trusted`` names and to nodes whose verified admission token grants the role
    ``trusted`` — never a node's own word); a candidate that nobody reached at its
@@ -288,8 +287,7 @@ class Formation:
             with trio.move_on_after(MEASURE_TIMEOUT_S):
                 while not all(self.mesh.answered(m.node) for m in joined if m.alive):
                     await self._reported.wait()
-        # A node that died during the round is gone, not late: no warning, no miss counted.
-        alive = [m for m in joined if m.alive]
+        alive = [m for m in joined if m.alive]  # one that died meanwhile is gone, not late
         missing = [m.node for m in alive if not self.mesh.answered(m.node)]
         if missing:
             log.warning("formation: no RTT report from %s; estimated", ", ".join(missing))
