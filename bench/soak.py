@@ -132,6 +132,11 @@ class Swarm:
         argv = ["up", "--role", "coordinator", "--spec", str(self.spec), "--threads", "1"]
         return self._start("coord", "coordinator", argv)
 
+    def standby_coordinator(self) -> Node:
+        argv = ["up", "--role", "coordinator", "--spec", str(self.spec), "--threads", "1"]
+        argv += ["--standby-of", f"127.0.0.1:{self.args.port}"]
+        return self._start("coord-standby", "standby-coordinator", argv)
+
     def join(self) -> Node:
         name = f"n{self.joined}"
         self.joined += 1
@@ -189,22 +194,36 @@ class Tally:
     ring: tuple[str, ...] = ()
 
 
-def _http(method: str, url: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+def _http(
+    method: str,
+    url: str,
+    body: dict[str, Any] | None,
+    timeout_s: float,
+    headers: dict[str, str] | None = None,
+) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("content-type", "application/json")
+    for name, value in (headers or {}).items():
+        req.add_header(name, value)
     return urllib.request.urlopen(req, timeout=timeout_s)  # loopback only
 
 
-def stream_once(api: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def stream_once(
+    api: str, model: str, prompt: str, max_tokens: int, resume: str | None = None
+) -> dict[str, Any]:
     """One streamed completion (blocking; run in a thread): the text committed, the usage,
-    and how it ended ("done", or the error). Never raises for what the server or the
-    connection did: that is the record."""
+    the resume key and token count (docs/api.md, "Resuming a stream"), and how it ended
+    ("done", or the error). ``resume``: ``KEY:N`` of a broken stream to go on with. Never
+    raises for what the server or the connection did: that is the record."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     text, usage, ended = "", None, "connection closed before [DONE]"
+    key, tokens = None, 0
+    headers = {} if resume is None else {"x-shard-resume": resume}
     try:
-        with _http("POST", f"{api}/v1/completions", body, 600.0) as resp:
+        with _http("POST", f"{api}/v1/completions", body, 600.0, headers) as resp:
+            key = resp.headers.get("x-shard-resume-key")
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data: "):
@@ -219,13 +238,16 @@ def stream_once(api: str, model: str, prompt: str, max_tokens: int) -> dict[str,
                     break
                 if event.get("usage"):
                     usage = event["usage"]
+                tokens = (event.get("shard") or {}).get("tokens", tokens)
                 for choice in event.get("choices", ()):
                     text += choice.get("text") or ""
     except urllib.error.HTTPError as exc:
         return {"status": exc.code, "text": "", "ended": exc.read().decode(errors="replace")}
     except (OSError, ValueError) as exc:
-        return {"status": 0, "text": text, "ended": f"{type(exc).__name__}: {exc}"}
-    return {"status": 200, "text": text, "usage": usage, "ended": ended}
+        got = {"status": 0, "text": text, "ended": f"{type(exc).__name__}: {exc}"}
+        return got | {"key": key, "tokens": tokens}
+    got = {"status": 200, "text": text, "usage": usage, "ended": ended}
+    return got | {"key": key, "tokens": tokens}
 
 
 async def client(
@@ -237,22 +259,28 @@ async def client(
         prompt = rng.choice(PROMPTS)
         record: dict[str, Any] = {"client": index, "prompt": prompt, "sent": swarm.now()}
         retries: Counter[str] = Counter()
-        api = apis[0]
+        before, resume = "", None  # the text of broken streams, and how to go on
         while True:
             got = await trio.to_thread.run_sync(
-                stream_once, api, args.model_id, prompt, args.max_tokens
+                stream_once, apis[0], args.model_id, prompt, args.max_tokens, resume
             )
-            if got["status"] in (503, 429) and swarm.now() < stop_at + 600:
+            late = swarm.now() > stop_at + 600
+            if got["status"] in (503, 429) and not late:
                 retries[str(got["status"])] += 1  # the ring is repairing, or full: wait
                 await trio.sleep(1.0)
                 continue
-            if got["status"] == 0 and len(apis) > 1 and not got["text"]:
-                retries["coordinator"] += 1  # not admitted anywhere yet: try the other API
+            if got["status"] == 0 and len(apis) > 1 and not late:
+                if got["key"] is not None:  # a stream broke: go on from what arrived
+                    retries["resumed"] += 1
+                    before += got["text"]
+                    resume = f"{got['key']}:{got['tokens']}"
+                else:  # never admitted (the coordinator is down): the other one
+                    retries["coordinator"] += 1
                 apis.reverse()
-                api = apis[0]
                 await trio.sleep(1.0)
                 continue
             break
+        got["text"] = before + got["text"]
         record |= {"done": swarm.now(), "retries": dict(retries), "status": got["status"]}
         if got["status"] == 200 and got["ended"] == "done":
             record["outcome"] = "identical" if got["text"] == want[prompt] else "wrong"
@@ -292,11 +320,13 @@ async def churn(swarm: Swarm, tally: Tally, args: argparse.Namespace, stop_at: f
             event["joined"] = swarm.join().name
         elif kind == "join":
             event["joined"] = swarm.join().name
-        elif kind == "coordinator":
+        elif kind == "coordinator":  # once: nothing stands by for the one that took over
             live = swarm.alive("coordinator")
-            if live:
+            if live and swarm.alive("standby-coordinator"):
                 swarm.signal(live[0].name, signal.SIGKILL)
                 event["node"] = live[0].name
+                swarm.nodes["coord-standby"].role = "coordinator"
+                kinds.remove("coordinator")
         tally.events.append(event)
         print(f"[{event['t']:8.1f} s] {event}", flush=True)
 
@@ -491,6 +521,8 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     tally = Tally()
     try:
         swarm.coordinator()
+        if args.standby_coordinator:
+            swarm.standby_coordinator()
         for _ in range(args.stages + args.standbys):
             swarm.join()
         async with trio.open_nursery() as nursery:
@@ -500,6 +532,8 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             args.model_id = await trio.to_thread.run_sync(model_id, apis[0])
             print(f"formed after {swarm.now():.0f} s; clients start", flush=True)
             nursery.start_soon(watch_ring, spec, tally, f"127.0.0.1:{args.port}")
+            if args.standby_coordinator:  # the one that takes over: its feed from then on
+                nursery.start_soon(watch_ring, spec, tally, f"127.0.0.1:{args.port + 1}")
             stop_at = swarm.now() + args.hours * 3600
             nursery.start_soon(churn, swarm, tally, args, stop_at)
             async with trio.open_nursery() as clients:

@@ -81,7 +81,7 @@ def test_a_resumed_request_signs_a_receipt_naming_it_and_counts_once(
 ) -> None:
     """The checkpoint holds the first run's job; the resumed run's receipt verifies, covers
     the new tokens and names that job; the ledger counts it (the tokens before the restart
-    were signed by nobody: the first coordinator died)."""
+    were signed by nobody, the first coordinator died: counted as unsigned)."""
     checkpoint, done = _restart(model_dir, tmp_path)
     assert done.token_ids == references[1]
     assert len(checkpoint.job) == 32 and checkpoint.output_ids
@@ -96,3 +96,7 @@ def test_a_resumed_request_signs_a_receipt_naming_it_and_counts_once(
     book = build_ledger([("resumed.json", receipt_to_json(receipt).encode())], pins, "all")
     assert book.refused == ()
     assert book.totals.receipts == 1 and book.totals.tokens == len(done.token_ids) - k
+    # delivered before the restart, signed by nobody: counted apart, so the two add up to
+    # what the client received
+    assert book.totals.unsigned_tokens == k
+    assert book.totals.tokens + book.totals.unsigned_tokens == len(done.token_ids)

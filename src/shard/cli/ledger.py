@@ -115,9 +115,16 @@ def _print_table(book: Any, folder: str) -> None:
     print(
         f"totals: {t.receipts} requests, {t.tokens} tokens generated (once per request), "
         f"{t.prompt_tokens} prompt tokens, {t.layer_tokens} layer-tokens, {t.chunks} chunks"
+        + _unsigned(t)
     )
     for r in book.refused:
         print(f"refused: {r.file}: {r.reason}")
+
+
+def _unsigned(t: Any) -> str:
+    if not t.unsigned_tokens:
+        return ""
+    return f"; {t.unsigned_tokens} tokens delivered before a coordinator died, signed by nobody"
 
 
 def _print_csv(book: Any) -> None:
@@ -128,7 +135,7 @@ def _print_csv(book: Any) -> None:
     t = book.totals
     print(
         f"shard ledger: totals: {t.receipts} requests, {t.tokens} tokens, {t.prompt_tokens} "
-        f"prompt tokens, {t.layer_tokens} layer-tokens, {t.chunks} chunks",
+        f"prompt tokens, {t.layer_tokens} layer-tokens, {t.chunks} chunks" + _unsigned(t),
         file=sys.stderr,
     )
     for r in book.refused:

@@ -31,7 +31,9 @@ the first output token, and the ``at_token`` tokens before it; its key is unknow
 The request's own tokens (``Totals.tokens``) are counted once, whatever the ring did. A
 resumed run's receipt covers its own run: its prompt is the request's prompt and the tokens
 committed before the restart (it recomputed them), its output the rest; the tokens before the
-restart were signed by nobody (the first coordinator died) and are counted nowhere.
+restart were signed by nobody (the first coordinator died): no node is credited for them,
+and ``Totals.unsigned_tokens`` counts them (delivered, unsigned), so ``tokens`` plus it is
+what the clients received.
 
 Receipts carry no audit outcome: spot-check strikes are signed evidence files
 (``shard receipt verify --evidence``), so the ledger has no audited-chunks or strikes column.
@@ -121,6 +123,9 @@ class Totals:
     prompt_tokens: int  # once per request
     layer_tokens: int  # every node's, summed
     chunks: int
+    #: tokens a resumed request had committed before its coordinator died: delivered to the
+    #: client, signed by nobody (``resumes.at_token``); tokens + these = what clients received
+    unsigned_tokens: int = 0
 
 
 @attrs.frozen
@@ -277,7 +282,7 @@ def build_ledger(
         raise ValueError(f"period {period!r}: one of {', '.join(PERIODS)}")
     book, refused = _Book(), [Refused(name, why) for name, why in unreadable]
     rows: dict[tuple[str, str], _Sum] = {}
-    tokens = prompt = counted = 0
+    tokens = prompt = counted = unsigned = 0
     for name, data in sorted(files):
         try:
             receipt = _read(name, data, pins, book)
@@ -287,6 +292,7 @@ def build_ledger(
         book.count(name, data, receipt)
         counted += 1
         tokens += len(receipt.output_ids)
+        unsigned += receipt.resumes.at_token if receipt.resumes is not None else 0
         prompt += _prompt_len(receipt)
         when = period_of(receipt.signed_at, period)
         for c in credits(receipt):
@@ -299,6 +305,7 @@ def build_ledger(
         prompt_tokens=prompt,
         layer_tokens=sum(r.layer_tokens for r in out),
         chunks=sum(r.chunks for r in out),
+        unsigned_tokens=unsigned,
     )
     return Ledger(period, out, totals, tuple(sorted(refused, key=lambda r: r.file)))
 
