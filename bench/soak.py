@@ -459,7 +459,8 @@ def summary(tally: Tally, swarm: Swarm, ledger: dict[str, Any], args: argparse.N
     client_tokens = sum(r.get("tokens", 0) for r in tally.requests)
     nodes = list(swarm.nodes.values())
     growth = rss_growth(nodes, args.warmup_s)
-    ledger_tokens = ledger.get("totals", {}).get("tokens")
+    totals = ledger.get("totals", {})
+    ledger_tokens = totals.get("tokens", 0) + totals.get("unsigned_tokens", 0)
     return {
         "args": vars(args),
         "load_before": load,
