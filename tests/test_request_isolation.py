@@ -101,22 +101,35 @@ async def test_a_request_the_wire_cannot_carry_fails_alone(
 
 
 class BrokenStore(CheckpointStore):
-    """A checkpoint store that fails on the first save: a bug on the request's own path."""
+    """A checkpoint store that fails from its ``fails``-th save on (1: the request's start, 2:
+    its first token): a bug on the request's own path."""
+
+    def __init__(self, directory: Path, fails: int) -> None:
+        super().__init__(directory)
+        self.saves, self.fails = 0, fails
 
     def save(self, checkpoint: RequestCheckpoint) -> None:
-        raise OSError("disk full")
+        self.saves += 1
+        if self.saves >= self.fails:
+            raise OSError("disk full")
+        super().save(checkpoint)
 
 
+@pytest.mark.parametrize(("fails", "committed"), [(1, ()), (2, (7,))])
 async def test_a_bug_on_a_request_path_ends_that_request_typed(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock,
+    tmp_path: Path,
+    fails: int,
+    committed: tuple[int, ...],
 ) -> None:
-    """An exception inside the request (its checkpoint's write) is that request's
-    RequestFailed, with the committed tokens; a request without a checkpoint then runs."""
-    store = BrokenStore(tmp_path)
+    """An exception inside the request (its checkpoint's write, as it starts or at its first
+    token) is that request's RequestFailed, with the tokens committed by then; a request
+    without a checkpoint then runs."""
+    store = BrokenStore(tmp_path, fails)
     async with ring(checkpoints=store) as (coord, _):
         with pytest.raises(RequestFailed, match="disk full") as failed:
             await coord.generate([5, 6, 7], max_tokens=3, request_id="r1")
-        assert failed.value.committed == (7,)
+        assert failed.value.committed == committed
         assert isinstance(failed.value.__cause__, OSError)
         assert await honest(coord) == (7, 7, 7)
 

@@ -173,6 +173,7 @@ def fake_complete(monkeypatch: pytest.MonkeyPatch) -> dict[int, trio.Event]:
         _text: Any,
         request: GenerateRequest,
         emit: Callable[[Message], Awaitable[None]],
+        _store: Any = None,
     ) -> None:
         for i in range(request.max_tokens):
             await emit(TokensOut(request.request, (i,), "x"))

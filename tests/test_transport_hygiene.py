@@ -282,6 +282,7 @@ async def test_a_heartbeat_flood_of_client_links_does_not_lock_out_an_honest_cli
         _text: Any,
         request: GenerateRequest,
         emit: Callable[[Message], Awaitable[None]],
+        _store: Any = None,
     ) -> None:
         await emit(
             GenerateDone(request.request, (), "", "length", RunStats(0, 0.0, 0.0, 0.0, 0, 0.0))

@@ -223,8 +223,12 @@ class Checkpointer:
     ) -> Checkpointer:
         prompt = tuple(int(t) for t in prompt_ids)
         start = RequestCheckpoint(request, prompt, (), max_tokens, sampling, ignore_eos=ignore_eos)
-        store.save(start)  # a standby knows the request before its first token
         return cls(store, start)
+
+    def begin(self) -> None:
+        """Save the request as it starts, before its first token (a standby coordinator
+        knows it then); called on the request's own path, so a failed write is its error."""
+        self._store.save(self._checkpoint)
 
     def commit(self, ids: Sequence[int]) -> None:
         done = (*self._checkpoint.output_ids, *ids)

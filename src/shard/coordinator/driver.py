@@ -140,6 +140,8 @@ class RequestDriver:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._done:
+            if self._checkpoint is not None:
+                self._checkpoint.begin()
             outcome: Completion | RingError
             try:
                 outcome = await self._drive()
