@@ -199,6 +199,26 @@ def test_the_proposer_drafts_the_reference_chain(target: StageModel, tmp_path: P
     assert proposer.propose(shorter, 3) == reference_chain(t, cfg, states, shorter, 3)
 
 
+def test_sampled_drafts_come_from_the_draft_vocabulary(target: StageModel, tmp_path: Path) -> None:
+    """Sampling draws each token from the head's q, whose ids are target ids of the draft
+    vocabulary (mapped by ``d2t``), and the same generator state draws the same."""
+    head = Eagle3Head.load(written(target, tmp_path / "h", seed=6))
+    ids = torch.randint(
+        0, target.config.vocab_size, (16,), generator=torch.Generator().manual_seed(8)
+    )
+    states, _ = target_states(target, ids, default_layers(LAYERS))
+    proposer = HeadProposer(head, max_len=64)
+    proposer.observe(0, states[:15])
+    draws = [
+        proposer.propose_sampled(ids.tolist(), 3, torch.Generator().manual_seed(2), 0.8)
+        for _ in range(2)
+    ]
+    assert draws[0][0] == draws[1][0] and len(draws[0][0]) == 3
+    for token, (q_ids, probs) in zip(*draws[0], strict=True):
+        assert token in q_ids.tolist() and bool(head.t2d[q_ids].all())
+        assert abs(float(probs.sum()) - 1.0) < 1e-5
+
+
 def test_the_embedding_may_come_from_the_target(target: StageModel, tmp_path: Path) -> None:
     """A head saved without ``embed_tokens`` (as SpecForge saves it) needs the target's."""
     assert target.embed_tokens is not None
