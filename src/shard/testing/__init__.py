@@ -3,6 +3,8 @@ it; nothing else in ``src`` imports it.
 
     checkpoints.py  ``make_tiny_checkpoint``: tiny, deterministic, random-weight Hugging Face
                     checkpoints that shard and transformers both load
+    eagle3.py       ``write_eagle3_head``: a tiny random EAGLE-3 head in its published
+                    layout (SpecForge's config keys, tensor names, ``d2t``/``t2d``)
     cheats.py       cheating stages for spot-check tests (``cheating``, ``CheatingBlock``,
                     ``batched_lies``, a tail that overstates, an audit tap)
     nat.py          a firewall and a tampering relay for NAT tests (``Firewall``,

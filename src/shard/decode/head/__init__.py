@@ -4,6 +4,13 @@ the target's features and proposes the next tokens. Training it is offline work,
 
     model.py      ``DraftHead``: one Llama layer from (feature, next token) to the next
                   feature, read out through the target's head rows for a shortlist
-    proposer.py   ``HeadProposer``: ``observe`` features, ``propose`` (greedy) or
+    eagle3.py     ``Eagle3Head``: an EAGLE-3 head in its published layout (SpecForge's, which
+                  vLLM and SGLang load): three target layers' states fused, one layer, a
+                  draft vocabulary mapped back by ``d2t``
+    eagle3_files.py  its ``config.json`` and ``model.safetensors``, read checked
+                  (``Eagle3Config``, ``Eagle3Error``)
+    eagle3_check.py  which target layers feed it, and the check that catches a head whose
+                  layer indices are off by one (``check_layers``)
+    proposer.py   ``HeadProposer`` (either head): ``observe`` features, ``propose`` (greedy) or
                   ``propose_sampled`` (draws from its own q and returns it)
 """

@@ -165,6 +165,22 @@ class DraftHead(nn.Module):
             head.norm.weight.copy_(target.norm.weight)
         return head.float()
 
+    @property
+    def feature_dim(self) -> int:
+        """The width of one observed feature (the target's hidden size)."""
+        return self.config.target.hidden_size
+
+    @property
+    def hidden_dim(self) -> int:
+        """The width of a predicted feature (the same: the head predicts features)."""
+        return self.config.target.hidden_size
+
+    @property
+    def feature_window(self) -> int:
+        """Trailing prompt features a proposer asks for: the window per layer (each layer
+        looks a window further back through the one below)."""
+        return self.config.window * self.config.layers
+
     def trainable(self) -> list[nn.Parameter]:
         """The parameters training moves (everything but the frozen embedding and readout)."""
         return [p for n, p in self.named_parameters() if not n.startswith(("embed", "readout"))]

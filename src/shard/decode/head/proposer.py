@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from shard.decode.head.eagle3 import Eagle3Head
 from shard.decode.head.model import DraftHead, HeadError
 
 __all__ = ["HeadProposer", "SparseQ"]
@@ -36,30 +37,31 @@ _CHUNK = 128  # observed positions fed to the head in one forward
 class HeadProposer:
     """Drafts greedily (``propose``) or by sampling its own q (``propose_sampled``).
 
-    ``features``: how many trailing prompt features it wants after prefill: its window
-    per layer (each layer looks a window further back through the one below).
+    ``features``: how many trailing prompt features it wants after prefill (the head's
+    ``feature_window``). The head is a ``DraftHead`` (``name`` "head") or an EAGLE-3 head
+    (``Eagle3Head``, ``name`` "eagle3"), whose observed features are its three target layers'
+    states side by side and whose chained states are narrower (``feature_dim``, ``hidden_dim``).
     """
 
-    name = "head"
     computes = True
 
-    def __init__(self, head: DraftHead, *, max_len: int, top_k: int = 32) -> None:
+    def __init__(self, head: DraftHead | Eagle3Head, *, max_len: int, top_k: int = 32) -> None:
+        self.name = "eagle3" if isinstance(head, Eagle3Head) else "head"
         self._head = head
         self._max_len = max_len
         self._top_k = top_k
         self._cache = head.new_cache(max_len)
-        d = head.config.target.hidden_size
-        w = head.readout
-        self._feats = torch.zeros(max_len, d, dtype=w.dtype, device=w.device)  # by position
+        w = next(head.parameters())
+        self._feats = torch.zeros(max_len, head.feature_dim, dtype=w.dtype, device=w.device)
         self._obs_lo = self._obs_hi = 0  # observed positions [lo, hi), contiguous
-        self._g = torch.zeros(max_len, d, dtype=w.dtype, device=w.device)  # head outputs
+        self._g = torch.zeros(max_len, head.hidden_dim, dtype=w.dtype, device=w.device)
         self._tokens: list[int] = []  # x_0..x_{done}: what positions [first, done) read
         self._first = 0  # the first head position of this session (= _obs_lo when fed)
         self._done = 0  # head positions [_first, _done) are computed and current
 
     @property
     def features(self) -> int:
-        return self._head.config.window * self._head.config.layers
+        return self._head.feature_window
 
     def observe(self, position: int, features: Tensor) -> None:
         """The target's features ``[n, D]`` at stream positions ``position..position+n-1``.
