@@ -114,7 +114,7 @@ def _joined_fetches(spec: Any, name: str) -> bool:
     return fetches_weights(spec, name)
 
 
-async def _ports_free(spec: Any, name: str, *, api: bool) -> None:
+async def _ports_free(spec: Any, name: str, *, api: bool, standby: bool = False) -> None:
     """Fail now, in one line, when a port this node will listen on is taken: before its
     weights load (seconds to minutes), not after. Each port is bound and let go at once; a
     program that takes it in between is still reported when the node binds it for good.
@@ -122,9 +122,13 @@ async def _ports_free(spec: Any, name: str, *, api: bool) -> None:
     Errors: ``ListenError`` (``shard.transport.base``), naming the address and what to do."""
     from shard.transport.base import open_listeners, split_address
 
-    addresses = [str(spec.node(name).listen)]
-    if api and spec.api.listen is not None:
-        addresses.append(str(spec.api.listen))
+    me = spec.coordinator
+    if standby:  # a standby coordinator listens at its own addresses, not the primary's
+        addresses = [str(a) for a in (me.standby, me.standby_api) if a is not None]
+    else:
+        addresses = [str(spec.node(name).listen)]
+        if api and spec.api.listen is not None:
+            addresses.append(str(spec.api.listen))
     for address in addresses:
         if split_address(address)[1] == 0:  # any free port: nothing to check
             continue
@@ -141,7 +145,8 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
     # (a standby is admitted as a stage: it becomes one when the scheduler activates it; an
     # auditor holds a stage's block and talks to the scheduler as a standby does)
     role = "stage" if args.role in ("standby", "auditor") else args.role
-    await _ports_free(spec, name, api=args.role == "coordinator")
+    standby = bool(getattr(args, "standby_of", None))
+    await _ports_free(spec, name, api=args.role == "coordinator", standby=standby)
     network = node_network(spec, name, role)
     async with network, trio.open_nursery() as nursery:
         if args.join:
