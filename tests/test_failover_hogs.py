@@ -16,7 +16,10 @@ the issue's "`swarm run --receipt` failed once".
 Issue 29 saw 1 of 4 such runs give the uninterrupted output at load ~12 on 2 cores. Here
 (5 runs, load 7-22) the detector never suspected a live node; the start took 80-165 s, close
 to the launcher's fixed 180 s deadline, which now waits for a start that works
-(``shard.nodes.startup``). Hogs are ``python -c 'while True: pass'`` children started in
+(``shard.nodes.startup``). Later it failed 5 runs in 5: the tail stage's first full garbage
+collection (210,000 objects, 0.67 s under this load) fell on the first request and paused its
+heartbeats 1.0 s, so it was suspected; nodes now freeze their start-up heap when ready
+(``shard.compute.heap``), and it passed 2 runs in 2. Hogs are ``python -c 'while True: pass'`` children started in
 their own sessions and killed by PID; the swarm's processes by ``tests/procs.py``. Loopback
 only; the spec's ports are replaced by free ones, nothing else.
 """
