@@ -19,7 +19,8 @@ every process's RSS and open file descriptors every ``--sample-s``, every event,
 end ``shard ledger`` over the receipt log against the tokens the clients received. Writes
 JSON (``--json``) and an SVG of tok/s and RSS over time next to it; prints a summary.
 
-A benchmark, not a test: it asserts nothing and records everything. Run it alone.
+A benchmark, not a test: it asserts nothing and records everything. Run it alone. SIGUSR1
+ends it early, as ``--hours`` would (no new requests; the result says when).
 
     .venv/bin/python bench/soak.py --hours 2 --stages 16 --standbys 4 --clients 16 \
         --json bench/results/soak.json
@@ -192,6 +193,8 @@ class Tally:
     tokens_at: list[tuple[float, int]] = attrs.Factory(list)  # (t, completion tokens) per request
     events: list[dict[str, Any]] = attrs.Factory(list)
     ring: tuple[str, ...] = ()
+    clients_from: float | None = None  # when the clients started (the swarm had formed)
+    stopped_early: float | None = None  # SIGUSR1: no new requests from then on
 
 
 def _http(
@@ -255,7 +258,7 @@ async def client(
     tally: Tally, swarm: Swarm, stop_at: float,
 ) -> None:  # fmt: skip
     rng = random.Random(f"{args.seed}-client-{index}")
-    while swarm.now() < stop_at:
+    while swarm.now() < stop_at and tally.stopped_early is None:
         prompt = rng.choice(PROMPTS)
         record: dict[str, Any] = {"client": index, "prompt": prompt, "sent": swarm.now()}
         retries: Counter[str] = Counter()
@@ -329,6 +332,16 @@ async def churn(swarm: Swarm, tally: Tally, args: argparse.Namespace, stop_at: f
                 kinds.remove("coordinator")
         tally.events.append(event)
         print(f"[{event['t']:8.1f} s] {event}", flush=True)
+
+
+async def stop_on_signal(swarm: Swarm, tally: Tally) -> None:
+    """SIGUSR1: the clients send no new request (those in flight finish); the run ends as
+    at ``--hours`` and says when it stopped (``stopped_early``)."""
+    with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+        async for _ in signals:
+            tally.stopped_early = swarm.now()
+            print(f"[{swarm.now():8.1f} s] SIGUSR1: no new requests", flush=True)
+            return
 
 
 async def watch_ring(spec_path: Path, tally: Tally, address: str) -> None:
@@ -457,6 +470,7 @@ def summary(tally: Tally, swarm: Swarm, ledger: dict[str, Any], args: argparse.N
     why = Counter(r.get("why", "") for r in tally.requests if r["outcome"] == "failed")
     retried = Counter(k for r in tally.requests for k in r["retries"])
     client_tokens = sum(r.get("tokens", 0) for r in tally.requests)
+    ended = max((r["done"] for r in tally.requests), default=swarm.now())
     nodes = list(swarm.nodes.values())
     growth = rss_growth(nodes, args.warmup_s)
     totals = ledger.get("totals", {})
@@ -466,6 +480,9 @@ def summary(tally: Tally, swarm: Swarm, ledger: dict[str, Any], args: argparse.N
         "load_before": load,
         "load_after": os.getloadavg(),
         "seconds": round(swarm.now(), 1),
+        "formed_after_s": tally.clients_from,
+        "client_hours": round((ended - (tally.clients_from or 0.0)) / 3600, 3),
+        "stopped_early_at_s": tally.stopped_early,
         "requests": len(tally.requests),
         "outcomes": dict(outcomes),
         "failed_why": dict(why),
@@ -536,6 +553,8 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if args.standby_coordinator:  # the one that takes over: its feed from then on
                 nursery.start_soon(watch_ring, spec, tally, f"127.0.0.1:{args.port + 1}")
             stop_at = swarm.now() + args.hours * 3600
+            tally.clients_from = swarm.now()
+            nursery.start_soon(stop_on_signal, swarm, tally)
             nursery.start_soon(churn, swarm, tally, args, stop_at)
             async with trio.open_nursery() as clients:
                 for i in range(args.clients):
@@ -579,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     samples = [p["samples"] for p in result["processes"]]
     svg(result["tok_s_per_minute"], samples, out.with_suffix(".svg"))
-    keys = ["seconds", "requests", "outcomes", "failed_why", "retried", "client_tokens"]
+    keys = ["seconds", "formed_after_s", "client_hours", "stopped_early_at_s", "requests"]
+    keys += ["outcomes", "failed_why", "retried", "client_tokens"]
     keys += ["ledger_equals_clients", "rss_growth_max_pct", "load_before", "load_after"]
     for key in keys:
         print(f"{key}: {result[key]}")
