@@ -223,6 +223,37 @@ def test_beyond_the_exact_limit_the_nearest_are_searched() -> None:
     assert set(found.standbys) >= set(names[EXACT_LIMIT:])
 
 
+def test_a_fixed_ring_longer_than_the_exact_limit_is_chained_nearest_first() -> None:
+    """A ring of exactly 16 stages (a formation's ``stages = 16``) is past the exact search:
+    the 16 nodes nearest the coordinator place, each next stage the nearest left, every layer
+    held once within memory; the farther nodes stand by. Before, no ring was found at all (the
+    soak of issue 40: "no ring ... among the 12 candidates the heuristic keeps")."""
+    names = [f"n{i:02d}" for i in range(20)]
+    rtt = line(["c", *names], [1.0] * len(names))
+    cands = tuple(node(n, mem=3) for n in reversed(names))  # file order is not ring order
+    model = ModelFacts(30, GIB, embedding_bytes=GIB, head_bytes=GIB)
+    found = plan(Problem(cands, rtt, model, ("c",), ring_size=16))
+    assert [s.node for s in found.stages] == names[:16]
+    assert found.blocks()[0][0] == 0 and found.blocks()[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(found.blocks()))
+    assert all(s.weight_bytes <= 3 * GIB for s in found.stages)
+    assert set(found.standbys) == set(names[16:])
+    assert found.method.startswith("heuristic: a chain of the 16")
+    small_near = tuple(node(n, mem=1 if n < "n16" else 100) for n in names)
+    with pytest.raises(PlanError, match="among the 16 candidates .* with exactly 16 stages"):
+        plan(Problem(small_near, rtt, model, ("c",), ring_size=16))  # the 16 nearest too small
+
+
+def test_a_chained_ring_keeps_trusted_nodes_at_its_ends_when_pinned() -> None:
+    names = [f"n{i:02d}" for i in range(16)]
+    rtt = line(["c", *names], [1.0] * len(names))
+    cands = tuple(node(n, mem=3, trusted=n in ("n05", "n09")) for n in names)
+    model = ModelFacts(30, GIB, embedding_bytes=GIB, head_bytes=GIB)
+    found = plan(Problem(cands, rtt, model, ("c",), ring_size=14, pin_boundaries=True))
+    ring = [s.node for s in found.stages]
+    assert (ring[0], ring[-1]) == ("n05", "n09") and len(ring) == 14
+
+
 def test_pool_keeps_trusted_nodes_when_pinned() -> None:
     """The heuristic's pool always holds the two nearest trusted nodes when pinning."""
     names = [f"n{i:02d}" for i in range(EXACT_LIMIT + 2)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import attrs
 
-from shard.placement.heuristic import EXACT_LIMIT, pool
+from shard.placement.heuristic import EXACT_LIMIT, chain, pool
 from shard.placement.lap import Alternative, Mesh, Plan, evaluate
 from shard.placement.problem import PlanError, Problem
 from shard.placement.search import Search
@@ -32,6 +32,8 @@ def plan(problem: Problem) -> Plan:
     _check_possible(problem)
     mesh = Mesh(problem)
     names = pool(problem)
+    if problem.ring_size is not None and problem.ring_size > len(names):
+        return _chained(mesh, problem.ring_size)
     method = "exact"
     if len(names) < len(problem.candidates):
         method = f"heuristic: exact among the {len(names)} candidates nearest a coordinator"
@@ -63,6 +65,21 @@ def plan(problem: Problem) -> Plan:
                 label += f" (not taken: the ring keeps {problem.ring_size})"
             alternatives.append(_alternative(label, search.build(by_size[k], ""), chosen))
     return attrs.evolve(chosen, alternatives=tuple(alternatives))
+
+
+def _chained(mesh: Mesh, size: int) -> Plan:
+    """A fixed ring of more than ``EXACT_LIMIT`` stages (``heuristic.chain``), against the
+    baseline as ``plan`` weighs it. Errors: ``PlanError`` when the chain does not fit."""
+    problem = mesh.problem
+    chosen = chain(mesh, size)
+    if chosen is None:
+        raise PlanError(_why_none(problem, min(size, len(problem.candidates))))
+    label, even = baseline(mesh)
+    if isinstance(even, str):
+        return attrs.evolve(chosen, alternatives=(Alternative(label, None, even),))
+    if problem.written and not _better(chosen, even, laps_only=problem.by_bytes):
+        return attrs.evolve(even, method=f"{chosen.method}; it does not beat the ring as written")
+    return attrs.evolve(chosen, alternatives=(_alternative(label, even, chosen),))
 
 
 def baseline(mesh: Mesh) -> tuple[str, Plan | str]:
