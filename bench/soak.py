@@ -250,6 +250,8 @@ def stream_once(
     except (OSError, ValueError) as exc:
         got = {"status": 0, "text": text, "ended": f"{type(exc).__name__}: {exc}"}
         return got | {"key": key, "tokens": tokens}
+    if ended == "connection closed before [DONE]":  # a clean close mid-stream: broken too
+        return {"status": 0, "text": text, "ended": ended, "key": key, "tokens": tokens}
     got = {"status": 200, "text": text, "usage": usage, "ended": ended}
     return got | {"key": key, "tokens": tokens}
 

@@ -20,6 +20,12 @@ the records its sender's output chain hashes): the replayed ``OpenSession`` carr
 stood and ends equal to the sender's output chain. It lives for the job (a re-sent
 ``OpenSession`` of the same job keeps it).
 
+A new coordinator's first ``OpenSession`` (another incarnation in the session id's high bits)
+drops the sessions of the one before from the log, as the stages drop them
+(``StageExecutor``): replayed into a standby and forwarded, a previous coordinator's
+``OpenSession`` made the next stage drop the new coordinator's live sessions (the soak of
+issue 40: three requests stalled 60 s after a splice that followed a takeover).
+
 A session whose log would pass ``max_bytes`` is dropped from the log (``replayable`` says so):
 a standby then misses its KV, reports a gap, and the coordinator re-sends the session from its
 own log of token ids, which is small. Nothing is lost; it only costs more compute.
@@ -32,6 +38,7 @@ from collections.abc import Iterator
 import attrs
 
 from shard.messages import (
+    SESSION_BITS,
     ChunkSeq,
     EndSession,
     Epoch,
@@ -103,6 +110,10 @@ class ReplayLog:
     def record(self, msg: Message) -> None:
         """Note a message that was sent downstream."""
         if isinstance(msg, OpenSession):
+            incarnation = msg.session >> SESSION_BITS
+            for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
+                self._forget(sid)  # a previous coordinator's: dead on every stage
+            self._dropped = {s for s in self._dropped if s >> SESSION_BITS == incarnation}
             known = self._sessions.get(msg.session)
             self._forget(msg.session)
             self._dropped.discard(msg.session)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import attrs
@@ -146,6 +147,7 @@ class StageExecutor:
         self._faults = 0
         self._stale = 0
         self._epochs: dict[SessionId, int] = {}
+        self._retired: deque[int] = deque(maxlen=64)  # incarnations of previous coordinators
         self._forwards = 0
         self._max_rows = 0
         self._queued_s = 0.0
@@ -304,6 +306,9 @@ class StageExecutor:
             if not self._model.is_last:
                 await self._outbox.send(msg)
             return
+        if msg.session >> SESSION_BITS in self._retired:  # a replay of a dead coordinator's
+            log.warning("%s: ignored session %d of a previous coordinator", self._node, msg.session)
+            return
         self._drop_orphans(msg.session)
         if len(self._sessions) >= self._max_sessions:
             await self._fault(
@@ -357,9 +362,12 @@ class StageExecutor:
     def _drop_orphans(self, session: SessionId) -> None:
         """Sessions opened by an earlier coordinator (another incarnation in the id's high
         bits) can never continue: a ring has one coordinator, and a restarted one resumes
-        with new sessions. Free them."""
+        with new sessions. Free them, and retire their incarnation: its ``OpenSession``
+        coming later (replayed from a log) is ignored, never left to free these."""
         incarnation = session >> SESSION_BITS
         for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
+            if sid >> SESSION_BITS not in self._retired:
+                self._retired.append(sid >> SESSION_BITS)
             log.warning("%s: dropped session %d of a previous coordinator", self._node, sid)
             self._forget(self._sessions.pop(sid))
             self._epochs.pop(sid, None)
