@@ -30,6 +30,9 @@ measured too. After a stage dies, ``choose`` re-plans on the latest mesh with th
 ``replan`` (standbys only: a running stage cannot grow its block yet), so only the dead stage's
 layers move; ``spliced`` commits it.
 
+A ring still running when this coordinator starts (a standby coordinator that took over) is
+adopted as it stands instead (``shard.formation.warm``).
+
 Errors: ``FormationError`` (the ring cannot form; the message says what to do).
 """
 
