@@ -38,7 +38,6 @@ from collections.abc import Iterator
 import attrs
 
 from shard.messages import (
-    SESSION_BITS,
     ChunkSeq,
     EndSession,
     Epoch,
@@ -48,6 +47,7 @@ from shard.messages import (
     SessionId,
     Tensor,
     Verify,
+    incarnation_of,
 )
 from shard.trust.receipts import Chain, chunk_record, payload_of
 
@@ -110,10 +110,10 @@ class ReplayLog:
     def record(self, msg: Message) -> None:
         """Note a message that was sent downstream."""
         if isinstance(msg, OpenSession):
-            incarnation = msg.session >> SESSION_BITS
-            for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
+            incarnation = incarnation_of(msg.session)
+            for sid in [s for s in self._sessions if incarnation_of(s) != incarnation]:
                 self._forget(sid)  # a previous coordinator's: dead on every stage
-            self._dropped = {s for s in self._dropped if s >> SESSION_BITS == incarnation}
+            self._dropped = {s for s in self._dropped if incarnation_of(s) == incarnation}
             known = self._sessions.get(msg.session)
             self._forget(msg.session)
             self._dropped.discard(msg.session)

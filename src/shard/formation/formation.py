@@ -99,6 +99,7 @@ class Formation:
         self.mesh = Mesh(registry.node)
         self._unreachable: set[NodeName] = set()  # as last noted
         self._formed = trio.Event()
+        self._cold = False  # stage claims that never made a whole ring: ignored (warm.py)
         #: the mesh's notes from the measurement before forming (for the status feed)
         self.formed_notes: list[str] = []
         self._reported = trio.Event()
@@ -132,7 +133,7 @@ class Formation:
         docstring). Errors: ``FormationError``."""
         joined = await self._wait_joined()
         self.formed_notes = [*await self._measure(joined), *self._note_reach(joined)]
-        warm = warm_ring(joined, self._model.n_layers)  # complete when there is one
+        warm = None if self._cold else warm_ring(joined, self._model.n_layers)  # complete
         try:
             if warm is not None:
                 return await self._adopt(adopted_plan(self._problem(joined), warm.stages))
@@ -244,20 +245,20 @@ class Formation:
         warm_until: float | None = None
         while True:
             joined = self._candidates()
-            warm = warm_ring(joined, self._model.n_layers)
+            warm = None if self._cold else warm_ring(joined, self._model.n_layers)
             if warm is not None:  # a running ring: adopted whole, never formed over
                 if warm.complete:
                     return joined
                 warm_until = warm_until or self._clock() + self._policy.join_deadline_s
-                if self._clock() >= warm_until:
-                    raise FormationError(
-                        f"the running ring's stages registered without {warm.missing} within "
-                        f"{self._policy.join_deadline_s:g} s (failover.join_deadline_s); "
-                        "restart the swarm's nodes to form it anew"
-                    )
+                if self._clock() >= warm_until:  # false or stale claims: formed without them
+                    log.warning("formation: stage claims lack %s after %g s; forming without "
+                                "them", warm.missing, self._policy.join_deadline_s)  # fmt: skip
+                    self._cold = True
+                    continue
                 with trio.move_on_after(warm_until - self._clock()):
                     await self._registry.wait_joined()
                 continue
+            joined = [m for m in joined if not (self._cold and m.role == "stage")]
             held = sum(m.profile.memory_bytes for m in joined if m.profile is not None)
             if len(joined) >= spec.expect and held >= need:
                 return joined

@@ -8,9 +8,9 @@ another block; they refuse (``already serves a ring slot``), and that ended the 
 to hold every layer once, in order (``warm_ring``), and adopts them: their slots become the
 registry's, the tail is told to re-dial its return link to this coordinator, and the plan is
 that ring as it stands (``adopted_plan``: its lap over the measured mesh, for the re-plans
-after later deaths). Standbys stay standbys. A warm ring that stays incomplete (a stage died
-while no coordinator watched) is a ``FormationError`` naming the layers nobody holds, after
-``[failover] join_deadline_s``: forming anew over nodes that still serve would fail the same.
+after later deaths). Standbys stay standbys. Stage claims that make no whole ring within
+``[failover] join_deadline_s`` (a stage died while no coordinator watched, or a joiner lied)
+are logged and set aside: the ring forms from the other nodes, the claimants left out.
 """
 
 from __future__ import annotations

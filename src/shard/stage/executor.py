@@ -30,7 +30,6 @@ from shard.compute import offload
 from shard.decode.state import BadRequest, check_sampling
 from shard.messages import (
     MAX_FEATURES,
-    SESSION_BITS,
     EndSession,
     Epoch,
     Fault,
@@ -44,6 +43,7 @@ from shard.messages import (
     Truncate,
     Verdict,
     Verify,
+    incarnation_of,
 )
 from shard.model.llama import StageModel
 from shard.stage.batch import (
@@ -306,7 +306,7 @@ class StageExecutor:
             if not self._model.is_last:
                 await self._outbox.send(msg)
             return
-        if msg.session >> SESSION_BITS in self._retired:  # a replay of a dead coordinator's
+        if incarnation_of(msg.session) in self._retired:  # a replay of a dead coordinator's
             log.warning("%s: ignored session %d of a previous coordinator", self._node, msg.session)
             return
         self._drop_orphans(msg.session)
@@ -364,10 +364,10 @@ class StageExecutor:
         bits) can never continue: a ring has one coordinator, and a restarted one resumes
         with new sessions. Free them, and retire their incarnation: its ``OpenSession``
         coming later (replayed from a log) is ignored, never left to free these."""
-        incarnation = session >> SESSION_BITS
-        for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
-            if sid >> SESSION_BITS not in self._retired:
-                self._retired.append(sid >> SESSION_BITS)
+        incarnation = incarnation_of(session)
+        for sid in [s for s in self._sessions if incarnation_of(s) != incarnation]:
+            if incarnation_of(sid) not in self._retired:
+                self._retired.append(incarnation_of(sid))
             log.warning("%s: dropped session %d of a previous coordinator", self._node, sid)
             self._forget(self._sessions.pop(sid))
             self._epochs.pop(sid, None)
