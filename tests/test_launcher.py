@@ -16,7 +16,17 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from procs import LineReader, alive, orphans, run_python, run_shard, started_python, wait_gone
+from procs import (
+    LOOPBACK,
+    LineReader,
+    alive,
+    free_ports,
+    orphans,
+    run_python,
+    run_shard,
+    started_python,
+    wait_gone,
+)
 from shard.nodes.launcher import (
     EXITED_PREFIX,
     STANDBY_SUFFIX,
@@ -24,8 +34,10 @@ from shard.nodes.launcher import (
     Supervisor,
     SwarmError,
     _command,
+    _held,
 )
 from shard.nodes.startup import StartTimeout, cpu_seconds, wait_ready
+from shard.spec.swarm import SwarmSpec
 
 
 def _supervisor() -> tuple[Supervisor, list[NodeExit]]:
@@ -215,3 +227,41 @@ def test_cpu_seconds_reads_this_process() -> None:
     used = cpu_seconds(os.getpid())
     assert used is not None and used > 0
     assert cpu_seconds(2**22 + 1) is None  # above the kernel's pid_max default
+
+
+async def test_the_swarms_own_ports_are_held_while_relays_bind_any_free_port(
+    tmp_path: Path,
+) -> None:
+    """While the relays bind "any free port", the launcher holds every fixed port its nodes
+    and APIs will bind (CI once lost a launcher within seconds of its start with no log; a
+    relay given a node's port is one way that happens): each is then taken to anyone else,
+    one taken already is skipped, and closing the holds frees them all."""
+    ports = free_ports(6)
+    taken = trio.socket.socket()
+    await taken.bind((LOOPBACK, ports[5]))  # another program's, before the launcher
+    taken.listen()
+    at = [f"{LOOPBACK}:{p}" for p in ports]
+    spec = SwarmSpec.from_dict(
+        {
+            "swarm": {"name": "held", "model": str(tmp_path), "insecure": True},
+            "coordinator": {"name": "c", "listen": at[0], "standby": at[1]},
+            "stage": [{"name": "s0", "listen": at[2]}, {"name": "s1", "listen": at[5]}],
+            "api": {"listen": at[3]},
+            "standby": [{"name": "b", "listen": at[4], "layers_of": "s0"}],
+        },
+        source="held.toml",
+    )
+    held = await _held(spec)
+    try:
+        assert sorted(h.socket.getsockname()[1] for h in held) == sorted(ports[:5])
+        for port in ports:
+            probe = trio.socket.socket()
+            with pytest.raises(OSError), probe:
+                await probe.bind((LOOPBACK, port))
+    finally:
+        for listener in held:
+            await listener.aclose()
+        taken.close()
+    for port in ports:
+        with trio.socket.socket() as probe:
+            await probe.bind((LOOPBACK, port))

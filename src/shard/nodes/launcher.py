@@ -206,7 +206,8 @@ async def _start_relays(
     spec: SwarmSpec, nursery: trio.Nursery
 ) -> tuple[dict[str, str], tuple[str, ...], dict[str, DelayRelay]]:
     """A relay per ring edge with latency or a bandwidth cap, or a scripted ``sever``;
-    returns node -> dial override, descriptions, node -> relay."""
+    returns node -> dial override, descriptions, node -> relay. A relay listens on any free
+    port, never one of the swarm's own: those are held while the relays bind (``_held``)."""
     listen = {spec.coordinator.name: str(spec.coordinator.listen)}
     listen.update({s.name: str(s.listen) for s in spec.stages})
     overrides: dict[str, str] = {}
@@ -214,21 +215,45 @@ async def _start_relays(
     relay_of: dict[str, DelayRelay] = {}
     severed = {f.node for f in spec.faults if f.kind == "sever"}
     ring = spec.ring()
-    for src, dst in itertools.pairwise(ring):
-        edge = spec.edge(src, dst)
-        if edge.latency_ms <= 0 and edge.bandwidth_mbps <= 0 and src not in severed:
-            continue
-        relay = DelayRelay(
-            "127.0.0.1:0",
-            listen[dst],
-            latency_s=edge.latency_ms / 1000.0,
-            bandwidth_bps=edge.bandwidth_mbps * 1e6,
-        )
-        bound: str = await nursery.start(relay.run)
-        overrides[src] = bound
-        relay_of[src] = relay
-        relays.append(f"{src}->{dst} via {bound} ({edge.latency_ms:g} ms)")
+    held = await _held(spec)
+    try:
+        for src, dst in itertools.pairwise(ring):
+            edge = spec.edge(src, dst)
+            if edge.latency_ms <= 0 and edge.bandwidth_mbps <= 0 and src not in severed:
+                continue
+            relay = DelayRelay(
+                "127.0.0.1:0",
+                listen[dst],
+                latency_s=edge.latency_ms / 1000.0,
+                bandwidth_bps=edge.bandwidth_mbps * 1e6,
+            )
+            bound: str = await nursery.start(relay.run)
+            overrides[src] = bound
+            relay_of[src] = relay
+            relays.append(f"{src}->{dst} via {bound} ({edge.latency_ms:g} ms)")
+    finally:
+        for listener in held:
+            await listener.aclose()
     return overrides, tuple(relays), relay_of
+
+
+async def _held(spec: SwarmSpec) -> list[trio.SocketListener]:
+    """Listeners on every fixed port the swarm's nodes and APIs will bind that is free now:
+    while held, no "any free port" bind (a relay's) can be given one of them. A port taken
+    already is skipped: its node reports it."""
+    me = spec.coordinator
+    addresses = [me.listen, me.standby, me.standby_api, spec.api.listen]
+    addresses += [n.listen for n in (*spec.stages, *spec.standbys)]
+    held: list[trio.SocketListener] = []
+    for address in addresses:
+        host, port = split_address(str(address)) if address is not None else ("", 0)
+        if port == 0:
+            continue
+        try:
+            held += await trio.open_tcp_listeners(port, host=host)
+        except OSError:
+            continue
+    return held
 
 
 def _command(
