@@ -243,7 +243,7 @@ async def _held(spec: SwarmSpec) -> list[trio.SocketListener]:
     already is skipped: its node reports it."""
     me = spec.coordinator
     addresses = [me.listen, me.standby, me.standby_api, spec.api.listen]
-    addresses += [n.listen for n in (*spec.stages, *spec.standbys)]
+    addresses += [s.listen for s in spec.stages] + [s.listen for s in spec.standbys]
     held: list[trio.SocketListener] = []
     for address in addresses:
         host, port = split_address(str(address)) if address is not None else ("", 0)
