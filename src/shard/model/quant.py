@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shard.model.device import cpu_has_bf16
+from shard.model.linear import padded_linear
 
 __all__ = [
     "KERNEL_GROUPS",
@@ -315,8 +316,14 @@ class QuantLinear(nn.Module):
         else:
             assert self.q is not None
             w = self.q.dequantize(dtype=self.compute)
-            two = rows.shape[0] == 1 and rows.dtype is torch.bfloat16  # see shard.model.linear
-            out = F.linear(rows.expand(2, -1), w)[:1] if two else F.linear(rows, w)
+            cpu = rows.device.type == "cpu"
+            two = cpu and rows.shape[0] == 1 and rows.dtype is torch.bfloat16  # shard.model.linear
+            if two:
+                out = F.linear(rows.expand(2, -1), w)[:1]
+            elif cpu and rows.dtype is torch.float32:
+                out = padded_linear(rows, w)  # row-invariant (shard.model.linear)
+            else:
+                out = F.linear(rows, w)
         result: Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result if self.bias is None else result + self.bias
 
