@@ -20,7 +20,8 @@ end ``shard ledger`` over the receipt log against the tokens the clients receive
 JSON (``--json``) and an SVG of tok/s and RSS over time next to it; prints a summary.
 
 A benchmark, not a test: it asserts nothing and records everything. Run it alone. SIGUSR1
-ends it early, as ``--hours`` would (no new requests; the result says when).
+ends it early, as ``--hours`` would (no new requests; one in flight retries for two minutes
+more, not ten; the result says when).
 
     .venv/bin/python bench/soak.py --hours 2 --stages 16 --standbys 4 --clients 16 \
         --json bench/results/soak.json
@@ -249,6 +250,8 @@ def stream_once(
     except (OSError, ValueError) as exc:
         got = {"status": 0, "text": text, "ended": f"{type(exc).__name__}: {exc}"}
         return got | {"key": key, "tokens": tokens}
+    if ended == "connection closed before [DONE]":  # a clean close mid-stream: broken too
+        return {"status": 0, "text": text, "ended": ended, "key": key, "tokens": tokens}
     got = {"status": 200, "text": text, "usage": usage, "ended": ended}
     return got | {"key": key, "tokens": tokens}
 
@@ -267,7 +270,9 @@ async def client(
             got = await trio.to_thread.run_sync(
                 stream_once, apis[0], args.model_id, prompt, args.max_tokens, resume
             )
-            late = swarm.now() > stop_at + 600
+            late = swarm.now() > stop_at + 600 or (
+                tally.stopped_early is not None and swarm.now() > tally.stopped_early + 120
+            )  # a request in flight gets ten minutes past the end (two past SIGUSR1)
             if got["status"] in (503, 429) and not late:
                 retries[str(got["status"])] += 1  # the ring is repairing, or full: wait
                 await trio.sleep(1.0)

@@ -309,11 +309,13 @@ async def started_python(code: str, *args: str) -> AsyncIterator[trio.Process]:
 
 
 class LineReader:
-    """Reads a process's stdout line by line (the caller bounds each read with a deadline)."""
+    """Reads a process's stdout line by line (the caller bounds each read with a deadline);
+    ``log``: the process's stderr file, whose tail an ``EOFError`` carries (why it ended)."""
 
-    def __init__(self, stream: trio.abc.ReceiveStream | None) -> None:
+    def __init__(self, stream: trio.abc.ReceiveStream | None, log: Path | None = None) -> None:
         assert stream is not None
         self._stream = stream
+        self._log = log
         self._buffer = b""
         self.seen: list[str] = []
 
@@ -328,7 +330,8 @@ class LineReader:
                     return line
             chunk = await self._stream.receive_some(65536)
             if not chunk:
-                raise EOFError(f"stdout ended before a {prefix!r} line; saw {self.seen[-5:]}")
+                why = "" if self._log is None else "\n" + self._log.read_text()[-6000:]
+                raise EOFError(f"stdout ended before a {prefix!r} line; saw {self.seen[-5:]}{why}")
             self._buffer += chunk
 
 

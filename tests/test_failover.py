@@ -60,6 +60,7 @@ def failover_spec(
     speculate: bool = False,
     join_deadline_s: float = 5,
     dead_after_s: float = 1.0,
+    latency_ms: float | None = None,
 ) -> SwarmSpec:
     data: dict[str, Any] = {
         "swarm": {"name": "test", "model": str(model_dir), "insecure": True},
@@ -83,6 +84,8 @@ def failover_spec(
         data["standby"] = [{"name": "late", "listen": "127.0.0.1:9022", "layers_of": "s1"}]
     if speculate:
         data["speculation"] = {"draft": "ngram", "k": 3, "depth": 2}
+    if latency_ms is not None:  # one way, every edge (emulated in process)
+        data["links"] = {"latency_ms": latency_ms}
     return SwarmSpec.from_dict(data, source="failover-test.toml")
 
 
@@ -573,3 +576,19 @@ def test_a_stalled_stage_with_no_standby_rejoins_its_slot(
         said = [e for e in out.events if "was replaced by" in e or " replaced s1" in e]
         assert said == [], f"{plan}: {out.events}"
         assert any("s1 rejoined its slot s1" in e for e in out.events), out.events
+
+
+def test_a_ring_whose_lap_outlasts_retry_after_s_still_answers(
+    model_dir: Path, references: list[tuple[int, ...]]
+) -> None:
+    """Every edge 1 s one way (a lap over 4 s) against ``retry_after_s`` 3 s: the ring is
+    slow, not lossy. The first re-send for silence is premature (its epoch's verdict arrives
+    after it), so the request waits longer from then on and every output is right. Before,
+    each re-send made the verdict about to arrive stale: no request progressed, and each
+    failed with "gave up after 8 re-sends" (the soak's swarm after a takeover, issue 40)."""
+    spec = failover_spec(model_dir, dead_after_s=10.0, latency_ms=1000.0)
+    out = run_scenario(spec, model_dir, FaultPlan(0, ()))
+    for i, result in enumerate(out.results):
+        assert isinstance(result, Completion), f"request {i} failed: {result}"
+        assert result.token_ids == references[i], f"request {i} output differs"
+    assert any(e.startswith("resync") for e in out.events), out.events  # it did re-send once

@@ -19,9 +19,9 @@ to the launcher's fixed 180 s deadline, which now waits for a start that works
 (``shard.nodes.startup``). Later it failed 5 runs in 5: the tail stage's first full garbage
 collection (210,000 objects, 0.67 s under this load) fell on the first request and paused its
 heartbeats 1.0 s, so it was suspected; nodes now freeze their start-up heap when ready
-(``shard.compute.heap``), and it passed 2 runs in 2. Hogs are ``python -c 'while True: pass'`` children started in
-their own sessions and killed by PID; the swarm's processes by ``tests/procs.py``. Loopback
-only; the spec's ports are replaced by free ones, nothing else.
+(``shard.compute.collector``), and it passed 2 runs in 2. Hogs are ``python -c 'while True:
+pass'`` children started in their own sessions and killed by PID; the swarm's processes by
+``tests/procs.py``. Loopback only; the spec's ports are replaced by free ones, nothing else.
 """
 
 from __future__ import annotations

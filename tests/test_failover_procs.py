@@ -270,7 +270,7 @@ async def test_swarm_up_serves_on_when_a_stage_is_sigkilled(
     log = tmp_path / "launcher.log"
     reference = await local_reference(llama_dir)
     async with started_shard("swarm", "up", str(spec), stderr_path=log) as launcher:
-        stdout = LineReader(launcher.stdout)
+        stdout = LineReader(launcher.stdout, log)
         with trio.fail_after(RUN_S):
             up = await stdout.line_starting("SHARD SWARM UP")
         fields = dict(part.split("=", 1) for part in up.split()[3:])

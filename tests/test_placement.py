@@ -240,7 +240,7 @@ def test_a_fixed_ring_longer_than_the_exact_limit_is_chained_nearest_first() -> 
     assert set(found.standbys) == set(names[16:])
     assert found.method.startswith("heuristic: a chain of the 16")
     small_near = tuple(node(n, mem=1 if n < "n16" else 100) for n in names)
-    with pytest.raises(PlanError, match="among the 16 candidates .* with exactly 16 stages"):
+    with pytest.raises(PlanError, match=r"among the 16 candidates .* with exactly 16 stages"):
         plan(Problem(small_near, rtt, model, ("c",), ring_size=16))  # the 16 nearest too small
 
 

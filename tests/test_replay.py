@@ -131,6 +131,40 @@ async def test_sessions_of_a_previous_coordinator_are_freed(block: Path) -> None
     assert executor.statistics().sessions == 1
 
 
+async def test_a_previous_coordinators_open_coming_later_frees_nothing(block: Path) -> None:
+    """After a takeover the new coordinator's sessions live here; an ``OpenSession`` of the
+    old incarnation replayed afterwards (a log that still held it) is ignored and not
+    forwarded, where it used to free the new coordinator's live sessions (the soak of issue
+    40: three requests stalled after a splice that followed a takeover)."""
+    old, new = SessionId((5 << SESSION_BITS) + 1), SessionId((6 << SESSION_BITS) + 1)
+    prompt = Prefill(new, Epoch(0), ChunkSeq(0), 0, False, ids=(1, 2, 3))
+    out, executor = await run_stage(
+        block,
+        [
+            OpenSession(old, max_len=64),
+            OpenSession(new, max_len=64),  # the new coordinator: old is freed, retired
+            prompt,
+            OpenSession(SessionId(old + 1), max_len=64),  # replayed late: ignored
+            Verify(new, Epoch(0), ChunkSeq(1), 3, ids=(4,)),
+        ],
+    )
+    assert executor.statistics().sessions == 1
+    assert [type(m).__name__ for m in out] == ["Verdict"]  # new's KV was kept: no gap
+
+
+def test_the_log_drops_a_previous_coordinators_sessions_at_the_new_ones_first_open() -> None:
+    old, new = SessionId((5 << SESSION_BITS) + 1), SessionId((6 << SESSION_BITS) + 1)
+    log = ReplayLog(max_bytes=8 * 10)
+    log.record(OpenSession(old, max_len=64))
+    log.record(Prefill(old, Epoch(0), ChunkSeq(0), 0, True, ids=(1, 2)))
+    log.record(OpenSession(SessionId(old + 1), max_len=64))
+    log.record(Verify(SessionId(old + 1), Epoch(0), ChunkSeq(0), 0, ids=tuple(range(11))))
+    assert log.statistics().dropped == 1  # old + 1 passed the bound
+    log.record(OpenSession(new, max_len=64))
+    assert [m.session for m in log.replay()] == [new]
+    assert log.statistics().nbytes == 0 and log.statistics().dropped == 0
+
+
 def test_replaying_the_log_rebuilds_bit_identical_kv(block: Path) -> None:
     """What a spliced-in standby gets: the log's chunks, replayed into a fresh cache, give
     exactly the KV the lost node had for every position before the frontier — through a

@@ -200,14 +200,15 @@ async def test_the_cli_and_a_stream_get_their_whole_output_when_the_primary_is_k
     keeps the swarm; the standby takes over; the CLI's output equals the uninterrupted run's,
     and so does the stream's text, read from the primary and then from the standby's API
     re-issued with ``X-Shard-Resume``."""
-    spec, where = standby_spec(tmp_path / "standby.toml", llama_dir)
     (reference,) = (await local_reference(llama_dir, "--json")).json_records()
     printed = (await local_reference(llama_dir)).stdout  # the CLI prints no decoder tail
+    # Its ports picked last, just before the launcher binds them: free a moment ago.
+    spec, where = standby_spec(tmp_path / "standby.toml", llama_dir)
     log = tmp_path / "launcher.log"
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     body["stream"] = True
     async with started_shard("swarm", "up", str(spec), stderr_path=log) as launcher:
-        stdout = LineReader(launcher.stdout)
+        stdout = LineReader(launcher.stdout, log)
         with trio.fail_after(RUN_S):
             up = await stdout.line_starting("SHARD SWARM UP")
         fields = dict(part.split("=", 1) for part in up.split()[3:])

@@ -216,7 +216,7 @@ async def test_swarm_up_serves_generate_and_sigint_stops_every_node(
     prompt = PROMPTS[0]
     log = tmp_path / "launcher.log"
     async with started_shard("swarm", "up", str(spec), stderr_path=log) as launcher:
-        stdout = LineReader(launcher.stdout)
+        stdout = LineReader(launcher.stdout, log)
         async with trio.open_nursery() as nursery:
             want: dict[str, Any] = {}
 

@@ -52,7 +52,7 @@ _OPERATOR_ERRORS: Final = (
     ("shard.failover.control", "NodeReplaced"),
     ("shard.failover.control", "JoinRefused"),  # a --join node whose registration was refused
     # a [formation] swarm whose nodes never came, or cannot hold the model:
-    ("shard.formation.formation", "FormationError"),
+    ("shard.formation.report", "FormationError"),
     ("shard.api.keys", "KeyFileError"),
     ("shard.placement.problem", "PlanError"),  # shard plan: no ring fits, or a bad --rtt geography
     ("shard.decode.head.model", "HeadError"),  # draft = "head": no finished head (HeadNotFound)

@@ -137,7 +137,7 @@ async def _ports_free(spec: Any, name: str, *, api: bool, standby: bool = False)
 
 
 async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: Path) -> None:
-    from shard.compute.heap import settle
+    from shard.compute.collector import settle
     from shard.nodes.compose import node_network
     from shard.nodes.coordinator import run_coordinator, run_stage, run_standby
     from shard.nodes.launcher import ready_line
@@ -201,7 +201,7 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
                     task_status=task_status,
                 )
             )
-            settle()  # full collections stay short while it serves (shard.compute.heap)
+            settle()  # full collections stay short while it serves (shard.compute.collector)
             print(ready_line(name, str(spec.coordinator.standby)), flush=True)
             return
         else:
@@ -215,5 +215,5 @@ async def _run_node(spec: Any, name: str, args: argparse.Namespace, model_dir: P
                     task_status=task_status,
                 )
             )
-        settle()  # full collections stay short while it serves (shard.compute.heap)
+        settle()  # full collections stay short while it serves (shard.compute.collector)
         print(ready_line(name, handle.address, getattr(handle, "api", None)), flush=True)

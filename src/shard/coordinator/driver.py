@@ -134,6 +134,8 @@ class RequestDriver:
             features=self._proposer.features if self._proposer is not None else 0,
         )
         self._resyncs = 0
+        self._patience = limits.retry_after_s  # silence before a re-send; grows on a slow ring
+        self._silent_from: Epoch | None = None  # the epoch a re-send for silence left
         self._progress_at = trio.current_time()
         self._sources: dict[int, str] = {}  # the hybrid's: which draft guessed each position
 
@@ -371,11 +373,18 @@ class RequestDriver:
         deadlines end the wait). Otherwise no answer for ``retry_after_s`` re-sends (frames
         may have been lost), and none for ``verdict_timeout_s`` (measured from the last
         verdict, across re-sends) ends the request.
+
+        A verdict of the epoch that re-send left behind shows it was premature: the ring is
+        slow, not lossy. The request then waits twice as long before the next re-send (up to
+        half of ``verdict_timeout_s``) and that re-send does not count against
+        ``max_resyncs``. Without it a lap longer than ``retry_after_s`` (a loaded swarm after
+        a takeover, the soak of issue 40) never answered: each re-send made the verdict about
+        to arrive stale and added work.
         """
         limits, ledger, state = self._limits, self._ledger, self._state
         while True:
             quiet = trio.current_time() - self._progress_at
-            slice_s = max(0.0, min(limits.retry_after_s, limits.verdict_timeout_s - quiet))
+            slice_s = max(0.0, min(self._patience, limits.verdict_timeout_s - quiet))
             with trio.move_on_after(slice_s) as waited:
                 msg = await self._route.receive()
             if waited.cancelled_caught:
@@ -384,6 +393,7 @@ class RequestDriver:
                     self._progress_at = trio.current_time()  # the repair's deadlines bound it
                     continue
                 if quiet < limits.verdict_timeout_s:
+                    self._silent_from = epoch  # a verdict of it coming later: premature
                     return Resync(full=False, reason=f"no verdict for {quiet:g} s")
                 detail = f"no answer from the ring for {quiet:g} s"
                 ledger.event("fault", detail)
@@ -412,6 +422,10 @@ class RequestDriver:
                 self._job.received_verdict(
                     msg.epoch, msg.seq, msg.start, msg.target_ids, msg.accepted
                 )
+            if self._silent_from is not None and msg.epoch <= self._silent_from:
+                self._silent_from = None  # that re-send was premature: the ring is slow
+                self._patience = min(2 * self._patience, limits.verdict_timeout_s / 2)
+                self._resyncs = max(0, self._resyncs - 1)
             self._progress_at = trio.current_time()
             return msg
 

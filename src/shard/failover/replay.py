@@ -20,6 +20,12 @@ the records its sender's output chain hashes): the replayed ``OpenSession`` carr
 stood and ends equal to the sender's output chain. It lives for the job (a re-sent
 ``OpenSession`` of the same job keeps it).
 
+A new coordinator's first ``OpenSession`` (another incarnation in the session id's high bits)
+drops the sessions of the one before from the log, as the stages drop them
+(``StageExecutor``): replayed into a standby and forwarded, a previous coordinator's
+``OpenSession`` made the next stage drop the new coordinator's live sessions (the soak of
+issue 40: three requests stalled 60 s after a splice that followed a takeover).
+
 A session whose log would pass ``max_bytes`` is dropped from the log (``replayable`` says so):
 a standby then misses its KV, reports a gap, and the coordinator re-sends the session from its
 own log of token ids, which is small. Nothing is lost; it only costs more compute.
@@ -41,6 +47,7 @@ from shard.messages import (
     SessionId,
     Tensor,
     Verify,
+    incarnation_of,
 )
 from shard.trust.receipts import Chain, chunk_record, payload_of
 
@@ -103,6 +110,10 @@ class ReplayLog:
     def record(self, msg: Message) -> None:
         """Note a message that was sent downstream."""
         if isinstance(msg, OpenSession):
+            incarnation = incarnation_of(msg.session)
+            for sid in [s for s in self._sessions if incarnation_of(s) != incarnation]:
+                self._forget(sid)  # a previous coordinator's: dead on every stage
+            self._dropped = {s for s in self._dropped if incarnation_of(s) == incarnation}
             known = self._sessions.get(msg.session)
             self._forget(msg.session)
             self._dropped.discard(msg.session)

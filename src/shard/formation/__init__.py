@@ -7,7 +7,10 @@ after a failure uses it.
                       and who accepts inbound connections (pure bookkeeping)
     formation.py      ``Formation``: waits for the joiners, measures the mesh, plans
                       (``shard.placement``) and activates the ring; re-measures; chooses the
-                      sticky re-plan after a stage died; ``FormationError``
+                      sticky re-plan after a stage died
+    warm.py           a ring still running when a coordinator starts (a standby that took
+                      over): adopted as it stands, its tail's return link re-dialled
+    report.py         RTT reports checked, plans described in a line, ``FormationError``
 
 It imports the member registry and RTT measurement (``shard.membership``), planning, specs,
 messages, transport and trust; never recovery (``shard.failover``: its scheduler drives the

@@ -30,24 +30,33 @@ measured too. After a stage dies, ``choose`` re-plans on the latest mesh with th
 ``replan`` (standbys only: a running stage cannot grow its block yet), so only the dead stage's
 layers move; ``spliced`` commits it.
 
+A ring still running when this coordinator starts (a standby coordinator that took over) is
+adopted as it stands instead (``shard.formation.warm``).
+
 Errors: ``FormationError`` (the ring cannot form; the message says what to do).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
 from shard.formation.mesh import Mesh, MeshStatistics
+from shard.formation.report import (
+    UNREACHABLE_MS,
+    FormationError,
+    check_report,
+    describe,
+    unmeasured,
+)
+from shard.formation.warm import adopt, adopted_plan, warm_ring
 from shard.logs import NOTE
 from shard.membership.registry import Member, RecoveryFailed, Registry, Slot
 from shard.messages import Activate, MeasureRtt, NodeName, RttReport
 from shard.placement import Candidate, ModelFacts, Plan, PlanError, Problem, RttMatrix, plan
-from shard.placement.lap import Hop
 from shard.placement.replan import moved_layers, replan
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
@@ -56,28 +65,12 @@ from shard.trust.admission import TRUSTED_ROLE
 
 log = logging.getLogger(__name__)
 
-#: Stand-in round trip (ms) for a pair nobody could measure: the planner avoids that edge.
-UNREACHABLE_MS = 60_000.0
 #: How long each candidate may take to measure its row of the mesh.
 MEASURE_TIMEOUT_S = 20.0
 
 #: The coordinator's own probe of a listen address: the median round trip in seconds, or
 #: None when it could not reach it (``shard.membership.rtt.measure_rtt``, bound to its network).
 Prober = Callable[[str], Awaitable[float | None]]
-
-
-class FormationError(Exception):
-    """The ring could not form; ``str()`` says who joined, what is missing and what to do."""
-
-
-def check_report(asked: MeasureRtt, report: RttReport) -> str | None:
-    """Why an ``RttReport`` does not answer ``asked``, or None."""
-    if report.names != asked.names or len(report.rtt_ms) != len(asked.names):
-        return "names or entries do not match the MeasureRtt it answers"
-    for ms in report.rtt_ms:
-        if not (ms == -1.0 or (math.isfinite(ms) and 0 <= ms <= UNREACHABLE_MS)):
-            return f"round trip {ms!r} is neither -1 nor in [0, {UNREACHABLE_MS:g}] ms"
-    return None
 
 
 class Formation:
@@ -106,6 +99,7 @@ class Formation:
         self.mesh = Mesh(registry.node)
         self._unreachable: set[NodeName] = set()  # as last noted
         self._formed = trio.Event()
+        self._cold = False  # stage claims that never made a whole ring: ignored (warm.py)
         #: the mesh's notes from the measurement before forming (for the status feed)
         self.formed_notes: list[str] = []
         self._reported = trio.Event()
@@ -139,7 +133,10 @@ class Formation:
         docstring). Errors: ``FormationError``."""
         joined = await self._wait_joined()
         self.formed_notes = [*await self._measure(joined), *self._note_reach(joined)]
+        warm = None if self._cold else warm_ring(joined, self._model.n_layers)  # complete
         try:
+            if warm is not None:
+                return await self._adopt(adopted_plan(self._problem(joined), warm.stages))
             found = plan(self._problem(joined))
         except PlanError as exc:
             raise FormationError(f"the joined nodes cannot form a ring: {exc}") from None
@@ -169,6 +166,14 @@ class Formation:
         self._formed.set()
         out = f"; behind NAT (dialled through the relay): {', '.join(sorted(behind))}"
         log.log(NOTE, "formation: formed the ring %s%s", describe(found), out if behind else "")
+        return found
+
+    async def _adopt(self, found: Plan) -> Plan:
+        """Take the running ring ``found`` as it is (``shard.formation.warm``)."""
+        await adopt(self._registry, found, self._policy.splice_timeout_s)
+        self.plan = found
+        self._formed.set()
+        log.log(NOTE, "formation: adopted the running ring %s", describe(found))
         return found
 
     @property
@@ -237,8 +242,23 @@ class Formation:
     async def _wait_joined(self) -> list[Member]:
         spec, need = self._spec, self._model.total_bytes
         deadline = self._clock() + spec.wait_s
+        warm_until: float | None = None
         while True:
             joined = self._candidates()
+            warm = None if self._cold else warm_ring(joined, self._model.n_layers)
+            if warm is not None:  # a running ring: adopted whole, never formed over
+                if warm.complete:
+                    return joined
+                warm_until = warm_until or self._clock() + self._policy.join_deadline_s
+                if self._clock() >= warm_until:  # false or stale claims: formed without them
+                    log.warning("formation: stage claims lack %s after %g s; forming without "
+                                "them", warm.missing, self._policy.join_deadline_s)  # fmt: skip
+                    self._cold = True
+                    continue
+                with trio.move_on_after(warm_until - self._clock()):
+                    await self._registry.wait_joined()
+                continue
+            joined = [m for m in joined if not (self._cold and m.role == "stage")]
             held = sum(m.profile.memory_bytes for m in joined if m.profile is not None)
             if len(joined) >= spec.expect and held >= need:
                 return joined
@@ -412,30 +432,6 @@ class Formation:
             "formation: re-planned after %s died: %s (moved %d layers: %s)",
             dead, describe(after), moved_layers(before, after), after.method,
         )  # fmt: skip
-
-
-def unmeasured(p: Plan) -> tuple[Hop, ...]:
-    """The hops of ``p`` priced with the ``UNREACHABLE_MS`` stand-in, not a measurement: a
-    node that joined after the last mesh round (its round trips are not known yet), or one
-    whose row was dropped. The planner counts them so to avoid them; a lap quoted to an
-    operator must not (60 s a hop is no prediction)."""
-    return tuple(h for h in p.hops if h.ms >= UNREACHABLE_MS / 2)
-
-
-def describe(p: Plan) -> str:
-    """One line: ``coord -> a [0, 3) -> b [3, 6) -> coord; standbys: c; predicted lap 1.2 ms``.
-    Hops not measured yet are named, not added: ``predicted lap 14.78 ms over the measured
-    hops; not measured yet: coord -> d, d -> b (the next mesh round measures them)``."""
-    stages = " -> ".join(f"{s.node} [{s.first}, {s.last})" for s in p.stages)
-    standbys = ", ".join(p.standbys) or "none"
-    missing = unmeasured(p)
-    lap = f"predicted lap {p.lap_ms - sum(h.ms for h in missing):.2f} ms"
-    if missing:
-        hops = ", ".join(f"{h.src} -> {h.dst}" for h in missing)
-        lap += (
-            f" over the measured hops; not measured yet: {hops} (the next mesh round measures them)"
-        )
-    return f"{p.coordinator} -> {stages} -> {p.coordinator}; standbys: {standbys}; {lap}"
 
 
 __all__ = [

@@ -61,6 +61,7 @@ class Member:
     #: The key the peer's handshake proved (None on a plaintext wire): on a secure swarm only
     #: this key may register under this member's name while it lives (``Registry.name_refusal``).
     identity: bytes | None = None
+    slot: str = ""  # the ring slot it said it serves ("" for a standby): a warm ring's
 
     @classmethod
     def registered(
@@ -84,6 +85,7 @@ class Member:
             profile=register.profile,
             token_roles=token_roles(conn),
             identity=peer_identity(conn),
+            slot=register.slot,
         )
 
     async def order(self, order: Activate | Rewire, *, timeout_s: float) -> None:

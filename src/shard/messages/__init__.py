@@ -75,6 +75,7 @@ from shard.messages.ids import (
     Epoch,
     NodeName,
     SessionId,
+    incarnation_of,
 )
 from shard.messages.reach import (
     CallMe,
@@ -267,4 +268,5 @@ __all__ = [
     "VerdictRecord",
     "Verify",
     "Welcome",
+    "incarnation_of",
 ]

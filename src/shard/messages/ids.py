@@ -13,6 +13,13 @@ PROTOCOL_VERSION = 1
 #: A session id is ``incarnation << SESSION_BITS | n``: each coordinator start draws a new
 #: incarnation, so stages recognise (and free) sessions a coordinator that died left behind.
 SESSION_BITS = 32
+
+
+def incarnation_of(session: int) -> int:
+    """The coordinator start a session id belongs to (its high bits)."""
+    return session >> SESSION_BITS
+
+
 #: The most rows of target features a session may ask for with each verdict
 #: (``OpenSession.features``).
 MAX_FEATURES = 256

@@ -28,7 +28,6 @@ from pathlib import Path
 import attrs
 import trio
 
-from shard.compute.heap import settle
 from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
 from shard.failover.edge import DownstreamLink
 from shard.failover.fence import Fence
@@ -232,7 +231,6 @@ class _StageNode:
             log.info("%s: loading layers %d..%d (cold)", self._name, order.first, order.last)
             block = await load_from(self._config.load, model_dir, order.first, order.last)
             self._block = block
-            settle()  # the block lives as long as the node (shard.compute.heap)
         serving = await self.build(block, order.slot, order.successor)
         await self._starts_send.send(serving)
         self._serving = serving

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import attrs
@@ -29,7 +30,6 @@ from shard.compute import offload
 from shard.decode.state import BadRequest, check_sampling
 from shard.messages import (
     MAX_FEATURES,
-    SESSION_BITS,
     EndSession,
     Epoch,
     Fault,
@@ -43,6 +43,7 @@ from shard.messages import (
     Truncate,
     Verdict,
     Verify,
+    incarnation_of,
 )
 from shard.model.llama import StageModel
 from shard.stage.batch import (
@@ -146,6 +147,7 @@ class StageExecutor:
         self._faults = 0
         self._stale = 0
         self._epochs: dict[SessionId, int] = {}
+        self._retired: deque[int] = deque(maxlen=64)  # incarnations of previous coordinators
         self._forwards = 0
         self._max_rows = 0
         self._queued_s = 0.0
@@ -304,6 +306,9 @@ class StageExecutor:
             if not self._model.is_last:
                 await self._outbox.send(msg)
             return
+        if incarnation_of(msg.session) in self._retired:  # a replay of a dead coordinator's
+            log.warning("%s: ignored session %d of a previous coordinator", self._node, msg.session)
+            return
         self._drop_orphans(msg.session)
         if len(self._sessions) >= self._max_sessions:
             await self._fault(
@@ -357,9 +362,12 @@ class StageExecutor:
     def _drop_orphans(self, session: SessionId) -> None:
         """Sessions opened by an earlier coordinator (another incarnation in the id's high
         bits) can never continue: a ring has one coordinator, and a restarted one resumes
-        with new sessions. Free them."""
-        incarnation = session >> SESSION_BITS
-        for sid in [s for s in self._sessions if s >> SESSION_BITS != incarnation]:
+        with new sessions. Free them, and retire their incarnation: its ``OpenSession``
+        coming later (replayed from a log) is ignored, never left to free these."""
+        incarnation = incarnation_of(session)
+        for sid in [s for s in self._sessions if incarnation_of(s) != incarnation]:
+            if incarnation_of(sid) not in self._retired:
+                self._retired.append(incarnation_of(sid))
             log.warning("%s: dropped session %d of a previous coordinator", self._node, sid)
             self._forget(self._sessions.pop(sid))
             self._epochs.pop(sid, None)

@@ -1,11 +1,11 @@
-"""``shard.compute.heap.settle``: what is alive when a node is ready is out of the garbage
+"""``shard.compute.collector.settle``: what is alive when a node is ready is out of the garbage
 collector's full passes (the pause it avoids is shown by ``tests/test_failover_hogs.py``)."""
 
 from __future__ import annotations
 
 import gc
 
-from shard.compute.heap import settle
+from shard.compute.collector import settle
 
 
 class _Lasting:

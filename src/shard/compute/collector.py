@@ -9,10 +9,12 @@ the failure detector to suspect it (``tests/test_failover_hogs.py``: 0.67 s coll
 tail stage at its first request, beside ten CPU hogs).
 
 ``settle`` moves every object alive at that moment into the collector's permanent generation
-(``gc.freeze``): later passes walk only what was made since. It collects nothing first (a
-collection is the very pause this avoids; the few cycles of garbage alive then are kept, once
-per call), so call it at a few points that each follow a large, lasting allocation: a node
-ready to serve, a block loaded by ``Activate``.
+(``gc.freeze``): later passes walk only what was made since. ``shard up`` calls it once, when
+its node is ready. It first collects the young generations only (milliseconds: recent cycles
+of garbage, such as a loader's temporaries, are freed, not frozen); a full collection there
+would be the very pause this avoids, and the few cycles already old are kept. A block loaded
+later (a standby's ``Activate``) adds thousands of objects, not hundreds of thousands, so it is
+not settled: the library never freezes its caller's heap (an in-process test's, say).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import gc
 
 
 def settle() -> int:
-    """``gc.freeze`` every object alive now; returns how many the collector keeps frozen."""
+    """Collect the young generations, then ``gc.freeze`` every object alive; returns how many
+    the collector keeps frozen."""
+    gc.collect(1)
     gc.freeze()
     return gc.get_freeze_count()
 
