@@ -238,7 +238,9 @@ def test_stored_weights_load_run_and_are_priced(
     """A checkpoint kept quantized (``weights = "stored"``): every MLA and expert linear runs
     stored, kv_b_proj and the routers are installed dense from their codes, the logits stay
     within 2 % of the largest of the same codes run densely, a verify chunk equals its decode
-    steps bit for bit, and ``footprint.stored`` prices each stage to the byte."""
+    steps bit for bit, and ``footprint.stored`` prices each stage to the byte. The packed
+    kernels take bf16 activations (``kernel_dtype``), so the bound is bf16's 5 % (measured
+    2.1 %, 0.25 of 11.8; 2 % held while this CPU ran them in float32)."""
     path = stored_copy(family_checkpoint("deepseek_v3"), tmp_path / "stored")
     config = ModelConfig.from_dir(path)
     stage = load_stage(path, 0, 4)  # the default for a quantized checkpoint: stored
@@ -248,7 +250,8 @@ def test_stored_weights_load_run_and_are_priced(
     dense = load_stage(path, 0, 4, weights="float32")  # the codes dequantized
     ids = torch.tensor([LONG])
     got, want = stage(ids, 0, stage.new_cache(32)), dense(ids, 0, dense.new_cache(32))
-    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+    bound = 0.05 if kernel_dtype(torch.device("cpu")) is torch.bfloat16 else 0.02
+    assert float((got - want).abs().max()) < bound * float(want.abs().max())
     chunk, steps = _chunk_and_steps(stage, LONG, [44, 45, 46, 47, 48, 49])
     assert torch.equal(chunk, steps)
     prices = stored(config, path, bf16_kernels=kernel_dtype(torch.device("cpu")) is torch.bfloat16)

@@ -287,8 +287,13 @@ def test_int8_quantizes_the_indexer_projections_and_keeps_its_weights_dense(
     """weights="int8": the indexer's wq_b and wk run quantized, weights_proj stays a dense
     float32 matrix multiplied row by row (rowwise). The selection is discrete, so int8's noise
     (~0.01 on scores of ~0.5 here) swaps keys whose scores are that close: the first layer
-    (int8 noise only, no earlier swap) keeps float's selection on most rows, greedy decoding
-    starts with float's token."""
+    (int8 noise only, no earlier swap) keeps float's selection on most rows.
+
+    The greedy tokens are reported, not asserted: the packed int8 kernels take bf16
+    activations on every CPU (``shard.model.quant.kernel_dtype``), and on this random
+    checkpoint that rounding flips a near-tied choice by the first token (float 75, int8 69;
+    with float32 activations, as before, by the second). Exactness — a verify chunk equal to
+    its decode steps, a batched row equal to its lone run — is asserted beside it."""
     from shard.model.dsa import IndexWeights
     from shard.model.quant import QuantLinear
 
@@ -306,8 +311,11 @@ def test_int8_quantizes_the_indexer_projections_and_keeps_its_weights_dense(
         dense(ids, 0, dense.new_cache(32))
     same = sum(a == b for a, b in zip(got[0], want[0], strict=True))
     assert same >= 3 * len(LONG) // 4
-    assert shard_greedy(stage, BATCH[0], 1)[0] == shard_greedy(dense, BATCH[0], 1)[0]
-    report(f"{NAME}: int8 keeps float's first-layer selection on {same} of {len(LONG)} rows")
+    quantized, plain = shard_greedy(stage, BATCH[0], 3)[0], shard_greedy(dense, BATCH[0], 3)[0]
+    report(
+        f"{NAME}: int8 keeps float's first-layer selection on {same} of {len(LONG)} rows; "
+        f"greedy int8 {quantized}, float {plain}"
+    )
 
 
 def test_stored_weights_run_row_invariant_and_are_priced(

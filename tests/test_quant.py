@@ -9,6 +9,7 @@ from shard.model.quant import (
     QuantEmbedding,
     Quantized,
     QuantLinear,
+    dense_dtype,
     kernel_dtype,
     quantize_int4,
     quantize_int8,
@@ -88,12 +89,21 @@ def test_embedding_gathers_dequantized_rows() -> None:
         assert torch.equal(emb(ids), q.dequantize()[ids])
 
 
-def test_kernel_dtype_is_bf16_only_with_bf16_instructions() -> None:
-    """Products run in bf16 where the CPU has bf16 instructions, else float32."""
-    from shard.model.device import cpu_has_bf16
-
-    want = torch.bfloat16 if cpu_has_bf16() else torch.float32
-    assert kernel_dtype(torch.device("cpu")) is want
+def test_packed_kernels_run_in_bf16_and_dequantized_products_as_the_cpu_allows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The packed kernels run in bf16 on every CPU (their float32 variants are 11-33x slower
+    where there are no bf16 instructions); a weight dequantized per call (a group of 16) is
+    multiplied in bf16 only where the CPU has bf16 instructions, else in float32."""
+    for has_bf16 in (False, True):
+        monkeypatch.setattr("shard.model.quant.cpu_has_bf16", lambda has=has_bf16: has)
+        assert kernel_dtype(torch.device("cpu")) is torch.bfloat16
+        dense = torch.bfloat16 if has_bf16 else torch.float32
+        assert dense_dtype(torch.device("cpu")) is dense
+        w = _weight(n=32, k=64)
+        assert QuantLinear(quantize_int4(w)).compute is torch.bfloat16
+        odd = QuantLinear(quantize_int4(w, group=16))
+        assert odd.path == "dequantize" and odd.compute is dense
 
 
 def test_packed_bytes_per_parameter() -> None:

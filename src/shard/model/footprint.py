@@ -14,9 +14,9 @@ position (``ModelConfig.kv_widths``: keys and values, or MLA's latent and rotary
 compute dtype, as ``StageModel.new_cache`` allocates it; ``Footprint.state_session`` the
 bytes a linear-attention layer holds per session instead (``shard.model.recurrent``).
 
-Kernel layouts depend on the host: the int4 kernel keeps its scales and zeros in the compute
-dtype, bf16 on a GPU or a CPU with bf16 instructions and float32 elsewhere
-(``shard.model.quant.kernel_dtype``); ``bf16_kernels`` says which to price.
+The int4 kernel keeps its scales and zeros in its compute dtype, bf16 on every device
+(``shard.model.quant.kernel_dtype``); ``bf16_kernels=False`` prices float32 ones (a kernel
+dtype a test may force).
 
 ``"stored"`` cannot be predicted from a config: a GGUF or a packed cache mixes formats
 tensor by tensor. ``stored`` prices it from the checkpoint's safetensors headers instead

@@ -34,6 +34,7 @@ from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.deltanet import GatedDeltaNet
 from shard.model.dsa import IndexWeights
 from shard.model.fp8 import fp8_weight
+from shard.model.linear import Linear
 from shard.model.llama import StageModel
 from shard.model.mla import MLAttention
 from shard.model.moe import FusedExperts, Router
@@ -115,7 +116,9 @@ def load_stage(
             _tie_head(stage, device)
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
-            if isinstance(module, Attention | MLAttention | GatedDeltaNet | Router | IndexWeights):
+            if isinstance(
+                module, Attention | MLAttention | GatedDeltaNet | Router | IndexWeights | Linear
+            ):
                 module.rowwise = True
     return stage.to(device).eval()
 

@@ -20,11 +20,14 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
   dequantizing per call (float32 dense: 10 ms).
 - anything else (groups of 16, a row count not a multiple of 16): dequantized per call.
 
-The kernels take their scales in the activations' dtype and are fast only in bf16 (int4 in
-fp32 ran 10x slower than a dense fp32 product here), so products run in bf16 where the CPU
-multiplies bf16 natively (``cpu_has_bf16``) and on CUDA, and in fp32 otherwise; the input is
-cast to that dtype and the output back to the input's. Scales rounded to bf16 are where a
-stored weight stops being exact: ``tests/test_quant.py`` states the tolerance.
+The kernels take their scales in the activations' dtype and are fast only in bf16, also on a
+CPU without bf16 instructions (their float32 variants ran 11-33x slower there: see
+``kernel_dtype``), so the packed paths run in bf16 on every device; the input is cast to bf16
+and the output back to the input's. A weight dequantized per call is multiplied in
+``dense_dtype``: bf16 where the CPU multiplies bf16 natively (``cpu_has_bf16``) and on CUDA,
+float32 otherwise. Scales and activations rounded to bf16 are where a stored weight stops
+being exact: ``tests/test_quant.py`` states the tolerance (load ``weights = "float32"`` for
+float32 products).
 
 Row invariance: every kernel path gave each row the same bits whether it ran alone or among
 9 rows (``test_quant_linear_rows_are_batch_invariant``), which is what lets a batched stage
@@ -42,12 +45,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shard.model.device import cpu_has_bf16
+from shard.model.linear import padded_linear
 
 __all__ = [
     "KERNEL_GROUPS",
     "QuantEmbedding",
     "QuantLinear",
     "Quantized",
+    "dense_dtype",
     "kernel_dtype",
     "quantize_int4",
     "quantize_int8",
@@ -154,7 +159,17 @@ def to_device(q: Quantized, device: torch.device) -> Quantized:
 
 
 def kernel_dtype(device: torch.device) -> torch.dtype:
-    """The dtype quantized products run in: bf16 on CUDA and on CPUs with bf16 instructions."""
+    """The dtype the packed kernels (int4, int8 split, int8 per channel) run in: bf16 on every
+    device. Their float32 variants are not vectorized on a CPU without bf16 instructions:
+    one SmolLM2-shaped row (576 x 1536, one thread, AVX2) took 3.3 ms in float32 against
+    0.29 ms in bf16 (a dense float32 product: 0.19 ms), 9 rows 16 ms against 0.48, and int8
+    per channel 1.3 ms against 0.09. For float32 products, load dense (``weights = "float32"``)."""
+    return torch.bfloat16
+
+
+def dense_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a weight dequantized per call is multiplied in: bf16 on CUDA and on CPUs with
+    bf16 instructions, float32 elsewhere (an emulated bf16 GEMM is slower than float32)."""
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
@@ -287,6 +302,7 @@ class QuantLinear(nn.Module):
                 _Int4(lo, q.scale, offset + 8 * q.scale, g, dt),
             ]
             return "int8-split"
+        self.compute = dense_dtype(q.codes.device)
         return "dequantize"
 
     def forward(self, x: Tensor) -> Tensor:
@@ -300,8 +316,14 @@ class QuantLinear(nn.Module):
         else:
             assert self.q is not None
             w = self.q.dequantize(dtype=self.compute)
-            two = rows.shape[0] == 1 and rows.dtype is torch.bfloat16  # see shard.model.linear
-            out = F.linear(rows.expand(2, -1), w)[:1] if two else F.linear(rows, w)
+            cpu = rows.device.type == "cpu"
+            two = cpu and rows.shape[0] == 1 and rows.dtype is torch.bfloat16  # shard.model.linear
+            if two:
+                out = F.linear(rows.expand(2, -1), w)[:1]
+            elif cpu and rows.dtype is torch.float32:
+                out = padded_linear(rows, w)  # row-invariant (shard.model.linear)
+            else:
+                out = F.linear(rows, w)
         result: Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result if self.bias is None else result + self.bias
 
