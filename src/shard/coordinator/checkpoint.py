@@ -204,6 +204,23 @@ class Checkpointer:
             else None
         )
 
+    def pieces(self, total: int, chunk: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of each prefill chunk of this run's ``total`` positions: the
+        request's prompt in ``chunk`` pieces from 0, as its first run sent it, then a resumed
+        run's committed output in pieces of at most ``ROWWISE_MAX_ROWS``. Its first run fed
+        those tokens as decode steps (or verify chunks), and a quantized block gives a chunk
+        that short its decode steps' bits (``Attention.rowwise``); one longer chunk would be
+        attended at once, off by a bf16 step, enough to flip a near tie (the soak of issue 40
+        got a wrong resumed stream so)."""
+        from shard.model.attention import ROWWISE_MAX_ROWS
+
+        prompt = min(len(self._checkpoint.prompt_ids), total)
+        out = [(a, min(a + chunk, prompt)) for a in range(0, prompt, chunk)]
+        out += [
+            (a, min(a + ROWWISE_MAX_ROWS, total)) for a in range(prompt, total, ROWWISE_MAX_ROWS)
+        ]
+        return out
+
     def bind(self, job: str) -> None:
         """Note the job id of the request's first run that signs a receipt, so a coordinator
         that resumes the request names it in its own receipt (kept across resumes)."""

@@ -273,14 +273,16 @@ class RequestDriver:
         """Open the session and stream the prompt in ``prefill_chunk`` pieces; only the last
         makes the tail answer. A failure before that answer re-sends it all in a new epoch."""
         sid, ring = self._sid, self._ring
-        chunk = self._limits.prefill_chunk
-        starts = range(0, len(self._prompt), chunk)
+        total, chunk = len(self._prompt), self._limits.prefill_chunk
+        pieces = [(a, min(a + chunk, total)) for a in range(0, total, chunk)]
+        if self._checkpoint is not None:  # a resumed run: its output as its decode steps
+            pieces = self._checkpoint.pieces(total, chunk)
         epoch = Epoch(0)
         while True:
             await ring.send(self._opening)
-            for seq, start in enumerate(starts):
-                ids = tuple(int(t) for t in self._prompt[start : start + chunk])
-                final = start == starts[-1]
+            for seq, (start, end) in enumerate(pieces):
+                ids = tuple(int(t) for t in self._prompt[start:end])
+                final = end == total
                 if final:
                     self._laps.sent(seq)
                 await ring.send(
