@@ -53,6 +53,7 @@ import torch
 from llama_cpp import bench as llama_bench
 from llama_cpp import build as llama_build
 from plain_ring import REPO, git_info, machine_info
+from quant_bench import timed_ms as median_and_fastest_ms
 
 Record = dict[str, Any]
 K = 8  # drafted tokens in a verify chunk: SpeculationConfig().k_max
@@ -75,15 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def timed_ms(fn: Callable[[], object], runs: int) -> float:
-    """Median ms of ``runs`` calls after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """Median ms of ``runs`` calls after 3 warm-ups (``quant_bench.timed_ms``'s median)."""
+    return median_and_fastest_ms(fn, runs)[0]
 
 
 def read_gb_s(threads: int) -> float:
