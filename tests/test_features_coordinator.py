@@ -78,6 +78,7 @@ class Wants:
 
     name = "wants"
     computes = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, features: int) -> None:
         self.features = features

@@ -61,9 +61,17 @@ class Recorder:
     name = "recorder"
     computes = False
 
-    def __init__(self, reference: Sequence[int], *, features: int, spoil: int = 3) -> None:
+    def __init__(
+        self,
+        reference: Sequence[int],
+        *,
+        features: int,
+        spoil: int = 3,
+        feature_layers: tuple[int, ...] = (),
+    ) -> None:
         self._reference = list(reference)
         self.features = features
+        self.feature_layers = feature_layers
         self._spoil = spoil
         self._calls = 0
         self.observed: list[tuple[int, torch.Tensor]] = []

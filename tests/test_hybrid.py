@@ -17,6 +17,7 @@ class Counting:
     name = "model"
     computes = False
     features = 3
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self.asked: list[list[int]] = []

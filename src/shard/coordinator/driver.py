@@ -102,10 +102,11 @@ class RequestDriver:
         """``tokens``: where committed ids go (the caller's channel; None: nowhere, the
         completion holds them all); ``checkpoint``: the request's file, rewritten on each
         commit before the ids are sent. ``feature_dim``: the target's hidden size, which
-        features must have (None: any). ``hold`` (``[audit] mode = "hold"``): awaited
-        before a verdict's tokens are sent, with the session, the verdict's ``seq`` and the
-        tokens released before; it returns once every stage's part of that verdict was
-        confirmed by an audit, or raises ``RingError`` (``shard.audit.hold``)."""
+        features must have (times the layers, for layer states; None: any). ``hold``
+        (``[audit] mode = "hold"``): awaited before a verdict's tokens are sent, with the
+        session, the verdict's ``seq`` and the tokens released before; it returns once every
+        stage's part of that verdict was confirmed by an audit, or raises ``RingError``
+        (``shard.audit.hold``)."""
         self._ring = ring
         self._ledger = ledger
         self._sid = sid
@@ -132,6 +133,7 @@ class RequestDriver:
             job=job.job if job else "",
             nonce=job.nonce if job else "",
             features=self._proposer.features if self._proposer is not None else 0,
+            feature_layers=self._proposer.feature_layers if self._proposer is not None else (),
         )
         self._resyncs = 0
         self._patience = limits.retry_after_s  # silence before a re-send; grows on a slow ring
@@ -254,11 +256,10 @@ class RequestDriver:
     ) -> tuple[int, torch.Tensor] | None:
         """The verdict's checked features (``verdict_features``); malformed ones end the
         request (``RingError``, with the tokens committed before this verdict)."""
-        window = self._opening.features
+        window, layers = self._opening.features, len(self._opening.feature_layers)
+        dim = None if self._feature_dim is None else self._feature_dim * max(layers, 1)
         try:
-            return verdict_features(
-                verdict, window=window, dim=self._feature_dim, prompt_len=prompt_len
-            )
+            return verdict_features(verdict, window=window, dim=dim, prompt_len=prompt_len)
         except FeatureError as exc:
             tail = verdict.hops[-1].node if verdict.hops else "the tail"
             detail = f"{tail}: features: {exc} (session {self._sid})"

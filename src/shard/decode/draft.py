@@ -58,6 +58,13 @@ class Proposer(Protocol):
         ``shard.messages.MAX_FEATURES`` (0: none, and ``observe`` is never called)."""
         ...
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose entering states, side by side, are its features
+        (``shard.messages.OpenSession.feature_layers``; an EAGLE-3 head's), strictly
+        increasing; empty: the final norm's output (or no features)."""
+        ...
+
     def propose(self, context: Sequence[int], k: int) -> list[int]: ...
 
     def feedback(self, drafted: int, accepted: int) -> None: ...
@@ -128,6 +135,7 @@ class NGramProposer:
     name = "ngram"
     computes = False
     features = 0
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, *, window: int = 8, min_n: int = 1, tolerant: bool = True) -> None:
         if not 1 <= min_n <= window:
@@ -180,6 +188,7 @@ class ModelProposer:
     name = "model"
     computes = True
     features = 0
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, model: StageModel, *, max_len: int) -> None:
         if not (model.is_first and model.is_last):
@@ -233,6 +242,7 @@ class OracleProposer:
     name = "oracle"
     computes = False
     features = 0
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, reference: Sequence[int]) -> None:
         self._reference = list(reference)
@@ -262,6 +272,8 @@ class AdaptiveProposer:
     name = "auto"
 
     def __init__(self, proposers: Sequence[Proposer], *, prior: float = 0.5) -> None:
+        if len({p.feature_layers for p in proposers if p.features}) > 1:
+            raise ValueError("its members read different features (layer states and others)")
         self._scored = [_Scored(p, prior) for p in proposers]
         self._last: _Scored | None = None
 
@@ -272,6 +284,11 @@ class AdaptiveProposer:
     @property
     def features(self) -> int:
         return max((s.proposer.features for s in self._scored), default=0)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Its members' (one kind of features for all: ``__init__`` checks)."""
+        return next((s.proposer.feature_layers for s in self._scored if s.proposer.features), ())
 
     def observe(self, position: int, features: torch.Tensor) -> None:
         """Each member that reads features gets the last rows of its own window."""

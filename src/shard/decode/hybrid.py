@@ -63,6 +63,10 @@ class HybridProposer:
     def features(self) -> int:
         return self._model.features
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self._model.feature_layers
+
     def observe(self, position: int, features: torch.Tensor) -> None:
         self._model.observe(position, features)
 

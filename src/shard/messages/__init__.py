@@ -66,6 +66,7 @@ from shard.messages.follow import (
     FollowEnd,
 )
 from shard.messages.ids import (
+    MAX_FEATURE_LAYERS,
     MAX_FEATURES,
     PROTOCOL_VERSION,
     RUN_DTYPES,
@@ -203,6 +204,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 
 __all__ = [
     "MAX_FEATURES",
+    "MAX_FEATURE_LAYERS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "RUN_DTYPES",

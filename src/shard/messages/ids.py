@@ -23,6 +23,9 @@ def incarnation_of(session: int) -> int:
 #: The most rows of target features a session may ask for with each verdict
 #: (``OpenSession.features``).
 MAX_FEATURES = 256
+#: The most target layers whose entering states a session may ask for
+#: (``OpenSession.feature_layers``; an EAGLE-3 head reads three).
+MAX_FEATURE_LAYERS = 8
 
 #: dtypes a ``Tensor`` payload may carry, with their item size in bytes.
 TENSOR_DTYPES: dict[str, int] = {

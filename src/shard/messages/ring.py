@@ -76,6 +76,13 @@ class OpenSession:
     ``features`` (0 to ``MAX_FEATURES``) asks the tail to return the target's features with
     each verdict, at most that many rows (``Verdict.features``); 0, the default, returns
     none, and the session's frames are byte for byte those of a build without features.
+
+    ``feature_layers`` (strictly increasing global layer indices, at most
+    ``MAX_FEATURE_LAYERS``, only with ``features``): the features are then the residual
+    stream *entering* each of those layers, side by side in that order (``[rows, len x
+    hidden]``, what an EAGLE-3 head reads) instead of the final norm's output. The stage
+    holding a layer captures its rows and they ride the forward path to the tail
+    (``Prefill.states``, ``Verify.states``); empty, the default, changes nothing.
     """
 
     session: SessionId
@@ -84,6 +91,7 @@ class OpenSession:
     job: str = ""  # with ``nonce``: the job each stage signs a receipt for ("" = no receipt)
     nonce: str = ""
     features: int = 0
+    feature_layers: tuple[int, ...] = ()
     #: set only on the copy an edge's sender replays to a spliced-in standby: its chain over
     #: what it sent the replaced node for this job, where the standby's input chain begins
     receipt_base: str = ""
@@ -144,7 +152,8 @@ class Prefill:
 
     Exactly one of ``ids`` (first edge) and ``hidden`` (later edges) is set. A ``replay``
     chunk re-sends what was sent before to a spliced-in node: it rebuilds that node's KV and
-    goes no further (shard.failover.replay).
+    goes no further (shard.failover.replay). ``states``: the session's feature-layer states
+    captured upstream (``OpenSession.feature_layers``; ``shard.stage.features``), else None.
     """
 
     session: SessionId
@@ -156,6 +165,7 @@ class Prefill:
     hidden: Tensor | None = None
     hops: tuple[Hop, ...] = ()
     replay: bool = False
+    states: Tensor | None = None
 
 
 @attrs.frozen
@@ -167,6 +177,7 @@ class Verify:
     ``Verdict`` holding the target's choice at every position. With no draft (plain decoding)
     this is a one-token decode step. ``q``, empty or one per drafted id, is the draft's
     distribution each was sampled from (``DraftQ``); every stage passes it on to the tail.
+    ``states`` as ``Prefill.states``.
     """
 
     session: SessionId
@@ -178,6 +189,7 @@ class Verify:
     draft: tuple[int, ...] = ()
     hops: tuple[Hop, ...] = ()
     q: tuple[DraftQ, ...] = ()
+    states: Tensor | None = None
 
 
 @attrs.frozen
@@ -198,6 +210,9 @@ class Verdict:
       at the prompt's last position (``features_start + rows == len(prompt)``), taken from
       the earlier prompt chunks too (the tail keeps each chunk's last rows); fewer only if the
       tail did not see the earlier chunks (it joined mid-prompt).
+
+    With ``OpenSession.feature_layers`` the rows are the same positions' states entering those
+    layers, side by side: ``[rows, len(layers) x hidden]``.
     """
 
     session: SessionId

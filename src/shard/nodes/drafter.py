@@ -38,6 +38,8 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
         return None
     if plan.uses_head:
         return _head_drafter(spec)
+    if plan.draft == "eagle3":
+        return _eagle3_drafter(spec, model_dir)
     if plan.draft == "oracle":
         assert plan.oracle_file is not None
         references = json.loads(Path(plan.oracle_file).read_text())["references"]
@@ -93,6 +95,38 @@ def _head_drafter(spec: SwarmSpec) -> Drafter:
         return HybridProposer(proposer) if plan.draft == "hybrid" else proposer
 
     return Drafter(factory, device=device)
+
+
+def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
+    """``draft = "eagle3"``: the spec's EAGLE-3 head on the coordinator's device, in fp32,
+    checked against the target (vocabulary, width, layers: ``Eagle3Error`` before the swarm
+    starts). A head without ``embed_tokens`` gets the target's, read from the model's files
+    (its first stage of one layer, dropped once the table is out). Each session asks the
+    ring for the head's layers."""
+    import torch
+
+    from shard.decode.head.eagle3 import Eagle3Head
+    from shard.decode.head.eagle3_files import Eagle3NeedsEmbedding
+    from shard.decode.head.proposer import HeadProposer
+
+    plan = spec.speculation
+    assert plan.draft_head is not None
+    path = Path(plan.draft_head)
+    device = resolve_device(spec.runtime(spec.coordinator.name).device, spec.coordinator.name)
+    try:
+        head = Eagle3Head.load(path, device=device)
+    except Eagle3NeedsEmbedding:
+        stage = load_stage(model_dir, 0, 1, dtype=torch.float32)  # the embedding's stage
+        assert stage.embed_tokens is not None
+        with torch.inference_mode():
+            table = stage.embed_tokens(torch.arange(stage.config.vocab_size))  # [V, D], unscaled
+        head = Eagle3Head.load(path, embedding=table, device=device)
+    target = ModelConfig.from_dir(model_dir)
+    head.config.check_target(target)
+    layers = head.config.layers_for(target.n_layers)
+    log.info("EAGLE-3 head %s reads the states entering layers %s", path, list(layers))
+    max_len = spec.limits.max_len
+    return Drafter(lambda prompt: HeadProposer(head, max_len=max_len, layers=layers), device=device)
 
 
 __all__ = ["make_drafter"]

@@ -9,6 +9,8 @@ draft_layers = 6        # model draft = the target's first N layers + its head, 
 draft_model = "path"    # a separate checkpoint sharing the target's tokenizer
 draft_head = "smollm2-head"  # head / hybrid: a head directory, or <bundled model>-head (the
                         # default: built on first use by `shard draft train`, then cached)
+# draft = "eagle3" with draft_head = "DIR": a published EAGLE-3 head (SpecForge's layout) fed
+#   the target's layer states, which the stages holding its layers send along
 # draft = "oracle" with oracle_file = "refs.json": replays prior reference runs (benchmarks only)
 k = "auto"              # drafted tokens per chunk: "auto" (adaptive) or 0..k_max (0 = plain)
 depth = "auto"          # verify chunks in flight per session: "auto" or 1..depth_max
@@ -28,7 +30,7 @@ from shard.decode.control import SpeculationConfig
 from shard.spec.swarm_table import BUNDLED_MODELS
 from shard.spec.validate import Table
 
-DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "head", "hybrid", "oracle")
+DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "head", "hybrid", "eagle3", "oracle")
 SPECULATION_KEYS: Final = (
     "draft",
     "draft_model",
@@ -56,7 +58,8 @@ class SpeculationSpec:
     draft_layers: int = 0
     policy: SpeculationConfig = attrs.field(factory=SpeculationConfig)
     oracle_file: str | None = None
-    draft_head: str | None = None  # head / hybrid: a head directory or a head name
+    draft_head: str | None = None  # head / hybrid: a head directory or a head name; eagle3: a
+    # head directory
 
     @property
     def uses_head(self) -> bool:
@@ -104,7 +107,9 @@ def read_speculation(
         raise table.error("oracle_file", 'only meaningful with draft = "oracle"')
     if draft == "none" and k not in (None, 0):
         raise table.error(
-            "k", 'k > 0 needs a draft; set draft = "ngram", "model", "auto", "head" or "hybrid"'
+            "k",
+            'k > 0 needs a draft; set draft = "ngram", "model", "auto", "head", "hybrid" or '
+            '"eagle3"',
         )
     return SpeculationSpec(
         draft=draft,
@@ -126,9 +131,18 @@ def _draft_head(table: Table, draft: str, base_dir: Path | None, model: str | No
     name, by default ``<model>-head`` for a bundled model. Its training is not checked here:
     the coordinator builds a missing named head when it starts (``resolve_head``)."""
     text = table.raw("draft_head", None)
+    if draft == "eagle3":
+        text = table.string("draft_head", example='"path/to/eagle3-head"')
+        path = Path(text).expanduser()
+        path = path if path.is_absolute() else (base_dir or Path.cwd()) / path
+        if not path.is_dir():
+            raise table.error("draft_head", f"{str(path)!r} is not an EAGLE-3 head directory")
+        return str(path.resolve())
     if draft not in ("head", "hybrid"):
         if text is not None:
-            raise table.error("draft_head", 'only meaningful with draft = "head" or "hybrid"')
+            raise table.error(
+                "draft_head", 'only meaningful with draft = "head", "hybrid" or "eagle3"'
+            )
         return None
     if text is None:
         if model not in BUNDLED_MODELS:

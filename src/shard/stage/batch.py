@@ -19,7 +19,10 @@ seeded request samples the same tokens alone or in a crowd. A chunk whose sessio
 features (``Planned.features``) also gets the final norm's output at its last rows
 (``feature_rows``), computed once with its logits (``StageModel.finish``) and moved to the CPU
 in the wire's dtype (``shard.stage.features``); the other chunks of its batch are computed as
-before.
+before. A chunk whose session asked for layer states (``Planned.carry``) gets the states
+entering this block's feature layers appended to those that arrived with it: ``Carried``
+(not the tail) or its ``Answer.features`` (the tail). Such a batch runs eagerly (a graph's
+replay runs no hook), with the arithmetic its graph would have.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from shard.messages import Message, Prefill, Sampling, SessionId, Verify
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.model.packed import Segment, forward_packed, segment_bounds
-from shard.stage.features import wire_dtype
+from shard.stage.features import capturing, carried_rows, wire_dtype
 from shard.stage.graphs import ChunkGraphs
 
 __all__ = [
     "DEFAULT_MAX_BATCH_ROWS",
     "Answer",
+    "Carried",
     "Choice",
     "Planned",
     "Queued",
@@ -73,6 +77,16 @@ class Answer:
 
 
 @attrs.frozen
+class Carried:
+    """A chunk's output before the tail when its session asked for layer states: its hidden
+    states and the session's layer states so far (``[F, c x D]``, CPU, wire dtype; None
+    while no feature layer lies at or before this block)."""
+
+    hidden: torch.Tensor
+    states: torch.Tensor | None
+
+
+@attrs.frozen
 class Queued:
     """A message in the executor's local queue and the wall time it arrived at this stage."""
 
@@ -89,7 +103,10 @@ class Planned:
     cache: KVCache
     sampling: Sampling
     arrived: float
-    features: int = 0  # the session's feature window at the tail (0: none asked)
+    features: int = 0  # the session's final-norm feature window at the tail (0: none asked)
+    layers: tuple[int, ...] = ()  # this block's feature layers (local) the session captures
+    carry: int = 0  # rows of layer states this chunk carries (0: none asked)
+    states: torch.Tensor | None = None  # [carry, c x D]: captured upstream (CPU, wire dtype)
 
     @property
     def rows(self) -> int:
@@ -167,9 +184,44 @@ def pack(planned: Sequence[Planned]) -> tuple[torch.Tensor, list[Segment]]:
 
 def forward_batch(
     model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned]
-) -> list[torch.Tensor | Answer]:
+) -> list[torch.Tensor | Carried | Answer]:
     """Worker-thread body: the block's forward for every planned chunk, in order; per chunk its
-    hidden states ``[1, S, D]`` (not the tail) or its ``Answer`` (the tail).
+    hidden states ``[1, S, D]`` (not the tail; ``Carried`` when it carries layer states) or
+    its ``Answer`` (the tail). A batch with no layer states runs exactly as before they
+    existed."""
+    if not any(p.carry for p in planned):
+        return list(_forward(model, graphs, planned))
+    local = sorted({j for p in planned for j in p.layers})
+    blocks = model.blocks()
+    # the input norm of each layer reads the residual stream entering it, in every path (one
+    # chunk, packed rows, positions as a tensor): the packed path calls no layer as a whole
+    with capturing([blocks[j].input_layernorm for j in local]) as taken:
+        outs = _forward(model, graphs, planned, eager=True)
+    dtype = wire_dtype(model.dtype)
+    result: list[torch.Tensor | Carried | Answer] = []
+    end = 0  # where the chunk's rows end in the forward's (packed) rows
+    for p, out in zip(planned, outs, strict=True):
+        end += p.rows
+        if not p.carry:
+            result.append(out)
+            continue
+        parts = [] if p.states is None else [p.states]
+        for j in p.layers:
+            t = taken[local.index(j)]
+            assert t is not None, "a captured layer did not run"
+            parts.append(t[0, end - p.carry : end].to("cpu", dtype))  # [F, D]
+        states = torch.cat(parts, dim=-1) if parts else None
+        result.append(
+            attrs.evolve(out, features=states) if isinstance(out, Answer) else Carried(out, states)
+        )
+    return result
+
+
+def _forward(
+    model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned], eager: bool = False
+) -> Sequence[torch.Tensor | Answer]:
+    """The block's forward for every planned chunk (``forward_batch``); ``eager``: never a
+    graph's replay, with the graph's arithmetic.
 
     The tail runs its head only on the rows a choice reads (``head_rows``): none for a
     prefill chunk that is not the last, one for the last, ``K+1`` for a verify chunk — a
@@ -181,7 +233,9 @@ def forward_batch(
         if not model.is_last:
             if len(planned) == 1:  # exactly the unbatched path
                 p = planned[0]
-                run = graphs if graphs is not None else model
+                if graphs is None:
+                    return [model(p.x, p.msg.start, p.cache)]
+                run = graphs.eager if eager else graphs
                 return [run(p.x, p.msg.start, p.cache)]
             x, segments = pack(planned)
             static = graphs is not None and graphs.mode != "off"
@@ -190,12 +244,12 @@ def forward_batch(
         dtype = wire_dtype(model.dtype)
         return [
             Answer(_choose(logits, p), None if f is None else f[0].to("cpu", dtype))
-            for (logits, f), p in zip(_tail(model, graphs, planned), planned, strict=True)
+            for (logits, f), p in zip(_tail(model, graphs, planned, eager), planned, strict=True)
         ]
 
 
 def _tail(
-    model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned]
+    model: StageModel, graphs: ChunkGraphs | None, planned: Sequence[Planned], eager: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Per planned chunk, the tail's logits ``[1, R >= head_rows, V]`` and its features
     ``[1, feature_rows, D]`` (None when not asked); a batch that asks for no features runs
@@ -211,7 +265,8 @@ def _tail(
             )
             return [(out.logits, out.features)]
         if graphs is not None:
-            return [(graphs(p.x, p.msg.start, p.cache), None)]
+            run = graphs.eager if eager else graphs
+            return [(run(p.x, p.msg.start, p.cache), None)]
         return [(model(p.x, p.msg.start, p.cache, head_rows=head_rows(p)), None)]
     x, segments = pack(planned)
     static = graphs is not None and graphs.mode != "off"
@@ -240,10 +295,7 @@ def feature_rows(p: Planned) -> int:
     """Rows of a chunk whose features the tail keeps (its last ones; 0 unless its session
     asked): every row of a verify chunk (which of them a verdict carries depends on how many
     drafts hold), up to the window of a prompt chunk, none of a replayed one."""
-    msg = p.msg
-    if not p.features or (isinstance(msg, Prefill) and msg.replay):
-        return 0
-    return p.rows if isinstance(msg, Verify) else min(p.features, p.rows)
+    return carried_rows(p.msg, p.features, p.rows)
 
 
 def _choose(out: torch.Tensor, p: Planned) -> Choice:

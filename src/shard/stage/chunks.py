@@ -7,6 +7,7 @@ a ``Fault`` for its session and the rest of the batch runs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -16,17 +17,43 @@ import torch
 
 from shard.compute.tensors import from_wire, to_wire
 from shard.decode.verify import check_q
-from shard.messages import Hop, NodeName, Prefill, Sampling, SessionId, Verdict, Verify
+from shard.messages import (
+    MAX_FEATURE_LAYERS,
+    MAX_FEATURES,
+    Hop,
+    NodeName,
+    OpenSession,
+    Prefill,
+    Sampling,
+    SessionId,
+    Verdict,
+    Verify,
+)
 from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.model.recurrent import ROLLBACK, layer_state_bytes
-from shard.stage.batch import Answer, Planned, rows_of
-from shard.stage.features import FeatureWindow
+from shard.stage.batch import Answer, Carried, Planned, rows_of
+from shard.stage.features import (
+    FeatureWindow,
+    StatesError,
+    carried_rows,
+    incoming_states,
+    wire_dtype,
+)
 
 #: Verify spacings a session's rhythm is the median of (``Session.period``).
 RHYTHM_GAPS = 3
 
-__all__ = ["RHYTHM_GAPS", "Session", "StageFailed", "chunk_input", "is_replay", "output", "plan"]
+__all__ = [
+    "RHYTHM_GAPS",
+    "Session",
+    "StageFailed",
+    "chunk_input",
+    "features_refusal",
+    "is_replay",
+    "output",
+    "plan",
+]
 
 
 class StageFailed(Exception):
@@ -51,6 +78,21 @@ class Session:
     # its last RHYTHM_GAPS spacings of verify chunks here (older ones fall out)
     gaps: deque[float] = attrs.field(factory=lambda: deque(maxlen=RHYTHM_GAPS))
     features: FeatureWindow | None = None  # the tail's, when the session asked for features
+    window: int = 0  # the session's feature window (``OpenSession.features``), every stage
+    layers: tuple[int, ...] = ()  # its feature layers (global; ``OpenSession.feature_layers``)
+
+    @classmethod
+    def opened(cls, msg: OpenSession, cache: KVCache, *, tail: bool, now: float) -> Session:
+        """The session ``msg`` opens at a stage (``tail``: the last), KV in ``cache``."""
+        window = FeatureWindow(msg.features) if msg.features and tail else None
+        return cls(
+            cache,
+            msg.sampling,
+            seen=now,
+            features=window,
+            window=msg.features,
+            layers=msg.feature_layers,
+        )
 
     @property
     def period(self) -> float:
@@ -116,14 +158,63 @@ def plan(
         why = check_q(msg.q, msg.draft, model.config.vocab_size)
         if why is not None:
             raise StageFailed(f"{node}: {why}")
+    if not sess.layers:
+        if msg.states is not None:
+            raise StageFailed(f"{node}: layer states in a session that asked for none")
+        sess.written = msg.start + n
+        window = sess.features.size if sess.features is not None and model.is_last else 0
+        return Planned(msg, x, sess.cache, sess.sampling, arrived, features=window)
+    carry = carried_rows(msg, sess.window, n)
+    try:
+        states = incoming_states(
+            msg.states,
+            before=sum(layer < model.first for layer in sess.layers),
+            rows=carry,
+            dim=model.config.hidden_size,
+            dtype=wire_dtype(model.dtype),
+        )
+    except StatesError as exc:
+        raise StageFailed(f"{node}: {exc}") from exc
     sess.written = msg.start + n
-    window = sess.features.size if sess.features is not None and model.is_last else 0
-    return Planned(msg, x, sess.cache, sess.sampling, arrived, features=window)
+    local = tuple(layer - model.first for layer in sess.layers if model.first <= layer < model.last)
+    return Planned(
+        msg, x, sess.cache, sess.sampling, arrived, layers=local, carry=carry, states=states
+    )
+
+
+def features_refusal(model: StageModel, msg: OpenSession) -> str | None:
+    """Why this stage refuses the features an ``OpenSession`` asks for, or None: more rows
+    than ``MAX_FEATURES``, or feature layers that are not strictly increasing layers of the
+    model (at most ``MAX_FEATURE_LAYERS``, only with rows), or of a family whose residual
+    stream is wider than one hidden vector (DeepSeek-V4's hyper-connections)."""
+    if not 0 <= msg.features <= MAX_FEATURES:
+        return (
+            f"features {msg.features} not in [0, {MAX_FEATURES}]: a verdict carries at most "
+            f"{MAX_FEATURES} rows of target features"
+        )
+    layers, c = msg.feature_layers, model.config
+    if not layers:
+        return None
+    if not msg.features:
+        return "feature_layers without features (rows) to return them in"
+    increasing = all(a < b for a, b in itertools.pairwise(layers))
+    if (
+        len(layers) > MAX_FEATURE_LAYERS
+        or not increasing
+        or not 0 <= layers[0] <= layers[-1] < c.n_layers
+    ):
+        return (
+            f"feature_layers {list(layers)}: at most {MAX_FEATURE_LAYERS} strictly increasing "
+            f"layers in [0, {c.n_layers})"
+        )
+    if c.hidden_wire_width != c.hidden_size:
+        return "this family's stages cannot capture layer states (its residual stream is wider)"
+    return None
 
 
 def output(
     msg: Prefill | Verify,
-    out: torch.Tensor | Answer,
+    out: torch.Tensor | Carried | Answer,
     hops: tuple[Hop, ...],
     features: FeatureWindow | None = None,
 ) -> Prefill | Verify | Verdict | None:
@@ -131,8 +222,11 @@ def output(
     or None (a tail prefill chunk before the last). With the session's ``features`` window,
     the verdict carries the rows ``shard.stage.features`` says (a prompt chunk's rows are kept
     for the prompt's final verdict)."""
+    if isinstance(out, Carried):
+        states = None if out.states is None else to_wire(out.states[None])
+        return attrs.evolve(msg, ids=(), hidden=to_wire(out.hidden), hops=hops, states=states)
     if isinstance(out, torch.Tensor):
-        return attrs.evolve(msg, ids=(), hidden=to_wire(out), hops=hops)
+        return attrs.evolve(msg, ids=(), hidden=to_wire(out), hops=hops, states=None)
     window = features if out.features is not None else None
     if window is not None and out.features is not None and isinstance(msg, Prefill):
         window.prompt_chunk(msg.start, rows_of(msg), out.features)

@@ -29,7 +29,6 @@ import trio
 from shard.compute import offload
 from shard.decode.state import BadRequest, check_sampling
 from shard.messages import (
-    MAX_FEATURES,
     EndSession,
     Epoch,
     Fault,
@@ -49,6 +48,7 @@ from shard.model.llama import StageModel
 from shard.stage.batch import (
     DEFAULT_MAX_BATCH_ROWS,
     Answer,
+    Carried,
     Planned,
     Queued,
     forward_batch,
@@ -56,8 +56,15 @@ from shard.stage.batch import (
     is_chunk,
     rows_of,
 )
-from shard.stage.chunks import Session, StageFailed, is_replay, kv_refusal, output, plan
-from shard.stage.features import FeatureWindow
+from shard.stage.chunks import (
+    Session,
+    StageFailed,
+    features_refusal,
+    is_replay,
+    kv_refusal,
+    output,
+    plan,
+)
 from shard.stage.graphs import ChunkGraphs
 from shard.stage.statistics import StageStatistics
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
@@ -87,10 +94,9 @@ class StageExecutor:
     further; a repeated ``OpenSession`` keeps the session's KV. An ``OpenSession`` asking for
     more than ``max_len`` positions (the spec's ``limits.max_len``) or with sampling settings
     that mean nothing is refused with a ``request`` fault, so KV memory stays within
-    ``max_sessions`` x ``max_len`` whatever a peer asks (so is one asking for more than
-    ``MAX_FEATURES`` rows of features per verdict); with ``kv_budget_bytes`` an
-    ``OpenSession`` whose KV would take the open sessions' total past it is refused with a
-    ``capacity`` fault before anything is allocated.
+    ``max_sessions`` x ``max_len`` whatever a peer asks (so are features it cannot give:
+    ``chunks.features_refusal``); with ``kv_budget_bytes`` an ``OpenSession`` whose KV would
+    take the open sessions' total past it is a ``capacity`` fault, nothing allocated.
 
     Batching: every chunk waiting in the local queue (up to ``max_batch_rows`` rows; with
     ``gather_window_s`` > 0 it also waits up to that long for the chunks of sessions seen here
@@ -327,12 +333,8 @@ class StageExecutor:
             detail = f"{self._node}: max_len {msg.max_len} not in [1, {limit}] (limits.max_len)"
             await self._fault(msg.session, "request", detail)
             return
-        if not 0 <= msg.features <= MAX_FEATURES:
-            detail = (
-                f"{self._node}: features {msg.features} not in [0, {MAX_FEATURES}]: a verdict "
-                f"carries at most {MAX_FEATURES} rows of target features"
-            )
-            await self._fault(msg.session, "request", detail)
+        if (refusal := features_refusal(self._model, msg)) is not None:
+            await self._fault(msg.session, "request", f"{self._node}: {refusal}")
             return
         if not await self._within_budget(msg):
             return
@@ -341,10 +343,8 @@ class StageExecutor:
         cache = await offload.run_sync(self._model.new_cache, msg.max_len, limiter=self._limiter)
         if self._graphs is not None:  # warm: capture this session's shapes now
             await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
-        window = FeatureWindow(msg.features) if msg.features and self._model.is_last else None
-        self._sessions[msg.session] = Session(
-            cache, msg.sampling, seen=trio.current_time(), features=window
-        )
+        opened = Session.opened(msg, cache, tail=self._model.is_last, now=trio.current_time())
+        self._sessions[msg.session] = opened
         if not self._model.is_last:
             await self._outbox.send(msg)
 
@@ -402,7 +402,7 @@ class StageExecutor:
             except StageFailed as exc:
                 slots.append((msg, exc))
         planned = [slot for slot in slots if isinstance(slot, Planned)]
-        outs: list[torch.Tensor | Answer] = []
+        outs: list[torch.Tensor | Carried | Answer] = []
         compute_s = 0.0
         if planned:
             t0 = time.perf_counter()

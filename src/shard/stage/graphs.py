@@ -164,10 +164,7 @@ class ChunkGraphs:
     def __call__(self, x: Tensor, start: int, cache: KVCache) -> Tensor:
         rows = int(x.shape[1])
         if not self.graphed(rows, cache):
-            self._eager += 1
-            if self._mode == "off":
-                return self._model(x, start, cache)
-            return self._model.forward_at(x, _positions(start, rows, x.device), cache)
+            return self.eager(x, start, cache)
         graph = self._graphs.get((id(cache), rows))
         if graph is None:
             graph = self._new(x, start, cache)
@@ -175,6 +172,14 @@ class ChunkGraphs:
             self._load(graph, x, start)
         self._replays += 1
         return graph.replay().clone()
+
+    def eager(self, x: Tensor, start: int, cache: KVCache) -> Tensor:
+        """The chunk eagerly, with the arithmetic of ``__call__`` (a chunk whose layer states
+        are captured: a graph's replay runs no forward hook)."""
+        self._eager += 1
+        if self._mode == "off":
+            return self._model(x, start, cache)
+        return self._model.forward_at(x, _positions(start, int(x.shape[1]), x.device), cache)
 
     def with_features(self, x: Tensor, start: int, cache: KVCache, feature_rows: int) -> TailOut:
         """The tail's chunk eagerly, with the final norm's output at its last ``feature_rows``

@@ -26,6 +26,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "Eagle3Config",
     "Eagle3Error",
+    "Eagle3NeedsEmbedding",
     "default_layers",
     "expected",
     "read_checked",
@@ -39,6 +40,11 @@ _FLOATS = ("F16", "BF16", "F32")
 
 class Eagle3Error(Exception):
     """An EAGLE-3 head cannot be loaded or does not fit its target; the message says why."""
+
+
+class Eagle3NeedsEmbedding(Eagle3Error):
+    """The head's file holds no ``embed_tokens`` and no target embedding was given: load it
+    again with the target's (``Eagle3Head.load(embedding=...)``)."""
 
 
 def default_layers(n_layers: int) -> tuple[int, int, int]:
@@ -217,8 +223,12 @@ def _check_header(
         raise Eagle3Error(f"{file}: missing {', '.join(missing)}")
     if "embed_tokens.weight" not in header:
         shape = want["embed_tokens.weight"]
-        if embedding is None or tuple(embedding.shape) != shape:
-            got = "none" if embedding is None else str(tuple(embedding.shape))
+        if embedding is None:
+            raise Eagle3NeedsEmbedding(
+                f"{file} has no embed_tokens: the target's embedding {shape} is needed"
+            )
+        if tuple(embedding.shape) != shape:
+            got = str(tuple(embedding.shape))
             raise Eagle3Error(
                 f"{file} has no embed_tokens: the target's embedding {shape} is needed "
                 f"({got} given)"

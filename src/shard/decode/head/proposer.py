@@ -18,6 +18,7 @@ than a window behind are never read again, so a prompt needs only its last ``fea
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -41,12 +42,27 @@ class HeadProposer:
     ``feature_window``). The head is a ``DraftHead`` (``name`` "head") or an EAGLE-3 head
     (``Eagle3Head``, ``name`` "eagle3"), whose observed features are its three target layers'
     states side by side and whose chained states are narrower (``feature_dim``, ``hidden_dim``).
+    ``layers``: an EAGLE-3 head's target layers (``Eagle3Config.layers_for``, strictly
+    increasing as its config must declare them), which the ring is asked for
+    (``feature_layers``). Empty: the caller observes the states itself (in one process) and
+    the ring is asked for no layers.
     """
 
     computes = True
 
-    def __init__(self, head: DraftHead | Eagle3Head, *, max_len: int, top_k: int = 32) -> None:
+    def __init__(
+        self,
+        head: DraftHead | Eagle3Head,
+        *,
+        max_len: int,
+        top_k: int = 32,
+        layers: Sequence[int] = (),
+    ) -> None:
         self.name = "eagle3" if isinstance(head, Eagle3Head) else "head"
+        increasing = all(a < b for a, b in itertools.pairwise(layers))
+        if layers and (self.name != "eagle3" or not increasing):
+            raise HeadError(f"layers {list(layers)}: increasing layers of an EAGLE-3 head only")
+        self.feature_layers = tuple(layers)
         self._head = head
         self._max_len = max_len
         self._top_k = top_k

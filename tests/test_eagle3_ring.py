@@ -1,0 +1,257 @@
+"""EAGLE-3 layer states through the in-process ring (issue 39, point 2): a session that asks
+for the states entering some target layers (``OpenSession.feature_layers``) gets exactly the
+reference model's states at every committed position, whichever stages hold those layers,
+alone and batched with a session that asks for none; a swarm whose spec drafts with an
+EAGLE-3 head (``draft = "eagle3"``) gives the plain output; and a stage refuses layer states
+that do not fit its session with a typed fault, never a crash.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import trio
+
+from shard.cli.errors import operator_errors
+from shard.compute.tensors import to_wire
+from shard.coordinator.coordinator import Completion
+from shard.decode.control import SpeculationConfig
+from shard.decode.head.eagle3_check import target_states
+from shard.decode.head.eagle3_files import Eagle3Error
+from shard.messages import (
+    MAX_FEATURE_LAYERS,
+    ChunkSeq,
+    Epoch,
+    NodeName,
+    OpenSession,
+    SessionId,
+    Verify,
+)
+from shard.model.config import ModelConfig
+from shard.model.loader import load_stage
+from shard.nodes.coordinator import CoordinatorHandle
+from shard.nodes.drafter import make_drafter
+from shard.nodes.inprocess import run_swarm
+from shard.spec.swarm import SwarmSpec
+from shard.spec.validate import SpecError
+from shard.stage.chunks import Session, StageFailed, features_refusal, plan
+from shard.testing import make_tiny_checkpoint
+from shard.testing.eagle3 import eagle3_config, write_eagle3_head
+from test_features_ring import MAX_TOKENS, PROMPT, WINDOW, Recorder, check_observed, ring_run
+from test_spec_ring import DEADLINE_S, reference, spec_for
+
+N_LAYERS = 4  # spec_for's ring: [0, 1) [1, 3) [3, 4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("eagle3ring"), seed=11, n_layers=N_LAYERS)
+
+
+def reference_states(model_dir: Path, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """The residual stream entering each of ``layers`` at every position of ``tokens``, side by
+    side (fp32 ``[S, len x D]``), from the whole model in one process."""
+    model = load_stage(model_dir, 0, ModelConfig.from_dir(model_dir).n_layers)
+    with torch.inference_mode():
+        states, _ = target_states(model, torch.tensor(tokens), layers)
+    return states.float()
+
+
+# (0, 2, 3): one layer on each stage, the first one's state the embedding's output;
+# (1, 2): both on the middle stage, the first stage carries nothing and the tail only relays.
+@pytest.mark.parametrize("layers", [(0, 2, 3), (1, 2)], ids=["each-stage", "middle-only"])
+async def test_layer_states_are_the_reference_at_their_positions(
+    tiny: Path, layers: tuple[int, ...]
+) -> None:
+    """A 3-stage ring, a prompt in three chunks, K = 3 drafts (some spoiled, so chunks are
+    rejected after accepted drafts), two chunks in flight: the proposer observes the
+    reference's states entering ``layers`` at every committed position, and the output is
+    the plain one."""
+    spec = spec_for(tiny, "ngram")
+    ref = reference(tiny, PROMPT, MAX_TOKENS)
+    whole = [*PROMPT, *ref.token_ids]
+    recorder = Recorder(whole, features=WINDOW, feature_layers=layers)
+    key = tuple(PROMPT)
+    done = (await ring_run(spec, tiny, {key: recorder}, SpeculationConfig(k=3, depth=2)))[key]
+    assert done.token_ids == ref.token_ids
+    assert 0 < done.stats.accepted < done.stats.drafted
+    check_observed(recorder, reference_states(tiny, whole, layers), len(PROMPT), len(whole))
+
+
+async def test_a_batch_of_a_session_with_layer_states_and_one_without(tiny: Path) -> None:
+    """Two sessions whose chunks share forwards (a gather window): the one that asks gets the
+    reference states, the other none; both get the reference output."""
+    spec = spec_for(tiny, "ngram")
+    spec = attrs.evolve(spec, limits=attrs.evolve(spec.limits, gather_window_s=0.02))
+    other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1]
+    refs = {tuple(p): reference(tiny, p, MAX_TOKENS) for p in (PROMPT, other)}
+    whole = {p: [*p, *r.token_ids] for p, r in refs.items()}
+    asking = Recorder(whole[tuple(PROMPT)], features=WINDOW, feature_layers=(0, 2, 3))
+    silent = Recorder(whole[tuple(other)], features=0)
+    done = await ring_run(
+        spec, tiny, {tuple(PROMPT): asking, tuple(other): silent}, SpeculationConfig(k=3, depth=1)
+    )
+    for prompt, ref in refs.items():
+        assert done[prompt].token_ids == ref.token_ids
+    rows = max(n.batch_rows for c in done.values() for n in c.stats.nodes)
+    assert rows > 4, f"the sessions' chunks never shared a forward ({rows} rows)"
+    assert not silent.observed
+    want = reference_states(tiny, whole[tuple(PROMPT)], (0, 2, 3))
+    check_observed(asking, want, len(PROMPT), len(whole[tuple(PROMPT)]))
+
+
+def eagle3_head(tiny: Path, path: Path, layer_ids: list[int]) -> Path:
+    """A random EAGLE-3 head for ``tiny`` in the published layout, without ``embed_tokens``
+    (the coordinator must read the target's)."""
+    c = ModelConfig.from_dir(tiny)
+    config = eagle3_config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,  # its embedding is the target's
+        draft_vocab_size=c.vocab_size // 2,
+        target_hidden_size=c.hidden_size,
+        layer_ids=layer_ids,
+    )
+    return write_eagle3_head(path, config, seed=3, with_embedding=False)
+
+
+async def swarm_run(tiny: Path, head: Path, speculation: SpeculationConfig) -> Completion:
+    """``PROMPT`` through a 3-stage ring whose spec drafts with the EAGLE-3 head ``head``."""
+    spec = spec_for(tiny, "ngram")
+    plan_ = attrs.evolve(spec.speculation, draft="eagle3", draft_head=str(head))
+    spec = attrs.evolve(spec, speculation=plan_)
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            handle: CoordinatorHandle = await nursery.start(
+                lambda task_status: run_swarm(spec, model_dir=tiny, task_status=task_status)
+            )
+            done = await handle.coordinator.generate(
+                list(PROMPT), max_tokens=MAX_TOKENS, speculation=speculation
+            )
+            nursery.cancel_scope.cancel()
+    return done
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_a_swarm_drafting_with_an_eagle3_head_gives_the_plain_output(
+    tiny: Path, tmp_path: Path, depth: int
+) -> None:
+    """``draft = "eagle3"`` with a head of layers (0, 2, 3) and no ``embed_tokens``: the
+    coordinator loads it with the target's embedding, the ring returns those layers' states,
+    and greedy speculation with it gives exactly the reference output."""
+    head = eagle3_head(tiny, tmp_path / "head", [0, 2, 3])
+    done = await swarm_run(tiny, head, SpeculationConfig(k=3, depth=depth))
+    assert done.token_ids == reference(tiny, PROMPT, MAX_TOKENS).token_ids
+    assert done.stats.drafted > 0
+
+
+def test_a_spec_names_an_eagle3_heads_directory(tiny: Path, tmp_path: Path) -> None:
+    """``draft = "eagle3"`` needs ``draft_head`` naming a directory (relative to the spec);
+    without one, or with a file or a missing path, the spec is refused naming the key."""
+    head = eagle3_head(tiny, tmp_path / "head", [0, 2, 3])
+    base = {
+        "swarm": {"name": "e3", "model": str(tiny), "insecure": True},
+        "coordinator": {"name": "coord", "listen": "127.0.0.1:9100"},
+        "stage": [{"name": "s0", "listen": "127.0.0.1:9101", "layers": [0, N_LAYERS]}],
+    }
+    ok = SwarmSpec.from_dict(
+        {**base, "speculation": {"draft": "eagle3", "draft_head": "head"}},
+        source=str(tmp_path / "spec.toml"),
+        base_dir=tmp_path,
+    )
+    assert ok.speculation.draft_head == str(head.resolve())
+    for table, why in [
+        ({"draft": "eagle3"}, "draft_head"),
+        ({"draft": "eagle3", "draft_head": "nowhere"}, "not an EAGLE-3 head directory"),
+        ({"draft": "eagle3", "draft_head": "head/config.json"}, "not an EAGLE-3 head directory"),
+    ]:
+        with pytest.raises(SpecError, match=why):
+            SwarmSpec.from_dict({**base, "speculation": table}, base_dir=tmp_path)
+
+
+def test_a_head_for_another_model_is_refused_before_the_swarm_starts(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A head of another vocabulary, or declaring a layer the target lacks: ``make_drafter``
+    raises ``Eagle3Error`` naming why (the CLI reports it in one line)."""
+    c = ModelConfig.from_dir(tiny)
+    spec = spec_for(tiny, "ngram")
+    heads = {
+        "vocab_size": eagle3_config(
+            vocab_size=c.vocab_size + 1,
+            hidden_size=c.hidden_size,
+            draft_vocab_size=c.vocab_size // 2,
+            layer_ids=[0, 2, 3],
+        ),
+        f"of {N_LAYERS} layers": eagle3_config(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            draft_vocab_size=c.vocab_size // 2,
+            layer_ids=[0, 2, N_LAYERS],
+        ),
+    }
+    for why, config in heads.items():
+        path = write_eagle3_head(tmp_path / why.replace(" ", "-"), config, seed=3)
+        plan_ = attrs.evolve(spec.speculation, draft="eagle3", draft_head=str(path))
+        with pytest.raises(Eagle3Error, match=why):
+            make_drafter(attrs.evolve(spec, speculation=plan_), tiny)
+    assert Eagle3Error in operator_errors()
+
+
+# -- refusals: an OpenSession's layers, a chunk's states ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("features", "layers", "why"),
+    [
+        (0, (1,), "without features"),
+        (4, (2, 1), "strictly increasing"),
+        (4, (1, 1), "strictly increasing"),
+        (4, (0, N_LAYERS), "strictly increasing"),
+        (4, (-1, 2), "strictly increasing"),
+        (4, tuple(range(MAX_FEATURE_LAYERS + 1)), "strictly increasing"),
+    ],
+)
+def test_an_open_session_with_layers_it_cannot_have_is_refused(
+    tiny: Path, features: int, layers: tuple[int, ...], why: str
+) -> None:
+    model = load_stage(tiny, 1, 3)
+    msg = OpenSession(SessionId(1), 16, features=features, feature_layers=layers)
+    refusal = features_refusal(model, msg)
+    assert refusal is not None and why in refusal
+    assert features_refusal(model, attrs.evolve(msg, features=4, feature_layers=(0, 2))) is None
+
+
+def test_a_chunk_whose_states_do_not_fit_its_session_fails_alone(tiny: Path) -> None:
+    """A middle stage [1, 3) of a session capturing (0, 2, 3): a verify chunk must bring the
+    layer 0 rows ``[1, rows, D]`` in the wire dtype; missing, unasked, misshapen or another
+    dtype is a ``StageFailed`` for that chunk (a ``chunk`` fault), never a crash."""
+    model = load_stage(tiny, 1, 3)
+    d = model.config.hidden_size
+    node = NodeName("s1")
+    opening = OpenSession(SessionId(1), 16, features=4, feature_layers=(0, 2, 3))
+    hidden = to_wire(torch.zeros(1, 2, d))
+    chunk = Verify(SessionId(1), Epoch(0), ChunkSeq(0), 0, hidden=hidden, draft=(5,))
+
+    def planned(msg: Verify, session: OpenSession = opening) -> object:
+        sessions = {SessionId(1): Session.opened(session, model.new_cache(16), tail=False, now=0)}
+        return plan(model, node, sessions, msg, 0.0)
+
+    good = to_wire(torch.ones(1, 2, d, dtype=torch.float16))
+    ok = planned(attrs.evolve(chunk, states=good))
+    assert getattr(ok, "layers", None) == (1,) and getattr(ok, "carry", None) == 2
+    bad = {
+        "missing": None,
+        "too wide": to_wire(torch.ones(1, 2, 2 * d, dtype=torch.float16)),
+        "too few rows": to_wire(torch.ones(1, 1, d, dtype=torch.float16)),
+        "float32": to_wire(torch.ones(1, 2, d)),
+        "not a tensor": attrs.evolve(good, data=b"\0" * 3),
+    }
+    for what, states in bad.items():
+        with pytest.raises(StageFailed, match="layer states") as caught:
+            planned(attrs.evolve(chunk, states=states))
+        assert caught.value.kind == "chunk", what
+    with pytest.raises(StageFailed, match="asked for none"):
+        planned(attrs.evolve(chunk, states=good), OpenSession(SessionId(1), 16))
