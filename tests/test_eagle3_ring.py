@@ -37,11 +37,14 @@ from shard.nodes.drafter import make_drafter
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.spec.validate import SpecError
+from shard.stage.batch import Carried, Planned, forward_batch
 from shard.stage.chunks import Session, StageFailed, features_refusal, plan
+from shard.stage.graphs import ChunkGraphs
 from shard.testing import make_tiny_checkpoint
 from shard.testing.eagle3 import eagle3_config, write_eagle3_head
 from test_features_ring import MAX_TOKENS, PROMPT, WINDOW, Recorder, check_observed, ring_run
 from test_spec_ring import DEADLINE_S, reference, spec_for
+from test_stage_graphs import FakeCapture
 
 N_LAYERS = 4  # spec_for's ring: [0, 1) [1, 3) [3, 4)
 
@@ -255,3 +258,34 @@ def test_a_chunk_whose_states_do_not_fit_its_session_fails_alone(tiny: Path) -> 
         assert caught.value.kind == "chunk", what
     with pytest.raises(StageFailed, match="asked for none"):
         planned(attrs.evolve(chunk, states=good), OpenSession(SessionId(1), 16))
+
+
+def test_a_stage_with_graphs_runs_a_chunk_with_layer_states_eagerly(tiny: Path) -> None:
+    """A middle stage with graphs on (a CPU stand-in capturer, as ``test_stage_graphs``): a
+    verify chunk of a session capturing layer 2 runs eagerly with the graph's arithmetic (no
+    capture: a replay runs no hook), its hidden states equal the graphed chunk's bit for bit,
+    and its states are layer 0's rows that arrived followed by the rows entering layer 2."""
+
+    model = load_stage(tiny, 1, 3)
+    d, rows = model.config.hidden_size, 4
+    fake = FakeCapture()
+    graphs = ChunkGraphs(model, mode="lazy", rows={rows}, capture=fake)
+    x = torch.randn(1, rows, d, generator=torch.Generator().manual_seed(5))
+    upstream = torch.randn(rows, d, generator=torch.Generator().manual_seed(6)).half()
+    msg = Verify(SessionId(1), Epoch(0), ChunkSeq(0), 0, hidden=to_wire(x), draft=(1, 2, 3))
+    sampling = OpenSession(SessionId(1), 16).sampling
+    captured = Planned(
+        msg, x, model.new_cache(16), sampling, 0.0, layers=(1,), carry=rows, states=upstream
+    )
+    (out,) = forward_batch(model, graphs, [captured])
+    assert fake.captures == 0 and graphs.statistics().eager == 1
+    plain = Planned(msg, x, model.new_cache(16), sampling, 0.0)
+    (want,) = forward_batch(model, graphs, [plain])
+    assert fake.captures == 1
+    assert isinstance(out, Carried) and isinstance(want, torch.Tensor)
+    assert torch.equal(out.hidden, want)
+    layer_1 = load_stage(tiny, 1, 2)  # its output is what enters layer 2, at graph arithmetic
+    entering = layer_1.forward_at(x, torch.arange(rows), layer_1.new_cache(16))
+    assert out.states is not None and out.states.shape == (rows, 2 * d)
+    assert torch.equal(out.states[:, :d], upstream)
+    assert torch.equal(out.states[:, d:], entering[0].half())
