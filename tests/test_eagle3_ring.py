@@ -42,7 +42,15 @@ from shard.stage.chunks import Session, StageFailed, features_refusal, plan
 from shard.stage.graphs import ChunkGraphs
 from shard.testing import make_tiny_checkpoint
 from shard.testing.eagle3 import eagle3_config, write_eagle3_head
-from test_features_ring import MAX_TOKENS, PROMPT, WINDOW, Recorder, check_observed, ring_run
+from test_features_ring import (
+    MAX_TOKENS,
+    PROMPT,
+    WINDOW,
+    Recorder,
+    batched_with_a_silent_session,
+    check_observed,
+    ring_run,
+)
 from test_spec_ring import DEADLINE_S, reference, spec_for
 from test_stage_graphs import FakeCapture
 
@@ -87,23 +95,8 @@ async def test_layer_states_are_the_reference_at_their_positions(
 async def test_a_batch_of_a_session_with_layer_states_and_one_without(tiny: Path) -> None:
     """Two sessions whose chunks share forwards (a gather window): the one that asks gets the
     reference states, the other none; both get the reference output."""
-    spec = spec_for(tiny, "ngram")
-    spec = attrs.evolve(spec, limits=attrs.evolve(spec.limits, gather_window_s=0.02))
-    other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1]
-    refs = {tuple(p): reference(tiny, p, MAX_TOKENS) for p in (PROMPT, other)}
-    whole = {p: [*p, *r.token_ids] for p, r in refs.items()}
-    asking = Recorder(whole[tuple(PROMPT)], features=WINDOW, feature_layers=(0, 2, 3))
-    silent = Recorder(whole[tuple(other)], features=0)
-    done = await ring_run(
-        spec, tiny, {tuple(PROMPT): asking, tuple(other): silent}, SpeculationConfig(k=3, depth=1)
-    )
-    for prompt, ref in refs.items():
-        assert done[prompt].token_ids == ref.token_ids
-    rows = max(n.batch_rows for c in done.values() for n in c.stats.nodes)
-    assert rows > 4, f"the sessions' chunks never shared a forward ({rows} rows)"
-    assert not silent.observed
-    want = reference_states(tiny, whole[tuple(PROMPT)], (0, 2, 3))
-    check_observed(asking, want, len(PROMPT), len(whole[tuple(PROMPT)]))
+    asking, whole = await batched_with_a_silent_session(tiny, (0, 2, 3))
+    check_observed(asking, reference_states(tiny, whole, (0, 2, 3)), len(PROMPT), len(whole))
 
 
 def eagle3_head(tiny: Path, path: Path, layer_ids: list[int]) -> Path:

@@ -173,15 +173,19 @@ async def test_features_are_the_reference_final_norm_at_their_positions(
     check_observed(recorder, want, len(PROMPT), len(whole))
 
 
-async def test_a_batch_of_a_session_with_features_and_one_without(tiny: Path) -> None:
-    """Two sessions at once whose chunks share forwards (a gather window): the one that asks
-    gets the reference features, the other none; both get the reference output."""
+async def batched_with_a_silent_session(
+    tiny: Path, feature_layers: tuple[int, ...] = ()
+) -> tuple[Recorder, list[int]]:
+    """``PROMPT``'s session asking for features (``feature_layers``: layer states) and another
+    asking for none, at once, their chunks sharing forwards (a gather window). Checks both get
+    the reference output, that they shared a forward and that the silent one observed nothing;
+    returns the asking recorder and its whole stream (prompt and output)."""
     spec = spec_for(tiny, "ngram")
     spec = attrs.evolve(spec, limits=attrs.evolve(spec.limits, gather_window_s=0.02))
     other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1]
     refs = {tuple(p): reference(tiny, p, MAX_TOKENS) for p in (PROMPT, other)}
     whole = {p: [*p, *r.token_ids] for p, r in refs.items()}
-    asking = Recorder(whole[tuple(PROMPT)], features=WINDOW)
+    asking = Recorder(whole[tuple(PROMPT)], features=WINDOW, feature_layers=feature_layers)
     silent = Recorder(whole[tuple(other)], features=0)
     done = await ring_run(
         spec, tiny, {tuple(PROMPT): asking, tuple(other): silent}, SpeculationConfig(k=3, depth=1)
@@ -191,8 +195,14 @@ async def test_a_batch_of_a_session_with_features_and_one_without(tiny: Path) ->
     rows = max(n.batch_rows for c in done.values() for n in c.stats.nodes)
     assert rows > 4, f"the sessions' chunks never shared a forward ({rows} rows)"
     assert not silent.observed
-    want = reference_features(tiny, whole[tuple(PROMPT)])
-    check_observed(asking, want, len(PROMPT), len(whole[tuple(PROMPT)]))
+    return asking, whole[tuple(PROMPT)]
+
+
+async def test_a_batch_of_a_session_with_features_and_one_without(tiny: Path) -> None:
+    """Two sessions at once whose chunks share forwards (a gather window): the one that asks
+    gets the reference features, the other none; both get the reference output."""
+    asking, whole = await batched_with_a_silent_session(tiny)
+    check_observed(asking, reference_features(tiny, whole), len(PROMPT), len(whole))
 
 
 async def test_plain_decoding_with_features_gets_one_row_per_step(tiny: Path) -> None:
