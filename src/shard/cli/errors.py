@@ -57,6 +57,7 @@ _OPERATOR_ERRORS: Final = (
     ("shard.placement.problem", "PlanError"),  # shard plan: no ring fits, or a bad --rtt geography
     ("shard.decode.head.model", "HeadError"),  # draft = "head": no finished head (HeadNotFound)
     ("shard.decode.head.eagle3_files", "Eagle3Error"),  # draft = "eagle3": a head that won't do
+    ("shard.decode.head.mtp", "MtpError"),  # draft = "mtp": a checkpoint without its MTP block
 )
 
 

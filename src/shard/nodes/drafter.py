@@ -40,6 +40,8 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
         return _head_drafter(spec)
     if plan.draft == "eagle3":
         return _eagle3_drafter(spec, model_dir)
+    if plan.draft == "mtp":
+        return _mtp_drafter(spec, model_dir)
     if plan.draft == "oracle":
         assert plan.oracle_file is not None
         references = json.loads(Path(plan.oracle_file).read_text())["references"]
@@ -127,6 +129,20 @@ def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
     log.info("EAGLE-3 head %s reads the states entering layers %s", path, list(layers))
     max_len = spec.limits.max_len
     return Drafter(lambda prompt: HeadProposer(head, max_len=max_len, layers=layers), device=device)
+
+
+def _mtp_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
+    """``draft = "mtp"``: the checkpoint's first MTP block on the coordinator's device, in fp32
+    (``MtpError`` before the swarm starts when it has none), fed the tail's final-norm
+    features as a draft head is."""
+    from shard.decode.head.mtp import MtpHead
+    from shard.decode.head.proposer import HeadProposer
+
+    device = resolve_device(spec.runtime(spec.coordinator.name).device, spec.coordinator.name)
+    head = MtpHead.load(model_dir, device=device)
+    log.info("drafting with the MTP block of %s (layer %d)", model_dir, head.block.first)
+    max_len = spec.limits.max_len
+    return Drafter(lambda prompt: HeadProposer(head, max_len=max_len), device=device)
 
 
 __all__ = ["make_drafter"]

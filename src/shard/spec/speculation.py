@@ -11,6 +11,7 @@ draft_head = "smollm2-head"  # head / hybrid: a head directory, or <bundled mode
                         # default: built on first use by `shard draft train`, then cached)
 # draft = "eagle3" with draft_head = "DIR": a published EAGLE-3 head (SpecForge's layout) fed
 #   the target's layer states, which the stages holding its layers send along
+# draft = "mtp": the checkpoint's own MTP block (DeepSeek-V3, GLM-4.5), fed the tail's features
 # draft = "oracle" with oracle_file = "refs.json": replays prior reference runs (benchmarks only)
 k = "auto"              # drafted tokens per chunk: "auto" (adaptive) or 0..k_max (0 = plain)
 depth = "auto"          # verify chunks in flight per session: "auto" or 1..depth_max
@@ -30,7 +31,17 @@ from shard.decode.control import SpeculationConfig
 from shard.spec.swarm_table import BUNDLED_MODELS
 from shard.spec.validate import Table
 
-DRAFT_KINDS: Final = ("none", "ngram", "model", "auto", "head", "hybrid", "eagle3", "oracle")
+DRAFT_KINDS: Final = (
+    "none",
+    "ngram",
+    "model",
+    "auto",
+    "head",
+    "hybrid",
+    "eagle3",
+    "mtp",
+    "oracle",
+)
 SPECULATION_KEYS: Final = (
     "draft",
     "draft_model",
@@ -108,8 +119,8 @@ def read_speculation(
     if draft == "none" and k not in (None, 0):
         raise table.error(
             "k",
-            'k > 0 needs a draft; set draft = "ngram", "model", "auto", "head", "hybrid" or '
-            '"eagle3"',
+            'k > 0 needs a draft; set draft = "ngram", "model", "auto", "head", "hybrid", '
+            '"eagle3" or "mtp"',
         )
     return SpeculationSpec(
         draft=draft,

@@ -11,6 +11,8 @@ the target's features and proposes the next tokens. Training it is offline work,
                   (``Eagle3Config``, ``Eagle3Error``)
     eagle3_check.py  which target layers feed it, and the check that catches a head whose
                   layer indices are off by one (``check_layers``)
+    mtp.py        ``MtpHead``: a checkpoint's own MTP block (DeepSeek-V3, GLM-4.5) read from
+                  the target's files, fed the same final-norm features as ``DraftHead``
     proposer.py   ``HeadProposer`` (either head): ``observe`` features, ``propose`` (greedy) or
                   ``propose_sampled`` (draws from its own q and returns it)
 """

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from shard.decode.head.eagle3 import Eagle3Head
 from shard.decode.head.model import DraftHead, HeadError
+from shard.decode.head.mtp import MtpHead
 
 __all__ = ["HeadProposer", "SparseQ"]
 
@@ -39,9 +40,11 @@ class HeadProposer:
     """Drafts greedily (``propose``) or by sampling its own q (``propose_sampled``).
 
     ``features``: how many trailing prompt features it wants after prefill (the head's
-    ``feature_window``). The head is a ``DraftHead`` (``name`` "head") or an EAGLE-3 head
-    (``Eagle3Head``, ``name`` "eagle3"), whose observed features are its three target layers'
-    states side by side and whose chained states are narrower (``feature_dim``, ``hidden_dim``).
+    ``feature_window``). The head is a ``DraftHead`` (``name`` "head"), a checkpoint's MTP
+    block (``MtpHead``, ``name`` "mtp"; it observes the same final-norm features) or an
+    EAGLE-3 head (``Eagle3Head``, ``name`` "eagle3"), whose observed features are its three
+    target layers' states side by side and whose chained states are narrower (``feature_dim``,
+    ``hidden_dim``).
     ``layers``: an EAGLE-3 head's target layers (``Eagle3Config.layers_for``, strictly
     increasing as its config must declare them), which the ring is asked for
     (``feature_layers``). Empty: the caller observes the states itself (in one process) and
@@ -52,13 +55,13 @@ class HeadProposer:
 
     def __init__(
         self,
-        head: DraftHead | Eagle3Head,
+        head: DraftHead | Eagle3Head | MtpHead,
         *,
         max_len: int,
         top_k: int = 32,
         layers: Sequence[int] = (),
     ) -> None:
-        self.name = "eagle3" if isinstance(head, Eagle3Head) else "head"
+        self.name = _name(head)
         increasing = all(a < b for a, b in itertools.pairwise(layers))
         if layers and (self.name != "eagle3" or not increasing):
             raise HeadError(f"layers {list(layers)}: increasing layers of an EAGLE-3 head only")
@@ -215,3 +218,9 @@ class HeadProposer:
         on the CPU (where the sampler's generator and the wire are)."""
         top, index = torch.topk(logits.float() / temperature, min(self._top_k, len(logits)))
         return self._head.to_vocab(index).cpu(), torch.softmax(top, dim=-1).cpu()
+
+
+def _name(head: DraftHead | Eagle3Head | MtpHead) -> str:
+    if isinstance(head, Eagle3Head):
+        return "eagle3"
+    return "mtp" if isinstance(head, MtpHead) else "head"
