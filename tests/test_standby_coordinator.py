@@ -18,7 +18,7 @@ import trio.testing
 
 from shard.compute.offload import inline_compute
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
-from shard.coordinator.client import request
+from shard.coordinator.client import stream
 from shard.coordinator.coordinator import Coordinator
 from shard.errors import HandshakeError
 from shard.failover.events import RingControl
@@ -30,7 +30,6 @@ from shard.messages import (
     Message,
     NodeName,
     OpenSession,
-    TokensOut,
 )
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
@@ -105,20 +104,20 @@ def test_standby_takes_over_and_the_wire_client_gets_the_rest(model_dir: Path) -
                 )
 
                 async def ask(label: str, kill_after: int | None) -> None:
-                    pieces: list[str] = []
-                    seen = [0]
-
-                    def on_text(msg: TokensOut) -> None:
-                        pieces.append(msg.text)
-                        seen[0] += len(msg.token_ids)
-                        if kill_after is not None and seen[0] >= kill_after:
-                            scopes["coord"].cancel()  # the primary dies
-
+                    texts: list[str] = []
+                    seen, done = 0, None
                     req = GenerateRequest(request=1, prompt=PROMPT, max_tokens=MAX_TOKENS)
-                    done = await request(
-                        network, (PRIMARY, STANDBY), req, swarm="test", on_text=on_text
-                    )
-                    runs[label] = (done, "".join(pieces))
+                    async with stream(network, (PRIMARY, STANDBY), req, swarm="test") as pieces:
+                        async for piece in pieces:
+                            if isinstance(piece, GenerateDone):
+                                done = piece
+                                continue
+                            texts.append(piece.text)
+                            seen += len(piece.token_ids)
+                            if kill_after is not None and seen >= kill_after:
+                                scopes["coord"].cancel()  # the primary dies
+                    assert done is not None, "the stream ended without its completion"
+                    runs[label] = (done, "".join(texts))
 
                 await ask("whole", None)
                 await ask("killed", 6)

@@ -22,7 +22,7 @@ from typing import IO
 import attrs
 import trio
 
-from shard.messages import GenerateDone, GenerateRequest, TokensOut
+from shard.messages import GenerateDone, GenerateRequest
 from shard.nodes.launcher import SwarmHandle, launch
 from shard.placement import Plan
 from shard.placement.emulate import emulated_spec
@@ -149,17 +149,17 @@ async def measure(
 
     Errors: ``RuntimeError`` for a request the ring fails; ``trio.TooSlowError`` after
     ``timeout_s``."""
-    from shard.coordinator.client import request
+    from shard.coordinator.client import stream
 
-    arrivals: list[float] = []
-
-    def on_text(out: TokensOut) -> None:  # one per commit: one token per lap when plain
-        if out.token_ids:
-            arrivals.append(trio.current_time())
-
+    arrivals: list[float] = []  # one per commit: one token per lap when plain
     req = GenerateRequest(rid, prompt, tokens, k=0, ignore_eos=True)
     with trio.fail_after(timeout_s):
-        done = await request(network, coordinator, req, swarm=spec.name, on_text=on_text)
+        async with stream(network, coordinator, req, swarm=spec.name) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, GenerateDone):
+                    done = piece
+                elif piece.token_ids:
+                    arrivals.append(trio.current_time())
     if done.finish_reason == "error":
         raise RuntimeError(f"{spec.name}: {done.error}")
     latency_ms = sum(e.latency_ms for e in spec.hops())

@@ -20,7 +20,7 @@ import trio
 
 from shard.bench.options import Prompt
 from shard.bench.ringspec import RingBase, Speculation, base_ring_toml, free_ports
-from shard.messages import GenerateDone, GenerateRequest, TokensOut
+from shard.messages import GenerateDone, GenerateRequest
 from shard.spec.nodes import EdgeSpec
 from shard.spec.swarm import load_spec
 from shard.transport import Network
@@ -113,7 +113,7 @@ async def ask(
     ignore_eos: bool = False,
 ) -> Reply:
     """One request; a request the ring fails is an error, not a data point."""
-    from shard.coordinator.client import request
+    from shard.coordinator.client import stream
 
     k, depth = MODE_REQUEST[mode]
     req = GenerateRequest(
@@ -122,11 +122,13 @@ async def ask(
     arrivals: list[tuple[float, int]] = []
     began = trio.current_time()
 
-    def on_text(msg: TokensOut) -> None:
-        arrivals.append((trio.current_time() - began, len(msg.token_ids)))
-
     with trio.fail_after(timeout_s):
-        done = await request(network, ring.coordinator, req, swarm=ring.swarm, on_text=on_text)
+        async with stream(network, ring.coordinator, req, swarm=ring.swarm) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, GenerateDone):
+                    done = piece
+                else:
+                    arrivals.append((trio.current_time() - began, len(piece.token_ids)))
     if done.finish_reason == "error":
         raise RuntimeError(f"{ring.swarm}: {mode}: {prompt.name}: {done.error}")
     return Reply(done, tuple(arrivals))

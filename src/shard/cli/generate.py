@@ -7,9 +7,8 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -17,7 +16,10 @@ import trio
 from shard.cli.errors import UsageError
 from shard.cli.inputs import prompt_arg
 from shard.cli.inputs import read_prompts as read_prompts
-from shard.messages import GenerateDone, GenerateRequest, Sampling, TokensOut
+from shard.messages import GenerateDone, GenerateRequest, Sampling
+
+if TYPE_CHECKING:
+    from shard.nodes.script import Progress
 
 log = logging.getLogger(__name__)
 
@@ -115,27 +117,21 @@ async def ask(
     req: GenerateRequest,
     args: Any,
     connect_timeout_s: float,
-    on_tokens: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
 ) -> GenerateDone:
-    """Send one request to the coordinator at ``address``; the spec's ``connect_timeout_s``
-    bounds reaching it (a swarm that is not running fails fast, with one line).
+    """Send one request to the coordinator at ``address`` and print its text as it commits;
+    the spec's ``connect_timeout_s`` bounds reaching it (a swarm that is not running fails
+    fast, with one line). ``progress`` (``swarm run``) records when each commit arrived.
 
     Errors: ``ClientError`` at once when the coordinator's connection closes mid-request (it
     stopped or was killed: its socket closes with it), after ending any streamed text's
     line so the error is a line of its own."""
-    from shard.coordinator.client import ClientError, request
+    from shard.coordinator.client import ClientError, stream
     from shard.nodes.compose import client_network
     from shard.transport import ConnectionClosed
 
-    streamed: list[bool] = []
-
-    def show(out: TokensOut) -> None:
-        if on_tokens is not None:
-            on_tokens(len(out.token_ids))
-        if not args.json:
-            print(out.text, end="", flush=True)
-            streamed.append(bool(out.text))
-
+    streamed = False
+    done: GenerateDone | None = None
     # insecure = false: this client's own key and token (--key/--token or [trust] client_*)
     key, token = getattr(args, "key", None), getattr(args, "token", None)
     network = client_network(
@@ -146,22 +142,32 @@ async def ask(
             # a standby coordinator in the spec: the client goes on there if this one dies
             standby = spec.coordinator.standby
             addresses = address if standby is None else (address, str(standby))
-            done = await request(
+            async with stream(
                 network,
                 addresses,
                 req,
                 swarm=spec.name,
-                on_text=show,
                 connect_timeout_s=connect_timeout_s,
                 handshake_timeout_s=spec.limits.handshake_timeout_s,
-            )
+            ) as pieces:
+                async for piece in pieces:
+                    if isinstance(piece, GenerateDone):
+                        done = piece
+                        continue
+                    if progress is not None:
+                        progress.add(len(piece.token_ids))
+                    if not args.json:
+                        print(piece.text, end="", flush=True)
+                        streamed = streamed or bool(piece.text)
     except ConnectionClosed as exc:
-        if any(streamed):
+        if streamed:
             print(flush=True)
         raise ClientError(
             f"the coordinator at {address} closed the connection before the request finished "
             f"({exc}): it stopped or was killed; see its log, restart the swarm and retry"
         ) from None
+    if done is None:
+        raise ClientError(f"the coordinator at {address} ended request {req.request} unfinished")
     print_done(done, as_json=args.json, streamed=True)
     out = getattr(args, "receipt", None)
     if out and done.receipt is not None:
@@ -182,7 +188,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     from torch import float32
 
     from shard.coordinator.service import prompt_ids
-    from shard.decode.reference import generate_reference
+    from shard.decode.reference import reference_steps
     from shard.model.bundled import resolve_model
     from shard.model.config import ModelConfig
     from shard.model.loader import load_stage
@@ -207,21 +213,19 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     weights = resolve_weights(args.weights, model_dir, float32)  # as load_stage does
     log.info("%s: weights %s, dtype float32", model_dir.name, weights)
     model = load_stage(model_dir, 0, config.n_layers, weights=weights)
-    stream = StreamDecoder(tokenizer)
-
-    def show(ids: list[int]) -> None:
-        if not args.json:
-            print("".join(stream.push(t) for t in ids), end="", flush=True)
-
-    result = generate_reference(
+    text = StreamDecoder(tokenizer)
+    steps = reference_steps(
         model,
         ids,
         max_tokens=args.max_tokens,
         eos_ids=() if req.ignore_eos else (*config.eos_token_ids, *tokenizer.eos_ids),
         sampling=req.sampling,
         max_len=max_len,
-        on_tokens=show,
     )
+    for emitted in steps:
+        if not args.json:
+            print("".join(text.push(t) for t in emitted), end="", flush=True)
+    result = steps.result
     done = GenerateDone(
         request=1,
         token_ids=result.token_ids,

@@ -302,7 +302,7 @@ async def _swarm_run(
                     _request(i, prompt, args),
                     args,
                     spec.limits.connect_timeout_s,
-                    progress.add,
+                    progress,
                 )
                 failed += done.finish_reason == "error"
             nursery.cancel_scope.cancel()
