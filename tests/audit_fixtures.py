@@ -68,6 +68,9 @@ class Driver:
     accused: StageModel
     sampler: AuditSampler
     signer: ReceiptSigner | None = None
+    #: told of each audited chunk as the sampler chooses it (a cheater that somehow learns
+    #: when it was audited: ``shard.testing.cheats``' ``when_unaudited``)
+    audited: Callable[[], None] | None = None
 
     def session(
         self,
@@ -105,6 +108,8 @@ class Driver:
             req = self.sampler.output(sent)
             start += len(ids)
             if req is not None:
+                if self.audited is not None:
+                    self.audited()
                 out.append(req)
                 if stop(req):
                     break

@@ -140,12 +140,10 @@ def test_each_cheat_is_caught_at_the_rate(blocks: tuple[StageModel, ...], kind: 
     measured = []
     for trial in range(trials):
         cheat = cheating(honest, kind, seed=trial, **options)
-        sampler = AuditSampler(
-            accused_record(honest), seed=rng.randbytes(32), rate=RATE, on_audit=cheat.audited
-        )
+        sampler = AuditSampler(accused_record(honest), seed=rng.randbytes(32), rate=RATE)
         caught = [
             r
-            for r in Driver(head, cheat, sampler).session(
+            for r in Driver(head, cheat, sampler, audited=cheat.audited).session(
                 trial + 1, rng, chunks=400, stop=lambda r: not run_audit(honest, r).ok
             )
             if not run_audit(honest, r).ok

@@ -16,7 +16,8 @@ import pytest
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient, JoinRefused, NameTaken
+from answered import AnsweredClient
+from shard.failover.control import JoinRefused, NameTaken
 from shard.failover.events import RingControl, RingNote
 from shard.failover.scheduler import Scheduler
 from shard.membership.registry import Member, Registry, Slot
@@ -65,21 +66,21 @@ class Swarm:
         await nursery.start(self.sched.run)
         await nursery.start(self.network.serve, "coord", control)
 
-    def client(self, node: str, *, role: str = "stage", name_wait_s: float = 3.0) -> ControlClient:
+    def client(self, node: str, *, role: str = "stage", name_wait_s: float = 3.0) -> AnsweredClient:
         """A control client of node ``node``: the stage holding its slot, or (``standby``) a
         node started with ``--join`` under that name, carrying a profile."""
         name = NodeName(node)
 
-        async def on_order(order: Activate | Rewire) -> None:
+        async def obey(order: Activate | Rewire) -> None:
             self.orders.append(order)
 
         profile = NodeProfile("cpu", 1 << 30, 1.0, 1.2, 5) if role == "standby" else None
         register = Register(name, role, f"{node}:7001", 2, 4, node if role == "stage" else "",
                             profile=profile)  # fmt: skip
-        return ControlClient(
-            name, self.network, "coord", Hello(name, "stage", SWARM, link="control"),
-            lambda: register, on_order, heartbeat_s=POLICY.heartbeat_s,
-            dead_after_s=POLICY.dead_after_s, name_wait_s=name_wait_s,
+        return AnsweredClient(
+            name, self.network, "coord", lambda: register, SWARM, obey=obey,
+            heartbeat_s=POLICY.heartbeat_s, dead_after_s=POLICY.dead_after_s,
+            name_wait_s=name_wait_s,
         )  # fmt: skip
 
     def registrations(self, node: str) -> int:

@@ -17,7 +17,8 @@ import pytest
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient, JoinRefused
+from answered import AnsweredClient
+from shard.failover.control import JoinRefused
 from shard.failover.events import Resume, RingControl, RingLost
 from shard.failover.scheduler import Scheduler
 from shard.formation.formation import (
@@ -121,30 +122,29 @@ class Joiner:
     loading: trio.Event | None = None
     activating: trio.Event = attrs.field(factory=trio.Event)
 
-    def client(self, network: Network, order_log: list[str]) -> ControlClient:
+    def client(self, network: Network, order_log: list[str]) -> AnsweredClient:
         node = NodeName(self.name)
 
-        async def on_order(order: Activate | Rewire) -> None:
+        async def obey(order: Activate | Rewire) -> None:
             self.orders.append(order)
             order_log.append(self.name)
             if isinstance(order, Activate) and self.loading is not None:
                 self.activating.set()
                 await self.loading.wait()
 
-        async def on_measure(order: MeasureRtt) -> RttReport:
+        async def measure(order: MeasureRtt) -> RttReport:
             self.asked.append(order)
             values = tuple(self.rtt_ms.get(n, -1.0) for n in order.names)
             return RttReport(node, order.names, values)
 
-        return ControlClient(
+        return AnsweredClient(
             node,
             network,
             "coord",
-            Hello(node=node, role="stage", swarm=SWARM, link="control"),
             lambda: register(self.name, self.profile),
-            on_order,
-            on_measure=on_measure,
-            heartbeat_s=0.25,
+            SWARM,
+            obey=obey,
+            measure=measure,
             dead_after_s=10.0,
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import attrs
@@ -22,7 +23,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient, OnMeasure
+from answered import AnsweredClient
 from shard.failover.events import RingControl, RingNote
 from shard.failover.scheduler import Scheduler
 from shard.formation.formation import MEASURE_TIMEOUT_S, Prober, describe
@@ -94,24 +95,26 @@ def mesh_notes(told: trio.MemoryReceiveChannel[RingControl]) -> list[str]:
 
 
 def client(
-    name: str, network: Network, on_measure: OnMeasure, role_log: list[str] | None = None
-) -> ControlClient:
-    """A joined node's control client whose measurements are ``on_measure``."""
+    name: str,
+    network: Network,
+    measure: Callable[[MeasureRtt], Awaitable[RttReport]],
+    role_log: list[str] | None = None,
+) -> AnsweredClient:
+    """A joined node's control client whose measurements are ``measure``."""
     node = NodeName(name)
 
-    async def on_order(order: Activate | Rewire) -> None:
+    async def obey(order: Activate | Rewire) -> None:
         if role_log is not None:
             role_log.append(name)
 
-    return ControlClient(
+    return AnsweredClient(
         node,
         network,
         "coord",
-        Hello(node=node, role="stage", swarm=SWARM, link="control"),
         lambda: register(name, GOOD),
-        on_order,
-        on_measure=on_measure,
-        heartbeat_s=0.25,
+        SWARM,
+        obey=obey,
+        measure=measure,
         dead_after_s=10.0,
     )
 
@@ -187,7 +190,7 @@ async def test_the_mesh_is_remeasured_and_a_replan_uses_the_new_one(
         nursery.cancel_scope.cancel()
 
 
-def hostile_reports(node: NodeName) -> OnMeasure:
+def hostile_reports(node: NodeName) -> Callable[[MeasureRtt], Awaitable[RttReport]]:
     """An ``on_measure`` whose every answer is malformed, in turn: wrong names, wrong count,
     NaN, out of range, another node's name."""
     seed = itertools.count()
@@ -424,19 +427,18 @@ async def test_joined_nodes_nobody_reaches_form_a_ring_through_the_relay(
         echoed.append(f"{me}->{address}")
         await conn.aclose()
 
-    def node_client(name: str) -> ControlClient:
+    def node_client(name: str) -> AnsweredClient:
         node, net = NodeName(name), nets[name]
 
-        async def on_order(order: Activate | Rewire) -> None:
+        async def obey(order: Activate | Rewire) -> None:
             assert isinstance(order, Activate)
             await edge(net, node, order.successor)
 
         hello = Hello(node=node, role="stage", swarm=SWARM, link="probe")
-        return ControlClient(
-            node, net, "coord", Hello(node=node, role="stage", swarm=SWARM, link="control"),
-            lambda: register(name, attrs.evolve(GOOD, memory_bytes=ROOM2)), on_order,
-            on_measure=partial(measure_row, net, hello, timeout_s=5.0),
-            heartbeat_s=0.25, dead_after_s=10.0,
+        return AnsweredClient(
+            node, net, "coord", lambda: register(name, attrs.evolve(GOOD, memory_bytes=ROOM2)),
+            SWARM, obey=obey, measure=partial(measure_row, net, hello, timeout_s=5.0),
+            dead_after_s=10.0,
         )  # fmt: skip
 
     with trio.fail_after(120):

@@ -27,7 +27,7 @@ from shard.training.head.cache import HeadNotFound, cached_head, head_dir, resol
 from shard.training.head.features import FEATURES_VERSION, MANIFEST, FeatureStore
 from shard.training.head.measure import chained_acceptance
 from shard.training.head.train import greedy_targets, reference_features
-from shard.training.head.trainer import TrainSettings
+from shard.training.head.trainer import Trainer, TrainSettings
 
 TINY = HeadRecipe(
     minutes=1.0,
@@ -163,17 +163,28 @@ def test_the_sampling_dtype_keys_the_caches(
         HeadRecipe(sample_dtype="int8")
 
 
-def test_an_interrupted_run_resumes_where_it_stopped(target_dir: Path, tmp_path: Path) -> None:
+def interrupted_after(monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    """Ctrl-C arrives once ``steps`` training steps are done (the next one is interrupted)."""
+    one_step = Trainer._one_step
+
+    def step(self: Trainer, budget_s: float) -> tuple[float, float]:
+        if self.step == steps:
+            raise KeyboardInterrupt
+        return one_step(self, budget_s)
+
+    monkeypatch.setattr(Trainer, "_one_step", step)
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(
+    target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ctrl-C mid-training leaves a checkpoint; the next run resumes from it and ends with
     exactly the head an uninterrupted run trains."""
-
-    def stop_at_3(step: int) -> None:
-        if step == 3:
-            raise KeyboardInterrupt
-
     out = tmp_path / "h"
-    with pytest.raises(KeyboardInterrupt):
-        train_head(target_dir, out, tmp_path / "f", TINY, progress=False, on_step=stop_at_3)
+    with monkeypatch.context() as patched:
+        interrupted_after(patched, 3)
+        with pytest.raises(KeyboardInterrupt):
+            train_head(target_dir, out, tmp_path / "f", TINY, progress=False)
     assert not out.exists()
     assert [p.name for p in work_dir_for(out).iterdir()] == ["ckpt-00000003"]
     report = train_head(target_dir, out, tmp_path / "f", TINY, progress=False)
@@ -186,16 +197,15 @@ def test_an_interrupted_run_resumes_where_it_stopped(target_dir: Path, tmp_path:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
 
 
-def test_a_checkpoint_of_other_settings_is_not_resumed(target_dir: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_of_other_settings_is_not_resumed(
+    target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Changing the recipe between runs trains from scratch rather than mixing the two."""
-
-    def stop_at_2(step: int) -> None:
-        if step == 2:
-            raise KeyboardInterrupt
-
     out = tmp_path / "h"
-    with pytest.raises(KeyboardInterrupt):
-        train_head(target_dir, out, tmp_path / "f", TINY, progress=False, on_step=stop_at_2)
+    with monkeypatch.context() as patched:
+        interrupted_after(patched, 2)
+        with pytest.raises(KeyboardInterrupt):
+            train_head(target_dir, out, tmp_path / "f", TINY, progress=False)
     other = attrs.evolve(TINY, train=attrs.evolve(TINY.train, lr=1e-3))
     assert train_head(target_dir, out, tmp_path / "f", other, progress=False).resumed_from_step == 0
 

@@ -40,9 +40,21 @@ from shard.nodes.startup import StartTimeout, cpu_seconds, wait_ready
 from shard.spec.swarm import SwarmSpec
 
 
+class _Recorded(Supervisor):
+    """A supervisor whose reports are kept, in order."""
+
+    seen: list[NodeExit]
+
+    def exited(self, name: str, pid: int, code: int) -> NodeExit:
+        report = super().exited(name, pid, code)
+        self.seen.append(report)
+        return report
+
+
 def _supervisor() -> tuple[Supervisor, list[NodeExit]]:
-    seen: list[NodeExit] = []
-    return Supervisor("coord", set(), seen.append), seen
+    supervisor = _Recorded("coord", set())
+    supervisor.seen = []
+    return supervisor, supervisor.seen
 
 
 def test_an_exit_before_the_swarm_is_up_ends_it() -> None:

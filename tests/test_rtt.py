@@ -3,13 +3,15 @@ an emulated WAN, and a node answering probes while it obeys an order (virtual ti
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import pytest
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient, OnOrder
+from answered import AnsweredClient
+from shard.failover.duties import Order
 from shard.failover.events import RingControl, RingNote
 from shard.failover.scheduler import Scheduler, Slot
 from shard.membership.rtt import RttTracker, measure_row, serve_probes
@@ -60,15 +62,18 @@ def ring_notes(messages: trio.MemoryReceiveChannel[RingControl]) -> list[str]:
         notes.append(f"{msg.kind}: {msg.detail}")
 
 
-def control_client(network: Network, role: str, on_order: OnOrder) -> ControlClient:
+def control_client(
+    network: Network, role: str, obey: Callable[[Order], Awaitable[None]]
+) -> AnsweredClient:
     """Node ``s0``'s control link to ``coord``, registering as ``role`` with layers 0..1."""
-    return ControlClient(
+    return AnsweredClient(
         NODE,
         network,
         "coord",
-        Hello(node=NODE, role=role, swarm=SWARM, link="control"),
         lambda: Register(node=NODE, role=role, address="s0:1", first=0, last=1),
-        on_order,
+        SWARM,
+        role,
+        obey,
     )
 
 

@@ -83,7 +83,7 @@ def test_standby_takes_over_and_the_wire_client_gets_the_rest(model_dir: Path) -
     by stage 0's ring listener and by a stage's control-link fence."""
     spec = standby_spec(model_dir)
     runs: dict[str, tuple[GenerateDone, str]] = {}
-    taken: list[CoordinatorHandle] = []
+    taken_send, taken = trio.open_memory_channel[CoordinatorHandle](1)
 
     async def main() -> None:
         network = MemoryNetwork()
@@ -99,7 +99,7 @@ def test_standby_takes_over_and_the_wire_client_gets_the_rest(model_dir: Path) -
                         spec,
                         network=network,
                         model_dir=model_dir,
-                        on_takeover=taken.append,
+                        takeovers=taken_send,
                     )
                 )
 
@@ -129,7 +129,7 @@ def test_standby_takes_over_and_the_wire_client_gets_the_rest(model_dir: Path) -
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert len(taken) == 1, f"the standby never took over: {runs}"
+    assert taken.statistics().current_buffer_used == 1, f"the standby never took over: {runs}"
     whole, whole_text = runs["whole"]
     killed, killed_text = runs["killed"]
     assert whole.finish_reason != "error", whole.error
@@ -143,7 +143,7 @@ def test_standby_takes_over_and_the_wire_client_gets_the_rest(model_dir: Path) -
 def test_a_control_link_to_a_lower_generation_is_refused(model_dir: Path) -> None:
     """A stage's control client that has followed generation 2 refuses a coordinator whose
     Welcome says generation 1 (HandshakeError names the fencing)."""
-    from shard.failover.control import ControlClient
+    from answered import AnsweredClient
     from shard.messages import Register, Welcome
     from shard.transport.links import accept_peer
 
@@ -163,13 +163,13 @@ def test_a_control_link_to_a_lower_generation_is_refused(model_dir: Path) -> Non
 
         async with trio.open_nursery() as nursery:
             await nursery.start(network.serve, PRIMARY, old_coordinator)
-            client = ControlClient(
+            client = AnsweredClient(
                 NodeName("s0"),
                 network,
                 PRIMARY,
-                Hello(node=NodeName("s0"), role="stage", swarm="test", link="control"),
                 lambda: Register(NodeName("s0"), "stage", "127.0.0.1:9001"),
-                obey,
+                "test",
+                obey=obey,
                 connect_timeout_s=1.0,
                 fence=fence,
             )

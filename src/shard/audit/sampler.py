@@ -24,8 +24,6 @@ signature. Synchronous and cheap (one hash per chunk per direction, plus the dec
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import attrs
 
 from shard.audit.compare import blob_of, commit, is_audited, verdict_at, verdict_blob
@@ -104,9 +102,8 @@ class _Session:
 
 
 class AuditSampler:
-    """See the module docstring. ``on_audit(session, index)`` is told of each chosen chunk
-    (the status feed counts them; test cheaters use it to model a stage that somehow learns
-    when it was audited)."""
+    """See the module docstring. Each chunk it chooses comes back from ``output`` as its
+    ``AuditRequest``."""
 
     def __init__(
         self,
@@ -114,13 +111,11 @@ class AuditSampler:
         *,
         seed: bytes,
         rate: float,
-        on_audit: Callable[[SessionId, int], None] | None = None,
     ) -> None:
         self._accused = accused
         self._seed = seed
         self.commitment = commit(seed)
         self._rate = rate
-        self._on_audit = on_audit
         self._sessions: dict[SessionId, _Session] = {}
 
     def input(self, msg: Message) -> None:
@@ -209,8 +204,6 @@ class AuditSampler:
         pending: _Pending,
         receipt: StageReceipt | None,
     ) -> AuditRequest:
-        if self._on_audit is not None:
-            self._on_audit(session, index)
         a = self._accused
         return AuditRequest(
             accused=a.node,

@@ -233,20 +233,24 @@ async def _swarm_up(
     ``SHARD NODE EXITED`` line and failover, not the end."""
     from shard.nodes.launcher import NodeExit, launch
 
-    def exited(node: NodeExit) -> None:
-        print(node.line(), flush=True)
+    async def print_exits(exits: trio.MemoryReceiveChannel[NodeExit]) -> None:
+        async with exits:
+            async for node in exits:
+                print(node.line(), flush=True)
 
     stopped: list[int] = []
+    exits_send, exits = trio.open_memory_channel[NodeExit](16)
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
+            nursery.start_soon(print_exits, exits)
             handle = await nursery.start(
                 lambda task_status: launch(
                     spec_path,
                     spec,
                     model_dir=model_dir,
                     api=api,
-                    on_exit=exited,
+                    exits=exits_send,
                     layout=layout,
                     task_status=task_status,
                 )

@@ -1,8 +1,9 @@
 """shard.failover: surviving a node that dies — the scheduler (control plane: death detection with
 ``detector.py``, queueing repairs, ``scheduler.py``; its spot checks, ``spotchecks.py``), the
 repairs themselves (splicing standbys in, re-dialling edges: ``splice.py``), the messages it
-queues and sends the coordinator's router (``events.py``), the control links (``control.py``),
-the coordinator generation a node obeys (``fence.py``), a
+queues and sends the coordinator's router (``events.py``), the control links (``control.py``)
+and what they ask of their node, on channels (``duties.py``), the coordinator generation a
+node obeys (``fence.py``), a
 supervised ring edge with heartbeats and deadlines (``edge.py``), the replay log of what was
 sent downstream (``replay.py``; spot checks and their strikes are ``shard.audit``'s, driven by
 the scheduler) and seeded fault injection for tests (``faults.py``: test support, which nothing

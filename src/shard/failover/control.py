@@ -13,12 +13,13 @@ heartbeats cover a node it cannot hear from).
 An ``Activate`` with ``behind_nat`` first turns the node's network to NAT edges
 (``shard.transport.nat``, on demand): it registers at the relay before the order runs.
 
-Orders are carried out through ``on_order``, a call into the node that owns this client: the
-reply (``Ready``, ok or not) must say how the order went, so it is a request with its answer,
-not a message sent and forgotten. A joining node's ``MeasureRtt`` is one too: ``on_measure``
-measures, and its ``RttReport`` is the answer. Measurements run in a task of their own (one at a
-time; one more may wait, later ones are dropped and logged), so a re-measure of the mesh never
-delays an ``Activate`` after a death. A registration the scheduler refuses (a
+Orders are carried out by the node that owns this client, asked on its ``Duties`` channels
+(``shard.failover.duties``): the reply (``Ready``, ok or not) must say how the order went, so
+it is a request with its answer, not a message sent and forgotten. A joining node's
+``MeasureRtt`` is one too, its ``RttReport`` the answer, and a standby's ``AuditRequest``, its
+``AuditVerdict``. Measurements run in a task of their own (one at a time; one more may wait,
+later ones are dropped and logged), so a re-measure of the mesh never delays an ``Activate``
+after a death. A registration the scheduler refuses (a
 ``Fault`` of kind ``register``: a malformed profile) ends the client with ``JoinRefused``.
 One under a name a live member holds (kind ``name``) is tried again for ``name_wait_s``
 (by default three times ``dead_after_s``: long enough for the scheduler to declare a crashed
@@ -35,12 +36,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 import trio
 
 from shard.errors import HandshakeError
+from shard.failover.duties import Duties, Order, ask
 from shard.failover.fence import Fence
 from shard.messages import (
     Activate,
@@ -57,7 +59,7 @@ from shard.messages import (
     Rewire,
     RttReport,
 )
-from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict
+from shard.messages.audit import AuditCopy, AuditRequest
 from shard.transport import Connection, Network, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
 from shard.transport.links import HANDSHAKE_TIMEOUT_S, dial_welcome
@@ -65,10 +67,6 @@ from shard.transport.nat import BehindNat
 
 log = logging.getLogger(__name__)
 
-OnOrder = Callable[[Activate | Rewire], Awaitable[None]]
-OnAudit = Callable[[AuditRequest], Awaitable[AuditVerdict]]
-OnMeasure = Callable[[MeasureRtt], Awaitable[RttReport]]
-Order = Activate | Rewire
 #: Audit requests waiting for this standby's auditor; more are dropped (an audit not run
 #: accuses nobody) rather than stop the link being read.
 _AUDITS_BUFFER = 16
@@ -105,11 +103,28 @@ class _Queues:
     measures: trio.MemorySendChannel[MeasureRtt]
 
 
+@attrs.frozen
+class ControlLink:
+    """A node's control link, built once by its root: who it is (``hello``), the coordinators
+    it dials in turn (the primary's address, then a standby coordinator's) and its timings."""
+
+    node: NodeName
+    addresses: tuple[str, ...]
+    hello: Hello
+    heartbeat_s: float = 0.25
+    dead_after_s: float = 1.0
+    connect_timeout_s: float = 10.0
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    name_wait_s: float | None = None  # None: three times dead_after_s
+
+
 class ControlClient:
     """See the module docstring.
 
     ``register`` builds the ``Register`` sent on each (re)connection, so a standby that was
     activated re-registers as a stage (a snapshot of the node's state, read when needed).
+    ``duties``: the channels its node is asked on; ``faults`` and ``copies``: what the node
+    reports up.
 
     Cancellation: cancelling ``run`` closes the link. Errors: ``NodeReplaced`` when the
     scheduler refuses this node; ``JoinRefused`` (``NameTaken`` when a live member holds its
@@ -119,41 +134,31 @@ class ControlClient:
 
     def __init__(
         self,
-        node: NodeName,
+        link: ControlLink,
         network: Network,
-        address: str | Sequence[str],
-        hello: Hello,
         register: Callable[[], Register],
-        on_order: OnOrder,
+        duties: Duties,
         *,
         faults: trio.MemoryReceiveChannel[Fault] | None = None,
         copies: trio.MemoryReceiveChannel[AuditCopy] | None = None,
-        on_audit: OnAudit | None = None,
-        on_measure: OnMeasure | None = None,
-        heartbeat_s: float = 0.25,
-        dead_after_s: float = 1.0,
-        connect_timeout_s: float = 10.0,
-        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-        name_wait_s: float | None = None,
         fence: Fence | None = None,
     ) -> None:
-        self._node = node
+        self._node = link.node
         self._network = network
-        self._addresses = (address,) if isinstance(address, str) else tuple(address)
+        self._addresses = link.addresses
         self._at = 0  # the address tried now
         self._fence = fence if fence is not None else Fence()
-        self._hello = hello
+        self._hello = link.hello
         self._register = register
-        self._on_order = on_order
+        self._duties = duties
         self._faults = faults
         self._copies = copies
-        self._on_audit = on_audit
-        self._on_measure = on_measure
-        self._heartbeat_s = heartbeat_s
-        self._dead_after_s = dead_after_s
-        self._connect_timeout_s = connect_timeout_s
-        self._handshake_timeout_s = handshake_timeout_s
-        self._name_wait_s = 3 * dead_after_s if name_wait_s is None else name_wait_s
+        self._heartbeat_s = link.heartbeat_s
+        self._dead_after_s = link.dead_after_s
+        self._connect_timeout_s = link.connect_timeout_s
+        self._handshake_timeout_s = link.handshake_timeout_s
+        wait = link.name_wait_s
+        self._name_wait_s = 3 * link.dead_after_s if wait is None else wait
         self._conn: Connection | None = None
 
     @property
@@ -306,12 +311,12 @@ class ControlClient:
     async def _audit_all(
         self, conn: Connection, audits: trio.MemoryReceiveChannel[AuditRequest]
     ) -> None:
-        """Run each audit request (``on_audit``) and send its verdict back."""
+        """Have the node run each audit request and send its verdict back."""
         async with audits:
             async for req in audits:
-                if self._on_audit is None:
+                if self._duties.audits is None:
                     continue
-                verdict = await self._on_audit(req)
+                verdict = await ask(self._duties.audits, req)
                 try:
                     await conn.send(verdict)
                 except TransportError as exc:
@@ -376,16 +381,16 @@ class ControlClient:
                     link.cancel()  # the reading loop ends too; the caller re-dials
 
     async def _measure(self, order: MeasureRtt) -> RttReport:
-        if self._on_measure is None:  # not a joining node: it measures nothing
+        if self._duties.measures is None:  # not a joining node: it measures nothing
             return RttReport(self._node, order.names, tuple(-1.0 for _ in order.names))
-        return await self._on_measure(order)
+        return await ask(self._duties.measures, order)
 
     async def _obey(self, order: Activate | Rewire) -> Message:
         action = type(order).__name__.lower()
         try:
             if isinstance(order, Activate) and order.behind_nat:
                 await self._behind_nat()
-            await self._on_order(order)
+            await ask(self._duties.orders, order)
         except (OrderFailed, TransportError, HandshakeError, OSError) as exc:
             log.warning("%s: %s failed: %s", self._node, action, exc)
             return Ready(node=self._node, action=action, ok=False, detail=str(exc))

@@ -40,7 +40,7 @@ class Auditing:
 
     network: Network
     copies: trio.MemoryReceiveChannel[AuditCopy] | None = None
-    on_audit: Callable[[AuditRequest], Awaitable[AuditVerdict]] | None = None
+    audit: Callable[[AuditRequest], Awaitable[AuditVerdict]] | None = None
 
 
 def weights_of(spec: SwarmSpec, name: str) -> str | None:
@@ -74,14 +74,14 @@ def auditing(
     limiter = trio.CapacityLimiter(1)  # a standby audits; once in the ring it is sent none
     device_class = "cuda" if model.device.type == "cuda" else "cpu"
 
-    async def on_audit(req: AuditRequest) -> AuditVerdict:
+    async def audit(req: AuditRequest) -> AuditVerdict:
         return await audit_offloaded(
             model, req, node=NodeName(name), identity=identity, device_class=device_class,
             policy=spec.audit, limiter=limiter, now=int(time.time()),
             weights=weights_of(spec, name),
         )  # fmt: skip
 
-    return Auditing(mirrored, copies, on_audit)
+    return Auditing(mirrored, copies, audit)
 
 
 def hold_gate(hub: AuditHub | None) -> Hold | None:

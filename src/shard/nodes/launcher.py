@@ -6,7 +6,7 @@ latency without root or kernel modules. Each child prints one machine-readable l
 ready (``SHARD READY node=NAME pid=PID address=HOST:PORT``); the launcher waits for every node.
 
 Once the swarm is up the launcher supervises as the scheduler does: a stage or standby that
-exits is reported (``SHARD NODE EXITED node=NAME pid=PID code=CODE``, via ``on_exit``) and
+exits is reported (``SHARD NODE EXITED node=NAME pid=PID code=CODE``, sent on ``exits``) and
 left to failover — the coordinator's scheduler splices a standby in its place — and the rest
 serve on. A spec whose ``[coordinator]`` names a ``standby`` address gets a standby coordinator
 process too (``shard up --role coordinator --standby-of PRIMARY``, launched as
@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -113,21 +112,20 @@ class NodeExit:
 @attrs.define
 class Supervisor:
     """What a child's exit means: ``exited`` raises ``SwarmError`` when it ends the swarm
-    (before every node was ready, or the last of its coordinators), else reports it to
-    ``on_exit``.
+    (before every node was ready, or the last of its coordinators), else returns its
+    ``NodeExit`` report.
 
     ``coordinators``: the coordinator processes still running — the primary, and the standby
     coordinator (``COORD/standby``) when the spec names one."""
 
     coordinator: str
     expected: set[str]
-    on_exit: Callable[[NodeExit], None]
     up: bool = False
     coordinators: set[str] = attrs.field(
         default=attrs.Factory(lambda self: {self.coordinator}, takes_self=True)
     )
 
-    def exited(self, name: str, pid: int, code: int) -> None:
+    def exited(self, name: str, pid: int, code: int) -> NodeExit:
         if not self.up:
             raise SwarmError(
                 f"node {name} (pid {pid}) exited with code {code} before the swarm was up; "
@@ -164,7 +162,7 @@ class Supervisor:
                 pid,
                 code,
             )
-        self.on_exit(NodeExit(name, pid, code, scripted))
+        return NodeExit(name, pid, code, scripted)
 
 
 def api_listen_error(listen: str, exc: OSError) -> ListenError:
@@ -288,9 +286,11 @@ async def _watch(
     proc: trio.Process,
     ready: trio.MemorySendChannel[dict[str, str]],
     supervisor: Supervisor,
+    exits: trio.MemorySendChannel[NodeExit] | None,
 ) -> None:
     """Read a child's stdout for its READY line, then keep draining; when the child exits,
-    ``supervisor`` decides whether that ends the swarm."""
+    ``supervisor`` decides whether that ends the swarm, and else its report goes to
+    ``exits``."""
     assert proc.stdout is not None
     buffer = b""
     async with ready:
@@ -301,7 +301,9 @@ async def _watch(
                 fields = _parse_ready(raw.decode(errors="replace").strip())
                 if fields is not None:  # by the launcher's name (a standby coordinator's
                     await ready.send({**fields, "node": name})  # line names the coordinator)
-    supervisor.exited(name, proc.pid, await proc.wait())
+    report = supervisor.exited(name, proc.pid, await proc.wait())
+    if exits is not None:
+        await exits.send(report)
 
 
 def _signal_group(proc: trio.Process, sig: signal.Signals) -> None:
@@ -336,13 +338,13 @@ async def launch(
     model_dir: Path,
     startup_timeout_s: float = 180.0,
     stderr: int | IO[bytes] | None = None,
-    on_exit: Callable[[NodeExit], None] = lambda exit: None,
+    exits: trio.MemorySendChannel[NodeExit] | None = None,
     api: str | None = None,
     layout: Layout | None = None,
     task_status: trio.TaskStatus[SwarmHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start every node of ``spec`` and keep them running until cancelled; a stage or standby
-    that exits once the swarm is up is passed to ``on_exit`` and left to failover.
+    that exits once the swarm is up is reported on ``exits`` and left to failover.
 
     ``api`` (``HOST:PORT``) makes the coordinator serve the HTTP API there (``--api``).
     ``layout``: the planned ring ``spec`` already runs (``shard.spec.layout.apply_layout``);
@@ -354,7 +356,7 @@ async def launch(
     Cancellation: stops every child (``_terminate``), shielded, before returning.
 
     A spec whose ``[coordinator]`` names a ``standby`` address gets its standby coordinator
-    (``COORD/standby``) too: the primary's exit is then one ``on_exit`` and the standby takes
+    (``COORD/standby``) too: the primary's exit is then one report and the standby takes
     over (docs/failover.md, "Standby coordinator").
 
     Errors: ``SwarmError`` when a node exits before the swarm is up, the last coordinator
@@ -371,7 +373,7 @@ async def launch(
     procs: list[trio.Process] = []
     coordinator = spec.coordinator.name
     standby = None if spec.coordinator.standby is None else coordinator + STANDBY_SUFFIX
-    supervisor = Supervisor(coordinator, set(), on_exit)
+    supervisor = Supervisor(coordinator, set())
     if standby is not None:
         supervisor.coordinators.add(standby)
     try:
@@ -401,7 +403,7 @@ async def launch(
                         start_new_session=True,
                     )
                     procs.append(proc)
-                    nursery.start_soon(_watch, name, proc, ready_send.clone(), supervisor)
+                    nursery.start_soon(_watch, name, proc, ready_send.clone(), supervisor, exits)
             names = [n for n, _ in nodes]
             cpu = cpu_of(dict(zip(names, (p.pid for p in procs), strict=True)))
             try:  # a slow start (a loaded host) is waited for while it works (.startup)

@@ -28,7 +28,14 @@ from pathlib import Path
 import attrs
 import trio
 
-from shard.failover.control import ControlClient, JoinRefused, NodeReplaced, OrderFailed
+from shard.failover.control import (
+    ControlClient,
+    ControlLink,
+    JoinRefused,
+    NodeReplaced,
+    OrderFailed,
+)
+from shard.failover.duties import duties
 from shard.failover.edge import DownstreamLink
 from shard.failover.fence import Fence
 from shard.failover.replay import ReplayLog
@@ -304,23 +311,27 @@ class _StageNode:
     async def _measure(self, order: MeasureRtt) -> RttReport:
         return await measure_row(self._network, self._hello("probe"), order)
 
-    def _control(self) -> ControlClient:
+    def _control(self, nursery: trio.Nursery) -> ControlClient:
+        """The control link, its questions answered by this node in ``nursery``."""
         config = self._config
-        return ControlClient(
+        link = ControlLink(
             self._name,
-            self._network,
             config.coordinators,
             self._hello("control"),
-            self._register,
-            self._obey,
-            faults=self._faults,
-            copies=self._auditing.copies,
-            on_audit=self._auditing.on_audit,
-            on_measure=self._measure if self._profile is not None else None,
             heartbeat_s=config.heartbeat_s,
             dead_after_s=config.dead_after_s,
             connect_timeout_s=self._timeout_s,
             handshake_timeout_s=config.handshake_timeout_s,
+        )
+        measure = self._measure if self._profile is not None else None
+        asked = duties(nursery, self._obey, self._auditing.audit, measure)
+        return ControlClient(
+            link,
+            self._network,
+            self._register,
+            asked,
+            faults=self._faults,
+            copies=self._auditing.copies,
             fence=self._fence,
         )
 
@@ -342,7 +353,7 @@ class _StageNode:
 
             async def supervise(*, task_status: trio.TaskStatus[None]) -> None:
                 try:
-                    await self._control().run(task_status=task_status)
+                    await self._control(nursery).run(task_status=task_status)
                 except (NodeReplaced, JoinRefused) as exc:
                     log.info("%s", exc)  # raised below: whoever runs the node reports it
                     replaced.append(exc)

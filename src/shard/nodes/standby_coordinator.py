@@ -14,7 +14,6 @@ its request's key gets the rest of its output (docs/failover.md, "Standby coordi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -52,12 +51,12 @@ async def run_standby_coordinator(
     primary: str | None = None,
     startup_timeout_s: float = 120.0,
     drafts: DrafterMaker = make_drafter,
-    on_takeover: Callable[[CoordinatorHandle], None] | None = None,
+    takeovers: trio.MemorySendChannel[CoordinatorHandle] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Follow the primary at ``primary`` (the spec's coordinator address by default); ready
-    once following. When it dies, run the coordinator in its place (``on_takeover`` gets its
-    handle once it serves) until cancelled.
+    once following. When it dies, run the coordinator in its place (its handle is sent on
+    ``takeovers`` once it serves) until cancelled.
 
     Errors: the first dial's ``TransportError`` / ``HandshakeError``; then as
     ``run_coordinator``."""
@@ -107,8 +106,8 @@ async def run_standby_coordinator(
             )
         )
         log.log(NOTE, "standby coordinator: took over; serving at %s", handle.address)
-        if on_takeover is not None:
-            on_takeover(handle)
+        if takeovers is not None:
+            await takeovers.send(handle)
 
 
 __all__ = ["run_standby_coordinator", "taken_over"]

@@ -39,7 +39,8 @@ import attrs
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient, JoinRefused, NodeReplaced
+from shard.failover.control import ControlClient, ControlLink, JoinRefused, NodeReplaced
+from shard.failover.duties import duties
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.faults import FaultInjector, FaultPlan
@@ -152,7 +153,7 @@ class _Sim:
 
     # --- one simulated node ------------------------------------------------------------
 
-    def _client(self, node: SimNode, network: Network) -> ControlClient:
+    def _client(self, node: SimNode, network: Network, nursery: trio.Nursery) -> ControlClient:
         name = NodeName(node.name)
         profile = NodeProfile(node.card, node.memory_bytes, node.ms_one, node.ms_chunk, 5)
         held: list[tuple[int, int, str]] = []  # the block it was activated with, if any
@@ -162,7 +163,7 @@ class _Sim:
             role = "stage" if held else "standby"
             return Register(name, role, f"{node.name}:7000", first, last, slot, profile=profile)
 
-        async def on_order(order: Activate | Rewire) -> None:
+        async def obey(order: Activate | Rewire) -> None:
             if isinstance(order, Activate):
                 m = self.world.model
                 size = (order.last - order.first) * m.layer_bytes
@@ -171,7 +172,7 @@ class _Sim:
                 await trio.sleep(size / node.load_bytes_s)
                 held.append((order.first, order.last, order.slot))
 
-        async def on_measure(order: MeasureRtt) -> RttReport:
+        async def measure(order: MeasureRtt) -> RttReport:
             rtt = self.world.rtt_ms
             # as measure_row: past MAX_PEERS (the coordinator last of all) -1, not tried
             values = tuple(
@@ -179,11 +180,11 @@ class _Sim:
             )
             return RttReport(name, order.names, values)
 
-        return ControlClient(
-            name, network, "coord", Hello(name, "stage", SWARM, link="control"), register,
-            on_order, on_measure=on_measure, heartbeat_s=self.policy.heartbeat_s,
-            dead_after_s=self.policy.dead_after_s,
+        link = ControlLink(
+            name, ("coord",), Hello(name, "stage", SWARM, link="control"),
+            heartbeat_s=self.policy.heartbeat_s, dead_after_s=self.policy.dead_after_s,
         )  # fmt: skip
+        return ControlClient(link, network, register, duties(nursery, obey, measure=measure))
 
     async def _node(self, node: SimNode) -> None:
         """Join at ``join_at``; live until ``leave_at`` (or a ring kill); then go."""
@@ -191,16 +192,18 @@ class _Sim:
         one_way_s = self.world.rtt_ms(node.name, COORD) / 2000.0
         with trio.CancelScope() as scope:
             self.injector.scopes[node.name] = scope
-            async with DelayNetwork(
-                self.network, one_way_s, local_name=node.name, size=lambda _: 0
-            ) as delayed:
-                client = self._client(node, self.injector.wrap(node.name, delayed))
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._leave_at, node, node.leave_at)
-                    # refused, or frozen before its first dial got an answer: it is gone
-                    with contextlib.suppress(*_GONE):
-                        await client.run()
-                    nursery.cancel_scope.cancel()
+            async with (
+                DelayNetwork(
+                    self.network, one_way_s, local_name=node.name, size=lambda _: 0
+                ) as delayed,
+                trio.open_nursery() as nursery,
+            ):
+                client = self._client(node, self.injector.wrap(node.name, delayed), nursery)
+                nursery.start_soon(self._leave_at, node, node.leave_at)
+                # refused, or frozen before its first dial got an answer: it is gone
+                with contextlib.suppress(*_GONE):
+                    await client.run()
+                nursery.cancel_scope.cancel()
 
     async def _leave_at(self, node: SimNode, at: float) -> None:
         await trio.sleep_until(at)

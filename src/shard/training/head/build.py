@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +137,10 @@ def train_head(
     recipe: HeadRecipe,
     *,
     progress: bool,
-    on_step: Callable[[int], None] | None = None,
 ) -> HeadReport:
     """Train a head for the model in ``target_dir`` and publish it as ``out_dir``.
 
     ``features_dir``: the features cache (shared by every head of this target and seed).
-    ``on_step(step)`` runs after each training step (tests interrupt through it).
 
     Errors: ``HeadError`` when ``out_dir`` exists; ``HeadExists`` when a concurrent run
     published it first. An interrupt (``KeyboardInterrupt``) leaves a checkpoint behind.
@@ -191,7 +188,7 @@ def train_head(
     fingerprint = {"recipe": recipe.to_json(), "rows": int(data.corpus.ids.shape[0])}
     trainer = Trainer(head, data, recipe.train, work, seed=recipe.seed, fingerprint=fingerprint)
     train_budget = max(recipe.budget_s - recipe.data_budget_s(), 0.0)
-    record = trainer.run(train_budget, progress=progress, on_step=on_step)
+    record = trainer.run(train_budget, progress=progress)
     if progress:
         print("measuring the head on held-out prompts (about a minute)", file=sys.stderr)
     measure_began = time.perf_counter()

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +123,6 @@ class Trainer:
         budget_s: float,
         *,
         progress: bool,
-        on_step: Callable[[int], None] | None = None,
     ) -> TrainRecord:
         """Train until ``budget_s`` training seconds (or ``max_steps``) are spent, resuming
         from a checkpoint when there is one; checkpoint on the way and when interrupted."""
@@ -157,8 +155,6 @@ class Trainer:
                 if self.step % self._s.checkpoint_every == 0:
                     self.save()
                     saved_at = self.step
-                if on_step is not None:
-                    on_step(self.step)
         except BaseException:
             if self.step > saved_at:
                 self.save()
