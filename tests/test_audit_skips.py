@@ -14,6 +14,7 @@ import trio
 
 from shard.failover.events import RingControl
 from shard.failover.scheduler import Scheduler, Slot
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.messages import NodeName
 from shard.spec.failover import FailoverSpec
 
@@ -23,12 +24,11 @@ def _scheduler() -> Scheduler:
     slots = [Slot(NodeName("s0"), 0, 2, NodeName("s0"), "s0:1")]
     slots.append(Slot(NodeName("s1"), 2, 4, NodeName("s1"), "s1:1"))
     return Scheduler(
-        node=NodeName("coord"),
-        slots=slots,
-        return_address="coord:ret",
+        SchedulerConfig(
+            node=NodeName("coord"), slots=slots, return_address="coord:ret", policy=FailoverSpec()
+        ),
+        SchedulerChannels(to_router=to_router),
         ring_link=None,
-        to_router=to_router,
-        policy=FailoverSpec(),
     )
 
 

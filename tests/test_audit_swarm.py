@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.audit.auditor import Auditor
+from shard.audit.auditor import Auditor, Examiner
 from shard.audit.compare import audit_nonce, commit
 from shard.audit.evidence import EvidencePins, verify_evidence
 from shard.audit.sampler import Accused, AuditSampler
@@ -75,15 +75,8 @@ def test_cheater_is_evicted_and_replaced_with_identical_output(
         tap = AuditTap(
             sampler, req_send, upstream="s0", accused="s1", accused_address=str(s1.listen)
         )
-        auditor = Auditor(
-            block,
-            node=NodeName("auditor"),
-            identity=auditor_key,
-            device_class="cpu",
-            requests=req_recv,
-            verdicts=ver_send,
-            policy=POLICY,
-        )
+        examiner = Examiner(block, NodeName("auditor"), auditor_key, "cpu", POLICY)
+        auditor = Auditor(examiner, req_recv, ver_send)
         with inline_compute(), trio.fail_after(600):
             async with trio.open_nursery() as nursery:
                 handle = await nursery.start(

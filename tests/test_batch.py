@@ -30,6 +30,7 @@ from shard.model.loader import load_stage
 from shard.model.packed import Segment, forward_packed, segment_bounds
 from shard.stage.batch import Queued, gather, pack
 from shard.stage.chunks import Session
+from shard.stage.config import ExecutorConfig
 from shard.stage.executor import StageExecutor
 from shard.testing import make_tiny_checkpoint
 
@@ -281,7 +282,7 @@ async def run_all(
     *,
     then: Sequence[Message] = (),
     after: int = 0,
-    **kw: object,
+    **kw: int,
 ) -> tuple[list[Message], StageExecutor]:
     """Queue ``msgs`` all at once into a whole-model executor and let it run them; with
     ``then``, queue those all at once after ``after`` messages have come out."""
@@ -289,7 +290,7 @@ async def run_all(
     total = len(msgs) + len(then)
     inbox_send, inbox_recv = trio.open_memory_channel[Message](total)
     outbox_send, outbox_recv = trio.open_memory_channel[Message](total + 1)
-    executor = StageExecutor(model, node=NodeName("s"), inbox=inbox_recv, outbox=outbox_send, **kw)  # type: ignore[arg-type]
+    executor = StageExecutor(model, ExecutorConfig(NodeName("s"), **kw), inbox_recv, outbox_send)
     out: list[Message] = []
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:

@@ -24,6 +24,7 @@ from shard.messages import (
     Verdict,
 )
 from shard.model.loader import load_stage
+from shard.stage.config import ExecutorConfig
 from shard.stage.executor import StageExecutor
 from shard.testing import make_tiny_checkpoint
 
@@ -43,7 +44,7 @@ async def run_stage(
     model = load_stage(block, 0, 2, dtype=torch.float32)  # first and last: a whole ring
     inbox_send, inbox_recv = trio.open_memory_channel[Message](0)
     outbox_send, outbox_recv = trio.open_memory_channel[Message](len(msgs) + 1)
-    executor = StageExecutor(model, node=NodeName("s"), inbox=inbox_recv, outbox=outbox_send, **kw)
+    executor = StageExecutor(model, ExecutorConfig(NodeName("s"), **kw), inbox_recv, outbox_send)
     kv: list[int] = []
     # inline: a session's KV is allocated in a worker thread, which would still be running
     # when wait_all_tasks_blocked returns; in the loop's thread each reading is exact

@@ -20,6 +20,7 @@ from answered import AnsweredClient
 from shard.failover.control import JoinRefused, NameTaken
 from shard.failover.events import RingControl, RingNote
 from shard.failover.scheduler import Scheduler
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.membership.registry import Member, Registry, Slot
 from shard.membership.rtt import RttTracker
 from shard.messages import (
@@ -51,9 +52,10 @@ class Swarm:
         to_router, self.told = trio.open_memory_channel[RingControl](1024)
         slots = [Slot(NodeName(f"s{i}"), 2 * i, 2 * i + 2, NodeName(f"s{i}"), "") for i in (0, 1)]
         self.sched = Scheduler(
-            node=COORD, slots=slots, return_address="coord:9", ring_link=None,
-            to_router=to_router, policy=POLICY,
-        )  # fmt: skip
+            SchedulerConfig(node=COORD, slots=slots, return_address="coord:9", policy=POLICY),
+            SchedulerChannels(to_router=to_router),
+            ring_link=None,
+        )
         self.network = MemoryNetwork()
         self.orders: list[Activate | Rewire] = []
 

@@ -21,6 +21,7 @@ from answered import AnsweredClient
 from shard.failover.control import JoinRefused
 from shard.failover.events import Resume, RingControl, RingLost
 from shard.failover.scheduler import Scheduler
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.formation.formation import (
     UNREACHABLE_MS,
     FormationError,
@@ -155,13 +156,15 @@ def scheduler(
     to_router, told = trio.open_memory_channel[RingControl](256)
     return (
         Scheduler(
-            node=COORD,
-            slots=[],
-            return_address="coord:9",
+            SchedulerConfig(
+                node=COORD,
+                slots=[],
+                return_address="coord:9",
+                policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0),
+                formation=(FormationSpec(expect=expect, wait_s=wait_s, probes=3), MODEL),
+            ),
+            SchedulerChannels(to_router=to_router),
             ring_link=None,
-            to_router=to_router,
-            policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0),
-            formation=(FormationSpec(expect=expect, wait_s=wait_s, probes=3), MODEL),
         ),
         told,
     )

@@ -26,6 +26,7 @@ import trio.testing
 from answered import AnsweredClient
 from shard.failover.events import RingControl, RingNote
 from shard.failover.scheduler import Scheduler
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.formation.formation import MEASURE_TIMEOUT_S, Prober, describe
 from shard.formation.mesh import STALE_MISSES
 from shard.membership.rtt import measure_row, measure_rtt, serve_probes
@@ -71,13 +72,15 @@ def scheduler(
         expect=expect, wait_s=30.0, probes=3, remeasure_s=remeasure_s, unreachable=unreachable
     )
     sched = Scheduler(
-        node=COORD,
-        slots=[],
-        return_address=return_address,
+        SchedulerConfig(
+            node=COORD,
+            slots=[],
+            return_address=return_address,
+            policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0),
+            formation=(spec, MODEL),
+        ),
+        SchedulerChannels(to_router=to_router),
         ring_link=None,
-        to_router=to_router,
-        policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0),
-        formation=(spec, MODEL),
         mesh_probe=probe,
     )
     return sched, told

@@ -17,6 +17,7 @@ import trio.testing
 
 from shard.failover.events import RingControl
 from shard.failover.scheduler import Scheduler
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.formation.formation import FormationError
 from shard.messages import Hello, Message, Welcome
 from shard.spec.failover import FailoverSpec
@@ -78,13 +79,15 @@ async def form_with_tokens(roles: dict[str, tuple[str, ...]]) -> list[str]:
     to_router, _ = trio.open_memory_channel[RingControl](256)
     formation = FormationSpec(expect=3, wait_s=30.0, probes=3, pin_boundaries=True)
     sched = Scheduler(
-        node=COORD,
-        slots=[],
-        return_address="coord:9",
+        SchedulerConfig(
+            node=COORD,
+            slots=[],
+            return_address="coord:9",
+            policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0),
+            formation=(formation, MODEL),
+        ),
+        SchedulerChannels(to_router=to_router),
         ring_link=None,
-        to_router=to_router,
-        policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0),
-        formation=(formation, MODEL),
     )
     assert sched.formation is not None
     welcome = Welcome(node=COORD, role="coordinator", swarm=SWARM)

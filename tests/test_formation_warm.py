@@ -15,6 +15,7 @@ import trio.testing
 
 from shard.failover.control import ControlClient
 from shard.failover.scheduler import Scheduler
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.messages import Activate, Hello, NodeName, Register, Rewire
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
@@ -25,13 +26,15 @@ from test_formation import COORD, GOOD, MESH, MODEL, SWARM, Joiner, serving
 def _scheduler(expect: int) -> Scheduler:
     to_router, _ = trio.open_memory_channel(256)
     return Scheduler(
-        node=COORD,
-        slots=[],
-        return_address="coord:9",
+        SchedulerConfig(
+            node=COORD,
+            slots=[],
+            return_address="coord:9",
+            policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0, join_deadline_s=30.0),
+            formation=(FormationSpec(expect=expect, wait_s=600.0, probes=3), MODEL),
+        ),
+        SchedulerChannels(to_router=to_router),
         ring_link=None,
-        to_router=to_router,
-        policy=FailoverSpec(probe_s=0.5, dead_after_s=10.0, join_deadline_s=30.0),
-        formation=(FormationSpec(expect=expect, wait_s=600.0, probes=3), MODEL),
     )
 
 

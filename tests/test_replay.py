@@ -27,6 +27,7 @@ from shard.messages import (
     Verify,
 )
 from shard.model.loader import load_stage
+from shard.stage.config import ExecutorConfig
 from shard.stage.executor import StageExecutor
 from shard.testing import make_tiny_checkpoint
 
@@ -74,7 +75,7 @@ async def run_stage(block: Path, msgs: list[Message]) -> tuple[list[Message], St
     model = load_stage(block, 0, 2, dtype=torch.float32)  # first and last: a whole ring
     inbox_send, inbox_recv = trio.open_memory_channel[Message](100)
     outbox_send, outbox_recv = trio.open_memory_channel[Message](100)
-    executor = StageExecutor(model, node=NodeName("s"), inbox=inbox_recv, outbox=outbox_send)
+    executor = StageExecutor(model, ExecutorConfig(NodeName("s")), inbox_recv, outbox_send)
     for msg in msgs:
         inbox_send.send_nowait(msg)
     inbox_send.close()

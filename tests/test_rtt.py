@@ -14,6 +14,7 @@ from answered import AnsweredClient
 from shard.failover.duties import Order
 from shard.failover.events import RingControl, RingNote
 from shard.failover.scheduler import Scheduler, Slot
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.membership.rtt import RttTracker, measure_row, serve_probes
 from shard.messages import (
     Activate,
@@ -124,12 +125,14 @@ async def test_scheduler_reports_each_nodes_control_rtt(
     scheduler's statistics, measured with Probe/ProbeReply while it heartbeats."""
     to_router, told = trio.open_memory_channel[RingControl](64)
     scheduler = Scheduler(
-        node=COORD,
-        slots=[Slot(NODE, 0, 1, NODE, "s0:1")],
-        return_address="coord:ret",
+        SchedulerConfig(
+            node=COORD,
+            slots=[Slot(NODE, 0, 1, NODE, "s0:1")],
+            return_address="coord:ret",
+            policy=FailoverSpec(probe_s=0.5),
+        ),
+        SchedulerChannels(to_router=to_router),
         ring_link=None,
-        to_router=to_router,
-        policy=FailoverSpec(probe_s=0.5),
     )
     welcome = Welcome(node=COORD, role="coordinator", swarm=SWARM)
 

@@ -274,6 +274,7 @@ async def test_executor_replays_per_chunk_and_forgets_at_session_end(
         Verdict,
         Verify,
     )
+    from shard.stage.config import ExecutorConfig
     from shard.stage.executor import StageExecutor
 
     model = load_stage(tiny_checkpoint(arch="llama", n_layers=2), 0, 2)  # a whole ring
@@ -293,11 +294,10 @@ async def test_executor_replays_per_chunk_and_forgets_at_session_end(
         # about each chunk replaying its own graph (a batch of several runs packed, eagerly).
         executor = StageExecutor(
             model,
-            node=NodeName("s"),
-            inbox=inbox_recv,
-            outbox=outbox_send,
+            ExecutorConfig(NodeName("s"), max_batch_rows=1),
+            inbox_recv,
+            outbox_send,
             graphs=graphs,
-            max_batch_rows=1,
         )
         for msg in msgs:
             inbox_send.send_nowait(msg)

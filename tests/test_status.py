@@ -30,7 +30,7 @@ from shard.messages import (
 )
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
-from shard.observe.status import StatusFeed, build_snapshot
+from shard.observe.status import StatusFeed, StatusReads, build_snapshot
 from shard.observe.tui.feed import FeedWatcher
 from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost
 from shard.spec.swarm import SwarmSpec
@@ -147,7 +147,9 @@ async def feed_served(
     from shard.messages import Welcome
     from shard.transport.links import accept_peer
 
-    feed = StatusFeed(source, swarm="t", ring=RING, interval_s=0.01, wall_clock=lambda: started)
+    feed = StatusFeed(
+        StatusReads(source, RING), swarm="t", interval_s=0.01, wall_clock=lambda: started
+    )
 
     async def handler(conn: Connection) -> None:
         await accept_peer(conn, Welcome(node=NodeName("coord"), role="coordinator", swarm="t"))
@@ -193,7 +195,7 @@ async def test_feed_builds_nothing_without_monitors(
     """With no monitor connected the feed builds no snapshot, however long it runs (virtual
     time: pytest-trio's ``autojump_clock``)."""
     source = FakeSource()
-    feed = StatusFeed(source, swarm="t", ring=RING, interval_s=0.01)
+    feed = StatusFeed(StatusReads(source, RING), swarm="t", interval_s=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(feed.run)
         await trio.sleep(60)
@@ -363,7 +365,9 @@ async def test_monitor_link_failures_end_only_that_link(
     from shard.transport.guard import serve_one
     from shard.wire import WireError
 
-    feed = StatusFeed(FakeSource(), swarm="t", ring=RING, interval_s=0.25, send_timeout_s=4.0)
+    feed = StatusFeed(
+        StatusReads(FakeSource(), RING), swarm="t", interval_s=0.25, send_timeout_s=4.0
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(feed.run)
         hostile = _Scripted([StatusReset(NodeName("m")), WireError("header: unknown tag")])

@@ -23,6 +23,7 @@ import shard.nodes.coordinator as coordinator_root
 from shard.errors import HandshakeError
 from shard.failover.events import RingControl
 from shard.failover.scheduler import Scheduler, Slot
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.messages import (
     Fault,
     GenerateDone,
@@ -296,7 +297,11 @@ def scheduler() -> Scheduler:
     nobody reads: this test watches only the control link."""
     to_router, _ = trio.open_memory_channel[RingControl](64)
     slot = Slot(NodeName("s0"), 0, 2, NodeName("s0"), "127.0.0.1:1")
-    return Scheduler(node=ME, slots=[slot], return_address="x", ring_link=None, to_router=to_router)
+    return Scheduler(
+        SchedulerConfig(node=ME, slots=[slot], return_address="x"),
+        SchedulerChannels(to_router=to_router),
+        ring_link=None,
+    )
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,7 @@ _DEFAULT = AuditSpec()
 __all__ = [
     "Auditor",
     "AuditorStatistics",
+    "Examiner",
     "audit_chunk",
     "audit_offloaded",
     "dtype_name",
@@ -275,6 +276,20 @@ class AuditorStatistics:
     errors: int
 
 
+@attrs.frozen
+class Examiner:
+    """Who audits and with what: the block it recomputes with (``model``, held as ``weights``
+    says: ``audit_chunk``), its node name and signing identity, its device class and the
+    swarm's audit policy."""
+
+    model: StageModel
+    node: NodeName
+    identity: NodeIdentity
+    device_class: str
+    policy: AuditSpec = _DEFAULT
+    weights: str | None = None
+
+
 class Auditor:
     """Answers each ``AuditRequest`` from ``requests`` with an ``AuditVerdict`` on ``verdicts``.
 
@@ -291,26 +306,22 @@ class Auditor:
 
     def __init__(
         self,
-        model: StageModel,
-        *,
-        node: NodeName,
-        identity: NodeIdentity,
-        device_class: str,
+        examiner: Examiner,
         requests: trio.MemoryReceiveChannel[AuditRequest],
         verdicts: trio.MemorySendChannel[AuditVerdict],
-        policy: AuditSpec = _DEFAULT,
+        *,
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
-        weights: str | None = None,
     ) -> None:
-        self._model = model
-        self._weights = weights  # how ``model`` holds its block (``audit_chunk``)
-        self._node = node
-        self._identity = identity
-        self._device_class = device_class
+        e = examiner
+        self._model = e.model
+        self._weights = e.weights  # how ``model`` holds its block (``audit_chunk``)
+        self._node = e.node
+        self._identity = e.identity
+        self._device_class = e.device_class
         self._requests = requests
         self._verdicts = verdicts
-        self._policy = policy
+        self._policy = e.policy
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
         self._clock = clock
         self._audits = self._failed = self._errors = 0

@@ -54,6 +54,18 @@ class _Rewire:
     error: str | None = None
 
 
+@attrs.frozen
+class EdgeTimings:
+    """A ring edge's timings, built once by its node's root from the spec (``[failover]``'s
+    heartbeat and send timeout, ``limits.handshake_timeout_s``, the node's startup timeout
+    for dialling)."""
+
+    heartbeat_s: float = 0.25
+    send_timeout_s: float = 2.0
+    connect_timeout_s: float = 10.0
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+
+
 class DownstreamLink:
     """See the module docstring.
 
@@ -67,13 +79,10 @@ class DownstreamLink:
         outbox: trio.MemoryReceiveChannel[Message],
         network: Network,
         hello: Hello,
+        timings: EdgeTimings = EdgeTimings(),
         *,
         replay_log: ReplayLog | None = None,
         records: bool = True,
-        heartbeat_s: float = 0.25,
-        send_timeout_s: float = 2.0,
-        connect_timeout_s: float = 10.0,
-        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         faults: trio.MemorySendChannel[Fault] | None = None,
     ) -> None:
         """``faults`` receives a ``Fault`` each time the edge fails (the control client of a
@@ -84,10 +93,10 @@ class DownstreamLink:
         self._hello = hello
         self._log = replay_log if replay_log is not None else ReplayLog()
         self._records = records
-        self._heartbeat_s = heartbeat_s
-        self._send_timeout_s = send_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._handshake_timeout_s = handshake_timeout_s
+        self._heartbeat_s = timings.heartbeat_s
+        self._send_timeout_s = timings.send_timeout_s
+        self._connect_timeout_s = timings.connect_timeout_s
+        self._handshake_timeout_s = timings.handshake_timeout_s
         self._faults = faults
         self._conn: Connection | None = None
         self._address: str | None = None

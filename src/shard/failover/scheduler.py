@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -49,9 +49,9 @@ from shard.failover.events import (
     Problem,
     Rejoin,
     Relink,
-    RingControl,
     RingNote,
 )
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.failover.splice import Recovery, Splicer
 from shard.failover.spotchecks import SpotChecks
 from shard.formation.formation import Formation, Prober
@@ -79,10 +79,6 @@ from shard.messages import (
     RttReport,
 )
 from shard.messages.audit import AuditCopy, AuditVerdict
-from shard.placement import ModelFacts
-from shard.spec.audit import AuditSpec
-from shard.spec.failover import FailoverSpec
-from shard.spec.formation import FormationSpec
 from shard.transport import Connection, TransportError, abandon
 from shard.transport.guard import CONNECTION_ERRORS
 
@@ -124,39 +120,32 @@ class Scheduler(SpotChecks):
 
     def __init__(
         self,
+        config: SchedulerConfig,
+        channels: SchedulerChannels,
         *,
-        node: NodeName,
-        slots: Sequence[Slot],
-        return_address: str,
-        ring_link: DownstreamLink | None,
-        to_router: trio.MemorySendChannel[RingControl],
-        ring_faults: trio.MemoryReceiveChannel[Fault] | None = None,
-        policy: FailoverSpec = FailoverSpec(),
-        clock: Callable[[], float] = trio.current_time,
-        return_up: Callable[[], bool] = lambda: True,
-        audit: AuditSpec | None = None,
+        ring_link: DownstreamLink | None = None,
         audits: AuditHub | None = None,
-        formation: tuple[FormationSpec, ModelFacts] | None = None,
         mesh_probe: Prober | None = None,
-        own_copies: trio.MemoryReceiveChannel[AuditCopy] | None = None,
+        return_up: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        """``own_copies``: this node's own links' copies of ring chunks (its ring link's and
-        its return link's, when the swarm audits), spot-checked like a stage's.
-        ``return_up`` says whether a tail's return link is connected now (a snapshot
-        read): a tail that registers while it is not (this coordinator restarted) is told to
-        re-dial it. ``formation``: the ring forms from joining nodes (``slots`` empty), for
-        this model (``shard.formation``; ``self.formation``), and ``mesh_probe`` is
-        how it probes a joined node's listen address (reachability; None: it does not). Once
-        formed, the mesh is measured again every ``remeasure_s`` (its notes go to the router
-        as ``mesh`` events)."""
+        """``ring_link``: this node's own ring edge (re-dialled by repairs; None: a test that
+        plays it). ``return_up`` says whether a tail's return link is connected now (a
+        snapshot read): a tail that registers while it is not (this coordinator restarted) is
+        told to re-dial it. With ``config.formation``, ``mesh_probe`` is how it probes a
+        joined node's listen address (reachability; None: it does not); once formed, the mesh
+        is measured again every ``remeasure_s`` (its notes go to the router as ``mesh``
+        events). ``audits``: the spot checks' hub (``shard.audit.hub``)."""
+        node, policy = config.node, config.policy
         self._node = node
-        self._registry = Registry(node, slots, return_address)
-        self._to_router = to_router
-        self._ring_faults = ring_faults
+        self._registry = Registry(node, config.slots, config.return_address)
+        self._to_router = to_router = channels.to_router
+        self._ring_faults = channels.ring_faults
         self._policy = policy
         self._clock = clock
         self._return_up = return_up
-        self._own_copies = own_copies
+        self._own_copies = channels.own_copies
+        formation = config.formation
         self.formation = None if formation is None else Formation(
             formation[0], self._registry, model=formation[1], policy=policy, clock=clock,
             probe=mesh_probe,
@@ -167,7 +156,7 @@ class Scheduler(SpotChecks):
         )  # fmt: skip
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
-        self._start_spot_checks(audit, audits)
+        self._start_spot_checks(config.audit, audits)
 
     # --- views -------------------------------------------------------------------------
 

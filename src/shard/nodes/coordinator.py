@@ -37,6 +37,7 @@ from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.replay import ReplayLog
 from shard.failover.scheduler import Scheduler, Slot
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.formation.formation import Prober
 from shard.membership.rtt import measure_rtt, serve_probes
 from shard.messages import (
@@ -59,8 +60,9 @@ from shard.nodes.launcher import api_listen_error
 from shard.nodes.return_link import ReturnEndpoint
 from shard.nodes.sizes import model_facts
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
+from shard.nodes.stage_config import edge_timings
 from shard.observe.devices import DeviceProbe
-from shard.observe.status import StatusFeed
+from shard.observe.status import StatusFeed, StatusReads
 from shard.placement import ModelFacts
 from shard.spec.formation import FormationSpec
 from shard.spec.limits import Limits
@@ -259,39 +261,39 @@ async def run_coordinator(
         to_ring_recv,
         mirror if mirror is not None else network,
         attrs.evolve(_hello(spec, name, "coordinator"), generation=generation),
+        edge_timings(spec, startup_timeout_s),
         replay_log=sent_log,
         records=False,
-        heartbeat_s=failover.heartbeat_s,
-        send_timeout_s=failover.send_timeout_s,
-        connect_timeout_s=startup_timeout_s,
-        handshake_timeout_s=spec.limits.handshake_timeout_s,
         faults=faults_send,
     )
     endpoint = ReturnEndpoint(name, from_ring_send, coordinator.event, mirror)
     scheduler = Scheduler(
-        node=name,
-        slots=_slots(spec, config, model_dir),
-        return_address=str(me.listen),
+        SchedulerConfig(
+            node=name,
+            slots=_slots(spec, config, model_dir),
+            return_address=str(me.listen),
+            policy=spec.failover,
+            audit=spec.audit,
+            formation=_formation(spec, config, model_dir),
+        ),
+        SchedulerChannels(
+            to_router=control_send,
+            ring_faults=faults_recv,
+            own_copies=copies_recv if mirror is not None else None,
+        ),
         ring_link=ring_link,
-        to_router=control_send,
-        ring_faults=faults_recv,
-        policy=spec.failover,
         return_up=endpoint.up,
-        audit=spec.audit,
         audits=hub,
-        formation=_formation(spec, config, model_dir),
         mesh_probe=_mesh_probe(spec, name, network),
-        own_copies=copies_recv if mirror is not None else None,
     )
-    feed = StatusFeed(
+    reads = StatusReads(
         coordinator,
-        swarm=spec.name,
         ring=scheduler.ring,
         standbys=scheduler.standbys,
-        send_timeout_s=spec.limits.message_timeout_s,
         devices=DeviceProbe(name).read,
         audits=scheduler.audit_counts,
     )
+    feed = StatusFeed(reads, swarm=spec.name, send_timeout_s=spec.limits.message_timeout_s)
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name, generation=generation)
     # One text adapter (and one tokenizing thread) for the wire clients and the HTTP API.
     text = TextAdapter(tokenizer)

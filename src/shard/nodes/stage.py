@@ -187,14 +187,9 @@ class _StageNode:
         config = self._config
         executor = StageExecutor(
             block.model,
-            node=self._name,
-            inbox=self._inbox,
-            outbox=outbox_send,
-            max_sessions=config.max_sessions,
-            max_len=config.max_len,
-            max_batch_rows=config.max_batch_rows,
-            gather_window_s=config.gather_window_s,
-            kv_budget_bytes=config.kv_budget_bytes,
+            config.executor,
+            self._inbox,
+            outbox_send,
             graphs=self._graphs(block),
             receipts=ReceiptSigner(
                 config.signing.identity(),
@@ -211,18 +206,15 @@ class _StageNode:
             outbox_recv,
             self._network,
             self._hello(),
+            attrs.evolve(config.edge, connect_timeout_s=self._timeout_s),
             replay_log=self._replay_log,
-            heartbeat_s=config.heartbeat_s,
-            send_timeout_s=config.send_timeout_s,
-            connect_timeout_s=self._timeout_s,
-            handshake_timeout_s=config.handshake_timeout_s,
             faults=self._faults_send if self._supervised else None,
         )
         await link.connect(successor)
         return _Serving(slot, executor, link)
 
     async def _obey(self, order: Activate | Rewire) -> None:
-        """Carry out the scheduler's order (the control client's ``on_order``)."""
+        """Carry out the scheduler's order (asked by the control client: ``Duties.orders``)."""
         if isinstance(order, Rewire):
             if self._serving is None:
                 raise OrderFailed(f"{self._name} is not in the ring; nothing to rewire")
@@ -259,7 +251,9 @@ class _StageNode:
     async def _serve_upstream(self, conn: Connection) -> None:
         welcome = Welcome(node=self._name, role="stage", swarm=self._config.swarm)
         try:
-            hello = await accept_peer(conn, welcome, timeout_s=self._config.handshake_timeout_s)
+            hello = await accept_peer(
+                conn, welcome, timeout_s=self._config.edge.handshake_timeout_s
+            )
         except (HandshakeError, trio.TooSlowError) as exc:
             log.warning("%s", exc)
             return
@@ -318,10 +312,10 @@ class _StageNode:
             self._name,
             config.coordinators,
             self._hello("control"),
-            heartbeat_s=config.heartbeat_s,
+            heartbeat_s=config.edge.heartbeat_s,
             dead_after_s=config.dead_after_s,
             connect_timeout_s=self._timeout_s,
-            handshake_timeout_s=config.handshake_timeout_s,
+            handshake_timeout_s=config.edge.handshake_timeout_s,
         )
         measure = self._measure if self._profile is not None else None
         asked = duties(nursery, self._obey, self._auditing.audit, measure)

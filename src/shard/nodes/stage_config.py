@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import attrs
 
+from shard.failover.edge import EdgeTimings
 from shard.messages import NodeName
 from shard.nodes.compose import Signing, signing
 from shard.nodes.fetching import BlockFetch, block_fetch
 from shard.nodes.loading import BlockSource, block_source
 from shard.spec.nodes import StandbySpec
 from shard.spec.swarm import SwarmSpec
+from shard.stage.config import ExecutorConfig
 from shard.stage.graphs import chunk_rows
 
 
@@ -31,15 +33,9 @@ class StageNodeConfig:
     idle_role: str  # out of the ring: "standby", or "auditor" ([[standby]] role)
     graphs: str  # the CUDA-graph mode ("off": none)
     graph_rows: frozenset[int]  # the chunk row counts graphs are captured for
-    max_sessions: int
-    max_len: int
-    max_batch_rows: int
-    gather_window_s: float
-    kv_budget_bytes: int | None  # None: no cap but the two above
-    handshake_timeout_s: float
+    executor: ExecutorConfig  # its executor's record ([limits]: sessions, length, batching)
+    edge: EdgeTimings  # its ring edge's, and its links' handshake (connect: the node's own)
     replay_max_bytes: int
-    heartbeat_s: float
-    send_timeout_s: float
     dead_after_s: float
     signing: Signing
     load: BlockSource  # how a block is loaded (a standby's cold load, on Activate)
@@ -62,17 +58,31 @@ def stage_config(spec: SwarmSpec, name: str, *, fetch: bool = False) -> StageNod
         idle_role=node.role if isinstance(node, StandbySpec) else "standby",
         graphs=spec.runtime(name).graphs,
         graph_rows=chunk_rows(policy.k, policy.k_max),
-        max_sessions=limits.max_sessions,
-        max_len=limits.max_len,
-        max_batch_rows=limits.max_batch_rows,
-        gather_window_s=limits.gather_window_s,
-        kv_budget_bytes=limits.kv_budget_mib << 20 or None,
-        handshake_timeout_s=limits.handshake_timeout_s,
+        executor=ExecutorConfig(
+            NodeName(name),
+            max_sessions=limits.max_sessions,
+            max_len=limits.max_len,
+            max_batch_rows=limits.max_batch_rows,
+            gather_window_s=limits.gather_window_s,
+            kv_budget_bytes=limits.kv_budget_mib << 20 or None,
+        ),
+        edge=edge_timings(spec),
         replay_max_bytes=failover.replay_max_bytes,
-        heartbeat_s=failover.heartbeat_s,
-        send_timeout_s=failover.send_timeout_s,
         dead_after_s=failover.dead_after_s,
         signing=signing(spec, name),
         load=block_source(spec, name),
         fetch=block_fetch(spec, name) if fetch else None,
     )
+
+
+def edge_timings(spec: SwarmSpec, connect_timeout_s: float | None = None) -> EdgeTimings:
+    """A ring edge's timings from ``spec`` (``[failover]``, ``limits``); the dial's budget is
+    the node's startup timeout, given by the node (``EdgeTimings``' default when None)."""
+    timings = EdgeTimings(
+        heartbeat_s=spec.failover.heartbeat_s,
+        send_timeout_s=spec.failover.send_timeout_s,
+        handshake_timeout_s=spec.limits.handshake_timeout_s,
+    )
+    if connect_timeout_s is None:
+        return timings
+    return attrs.evolve(timings, connect_timeout_s=connect_timeout_s)

@@ -176,6 +176,21 @@ class StatusFeedStatistics:
     sent: int
 
 
+@attrs.frozen
+class StatusReads:
+    """What a status feed reads for each snapshot, built by the coordinator's root: the
+    router's statistics (``source``), the ring from the coordinator to the tail (or a
+    function giving it: the ring changes when a standby is spliced in), the standbys waiting,
+    GPU telemetry (``shard.observe.devices.DeviceProbe.read``) and the spot-check counters
+    (the scheduler's strike book)."""
+
+    source: StatusSource
+    ring: Sequence[NodeName] | Callable[[], Sequence[NodeName]]
+    standbys: Callable[[], Sequence[NodeName]] = tuple
+    devices: Callable[[], Sequence[DeviceStatus]] = tuple
+    audits: Callable[[], AuditCounts] = AuditCounts
+
+
 class StatusFeed:
     """Publishes ``StatusSnapshot`` to every monitor connection handed to ``serve``.
 
@@ -192,30 +207,23 @@ class StatusFeed:
 
     def __init__(
         self,
-        source: StatusSource,
+        reads: StatusReads,
         *,
         swarm: str,
-        ring: Sequence[NodeName] | Callable[[], Sequence[NodeName]],
-        standbys: Callable[[], Sequence[NodeName]] = tuple,
-        devices: Callable[[], Sequence[DeviceStatus]] = tuple,
-        audits: Callable[[], AuditCounts] = AuditCounts,
         interval_s: float = DEFAULT_INTERVAL_S,
         wall_clock: Callable[[], float] = time.time,
         send_timeout_s: float = 30.0,
     ) -> None:
-        """``ring`` (or a function giving it: the ring changes when a standby is spliced in)
-        runs from the coordinator to the tail; ``standbys`` gives the standbys waiting;
-        ``devices`` reads GPU telemetry (``shard.observe.devices.DeviceProbe.read``). A
-        monitor that does not take a snapshot within ``send_timeout_s`` is cut (it stopped
-        reading: ``limits.message_timeout_s``). ``audits`` reads the spot-check counters
-        (the scheduler's strike book)."""
-        self._source = source
+        """A monitor that does not take a snapshot within ``send_timeout_s`` is cut (it
+        stopped reading: ``limits.message_timeout_s``)."""
+        self._source = reads.source
         self._swarm = swarm
+        ring = reads.ring
         fixed = () if callable(ring) else tuple(ring)
         self._ring: Callable[[], Sequence[NodeName]] = ring if callable(ring) else lambda: fixed
-        self._standbys = standbys
-        self._devices = devices
-        self._audits = audits
+        self._standbys = reads.standbys
+        self._devices = reads.devices
+        self._audits = reads.audits
         self._interval_s = interval_s
         self._send_timeout_s = send_timeout_s
         self._wall_clock = wall_clock

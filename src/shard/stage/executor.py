@@ -34,7 +34,6 @@ from shard.messages import (
     Fault,
     Hop,
     Message,
-    NodeName,
     OpenSession,
     Prefill,
     SessionId,
@@ -46,7 +45,6 @@ from shard.messages import (
 )
 from shard.model.llama import StageModel
 from shard.stage.batch import (
-    DEFAULT_MAX_BATCH_ROWS,
     Answer,
     Carried,
     Planned,
@@ -65,6 +63,7 @@ from shard.stage.chunks import (
     output,
     plan,
 )
+from shard.stage.config import ExecutorConfig
 from shard.stage.graphs import ChunkGraphs
 from shard.stage.statistics import StageStatistics
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
@@ -109,39 +108,29 @@ class StageExecutor:
     def __init__(
         self,
         model: StageModel,
-        *,
-        node: NodeName,
+        config: ExecutorConfig,
         inbox: trio.MemoryReceiveChannel[Message],
         outbox: trio.MemorySendChannel[Message],
-        max_sessions: int = 16,
-        max_len: int | None = None,
+        *,
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
         receipts: ReceiptSigner | None = None,
         graphs: ChunkGraphs | None = None,
-        max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-        gather_window_s: float = 0.0,
-        kv_budget_bytes: int | None = None,
     ) -> None:
-        if max_batch_rows < 1 or not gather_window_s >= 0:
-            raise ValueError(
-                f"max_batch_rows {max_batch_rows} must be >= 1 and gather_window_s "
-                f"{gather_window_s} >= 0"
-            )
-        self._max_batch_rows = max_batch_rows
-        self._gather_window_s = gather_window_s
-        self._kv_budget = kv_budget_bytes
+        self._max_batch_rows = config.max_batch_rows
+        self._gather_window_s = config.gather_window_s
+        self._kv_budget = config.kv_budget_bytes
         self._model = model
         self._graphs = graphs  # None: every chunk eager (StageModel.forward)
         self._receipts = receipts
-        self._node = node
+        self._node = config.node
         self._inbox = inbox
         self._outbox = outbox
-        self._max_sessions = max_sessions
+        self._max_sessions = config.max_sessions
         # A session's KV length is capped by the swarm's limits.max_len (KV memory is
         # max_sessions x max_len whatever an OpenSession asks) and by the model's context.
         context = model.config.max_position_embeddings
-        self._max_len = context if max_len is None else min(max_len, context)
+        self._max_len = context if config.max_len is None else min(config.max_len, context)
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
         # Hop stamps are wall-clock so that hops from different processes line up on one host;
         # they are reported, never used to decide anything.

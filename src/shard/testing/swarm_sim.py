@@ -45,6 +45,7 @@ from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
 from shard.failover.faults import FaultInjector, FaultPlan
 from shard.failover.scheduler import Scheduler
+from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.formation.formation import Formation, FormationError
 from shard.membership.registry import Member, Slot
 from shard.membership.rtt import MAX_PEERS
@@ -236,10 +237,17 @@ class _Sim:
             remeasure_s=60.0,
         )  # fmt: skip
         sched = Scheduler(
-            node=COORD, slots=[], return_address="coord:9", ring_link=_RingLink(self.network),
-            to_router=to_router, policy=self.policy, formation=(spec, self.model),
+            SchedulerConfig(
+                node=COORD,
+                slots=[],
+                return_address="coord:9",
+                policy=self.policy,
+                formation=(spec, self.model),
+            ),
+            SchedulerChannels(to_router=to_router),
+            ring_link=_RingLink(self.network),
             mesh_probe=self._probe,
-        )  # fmt: skip
+        )
         assert sched.formation is not None
         self._time(sched.formation)
         return sched, told
