@@ -142,7 +142,14 @@ def swarm(args: argparse.Namespace) -> int:
         from shard.nodes.launcher import launch
 
         start = partial(launch, Path(args.spec), spec, model_dir=model_dir, layout=layout)
-        monitor_swarm(Path(args.spec), spec, start=start, address=address, network=network)
+        monitor_swarm(
+            Path(args.spec),
+            swarm=spec.name,
+            start=start,
+            address=address,
+            network=network,
+            connect_timeout_s=spec.limits.connect_timeout_s,
+        )
         return 0
     if args.swarm_command == "up":
         if args.api is not None:
