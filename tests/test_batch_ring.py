@@ -18,11 +18,11 @@ import trio
 from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultPlan
 from shard.messages import RunStats
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
+from shard.testing.faults import FaultPlan
 from test_failover import DECODE, PROMPTS, failover_spec, run_scenario
 from test_failover import MAX_TOKENS as FAILOVER_TOKENS
 from test_spec_ring import reference, spec_for, ties_or_equal, with_ring

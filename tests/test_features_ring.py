@@ -17,13 +17,13 @@ from shard.coordinator.coordinator import Completion
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultPlan
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
+from shard.testing.faults import FaultPlan
 from test_failover import MAX_TOKENS as FAILOVER_TOKENS
 from test_failover import PREFILL, failover_spec, run_scenario
 from test_failover import PROMPTS as FAILOVER_PROMPTS

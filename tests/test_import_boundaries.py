@@ -26,9 +26,8 @@ The rules (each package's ``__init__`` docstring says the same):
   imports ``shard.failover``, whose scheduler drives it;
 - no package imports itself through others: the packages form layers, with no exception;
 - nothing in ``src`` imports the test helpers (``shard.testing``: tiny checkpoints, cheating
-  stages, the NAT firewall and tampering relay, the entry points of cheating processes) or
-  fault injection
-  (``shard.failover.faults``), except those helpers themselves.
+  stages, the NAT firewall and tampering relay, fault injection, the monitor's fixed
+  snapshots, the entry points of cheating processes), except those helpers themselves.
 """
 
 from __future__ import annotations
@@ -97,22 +96,10 @@ RULES = (
     Rule("shard.membership", ("shard.formation", "shard.failover")),
     # The scheduler (recovery) drives the formation, never the other way round.
     Rule("shard.formation", ("shard.failover",)),
-    Rule(
-        "shard",
-        (
-            "shard.testing",
-            "shard.failover.faults",
-            "shard.observe.tui.testing",
-        ),
-        allowed=(),
-    ),
+    Rule("shard", ("shard.testing",), allowed=()),
 )
-#: Test support may import itself and each other.
-TEST_SUPPORT = (
-    "shard.testing",
-    "shard.failover.faults",
-    "shard.observe.tui.testing",
-)
+#: Test support may import itself.
+TEST_SUPPORT = ("shard.testing",)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -199,7 +186,8 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
             "nodes/stage.py": "from shard.testing import make_tiny_checkpoint\n",
             "placement/__init__.py": "",
             "placement/search.py": "import trio\nfrom shard.spec.swarm import SwarmSpec\n",
-            "testing.py": "from shard.failover import faults\n",
+            "testing/__init__.py": "",
+            "testing/cheats.py": "from shard.testing import faults\n",
             "membership/__init__.py": "",
             "membership/registry.py": "from shard.formation.mesh import Mesh\n",
             "formation/__init__.py": "",

@@ -47,8 +47,8 @@ Beside them: ``errors.py`` (errors shared by layers that must not import each ot
 ``strict_json.py`` (JSON from outside, parsed so it cannot crash or fool its reader: no key
 twice, no deep nesting) and ``__main__.py`` (``python -m shard``).
 
-Test helpers are public API; seeded fault injection is
-``failover/faults.py``; nothing else in ``src`` imports either. Every blocking call leaves the
+Test helpers (seeded fault injection, ``testing/faults.py``, included) are public API, all in
+``testing/``; nothing else in ``src`` imports them. Every blocking call leaves the
 event loop through one helper, ``compute/offload.py``'s ``run_sync`` (a worker thread; inline
 under ``inline_compute()`` for virtual-time tests): forward passes, drafting and audits each
 behind their own ``CapacityLimiter(1)``, tokenizing behind another, so text never queues

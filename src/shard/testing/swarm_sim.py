@@ -42,7 +42,6 @@ import trio.testing
 from shard.failover.control import ControlClient, JoinRefused, NodeReplaced
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
-from shard.failover.faults import FaultInjector, FaultPlan
 from shard.failover.scheduler import Scheduler
 from shard.formation.formation import Formation, FormationError
 from shard.membership.registry import Member, Slot
@@ -62,6 +61,7 @@ from shard.messages import (
 from shard.placement import ModelFacts, Plan, plan
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
+from shard.testing.faults import FaultInjector, FaultPlan
 from shard.testing.swarm_world import SimNode, World
 from shard.transport import Connection, MemoryNetwork, Network, TransportError
 from shard.transport.delay import DelayNetwork
