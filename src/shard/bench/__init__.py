@@ -6,7 +6,7 @@ best model draft and the oracle draft (a labelled ceiling: it replays the single
 reference, so α = 1), through rings of stage processes at several emulated latencies per
 edge; every run next to its analytical bound. Benchmarks are not tests: nothing asserts speed.
 
-    options.py   the options (checked; ``shard.cli.parser_bench`` declares the flags) and
+    options.py   the options (checked; ``shard.cli.args.bench`` declares the flags) and
                  the prompt-set file
     ringspec.py  one ring's spec, derived from the base spec (latency, draft, free ports)
     drafts.py    single-process references, the oracle file, choosing the best model draft

@@ -1,6 +1,6 @@
 """``shard convert MODEL.gguf OUT_DIR``: convert a GGUF checkpoint (``shard.model.gguf_import``),
 print where it wrote; 0, or 2 with one ``shard convert: error:`` line. The arguments are
-declared in ``shard.cli.parser_tools``."""
+declared in ``shard.cli.args.convert``."""
 
 from __future__ import annotations
 
