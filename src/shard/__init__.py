@@ -23,8 +23,10 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     compute/        what every torch-running role shares: where blocking work runs
                     (``offload.py``) and torch tensors to and from the wire (``tensors.py``)
     model/          the model families in plain torch (dense and mixture-of-experts), weights
-                    kept quantized, loading, GGUF import, tokenizer and chat template, the
-                    bundled SmolLM2 and Gemma 3 (imports nothing of the network)
+                    kept quantized, loading, tokenizer and chat template (imports nothing of
+                    the network)
+    convert/        beside the runtime: GGUF checkpoints converted to safetensors, and the
+                    bundled SmolLM2 and Gemma 3 found and converted once into the cache
     placement/      pure planning: which nodes form the ring, in which order, holding which
                     layers, the coordinator where; the sticky re-plan after a failure
     failover/       recovery: the scheduler (death detection, splicing standbys in), control

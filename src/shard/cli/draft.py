@@ -18,8 +18,8 @@ from types import FrameType
 import attrs
 import torch
 
+from shard.convert.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.decode.head.model import HeadError
-from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.model.config import ModelLoadError
 from shard.training.distill.build import MARKER, DistillError, distill
 from shard.training.distill.cache import Recipe, cached_draft, draft_dir, is_complete, resolve_draft

@@ -27,7 +27,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def model_dir_of(model: str | None, spec_model: str) -> Path:
     if model is not None:
         return Path(model)
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
 
     return resolve_model(spec_model)
 

@@ -1,4 +1,4 @@
-"""What every GGUF architecture's reader shares (``shard.model.gguf_arch``): the error, metadata
+"""What every GGUF architecture's reader shares (``shard.convert.gguf_arch``): the error, metadata
 access, the ``GgufArch`` record, the names every decoder shares, the common ``config.json`` keys
 and the rope-scaling keys. This module imports neither torch nor safetensors.
 
@@ -20,8 +20,8 @@ import gguf
 import numpy as np
 
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
-    from shard.model.gguf_scan import GgufField
+    from shard.convert.gguf_file import GgufFile
+    from shard.convert.gguf_scan import GgufField
 
 
 class ConvertError(Exception):
