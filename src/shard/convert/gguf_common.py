@@ -19,13 +19,11 @@ import attrs
 import gguf
 import numpy as np
 
+from shard.convert.gguf_scan import ConvertError as ConvertError  # re-exported: the error
+
 if TYPE_CHECKING:
     from shard.convert.gguf_file import GgufFile
     from shard.convert.gguf_scan import GgufField
-
-
-class ConvertError(Exception):
-    """A GGUF file cannot be converted; the message says why and what to do."""
 
 
 def meta(reader: GgufFile, key: str, default: Any = ...) -> Any:

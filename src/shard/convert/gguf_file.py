@@ -19,8 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType as T
 
-from shard.convert.gguf_common import ConvertError
-from shard.convert.gguf_scan import GgufField, GgufLayout, TensorInfo, scan
+from shard.convert.gguf_scan import ConvertError, GgufField, GgufLayout, TensorInfo, scan
 
 __all__ = ["GgufFile"]
 

@@ -13,7 +13,8 @@ import attrs
 import gguf
 import numpy.typing as npt
 
-from shard.convert.gguf_arch import FUSED_EXPERTS, ConvertError
+from shard.convert.gguf_common import ConvertError
+from shard.convert.gguf_moe import FUSED_EXPERTS
 from shard.convert.quant_gguf import stored_layout
 
 __all__ = ["Planned", "fuse_experts", "split_experts"]

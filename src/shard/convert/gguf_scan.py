@@ -36,18 +36,24 @@ from typing import Any, Final
 import attrs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from shard.convert.gguf_common import ConvertError
-
 __all__ = [
     "MAX_ARRAY",
     "MAX_ELEMENTS",
     "MAX_KEYS",
     "MAX_TENSORS",
+    "ConvertError",
     "GgufField",
     "GgufLayout",
     "TensorInfo",
     "scan",
 ]
+
+
+class ConvertError(Exception):
+    """A GGUF file cannot be converted; the message says why and what to do. Defined here, in
+    the first reader of a file, which imports no other module of the converter: every other
+    one raises it too (``gguf_common`` and ``gguf_arch`` re-export it)."""
+
 
 MAGIC: Final = b"GGUF"
 MAX_TENSORS: Final = 1 << 16
