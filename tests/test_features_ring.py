@@ -27,7 +27,7 @@ from shard.testing.faults import FaultPlan
 from test_failover import MAX_TOKENS as FAILOVER_TOKENS
 from test_failover import PREFILL, failover_spec, run_scenario
 from test_failover import PROMPTS as FAILOVER_PROMPTS
-from test_spec_ring import DEADLINE_S, reference, spec_for
+from test_speculation_ring import DEADLINE_S, reference, spec_for
 
 WINDOW = 16  # >= K + 1: every committed row of every chunk comes back
 MAX_TOKENS = 20

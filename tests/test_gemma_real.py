@@ -38,7 +38,7 @@ from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.sizes import sizes_of
 from test_quant_ring import _local, _ring
-from test_spec_ring import TIE, spec_for
+from test_speculation_ring import TIE, spec_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -1,4 +1,5 @@
-"""The speculative ring benchmark: ``shard bench`` and ``bench/spec_ring.py`` (the same driver).
+"""The speculative ring benchmark: ``shard bench`` and ``bench/speculation_ring.py`` (the same
+driver).
 
 On one machine, side by side in one run: plain decoding, speculative decoding (one verify
 chunk in flight, D = 1) and speculative + pipelined decoding, each with the n-gram draft, the
@@ -17,6 +18,6 @@ edge; every run next to its analytical bound. Benchmarks are not tests: nothing 
     report.py    medians, ratios, the Markdown table and the PNG plot
     main.py      ``run_bench``: the run, start to JSON
 
-The command, ``shard bench`` (and ``bench_main`` for ``bench/spec_ring.py``), is
+The command, ``shard bench`` (and ``bench_main`` for ``bench/speculation_ring.py``), is
 ``shard.cli.bench``.
 """

@@ -1,6 +1,6 @@
 """``shard bench``: the speculative ring benchmark (``shard.bench``). The arguments are declared
 in ``shard.cli.args.bench`` and checked by ``shard.bench.options``; ``bench_main`` is the same
-command with a parser of its own, for ``bench/spec_ring.py``. Exit status 0, or 1 with one
+command with a parser of its own, for ``bench/speculation_ring.py``. Exit status 0, or 1 with one
 ``PROG: error:`` line on a bad option, spec or head."""
 
 from __future__ import annotations

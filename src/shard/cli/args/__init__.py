@@ -14,7 +14,7 @@
     convert.py   ``convert``
     relay.py     ``relay`` (its flags added when it parses)
     draft.py     ``draft distill|train|path`` (added when it parses)
-    bench.py     ``bench`` (and ``bench_parser``, the same flags for ``bench/spec_ring.py``)
+    bench.py     ``bench`` (and ``bench_parser``, the same flags for ``bench/speculation_ring.py``)
 
 Each imports only ``base.py`` of this package: no module here imports another command's.
 """
