@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from shard.audit.compare import sketch  # noqa: E402
-from shard.model.bundled import resolve_model  # noqa: E402
+from shard.convert.bundled import resolve_model  # noqa: E402
 from shard.model.llama import StageModel  # noqa: E402
 from shard.model.loader import load_stage  # noqa: E402
 from shard.model.packed import Segment, forward_packed  # noqa: E402

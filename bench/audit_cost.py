@@ -194,7 +194,7 @@ def _model_dir(name: str, workdir: Path) -> Path:
 
         return make_tiny_checkpoint(workdir / "tiny", seed=11, n_layers=6, hidden_size=256,
                                     intermediate_size=512)  # fmt: skip
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
 
     return resolve_model(name)
 

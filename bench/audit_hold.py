@@ -36,7 +36,7 @@ import trio
 
 REPO = Path(__file__).resolve().parents[1]
 
-from shard.model.bundled import resolve_model  # noqa: E402
+from shard.convert.bundled import resolve_model  # noqa: E402
 from shard.model.config import ModelConfig  # noqa: E402
 from shard.nodes.inprocess import run_swarm  # noqa: E402
 from shard.spec.swarm import SwarmSpec  # noqa: E402

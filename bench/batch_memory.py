@@ -138,7 +138,7 @@ async def measure_block(model_dir: Path, first: int, last: int, n: int, max_len:
 
 
 def child(args: argparse.Namespace) -> int:
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
 
     first, last = (int(x) for x in args.block.split(","))
     model_dir = resolve_model(args.model, progress=False)
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.block is not None:
         return child(args)
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
     from shard.model.config import ModelConfig
 
     model_dir = resolve_model(args.model)

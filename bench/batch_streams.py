@@ -52,8 +52,8 @@ from plain_ring import (
     machine_info,
     ring_spec_toml,
 )
+from shard.convert.bundled import resolve_model
 from shard.messages import GenerateDone, GenerateRequest
-from shard.model.bundled import resolve_model
 from shard.spec.swarm import load_spec
 from shard.transport import Network
 

@@ -41,11 +41,11 @@ import trio
 
 from plain_ring import REPO, Prompt, git_info, machine_info
 from shard.compute.tensors import to_wire
+from shard.convert.bundled import resolve_model
 from shard.coordinator.features import verdict_features
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter, NGramProposer, Proposer
 from shard.messages import ChunkSeq, Epoch, Hop, NodeName, SessionId, Verdict
-from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.coordinator import CoordinatorHandle

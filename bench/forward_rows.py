@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from plain_ring import REPO, git_info, machine_info
-from shard.model.bundled import resolve_model
+from shard.convert.bundled import resolve_model
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.model.packed import Segment, forward_packed

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shard.model.bundled import resolve_model
+from shard.convert.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.nodes.sizes import sizes_of
 from shard.placement.split import blocks_of, byte_split

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from shard.model.bundled import resolve_model
+from shard.convert.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.device import torch_dtype
 from shard.model.llama import StageModel

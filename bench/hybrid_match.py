@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from shard.convert.bundled import resolve_model
 from shard.decode.draft import NGramProposer
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
-from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer

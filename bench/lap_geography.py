@@ -107,7 +107,7 @@ def model_dir_of(name: str, tmp: Path) -> Path:
         from shard.testing import make_tiny_checkpoint
 
         return make_tiny_checkpoint(tmp / "tiny", seed=3, n_layers=16, max_position_embeddings=1024)
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
 
     return resolve_model(name)
 

@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from shard.convert.bundled import resolve_model
 from shard.coordinator.service import prompt_ids
 from shard.decode.draft import NGramProposer
 from shard.messages import GenerateRequest
-from shard.model.bundled import resolve_model
 from shard.model.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

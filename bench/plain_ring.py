@@ -46,9 +46,9 @@ from typing import Any
 import attrs
 import trio
 
+from shard.convert.bundled import resolve_model
 from shard.coordinator.service import prompt_ids
 from shard.messages import GenerateDone, GenerateRequest, RunStats
-from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
 from shard.spec.nodes import EdgeSpec

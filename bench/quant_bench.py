@@ -51,9 +51,9 @@ import trio
 
 from batch_streams import stage_rss_mib
 from plain_ring import REPO, Prompt, free_ports, git_info, machine_info, ring_spec_toml
+from shard.convert.bundled import resolve_model
 from shard.decode.control import SpeculationConfig
 from shard.messages import GenerateDone, GenerateRequest
-from shard.model.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.spec.swarm import load_spec
 from shard.transport import Network

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from shard.model.bundled import resolve_model
+from shard.convert.bundled import resolve_model
 from shard.model.config import ModelConfig
 from shard.model.device import cpu_has_bf16
 from shard.model.llama import StageModel

@@ -63,8 +63,8 @@ import attrs
 import trio
 
 from plain_ring import Prompt, free_ports, git_info, machine_info
+from shard.convert.bundled import resolve_model
 from shard.messages import GenerateDone, GenerateRequest, TokensOut
-from shard.model.bundled import resolve_model
 from shard.nodes.launcher import SwarmHandle
 from shard.spec.swarm import load_spec
 from shard.transport import Network

@@ -89,7 +89,7 @@ def read_gb_s(threads: int) -> float:
 
 def child(model: str, threads: int, tokens: int, runs: int) -> Record:
     """Every shard figure of ``model`` with ``threads`` threads, in this fresh process."""
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
     from shard.model.config import ModelConfig
     from shard.model.footprint import measured
     from shard.model.loader import load_stage
@@ -137,7 +137,7 @@ def child(model: str, threads: int, tokens: int, runs: int) -> Record:
 
 
 def gguf_of(model: str) -> Path:
-    from shard.model.bundled import _bundled_gguf
+    from shard.convert.bundled import _bundled_gguf
 
     return _bundled_gguf(model)
 

@@ -40,8 +40,8 @@ def smollm2_dir() -> Path:
 def smollm2_float32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled SmolLM2 converted to float32 (what transformers loads; the cache entry
     keeps its quantized tensors as stored), once per session."""
-    from shard.model.bundled import _bundled_gguf
-    from shard.model.gguf_import import convert_gguf
+    from shard.convert.bundled import _bundled_gguf
+    from shard.convert.gguf_import import convert_gguf
 
     out = tmp_path_factory.mktemp("smollm2") / "float32"
     return convert_gguf(_bundled_gguf("smollm2"), out, progress=False, stored=False)

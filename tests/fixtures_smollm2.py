@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from shard.model.bundled import resolve_model
+from shard.convert.bundled import resolve_model
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

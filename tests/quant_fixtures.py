@@ -23,7 +23,7 @@ from fixtures_smollm2 import (
     llama_cpp_permute,
     tiny_vocab,
 )
-from shard.model.gguf_import import convert_gguf
+from shard.convert.gguf_import import convert_gguf
 
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -12,10 +12,10 @@ import trio.testing
 
 from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion, RingError
-from shard.failover.faults import FaultInjector, FaultPlan
 from shard.messages import RunReceipt
 from shard.spec.ledger import LedgerSpec
 from shard.spec.trust import CredentialPaths
+from shard.testing.faults import FaultInjector, FaultPlan
 from shard.transport import MemoryNetwork
 from test_failover import MAX_TOKENS, PROMPTS, failover_spec, start_swarm
 

@@ -3,7 +3,7 @@
 Sessions share a ring in-process; their chunks meet at the stages and run in shared forwards
 (the verdicts' hops say how many rows each forward ran). Where a batched forward's float
 rounding differs from a lone one, any divergence must be a numerical tie of the reference
-(``test_spec_ring.ties_or_equal``), and the ties are reported.
+(``test_speculation_ring.ties_or_equal``), and the ties are reported.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import trio
 from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultPlan
 from shard.messages import RunStats
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
+from shard.testing.faults import FaultPlan
 from test_failover import DECODE, PROMPTS, failover_spec, run_scenario
 from test_failover import MAX_TOKENS as FAILOVER_TOKENS
-from test_spec_ring import reference, spec_for, ties_or_equal, with_ring
+from test_speculation_ring import reference, spec_for, ties_or_equal, with_ring
 
 SESSIONS = 8
 MAX_TOKENS = 16

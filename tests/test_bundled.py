@@ -10,9 +10,9 @@ import attrs
 import pytest
 
 from fixtures_smollm2 import smollm2_dir, write_tiny_gguf
-from shard.model import bundled
-from shard.model.bundled import BUNDLED, ModelNotFound, cache_dir, resolve_model
-from shard.model.gguf_import import COMPLETE_MARKER, convert_gguf, is_complete
+from shard.convert import bundled
+from shard.convert.bundled import BUNDLED, ModelNotFound, cache_dir, resolve_model
+from shard.convert.gguf_import import COMPLETE_MARKER, convert_gguf, is_complete
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_losing_a_conversion_race_uses_the_winner(
 
 def test_concurrent_processes_share_one_entry(cache: Path, tiny_gguf: Path) -> None:
     """Processes resolving the same GGUF at once all get one complete entry, no debris."""
-    code = "import sys; from shard.model.bundled import resolve_model; "
+    code = "import sys; from shard.convert.bundled import resolve_model; "
     code += "print(resolve_model(sys.argv[1], progress=False))"
     argv = [sys.executable, "-c", code, str(tiny_gguf)]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(3)]
@@ -177,7 +177,7 @@ def test_bundled_smollm2_resolves_to_one_cached_conversion(
 def test_resolving_and_tokenizing_do_not_import_torch() -> None:
     """bundled, gguf_import and tokenizer stay torch-free, so the coordinator starts fast."""
     code = (
-        "import sys, shard.model.bundled, shard.model.gguf_import, shard.model.tokenizer; "
+        "import sys, shard.convert.bundled, shard.convert.gguf_import, shard.model.tokenizer; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -315,13 +315,13 @@ async def test_a_coordinator_api_on_a_busy_port_is_a_listen_error(taken_port: in
     """The coordinator's API server on a port in use raises one ListenError (not a nest of
     exception groups around the OSError), for the port taken between the check and the bind."""
     from shard.api.server import ApiServer
-    from shard.nodes.coordinator import _serve_api
+    from shard.nodes.api import serve_api
 
     listen = f"127.0.0.1:{taken_port}"
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
             with pytest.raises(ListenError) as caught:
-                await _serve_api(nursery, ApiServer(None, listen), listen)  # type: ignore[arg-type]
+                await serve_api(nursery, ApiServer(None, listen), listen)  # type: ignore[arg-type]
     assert str(caught.value).startswith(f"cannot serve the HTTP API on {listen}: port ")
     assert "already in use" in str(caught.value)
 

@@ -51,7 +51,7 @@ from test_features_ring import (
     check_observed,
     ring_run,
 )
-from test_spec_ring import DEADLINE_S, reference, spec_for
+from test_speculation_ring import DEADLINE_S, reference, spec_for
 from test_stage_graphs import FakeCapture
 
 N_LAYERS = 4  # spec_for's ring: [0, 1) [1, 3) [3, 4)

@@ -26,7 +26,6 @@ from shard.coordinator.checkpoint import CheckpointStore
 from shard.coordinator.coordinator import Completion, RingError
 from shard.coordinator.service import complete
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultInjector, FaultPlan, Injection
 from shard.failover.scheduler import Recovery
 from shard.messages import Fault, GenerateDone, GenerateRequest, Heartbeat, Hello, Message, NodeName
 from shard.model.config import ModelConfig
@@ -41,6 +40,7 @@ from shard.nodes.inprocess import run_swarm
 from shard.spec.failover import FailoverSpec
 from shard.spec.swarm import SwarmSpec
 from shard.testing import generate_watching, make_tiny_checkpoint
+from shard.testing.faults import FaultInjector, FaultPlan, Injection
 from shard.transport import ConnectionClosed, MemoryNetwork, Network
 from shard.transport.links import dial_peer
 

@@ -22,10 +22,10 @@ import trio.testing
 from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion, RingError
 from shard.coordinator.service import ring_unready
-from shard.failover.faults import FaultInjector, FaultPlan
 from shard.messages import Fault, Hello, NodeName, Register
 from shard.nodes.coordinator import run_standby
 from shard.nodes.stage import run_stage
+from shard.testing.faults import FaultInjector, FaultPlan
 from shard.transport import MemoryNetwork, Network
 from shard.transport.links import dial_peer
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, start_swarm

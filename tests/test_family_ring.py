@@ -6,7 +6,7 @@ sparse layer routes each row alone and runs each expert over the rows that chose
 never interact; only the row count an expert's product sees changes with the batch, as for
 the dense layers. So, as there, a batched row may differ from its lone run in the last bits
 (measured and reported here) and a greedy choice may differ only at a numerical tie: the tie
-rule of ``tests/test_batch.py`` and ``tests/test_spec_ring.py``.
+rule of ``tests/test_batch.py`` and ``tests/test_speculation_ring.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from shard.model.packed import Segment, forward_packed, segment_bounds
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.coordinator import Coordinator
 from shard.spec.swarm import SwarmSpec
-from test_spec_ring import TIE, reference, ties_or_equal, with_ring
 from test_spec_swarm_cli import _LOCAL, check_same_or_tie
+from test_speculation_ring import TIE, reference, ties_or_equal, with_ring
 
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
 

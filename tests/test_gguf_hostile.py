@@ -35,9 +35,9 @@ import family_fixtures
 from fixtures_smollm2 import write_tiny_gguf
 from gguf_forge import FORMATS, Doc, encode, read_doc
 from shard.cli import main
+from shard.convert.gguf_import import ConvertError, convert_gguf
+from shard.convert.gguf_tensors import check_tensors
 from shard.model.config import ModelConfig
-from shard.model.gguf_import import ConvertError, convert_gguf
-from shard.model.gguf_tensors import check_tensors
 from test_gguf_mla import write_deepseek2
 from test_gguf_moe import _write as write_moe_gguf
 from test_gguf_next import write_qwen3next

@@ -18,8 +18,8 @@ from fixtures_smollm2 import (
     write_tiny_gguf,
 )
 from shard.cli.convert import convert_main
-from shard.model import gguf_import
-from shard.model.gguf_import import (
+from shard.convert import gguf_import
+from shard.convert.gguf_import import (
     COMPLETE_MARKER,
     ConvertError,
     OutputExists,

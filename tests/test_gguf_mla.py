@@ -43,8 +43,8 @@ from safetensors.torch import load_file, save_file
 
 import family_fixtures
 from gguf_forge import encode, read_doc
+from shard.convert.gguf_import import convert_gguf
 from shard.model.config import ModelConfig
-from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.quant import QuantLinear
 from test_gguf_moe import IDS, _check_against_dense, _logits, stored_against_float32

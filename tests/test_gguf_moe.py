@@ -50,10 +50,10 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 import family_fixtures
+from shard.convert.gguf_arch import ConvertError
+from shard.convert.gguf_import import convert_gguf
 from shard.model import footprint
 from shard.model.config import ModelConfig
-from shard.model.gguf_arch import ConvertError
-from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.moe import FusedExperts
 from shard.model.quant import QuantLinear, kernel_dtype

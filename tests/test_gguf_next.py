@@ -39,8 +39,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 import family_fixtures
+from shard.convert.gguf_import import convert_gguf
 from shard.model.config import ModelConfig
-from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.quant import QuantLinear
 from test_gguf_moe import IDS, _check_against_dense, _logits, stored_against_float32

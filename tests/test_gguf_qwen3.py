@@ -34,8 +34,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from family_fixtures import FAMILIES, family_dir
+from shard.convert.gguf_import import convert_gguf
 from shard.model.config import ModelConfig
-from shard.model.gguf_import import convert_gguf
 from shard.model.loader import load_stage
 from shard.model.quant import QuantLinear
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gemma_fixtures import gemma_gguf
-from shard.model.gguf_vocab import GgufVocab, VocabError, read_vocab, tokenizer_files
+from shard.convert.gguf_vocab import GgufVocab, VocabError, read_vocab, tokenizer_files
 from shard.model.tokenizer import StreamDecoder, Tokenizer
 
 SPACE = "\u2581"

@@ -22,7 +22,7 @@ from shard.spec.swarm import SwarmSpec
 from shard.testing import make_tiny_checkpoint, scale_upper_layers
 from shard.training.head.build import HeadRecipe, train_head
 from shard.training.head.trainer import TrainSettings
-from test_spec_ring import PROMPTS, chi_square, reference, ties_or_equal, with_ring
+from test_speculation_ring import PROMPTS, chi_square, reference, ties_or_equal, with_ring
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -171,7 +171,7 @@ async def test_sampling_with_the_heads_q_follows_the_target(
         logits = model(torch.tensor([prompt]), 0, model.new_cache(64))[0, -1]
     probs = torch.softmax(logits / temperature, dim=-1)
     stat, dof = chi_square([o[0] for o in outs if o], probs, len(outs))
-    z = 3.09  # the 99.9th percentile (Wilson-Hilferty), as in test_spec_ring
+    z = 3.09  # the 99.9th percentile (Wilson-Hilferty), as in test_speculation_ring
     limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     print(f"chi-square {stat:.1f} on {dof} dof, limit {limit:.1f}")
     assert stat < limit

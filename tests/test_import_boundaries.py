@@ -25,10 +25,12 @@ The rules (each package's ``__init__`` docstring says the same):
 - ``shard.formation`` (forming a ring over a measured RTT mesh) sits below recovery: it never
   imports ``shard.failover``, whose scheduler drives it;
 - no package imports itself through others: the packages form layers, with no exception;
+- the runtime (``RUNTIME``: a running node's packages) never imports GGUF conversion
+  (``shard.convert``); only the CLI, the composition roots, the draft training and
+  ``shard.bench`` find and convert models through it;
 - nothing in ``src`` imports the test helpers (``shard.testing``: tiny checkpoints, cheating
-  stages, the NAT firewall and tampering relay, the entry points of cheating processes) or
-  fault injection
-  (``shard.failover.faults``), except those helpers themselves.
+  stages, the NAT firewall and tampering relay, fault injection, the monitor's fixed
+  snapshots, the entry points of cheating processes), except those helpers themselves.
 """
 
 from __future__ import annotations
@@ -40,6 +42,27 @@ import attrs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shard"
 NETWORK = ("trio", "trio_websocket", "msgpack", "zstandard", "nacl", "websockets")
+#: The packages a running node's path goes through: none of them imports ``shard.convert``.
+RUNTIME = (
+    "model",
+    "stage",
+    "decode",
+    "coordinator",
+    "compute",
+    "wire",
+    "messages",
+    "transport",
+    "failover",
+    "formation",
+    "membership",
+    "placement",
+    "audit",
+    "trust",
+    "weights",
+    "api",
+    "observe",
+    "spec",
+)
 
 
 @attrs.frozen
@@ -97,22 +120,13 @@ RULES = (
     Rule("shard.membership", ("shard.formation", "shard.failover")),
     # The scheduler (recovery) drives the formation, never the other way round.
     Rule("shard.formation", ("shard.failover",)),
-    Rule(
-        "shard",
-        (
-            "shard.testing",
-            "shard.failover.faults",
-            "shard.observe.tui.testing",
-        ),
-        allowed=(),
-    ),
+    Rule("shard", ("shard.testing",), allowed=()),
+    # GGUF conversion sits beside the runtime: only the CLI, the composition roots, the draft
+    # training and the benchmark find and convert models through it.
+    *(Rule(f"shard.{p}", ("shard.convert",)) for p in RUNTIME),
 )
-#: Test support may import itself and each other.
-TEST_SUPPORT = (
-    "shard.testing",
-    "shard.failover.faults",
-    "shard.observe.tui.testing",
-)
+#: Test support may import itself.
+TEST_SUPPORT = ("shard.testing",)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -199,11 +213,14 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
             "nodes/stage.py": "from shard.testing import make_tiny_checkpoint\n",
             "placement/__init__.py": "",
             "placement/search.py": "import trio\nfrom shard.spec.swarm import SwarmSpec\n",
-            "testing.py": "from shard.failover import faults\n",
+            "testing/__init__.py": "",
+            "testing/cheats.py": "from shard.testing import faults\n",
             "membership/__init__.py": "",
             "membership/registry.py": "from shard.formation.mesh import Mesh\n",
             "formation/__init__.py": "",
             "formation/formation.py": "def f():\n    from shard.failover import scheduler\n",
+            "stage/__init__.py": "",
+            "stage/executor.py": "from shard.convert.bundled import resolve_model\n",
         },
     )
     found = "\n".join(violations(root))
@@ -216,6 +233,7 @@ def test_a_forbidden_import_is_reported(tmp_path: Path) -> None:
     assert "shard.placement.search imports shard.spec" in found
     assert "shard.membership.registry imports shard.formation" in found
     assert "shard.formation.formation imports shard.failover" in found
+    assert "shard.stage.executor imports shard.convert" in found
     assert "shard.testing imports" not in found  # test support may use fault injection
 
 

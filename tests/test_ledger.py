@@ -16,8 +16,8 @@ import pytest
 
 from receipt_fixtures import resign
 from shard.cli import main
-from shard.failover.faults import FaultPlan
 from shard.messages import ResumeRecord, RunReceipt
+from shard.testing.faults import FaultPlan
 from shard.trust import ledger as ledger_module
 from shard.trust.identity import NodeIdentity
 from shard.trust.ledger import LedgerPins, build_ledger, credits, period_of

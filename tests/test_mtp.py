@@ -37,7 +37,7 @@ from shard.nodes.drafter import make_drafter
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.spec.validate import SpecError
-from test_spec_ring import DEADLINE_S, reference, spec_for
+from test_speculation_ring import DEADLINE_S, reference, spec_for
 
 transformers = pytest.importorskip("transformers")
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture

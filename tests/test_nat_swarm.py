@@ -18,11 +18,11 @@ import trio.testing
 
 from procs import free_ports, run_shard
 from shard.compute.offload import inline_compute
-from shard.failover.faults import FaultInjector, FaultPlan, Injection
 from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec, load_spec
 from shard.testing import Firewall, generate_watching, make_tiny_checkpoint
+from shard.testing.faults import FaultInjector, FaultPlan, Injection
 from shard.transport import MemoryNetwork
 from shard.transport.nat import NatNetwork
 from test_ring import reference

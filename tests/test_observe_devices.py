@@ -14,7 +14,7 @@ from shard.messages import DeviceStatus, NodeName, StatusSnapshot
 from shard.observe.devices import DeviceProbe
 from shard.observe.tui import state as st
 from shard.observe.tui.app import summary_text
-from shard.observe.tui.testing import sample_snapshot
+from shard.testing.snapshots import sample_snapshot
 
 GIB = 1024**3
 

@@ -197,7 +197,7 @@ def test_smollm2_auto_moves_layers_off_the_embedding_and_head_stages() -> None:
     """SmolLM2's tied embedding weighs 8 of its 30 layers and the last stage holds a copy:
     "auto" on three stages was 10/10/10 (largest stage 18 layers' bytes) and is now 8/15/7
     (16); with two stages it stays 15/15."""
-    from shard.model.bundled import ModelNotFound, resolve_model
+    from shard.convert.bundled import ModelNotFound, resolve_model
 
     try:
         config = ModelConfig.from_dir(resolve_model("smollm2", progress=False))
@@ -224,7 +224,7 @@ def test_checked_in_stored_specs_resolve_to_the_brute_force_minimum(
     Gemma) resolves as its nodes resolve it (held as stored, each tensor priced as the loader
     installs it) to a split of least largest stage by brute force; these are the blocks
     docs/placement.md and docs/specs.md quote."""
-    from shard.model.bundled import ModelNotFound, resolve_model
+    from shard.convert.bundled import ModelNotFound, resolve_model
     from shard.model.footprint import stored
     from shard.nodes.defaults import with_checkpoint_weights
 

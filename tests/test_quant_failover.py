@@ -14,10 +14,10 @@ import torch
 from quant_fixtures import stored_tiny
 from shard.coordinator.coordinator import Completion
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultPlan
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.quant import kernel_dtype
+from shard.testing.faults import FaultPlan
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, run_scenario
 
 

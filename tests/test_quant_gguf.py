@@ -9,8 +9,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from shard.convert.quant_gguf import STORED_FORMATS, from_gguf
 from shard.model.quant import QuantEmbedding, QuantLinear
-from shard.model.quant_gguf import STORED_FORMATS, from_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,7 +108,7 @@ def test_other_types_are_left_to_dequantize() -> None:
 def test_smollm2_real_tensors() -> None:
     """The bundled SmolLM2's Q4_1 projection and Q8_0 embedding: exact representation, the
     packed product within one bf16 rounding, the embedding gather exact."""
-    from shard.model.bundled import ModelNotFound, _bundled_gguf
+    from shard.convert.bundled import ModelNotFound, _bundled_gguf
 
     try:
         reader = gguf.GGUFReader(_bundled_gguf("smollm2"))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fixtures_smollm2 import write_tiny_gguf
+from shard.convert.gguf_import import QUANT_METADATA, convert_gguf
 from shard.model.config import ModelLoadError
-from shard.model.gguf_import import QUANT_METADATA, convert_gguf
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
 from shard.model.quant import QuantEmbedding, QuantLinear

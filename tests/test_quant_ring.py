@@ -22,7 +22,7 @@ from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.quant import kernel_dtype
 from shard.spec.swarm import SwarmSpec
-from test_spec_ring import Ref, spec_for, with_ring
+from test_speculation_ring import Ref, spec_for, with_ring
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -103,7 +103,7 @@ def test_plan_prints_the_weights_the_checkpoint_defaults_to(
     """`shard plan SPEC` prints the weights its nodes will hold, beside dtype: stored for a
     checkpoint with quantized tensors, dense for a float one, the spec's own when it says."""
     from fixtures_smollm2 import write_tiny_gguf
-    from shard.model.gguf_import import convert_gguf
+    from shard.convert.gguf_import import convert_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     stored = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "stored", progress=False)

@@ -27,7 +27,6 @@ from shard.audit.auditor import recompute
 from shard.compute.tensors import to_wire
 from shard.coordinator.coordinator import Completion
 from shard.decode.reference import generate_reference
-from shard.failover.faults import FaultPlan
 from shard.messages import ChunkSeq, Epoch, NodeName, Prefill, Sampling, SessionId
 from shard.messages.audit import AuditedChunk
 from shard.model.config import ModelConfig, ModelLoadError
@@ -36,6 +35,7 @@ from shard.model.loader import load_stage
 from shard.model.recurrent import EVERY, ROLLBACK, RecurrentRollbackError, recurrent_bytes
 from shard.spec.audit import AuditSpec
 from shard.stage.chunks import Session, StageFailed, kv_refusal, plan
+from shard.testing.faults import FaultPlan
 from test_audit_wired import _run as run_audited
 from test_failover import DECODE, MAX_TOKENS, PROMPTS, failover_spec, run_scenario
 

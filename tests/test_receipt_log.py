@@ -18,8 +18,8 @@ from shard.cli import main
 from shard.coordinator.coordinator import Completion
 from shard.coordinator.receipt_log import ReceiptLog
 from shard.coordinator.receipts import kept
-from shard.failover.faults import FaultPlan
 from shard.messages import RunStats
+from shard.testing.faults import FaultPlan
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipt_check import receipt_from_json
 from splice_receipts import spliced_receipts

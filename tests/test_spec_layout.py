@@ -137,7 +137,7 @@ def test_uniform_links_tie_and_keep_the_file_order(tmp_path: Path, model_dir: Pa
 )
 def test_the_checked_in_specs_run_as_they_always_did(name: str) -> None:
     """Every checked-in spec with a written ring runs as written: file order, "auto" blocks."""
-    from shard.model.bundled import ModelNotFound, resolve_model
+    from shard.convert.bundled import ModelNotFound, resolve_model
 
     spec = load_spec(SPECS / name)
     try:

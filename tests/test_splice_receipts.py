@@ -12,8 +12,8 @@ from typing import Any
 import attrs
 import pytest
 
-from shard.failover.faults import FaultPlan
 from shard.messages import NodeName, RunReceipt, SpliceRecord, VerdictRecord
+from shard.testing.faults import FaultPlan
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipt_check import receipt_from_json, receipt_to_json, verify_run
 from shard.trust.receipts import (

@@ -13,7 +13,7 @@ import pytest
 import regex
 
 from fixtures_smollm2 import SMOLLM2_GGUF_NAME, bytes_to_unicode, smollm2_dir, write_tiny_gguf
-from shard.model.gguf_import import convert_gguf
+from shard.convert.gguf_import import convert_gguf
 from shard.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
 pytestmark = pytest.mark.slow

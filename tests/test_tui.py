@@ -20,7 +20,7 @@ from shard.messages import EdgeStatus, StatusSnapshot
 from shard.observe.tui import state as st
 from shard.observe.tui.app import MonitorApp
 from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost
-from shard.observe.tui.testing import T0, sample_snapshot
+from shard.testing.snapshots import T0, sample_snapshot
 
 ADDRESS = "127.0.0.1:7700"
 

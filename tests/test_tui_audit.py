@@ -8,7 +8,7 @@ import attrs
 
 from shard.messages import AuditCounts, EdgeStatus, NodeName
 from shard.observe.tui.app import ring_text, summary_text
-from shard.observe.tui.testing import sample_snapshot
+from shard.testing.snapshots import sample_snapshot
 
 
 def test_summary_shows_audits_strikes_and_evictions_only_when_there_are_any() -> None:

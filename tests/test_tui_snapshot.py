@@ -16,7 +16,7 @@ from textual.pilot import Pilot
 from shard.messages import AuditCounts, EventRecord, NodeName, StatusSnapshot
 from shard.observe.tui.app import MonitorApp
 from shard.observe.tui.state import FeedDialing, FeedEvent, FeedLost
-from shard.observe.tui.testing import T0, sample_snapshot
+from shard.testing.snapshots import T0, sample_snapshot
 
 ADDRESS = "127.0.0.1:7700"
 #: Eight snapshots with tok/s and α moving, so both sparklines have a shape.

@@ -11,7 +11,7 @@ import pytest
 from shard.messages import EventRecord
 from shard.observe.tui import state as st
 from shard.observe.tui.state import FeedDialing, FeedLost, FeedNote, MonitorState, apply
-from shard.observe.tui.testing import T0, sample_snapshot
+from shard.testing.snapshots import T0, sample_snapshot
 
 NOW = T0 + 500
 

@@ -23,8 +23,10 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     compute/        what every torch-running role shares: where blocking work runs
                     (``offload.py``) and torch tensors to and from the wire (``tensors.py``)
     model/          the model families in plain torch (dense and mixture-of-experts), weights
-                    kept quantized, loading, GGUF import, tokenizer and chat template, the
-                    bundled SmolLM2 and Gemma 3 (imports nothing of the network)
+                    kept quantized, loading, tokenizer and chat template (imports nothing of
+                    the network)
+    convert/        beside the runtime: GGUF checkpoints converted to safetensors, and the
+                    bundled SmolLM2 and Gemma 3 found and converted once into the cache
     placement/      pure planning: which nodes form the ring, in which order, holding which
                     layers, the coordinator where; the sticky re-plan after a failure
     failover/       recovery: the scheduler (death detection, splicing standbys in), control
@@ -47,8 +49,8 @@ Beside them: ``errors.py`` (errors shared by layers that must not import each ot
 ``strict_json.py`` (JSON from outside, parsed so it cannot crash or fool its reader: no key
 twice, no deep nesting) and ``__main__.py`` (``python -m shard``).
 
-Test helpers are public API; seeded fault injection is
-``failover/faults.py``; nothing else in ``src`` imports either. Every blocking call leaves the
+Test helpers (seeded fault injection, ``testing/faults.py``, included) are public API, all in
+``testing/``; nothing else in ``src`` imports them. Every blocking call leaves the
 event loop through one helper, ``compute/offload.py``'s ``run_sync`` (a worker thread; inline
 under ``inline_compute()`` for virtual-time tests): forward passes, drafting and audits each
 behind their own ``CapacityLimiter(1)``, tokenizing behind another, so text never queues

@@ -11,21 +11,13 @@ Nothing a client sends can end the server.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from shard.api.app import ApiApp, ApiConfig
-from shard.api.keys import ApiKeys
+from shard.api.app import ApiApp
 from shard.api.reply import MAX_HEAD_BYTES
-from shard.coordinator.checkpoint import CheckpointStore
-from shard.coordinator.coordinator import Coordinator
-from shard.coordinator.text import TextAdapter
-from shard.spec.swarm import SwarmSpec
-from shard.spec.swarm_table import BUNDLED_MODELS
 
 log = logging.getLogger(__name__)
 
@@ -68,40 +60,3 @@ class ApiServer:
             )
             log.info("API listening on %s", binds[0])
             task_status.started(binds[0])
-
-
-def model_id(spec: SwarmSpec) -> str:
-    """The id clients name: ``[api] model_name``, else the bundled name or the model's
-    directory (or .gguf file) name."""
-    if spec.api.model_name is not None:
-        return spec.api.model_name
-    return spec.model if spec.model in BUNDLED_MODELS else Path(spec.model).stem
-
-
-def make_server(
-    spec: SwarmSpec,
-    coordinator: Coordinator,
-    text: TextAdapter,
-    *,
-    failovers: Callable[[], int] = lambda: 0,
-    checkpoints: CheckpointStore | None = None,
-) -> ApiServer | None:
-    """The API server ``spec``'s ``[api]`` asks for (None when ``listen`` is not set);
-    ``checkpoints``: the coordinator's, which makes its streams resumable (``.resume``).
-
-    Errors: ``KeyFileError`` when the keys file is missing or malformed."""
-    api = spec.api
-    if api.listen is None:
-        return None
-    keys = ApiKeys.from_file(api.keys_file) if api.keys_file is not None else None
-    config = ApiConfig(
-        model_id=model_id(spec),
-        max_len=spec.limits.max_len,
-        max_sessions=api.max_sessions,
-        max_body_bytes=api.max_body_kib * 1024,
-        body_timeout_s=api.body_timeout_s,
-        keys=keys,
-        max_prompt_bytes=spec.limits.max_prompt_bytes,
-    )
-    app = ApiApp(coordinator, text, config, failovers=failovers, checkpoints=checkpoints)
-    return ApiServer(app, str(api.listen))

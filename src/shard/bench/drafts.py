@@ -21,11 +21,11 @@ import torch
 
 from shard.bench.bound import expected_tokens
 from shard.bench.options import Prompt
+from shard.convert.bundled import cache_dir
 from shard.coordinator.service import prompt_ids
 from shard.decode.draft import ModelProposer, NGramProposer, Proposer
 from shard.decode.reference import ReferenceResult, generate_reference
 from shard.messages import GenerateRequest
-from shard.model.bundled import cache_dir
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage, load_truncated

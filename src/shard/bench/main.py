@@ -24,8 +24,8 @@ from shard.bench.bound import __doc__ as BOUND_DOC
 from shard.bench.options import Options, OptionsError
 from shard.bench.ringspec import BenchSpecError, RingBase, Speculation, check_base, policy
 from shard.bench.sweep import Plan, progress, sweep
+from shard.convert.bundled import resolve_model
 from shard.decode.draft import NGramProposer
-from shard.model.bundled import resolve_model
 from shard.spec.swarm import SpecError, SwarmSpec, load_spec
 
 Record = dict[str, Any]

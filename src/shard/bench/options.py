@@ -1,4 +1,4 @@
-"""The benchmark's options (its command line, declared in ``shard.cli.parser_bench``, checked
+"""The benchmark's options (its command line, declared in ``shard.cli.args.bench``, checked
 here) and its prompt-set file.
 
 The prompt file is TOML, one ``[[prompt]]`` table per prompt::
@@ -94,7 +94,7 @@ FLAGS: Final = (
     "best_draft", "best_layers", "model", "json", "plot", "ignore_eos", "force", "threads",
     "request_timeout", "oracle_policy",
 )  # fmt: skip
-"""The command line's values ``options`` takes (``shard.cli.parser_bench`` declares them)."""
+"""The command line's values ``options`` takes (``shard.cli.args.bench`` declares them)."""
 
 
 def options(

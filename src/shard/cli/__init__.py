@@ -3,15 +3,10 @@ No module outside this package parses arguments (``tests/test_cli_table.py``). I
 every other package; nothing imports it. Command modules are imported only when their command
 runs, so ``shard --help`` stays fast.
 
-Every subcommand's arguments are declared here::
-
-    parser.py        builds the parser: ``generate``, ``swarm``, ``up``, ``monitor``, ``plan``
-    parser_tools.py  keys, receipts, ``ledger``, manifests, ``convert`` and ``relay``; ``Parser``
-    parser_plan.py   ``plan``'s arguments (the planner, and the fit before a download)
-    parser_draft.py  ``draft``
-    parser_bench.py  ``bench``
-
-and every handler (``HANDLERS`` names each), one module per command family, each calling the
+Every subcommand's arguments are declared here, in ``args/``: one module of arguments per
+command module below, on one parsing base (``args/base.py``), none importing another's;
+``parser.py`` assembles them into the one parser, in the order ``shard --help`` lists them.
+And every handler (``HANDLERS`` names each), one module per command family, each calling the
 library that does the work::
 
     generate.py      ``shard generate``, local or through a swarm's client port
@@ -69,8 +64,8 @@ and set up no logging: they run outside ``dispatch``'s error mapping, as they al
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``shard ARGV``; returns the exit code."""
+    from shard.cli.args.base import ParseExit
     from shard.cli.parser import build_parser
-    from shard.cli.parser_tools import ParseExit
 
     try:
         args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

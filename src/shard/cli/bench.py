@@ -1,6 +1,6 @@
 """``shard bench``: the speculative ring benchmark (``shard.bench``). The arguments are declared
-in ``shard.cli.parser_bench`` and checked by ``shard.bench.options``; ``bench_main`` is the same
-command with a parser of its own, for ``bench/spec_ring.py``. Exit status 0, or 1 with one
+in ``shard.cli.args.bench`` and checked by ``shard.bench.options``; ``bench_main`` is the same
+command with a parser of its own, for ``bench/speculation_ring.py``. Exit status 0, or 1 with one
 ``PROG: error:`` line on a bad option, spec or head."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shard.bench.main import run_bench
 from shard.bench.options import Options, OptionsError, options
-from shard.cli.parser_bench import bench_parser
+from shard.cli.args.bench import bench_parser
 
 __all__ = ["bench", "bench_main", "parse"]
 

@@ -1,6 +1,6 @@
-"""``shard convert MODEL.gguf OUT_DIR``: convert a GGUF checkpoint (``shard.model.gguf_import``),
+"""``shard convert MODEL.gguf OUT_DIR``: convert a GGUF checkpoint (``shard.convert.gguf_import``),
 print where it wrote; 0, or 2 with one ``shard convert: error:`` line. The arguments are
-declared in ``shard.cli.parser_tools``."""
+declared in ``shard.cli.args.convert``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shard.model.gguf_arch import ConvertError
-from shard.model.gguf_import import convert_gguf
+from shard.convert.gguf_arch import ConvertError
+from shard.convert.gguf_import import convert_gguf
 
 __all__ = ["convert", "convert_main"]
 

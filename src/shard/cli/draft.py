@@ -1,7 +1,7 @@
 """``shard draft {distill,train,path}``: build a draft (``distill``) or a draft head (``train``)
 into the cache (or ``--out``), or print where a built one is. Exit status 0, 2 with one
 ``shard draft: error:`` line, or 130 when training is interrupted (run the same command again
-to resume). The arguments are declared in ``shard.cli.parser_draft``."""
+to resume). The arguments are declared in ``shard.cli.args.draft``."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from types import FrameType
 import attrs
 import torch
 
+from shard.convert.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.decode.head.model import HeadError
-from shard.model.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.model.config import ModelLoadError
 from shard.training.distill.build import MARKER, DistillError, distill
 from shard.training.distill.cache import Recipe, cached_draft, draft_dir, is_complete, resolve_draft

@@ -187,9 +187,9 @@ def _receipt_path(out: Path, request: int) -> Path:
 def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     from torch import float32
 
+    from shard.convert.bundled import resolve_model
     from shard.coordinator.service import prompt_ids
     from shard.decode.reference import reference_steps
-    from shard.model.bundled import resolve_model
     from shard.model.config import ModelConfig
     from shard.model.loader import load_stage
     from shard.model.tokenizer import StreamDecoder, Tokenizer

@@ -1,7 +1,7 @@
 """``shard ledger DIR``: read a folder of run receipts, meter them with ``shard.trust.ledger``
 and print the ledger as a table, JSON or CSV. 0 when every file counted, 1 when any was
 refused or the folder cannot be read, 2 for bad arguments (no pin, an unreadable key). The
-arguments are declared in ``shard.cli.parser_tools``."""
+arguments are declared in ``shard.cli.args.ledger``."""
 
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ def _from_geography(geography: Geography, source: str) -> Problem:
 def with_weights(model: str, spec: SwarmSpec) -> SwarmSpec:
     """``spec`` with ``[swarm] weights`` defaulted from ``model``'s checkpoint (a bundled name
     or a directory), as every node of the swarm defaults it (``shard.nodes.defaults``)."""
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
     from shard.nodes.defaults import with_checkpoint_weights
 
     return with_checkpoint_weights(spec, resolve_model(model, progress=sys.stderr.isatty()))
@@ -152,7 +152,7 @@ def model_facts(model: str, spec: SwarmSpec) -> ModelFacts:
     """Each layer's, the embedding's and the head's bytes of ``model`` (a bundled name or a
     directory) as each node of ``spec`` holds them (``shard.nodes.sizes``), from its
     ``config.json`` (no weights are read; a ``"stored"`` format reads the headers)."""
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
     from shard.model.config import ModelConfig
     from shard.nodes.sizes import model_facts as facts
 

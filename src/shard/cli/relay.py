@@ -1,6 +1,6 @@
 """``shard relay``: run one ``DelayRelay`` (``shard.transport.relay``) until Ctrl-C, SIGTERM or
 SIGHUP (then 0); 1 on a bind error, 2 on bad limits. The arguments are declared in
-``shard.cli.parser_tools``."""
+``shard.cli.args.relay``."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def model_dir_of(model: str | None, spec_model: str) -> Path:
     if model is not None:
         return Path(model)
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
 
     return resolve_model(spec_model)
 
@@ -142,7 +142,14 @@ def swarm(args: argparse.Namespace) -> int:
         from shard.nodes.launcher import launch
 
         start = partial(launch, Path(args.spec), spec, model_dir=model_dir, layout=layout)
-        monitor_swarm(Path(args.spec), spec, start=start, address=address, network=network)
+        monitor_swarm(
+            Path(args.spec),
+            swarm=spec.name,
+            start=start,
+            address=address,
+            network=network,
+            connect_timeout_s=spec.limits.connect_timeout_s,
+        )
         return 0
     if args.swarm_command == "up":
         if args.api is not None:

@@ -36,7 +36,7 @@ def manifest_main(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from shard.model.bundled import BUNDLED, resolve_model
+    from shard.convert.bundled import BUNDLED, resolve_model
     from shard.weights.build import build_manifest
 
     model_dir = resolve_model(args.model_dir)
@@ -72,7 +72,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.previous is not None:
         check_newer(Manifest.from_file(Path(args.previous)), manifest)
     if args.model is not None:
-        from shard.model.bundled import resolve_model
+        from shard.convert.bundled import resolve_model
 
         problems = check_directory(manifest, resolve_model(args.model))
         if problems:
@@ -136,7 +136,7 @@ def fetch_main(args: argparse.Namespace) -> int:
 
 def seeder_main(args: argparse.Namespace) -> int:
     """``shard up --role seeder --spec SPEC --node NAME [--model DIR]``: serve until Ctrl-C."""
-    from shard.model.bundled import resolve_model
+    from shard.convert.bundled import resolve_model
     from shard.nodes.launcher import ready_line
     from shard.nodes.seeder import run_seeder
     from shard.spec.swarm import load_spec

@@ -123,7 +123,7 @@ class Coordinator:
         self._control = control
         self._limits = limits
         self._drafter = drafter
-        self._spec = speculation
+        self._speculation = speculation
         self._signer = signer
         self._routes: dict[SessionId, trio.MemorySendChannel[RouteEvent]] = {}
         # requests that sign a receipt, with their decode state: a splice is listed in each
@@ -141,7 +141,7 @@ class Coordinator:
     @property
     def speculation(self) -> SpeculationConfig:
         """The swarm's K/D policy (requests may override it)."""
-        return self._spec
+        return self._speculation
 
     @property
     def sent_log(self) -> ReplayLog:
@@ -293,7 +293,7 @@ class Coordinator:
             max_tokens=max_tokens,
             sampling=sampling,
             tokens=tokens,
-            spec=speculation or self._spec,
+            speculation=speculation or self._speculation,
             receipt=receipt,
             eos_ids=() if ignore_eos else self._eos_ids,
             checkpoint=checkpoint,
@@ -306,7 +306,7 @@ class Coordinator:
         max_tokens: int,
         sampling: Sampling,
         tokens: trio.MemorySendChannel[Committed] | None,
-        spec: SpeculationConfig,
+        speculation: SpeculationConfig,
         receipt: bool,
         eos_ids: tuple[int, ...],
         checkpoint: Checkpointer | None,
@@ -334,7 +334,7 @@ class Coordinator:
                         job.resumes = checkpoint.resumes
                         checkpoint.bind(job.job)
                 completion = await self._drive(
-                    sid, route, job, prompt_ids, state, sampling, tokens, spec, checkpoint
+                    sid, route, job, prompt_ids, state, sampling, tokens, speculation, checkpoint
                 )
                 if checkpoint is not None:
                     checkpoint.done()
@@ -378,7 +378,7 @@ class Coordinator:
         state: DecodeState,
         sampling: Sampling,
         tokens: trio.MemorySendChannel[Committed] | None,
-        spec: SpeculationConfig,
+        speculation: SpeculationConfig,
         checkpoint: Checkpointer | None,
     ) -> Completion:
         """Run the session's driver in this task (a nursery of one child would only wrap
@@ -397,7 +397,7 @@ class Coordinator:
             state=state,
             sampling=sampling,
             tokens=tokens,
-            spec=spec,
+            speculation=speculation,
             limits=self._limits,
             drafter=self._drafter,
             feature_dim=self._feature_dim,
@@ -439,7 +439,7 @@ class Coordinator:
             max_tokens=left,
             sampling=checkpoint.sampling,
             tokens=tokens,
-            spec=speculation or self._spec,
+            speculation=speculation or self._speculation,
             receipt=receipt,
             eos_ids=eos_ids,
             checkpoint=None if store is None else Checkpointer(store, checkpoint),

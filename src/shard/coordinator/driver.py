@@ -92,7 +92,7 @@ class RequestDriver:
         state: DecodeState,
         sampling: Sampling,
         tokens: trio.MemorySendChannel[Committed] | None,
-        spec: SpeculationConfig,
+        speculation: SpeculationConfig,
         limits: Limits,
         drafter: Drafter | None,
         feature_dim: int | None = None,
@@ -117,14 +117,14 @@ class RequestDriver:
         self._state = state
         self._tokens = tokens
         self._checkpoint = checkpoint
-        self._spec = spec
+        self._speculation = speculation
         self._limits = limits
         self._drafter = drafter
         self._laps = LapRecorder(ledger.node, ledger.wall_clock)
         self._feature_dim = feature_dim
         self._hold = hold
         self._proposer: Proposer | None = None
-        if drafter is not None and spec.enabled:
+        if drafter is not None and speculation.enabled:
             self._proposer = drafter.session(prompt_ids)
         self._opening = OpenSession(
             session=sid,
@@ -186,7 +186,9 @@ class RequestDriver:
             epoch=first.epoch,
         )
         proposer = self._proposer
-        control = ledger.control_for(self._spec if proposer else SpeculationConfig(k=0, depth=1))
+        control = ledger.control_for(
+            self._speculation if proposer else SpeculationConfig(k=0, depth=1)
+        )
         max_depth = 1
         while not state.done:
             max_depth = max(max_depth, await self._fill(stream, proposer, control))

@@ -85,9 +85,9 @@ class Ledger:
         """Record a ring event (join, fault, splice, epoch bump) for the status feed."""
         self._events.append(RingEvent(at=self.wall_clock(), kind=kind, detail=detail))
 
-    def control_for(self, spec: SpeculationConfig) -> SpeculationController:
+    def control_for(self, speculation: SpeculationConfig) -> SpeculationController:
         """A K/D controller for a new request, starting from the last one's measurements."""
-        self._control = self._control.carry(spec)
+        self._control = self._control.carry(speculation)
         return self._control
 
     def request_done(self) -> None:

@@ -7,8 +7,7 @@ and what they ask of their node, on channels (``duties.py``), the coordinator ge
 node obeys (``fence.py``), a
 supervised ring edge with heartbeats and deadlines (``edge.py``), the replay log of what was
 sent downstream (``replay.py``; spot checks and their strikes are ``shard.audit``'s, driven by
-the scheduler) and seeded fault injection for tests (``faults.py``: test support, which nothing
-in ``src`` imports).
+the scheduler). Seeded fault injection for its tests is test support: ``shard.testing.faults``.
 
 The scheduler's registry of members and slots and its RTT tracking are ``shard.membership``'s;
 forming a ring from joined nodes over a measured RTT mesh is ``shard.formation``'s, which the

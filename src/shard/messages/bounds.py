@@ -1,7 +1,7 @@
 """The one table of bounds on every number a generation request carries.
 
 A request enters a swarm three ways: the HTTP API (``shard.api.schema``), the CLI
-(``shard.cli.parser``) and a wire client's ``GenerateRequest`` at the coordinator's client
+(``shard.cli.args.base``) and a wire client's ``GenerateRequest`` at the coordinator's client
 port (``shard.coordinator.service``). Each checks its numbers against ``BOUNDS`` as they
 enter, so a value the wire cannot carry (msgpack ints are 64-bit: ``shard.wire.checks``) or
 the model cannot use never reaches the ring. Each entry point translates ``OutOfBounds`` into

@@ -1,4 +1,6 @@
 """The model runtime: families, stage modules, weights kept quantized, loading, tokenizer.
+Checkpoints come in as safetensors; turning a GGUF into one is ``shard.convert``'s, which the
+runtime never imports.
 
     config.py       ModelConfig / RopeScaling from a HF config.json (imports no torch)
     hf_config.py    a ModelConfig written back as a Llama/Qwen2/Mistral config.json (no torch)
@@ -24,7 +26,6 @@
     packed.py       one forward for many sessions' chunks, each attending to its own cache
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
-    quant_gguf.py   GGUF quant blocks mapped exactly onto quant.py's layouts
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
@@ -37,19 +38,6 @@
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
     chat_render.py  the chat template's bounded sandbox: every loop, call and value charged
     chat_bounds.py  what one render may spend (characters, steps, seconds) and its budget
-    gguf_import.py  GGUF -> safetensors checkpoint conversion
-    gguf_scan.py    the bounded read of a GGUF header (input from strangers)
-    gguf_file.py    a scanned GGUF: its metadata and its tensors mapped read-only
-    gguf_tensors.py the tensors an architecture needs, their types and shapes
-    gguf_arch.py    what differs between GGUF architectures: names, config keys, conventions
-    gguf_common.py  what every GGUF architecture's reader shares (error, metadata, GgufArch)
-    gguf_moe.py     the GGUF architectures with experts: Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5,
-                    MiniMax-M2
-    gguf_mla.py     llama.cpp's deepseek2 (DeepSeek-V3's MLA, split kv_b joined back)
-    gguf_next.py    llama.cpp's qwen3next (Qwen3-Next: A_log, in_proj_qkvz, conv1d put back)
-    gguf_plan.py    a conversion's output tensors, experts split or re-fused
-    gguf_vocab.py   a GGUF's tokenizer metadata -> tokenizer.json (for gguf_import)
-    bundled.py      find a model by name or path (the shipped SmolLM2 and Gemma 3 270M)
 
 This file imports nothing, so ``import shard.model.config`` stays torch-free.
 """

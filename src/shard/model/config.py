@@ -296,13 +296,6 @@ class ModelConfig:
         d = read_json(cfg, max_bytes=MAX_CONFIG_BYTES, error=ModelLoadError, what="config.json")
         return cls.from_hf(d, str(cfg))
 
-    def to_hf(self) -> dict[str, Any]:
-        """A ``config.json`` dict that transformers' ``*ForCausalLM`` classes accept
-        (``shard.model.hf_config.to_hf``: Llama, Qwen2 and Mistral only)."""
-        from shard.model.hf_config import to_hf
-
-        return to_hf(self)
-
 
 def _from_hf(cls: type[ModelConfig], f: Fields) -> ModelConfig:
     arch = _arch_of(f)

@@ -32,12 +32,13 @@ This module imports neither torch nor safetensors.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
+from shard.model.families_v4 import deepseek_v4_fields
+from shard.model.rope_config import yarn_mscale
 
 __all__ = ["DsaConfig", "MlaConfig", "MoeConfig", "family_fields", "layer_types_of"]
 
@@ -160,9 +161,7 @@ def family_fields(arch: str, f: Fields, n_layers: int) -> dict[str, Any]:
         return _deepseek_v3(f, n_layers)
     if arch == "glm_moe_dsa":
         return _glm_moe_dsa(f, n_layers)
-    if arch == "deepseek_v4":  # its own module (it imports rope_config, which imports this)
-        from shard.model.families_v4 import deepseek_v4_fields
-
+    if arch == "deepseek_v4":  # its own module
         return deepseek_v4_fields(f, n_layers)
     return {}
 
@@ -410,9 +409,3 @@ def _indexer_types(f: Fields, n_layers: int) -> tuple[str, ...]:
 
 
 _ABSENT = object()
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``): transformers'
-    ``yarn_get_mscale``."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

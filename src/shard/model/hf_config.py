@@ -7,10 +7,9 @@ would drop their declared differences. This module imports neither torch nor saf
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shard.model.config import ModelConfig
+from shard.model.config import ModelConfig
 
 __all__ = ["to_hf"]
 

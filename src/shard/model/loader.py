@@ -49,7 +49,7 @@ from shard.model.safetensors_header import SafetensorsError, quant_entries, read
 from shard.model.tensorfile import TensorFile, open_tensors
 from shard.model.weights import QUANTIZED_WEIGHTS, check_weights, resolve_weights
 
-QUANT_METADATA = "shard.quant"  # as shard.model.gguf_import writes it
+QUANT_METADATA = "shard.quant"  # as shard.convert.gguf_import writes it
 
 __all__ = ["ModelLoadError", "checkpoint_index", "hf_name", "load_stage", "load_truncated"]
 
@@ -362,7 +362,7 @@ def _place_experts(
     weights: str | None,
 ) -> None:
     """A fused ``[E, in, out]`` expert weight kept stored one expert at a time (gpt-oss from a
-    GGUF: ``remote.E``, each an ``[out, in]`` linear weight; ``shard.model.gguf_import``),
+    GGUF: ``remote.E``, each an ``[out, in]`` linear weight; ``shard.convert.gguf_import``),
     installed as ``weights`` says: the stored experts as ``QuantLinear`` s, int8/int4
     requantized from them, or dense (each expert dequantized and transposed back)."""
     owner_name, _, leaf = local.rpartition(".")

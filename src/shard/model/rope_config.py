@@ -8,10 +8,11 @@ neither torch nor safetensors.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from shard.model.config_fields import MAX, Fields, ModelLoadError
-from shard.model.families import yarn_mscale
 
 __all__ = ["RopeScaling", "rope_scaling"]
 
@@ -77,3 +78,9 @@ def _yarn_attention_factor(
     if not (mscale and mscale_all_dim):
         return None
     return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``): transformers'
+    ``yarn_get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -74,7 +74,7 @@ MAX_DIMS: Final = 8
 #: The largest index file read (real ones are well under 1 MB even for 1,000-file models).
 MAX_INDEX_BYTES: Final = 64 << 20
 INDEX_FILE: Final = "model.safetensors.index.json"
-QUANT_METADATA: Final = "shard.quant"  # as shard.model.gguf_import writes it
+QUANT_METADATA: Final = "shard.quant"  # as shard.convert.gguf_import writes it
 
 
 class SafetensorsError(ValueError):

@@ -22,7 +22,6 @@ from pathlib import Path
 import attrs
 import trio
 
-from shard.api.server import ApiServer, make_server
 from shard.audit.hub import AuditHub
 from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
@@ -52,11 +51,11 @@ from shard.messages import (
 from shard.messages.audit import AuditCopy
 from shard.model.config import ModelConfig
 from shard.model.tokenizer import Tokenizer
+from shard.nodes.api import make_server, serve_api
 from shard.nodes.auditing import hold_gate, weights_of
 from shard.nodes.compose import signing_identity, signing_token
 from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.drafter import make_drafter
-from shard.nodes.launcher import api_listen_error
 from shard.nodes.return_link import ReturnEndpoint
 from shard.nodes.sizes import model_facts
 from shard.nodes.stage import DTYPES, StageHandle, run_stage, run_standby
@@ -316,7 +315,7 @@ async def run_coordinator(
             return sum(r.kind != "failed" for r in scheduler.statistics().recoveries)
 
         api = make_server(spec, coordinator, text, failovers=repairs, checkpoints=store)
-        api_address = None if api is None else await _serve_api(nursery, api, str(spec.api.listen))
+        api_address = None if api is None else await serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
             CoordinatorHandle(name, bound, coordinator, tokenizer, text, scheduler, api_address)
         )
@@ -331,30 +330,6 @@ def _store(spec: SwarmSpec, adopted: Sequence[RequestCheckpoint]) -> CheckpointS
     store = CheckpointStore(None if directory is None else Path(directory))
     store.adopt(adopted)
     return store
-
-
-async def _serve_api(nursery: trio.Nursery, api: ApiServer, listen: str) -> str:
-    """Start the HTTP API at ``listen``; its bound ``http://HOST:PORT``.
-
-    Errors: ``ListenError`` in one line when ``listen`` (``--api``, ``[api] listen``) cannot
-    be bound — the server's own error is a nest of exception groups around an ``OSError``."""
-    try:
-        bound: str = await nursery.start(api.run)
-    except (OSError, BaseExceptionGroup) as exc:
-        cause = _bind_error(exc)
-        if cause is None:
-            raise
-        raise api_listen_error(listen, cause) from None
-    return bound
-
-
-def _bind_error(exc: BaseException) -> OSError | None:
-    """The ``OSError`` inside ``exc`` (a group's leaves included), if any."""
-    if isinstance(exc, OSError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        return next((e for e in map(_bind_error, exc.exceptions) if e is not None), None)
-    return None
 
 
 def _formation(

@@ -82,7 +82,7 @@ def accept_manifest(manifest: Manifest, cache: Path) -> Path:
 
 
 def default_cache() -> Path:
-    from shard.model.bundled import cache_dir
+    from shard.convert.bundled import cache_dir
 
     return cache_dir() / "blocks"
 

@@ -89,7 +89,7 @@ async def run_swarm(
     every standby has registered.
 
     ``wrap(node, network)`` replaces the network a node sees (fault injection:
-    ``shard.failover.faults``). ``scopes``, when given, is filled with each node's cancel scope:
+    ``shard.testing.faults``). ``scopes``, when given, is filled with each node's cancel scope:
     cancelling one kills that node (its connections close, its state is gone). A node the
     scheduler refuses (replaced while frozen, then woken) ends alone, and its name goes to
     ``refused`` when given. ``wrap_block(node, block)`` replaces the block a ring stage

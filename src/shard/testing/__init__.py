@@ -10,6 +10,10 @@ it; nothing else in ``src`` imports it.
     nat.py          a firewall and a tampering relay for NAT tests (``Firewall``,
                     ``TamperingHub``)
     requests.py     ``generate_watching``: a request whose committed tokens a test watches
+    faults.py       deterministic fault injection: a seeded ``FaultPlan`` applied by a
+                    ``FaultyNetwork`` (``FaultInjector``), in virtual time
+    snapshots.py    fixed status snapshots for monitor tests, snapshot tests and demos
+                    (``sample_snapshot``, ``T0``)
     swarm_world.py  a seeded synthetic swarm: regions and round trips, cards, Poisson joins,
                     Weibull sessions (``World.generate``)
     swarm_sim.py    ``simulate``: a ``World`` formed, placed and repaired by the real scheduler

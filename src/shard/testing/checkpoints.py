@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shard.model.config import ModelConfig, RopeScaling
+from shard.model.hf_config import to_hf
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -112,7 +113,7 @@ def make_tiny_checkpoint(
         special_ids=[_token_id(tok, t) for t in SPECIAL_TOKENS],
     )
     tensors = _random_weights(config, torch.Generator().manual_seed(seed))
-    _write_json(path / "config.json", config.to_hf())
+    _write_json(path / "config.json", to_hf(config))
     _write_weights(path, tensors, config.n_layers, sharded=sharded)
     tok.save(str(path / "tokenizer.json"))
     _write_json(path / "tokenizer_config.json", _tokenizer_config(max_position_embeddings))

@@ -43,7 +43,6 @@ from shard.failover.control import ControlClient, ControlLink, JoinRefused, Node
 from shard.failover.duties import duties
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import RingControl
-from shard.failover.faults import FaultInjector, FaultPlan
 from shard.failover.scheduler import Scheduler
 from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
 from shard.formation.formation import Formation, FormationError
@@ -64,6 +63,7 @@ from shard.messages import (
 from shard.placement import ModelFacts, Plan, plan
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
+from shard.testing.faults import FaultInjector, FaultPlan
 from shard.testing.swarm_world import SimNode, World
 from shard.transport import Connection, MemoryNetwork, Network, TransportError
 from shard.transport.delay import DelayNetwork

@@ -43,7 +43,7 @@ def block_tensors(manifest: Manifest, first: int, last: int) -> tuple[str, ...]:
         names.add("model.norm.weight")
         tied = manifest.tie_word_embeddings
         names.add("model.embed_tokens.weight" if tied else "lm_head.weight")
-    # A tensor kept quantized (shard.model.gguf_import) has its scales beside it.
+    # A tensor kept quantized (shard.convert.gguf_import) has its scales beside it.
     names |= {f"{n}.{part}" for n in names for part in ("scale", "offset")} & set(manifest.tensors)
     missing = sorted(names - set(manifest.tensors))
     if missing:

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from shard.model.config import ModelConfig
+from shard.model.hf_config import to_hf
 from shard.model.kvcache import KVCache
 from shard.model.llama import Attention, Block, RMSNorm, StageModel, rope_tables
 
@@ -87,7 +88,7 @@ class HeadConfig:
             "layers": self.layers,
             "window": self.window,
             "shortlist": self.shortlist,
-            "target": self.target.to_hf(),
+            "target": to_hf(self.target),
         }
 
     @classmethod

@@ -7,7 +7,8 @@
     guest.py    TrioGuest: the Trio side runs as a guest of Textual's asyncio loop; why
                 that and not a thread is told there
     main.py     the entry points: ``shard monitor`` and ``shard swarm up --monitor``
-    testing.py  fixed snapshots for tests, snapshot tests and demos
+
+Fixed snapshots for its tests, snapshot tests and demos are ``shard.testing.snapshots``.
 
 Light like ``shard.wire``: importing any of it never imports torch. Nothing here imports
 Textual but ``app.py`` and ``main.py``.

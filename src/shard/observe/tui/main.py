@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, Any, Protocol
 
 import trio
 
@@ -29,9 +29,6 @@ from shard.observe.tui.feed import FeedWatcher
 from shard.observe.tui.guest import TrioGuest
 from shard.observe.tui.state import FeedNote
 from shard.transport import Network
-
-if TYPE_CHECKING:
-    from shard.spec.swarm import SwarmSpec
 
 
 class AppLogHandler(logging.Handler):
@@ -105,22 +102,23 @@ class Start(Protocol):
 
 def monitor_swarm(
     spec_path: Path,
-    spec: SwarmSpec,
     *,
+    swarm: str,
     start: Start,
     address: str,
     network: Network,
+    connect_timeout_s: float = 10.0,
 ) -> None:
-    """``shard swarm up --monitor``: ``start`` every node of ``spec`` (as ``swarm up`` does)
-    and watch its coordinator over ``network``; quitting the monitor stops the swarm."""
-    log_dir = Path(tempfile.mkdtemp(prefix=f"shard-{spec.name}-"))
+    """``shard swarm up --monitor``: ``start`` every node of the swarm named ``swarm``, whose
+    spec is at ``spec_path`` (as ``swarm up`` does), and watch its coordinator over
+    ``network``; quitting the monitor stops the swarm."""
+    log_dir = Path(tempfile.mkdtemp(prefix=f"shard-{swarm}-"))
     log_path = log_dir / "nodes.log"
-    timeout_s = spec.limits.connect_timeout_s
     app = MonitorApp(address=address)
-    watcher = FeedWatcher(network, swarm=spec.name, post=app.show, dial_timeout_s=timeout_s)
+    watcher = FeedWatcher(network, swarm=swarm, post=app.show, dial_timeout_s=connect_timeout_s)
 
     async def main() -> None:
-        app.show(FeedNote(f"starting swarm {spec.name} from {spec_path}; node logs: {log_path}"))
+        app.show(FeedNote(f"starting swarm {swarm} from {spec_path}; node logs: {log_path}"))
         with log_path.open("wb") as log_file:
             async with trio.open_nursery() as nursery:
                 handle: Launched = await nursery.start(partial(start, stderr=log_file))
@@ -134,4 +132,4 @@ def monitor_swarm(
     try:
         asyncio.run(_run(app, guest))
     finally:
-        print(f"swarm {spec.name} stopped; node logs: {log_path}", file=sys.stderr)
+        print(f"swarm {swarm} stopped; node logs: {log_path}", file=sys.stderr)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-from shard.model.bundled import BUNDLED, cache_dir, resolve_model
+from shard.convert.bundled import BUNDLED, cache_dir, resolve_model
 from shard.training.distill.build import (
     DISTILL_VERSION,
     MARKER,

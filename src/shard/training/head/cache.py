@@ -17,8 +17,8 @@ from pathlib import Path
 
 import attrs
 
+from shard.convert.bundled import BUNDLED, cache_dir, resolve_model
 from shard.decode.head.model import CONFIG_FILE, HEAD_VERSION, HeadError
-from shard.model.bundled import BUNDLED, cache_dir, resolve_model
 from shard.training.distill.cache import discard
 from shard.training.head.build import MARKER, HeadExists, HeadRecipe, train_head
 from shard.training.head.features import FEATURES_VERSION

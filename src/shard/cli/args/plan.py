@@ -1,11 +1,11 @@
-"""``shard plan``'s arguments (the placement planner and the fit of a model before downloading
-it): split from ``shard.cli.parser`` by size only."""
+"""``shard plan``'s arguments: the placement planner, and the fit of a model before
+downloading it (run by ``shard.cli.plan`` and ``shard.cli.fit``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from shard.cli.parser_tools import Parser, bounded
+from shard.cli.args.base import Parser, bounded
 
 
 def add_plan(sub: argparse._SubParsersAction[Parser]) -> None:

@@ -19,11 +19,11 @@ llama.cpp's ``convert_hf_to_gguf.py`` applies on the way in, which ``gguf_import
 | ``qwen3next`` | no (NeoX rope, on the rotated part) | ``1 + w`` (all but ``ssm_norm``) |
 
 The architectures with experts (Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5, MiniMax-M2) are read by
-``shard.model.gguf_moe``; ``deepseek2`` (DeepSeek-V3, Kimi K2: MLA, whose split ``attn_k_b`` is
-stored transposed and is joined back into ``kv_b_proj``) by ``shard.model.gguf_mla``; what every
-reader shares is ``shard.model.gguf_common``; ``qwen3next`` (Qwen3-Next: Gated DeltaNet, whose
+``shard.convert.gguf_moe``; ``deepseek2`` (DeepSeek-V3, Kimi K2: MLA, whose split ``attn_k_b`` is
+stored transposed and is joined back into ``kv_b_proj``) by ``shard.convert.gguf_mla``; what every
+reader shares is ``shard.convert.gguf_common``; ``qwen3next`` (Qwen3-Next: Gated DeltaNet, whose
 ``A_log`` is stored as ``-exp(A_log)`` and ``in_proj_qkvz`` split in two) by
-``shard.model.gguf_next``, tested against the checkpoint it was written from
+``shard.convert.gguf_next``, tested against the checkpoint it was written from
 (``tests/test_gguf_next.py``: logits bit-identical; ``A_log`` and the (1+w) norms within their
 float32 rounding, the model's ``-exp(A_log)`` and ``1 + w`` bit for bit). MiniMax-M2 and
 ``deepseek2`` are tested, as the other MoE architectures, on tiny GGUFs written as llama.cpp's
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import numpy as np
 
-from shard.model.gguf_common import (
+from shard.convert.gguf_common import (
     GLOBAL_NAMES,
     LLAMA_BLOCKS,
     MAX_BLOCKS,
@@ -66,12 +66,12 @@ from shard.model.gguf_common import (
     no_scaling,
     positive,
 )
-from shard.model.gguf_mla import DEEPSEEK2
-from shard.model.gguf_moe import FUSED_EXPERTS, GLM4MOE, GPT_OSS, MINIMAX_M2, MIXTRAL, QWEN3MOE
-from shard.model.gguf_next import QWEN3NEXT
+from shard.convert.gguf_mla import DEEPSEEK2
+from shard.convert.gguf_moe import FUSED_EXPERTS, GLM4MOE, GPT_OSS, MINIMAX_M2, MIXTRAL, QWEN3MOE
+from shard.convert.gguf_next import QWEN3NEXT
 
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
+    from shard.convert.gguf_file import GgufFile
 
 __all__ = [
     "ARCHES",

@@ -1,16 +1,16 @@
-"""``shard draft {distill,train,path}``'s arguments: the draft family of the command table.
+"""``shard draft {distill,train,path}``'s arguments: the draft family of the command table
+(run by ``shard.cli.draft``).
 
 Its defaults live in the training modules (which import torch), so the arguments are added
 when ``shard draft`` parses (``Parser.populate``), not when ``shard --help`` runs. Usage errors
-are one ``shard draft: error:`` line and exit 2, as they always were.
-"""
+are one ``shard draft: error:`` line and exit 2, as they always were."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from shard.cli.parser_tools import Parser
+from shard.cli.args.base import Parser
 
 
 def add_draft(sub: argparse._SubParsersAction[Parser]) -> None:

@@ -1,4 +1,4 @@
-"""A GGUF file opened for conversion: its checked header (``shard.model.gguf_scan``) and its
+"""A GGUF file opened for conversion: its checked header (``shard.convert.gguf_scan``) and its
 tensors as views of a read-only map.
 
 ``GgufFile`` answers what the converter asked of ``gguf.GGUFReader`` — ``get_field(key)``
@@ -19,8 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType as T
 
-from shard.model.gguf_common import ConvertError
-from shard.model.gguf_scan import GgufField, GgufLayout, TensorInfo, scan
+from shard.convert.gguf_scan import ConvertError, GgufField, GgufLayout, TensorInfo, scan
 
 __all__ = ["GgufFile"]
 

@@ -16,9 +16,9 @@ from typing import Any, Final
 
 from gguf import GGMLQuantizationType as T
 
-from shard.model.gguf_common import ConvertError
-from shard.model.gguf_mla import mla_needs, mla_shapes
-from shard.model.gguf_next import gate_row, next_needs, next_shapes
+from shard.convert.gguf_common import ConvertError
+from shard.convert.gguf_mla import mla_needs, mla_shapes
+from shard.convert.gguf_next import gate_row, next_needs, next_shapes
 
 __all__ = ["READABLE_TYPES", "check_tensors", "check_types"]
 
@@ -28,7 +28,7 @@ READABLE_TYPES: Final = frozenset(
     | {T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS}
 )
 """The ggml types a tensor may have: those ``gguf.quants.dequantize`` decodes (a superset of
-what ``shard.model.quant_gguf`` keeps stored). The integer, F64, Q8_1, Q8_K and Q1_0 types
+what ``shard.convert.quant_gguf`` keeps stored). The integer, F64, Q8_1, Q8_K and Q1_0 types
 are no model weight's, and the gguf package cannot decode them."""
 
 _ATTENTION: Final = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
@@ -37,7 +37,7 @@ _DENSE: Final = ("ffn_gate", "ffn_up", "ffn_down")
 _ROUTED: Final = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _SHARED: Final = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _DENSE_FAMILIES: Final = frozenset({"llama", "qwen3", "gemma3"})
-# deepseek2's blocks and attention shapes: ``shard.model.gguf_mla``; qwen3next's: ``gguf_next``
+# deepseek2's blocks and attention shapes: ``shard.convert.gguf_mla``; qwen3next's: ``gguf_next``
 MAX_EXPERT_MATRICES: Final = 1 << 18
 """Experts times blocks: each is planned as its own output tensor, so this bounds the plan
 (the largest real models have under 25,000)."""

@@ -51,7 +51,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from shard.model.gguf_common import (
+from shard.convert.gguf_common import (
     INTEGER_TYPES,
     LLAMA_BLOCKS,
     MAX_BLOCKS,
@@ -69,8 +69,8 @@ from shard.model.gguf_common import (
 )
 
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
-    from shard.model.gguf_plan import Planned
+    from shard.convert.gguf_file import GgufFile
+    from shard.convert.gguf_plan import Planned
 
 __all__ = [
     "QKVZ_PARTS",
@@ -244,7 +244,7 @@ def next_shapes(config: dict[str, Any]) -> dict[str, tuple[int | None, ...]]:
 def join_qkvz(layer: int, parts: dict[str, gguf.ReaderTensor], config: dict[str, Any]) -> Planned:
     """``in_proj_qkvz`` of block ``layer`` from ``attn_qkv`` and ``attn_gate`` (``parts``, by
     short name, shapes already checked): planned as one float32 tensor."""
-    from shard.model.gguf_plan import Planned
+    from shard.convert.gguf_plan import Planned
 
     missing = [n for n in QKVZ_PARTS if n not in parts]
     if missing:

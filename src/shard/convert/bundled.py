@@ -27,7 +27,7 @@ from pathlib import Path
 
 import attrs
 
-from shard.model.gguf_import import (
+from shard.convert.gguf_import import (
     CONVERTER_VERSION,
     OutputExists,
     convert_gguf,

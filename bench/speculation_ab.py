@@ -8,7 +8,7 @@ them by commit, and reports per (set, mode, draft): the median decode tok/s and 
 over the runs, and the median drafted tokens, accepted tokens and decode seconds per prompt —
 what a controller change moves even where tok/s is noise.
 
-    .venv/bin/python bench/spec_ab.py --label new=RUN.json,... --label old=RUN.json,... \
+    .venv/bin/python bench/speculation_ab.py --label new=RUN.json,... --label old=RUN.json,... \
         [--json bench/results/spec_ab.json]
 
 Writes one JSON (per label: commit, each run's date, load and ``summary`` rows, the medians;

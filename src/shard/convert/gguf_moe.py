@@ -1,6 +1,6 @@
-"""GGUF architectures with experts (``shard.model.gguf_arch`` assembles them): Qwen3-MoE,
+"""GGUF architectures with experts (``shard.convert.gguf_arch`` assembles them): Qwen3-MoE,
 Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2 — their tensor names and ``config.json`` readers
-(DeepSeek-V3's ``deepseek2``, with MLA: ``shard.model.gguf_mla``).
+(DeepSeek-V3's ``deepseek2``, with MLA: ``shard.convert.gguf_mla``).
 
 Qwen3-MoE's experts are stored fused, one 3-D tensor per projection and layer
 (``blk.N.ffn_{gate,up,down}_exps``, ``[n_expert, out, in]`` in numpy order); ``experts`` maps
@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 
-from shard.model.gguf_common import (
+from shard.convert.gguf_common import (
     LLAMA_BLOCKS,
     MAX_BLOCKS,
     MAX_CONTEXT,
@@ -75,7 +75,7 @@ from shard.model.gguf_common import (
 )
 
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
+    from shard.convert.gguf_file import GgufFile
 
 _QWEN3MOE_BLOCKS = {**LLAMA_BLOCKS, **QK_NORM_BLOCKS, "ffn_gate_inp": "mlp.gate"}
 

@@ -1,4 +1,4 @@
-"""What every GGUF architecture's reader shares (``shard.model.gguf_arch``): the error, metadata
+"""What every GGUF architecture's reader shares (``shard.convert.gguf_arch``): the error, metadata
 access, the ``GgufArch`` record, the names every decoder shares, the common ``config.json`` keys
 and the rope-scaling keys. This module imports neither torch nor safetensors.
 
@@ -19,13 +19,11 @@ import attrs
 import gguf
 import numpy as np
 
+from shard.convert.gguf_scan import ConvertError as ConvertError  # re-exported: the error
+
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
-    from shard.model.gguf_scan import GgufField
-
-
-class ConvertError(Exception):
-    """A GGUF file cannot be converted; the message says why and what to do."""
+    from shard.convert.gguf_file import GgufFile
+    from shard.convert.gguf_scan import GgufField
 
 
 def meta(reader: GgufFile, key: str, default: Any = ...) -> Any:

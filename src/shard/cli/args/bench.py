@@ -1,6 +1,6 @@
-"""``shard bench``'s arguments (also ``bench/spec_ring.py``'s: ``bench_parser``), one
-``add_argument`` per option in the order ``--help`` lists them. What they mean and how they are
-checked is ``shard.bench.options``."""
+"""``shard bench``'s arguments (run by ``shard.cli.bench``; also ``bench/speculation_ring.py``'s:
+``bench_parser``), one ``add_argument`` per option in the order ``--help`` lists them. What they
+mean and how they are checked is ``shard.bench.options``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from shard.bench.options import DEFAULT_DRAFTS, DESCRIPTION, MODES
-from shard.cli.parser_tools import Parser
+from shard.cli.args.base import Parser
 
 
 def add_bench(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -24,7 +24,7 @@ def add_bench(sub: argparse._SubParsersAction[Parser]) -> None:
 
 
 def bench_parser(prog: str) -> Parser:
-    """The same arguments as a parser of their own, for ``bench/spec_ring.py``."""
+    """The same arguments as a parser of their own, for ``bench/speculation_ring.py``."""
     p = Parser(
         prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )

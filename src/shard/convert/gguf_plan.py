@@ -1,4 +1,4 @@
-"""What one conversion writes, tensor by tensor (``shard.model.gguf_import``): a ``Planned``
+"""What one conversion writes, tensor by tensor (``shard.convert.gguf_import``): a ``Planned``
 output tensor names its source GGUF tensor and how it is undone on the way out, and the expert
 tensors llama.cpp stores fused are planned here — split per expert (Mixtral, Qwen3-MoE, GLM)
 or put back into gpt-oss's fused layout, per expert where the stored format is kept. This
@@ -13,8 +13,9 @@ import attrs
 import gguf
 import numpy.typing as npt
 
-from shard.model.gguf_arch import FUSED_EXPERTS, ConvertError
-from shard.model.quant_gguf import stored_layout
+from shard.convert.gguf_common import ConvertError
+from shard.convert.gguf_moe import FUSED_EXPERTS
+from shard.convert.quant_gguf import stored_layout
 
 __all__ = ["Planned", "fuse_experts", "split_experts"]
 
@@ -27,7 +28,7 @@ class Planned:
     gpt-oss: ``up`` is interleaved with ``source`` (the gate) along the expert's output axis,
     gate first; ``transpose`` swaps the last two axes (``[E, out, in]`` -> ``[E, in, out]``).
     ``latent``: MLA's ``kv_b_proj`` joined from ``deepseek2``'s split ``attn_k_b`` (``source``)
-    and ``attn_v_b`` (``up``; ``shard.model.gguf_mla``). qwen3next (``shard.model.gguf_next``):
+    and ``attn_v_b`` (``up``; ``shard.convert.gguf_mla``). qwen3next (``shard.convert.gguf_next``):
     ``a_log``: ``A_log`` read back from ``ssm_a``; ``qkvz``: ``in_proj_qkvz`` regrouped from
     ``attn_qkv`` (``source``) and ``attn_gate`` (``up``), ``(key heads, key head size, value
     rows per key head)``."""

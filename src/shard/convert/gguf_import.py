@@ -5,14 +5,14 @@ model directory.
 The output is what the runtime loads: ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` (with the model's chat template),
 ``generation_config.json`` and a completion marker. By default the weights stay as stored
-(``stored=True``): a tensor in a format ``shard.model.quant_gguf`` maps exactly (Q4_0, Q4_1,
+(``stored=True``): a tensor in a format ``shard.convert.quant_gguf`` maps exactly (Q4_0, Q4_1,
 Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, MXFP4) is written as its codes under its own name plus
 ``<name>.scale`` and ``<name>.offset``, described in the header's ``shard.quant`` metadata
 (docs/model.md, "Weights that stay quantized"); everything else, and every tensor with
 ``stored=False`` (``shard convert --float32``, what ``transformers`` can load), is
 dequantized to float32 with the ``gguf`` package. Nothing here imports torch.
 
-llama.cpp's conventions are undone on the way (per architecture: ``shard.model.gguf_arch``):
+llama.cpp's conventions are undone on the way (per architecture: ``shard.convert.gguf_arch``):
 Llama's Q and K projection rows are permuted for its rope layout (``convert_hf_to_gguf.py``'s
 ``LlamaModel.permute``), Gemma 3's norm weights are stored as ``1 + w`` (``w`` is written:
 the stored float32 minus one, as transformers' GGUF loader computes it), the fused 3-D expert
@@ -23,10 +23,10 @@ kept stored, into one 2-D linear weight per expert and projection
 (``mlp.experts.gate_up_proj.E``: ``[2F, D]``, rows interleaved; ``mlp.experts.down_proj.E``:
 ``[D, F]``), which the loader installs as ``FusedExperts``' quantized linears — GLM's
 multi-token-prediction layers are left out, ``deepseek2``'s split ``attn_k_b`` / ``attn_v_b``
-are joined back into ``kv_b_proj`` (``shard.model.gguf_mla``), ``qwen3next``'s ``A_log``,
-``in_proj_qkvz`` and ``conv1d`` are put back (``shard.model.gguf_next``), and the tokenizer is
+are joined back into ``kv_b_proj`` (``shard.convert.gguf_mla``), ``qwen3next``'s ``A_log``,
+``in_proj_qkvz`` and ``conv1d`` are put back (``shard.convert.gguf_next``), and the tokenizer is
 stored as metadata arrays rather than a ``tokenizer.json`` (read here, rebuilt by
-``shard.model.gguf_vocab``).
+``shard.convert.gguf_vocab``).
 
 The output directory is built next to its destination and renamed into place, with the
 marker written last, so a reader never sees a half-written directory that looks complete.
@@ -50,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from shard.model.gguf_arch import (
+from shard.convert.gguf_arch import (
     ARCHES,
     FUSED_EXPERTS,
     GLOBAL_NAMES,
@@ -59,14 +59,14 @@ from shard.model.gguf_arch import (
     GgufArch,
     arch_of,
 )
-from shard.model.gguf_common import MAX_BLOCKS, count
-from shard.model.gguf_file import GgufFile
-from shard.model.gguf_mla import SPLIT_KV, join_arrays, join_kv_b
-from shard.model.gguf_next import QKVZ_PARTS, a_log, hf_shape, join_qkvz, qkvz_arrays
-from shard.model.gguf_plan import Planned, fuse_experts, split_experts
-from shard.model.gguf_tensors import check_tensors, check_types
-from shard.model.gguf_vocab import read_vocab, tokenizer_files
-from shard.model.quant_gguf import Decoded, decode, stored_layout
+from shard.convert.gguf_common import MAX_BLOCKS, count
+from shard.convert.gguf_file import GgufFile
+from shard.convert.gguf_mla import SPLIT_KV, join_arrays, join_kv_b
+from shard.convert.gguf_next import QKVZ_PARTS, a_log, hf_shape, join_qkvz, qkvz_arrays
+from shard.convert.gguf_plan import Planned, fuse_experts, split_experts
+from shard.convert.gguf_tensors import check_tensors, check_types
+from shard.convert.gguf_vocab import read_vocab, tokenizer_files
+from shard.convert.quant_gguf import Decoded, decode, stored_layout
 
 CONVERTER_VERSION = 2
 """Bumped whenever the output of a conversion changes, so caches keyed on it are rebuilt."""
@@ -106,7 +106,7 @@ def convert_gguf(
     ``stored``: keep the quantized tensors as stored (module docstring), else float32.
 
     Everything that can be checked cheaply (the header's layout, bounded before anything is
-    allocated: ``shard.model.gguf_scan``; architecture, metadata, tensor names and shapes,
+    allocated: ``shard.convert.gguf_scan``; architecture, metadata, tensor names and shapes,
     tokenizer) is checked before the slow tensor pass, so bad input fails in well under a
     second.
 

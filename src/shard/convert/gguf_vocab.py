@@ -2,7 +2,7 @@
 
 llama.cpp stores the tokenizer as metadata arrays (``tokenizer.ggml.tokens``, ``merges``,
 ``token_type``, the name of its pre-tokenizer) rather than a ``tokenizer.json``. This module
-turns those values (read by ``shard.model.gguf_import`` into a ``GgufVocab``) back into the
+turns those values (read by ``shard.convert.gguf_import`` into a ``GgufVocab``) back into the
 three files the runtime and ``transformers`` load. Two vocabularies are rebuilt:
 
 - byte-level BPE (``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen), only with
@@ -39,10 +39,10 @@ from tokenizers import (
     processors,
 )
 
-from shard.model.gguf_common import FLOAT_TYPES, INTEGER_TYPES, ConvertError
+from shard.convert.gguf_common import FLOAT_TYPES, INTEGER_TYPES, ConvertError
 
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
+    from shard.convert.gguf_file import GgufFile
 
 __all__ = ["GgufVocab", "VocabError", "read_vocab", "tokenizer_files"]
 

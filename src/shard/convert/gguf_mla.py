@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import numpy as np
 
-from shard.model.gguf_common import (
+from shard.convert.gguf_common import (
     LLAMA_BLOCKS,
     MAX_EXPERTS,
     MAX_WIDTH,
@@ -58,8 +58,8 @@ from shard.model.gguf_common import (
 )
 
 if TYPE_CHECKING:
-    from shard.model.gguf_file import GgufFile
-    from shard.model.gguf_plan import Planned
+    from shard.convert.gguf_file import GgufFile
+    from shard.convert.gguf_plan import Planned
 
 __all__ = ["DEEPSEEK2", "SPLIT_KV", "join_kv_b", "mla_needs", "mla_shapes"]
 
@@ -248,7 +248,7 @@ def mla_shapes(config: dict[str, Any]) -> dict[str, tuple[int | None, ...]]:
 def join_kv_b(layer: int, parts: dict[str, gguf.ReaderTensor]) -> Planned:
     """``kv_b_proj`` of block ``layer`` from its split halves (``parts``: ``attn_k_b`` and
     ``attn_v_b`` by short name, shapes already checked): planned as one float32 tensor."""
-    from shard.model.gguf_plan import Planned
+    from shard.convert.gguf_plan import Planned
 
     missing = [n for n in SPLIT_KV if n not in parts]
     if missing:

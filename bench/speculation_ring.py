@@ -3,8 +3,8 @@ speculative + pipelined, with the n-gram draft, the best model draft and the ora
 at several emulated latencies per edge. The same driver as ``shard bench``
 (``shard.bench``); this script only supplies the repository's defaults.
 
-    .venv/bin/python bench/spec_ring.py --help
-    .venv/bin/python bench/spec_ring.py          # the full default run, ~20 min on 2 cores
+    .venv/bin/python bench/speculation_ring.py --help
+    .venv/bin/python bench/speculation_ring.py          # the full default run, ~20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from shard.cli.bench import bench_main
 if __name__ == "__main__":
     sys.exit(
         bench_main(
-            sys.argv[1:], root=Path(__file__).resolve().parent.parent, prog="bench/spec_ring.py"
+            sys.argv[1:],
+            root=Path(__file__).resolve().parent.parent,
+            prog="bench/speculation_ring.py",
         )
     )

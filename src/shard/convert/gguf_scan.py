@@ -20,9 +20,9 @@ and length against the bytes left and a maximum *before* looping or allocating:
   file.
 
 It returns the layout (``GgufLayout``): every metadata value, typed as stored
-(``GgufField``), and every tensor's place; ``shard.model.gguf_file`` maps the tensors. The
+(``GgufField``), and every tensor's place; ``shard.convert.gguf_file`` maps the tensors. The
 metadata *values* the converter uses are checked where it reads them
-(``shard.model.gguf_common``). Errors: ``ConvertError`` naming the field and what is wrong
+(``shard.convert.gguf_common``). Errors: ``ConvertError`` naming the field and what is wrong
 (the caller adds the file). Nothing here imports torch or numpy.
 """
 
@@ -36,18 +36,24 @@ from typing import Any, Final
 import attrs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from shard.model.gguf_common import ConvertError
-
 __all__ = [
     "MAX_ARRAY",
     "MAX_ELEMENTS",
     "MAX_KEYS",
     "MAX_TENSORS",
+    "ConvertError",
     "GgufField",
     "GgufLayout",
     "TensorInfo",
     "scan",
 ]
+
+
+class ConvertError(Exception):
+    """A GGUF file cannot be converted; the message says why and what to do. Defined here, in
+    the first reader of a file, which imports no other module of the converter: every other
+    one raises it too (``gguf_common`` and ``gguf_arch`` re-export it)."""
+
 
 MAGIC: Final = b"GGUF"
 MAX_TENSORS: Final = 1 << 16
