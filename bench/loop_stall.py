@@ -42,6 +42,7 @@ from pathlib import Path
 import trio
 
 from shard.convert.bundled import resolve_model
+from shard.coordinator.config import CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete, prompt_ids
 from shard.coordinator.text import TextAdapter
@@ -86,11 +87,12 @@ def bare_coordinator(max_prompt_bytes: int) -> Coordinator:
     to_send, _ = trio.open_memory_channel[Message](1)
     _, from_recv = trio.open_memory_channel[Message](1)
     return Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=Limits(max_len=2048, max_prompt_bytes=max_prompt_bytes),
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=[0],
+            limits=Limits(max_len=2048, max_prompt_bytes=max_prompt_bytes),
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
     )
 
 

@@ -18,6 +18,7 @@ import trio
 
 from shard.api.app import ApiApp, ApiConfig
 from shard.api.server import ApiServer
+from shard.coordinator.config import CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.text import TextAdapter
 from shard.messages import Message, NodeName, Prefill, Verdict, Verify
@@ -45,11 +46,12 @@ async def serve(
     to_ring, frames = trio.open_memory_channel[Message](0)
     back, from_ring = trio.open_memory_channel[Message](0)
     coordinator = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=tokenizer.eos_ids,
-        to_ring=to_ring,
-        from_ring=from_ring,
-        limits=Limits(max_len=MAX_LEN, max_sessions=4),
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=tokenizer.eos_ids,
+            limits=Limits(max_len=MAX_LEN, max_sessions=4),
+        ),
+        CoordinatorChannels(to_ring=to_ring, from_ring=from_ring),
     )
     app = ApiApp(
         coordinator, TextAdapter(tokenizer), ApiConfig(model_id=MODEL, max_len=MAX_LEN, **config)

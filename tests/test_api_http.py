@@ -22,6 +22,7 @@ from shard.api.app import ApiApp, ApiConfig
 from shard.api.keys import ApiKeys, add_key
 from shard.api.server import ApiServer
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
+from shard.coordinator.config import CoordinatorAides, CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.text import TextAdapter
 from shard.failover.events import Pause, RingControl, RingLost
@@ -71,13 +72,13 @@ async def serve(
     _, from_ring = trio.open_memory_channel[Message](0)
     control_send, control = trio.open_memory_channel[RingControl](0)
     coordinator = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=tokenizer.eos_ids,
-        to_ring=to_ring,
-        from_ring=from_ring,
-        limits=Limits(max_len=MAX_LEN, max_sessions=4),
-        control=control,
-        checkpoints=checkpoints,
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=tokenizer.eos_ids,
+            limits=Limits(max_len=MAX_LEN, max_sessions=4),
+        ),
+        CoordinatorChannels(to_ring=to_ring, from_ring=from_ring, control=control),
+        CoordinatorAides(checkpoints=checkpoints),
     )
     options = {"max_sessions": 2, "body_timeout_s": 0.5, "max_body_bytes": 4096, **config}
     app = ApiApp(

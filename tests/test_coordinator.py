@@ -7,6 +7,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.coordinator.config import CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator, RingError
 from shard.failover.events import Pause, RingControl, RingLost
 from shard.messages import (
@@ -54,11 +55,8 @@ async def _generate(
         max_len=64, prefill_chunk=4, verdict_timeout_s=timeout_s, max_resyncs=max_resyncs
     )
     coordinator = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=limits,
+        CoordinatorConfig(node=NodeName("coord"), eos_ids=[0], limits=limits),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
@@ -109,11 +107,12 @@ async def test_open_session_asks_for_the_kv_its_request_can_reach(
     to_send, to_recv = trio.open_memory_channel[Message](16)
     _, from_recv = trio.open_memory_channel[Message](16)
     coordinator = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=Limits(max_len=48, prefill_chunk=4, verdict_timeout_s=1.0),
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=[0],
+            limits=Limits(max_len=48, prefill_chunk=4, verdict_timeout_s=1.0),
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(coordinator.run)
@@ -138,12 +137,12 @@ async def test_scheduler_messages_hold_then_fail_the_request(
     from_send, from_recv = trio.open_memory_channel[Message](16)
     control_send, control_recv = trio.open_memory_channel[RingControl](0)
     coordinator = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        control=control_recv,
-        limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=30.0),
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=[0],
+            limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=30.0),
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv, control=control_recv),
     )
     began = trio.current_time()
 

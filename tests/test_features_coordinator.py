@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 from shard.compute.tensors import to_wire
+from shard.coordinator.config import CoordinatorAides, CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator, RingError
 from shard.coordinator.features import FeatureError, verdict_features
 from shard.decode.control import SpeculationConfig
@@ -153,13 +154,14 @@ async def test_a_hostile_tails_features_end_only_that_request(
     bad = _verdict(features=rows, features_start=start)
     proposers = iter([Wants(0 if unasked else 4), Wants(0 if unasked else 4)])
     coordinator = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=30.0),
-        drafter=Drafter(lambda _prompt: next(proposers)),
-        feature_dim=DIM,
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=[0],
+            limits=Limits(max_len=64, prefill_chunk=4, verdict_timeout_s=30.0),
+            feature_dim=DIM,
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
+        CoordinatorAides(drafter=Drafter(lambda _prompt: next(proposers))),
     )
     spec = SpeculationConfig(k=2, depth=1)
     results: dict[int, object] = {}

@@ -10,13 +10,14 @@ are recorded (``tests/test_formation.py``'s harness).
 
 from __future__ import annotations
 
+import attrs
 import trio
 import trio.testing
 
-from shard.failover.control import ControlClient
+from answered import AnsweredClient
 from shard.failover.scheduler import Scheduler
 from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
-from shard.messages import Activate, Hello, NodeName, Register, Rewire
+from shard.messages import Activate, NodeName, Register, Rewire
 from shard.spec.failover import FailoverSpec
 from shard.spec.formation import FormationSpec
 from shard.transport import MemoryNetwork
@@ -39,7 +40,7 @@ def _scheduler(expect: int) -> Scheduler:
 
 
 def _stage(joiner: Joiner, network: MemoryNetwork, serves: tuple[str, int, int] | None
-           ) -> ControlClient:  # fmt: skip
+           ) -> AnsweredClient:  # fmt: skip
     """``joiner``'s control client, registering as the stage of slot ``serves[0]`` holding
     ``[serves[1], serves[2])`` (None: as a standby)."""
     node = NodeName(joiner.name)
@@ -51,9 +52,8 @@ def _stage(joiner: Joiner, network: MemoryNetwork, serves: tuple[str, int, int] 
         slot, first, last = serves
         return Register(node, "stage", f"{node}:7001", first, last, slot, profile=joiner.profile)
 
-    client._register = register
-    assert client._hello == Hello(node=node, role="stage", swarm=SWARM, link="control")
-    return client
+    assert (client.node, client.role, client.swarm) == (node, "stage", SWARM)
+    return attrs.evolve(client, register=register)
 
 
 async def test_a_running_ring_is_adopted_not_formed_again(

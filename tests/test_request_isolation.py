@@ -19,6 +19,7 @@ import trio
 import trio.testing
 
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
+from shard.coordinator.config import CoordinatorAides, CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator, RingError
 from shard.coordinator.events import CallerLeft, Committed, RequestFailed
 from shard.coordinator.service import complete
@@ -62,16 +63,12 @@ class Link:
 
 
 @asynccontextmanager
-async def ring(**coordinator: object) -> AsyncIterator[tuple[Coordinator, Link]]:
+async def ring(aides: CoordinatorAides | None = None) -> AsyncIterator[tuple[Coordinator, Link]]:
     to_send, to_recv = trio.open_memory_channel[Message](0)
     from_send, from_recv = trio.open_memory_channel[Message](0)
+    config = CoordinatorConfig(NodeName("coord"), [0], Limits(max_len=64, prefill_chunk=4))
     coord = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=Limits(max_len=64, prefill_chunk=4),
-        **coordinator,  # type: ignore[arg-type]
+        config, CoordinatorChannels(to_send, from_recv), aides or CoordinatorAides()
     )
     link = Link()
     async with trio.open_nursery() as nursery:
@@ -126,7 +123,7 @@ async def test_a_bug_on_a_request_path_ends_that_request_typed(
     token) is that request's RequestFailed, with the tokens committed by then; a request
     without a checkpoint then runs."""
     store = BrokenStore(tmp_path, fails)
-    async with ring(checkpoints=store) as (coord, _):
+    async with ring(CoordinatorAides(checkpoints=store)) as (coord, _):
         with pytest.raises(RequestFailed, match="disk full") as failed:
             await coord.generate([5, 6, 7], max_tokens=3, request_id="r1")
         assert failed.value.committed == committed
@@ -205,7 +202,10 @@ async def test_a_dead_edge_fails_its_requests_as_the_ring(
     with RingError (a 503 at the API), not as a bug (RequestFailed, a 500)."""
     to_send, to_recv = trio.open_memory_channel[Message](0)
     _, from_recv = trio.open_memory_channel[Message](0)
-    coord = Coordinator(node=NodeName("coord"), eos_ids=[0], to_ring=to_send, from_ring=from_recv)
+    coord = Coordinator(
+        CoordinatorConfig(node=NodeName("coord"), eos_ids=[0]),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
+    )
     to_recv.close()
     async with trio.open_nursery() as nursery:
         await nursery.start(coord.run)

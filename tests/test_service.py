@@ -7,6 +7,7 @@ import threading
 
 import trio
 
+from shard.coordinator.config import CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator
 from shard.coordinator.service import complete
 from shard.coordinator.text import TextAdapter
@@ -46,11 +47,12 @@ def coordinator(max_prompt_bytes: int) -> Coordinator:
     to_send, _ = trio.open_memory_channel[Message](1)
     _, from_recv = trio.open_memory_channel[Message](1)
     return Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[0],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=Limits(max_len=64, prefill_chunk=4, max_prompt_bytes=max_prompt_bytes),
+        CoordinatorConfig(
+            node=NodeName("coord"),
+            eos_ids=[0],
+            limits=Limits(max_len=64, prefill_chunk=4, max_prompt_bytes=max_prompt_bytes),
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
     )
 
 

@@ -19,6 +19,7 @@ import trio.testing
 from shard.compute.offload import inline_compute
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
 from shard.coordinator.client import stream
+from shard.coordinator.config import CoordinatorAides, CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator
 from shard.errors import HandshakeError
 from shard.failover.events import RingControl
@@ -199,13 +200,11 @@ def test_a_resumed_request_keeps_ignore_eos() -> None:
         _, from_ring = trio.open_memory_channel[Message](0)
         _, control = trio.open_memory_channel[RingControl](0)
         coordinator = Coordinator(
-            node=NodeName("coord"),
-            eos_ids=(2,),
-            to_ring=to_ring,
-            from_ring=from_ring,
-            limits=Limits(max_len=64, max_sessions=4),
-            control=control,
-            checkpoints=CheckpointStore(None),
+            CoordinatorConfig(
+                node=NodeName("coord"), eos_ids=(2,), limits=Limits(max_len=64, max_sessions=4)
+            ),
+            CoordinatorChannels(to_ring=to_ring, from_ring=from_ring, control=control),
+            CoordinatorAides(checkpoints=CheckpointStore(None)),
         )
         stopped = RequestCheckpoint("r1", (1, 7), (5, 2), 8)
         async with trio.open_nursery() as nursery:

@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from shard.coordinator.config import CoordinatorChannels, CoordinatorConfig
 from shard.coordinator.coordinator import Coordinator, RingError
 from shard.coordinator.text import TextAdapter, TextDone, TextPiece, TextRequest
 from shard.decode.state import BadRequest
@@ -63,11 +64,10 @@ async def ring(script: Script) -> AsyncIterator[Coordinator]:
     to_send, to_recv = trio.open_memory_channel[Message](0)
     from_send, from_recv = trio.open_memory_channel[Message](0)
     coord = Coordinator(
-        node=NodeName("coord"),
-        eos_ids=[],
-        to_ring=to_send,
-        from_ring=from_recv,
-        limits=Limits(max_len=128, prefill_chunk=4),
+        CoordinatorConfig(
+            node=NodeName("coord"), eos_ids=[], limits=Limits(max_len=128, prefill_chunk=4)
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(script.run, to_recv, from_send)

@@ -1,5 +1,6 @@
 """shard.coordinator: the coordinator's actors — the ``Coordinator``, which owns sessions and
 their routes (``coordinator.py``), one request's speculative loop (``driver.py``), the
+records both are built from (``config.py``), the
 messages between them (``events.py``), the shared send side of the ring link (``gate.py``),
 statistics and the K/D model every request records into (``ledger.py``; the rolling ring
 statistics it keeps, ``ringstats.py``, are what the status feed and the monitor show), text in

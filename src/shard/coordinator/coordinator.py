@@ -24,8 +24,15 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from shard.coordinator.checkpoint import Checkpointer, CheckpointStore, RequestCheckpoint
-from shard.coordinator.driver import Hold, RequestDriver
+from shard.coordinator.checkpoint import Checkpointer, RequestCheckpoint
+from shard.coordinator.config import (
+    CoordinatorAides,
+    CoordinatorChannels,
+    CoordinatorConfig,
+    DriverShared,
+    RequestPlan,
+)
+from shard.coordinator.driver import RequestDriver
 from shard.coordinator.events import (
     CallerLeft,
     Committed,
@@ -33,15 +40,12 @@ from shard.coordinator.events import (
     Resync,
     RingError,
     RouteEvent,
-    SessionDone,
 )
 from shard.coordinator.gate import RingGate
 from shard.coordinator.ledger import CoordinatorStatistics, Ledger
-from shard.coordinator.receipt_log import ReceiptLog
 from shard.coordinator.receipts import collect_receipts, kept
 from shard.coordinator.supervise import request_failed
 from shard.decode.control import SpeculationConfig
-from shard.decode.draft import Drafter
 from shard.decode.state import BadRequest, DecodeState, check_sampling
 from shard.failover.events import Pause, Resume, RingControl, RingLost
 from shard.failover.replay import ReplayLog
@@ -58,10 +62,13 @@ from shard.messages import (
     Verdict,
 )
 from shard.spec.limits import Limits
-from shard.trust.receipts import RunJob, RunSigner
+from shard.trust.receipts import RunJob
 
 # Verdicts a session's route holds before the router waits: chunks in flight, stale ones.
 _SESSION_BUFFER = 16
+
+
+_NO_AIDES = CoordinatorAides()
 
 
 class Coordinator:
@@ -82,57 +89,39 @@ class Coordinator:
 
     def __init__(
         self,
+        config: CoordinatorConfig,
+        channels: CoordinatorChannels,
+        aides: CoordinatorAides = _NO_AIDES,
         *,
-        node: NodeName,
-        eos_ids: Sequence[int],
-        to_ring: trio.MemorySendChannel[Message],
-        from_ring: trio.MemoryReceiveChannel[Message],
-        control: trio.MemoryReceiveChannel[RingControl] | None = None,
-        limits: Limits = Limits(),
-        drafter: Drafter | None = None,
-        speculation: SpeculationConfig = SpeculationConfig(),
-        signer: RunSigner | None = None,
         wall_clock: Callable[[], float] = time.time,
-        checkpoints: CheckpointStore | None = None,
-        incarnation: int = 0,
-        sent_log: ReplayLog | None = None,
-        nonces: Callable[[SessionId], bytes] | None = None,
-        feature_dim: int | None = None,
-        hold: Hold | None = None,
-        receipts: ReceiptLog | None = None,
     ) -> None:
-        """``control`` carries the scheduler's messages (None: no scheduler, a test's ring).
-        ``checkpoints`` keeps each running request's committed tokens (a restarted
-        coordinator can ``resume_request`` it); ``incarnation``, in the high bits of session
-        ids, keeps its sessions apart from a predecessor's (``shard.stage.executor``).
-        ``sent_log`` is the log of what each session sent (default: a fresh one); the ring
-        link replays it to a standby that replaces stage 0. ``nonces(session)`` is the job
-        nonce a receipt-signing session sends (default: 16 random bytes); a swarm that audits
-        derives it from the session's committed audit seed (``shard.audit.hub``).
-        ``feature_dim`` is the target's hidden size: the width of the features a proposer
-        may ask for (``shard.coordinator.features``; None: any width). ``hold``: each
-        request's release gate in ``[audit] mode = "hold"`` (``RequestDriver``). ``receipts``:
-        every request signs a receipt, kept there (``shard.coordinator.receipt_log``)."""
-        self._receipts = receipts
-        self._hold = hold
-        self._nonces = nonces
-        self._feature_dim = feature_dim
+        """Its records are ``shard.coordinator.config``'s; ``wall_clock`` stamps its
+        statistics and receipts."""
+        node, speculation = config.node, config.speculation
+        self._receipts = aides.receipts
+        self._hold = aides.hold
+        self._nonces = aides.nonces
+        self._feature_dim = config.feature_dim
         self._node = node
-        self._eos_ids = tuple(eos_ids)
-        self._from_ring = from_ring
-        self._control = control
-        self._limits = limits
-        self._drafter = drafter
+        self._eos_ids = config.eos_ids
+        self._from_ring = channels.from_ring
+        self._control = channels.control
+        self._limits = config.limits
+        self._drafter = aides.drafter
         self._speculation = speculation
-        self._signer = signer
+        self._signer = aides.signer
         self._routes: dict[SessionId, trio.MemorySendChannel[RouteEvent]] = {}
         # requests that sign a receipt, with their decode state: a splice is listed in each
         self._jobs: dict[SessionId, tuple[RunJob, DecodeState]] = {}
-        self._gate = RingGate(to_ring, sent_log if sent_log is not None else ReplayLog())
+        sent_log = aides.sent_log if aides.sent_log is not None else ReplayLog()
+        self._gate = RingGate(channels.to_ring, sent_log)
         self._ledger = Ledger(node, speculation, wall_clock)
-        self._session_ids = itertools.count((incarnation << SESSION_BITS) + 1)
-        self._checkpoints = checkpoints
-        self._slots = trio.Semaphore(limits.max_sessions)
+        self._session_ids = itertools.count((config.incarnation << SESSION_BITS) + 1)
+        self._checkpoints = aides.checkpoints
+        self._slots = trio.Semaphore(config.limits.max_sessions)
+        self._shared = DriverShared(
+            self._gate, self._ledger, config.limits, aides.drafter, config.feature_dim, aides.hold
+        )
 
     @property
     def limits(self) -> Limits:
@@ -382,34 +371,9 @@ class Coordinator:
         checkpoint: Checkpointer | None,
     ) -> Completion:
         """Run the session's driver in this task (a nursery of one child would only wrap
-        what it raises in a group) and read its ``SessionDone``. Errors: the ``RingError``
-        it ended with."""
-        # One message per session, read once the driver returned: never waited on.
-        done_send, done = trio.open_memory_channel[SessionDone](1)
-        driver = RequestDriver(
-            sid=sid,
-            route=route,
-            done=done_send,
-            ring=self._gate,
-            ledger=self._ledger,
-            job=job,
-            prompt_ids=prompt_ids,
-            state=state,
-            sampling=sampling,
-            tokens=tokens,
-            speculation=speculation,
-            limits=self._limits,
-            drafter=self._drafter,
-            feature_dim=self._feature_dim,
-            hold=self._hold,
-            checkpoint=checkpoint,
-        )
-        async with done:
-            await driver.run()
-            ended = done.receive_nowait()
-        if isinstance(ended.outcome, RingError):
-            raise ended.outcome
-        return ended.outcome
+        what it raises in a group). Errors: the ``RingError`` it ended with."""
+        plan = RequestPlan(sid, job, prompt_ids, state, sampling, speculation, checkpoint)
+        return await RequestDriver(self._shared, plan, route, tokens).run()
 
     async def resume_request(
         self,

@@ -2,8 +2,9 @@
 
 The router (``shard.coordinator.coordinator``) owns what requests share and starts one driver per
 request, with its channels: the session's route (verdicts, faults and ``Resync`` in), the
-``RingGate`` (messages out, towards stage 0), the caller's ``tokens`` (one ``Committed`` per
-batch of committed ids) and ``done`` (one ``SessionDone`` at the end). The driver opens the
+``RingGate`` (messages out, towards stage 0) and the caller's ``tokens`` (one ``Committed`` per
+batch of committed ids); ``run`` returns the request's ``Completion`` or raises the
+``RingError`` that ended it, to the router awaiting it in the caller's task. The driver opens the
 session, streams the prompt, then runs the speculative loop (``shard.decode.speculation``):
 keep chunks in flight, fold verdicts into the stream, send committed tokens. When the ring
 fails under it, it re-sends from its committed tokens in a new epoch (``Resync``): after a
@@ -25,12 +26,12 @@ not folded in).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import trio
 
-from shard.coordinator.checkpoint import Checkpointer
+from shard.coordinator.config import DriverShared, RequestPlan
 from shard.coordinator.events import (
     CallerLeft,
     Committed,
@@ -38,34 +39,24 @@ from shard.coordinator.events import (
     Resync,
     RingError,
     RouteEvent,
-    SessionDone,
 )
 from shard.coordinator.features import FeatureError, verdict_features
-from shard.coordinator.gate import RingDown, RingGate
-from shard.coordinator.ledger import Ledger
+from shard.coordinator.gate import RingDown
 from shard.coordinator.ringstats import LapRecorder
 from shard.decode.control import SpeculationConfig, SpeculationController
-from shard.decode.draft import Drafter, Proposer
+from shard.decode.draft import Proposer
 from shard.decode.hybrid import HybridProposer
 from shard.decode.speculation import Outcome, SpeculationStream
-from shard.decode.state import DecodeState
 from shard.messages import (
     ChunkSeq,
     Epoch,
     Fault,
     OpenSession,
     Prefill,
-    Sampling,
-    SessionId,
     Truncate,
     Verdict,
     Verify,
 )
-from shard.spec.limits import Limits
-from shard.trust.receipts import RunJob
-
-#: ``[audit] mode = "hold"``'s release gate: (session, verdict seq, tokens released before)
-Hold = Callable[[SessionId, int, Sequence[int]], Awaitable[None]]
 
 
 class RequestDriver:
@@ -75,85 +66,64 @@ class RequestDriver:
 
     Cancellation: cancelling ``run`` stops the request where it is (the router ends the
     session on the ring). Errors: the request's own failures (``RingError``, the ring lost)
-    end it with a ``SessionDone`` holding the error; bugs propagate, and ``CallerLeft`` when
-    the caller closed its ``tokens`` channel.
+    are raised from ``run`` holding the committed tokens; bugs propagate, and ``CallerLeft``
+    when the caller closed its ``tokens`` channel.
     """
 
     def __init__(
         self,
-        *,
-        sid: SessionId,
+        shared: DriverShared,
+        request: RequestPlan,
         route: trio.MemoryReceiveChannel[RouteEvent],
-        done: trio.MemorySendChannel[SessionDone],
-        ring: RingGate,
-        ledger: Ledger,
-        job: RunJob | None,
-        prompt_ids: Sequence[int],
-        state: DecodeState,
-        sampling: Sampling,
         tokens: trio.MemorySendChannel[Committed] | None,
-        speculation: SpeculationConfig,
-        limits: Limits,
-        drafter: Drafter | None,
-        feature_dim: int | None = None,
-        hold: Hold | None = None,
-        checkpoint: Checkpointer | None = None,
     ) -> None:
         """``tokens``: where committed ids go (the caller's channel; None: nowhere, the
-        completion holds them all); ``checkpoint``: the request's file, rewritten on each
-        commit before the ids are sent. ``feature_dim``: the target's hidden size, which
-        features must have (times the layers, for layer states; None: any). ``hold``
-        (``[audit] mode = "hold"``): awaited before a verdict's tokens are sent, with the
-        session, the verdict's ``seq`` and the tokens released before; it returns once every
-        stage's part of that verdict was confirmed by an audit, or raises ``RingError``
-        (``shard.audit.hold``)."""
-        self._ring = ring
+        completion holds them all). Features must be ``shared.feature_dim`` wide (times the
+        layers, for layer states; None: any)."""
+        ledger, speculation, drafter = shared.ledger, request.speculation, shared.drafter
+        self._ring = shared.ring
         self._ledger = ledger
-        self._sid = sid
+        self._sid = request.sid
         self._route = route
-        self._done = done
-        self._job = job
-        self._prompt = prompt_ids
-        self._state = state
+        self._job = request.job
+        self._prompt = request.prompt_ids
+        self._state = request.state
         self._tokens = tokens
-        self._checkpoint = checkpoint
+        self._checkpoint = request.checkpoint
         self._speculation = speculation
-        self._limits = limits
+        self._limits = shared.limits
         self._drafter = drafter
         self._laps = LapRecorder(ledger.node, ledger.wall_clock)
-        self._feature_dim = feature_dim
-        self._hold = hold
+        self._feature_dim = shared.feature_dim
+        self._hold = shared.hold
         self._proposer: Proposer | None = None
         if drafter is not None and speculation.enabled:
-            self._proposer = drafter.session(prompt_ids)
+            self._proposer = drafter.session(request.prompt_ids)
+        job = request.job
         self._opening = OpenSession(
-            session=sid,
-            max_len=state.positions,  # the KV this request can reach, not limits.max_len
-            sampling=sampling,
+            session=request.sid,
+            max_len=request.state.positions,  # the KV it can reach, not limits.max_len
+            sampling=request.sampling,
             job=job.job if job else "",
             nonce=job.nonce if job else "",
             features=self._proposer.features if self._proposer is not None else 0,
             feature_layers=self._proposer.feature_layers if self._proposer is not None else (),
         )
         self._resyncs = 0
-        self._patience = limits.retry_after_s  # silence before a re-send; grows on a slow ring
+        self._patience = shared.limits.retry_after_s  # silence before a re-send; grows when slow
         self._silent_from: Epoch | None = None  # the epoch a re-send for silence left
         self._progress_at = trio.current_time()
         self._sources: dict[int, str] = {}  # the hybrid's: which draft guessed each position
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        async with self._done:
-            if self._checkpoint is not None:
-                self._checkpoint.begin()
-            outcome: Completion | RingError
-            try:
-                outcome = await self._drive()
-            except RingDown as exc:
-                outcome = RingError(str(exc), committed=self._state.output)
-            except RingError as exc:
-                outcome = exc
-            await self._done.send(SessionDone(self._sid, outcome))
+    async def run(self) -> Completion:
+        """Drive the request to its end. Errors: the ``RingError`` that ended it (a ring that
+        went down too), holding the committed tokens."""
+        if self._checkpoint is not None:
+            self._checkpoint.begin()
+        try:
+            return await self._drive()
+        except RingDown as exc:
+            raise RingError(str(exc), committed=self._state.output) from None
 
     async def _emit(self, ids: Sequence[int], seq: int) -> None:
         if self._hold is not None:  # released only once confirmed; else the request ends

@@ -3,7 +3,8 @@
 None of these go on the wire (``shard.messages`` is the wire's union). A route (router ->
 driver) carries the ring's ``Verdict``, ``Fault`` and ``StageReceiptOut`` for the session, and
 ``Resync`` when the request must re-send; the driver sends its caller each batch of committed
-ids as one ``Committed`` and ends with one ``SessionDone``.
+ids as one ``Committed``; its end is what its ``run`` returns or raises, and the task that ran
+it (``shard.coordinator.text``) sends it on as the channel's last message, ``Ended``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from shard.messages import Message, RunStats, SessionId
+from shard.messages import Message, RunStats
 from shard.trust.receipts import RunReceipt
 
 
@@ -75,21 +76,25 @@ class Completion:
 
 
 @attrs.frozen(eq=False)
-class SessionDone:
-    """Driver -> router: the session's request ended, with its completion or the error that
-    ended it (which carries the committed tokens)."""
+class Ended:
+    """The last message on a request's channel, after its ``Committed`` batches: its
+    completion, or the error that ended it (a ``RingError`` carries the committed tokens)."""
 
-    session: SessionId
-    outcome: Completion | RingError
+    outcome: Completion | Exception
+
+
+#: What a request's channel carries: its committed batches, then one ``Ended``.
+Piece = Committed | Ended
 
 
 __all__ = [
     "CallerLeft",
     "Committed",
     "Completion",
+    "Ended",
+    "Piece",
     "RequestFailed",
     "Resync",
     "RingError",
     "RouteEvent",
-    "SessionDone",
 ]

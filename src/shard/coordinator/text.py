@@ -8,7 +8,8 @@ The wire client's requests (``shard.coordinator.service``, which ``shard generat
   ``CapacityLimiter`` (one per coordinator), never on the event loop: a 900 KB prompt cannot
   make the scheduler think a stage died;
 - ``TextAdapter.stream`` runs one ``TextRequest`` on the ``Coordinator``. The request's driver
-  sends each batch of committed ids on a channel (``Committed``); the caller iterates the
+  sends each batch of committed ids on a channel (``Committed``), and the task that runs the
+  request sends its end there last (``Ended``: the completion or the error); the caller iterates the
   ``TextStream`` for ``TextPiece``s — the text each batch completes (``StreamDecoder``:
   a short window per token, on the loop), cut at the first stop string (``StopText``) — and
   reads ``TextStream.done`` (a ``TextDone``) after the last one. A stop string cancels the
@@ -36,7 +37,14 @@ import trio
 from shard.compute import offload
 from shard.coordinator.checkpoint import RequestCheckpoint
 from shard.coordinator.coordinator import Completion, Coordinator
-from shard.coordinator.events import CallerLeft, Committed, RequestFailed, RingError
+from shard.coordinator.events import (
+    CallerLeft,
+    Committed,
+    Ended,
+    Piece,
+    RequestFailed,
+    RingError,
+)
 from shard.coordinator.stops import StopText
 from shard.decode.control import SpeculationConfig
 from shard.decode.state import BadRequest
@@ -105,16 +113,15 @@ class TextStream:
         self,
         tokenizer: Tokenizer,
         stop: Sequence[str],
-        tokens: trio.MemoryReceiveChannel[Committed],
-        outcome: list[Completion | Exception],
+        pieces: trio.MemoryReceiveChannel[Piece],
         request: trio.CancelScope,
         skip: int = 0,
     ) -> None:
         self._decoder = StreamDecoder(tokenizer)
         self._skip = skip
         self._stops = StopText(stop)
-        self._tokens = tokens
-        self._outcome = outcome  # the request's end, set before ``tokens`` closes
+        self._pieces = pieces
+        self._outcome: Completion | Exception | None = None  # the request's end, once it came
         self._request = request
         self._delivered: list[int] = []
         self._done: TextDone | None = None
@@ -132,10 +139,13 @@ class TextStream:
     async def __anext__(self) -> TextPiece:
         while self._done is None:
             try:
-                batch = await self._tokens.receive()
+                batch = await self._pieces.receive()
             except trio.EndOfChannel:
                 self._done = self._ended()
                 break
+            if isinstance(batch, Ended):
+                self._outcome = batch.outcome
+                continue
             ids: list[int] = []
             text = ""
             for token in batch.token_ids:
@@ -155,10 +165,10 @@ class TextStream:
 
     def _ended(self) -> TextDone:
         delivered = tuple(self._delivered)
-        if not self._outcome:  # cancelled from outside before it ended
+        outcome = self._outcome
+        if outcome is None:  # cancelled from outside before it ended
             why = RingError("the request was cancelled", committed=delivered)
             return TextDone(delivered, "error", error=why)
-        (outcome,) = self._outcome
         if isinstance(outcome, Exception):
             return TextDone(delivered, "error", error=outcome)
         tail = self._stops.push(self._decoder.flush()) + self._stops.flush()
@@ -195,17 +205,14 @@ class TextAdapter:
         self, coordinator: Coordinator, request: TextRequest
     ) -> AsyncIterator[TextStream]:
         """Run ``request`` on ``coordinator`` while the block reads its ``TextStream``."""
-        send, receive = trio.open_memory_channel[Committed](0)
-        outcome: list[Completion | Exception] = []
+        send, receive = trio.open_memory_channel[Piece](0)
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             scope = trio.CancelScope()
-            nursery.start_soon(_generate, coordinator, request, send, outcome, scope)
+            nursery.start_soon(_generate, coordinator, request, send, scope)
             with receive:
                 try:
-                    yield TextStream(
-                        self.tokenizer, request.stop, receive, outcome, scope, request.skip
-                    )
+                    yield TextStream(self.tokenizer, request.stop, receive, scope, request.skip)
                 except Exception as exc:  # the caller's own: raised as it was, below
                     failure = exc
             scope.cancel()  # read out or left early: nothing more is wanted
@@ -216,12 +223,12 @@ class TextAdapter:
 async def _generate(
     coordinator: Coordinator,
     request: TextRequest,
-    tokens: trio.MemorySendChannel[Committed],
-    outcome: list[Completion | Exception],
+    tokens: trio.MemorySendChannel[Piece],
     scope: trio.CancelScope,
 ) -> None:
-    """Run the request; its end goes into ``outcome`` before ``tokens`` closes. Never raises
-    (a bug past the coordinator's own boundary becomes ``RequestFailed``, logged here)."""
+    """Run the request; its end is the last message on ``tokens`` (``Ended``) before it
+    closes. Never raises (a bug past the coordinator's own boundary becomes
+    ``RequestFailed``, logged here)."""
     with tokens, scope:
         try:
             completion: Completion | Exception
@@ -250,7 +257,10 @@ async def _generate(
         except Exception as exc:
             log.error("a request failed at the coordinator: %r", exc, exc_info=exc)
             completion = RequestFailed(f"the coordinator failed this request: {exc!r}")
-        outcome.append(completion)
+        try:
+            await tokens.send(Ended(completion))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the reader left (a stop string, a caller gone): nobody wants the end
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:

@@ -66,6 +66,7 @@ from shard.messages.follow import (
     FollowEnd,
 )
 from shard.messages.ids import (
+    HANDSHAKE_TIMEOUT_S,
     MAX_FEATURE_LAYERS,
     MAX_FEATURES,
     PROTOCOL_VERSION,
@@ -203,6 +204,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 )
 
 __all__ = [
+    "HANDSHAKE_TIMEOUT_S",
     "MAX_FEATURES",
     "MAX_FEATURE_LAYERS",
     "MESSAGE_TYPES",

@@ -10,6 +10,9 @@ ChunkSeq = NewType("ChunkSeq", int)
 NodeName = NewType("NodeName", str)
 
 PROTOCOL_VERSION = 1
+#: Hello -> Welcome must finish within this many seconds unless a caller says otherwise: the
+#: default of ``limits.handshake_timeout_s`` and of every link's handshake (the one definition).
+HANDSHAKE_TIMEOUT_S = 10.0
 #: A session id is ``incarnation << SESSION_BITS | n``: each coordinator start draws a new
 #: incarnation, so stages recognise (and free) sessions a coordinator that died left behind.
 SESSION_BITS = 32

@@ -21,7 +21,7 @@ import trio
 from shard.audit.auditor import QUANTIZED, audit_offloaded
 from shard.audit.hold import HoldFailed
 from shard.audit.hub import AuditHub
-from shard.coordinator.driver import Hold
+from shard.coordinator.config import Hold
 from shard.coordinator.events import RingError
 from shard.messages import NodeName, SessionId
 from shard.messages.audit import AuditCopy, AuditRequest, AuditVerdict

@@ -25,8 +25,8 @@ import trio
 from shard.audit.hub import AuditHub
 from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
+from shard.coordinator.config import CoordinatorAides, CoordinatorChannels, CoordinatorConfig, Hold
 from shard.coordinator.coordinator import Coordinator
-from shard.coordinator.driver import Hold
 from shard.coordinator.follow import serve_follower
 from shard.coordinator.receipt_log import ReceiptLog
 from shard.coordinator.service import complete
@@ -125,30 +125,34 @@ def _router(
     tokenizer = Tokenizer.from_dir(model_dir)
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_ids)))
     coordinator = Coordinator(
-        checkpoints=checkpoints,
-        incarnation=secrets.randbits(20),
-        sent_log=sent_log,
-        nonces=nonces,
-        hold=hold,
-        node=name,
-        eos_ids=eos,
-        to_ring=to_ring,
-        from_ring=from_ring,
-        control=control,
-        limits=spec.limits,
-        drafter=drafter,
-        signer=RunSigner(
-            signing_identity(spec, name),
-            coordinator=name,
-            model=spec.model,
-            n_layers=config.n_layers,
-            n_stages=len(spec.stages),
-            swarm=spec.name,
-            token=signing_token(spec, name),
+        CoordinatorConfig(
+            node=name,
+            eos_ids=eos,
+            limits=spec.limits,
+            speculation=spec.speculation.policy,
+            incarnation=secrets.randbits(20),
+            feature_dim=config.hidden_size,
         ),
-        speculation=spec.speculation.policy,
-        feature_dim=config.hidden_size,
-        receipts=None if spec.ledger.receipts is None else ReceiptLog(Path(spec.ledger.receipts)),
+        CoordinatorChannels(to_ring=to_ring, from_ring=from_ring, control=control),
+        CoordinatorAides(
+            drafter=drafter,
+            signer=RunSigner(
+                signing_identity(spec, name),
+                coordinator=name,
+                model=spec.model,
+                n_layers=config.n_layers,
+                n_stages=len(spec.stages),
+                swarm=spec.name,
+                token=signing_token(spec, name),
+            ),
+            checkpoints=checkpoints,
+            sent_log=sent_log,
+            nonces=nonces,
+            hold=hold,
+            receipts=None
+            if spec.ledger.receipts is None
+            else ReceiptLog(Path(spec.ledger.receipts)),
+        ),
     )
     return coordinator, tokenizer
 

@@ -37,6 +37,7 @@ from typing import Final
 
 import attrs
 
+from shard.messages.ids import HANDSHAKE_TIMEOUT_S
 from shard.spec.validate import Table
 
 
@@ -54,7 +55,7 @@ class Limits:
     connect_timeout_s: float = 10.0
     verdict_timeout_s: float = 60.0  # a ring silent this long fails the request (a stalled node)
     retry_after_s: float = 10.0  # no verdict this long (ring not in repair): re-send the chunk
-    handshake_timeout_s: float = 10.0  # Hello -> Welcome on every new connection
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  # Hello -> Welcome on every new connection
     max_resyncs: int = 8  # re-sends one request may need (repaired ring, lost frames)
     receipt_timeout_s: float = 10.0  # the stages' receipts, after the last verdict
     idle_timeout_s: float = 300.0  # a client with no request running this long is cut

@@ -53,6 +53,7 @@ import attrs
 import trio
 
 from shard.messages import (
+    HANDSHAKE_TIMEOUT_S,
     CallPlaced,
     CallRequest,
     Fault,
@@ -188,7 +189,7 @@ class NatNetwork(NetworkBase):
         hub: RelayHub | None = None,
         owns_inner: bool = False,
         call_timeout_s: float = 10.0,
-        handshake_timeout_s: float = 10.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         on_demand: bool = False,
     ) -> None:
         self._inner = inner

@@ -43,6 +43,7 @@ import attrs
 import trio
 
 from shard.messages import (
+    HANDSHAKE_TIMEOUT_S,
     CallMe,
     CallPlaced,
     CallRequest,
@@ -120,7 +121,7 @@ class RelayHub:
         role: str,
         *,
         pair_timeout_s: float = 8.0,
-        handshake_timeout_s: float = 10.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         max_tickets: int = 256,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
