@@ -14,12 +14,11 @@ from safetensors.torch import load_file, save_file
 from tests.test_model_split import greedy_tokens, run_ring
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from shard.model.attention import Attention
 from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.footprint import measured, stored
 from shard.model.fp8 import dequantize_fp8, fp8_weight, quantize_fp8
 from shard.model.loader import load_stage
-from shard.model.quant import Quantized, QuantLinear, kernel_dtype
+from shard.model.quant import Quantized, QuantLinear, dense_dtype, kernel_dtype
 from shard.testing.checkpoints import make_tiny_checkpoint
 
 BLOCK = (16, 32)
@@ -121,8 +120,10 @@ def test_fp8_logits_equal_transformers_on_the_dequantized_weights(
     fp8_dirs: tuple[Path, Path],
 ) -> None:
     """shard's float32 load of the FP8 checkpoint is within 1e-4 of transformers holding the
-    dequantized weights, greedy ids identical; the stored load computes the same logits
-    (bit for bit where the host's kernels run fp32, within bf16 rounding elsewhere)."""
+    dequantized weights, greedy ids identical; the stored load computes the same logits:
+    within 5e-2 where its per-call products run in float32 (``dense_dtype``), and on a host
+    that multiplies bf16 natively no further from them than the float model run in bf16
+    is (measured on an AMX host: 0.24 against 0.37, the largest logit ~12)."""
     from transformers import AutoModelForCausalLM
 
     fp8, twin = fp8_dirs
@@ -138,13 +139,12 @@ def test_fp8_logits_equal_transformers_on_the_dequantized_weights(
     assert torch.equal(steps, theirs[:, : steps.shape[1]])
     kept = load_stage(fp8, 0, 4)
     got_kept = kept(PROMPT, 0, kept.new_cache(32))
-    if kernel_dtype(torch.device("cpu")) is torch.float32:
-        for module in dense.modules():  # a stored block attends a short chunk row by row
-            if isinstance(module, Attention):
-                module.rowwise = True
-        assert torch.equal(got_kept, dense(PROMPT, 0, dense.new_cache(32)))
-    else:
+    if dense_dtype(torch.device("cpu")) is torch.float32:
         assert (got_kept - got).abs().max() < 5e-2
+    else:  # bf16 products: the float model's own bf16 rounding is the bound
+        half = load_stage(fp8, 0, 4, dtype=torch.bfloat16, weights="bfloat16")
+        noise = (half(PROMPT, 0, half.new_cache(32)).float() - got).abs().max()
+        assert (got_kept - got).abs().max() <= noise
 
 
 def test_every_split_of_a_stored_fp8_model_is_bit_identical(fp8_dirs: tuple[Path, Path]) -> None:

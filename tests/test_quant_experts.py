@@ -122,8 +122,11 @@ def test_quantized_model_matches_its_dequantized_reference(
     """gpt-oss at int8/int4, its kernels run in float32, gives the logits of the same model
     run densely on weights dequantized from the same codes within FP32_TOL of the largest
     logit (and not the float model's: quantization moved them ~40 times further)."""
-    # bf16 on every host by default (kernel_dtype); in float32 the packing is checked alone
+    # bf16 on every host by default (kernel_dtype), and the layers the kernels cannot take
+    # (dequantized per call) in bf16 on a host with bf16 instructions (dense_dtype); in
+    # float32 the packing is checked alone
     monkeypatch.setattr("shard.model.quant.kernel_dtype", lambda device: torch.float32)
+    monkeypatch.setattr("shard.model.quant.dense_dtype", lambda device: torch.float32)
     model_dir = family_checkpoint("gpt_oss")
     quant = load_stage(model_dir, 0, 4, weights=weights)
     assert all(m.compute is torch.float32 for m in quant.modules() if isinstance(m, QuantLinear))
