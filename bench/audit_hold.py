@@ -129,7 +129,7 @@ async def bench(args: argparse.Namespace, model_dir: Path, n_layers: int) -> dic
                 rounds.append({"round": r, "mode": mode, "requests": rows, "load": load})
                 med = statistics.median(x["tok_s"] for x in rows)
                 print(f"round {r} {mode}: median {med:.2f} tok/s, load {load:.1f}", flush=True)
-        audits = {m: str(h.scheduler.statistics().audits) for m, h in handles.items()}
+        audits = {m: str(h.checks.statistics()) for m, h in handles.items()}
         nursery.cancel_scope.cancel()
     summary: dict[str, Any] = {}
     for mode in MODES:

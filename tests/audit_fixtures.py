@@ -16,10 +16,13 @@ import torch
 from shard.audit.auditor import audit_chunk
 from shard.audit.compare import audit_nonce
 from shard.audit.sampler import Accused, AuditSampler
+from shard.audit.strikes import AuditStatistics
 from shard.compute.tensors import from_wire, to_wire
+from shard.failover.splice import Recovery
 from shard.messages import NodeName, OpenSession, SessionId, Verify
 from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
+from shard.nodes.coordinator import CoordinatorHandle
 from shard.spec.audit import AuditSpec
 from shard.trust.identity import NodeIdentity
 from shard.trust.receipts import ReceiptSigner
@@ -171,3 +174,17 @@ class BatchedDriver:
                     out.append(req)
             start += rows
         return out
+
+
+@attrs.frozen
+class SwarmStats:
+    """What an audited swarm test reads after its run: the scheduler's recoveries and the spot
+    checker's strikes (``handle.scheduler``, ``handle.checks``)."""
+
+    recoveries: tuple[Recovery, ...]
+    audits: AuditStatistics
+
+
+def swarm_stats(handle: CoordinatorHandle) -> SwarmStats:
+    assert handle.scheduler is not None and handle.checks is not None
+    return SwarmStats(handle.scheduler.statistics().recoveries, handle.checks.statistics())

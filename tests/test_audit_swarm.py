@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from audit_fixtures import SwarmStats, swarm_stats
 from shard.audit.auditor import Auditor, Examiner
 from shard.audit.compare import audit_nonce, commit
 from shard.audit.evidence import EvidencePins, verify_evidence
@@ -27,7 +28,6 @@ from shard.audit.sampler import Accused, AuditSampler
 from shard.audit.strikes import StrikeBook
 from shard.compute.offload import inline_compute
 from shard.coordinator.coordinator import Completion
-from shard.failover.scheduler import SchedulerStatistics
 from shard.messages import NodeName
 from shard.messages.audit import AuditRequest, AuditVerdict
 from shard.model.llama import StageModel
@@ -89,14 +89,14 @@ def test_cheater_is_evicted_and_replaced_with_identical_output(
                         wrap_block=wrap_block,
                     )
                 )
-                scheduler = handle.scheduler
-                assert scheduler is not None
+                checks = handle.checks
+                assert checks is not None
                 await nursery.start(auditor.run)
 
                 async def judge() -> None:
                     async for v in ver_recv:
                         verdicts.append(v)
-                        await scheduler.audited(v)
+                        await checks.audited(v)
 
                 nursery.start_soon(judge)
 
@@ -108,7 +108,7 @@ def test_cheater_is_evicted_and_replaced_with_identical_output(
                 async with trio.open_nursery() as requests:
                     for i in range(len(PROMPTS)):
                         requests.start_soon(one, i)
-                stats = scheduler.statistics()
+                stats = swarm_stats(handle)
                 nursery.cancel_scope.cancel()
         recoveries = [(r.kind, r.lost, r.replacement) for r in stats.recoveries]
         print(f"seed {SEED}: audits {stats.audits}, recoveries {recoveries}")
@@ -165,9 +165,9 @@ async def serve_prompts(
     *,
     wrap_block: Callable[[str, StageModel], StageModel],
     wrap: Callable[[str, Network], Network] | None = None,
-) -> SchedulerStatistics:
+) -> SwarmStats:
     """Every prompt at once through an in-process swarm of ``spec`` (completions appended to
-    ``results``); the scheduler's statistics after."""
+    ``results``); its recoveries and strikes after."""
     async with trio.open_nursery() as nursery:
         handle = await nursery.start(
             partial(
@@ -179,8 +179,6 @@ async def serve_prompts(
                 wrap_block=wrap_block,
             )
         )
-        scheduler = handle.scheduler
-        assert scheduler is not None
 
         async def one(i: int) -> None:
             results.append(await handle.coordinator.generate(PROMPTS[i], max_tokens=MAX_TOKENS))
@@ -188,7 +186,7 @@ async def serve_prompts(
         async with trio.open_nursery() as requests:
             for i in range(len(PROMPTS)):
                 requests.start_soon(one, i)
-        stats = scheduler.statistics()
+        stats = swarm_stats(handle)
         nursery.cancel_scope.cancel()
     return stats
 

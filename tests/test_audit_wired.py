@@ -22,10 +22,10 @@ import pytest
 import trio
 import trio.testing
 
+from audit_fixtures import SwarmStats, swarm_stats
 from shard.audit.evidence import evidence_from_json, verify_evidence
 from shard.compute.offload import inline_compute
 from shard.coordinator.events import RingError
-from shard.failover.scheduler import SchedulerStatistics
 from shard.messages import NodeName
 from shard.messages.audit import AuditVerdict
 from shard.model.llama import StageModel
@@ -87,7 +87,7 @@ async def _round(coordinator: object, spec_prompts: tuple[list[int], ...]) -> Ro
 
 def _run(
     spec: SwarmSpec, model_dir: Path, liar: str, kind: str, prompts: int = len(PROMPTS)
-) -> tuple[list[Round], SchedulerStatistics, list[AuditVerdict], int]:
+) -> tuple[list[Round], SwarmStats, list[AuditVerdict], int]:
     """Two rounds of the first ``prompts`` prompts through an in-process swarm whose ``liar``
     cheats with ``kind`` (none: ``kind`` "none"); the rounds, the scheduler's statistics,
     every verdict it took, and the liar's lies."""
@@ -103,7 +103,7 @@ def _run(
     rounds: list[Round] = []
     verdicts: list[AuditVerdict] = []
 
-    async def main() -> SchedulerStatistics:
+    async def main() -> SwarmStats:
         with inline_compute(), trio.fail_after(900):
             async with trio.open_nursery() as nursery:
                 handle = await nursery.start(
@@ -112,20 +112,20 @@ def _run(
                         wrap_block=wrap_block,
                     )
                 )  # fmt: skip
-                scheduler = handle.scheduler
-                assert scheduler is not None
-                audited = scheduler.audited
+                scheduler, checks = handle.scheduler, handle.checks
+                assert scheduler is not None and checks is not None
+                audited = checks.audited
 
                 async def record(v: AuditVerdict) -> None:
                     verdicts.append(v)
                     await audited(v)
 
-                scheduler.audited = record  # type: ignore[method-assign]
+                checks.audited = record  # type: ignore[method-assign]
                 rounds.append(await _round(handle.coordinator, PROMPTS[:prompts]))
                 if kind != "none":
                     await _replaced(scheduler, liar)
                 rounds.append(await _round(handle.coordinator, PROMPTS[:prompts]))
-                stats = scheduler.statistics()
+                stats = swarm_stats(handle)
                 nursery.cancel_scope.cancel()
         return stats
 

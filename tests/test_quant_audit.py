@@ -194,14 +194,15 @@ def test_a_batched_stored_ring_is_audited_with_no_gap(stored: Path) -> None:
                 handle = await nursery.start(
                     partial(run_swarm, spec, model_dir=stored, network=MemoryNetwork())
                 )
-                scheduler = handle.scheduler
-                judge = scheduler.audited
+                checks = handle.checks
+                assert checks is not None
+                judge = checks.audited
 
                 async def audited(v: AuditVerdict) -> None:
                     verdicts.append(v)
                     await judge(v)
 
-                scheduler.audited = audited  # type: ignore[method-assign]
+                checks.audited = audited  # type: ignore[method-assign]
 
                 async def one(i: int) -> None:
                     results.append(

@@ -1,6 +1,6 @@
 """shard.failover: surviving a node that dies — the scheduler (control plane: death detection with
 ``detector.py``, queueing repairs, ``scheduler.py``, built from ``scheduler_config.py``'s
-records; its spot checks, ``spotchecks.py``), the
+records; its spot checks are ``shard.audit.checker``'s actor, on channels), the
 repairs themselves (splicing standbys in, re-dialling edges: ``splice.py``), the messages it
 queues and sends the coordinator's router (``events.py``), the control links (``control.py``)
 and what they ask of their node, on channels (``duties.py``), the coordinator generation a

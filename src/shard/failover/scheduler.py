@@ -35,11 +35,9 @@ import logging
 import time
 from collections.abc import Callable
 
-import attrs
 import trio
 
-from shard.audit.hub import AuditHub
-from shard.audit.strikes import AuditStatistics
+from shard.audit.checker import Answered, Ask, Copied, Noted, Roster, SpotEvent, SpotOutcome
 from shard.failover.detector import FailureDetector
 from shard.failover.edge import DownstreamLink
 from shard.failover.events import (
@@ -51,11 +49,13 @@ from shard.failover.events import (
     Relink,
     RingNote,
 )
-from shard.failover.scheduler_config import SchedulerChannels, SchedulerConfig
+from shard.failover.scheduler_config import (
+    SchedulerChannels,
+    SchedulerConfig,
+    SchedulerStatistics,
+)
 from shard.failover.splice import Recovery, Splicer
-from shard.failover.spotchecks import SpotChecks
 from shard.formation.formation import Formation, Prober
-from shard.formation.mesh import MeshStatistics
 from shard.formation.registration import check_register
 from shard.membership.registry import (
     Member,
@@ -89,26 +89,12 @@ log = logging.getLogger(__name__)
 _PROBLEMS_BUFFER = 64
 
 
-@attrs.frozen
-class SchedulerStatistics:
-    members: tuple[tuple[NodeName, str, bool], ...]  # (node, role, alive)
-    slots: tuple[tuple[NodeName, NodeName], ...]  # (slot, holder)
-    standbys: tuple[NodeName, ...]
-    recoveries: tuple[Recovery, ...]
-    #: slots given up on that wait for a node able to hold their block (one line each)
-    waiting: tuple[str, ...] = ()
-    #: (node, median control-link round trip in seconds, None until measured)
-    rtt_s: tuple[tuple[NodeName, float | None], ...] = ()
-    audits: AuditStatistics = attrs.field(factory=AuditStatistics)  # spot checks
-    #: the RTT mesh between joined nodes (``[formation]``; None without)
-    mesh: MeshStatistics | None = None
-
-
-class Scheduler(SpotChecks):
+class Scheduler:
     """See the module docstring. ``serve`` handles one control connection (the coordinator's
     listener hands each one over); ``run`` watches heartbeats, reads the ring link's faults
-    and carries out recoveries; its spot checks are ``SpotChecks``'s
-    (``shard.failover.spotchecks``).
+    and carries out recoveries. Spot checks are the ``SpotChecker``'s (``shard.audit.checker``):
+    the scheduler sends it what its control links carry (``SchedulerChannels.spot_checks``),
+    acts on its notes and evictions (``spot_outcomes``) and lends it a registry read.
 
     ``statistics``, ``standbys``, ``ring`` and ``tail`` are snapshot reads (the status feed and
     the return endpoint ask them as they need them), so they stay calls.
@@ -124,7 +110,6 @@ class Scheduler(SpotChecks):
         channels: SchedulerChannels,
         *,
         ring_link: DownstreamLink | None = None,
-        audits: AuditHub | None = None,
         mesh_probe: Prober | None = None,
         return_up: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = trio.current_time,
@@ -135,7 +120,7 @@ class Scheduler(SpotChecks):
         told to re-dial it. With ``config.formation``, ``mesh_probe`` is how it probes a
         joined node's listen address (reachability; None: it does not); once formed, the mesh
         is measured again every ``remeasure_s`` (its notes go to the router as ``mesh``
-        events). ``audits``: the spot checks' hub (``shard.audit.hub``)."""
+        events)."""
         node, policy = config.node, config.policy
         self._node = node
         self._registry = Registry(node, config.slots, config.return_address)
@@ -145,6 +130,9 @@ class Scheduler(SpotChecks):
         self._clock = clock
         self._return_up = return_up
         self._own_copies = channels.own_copies
+        self._spot_checks = channels.spot_checks
+        self._spot_outcomes = channels.spot_outcomes
+        self.roster: Roster = self._registry  # the spot checker's read of it
         formation = config.formation
         self.formation = None if formation is None else Formation(
             formation[0], self._registry, model=formation[1], policy=policy, clock=clock,
@@ -156,7 +144,6 @@ class Scheduler(SpotChecks):
         )  # fmt: skip
         self._problems_send, self._problems = trio.open_memory_channel[Problem](_PROBLEMS_BUFFER)
         self._detector = FailureDetector(policy)
-        self._start_spot_checks(config.audit, audits)
 
     # --- views -------------------------------------------------------------------------
 
@@ -169,7 +156,6 @@ class Scheduler(SpotChecks):
             recoveries=tuple(self._splicer.recoveries),
             waiting=tuple(w.describe() for w in self._splicer.waiting.values()),
             rtt_s=tuple((m.node, m.rtt.rtt_s) for m in reg.members.values()),
-            audits=self.strikes.statistics(),
             mesh=None if self.formation is None else self.formation.statistics(),
         )
 
@@ -275,9 +261,9 @@ class Scheduler(SpotChecks):
             elif isinstance(msg, RttReport) and self.formation is not None:
                 self.formation.reported(member.node, msg)
             elif isinstance(msg, AuditCopy):
-                await self.copied(member.node, msg)
+                await self._spot(Copied(member.node, msg))
             elif isinstance(msg, AuditVerdict):
-                await self._verdict(member.node, msg)
+                await self._spot(Answered(member.node, msg))
             elif not isinstance(msg, Heartbeat):
                 log.warning("scheduler: unexpected %s from %s", msg, member.node)
 
@@ -313,7 +299,46 @@ class Scheduler(SpotChecks):
     async def _own_link_copies(self, copies: trio.MemoryReceiveChannel[AuditCopy]) -> None:
         async with copies:
             async for copy in copies:
-                await self.copied(self._node, copy)
+                await self._spot(Copied(self._node, copy))
+
+    async def _spot(self, event: SpotEvent) -> None:
+        """A copy or verdict for the spot checker (none: a verdict is a node's own word)."""
+        if self._spot_checks is not None:
+            await self._spot_checks.send(event)
+        elif isinstance(event, Answered):
+            log.warning("scheduler: %s sent a verdict nobody asked it for; ignored", event.auditor)
+
+    async def _ask(self, ask: Ask) -> None:
+        req, member = ask.request, self._registry.members.get(ask.auditor)
+        try:
+            if member is None:
+                raise TransportError("it left the swarm")
+            await member.conn.send(req)
+        except TransportError as exc:
+            log.warning("scheduler: audit of %s not sent to %s: %s", req.accused, ask.auditor, exc)
+
+    async def _spot_outcome(self, outcomes: trio.MemoryReceiveChannel[SpotOutcome]) -> None:
+        """What the spot checker found: a note for the router, or a node to evict — declared
+        dead and replaced by a standby exactly as after a crash (the predecessor replays its
+        log, so no committed token is lost)."""
+        async with outcomes:
+            async for outcome in outcomes:
+                if isinstance(outcome, Noted):
+                    await self._to_router.send(RingNote("audit", outcome.text))
+                    continue
+                if isinstance(outcome, Ask):
+                    await self._ask(outcome)
+                    continue
+                node = outcome.node
+                member = self._registry.members.get(node)
+                if member is None or not member.alive:
+                    continue
+                member.alive = False
+                self._detector.forget(node)
+                log.warning("scheduler: %s evicted after failed audits", node)
+                await self._to_router.send(RingNote("audit", f"{node} evicted after failed audits"))
+                await self._problems_send.send(NodeDead(node, self._clock()))
+                await abandon(member.conn)
 
     # --- the watchdog and the recoverer ---------------------------------------------------
 
@@ -324,6 +349,8 @@ class Scheduler(SpotChecks):
                 nursery.start_soon(self._own_link_faults, self._ring_faults)
             if self._own_copies is not None:
                 nursery.start_soon(self._own_link_copies, self._own_copies)
+            if self._spot_outcomes is not None:
+                nursery.start_soon(self._spot_outcome, self._spot_outcomes)
             if self.formation is not None:
                 nursery.start_soon(self._keep_mesh, self.formation)
             task_status.started()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
+from shard.audit.hub import Holder
 from shard.membership.rtt import RttTracker
 from shard.messages import Activate, NodeName, NodeProfile, Ready, Register, Rewire
 from shard.spec.reach import NAT_PREFIX
@@ -189,6 +190,10 @@ class Registry:
 
     def standbys(self) -> tuple[NodeName, ...]:
         return tuple(m.node for m in self.live_standbys())
+
+    def holders(self) -> list[Holder]:
+        """The ring's slots as the spot checks read them: who holds which block."""
+        return [Holder(s.holder, s.first, s.last) for s in self.slots]
 
     def auditor_for(self, first: int, last: int, accused: NodeName) -> Member | None:
         """A live node out of the ring holding ``[first, last)`` that is not ``accused`` — a

@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from shard.audit.checker import SpotChecker, SpotEvent, SpotOutcome
 from shard.audit.hub import AuditHub
 from shard.compute import offload
 from shard.coordinator.checkpoint import CheckpointStore, RequestCheckpoint
@@ -90,6 +91,7 @@ class CoordinatorHandle:
     text: TextAdapter  # the coordinator's one text adapter (its wire clients' and its API's)
     scheduler: Scheduler | None = None
     api: str | None = None  # the HTTP API's http://host:port when [api] listen is set
+    checks: SpotChecker | None = None  # the spot checker (strikes, evictions)
 
 
 def _hello(spec: SwarmSpec, name: str, role: str) -> Hello:
@@ -270,31 +272,34 @@ async def run_coordinator(
         faults=faults_send,
     )
     endpoint = ReturnEndpoint(name, from_ring_send, coordinator.event, mirror)
+    spot_send, spot_recv = trio.open_memory_channel[SpotEvent](0)
+    outcome_send, outcome_recv = trio.open_memory_channel[SpotOutcome](0)
     scheduler = Scheduler(
         SchedulerConfig(
             node=name,
             slots=_slots(spec, config, model_dir),
             return_address=str(me.listen),
             policy=spec.failover,
-            audit=spec.audit,
             formation=_formation(spec, config, model_dir),
         ),
         SchedulerChannels(
             to_router=control_send,
             ring_faults=faults_recv,
             own_copies=copies_recv if mirror is not None else None,
+            spot_checks=spot_send,
+            spot_outcomes=outcome_recv,
         ),
         ring_link=ring_link,
         return_up=endpoint.up,
-        audits=hub,
         mesh_probe=_mesh_probe(spec, name, network),
     )
+    checks = SpotChecker(hub, spec.audit, scheduler.roster, spot_recv, outcome_send)
     reads = StatusReads(
         coordinator,
         ring=scheduler.ring,
         standbys=scheduler.standbys,
         devices=DeviceProbe(name).read,
-        audits=scheduler.audit_counts,
+        audits=checks.audit_counts,
     )
     feed = StatusFeed(reads, swarm=spec.name, send_timeout_s=spec.limits.message_timeout_s)
     welcome = Welcome(node=name, role="coordinator", swarm=spec.name, generation=generation)
@@ -305,6 +310,7 @@ async def run_coordinator(
         await nursery.start(coordinator.run)
         await nursery.start(feed.run)
         await nursery.start(scheduler.run)
+        await nursery.start(checks.run)
         bound = await nursery.start(network.serve, str(me.listen), listener.handle)
         if scheduler.formation is not None:  # the joined nodes' ring, planned and activated
             formed = await scheduler.formation.form()
@@ -321,7 +327,9 @@ async def run_coordinator(
         api = make_server(spec, coordinator, text, failovers=repairs, checkpoints=store)
         api_address = None if api is None else await serve_api(nursery, api, str(spec.api.listen))
         task_status.started(
-            CoordinatorHandle(name, bound, coordinator, tokenizer, text, scheduler, api_address)
+            CoordinatorHandle(
+                name, bound, coordinator, tokenizer, text, scheduler, api_address, checks
+            )
         )
 
 
