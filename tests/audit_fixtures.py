@@ -178,13 +178,15 @@ class BatchedDriver:
 
 @attrs.frozen
 class SwarmStats:
-    """What an audited swarm test reads after its run: the scheduler's recoveries and the spot
-    checker's strikes (``handle.scheduler``, ``handle.checks``)."""
+    """What an audited swarm test reads after its run: the scheduler's recoveries and members
+    and the spot checker's strikes (``handle.scheduler``, ``handle.checks``)."""
 
     recoveries: tuple[Recovery, ...]
+    members: tuple[tuple[NodeName, str, bool], ...]  # (node, role, alive)
     audits: AuditStatistics
 
 
 def swarm_stats(handle: CoordinatorHandle) -> SwarmStats:
     assert handle.scheduler is not None and handle.checks is not None
-    return SwarmStats(handle.scheduler.statistics().recoveries, handle.checks.statistics())
+    scheduler = handle.scheduler.statistics()
+    return SwarmStats(scheduler.recoveries, scheduler.members, handle.checks.statistics())
