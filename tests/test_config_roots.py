@@ -89,3 +89,43 @@ def run_node(spec: SwarmSpec) -> Node: ...
         "m.py: Handle.spec",
         "m.py: Handle.later",
     ]
+
+
+#: Where a function may take the whole spec: the composition roots (``nodes``, ``cli``), the
+#: spec itself, and ``shard bench``'s own roots (``bench``: it builds the swarms it measures
+#: from a base spec, as ``nodes.inprocess`` does).
+ROOTS = ("nodes", "cli", "spec", "bench")
+
+
+def spec_takers(root: Path) -> list[str]:
+    """``path: function(param)`` for each function outside ``ROOTS`` with a parameter whose
+    annotation mentions ``SwarmSpec``."""
+    out: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ROOTS:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = fn.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+                if WHOLE_SPEC in _names(arg.annotation):
+                    out.append(f"{rel.as_posix()}: {fn.name}({arg.arg})")
+    return out
+
+
+def test_only_the_roots_take_the_whole_spec() -> None:
+    """No function outside the roots takes a ``SwarmSpec`` (issue "House, third pass")."""
+    found = spec_takers(SRC)
+    assert found == [], "\n".join(found)
+
+
+def test_a_function_taking_the_spec_outside_the_roots_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "api").mkdir()
+    (tmp_path / "nodes").mkdir()
+    (tmp_path / "api" / "server.py").write_text(
+        "def make(spec: 'SwarmSpec', port: int) -> None: ...\n"
+    )
+    (tmp_path / "nodes" / "root.py").write_text("def run(spec: SwarmSpec) -> None: ...\n")
+    assert spec_takers(tmp_path) == ["api/server.py: make(spec)"]
