@@ -82,10 +82,25 @@ def _evidence_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(evidence_files, "default_evidence_dir", lambda: tmp_path / "evidence")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The whole run computes on one torch thread, like every process it starts
+    (``procs.child_env``): tiny models gain nothing from threads, and OpenMP's spin-waits
+    stall a busy machine (a hold-mode audit test took 47 s on two threads beside other
+    processes, 6 s on one; SmolLM2 against transformers 154 s against 20 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from threads, and OpenMP spin-waits stall a busy machine
-    (modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    """One torch thread for the test, whatever an earlier test set (the session already runs
+    on one: ``_one_torch_thread``; modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
     import torch
 
     before = torch.get_num_threads()

@@ -131,7 +131,23 @@ async def local_reference(
     return record
 
 
-@pytest.mark.parametrize("victim", ["s1", "s2", "s0"])
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "s1",
+        *(
+            pytest.param(
+                v,
+                marks=pytest.mark.extended(
+                    covered_by=f"test_failover.py::test_scenario_recovers_with_identical_output"
+                    f"[kill-{v}-decode] and [kill-{v}-prefill] (that stage killed, in process),"
+                    " this test's [s1] (a SIGKILLed process spliced out)"
+                ),
+            )
+            for v in ("s2", "s0")
+        ),
+    ],
+)
 async def test_sigkill_a_stage_with_a_standby_gives_identical_output(
     llama_dir: Path, tmp_path: Path, victim: str, report: Callable[[str], None]
 ) -> None:

@@ -1,5 +1,13 @@
 """Every family through a ring: packed rows, the in-process ring with 8 concurrent sessions
-(speculation on and off), and a 3-stage ring of real processes against ``generate --local``.
+(speculation on and off, every frame through the wire codec), and a 3-stage ring of real
+processes against ``generate --local``.
+
+The ring of processes runs by default for Llama 3 and DeepSeek-V4 only (V4 is the one family
+whose hop carries more than the hidden state: its ``hc_mult`` streams and the token ids);
+for the others it is in the ``extended`` tier (``ops/test -m extended``, docs/testing.md):
+what is theirs alone (their block, their messages' widths through the codec) is covered by
+``test_eight_sessions_with_and_without_speculation``, and what processes add (the CLI,
+WebSockets, a stage loading its block from the spec) is the same for every family.
 
 A session's rows may share a batch with other sessions' rows (``shard.model.packed``). A
 sparse layer routes each row alone and runs each expert over the rows that chose it, so rows
@@ -29,6 +37,7 @@ from shard.model.packed import Segment, forward_packed, segment_bounds
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.coordinator import Coordinator
 from shard.spec.swarm import SwarmSpec
+from shard.transport import MemoryNetwork
 from test_spec_swarm_cli import _LOCAL, check_same_or_tie
 from test_speculation_ring import TIE, reference, ties_or_equal, with_ring
 
@@ -44,6 +53,12 @@ PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(5)] + [
 MAX_TOKENS = 16
 #: The rings run every family and DeepSeek-V3 without ``q_lora_rank`` (a plain ``q_proj``).
 RINGS = [*FAMILIES, "deepseek_v3_plain_q"]
+#: The families whose ring of processes runs by default (see the module docstring).
+PROCESS_RINGS = ("llama3", "deepseek_v4")
+_IN_PROCESS = pytest.mark.extended(
+    covered_by="test_family_ring.py::test_eight_sessions_with_and_without_speculation (the "
+    "family, frames encoded) and test_process_ring_matches_local[llama3|deepseek_v4] (processes)"
+)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -97,8 +112,9 @@ def ring_spec(model_dir: Path) -> SwarmSpec:
 async def test_eight_sessions_with_and_without_speculation(
     family_checkpoint: Callable[[str], Path], family: str, report: Callable[[str], None]
 ) -> None:
-    """Eight concurrent sessions through a 3-stage ring, speculation off then on: each equals
-    the single-process reference (or diverges only at a checked tie)."""
+    """Eight concurrent sessions through a 3-stage ring, speculation off then on, every frame
+    encoded and decoded by the wire codec: each equals the single-process reference (or
+    diverges only at a checked tie)."""
     model_dir = family_checkpoint(family)
     refs = [reference(model_dir, p, MAX_TOKENS) for p in PROMPTS]
     outs: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -120,7 +136,9 @@ async def test_eight_sessions_with_and_without_speculation(
                 for i in range(len(PROMPTS)):
                     clients.start_soon(one, i)
 
-    await with_ring(ring_spec(model_dir), model_dir, body)
+    await with_ring(
+        ring_spec(model_dir), model_dir, body, network=MemoryNetwork(encode_frames=True)
+    )
     ties = sum(ties_or_equal(outs[(k, i)], refs[i]) for k in (0, 3) for i in range(len(PROMPTS)))
     assert drafted > 0
     report(f"{family}: 8 sessions x speculation off/on: equal, ties {ties}, drafted {drafted}")
@@ -130,7 +148,9 @@ PROMPT = "in in in the the river river"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", RINGS)
+@pytest.mark.parametrize(
+    "family", [f if f in PROCESS_RINGS else pytest.param(f, marks=_IN_PROCESS) for f in RINGS]
+)
 async def test_process_ring_matches_local(
     family_checkpoint: Callable[[str], Path], family: str, tmp_path: Path
 ) -> None:

@@ -170,8 +170,24 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
     "speculation",
     [
         'draft = "ngram"',
-        'draft = "model"\ndraft_layers = 2',
-        'draft = "head"\ndraft_head = "{head}"',
+        # K and D asked per request cross the processes the same way whatever drafts; the
+        # whole grid per draft is in process (tests/test_speculation_ring.py, tests/test_head_ring.py).
+        pytest.param(
+            'draft = "model"\ndraft_layers = 2',
+            marks=pytest.mark.extended(
+                covered_by="test_speculation_ring.py::test_greedy_identical_for_every_k_and_depth[model]"
+                " (the grid), test_speculative_swarm_run_matches_local[model-k3-d2] (processes),"
+                " this test's [ngram] (K and D per request through processes)"
+            ),
+        ),
+        pytest.param(
+            'draft = "head"\ndraft_head = "{head}"',
+            marks=pytest.mark.extended(
+                covered_by="test_head_ring.py::test_greedy_identical_for_every_k_and_depth[head]"
+                " (the grid), this test's [hybrid] (the head drafting from features that cross"
+                " processes, every K and D)"
+            ),
+        ),
         'draft = "hybrid"\ndraft_head = "{head}"',
     ],
     ids=["ngram", "model", "head", "hybrid"],

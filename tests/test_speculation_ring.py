@@ -95,11 +95,15 @@ def ties_or_equal(got: tuple[int, ...], want: Ref) -> int:
     return 1
 
 
-async def with_ring(spec: SwarmSpec, model_dir: Path, body: Any) -> Any:
+async def with_ring(spec: SwarmSpec, model_dir: Path, body: Any, **swarm: Any) -> Any:
+    """``body(coordinator)`` against an in-process swarm of ``spec`` (``swarm``: more
+    ``run_swarm`` options, such as its network)."""
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
             handle: CoordinatorHandle = await nursery.start(
-                lambda task_status: run_swarm(spec, model_dir=model_dir, task_status=task_status)
+                lambda task_status: run_swarm(
+                    spec, model_dir=model_dir, task_status=task_status, **swarm
+                )
             )
             result = await body(handle.coordinator)
             nursery.cancel_scope.cancel()
