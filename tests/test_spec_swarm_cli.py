@@ -171,7 +171,8 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
     [
         'draft = "ngram"',
         # K and D asked per request cross the processes the same way whatever drafts; the
-        # whole grid per draft is in process (tests/test_speculation_ring.py, tests/test_head_ring.py).
+        # whole grid per draft is in process (tests/test_speculation_ring.py,
+        # tests/test_head_ring.py).
         pytest.param(
             'draft = "model"\ndraft_layers = 2',
             marks=pytest.mark.extended(
