@@ -43,8 +43,15 @@ from typing import Any
 import attrs
 import trio
 
-from shard.bench.geolap import LapRun, Tolerance, measure, quantile, start_plan, write_plan_spec
-from shard.bench.ringspec import free_ports
+from shard.cli.benchmark.geolap import (
+    LapRun,
+    Tolerance,
+    measure,
+    quantile,
+    start_plan,
+    write_plan_spec,
+)
+from shard.cli.benchmark.ringspec import free_ports
 from shard.placement import Plan, Problem, plan, read_geography
 from shard.placement.emulate import scaled_blocks
 from shard.placement.lap import Mesh, evaluate

@@ -1,7 +1,7 @@
 """Speculative decoding through the ring, side by side: plain vs speculative (D = 1) vs
 speculative + pipelined, with the n-gram draft, the best model draft and the oracle ceiling,
 at several emulated latencies per edge. The same driver as ``shard bench``
-(``shard.bench``); this script only supplies the repository's defaults.
+(``shard.cli.benchmark``); this script only supplies the repository's defaults.
 
     .venv/bin/python bench/speculation_ring.py --help
     .venv/bin/python bench/speculation_ring.py          # the full default run, ~20 min on 2 cores

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from shard.bench.bound import Measured, bound, expected_tokens
-from shard.bench.options import OptionsError, load_prompts
-from shard.bench.report import summarize
-from shard.bench.ringspec import policy, ring_toml
+from shard.cli.benchmark.bound import Measured, bound, expected_tokens
+from shard.cli.benchmark.options import OptionsError, load_prompts
+from shard.cli.benchmark.report import summarize
+from shard.cli.benchmark.ringspec import policy, ring_toml
 from shard.spec.swarm import load_spec
 
 REPO = Path(__file__).resolve().parent.parent

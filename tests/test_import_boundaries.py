@@ -27,7 +27,7 @@ The rules (each package's ``__init__`` docstring says the same):
 - no package imports itself through others: the packages form layers, with no exception;
 - the runtime (``RUNTIME``: a running node's packages) never imports GGUF conversion
   (``shard.convert``); only the CLI, the composition roots, the draft training and
-  ``shard.bench`` find and convert models through it;
+  ``shard.cli.benchmark`` find and convert models through it;
 - nothing in ``src`` imports the test helpers (``shard.testing``: tiny checkpoints, cheating
   stages, the NAT firewall and tampering relay, fault injection, the monitor's fixed
   snapshots, the entry points of cheating processes), except those helpers themselves.

@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from procs import alive, free_ports
-from shard.bench.geolap import LapRun, Tolerance, measure, start_plan, write_plan_spec
+from shard.cli.benchmark.geolap import LapRun, Tolerance, measure, start_plan, write_plan_spec
 from shard.placement import Plan, PlanError, Problem, plan, read_geography
 from shard.placement.emulate import emulated_spec, scaled_blocks
 from shard.placement.lap import Mesh, evaluate
@@ -97,6 +97,12 @@ def test_the_spec_runs_the_plans_ring_with_its_one_way_latencies(
 
 
 @pytest.mark.slow
+@pytest.mark.extended(
+    covered_by="this module's test_the_spec_runs_the_plans_ring_with_its_one_way_latencies (the"
+    " plan's ring and one-way latencies in the spec), test_relay.py::test_round_trip_takes_at"
+    "_least_two_latencies (each hop delayed), test_placement.py (the predicted lap); what is"
+    " left is a timing figure, bench/lap_geography.py's"
+)
 async def test_measured_lap_follows_the_predicted_lap(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path, report: Callable[[str], None]
 ) -> None:

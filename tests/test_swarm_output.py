@@ -181,11 +181,12 @@ def test_the_launcher_logs_a_replaced_node_as_info(caplog: pytest.LogCaptureFixt
 
     from shard.nodes.launcher import REPLACED_EXIT, NodeExit, Supervisor
 
-    seen: list[NodeExit] = []
-    supervisor = Supervisor("coord", set(), seen.append, up=True)
+    supervisor = Supervisor("coord", set(), up=True)
     with caplog.at_level(logging.INFO, logger="shard.nodes.launcher"):
-        supervisor.exited("s1", 41, REPLACED_EXIT)
-        supervisor.exited("s2", 42, -9)
+        seen: list[NodeExit] = [
+            supervisor.exited("s1", 41, REPLACED_EXIT),
+            supervisor.exited("s2", 42, -9),
+        ]
     levels = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert levels[0] == ("INFO", "node s1 (pid 41) was replaced by a standby and stopped")
     assert levels[1][0] == "WARNING"

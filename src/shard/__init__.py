@@ -41,7 +41,6 @@ may import; ``tests/test_import_boundaries.py`` enforces the layers)::
     weights/        signed content-addressed manifests, chunk-verified block fetch, seeders
     api/            the OpenAI-compatible HTTP API and the chat page, served by the coordinator
     observe/        the status feed, device probes, the Textual monitor (``tui/``)
-    bench/          ``shard bench``: rings side by side against the analytical bound
     testing/        test support (tiny checkpoints, cheating stages, NAT helpers)
 
 Beside them: ``errors.py`` (errors shared by layers that must not import each other),

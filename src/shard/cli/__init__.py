@@ -19,7 +19,8 @@ library that does the work::
     convert.py       ``shard convert MODEL.gguf OUT_DIR``
     relay.py         ``shard relay``, the delaying TCP relay
     draft.py         ``shard draft distill|train|path``
-    bench.py         ``shard bench``
+    bench.py         ``shard bench``, whose driver is ``benchmark/`` (rings side by side
+                     against the analytical bound; it builds its swarms from a base spec)
     inputs.py        prompt arguments (``-`` for standard input) and prompt files
     errors.py        how operator errors are reported: one ``shard: error:`` line
 """

@@ -1,7 +1,8 @@
-"""``shard bench``: the speculative ring benchmark (``shard.bench``). The arguments are declared
-in ``shard.cli.args.bench`` and checked by ``shard.bench.options``; ``bench_main`` is the same
-command with a parser of its own, for ``bench/speculation_ring.py``. Exit status 0, or 1 with one
-``PROG: error:`` line on a bad option, spec or head."""
+"""``shard bench``: the speculative ring benchmark (``shard.cli.benchmark``). The arguments
+are declared in ``shard.cli.args.bench`` and checked by ``shard.cli.benchmark.options``;
+``bench_main`` is the same command with a parser of its own, for
+``bench/speculation_ring.py``. Exit status 0, or 1 with one ``PROG: error:`` line on a bad
+option, spec or head."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from shard.bench.main import run_bench
-from shard.bench.options import Options, OptionsError, options
 from shard.cli.args.bench import bench_parser
+from shard.cli.benchmark.main import run_bench
+from shard.cli.benchmark.options import Options, OptionsError, options
 
 __all__ = ["bench", "bench_main", "parse"]
 

@@ -33,7 +33,7 @@ _OPERATOR_ERRORS: Final = (
     ("shard.spec.validate", "SpecError"),
     ("shard.model.config_fields", "ModelLoadError"),
     ("shard.convert.bundled", "ModelNotFound"),
-    ("shard.convert.gguf_common", "ConvertError"),  # a bad .gguf given to --model / --local
+    ("shard.convert.gguf_scan", "ConvertError"),  # a bad .gguf given to --model / --local
     ("shard.model.safetensors_header", "SafetensorsError"),  # a hostile header or index
     ("shard.model.footprint", "FootprintError"),  # plan: a checkpoint it cannot price
     ("shard.model.tokenizer", "TokenizerError"),  # --local --chat: a chat template that fails

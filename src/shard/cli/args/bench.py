@@ -1,14 +1,14 @@
 """``shard bench``'s arguments (run by ``shard.cli.bench``; also ``bench/speculation_ring.py``'s:
 ``bench_parser``), one ``add_argument`` per option in the order ``--help`` lists them. What they
-mean and how they are checked is ``shard.bench.options``."""
+mean and how they are checked is ``shard.cli.benchmark.options``."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from shard.bench.options import DEFAULT_DRAFTS, DESCRIPTION, MODES
 from shard.cli.args.base import Parser
+from shard.cli.benchmark.options import DEFAULT_DRAFTS, DESCRIPTION, MODES
 
 
 def add_bench(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -33,7 +33,8 @@ def bench_parser(prog: str) -> Parser:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    """Paths default to None: ``shard.bench.options`` resolves them against the repository."""
+    """Paths default to None: ``shard.cli.benchmark.options`` resolves them against the
+    repository."""
     p.add_argument(
         "spec",
         nargs="?",

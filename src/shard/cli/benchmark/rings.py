@@ -18,8 +18,8 @@ from typing import IO, Any
 import attrs
 import trio
 
-from shard.bench.options import Prompt
-from shard.bench.ringspec import RingBase, Speculation, base_ring_toml, free_ports
+from shard.cli.benchmark.options import Prompt
+from shard.cli.benchmark.ringspec import RingBase, Speculation, base_ring_toml, free_ports
 from shard.messages import GenerateDone, GenerateRequest
 from shard.spec.nodes import EdgeSpec
 from shard.spec.swarm import load_spec

@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 import torch
 
-from shard.bench.bound import expected_tokens
-from shard.bench.options import Prompt
+from shard.cli.benchmark.bound import expected_tokens
+from shard.cli.benchmark.options import Prompt
 from shard.convert.bundled import cache_dir
 from shard.coordinator.service import prompt_ids
 from shard.decode.draft import ModelProposer, NGramProposer, Proposer

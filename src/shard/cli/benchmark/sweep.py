@@ -21,11 +21,19 @@ from typing import IO, Any
 import attrs
 import trio
 
-from shard.bench.bound import Measured, bound
-from shard.bench.drafts import Reference
-from shard.bench.options import Options, Prompt
-from shard.bench.rings import Record, Reply, Ring, ask, decode_parts, prefill_compute, start_ring
-from shard.bench.ringspec import RingBase, Speculation
+from shard.cli.benchmark.bound import Measured, bound
+from shard.cli.benchmark.drafts import Reference
+from shard.cli.benchmark.options import Options, Prompt
+from shard.cli.benchmark.rings import (
+    Record,
+    Reply,
+    Ring,
+    ask,
+    decode_parts,
+    prefill_compute,
+    start_ring,
+)
+from shard.cli.benchmark.ringspec import RingBase, Speculation
 from shard.transport import Network
 
 

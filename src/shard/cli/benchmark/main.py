@@ -19,11 +19,11 @@ from typing import Any
 import attrs
 import trio
 
-from shard.bench import drafts, report
-from shard.bench.bound import __doc__ as BOUND_DOC
-from shard.bench.options import Options, OptionsError
-from shard.bench.ringspec import BenchSpecError, RingBase, Speculation, check_base, policy
-from shard.bench.sweep import Plan, progress, sweep
+from shard.cli.benchmark import drafts, report
+from shard.cli.benchmark.bound import __doc__ as BOUND_DOC
+from shard.cli.benchmark.options import Options, OptionsError
+from shard.cli.benchmark.ringspec import BenchSpecError, RingBase, Speculation, check_base, policy
+from shard.cli.benchmark.sweep import Plan, progress, sweep
 from shard.convert.bundled import resolve_model
 from shard.decode.draft import NGramProposer
 from shard.spec.swarm import SpecError, SwarmSpec, load_spec
