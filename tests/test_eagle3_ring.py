@@ -13,11 +13,10 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-import trio
 
 from shard.cli.errors import operator_errors
 from shard.compute.tensors import to_wire
-from shard.coordinator.coordinator import Completion
+from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.head.eagle3_check import target_states
 from shard.decode.head.eagle3_files import Eagle3Error
@@ -32,9 +31,7 @@ from shard.messages import (
 )
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
-from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.drafter import make_drafter
-from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.spec.validate import SpecError
 from shard.stage.batch import Carried, Planned, forward_batch
@@ -51,7 +48,7 @@ from test_features_ring import (
     check_observed,
     ring_run,
 )
-from test_speculation_ring import DEADLINE_S, reference, spec_for
+from test_speculation_ring import reference, spec_for, with_ring
 from test_stage_graphs import FakeCapture
 
 N_LAYERS = 4  # spec_for's ring: [0, 1) [1, 3) [3, 4)
@@ -118,15 +115,12 @@ async def swarm_run(tiny: Path, head: Path, speculation: SpeculationConfig) -> C
     spec = spec_for(tiny, "ngram")
     plan_ = attrs.evolve(spec.speculation, draft="eagle3", draft_head=str(head))
     spec = attrs.evolve(spec, speculation=plan_)
-    with trio.fail_after(DEADLINE_S):
-        async with trio.open_nursery() as nursery:
-            handle: CoordinatorHandle = await nursery.start(
-                lambda task_status: run_swarm(spec, model_dir=tiny, task_status=task_status)
-            )
-            done = await handle.coordinator.generate(
-                list(PROMPT), max_tokens=MAX_TOKENS, speculation=speculation
-            )
-            nursery.cancel_scope.cancel()
+
+    async def body(coordinator: Coordinator) -> Completion:
+        prompt = list(PROMPT)
+        return await coordinator.generate(prompt, max_tokens=MAX_TOKENS, speculation=speculation)
+
+    done: Completion = await with_ring(spec, tiny, body)
     return done
 
 

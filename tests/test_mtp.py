@@ -21,23 +21,20 @@ from typing import Any
 import attrs
 import pytest
 import torch
-import trio
 from safetensors.torch import load_file, save_file
 
 import family_fixtures
 from shard.cli.errors import operator_errors
-from shard.coordinator.coordinator import Completion
+from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.head.mtp import MtpError, MtpHead, mtp_layers
 from shard.decode.head.proposer import HeadProposer
 from shard.model.config import ModelConfig
 from shard.model.fp8 import dequantize_fp8, quantize_fp8
-from shard.nodes.coordinator import CoordinatorHandle
 from shard.nodes.drafter import make_drafter
-from shard.nodes.inprocess import run_swarm
 from shard.spec.swarm import SwarmSpec
 from shard.spec.validate import SpecError
-from test_speculation_ring import DEADLINE_S, reference, spec_for
+from test_speculation_ring import reference, spec_for, with_ring
 
 transformers = pytest.importorskip("transformers")
 family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
@@ -194,15 +191,12 @@ def test_a_block_fed_from_a_later_position_sees_nothing_before_it(
 async def swarm_run(model_dir: Path, speculation: SpeculationConfig) -> Completion:
     spec = spec_for(model_dir, "ngram")
     spec = attrs.evolve(spec, speculation=attrs.evolve(spec.speculation, draft="mtp"))
-    with trio.fail_after(DEADLINE_S):
-        async with trio.open_nursery() as nursery:
-            handle: CoordinatorHandle = await nursery.start(
-                lambda task_status: run_swarm(spec, model_dir=model_dir, task_status=task_status)
-            )
-            done = await handle.coordinator.generate(
-                list(PROMPT), max_tokens=MAX_TOKENS, speculation=speculation
-            )
-            nursery.cancel_scope.cancel()
+
+    async def body(coordinator: Coordinator) -> Completion:
+        prompt = list(PROMPT)
+        return await coordinator.generate(prompt, max_tokens=MAX_TOKENS, speculation=speculation)
+
+    done: Completion = await with_ring(spec, model_dir, body)
     return done
 
 

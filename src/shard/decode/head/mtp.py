@@ -147,7 +147,9 @@ class MtpHead(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> MtpHead:
-        """The first MTP block of the checkpoint in ``model_dir``, dense in ``dtype``.
+        """The first MTP block of the checkpoint in ``model_dir``, in ``dtype`` (a quantized
+        checkpoint's decoder layer stays stored, as a stage's would; the small tensors beside
+        it are dense).
 
         Errors: ``MtpError`` for a checkpoint that declares no MTP block, or whose block's
         tensors are missing or of the wrong shape; ``ModelLoadError`` for what the loader
