@@ -46,7 +46,7 @@ from shard.model.attention import RMSNorm, rope_tables
 from shard.model.config import ModelConfig
 from shard.model.hyper import hc_collapse, hc_head, hc_merge
 from shard.model.kvcache import KVCache
-from shard.model.linear import Linear
+from shard.model.linear import Linear, embedding
 from shard.model.llama import StageModel, TailOut
 from shard.model.v4_attention import Rows, V4Attention
 from shard.model.v4_moe import V4MoE
@@ -137,7 +137,7 @@ class V4Stage(StageModel):
         self.config, self.first, self.last = config, first, last
         self.is_first, self.is_last = first == 0, last == config.n_layers
         d, vocab = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, d) if self.is_first else None
+        self.embed_tokens = embedding(vocab, d) if self.is_first else None
         self.layers = nn.ModuleList(V4Block(config, i) for i in range(first, last))
         self._index_slots()
         self.norm = RMSNorm(d, config.rms_norm_eps) if self.is_last else None

@@ -38,7 +38,7 @@ from shard.model.attention import (
 from shard.model.config import ModelConfig
 from shard.model.deltanet import GatedDeltaNet
 from shard.model.kvcache import KVCache
-from shard.model.linear import Linear
+from shard.model.linear import Linear, embedding
 from shard.model.masks import causal_mask, static_mask
 from shard.model.mla import MLAttention
 from shard.model.moe import FeedForward, make_ffn
@@ -151,7 +151,7 @@ class StageModel(nn.Module):
         self.config, self.first, self.last = config, first, last
         self.is_first, self.is_last = first == 0, last == config.n_layers
         d, vocab = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, d) if self.is_first else None
+        self.embed_tokens = embedding(vocab, d) if self.is_first else None
         self.layers = nn.ModuleList(Block(config, i) for i in range(first, last))
         self.norm = make_norm(config, d) if self.is_last else None
         self.lm_head = Linear(d, vocab, bias=False) if self.is_last else None

@@ -28,7 +28,6 @@ __all__ = [
     "DTYPE_BYTES",
     "available_memory_bytes",
     "measure_layer_ms",
-    "warm_loader",
     "weight_bytes",
 ]
 
@@ -56,15 +55,6 @@ def available_memory_bytes(device: torch.device) -> int:
         return int(free) // 2
     pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
     return int(pages) * os.sysconf("SC_PAGE_SIZE") // 2 if pages > 0 else 0
-
-
-def warm_loader() -> None:
-    """Do now what a node's first block load would do slowly: the first module built on the
-    meta device (``shard.model.loader``) imports ``torch._dynamo``, seconds of imports that
-    hold the GIL. A joining node loads its block only once activated, while the scheduler
-    waits for its heartbeats; warmed at start-up, that load takes milliseconds."""
-    with torch.device("meta"):
-        torch.nn.Embedding(2, 2)
 
 
 def _quantize_linears(module: torch.nn.Module, kind: str, device: torch.device) -> None:

@@ -35,7 +35,7 @@ from shard.compute import offload
 from shard.messages import NodeProfile
 from shard.model.config import ModelConfig
 from shard.model.device import resolve_device, torch_dtype
-from shard.model.profile import available_memory_bytes, measure_layer_ms, warm_loader
+from shard.model.profile import available_memory_bytes, measure_layer_ms
 from shard.nodes.auditing import auditing
 from shard.nodes.defaults import with_checkpoint_weights
 from shard.nodes.fetching import fetch_common
@@ -99,7 +99,6 @@ def measure_profile(
     on node ``name``'s device for a 1-token and a (K+1)-token chunk (K: the spec's fixed K,
     else 4), and offer ``memory_bytes`` (default: half of what is free). Runs torch: call it
     in a worker thread."""
-    warm_loader()
     config = ModelConfig.from_dir(config_dir)
     runtime = spec.runtime(name)
     device = resolve_device(runtime.device, name)
