@@ -110,9 +110,23 @@ async def swarm_run(spec: Path, model_dir: Path, max_tokens: int) -> dict[str, o
     return {**record, "stderr": done.stderr}
 
 
+#: ``local_reference``'s records, by its arguments: every test here (and test_audit_procs)
+#: compares against the same few.
+_REFERENCES: dict[tuple[Path, int, int], dict[str, object]] = {}
+
+
 async def local_reference(
     model_dir: Path, max_tokens: int = MAX_TOKENS, max_len: int = MAX_LEN
 ) -> dict[str, object]:
+    """``shard generate --local --json`` of PROMPT on ``model_dir``, run once per arguments in
+    this process (a copy of the record is returned)."""
+    key = (model_dir, max_tokens, max_len)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = await _run_local(*key)
+    return dict(_REFERENCES[key])
+
+
+async def _run_local(model_dir: Path, max_tokens: int, max_len: int) -> dict[str, object]:
     done = await run_shard(
         "generate",
         "--local",

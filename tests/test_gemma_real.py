@@ -2,7 +2,8 @@
 
 The reference is transformers reading the SAME GGUF with its own reader, tensor names and norm
 handling (``load_gguf_checkpoint``, dequantized to float32 by the ``gguf`` package), never
-shard's converted directory. The file is read once by ``gguf.GGUFReader`` and that reader is
+shard's converted directory. The file is parsed once by ``gguf.GGUFReader``
+(``gemma_fixtures.gemma_reader``, shared with ``tests/test_gguf_spm.py``) and that reader is
 handed to both of transformers' passes (config, then tensors), with the 262,144-entry
 vocabulary arrays dropped: transformers would parse them value by value (about 30 s here) only
 to build its tokenizer and count the vocabulary, which is set to the arrays' length, as
@@ -29,6 +30,7 @@ import gguf
 import pytest
 import torch
 
+from gemma_fixtures import gemma_reader, read_by, without_vocab
 from procs import free_ports, run_python, run_shard
 from shard.convert.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.decode.reference import generate_reference
@@ -51,8 +53,6 @@ PROMPTS = (
     "Die Hauptstadt von Deutschland ist",
     " ".join(str(i) for i in range(160)),  # 530 tokens: past the 512-token sliding window
 )
-#: The vocabulary arrays transformers' metadata pass would parse value by value.
-_VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 
 
 @attrs.frozen
@@ -89,31 +89,22 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-class _NoVocabReader(gguf.GGUFReader):
-    """transformers' own reader, with the vocabulary arrays dropped after reading (their
-    length kept as ``vocab_size``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.vocab_size = len(self.fields[_VOCAB_ARRAYS[0]].data)
-        for key in _VOCAB_ARRAYS:
-            self.fields.pop(key, None)
-
-
-def transformers_from_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """transformers' model and state dict from the GGUF at ``path``, by its own loader
-    (``load_gguf_checkpoint``; the module docstring says what is hidden from it)."""
+def transformers_from_gguf(
+    path: Path, reader: gguf.GGUFReader | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """transformers' model and state dict from the GGUF at ``path`` (already parsed as
+    ``reader``, if given), by its own loader (``load_gguf_checkpoint``; the module docstring
+    says what is hidden from it)."""
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    reader = _NoVocabReader(path)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", lambda *_args, **_kw: reader)
+    reader = without_vocab(reader or gguf.GGUFReader(path))
+    with read_by(reader):
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)
         assert parsed["config"]["model_type"] == "gemma3_text"
         config = transformers.Gemma3TextConfig(
             **{k: v for k, v in parsed["config"].items() if k not in ("model_type", "vocab_size")},
-            vocab_size=reader.vocab_size,
+            vocab_size=reader.vocab_size,  # type: ignore[attr-defined]
             attn_implementation="eager",
         )
         model = transformers.Gemma3ForCausalLM(config).eval()
@@ -128,7 +119,7 @@ def transformers_from_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def transformers_gguf(gemma_gguf: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """transformers' model and state dict from the bundled GGUF."""
-    return transformers_from_gguf(gemma_gguf)
+    return transformers_from_gguf(gemma_gguf, gemma_reader())
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from gemma_fixtures import gemma_gguf
+from gemma_fixtures import gemma_gguf, gemma_reader, read_by
 from shard.convert.gguf_vocab import GgufVocab, VocabError, read_vocab, tokenizer_files
 from shard.model.tokenizer import StreamDecoder, Tokenizer
 
@@ -273,13 +273,14 @@ def gemma_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any
     GGUF (the independent reference)."""
     from transformers import AutoTokenizer
 
-    path = gemma_gguf()
-    vocab = read_vocab(gguf.GGUFReader(path))
+    path, reader = gemma_gguf(), gemma_reader()  # parsed once, shared with test_gemma_real
+    vocab = read_vocab(reader)
     assert vocab.model == "llama"
     assert vocab.add_bos
     assert not vocab.add_space_prefix
     ours = build(vocab, tmp_path_factory.mktemp("gemma-tok"))
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with read_by(reader):
+        theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return ours, theirs
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,18 @@ def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_tiny_head(agreeable, tmp_path_factory.mktemp("head"))
 
 
+@pytest.fixture(scope="module")
+def local_refs(agreeable: Path) -> dict[str, list[int]]:
+    """`shard generate --local --json` on ``agreeable`` for every prompt of the module, in one
+    process: each prompt's reference token ids."""
+    prompts = (*PROMPTS, *GUESSABLE)
+    local = trio.run(partial(run_python, _LOCAL, str(agreeable), *prompts, timeout_s=RUN_S))
+    assert local.returncode == 0, local.describe()
+    records = local.json_records()
+    assert len(records) == len(prompts)
+    return {p: r["token_ids"] for p, r in zip(prompts, records, strict=True)}
+
+
 def speculative_spec(path: Path, model_dir: Path, speculation: str) -> Path:
     write_spec(
         path,
@@ -113,7 +126,11 @@ def check_same_or_tie(
     ids=["model-k3-d2", "auto-adaptive", "ngram-k4-d3", "hybrid-head-k3-d2"],
 )
 async def test_speculative_swarm_run_matches_local(
-    agreeable: Path, tmp_path: Path, speculation: str, request: pytest.FixtureRequest
+    agreeable: Path,
+    local_refs: dict[str, list[int]],
+    tmp_path: Path,
+    speculation: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Multi-process speculative, pipelined decoding gives the reference's tokens (the
     hybrid: the tail's features cross real processes to the coordinator's head)."""
@@ -122,9 +139,6 @@ async def test_speculative_swarm_run_matches_local(
     spec = speculative_spec(tmp_path / "spec.toml", agreeable, speculation)
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS) + "\n")
-    local = await run_python(_LOCAL, str(agreeable), *PROMPTS, timeout_s=RUN_S)
-    assert local.returncode == 0, local.describe()
-    refs = local.json_records()
     done = await run_shard(
         "swarm", "run", str(spec), "--json", "--prompts", str(prompts_file),
         "--max-tokens", str(MAX_TOKENS), "--model", str(agreeable), timeout_s=RUN_S,
@@ -134,9 +148,9 @@ async def test_speculative_swarm_run_matches_local(
     records = done.json_records()
     assert len(records) == len(PROMPTS)
     tokenizer = Tokenizer.from_dir(agreeable)
-    for prompt, record, ref in zip(PROMPTS, records, refs, strict=True):
+    for prompt, record in zip(PROMPTS, records, strict=True):
         check_same_or_tie(
-            agreeable, tokenizer.encode(prompt), record["token_ids"], ref["token_ids"]
+            agreeable, tokenizer.encode(prompt), record["token_ids"], local_refs[prompt]
         )
     assert sum(r["stats"]["drafted"] for r in records) > 0
     if '"model"' in speculation or '"auto"' in speculation:  # a good draft for this model
@@ -195,6 +209,7 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
 )
 async def test_swarm_greedy_identical_for_every_k_and_depth(
     agreeable: Path,
+    local_refs: dict[str, list[int]],
     tmp_path: Path,
     speculation: str,
     report: Callable[[str], None],
@@ -208,9 +223,7 @@ async def test_swarm_greedy_identical_for_every_k_and_depth(
         speculation = speculation.replace("{head}", str(request.getfixturevalue("head_dir")))
     path = speculative_spec(tmp_path / "spec.toml", agreeable, speculation)
     spec = load_spec(path)
-    local = await run_python(_LOCAL, str(agreeable), *prompts, timeout_s=RUN_S)
-    assert local.returncode == 0, local.describe()
-    refs = local.json_records()
+    refs = [local_refs[p] for p in prompts]
     tokenizer = Tokenizer.from_dir(agreeable)
     prompt_ids = [tokenizer.encode(p) for p in prompts]
     drafted = accepted = runs = deepest = ties = 0
@@ -228,9 +241,7 @@ async def test_swarm_greedy_identical_for_every_k_and_depth(
                         network, str(spec.coordinator.listen), req, swarm=spec.name
                     )
                 assert done.finish_reason != "error", (k, depth, done.error)
-                ties += check_same_or_tie(
-                    agreeable, prompt_ids[i], list(done.token_ids), refs[i]["token_ids"]
-                )
+                ties += check_same_or_tie(agreeable, prompt_ids[i], list(done.token_ids), refs[i])
                 drafted += done.stats.drafted
                 accepted += done.stats.accepted
                 assert done.stats.max_depth <= depth, (k, depth, done.stats)
