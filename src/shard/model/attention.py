@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shard.model.config import ModelConfig, RopeScaling
+from shard.model.fused import joined_of
 from shard.model.kvcache import KVCache
 from shard.model.linear import Linear
 
@@ -226,7 +227,11 @@ class Attention(nn.Module):
         ``[B, S, D]`` (row-wise: ``shard.model.packed`` runs it over many sessions' rows),
         then the output gate ``[B, H, S, Dh]`` when the family has one."""
         b, s, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)  # [B, S, H*Dh], [B, S, KV*Dh]
+        qkv = joined_of(self, "qkv")  # one product where q/k/v are joined (shard.model.fused)
+        if qkv is not None:
+            q, k, v = qkv(x)  # [B, S, H*Dh], [B, S, KV*Dh], [B, S, KV*Dh]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
         if self.gated:  # per head: Dh of query then Dh of gate
             q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -235,7 +240,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, H, Dh]
         k = k.view(b, s, self.n_kv_heads, self.head_dim)  # [B, S, KV, Dh]
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if not self.qk_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H|KV, S, Dh]

@@ -36,6 +36,7 @@ from torch import nn
 
 from shard.model.attention import make_norm
 from shard.model.config import ModelConfig
+from shard.model.fused import JoinedInt4
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
@@ -444,5 +445,5 @@ def _tensors(stage: StageModel) -> Iterator[torch.Tensor]:
     for param in stage.parameters():
         yield param.data
     for module in stage.modules():
-        if isinstance(module, QuantLinear | QuantEmbedding):
+        if isinstance(module, QuantLinear | QuantEmbedding | JoinedInt4):
             yield from module.tensors()

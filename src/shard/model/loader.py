@@ -34,6 +34,7 @@ from shard.model.config import ModelConfig, ModelLoadError
 from shard.model.deltanet import GatedDeltaNet
 from shard.model.dsa import IndexWeights
 from shard.model.fp8 import fp8_weight
+from shard.model.fused import join_siblings
 from shard.model.linear import Linear
 from shard.model.llama import StageModel
 from shard.model.mla import MLAttention
@@ -66,6 +67,7 @@ def load_stage(
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
     weights: str | None = None,
+    join: bool = True,
 ) -> StageModel:
     """Build ``StageModel(config, first, last)`` with weights read from ``model_dir``.
 
@@ -76,7 +78,9 @@ def load_stage(
     ``config`` overrides the checkpoint's own (``load_truncated`` uses it to cut the layer count).
     ``weights``: how the block holds its weights (``shard.model.weights``; None: the
     checkpoint's default, ``resolve_weights``: stored for a quantized checkpoint, dense in
-    ``dtype`` for a float one). Errors: ``ModelLoadError`` for a ``weights`` that contradicts
+    ``dtype`` for a float one). ``join``: run sibling CPU int4 products (q/k/v, gate/up) as
+    one, the same bytes faster (``shard.model.fused``); False keeps them apart, the reference
+    the joined path is tested against. Errors: ``ModelLoadError`` for a ``weights`` that contradicts
     ``dtype``.
     """
     try:
@@ -120,6 +124,8 @@ def load_stage(
                 module, Attention | MLAttention | GatedDeltaNet | Router | IndexWeights | Linear
             ):
                 module.rowwise = True
+    if join:
+        join_siblings(stage)
     return stage.to(device).eval()
 
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shard.model.config import ModelConfig, MoeConfig
+from shard.model.fused import joined_of
 from shard.model.linear import Linear
 
 __all__ = ["FeedForward", "FusedExperts", "Router", "SparseMoE", "make_ffn"]
@@ -65,7 +66,9 @@ class FeedForward(nn.Module):
         self.down_proj = Linear(f, d, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(_act(self.act, self.gate_proj(x)) * self.up_proj(x))
+        gate_up = joined_of(self, "gate_up")  # one product where joined (shard.model.fused)
+        gate, up = gate_up(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        out: Tensor = self.down_proj(_act(self.act, gate) * up)
         return out
 
 

@@ -36,7 +36,7 @@ and a spot check replay a session's product bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Final, Literal
 
 import attrs
@@ -247,6 +247,16 @@ class _Int4:
         self.packed = packed
         self.scales_zeros = torch.stack((scale.T, zero.T), -1).to(dt).contiguous()
 
+    @classmethod
+    def stacked(cls, parts: Sequence[_Int4]) -> _Int4:
+        """``parts`` (same group and input width, CPU) as one weight, stacked by output row:
+        the CPU packer's layout is by row, so the packed rows are stacked as they are."""
+        joined = cls.__new__(cls)
+        joined.group = parts[0].group
+        joined.packed = torch.cat([p.packed for p in parts])
+        joined.scales_zeros = torch.cat([p.scales_zeros for p in parts], dim=1).contiguous()
+        return joined
+
     def mm(self, x: Tensor) -> Tensor:
         if x.device.type == "cuda":
             op = torch.ops.aten._weight_int4pack_mm
@@ -279,6 +289,14 @@ class QuantLinear(nn.Module):
         self._int8: tuple[Tensor, Tensor] | None = None
         self.path = self._pack(on_device)
         self.q = on_device if self.path == "dequantize" else None  # else the kernel's form only
+        #: set by ``join``: the joined product this layer is a slice of (``shard.model.fused``)
+        self.joined: tuple[nn.Module, int] | None = None
+
+    def join(self, joined: nn.Module, index: int) -> None:
+        """Run as output ``index`` of ``joined`` (a ``shard.model.fused.JoinedInt4`` that now
+        holds this layer's weight), holding nothing of its own."""
+        self._parts = []
+        self.joined = (joined, index)
 
     def _pack(self, q: Quantized) -> str:
         n, k = q.shape
@@ -306,6 +324,10 @@ class QuantLinear(nn.Module):
         return "dequantize"
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.joined is not None:  # bias None: join_siblings joins only bias-free layers
+            joined, index = self.joined
+            piece: Tensor = joined(x)[index]
+            return piece
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(self.compute)  # [R, in]
         if self._int8 is not None:
