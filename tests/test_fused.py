@@ -20,9 +20,12 @@ from shard.model.quant import QuantLinear, _cpu_pack, quantize_int4, quantize_in
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _layers(sizes: tuple[int, ...], k: int, seed: int) -> list[QuantLinear]:
+def _layers(sizes: tuple[int, ...], k: int, seed: int, kind: str) -> list[QuantLinear]:
     gen = torch.Generator().manual_seed(seed)
-    return [QuantLinear(quantize_int4(torch.randn(n, k, generator=gen))) for n in sizes]
+    weights = [torch.randn(n, k, generator=gen) for n in sizes]
+    if kind == "int4":
+        return [QuantLinear(quantize_int4(w)) for w in weights]
+    return [QuantLinear(quantize_int8(w, group=32)) for w in weights]  # int8-split
 
 
 def test_the_packer_stacks_at_its_block() -> None:
@@ -35,12 +38,14 @@ def test_the_packer_stacks_at_its_block() -> None:
         assert torch.equal(stacked, whole) == (split % PACK_BLOCK == 0), split
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8-split"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
-def test_joined_product_gives_each_siblings_bytes(rows: int) -> None:
-    """q/k/v-shaped int4 layers joined: each output equals its own layer's, bit for bit."""
+def test_joined_product_gives_each_siblings_bytes(rows: int, kind: str) -> None:
+    """q/k/v-shaped layers joined: each output equals its own layer's, bit for bit."""
     sizes = (3 * PACK_BLOCK, PACK_BLOCK, PACK_BLOCK)
-    alone = _layers(sizes, 64, seed=rows)
-    joined = JoinedInt4(_layers(sizes, 64, seed=rows))
+    alone = _layers(sizes, 64, seed=rows, kind=kind)
+    assert all(layer.path == kind for layer in alone)
+    joined = JoinedInt4(_layers(sizes, 64, seed=rows, kind=kind))
     x = torch.randn(2, rows, 64)
     got = joined(x)
     for layer, piece in zip(alone, got, strict=True):
@@ -50,13 +55,16 @@ def test_joined_product_gives_each_siblings_bytes(rows: int) -> None:
 
 
 def test_only_cpu_int4_siblings_without_bias_are_joined() -> None:
-    """An int8 sibling, a bias, another input width or a first sibling whose rows are not a
-    multiple of the packer's block keeps the layers apart; a joined sibling runs as its slice
-    of the joined product and holds nothing."""
+    """Siblings on different paths (int4 beside int8 per channel or int8-split), a bias,
+    another input width or a first sibling whose rows are not a multiple of the packer's
+    block keep the layers apart; a joined sibling runs as its slice of the joined product and
+    holds nothing."""
     owner = torch.nn.Module()
     gen = torch.Generator().manual_seed(0)
     owner.gate_proj = QuantLinear(quantize_int4(torch.randn(64, 64, generator=gen)))
     owner.up_proj = QuantLinear(quantize_int8(torch.randn(64, 64, generator=gen)))
+    assert join_siblings(owner) == 0 and joined_of(owner, "gate_up") is None
+    owner.up_proj = QuantLinear(quantize_int8(torch.randn(64, 64, generator=gen), group=32))
     assert join_siblings(owner) == 0 and joined_of(owner, "gate_up") is None
     owner.up_proj = QuantLinear(
         quantize_int4(torch.randn(64, 64, generator=gen)), bias=torch.ones(64)

@@ -1,7 +1,7 @@
 """Sibling products run as one (issue 42): a layer's q, k and v projections, and its gate and
-up projections, read the same input; where each is an int4 weight packed for the CPU kernel
-(``QuantLinear.path == "int4"``), they are joined into one product over the weights stacked
-by output row.
+up projections, read the same input; where all run on the CPU int4 kernel by the same path
+(``QuantLinear.path``: ``int4``, or ``int8-split``, an int8 weight as two int4 ones), they are
+joined into one product over the weights stacked by output row.
 
 The int4 kernel computes each output column from its own weight row alone, so a joined
 product gives every output the bytes the separate products gave (``tests/test_fused.py``
@@ -34,20 +34,25 @@ PACK_BLOCK: Final = 64
 
 
 class JoinedInt4(nn.Module):
-    """The int4 products of ``siblings`` (same input width, group and dtype, no bias) as one:
-    ``forward`` returns each sibling's output, in order."""
+    """The int4 products of ``siblings`` (one path, ``int4`` or ``int8-split``; same input
+    width, group and dtype; no bias) as one: ``forward`` returns each sibling's output, in
+    order. An ``int8-split`` weight is two int4 weights (``QuantLinear``): their high parts
+    are stacked, and their low parts, and the two products summed in float32 as there."""
 
     def __init__(self, siblings: Sequence[QuantLinear]) -> None:
         super().__init__()
-        parts = [s._parts[0] for s in siblings]
         self.in_features = siblings[0].in_features
         self.compute = siblings[0].compute
+        self.path = siblings[0].path
         self.sizes = [s.out_features for s in siblings]
-        self.part = _Int4.stacked(parts)
+        width = len(siblings[0]._parts)  # 1 (int4) or 2 (int8-split: high, low)
+        self.parts = [_Int4.stacked([s._parts[i] for s in siblings]) for i in range(width)]
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, self.in_features).to(self.compute)  # [R, in]
-        out = self.part.mm(rows).to(x.dtype)  # [R, sum of sizes]
+        outs = [p.mm(rows) for p in self.parts]  # as QuantLinear.forward
+        product = outs[0] if len(outs) == 1 else outs[0].float() + outs[1].float()
+        out = product.to(x.dtype)  # [R, sum of sizes]
         lead, pieces, at = x.shape[:-1], [], 0
         for size in self.sizes:
             pieces.append(out[:, at : at + size].contiguous().reshape(*lead, size))
@@ -56,7 +61,7 @@ class JoinedInt4(nn.Module):
 
     def tensors(self) -> list[Tensor]:
         """The stacked kernel-packed codes and scales/zeros."""
-        return [self.part.packed, self.part.scales_zeros]
+        return [t for p in self.parts for t in (p.packed, p.scales_zeros)]
 
 
 def _joinable(siblings: Sequence[nn.Module | None]) -> bool:
@@ -66,8 +71,8 @@ def _joinable(siblings: Sequence[nn.Module | None]) -> bool:
     first = lin[0]
     if any(s.out_features % PACK_BLOCK for s in lin[:-1]):
         return False
-    return all(
-        s.path == "int4"
+    return first.path in ("int4", "int8-split") and all(
+        s.path == first.path
         and s.bias is None
         and s.joined is None
         and s.in_features == first.in_features
