@@ -167,7 +167,8 @@ def summary(records: Sequence[Record]) -> list[Record]:
         ]
         med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
         decode, tg = med(ours, "decode_tok_s"), med(theirs, "tg_tok_s")
-        pp9_llama_ms = 1e3 * (K + 1) / med(theirs, "pp_tok_s")
+        pp_runs = [r for r in theirs if "pp_tok_s" in r]  # pp may crash (llama_cpp.bench)
+        pp9_llama_ms = 1e3 * (K + 1) / med(pp_runs, "pp_tok_s") if pp_runs else float("nan")
         ring = [statistics.median(r["ring_stage_ms"][i] for r in ours) for i in range(RING)]
         bound = med(ours, "read_gb_s") * 1e9 / ours[0]["gguf_bytes"]
         out.append({
