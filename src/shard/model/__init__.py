@@ -26,6 +26,7 @@ runtime never imports.
     packed.py       one forward for many sessions' chunks, each attending to its own cache
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
+    fused.py        q/k/v and gate/up int4 products joined into one, the same bytes each
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
