@@ -249,8 +249,10 @@ class _Int4:
 
     @classmethod
     def stacked(cls, parts: Sequence[_Int4]) -> _Int4:
-        """``parts`` (same group and input width, CPU) as one weight, stacked by output row:
-        the CPU packer's layout is by row, so the packed rows are stacked as they are."""
+        """``parts`` (same group and input width, CPU) as one weight, stacked by output row.
+        The CPU packer lays rows out in blocks of 64 (``shard.model.fused.PACK_BLOCK``), so
+        the packed rows stack as they are where every part but the last has a multiple of 64
+        rows; the caller (``shard.model.fused``) checks that."""
         joined = cls.__new__(cls)
         joined.group = parts[0].group
         joined.packed = torch.cat([p.packed for p in parts])
