@@ -73,5 +73,5 @@ def embedding(vocab: int, dim: int) -> nn.Embedding:
     """An ``nn.Embedding`` ``[vocab, dim]`` with its table left unset: a stage's table is
     always replaced by the checkpoint's. Built on the meta device (the loader), a plain
     ``nn.Embedding``'s random init runs through torch's reference ops and imports
-    ``torch._dynamo`` first: 1-2.5 s of every process that builds a first stage."""
+    ``torch._dynamo`` first: about 1 s of every process that builds a first stage."""
     return nn.Embedding(vocab, dim, _weight=torch.empty(vocab, dim))
