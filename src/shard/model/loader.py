@@ -118,14 +118,14 @@ def load_stage(
             _load_file(stage, model_dir / file, names, dtype, device, weights)
         if config.tie_word_embeddings:
             _tie_head(stage, device)
+        if join:  # the siblings' packed tensors it frees are load temporaries too
+            join_siblings(stage)
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
             if isinstance(
                 module, Attention | MLAttention | GatedDeltaNet | Router | IndexWeights | Linear
             ):
                 module.rowwise = True
-    if join:
-        join_siblings(stage)
     return stage.to(device).eval()
 
 
