@@ -20,6 +20,7 @@ from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
 from shard.decode.head.eagle3_check import target_states
 from shard.decode.head.eagle3_files import Eagle3Error
+from shard.decode.hybrid import HybridProposer
 from shard.messages import (
     MAX_FEATURE_LAYERS,
     ChunkSeq,
@@ -110,10 +111,13 @@ def eagle3_head(tiny: Path, path: Path, layer_ids: list[int]) -> Path:
     return write_eagle3_head(path, config, seed=3, with_embedding=False)
 
 
-async def swarm_run(tiny: Path, head: Path, speculation: SpeculationConfig) -> Completion:
-    """``PROMPT`` through a 3-stage ring whose spec drafts with the EAGLE-3 head ``head``."""
+async def swarm_run(
+    tiny: Path, head: Path, speculation: SpeculationConfig, draft: str = "eagle3"
+) -> Completion:
+    """``PROMPT`` through a 3-stage ring whose spec drafts with the EAGLE-3 head ``head``
+    (``draft`` "hybrid": the n-gram over long matches, the head elsewhere)."""
     spec = spec_for(tiny, "ngram")
-    plan_ = attrs.evolve(spec.speculation, draft="eagle3", draft_head=str(head))
+    plan_ = attrs.evolve(spec.speculation, draft=draft, draft_head=str(head))
     spec = attrs.evolve(spec, speculation=plan_)
 
     async def body(coordinator: Coordinator) -> Completion:
@@ -124,15 +128,16 @@ async def swarm_run(tiny: Path, head: Path, speculation: SpeculationConfig) -> C
     return done
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize(("draft", "depth"), [("eagle3", 1), ("eagle3", 2), ("hybrid", 2)])
 async def test_a_swarm_drafting_with_an_eagle3_head_gives_the_plain_output(
-    tiny: Path, tmp_path: Path, depth: int
+    tiny: Path, tmp_path: Path, draft: str, depth: int
 ) -> None:
-    """``draft = "eagle3"`` with a head of layers (0, 2, 3) and no ``embed_tokens``: the
-    coordinator loads it with the target's embedding, the ring returns those layers' states,
-    and greedy speculation with it gives exactly the reference output."""
+    """``draft = "eagle3"`` (or ``"hybrid"`` naming an EAGLE-3 head) with a head of layers
+    (0, 2, 3) and no ``embed_tokens``: the coordinator loads it with the target's embedding,
+    the ring returns those layers' states, and greedy speculation with it gives exactly the
+    reference output."""
     head = eagle3_head(tiny, tmp_path / "head", [0, 2, 3])
-    done = await swarm_run(tiny, head, SpeculationConfig(k=3, depth=depth))
+    done = await swarm_run(tiny, head, SpeculationConfig(k=3, depth=depth), draft)
     assert done.token_ids == reference(tiny, PROMPT, MAX_TOKENS).token_ids
     assert done.stats.drafted > 0
 
@@ -145,6 +150,7 @@ def test_a_spec_names_an_eagle3_heads_directory(tiny: Path, tmp_path: Path) -> N
         "swarm": {"name": "e3", "model": str(tiny), "insecure": True},
         "coordinator": {"name": "coord", "listen": "127.0.0.1:9100"},
         "stage": [{"name": "s0", "listen": "127.0.0.1:9101", "layers": [0, N_LAYERS]}],
+        "limits": {"max_len": 256},  # within the tiny head's 512 positions
     }
     ok = SwarmSpec.from_dict(
         {**base, "speculation": {"draft": "eagle3", "draft_head": "head"}},
@@ -152,6 +158,17 @@ def test_a_spec_names_an_eagle3_heads_directory(tiny: Path, tmp_path: Path) -> N
         base_dir=tmp_path,
     )
     assert ok.speculation.draft_head == str(head.resolve())
+    hybrid = SwarmSpec.from_dict(
+        {**base, "speculation": {"draft": "hybrid", "draft_head": "head"}},
+        source=str(tmp_path / "spec.toml"),
+        base_dir=tmp_path,
+    )
+    assert hybrid.speculation.draft_head == str(head.resolve())
+    drafter = make_drafter(hybrid, tiny)  # the hybrid over the EAGLE-3 head, not a trained head
+    assert drafter is not None
+    proposer = drafter.session([1, 2, 3])
+    assert isinstance(proposer, HybridProposer)
+    assert proposer.feature_layers == (0, 2, 3)
     for table, why in [
         ({"draft": "eagle3"}, "draft_head"),
         ({"draft": "eagle3", "draft_head": "nowhere"}, "not an EAGLE-3 head directory"),

@@ -1,4 +1,5 @@
-"""``shard draft {distill,train,path}``: build a draft (``distill``) or a draft head (``train``)
+"""``shard draft {distill,train,eagle3,path}``: build a draft (``distill``), a draft head
+(``train``) or an EAGLE-3 head (``eagle3``)
 into the cache (or ``--out``), or print where a built one is. Exit status 0, 2 with one
 ``shard draft: error:`` line, or 130 when training is interrupted (run the same command again
 to resume). The arguments are declared in ``shard.cli.args.draft``."""
@@ -20,6 +21,7 @@ import torch
 
 from shard.convert.bundled import BUNDLED, ModelNotFound, resolve_model
 from shard.decode.head.model import HeadError
+from shard.decode.head.shipped import shipped_head
 from shard.model.config import ModelLoadError
 from shard.training.distill.build import MARKER, DistillError, distill
 from shard.training.distill.cache import Recipe, cached_draft, draft_dir, is_complete, resolve_draft
@@ -37,6 +39,9 @@ def draft(args: argparse.Namespace) -> int:
     """``shard draft {distill,train,path} ...``: build a draft or a head, or print where one
     is; 0, 2 on an error, 130 when training is interrupted."""
     try:
+        if args.draft_command == "path" and (shipped := shipped_head(args.name)) is not None:
+            print(shipped)
+            return 0
         if args.draft_command == "path":
             is_head = args.name.endswith("-head") or (Path(args.name) / HEAD_MARKER).is_file()
             resolve = resolve_head if is_head else resolve_draft
@@ -44,10 +49,32 @@ def draft(args: argparse.Namespace) -> int:
             return 0
         if args.draft_command == "train":
             return train_command(args)
+        if args.draft_command == "eagle3":
+            return _eagle3_command(args)
         return _distill_command(args)
-    except (DistillError, HeadError, ModelNotFound, ModelLoadError) as exc:
+    except (DistillError, HeadError, ModelNotFound, ModelLoadError, FileExistsError) as exc:
         print(f"shard draft: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _eagle3_command(args: argparse.Namespace) -> int:
+    from shard.training.eagle3.run import DataPlan, build_eagle3
+    from shard.training.eagle3.train import Eagle3Recipe
+
+    torch.set_num_threads(args.threads)
+    target_dir = resolve_model(args.target)
+    plan = DataPlan(tokens=args.tokens, seed=args.seed)
+    recipe = Eagle3Recipe(draft_vocab=args.draft_vocab, seed=args.seed)
+    report = build_eagle3(
+        target_dir, args.out, plan=plan, recipe=recipe, minutes=args.minutes, data=args.data
+    )
+    m = report["measured"]
+    print(
+        f"wrote {args.out}: α per draft {' '.join(f'{a:.2f}' for a in m['alpha'])}, "
+        f"tokens per verify of K = 1..4 {' '.join(f'{c:.2f}' for c in m['committed'])} over "
+        f"{m['starts']} held-out starts; {m['draft_ms']:.1f} ms per drafted token"
+    )
+    return 0
 
 
 def _distill_command(args: argparse.Namespace) -> int:

@@ -36,10 +36,10 @@ def make_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter | None:
     plan = spec.speculation
     if plan.draft == "none":
         return None
+    if plan.draft == "eagle3" or (plan.uses_head and _eagle3_named(plan.draft_head)):
+        return _eagle3_drafter(spec, model_dir)
     if plan.uses_head:
         return _head_drafter(spec)
-    if plan.draft == "eagle3":
-        return _eagle3_drafter(spec, model_dir)
     if plan.draft == "mtp":
         return _mtp_drafter(spec, model_dir)
     if plan.draft == "oracle":
@@ -99,8 +99,16 @@ def _head_drafter(spec: SwarmSpec) -> Drafter:
     return Drafter(factory, device=device)
 
 
+def _eagle3_named(head: str | None) -> bool:
+    from shard.decode.head.shipped import is_eagle3_dir
+
+    return head is not None and is_eagle3_dir(Path(head))
+
+
 def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
-    """``draft = "eagle3"``: the spec's EAGLE-3 head on the coordinator's device, in fp32,
+    """``draft = "eagle3"``, or ``"head"``/``"hybrid"`` naming an EAGLE-3 head (the hybrid:
+    the n-gram over long matches, the head elsewhere): the spec's EAGLE-3 head on the
+    coordinator's device, in fp32,
     checked against the target (vocabulary, width, layers: ``Eagle3Error`` before the swarm
     starts). A head without ``embed_tokens`` gets the target's, read from the model's files
     (its first stage of one layer, dropped once the table is out). Each session asks the
@@ -128,7 +136,13 @@ def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
     layers = head.config.layers_for(target.n_layers)
     log.info("EAGLE-3 head %s reads the states entering layers %s", path, list(layers))
     max_len = spec.limits.max_len
-    return Drafter(lambda prompt: HeadProposer(head, max_len=max_len, layers=layers), device=device)
+    hybrid = plan.draft == "hybrid"
+
+    def factory(prompt: Sequence[int]) -> Proposer:
+        proposer = HeadProposer(head, max_len=max_len, layers=layers)
+        return HybridProposer(proposer) if hybrid else proposer
+
+    return Drafter(factory, device=device)
 
 
 def _mtp_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:

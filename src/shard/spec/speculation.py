@@ -7,10 +7,12 @@ draft = "auto"          # none | ngram | model | auto (n-gram and model, chosen 
                         # over long matches, the head elsewhere)
 draft_layers = 6        # model draft = the target's first N layers + its head, or
 draft_model = "path"    # a separate checkpoint sharing the target's tokenizer
-draft_head = "smollm2-head"  # head / hybrid: a head directory, or <bundled model>-head (the
+draft_head = "smollm2-head"  # head / hybrid: a head directory, <bundled model>-head (the
                         # default: built on first use by `shard draft train`, then cached)
+                        # or a shipped EAGLE-3 head, "smollm2-eagle3"
 # draft = "eagle3" with draft_head = "DIR": a published EAGLE-3 head (SpecForge's layout) fed
-#   the target's layer states, which the stages holding its layers send along
+#   the target's layer states, which the stages holding its layers send along; the bundled
+#   SmolLM2's default is the shipped "smollm2-eagle3"
 # draft = "mtp": the checkpoint's own MTP block (DeepSeek-V3, GLM-4.5), fed the tail's features
 # draft = "oracle" with oracle_file = "refs.json": replays prior reference runs (benchmarks only)
 k = "auto"              # drafted tokens per chunk: "auto" (adaptive) or 0..k_max (0 = plain)
@@ -28,6 +30,7 @@ from typing import Final
 import attrs
 
 from shard.decode.control import SpeculationConfig
+from shard.decode.head.shipped import is_eagle3_dir, shipped_head
 from shard.spec.swarm_table import BUNDLED_MODELS
 from shard.spec.validate import Table
 
@@ -138,41 +141,44 @@ def read_speculation(
 
 
 def _draft_head(table: Table, draft: str, base_dir: Path | None, model: str | None) -> str | None:
-    """A head draft's head: ``draft_head`` as a directory (relative to the spec) or a head
-    name, by default ``<model>-head`` for a bundled model. Its training is not checked here:
-    the coordinator builds a missing named head when it starts (``resolve_head``)."""
+    """A head draft's head: ``draft_head`` as a directory (relative to the spec), a shipped
+    EAGLE-3 head's name (``<model>-eagle3``, resolved to its directory) or a trained head's
+    name (``<model>-head``). Defaults for a bundled model: ``<model>-eagle3`` for eagle3,
+    ``<model>-head`` for head and hybrid. A trained head's training is not checked here: the
+    coordinator builds a missing named head when it starts (``resolve_head``)."""
     text = table.raw("draft_head", None)
-    if draft == "eagle3":
-        text = table.string("draft_head", example='"path/to/eagle3-head"')
-        path = Path(text).expanduser()
-        path = path if path.is_absolute() else (base_dir or Path.cwd()) / path
-        if not path.is_dir():
-            raise table.error("draft_head", f"{str(path)!r} is not an EAGLE-3 head directory")
-        return str(path.resolve())
-    if draft not in ("head", "hybrid"):
+    if draft not in ("head", "hybrid", "eagle3"):
         if text is not None:
             raise table.error(
                 "draft_head", 'only meaningful with draft = "head", "hybrid" or "eagle3"'
             )
         return None
     if text is None:
-        if model not in BUNDLED_MODELS:
+        default = f"{model}-eagle3" if draft == "eagle3" else f"{model}-head"
+        if model not in BUNDLED_MODELS or (draft == "eagle3" and shipped_head(default) is None):
             raise table.error(
                 "draft_head",
-                f'draft = "{draft}" on a model that is not bundled needs draft_head = "DIR" '
-                "(a head trained with `shard draft train --target MODEL --out DIR`)",
+                f'draft = "{draft}" on a model with no head of its own needs draft_head = '
+                '"DIR" (a head trained with `shard draft train --target MODEL --out DIR`, or '
+                "an EAGLE-3 head in SpecForge's layout)",
             )
-        return f"{model}-head"
-    text = table.string("draft_head", example='"smollm2-head"')
+        text = default
+    else:
+        text = table.string("draft_head", example='"smollm2-eagle3"')
+    if (shipped := shipped_head(text)) is not None:
+        return str(shipped)
     path = Path(text).expanduser()
     if not path.is_absolute():
         path = (base_dir if base_dir is not None else Path.cwd()) / path
-    if path.is_dir():
+    if draft == "eagle3" or path.is_dir():
+        if not is_eagle3_dir(path) and draft == "eagle3":
+            raise table.error("draft_head", f"{str(path)!r} is not an EAGLE-3 head directory")
         return str(path.resolve())
     if text.endswith("-head") and "/" not in text:
         return text  # a name: resolved (and built if missing) when the coordinator starts
     raise table.error(
-        "draft_head", f"{text!r} is neither a head directory nor a head name like smollm2-head"
+        "draft_head",
+        f"{text!r} is neither a head directory nor a head name like smollm2-head",
     )
 
 

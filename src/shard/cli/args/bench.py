@@ -57,7 +57,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--head",
         help="the head and hybrid drafts' head: a directory or a head name (default "
-        "<model>-head, which must be built: shard draft train)",
+        "<model>-head, which must be built: shard draft train), or an EAGLE-3 head: its "
+        "directory or a shipped one's name (smollm2-eagle3)",
     )
     p.add_argument(
         "--latencies", default="0,10,25,50", help="one-way ms per ring edge (default 0,10,25,50)"

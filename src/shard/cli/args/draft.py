@@ -1,4 +1,4 @@
-"""``shard draft {distill,train,path}``'s arguments: the draft family of the command table
+"""``shard draft {distill,train,eagle3,path}``'s arguments: the draft family of the command table
 (run by ``shard.cli.draft``).
 
 Its defaults live in the training modules (which import torch), so the arguments are added
@@ -24,11 +24,15 @@ def add_draft(sub: argparse._SubParsersAction[Parser]) -> None:
 
 
 def _draft_commands(draft: Parser) -> None:
-    dsub = draft.add_subparsers(dest="draft_command", required=True, metavar="{distill,train,path}")
-    distill, train = _add_distill(dsub), _add_train(dsub)
+    dsub = draft.add_subparsers(
+        dest="draft_command", required=True, metavar="{distill,train,eagle3,path}"
+    )
+    distill, train, eagle3 = _add_distill(dsub), _add_train(dsub), _add_eagle3(dsub)
     path = dsub.add_parser("path", help="print the directory of a built draft or head")
-    path.add_argument("name", help="e.g. smollm2-distilled, smollm2-distilled-4L, smollm2-head")
-    for parser in (distill, train, path):
+    path.add_argument(
+        "name", help="e.g. smollm2-distilled, smollm2-distilled-4L, smollm2-head, smollm2-eagle3"
+    )
+    for parser in (distill, train, eagle3, path):
         parser.reports = "shard draft"
 
 
@@ -112,4 +116,38 @@ def _add_train(dsub: argparse._SubParsersAction[Parser]) -> Parser:
     p.add_argument("--out", type=Path, help="a new directory instead of the cache")
     p.add_argument("--force", action="store_true", help="retrain a cached head")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _add_eagle3(dsub: argparse._SubParsersAction[Parser]) -> Parser:
+    from shard.training.eagle3.run import DataPlan
+    from shard.training.eagle3.train import Eagle3Recipe
+
+    plan, recipe = DataPlan(), Eagle3Recipe()
+    p = dsub.add_parser(
+        "eagle3",
+        help="train an EAGLE-3 head for a target, in the published layout (about an hour, CPU)",
+        description="Continue varied prompts with the target (greedy and at low temperatures) "
+        "keeping the states entering three of its layers, train an EAGLE-3 head on them with "
+        "the training-time test, measure chained acceptance on held-out prompts, and write "
+        "the head as SpecForge does (config.json, model.safetensors, train.json). The text "
+        "is cached and reused. How the shipped smollm2-eagle3 head was made.",
+    )
+    p.add_argument(
+        "--target", default="smollm2", help="bundled name, checkpoint dir or .gguf (smollm2)"
+    )
+    p.add_argument("--out", type=Path, required=True, help="a new directory for the head")
+    p.add_argument(
+        "--tokens", type=int, default=plan.tokens, help=f"positions of text ({plan.tokens})"
+    )
+    p.add_argument("--minutes", type=float, default=20.0, help="of training (20)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=recipe.draft_vocab,
+        help=f"the head's vocabulary: the target's most written tokens ({recipe.draft_vocab})",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling, training")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    p.add_argument("--data", type=Path, help="where the text is cached (default: the cache)")
     return p

@@ -247,11 +247,18 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def _head_dir(opts: Options, base: SwarmSpec) -> Path:
-    """The head the head and hybrid drafts use: ``--head``, else ``<model>-head`` (never
-    built here: a bench run that trains for minutes first would time everything wrong)."""
+    """The head the head and hybrid drafts use: ``--head`` (a trained head's name or
+    directory, or an EAGLE-3 head's: a shipped name such as ``smollm2-eagle3`` or a
+    directory), else ``<model>-head`` (never built here: a bench run that trains for minutes
+    first would time everything wrong)."""
+    from shard.decode.head.shipped import is_eagle3_dir, shipped_head
     from shard.training.head.cache import HeadNotFound, resolve_head
 
     name = opts.head or f"{base.model}-head"
+    if (shipped := shipped_head(name)) is not None:
+        return shipped
+    if is_eagle3_dir(Path(name).expanduser()):
+        return Path(name).expanduser().resolve()
     try:
         return resolve_head(name, build=False)
     except HeadNotFound as exc:
