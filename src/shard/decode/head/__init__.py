@@ -13,6 +13,8 @@ the target's features and proposes the next tokens. Training it is offline work,
                   layer indices are off by one (``check_layers``)
     mtp.py        ``MtpHead``: a checkpoint's own MTP block (DeepSeek-V3, GLM-4.5) read from
                   the target's files, fed the same final-norm features as ``DraftHead``
+    shipped.py    heads shipped in the package (``shipped_heads/<name>/``, e.g.
+                  ``smollm2-eagle3``), named in a spec by their directory's name
     proposer.py   ``HeadProposer`` (either head): ``observe`` features, ``propose`` (greedy) or
                   ``propose_sampled`` (draws from its own q and returns it)
 """

@@ -1,4 +1,4 @@
-"""Draft heads shipped inside the package: ``shipped/<model>-eagle3/``, EAGLE-3 heads in
+"""Draft heads shipped inside the package: ``shipped_heads/<model>-eagle3/``, EAGLE-3 heads in
 their published layout (``config.json`` + ``model.safetensors``, the target's embedding left
 out), each with the ``train.json`` that says how it was made (``shard draft eagle3``).
 
@@ -15,7 +15,7 @@ from shard.decode.head.eagle3_files import ARCHITECTURES, CONFIG_FILE
 
 __all__ = ["SHIPPED", "is_eagle3_dir", "shipped_head"]
 
-SHIPPED = Path(__file__).parent / "shipped"
+SHIPPED = Path(__file__).parent / "shipped_heads"
 _MAX_CONFIG_BYTES = 1 << 20
 
 
