@@ -29,8 +29,11 @@ import torch
 
 from shard.convert.bundled import resolve_model
 from shard.decode.draft import NGramProposer
+from shard.decode.head.eagle3 import Eagle3Head
+from shard.decode.head.eagle3_check import target_states
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
+from shard.decode.head.shipped import is_eagle3_dir, shipped_head
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
@@ -44,7 +47,12 @@ CAP = 8  # the lookup's window: a match never lines up more tokens than this
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--head", type=Path, required=True, help="a head directory (shard draft train)")
+    p.add_argument(
+        "--head",
+        required=True,
+        help="a head directory (shard draft train), or an EAGLE-3 head's (or a shipped name: "
+        "smollm2-eagle3)",
+    )
     p.add_argument("--model", default="smollm2", help="the target: bundled name or directory")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "hybrid_match.json")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     target_dir = resolve_model(args.model)
     target = load_stage(target_dir, 0, ModelConfig.from_dir(target_dir).n_layers)
-    head = DraftHead.load(args.head)
+    head, layers = _head(args.head, target_dir, target.config.n_layers)
     bench = tomllib.loads(PROMPTS.read_text())["prompt"]
     prompts = [("chat" if b.get("chat") else "plain", b["text"], b["set"]) for b in bench]
     prompts += [(kind, text, "held-out") for kind, text in HELD_OUT]
@@ -65,13 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     lookup = NGramProposer()
     # set -> match length -> [positions, lookup right, head right]
     counts: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
-    for (_, _, group), (ids, feats, prompt_len) in zip(
-        prompts, reference_features(target, runs), strict=True
-    ):
+    if layers:  # an EAGLE-3 head reads the states entering its layers
+        with torch.inference_mode():
+            refs = [
+                (ids, target_states(target, ids, layers)[0].float(), p)
+                for ids, _, p in reference_features(target, runs)
+            ]
+    else:
+        refs = reference_features(target, runs)
+    for (_, _, group), (ids, feats, prompt_len) in zip(prompts, refs, strict=True):
         stream = ids.tolist()
         proposer = HeadProposer(head, max_len=len(stream) + 2)
         first = max(prompt_len - 1, 1)
-        lo = max(0, first - 1 - head.config.window)
+        lo = max(0, first - 1 - head.feature_window)
         proposer.observe(lo, feats[lo : first - 1])
         for m in range(first, len(stream) - 1):
             proposer.observe(m - 1, feats[m - 1 : m])
@@ -120,6 +134,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{group:9s} {cells}")
     print("shortest match where lookup beats the head:", result["shortest_match_where_lookup_wins"])
     return 0
+
+
+def _head(
+    name: str, target_dir: Path, n_layers: int
+) -> tuple[DraftHead | Eagle3Head, tuple[int, ...]]:
+    """The head and, for an EAGLE-3 head, the target layers it reads (else none)."""
+    path = shipped_head(name) or Path(name)
+    if not is_eagle3_dir(path):
+        return DraftHead.load(path), ()
+    first = load_stage(target_dir, 0, 1, dtype=torch.float32)
+    assert first.embed_tokens is not None
+    with torch.inference_mode():
+        table = first.embed_tokens(torch.arange(first.config.vocab_size))
+    head = Eagle3Head.load(path, embedding=table)
+    return head, head.config.layers_for(n_layers)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ The rules (each package's ``__init__`` docstring says the same):
   WebSockets, msgpack or zstd);
 - ``shard.wire`` is the one frame codec: it imports only ``shard.messages`` and ``shard.errors``;
 - ``shard.messages`` is plain data and imports no other shard package; ``shard.spec`` is plain
-  data too (no torch, no network), reading public keys with ``shard.trust.identity`` and
-  building the K/D policy record of ``shard.decode.control`` (a pure module) and planning its
-  ring with ``shard.placement`` (pure: ``shard.spec.layout``);
+  data too (no torch, no network), reading public keys with ``shard.trust.identity``,
+  building the K/D policy record of ``shard.decode.control`` (a pure module), finding shipped
+  draft heads with ``shard.decode.head.shipped`` (pure) and planning its ring with
+  ``shard.placement`` (pure: ``shard.spec.layout``);
 - the pure decode cores (``shard.decode``) import nothing from nodes, coordinator, failover,
   formation, membership, stage, transport, the CLI or the offline draft training
   (``shard.training``);
@@ -81,7 +82,8 @@ RULES = (
     Rule("shard.wire", ("shard.",), allowed=("shard.wire", "shard.messages", "shard.errors")),
     Rule("shard.messages", ("shard.",), allowed=("shard.messages",)),
     # A spec names public keys: it parses them with the identity module (pure crypto). Its
-    # [speculation] K/D policy is the controller's own record (shard.decode.control: pure);
+    # [speculation] K/D policy is the controller's own record (shard.decode.control: pure),
+    # and a shipped draft head's name is resolved by shard.decode.head.shipped (pure: paths);
     # its ring is planned by shard.placement (pure: shard.spec.layout).
     Rule(
         "shard.spec",
@@ -91,6 +93,7 @@ RULES = (
             "shard.messages",
             "shard.trust.identity",
             "shard.decode.control",
+            "shard.decode.head.shipped",
             "shard.placement",
         ),
     ),

@@ -61,13 +61,31 @@ def _eagle3_command(args: argparse.Namespace) -> int:
     from shard.training.eagle3.run import DataPlan, build_eagle3
     from shard.training.eagle3.train import Eagle3Recipe
 
+    for flag, value, low in [
+        ("--tokens", args.tokens, 1),
+        ("--minutes", args.minutes, 0.01),
+        ("--draft-vocab", args.draft_vocab, 2),
+        ("--threads", args.threads, 1),
+    ]:
+        if value < low:
+            print(f"shard draft: error: {flag} must be at least {low:g}", file=sys.stderr)
+            return 2
     torch.set_num_threads(args.threads)
     target_dir = resolve_model(args.target)
     plan = DataPlan(tokens=args.tokens, seed=args.seed)
     recipe = Eagle3Recipe(draft_vocab=args.draft_vocab, seed=args.seed)
-    report = build_eagle3(
-        target_dir, args.out, plan=plan, recipe=recipe, minutes=args.minutes, data=args.data
-    )
+    try:
+        with _sigterm_interrupts():
+            report = build_eagle3(
+                target_dir, args.out, plan=plan, recipe=recipe, minutes=args.minutes, data=args.data
+            )
+    except KeyboardInterrupt:
+        print(
+            "shard draft eagle3: interrupted; the text made so far is kept (run the same "
+            "command again: it makes only what is missing, then trains from the start)",
+            file=sys.stderr,
+        )
+        return 130
     m = report["measured"]
     print(
         f"wrote {args.out}: α per draft {' '.join(f'{a:.2f}' for a in m['alpha'])}, "

@@ -88,7 +88,8 @@ def read_speculation(
     table: Table, base_dir: Path | None, *, swarm_model: str | None = None
 ) -> SpeculationSpec:
     """Validate ``[speculation]`` (an absent table reads as plain decoding); ``swarm_model``
-    is the swarm's (a bundled name gives head drafts their default, ``<model>-head``)."""
+    is the swarm's (a bundled name gives head drafts their default, ``<model>-head``, and
+    EAGLE-3 drafts ``<model>-eagle3`` where one is shipped)."""
     draft = table.string("draft", default="none", example='"auto"')
     if draft not in DRAFT_KINDS:
         raise table.error("draft", f"unknown draft {draft!r}; use one of {', '.join(DRAFT_KINDS)}")

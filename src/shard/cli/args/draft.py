@@ -140,7 +140,7 @@ def _add_eagle3(dsub: argparse._SubParsersAction[Parser]) -> Parser:
     p.add_argument(
         "--tokens", type=int, default=plan.tokens, help=f"positions of text ({plan.tokens})"
     )
-    p.add_argument("--minutes", type=float, default=20.0, help="of training (20)")
+    p.add_argument("--minutes", type=float, default=30.0, help="of training (30)")
     p.add_argument(
         "--draft-vocab",
         type=int,

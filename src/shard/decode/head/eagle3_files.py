@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from shard.decode.head.shipped import ARCHITECTURES, CONFIG_FILE
 from shard.model.config import ModelConfig
 from shard.model.config_fields import ModelLoadError
 
@@ -32,9 +33,7 @@ __all__ = [
     "read_checked",
 ]
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _FLOATS = ("F16", "BF16", "F32")
 
 

@@ -3,7 +3,8 @@ their published layout (``config.json`` + ``model.safetensors``, the target's em
 out), each with the ``train.json`` that says how it was made (``shard draft eagle3``).
 
 A spec names one by its directory's name (``draft_head = "smollm2-eagle3"``); it is the
-default EAGLE-3 head of the bundled model it was trained for.
+default EAGLE-3 head of the bundled model it was trained for. Pure (paths and JSON, no
+torch), so the spec reader resolves names with it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shard.decode.head.eagle3_files import ARCHITECTURES, CONFIG_FILE
+__all__ = ["ARCHITECTURES", "CONFIG_FILE", "SHIPPED", "is_eagle3_dir", "shipped_head"]
 
-__all__ = ["SHIPPED", "is_eagle3_dir", "shipped_head"]
+CONFIG_FILE = "config.json"
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+"""What an EAGLE-3 head's ``config.json`` names as its architecture (SpecForge's, vLLM's)."""
 
 SHIPPED = Path(__file__).parent / "shipped_heads"
 _MAX_CONFIG_BYTES = 1 << 20

@@ -141,7 +141,7 @@ def train(
     return {
         "steps": step,
         "seconds": round(time.perf_counter() - began, 1),
-        "loss_last": losses[-1],
+        "loss_last": losses[-1] if losses else None,
     }
 
 
