@@ -19,7 +19,8 @@ from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.drafter import make_drafter
-from shard.spec.swarm import load_spec
+from shard.spec.swarm import SwarmSpec, load_spec
+from shard.spec.validate import SpecError
 from test_eagle3 import speculate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -73,3 +74,24 @@ def test_speculation_with_the_shipped_head_is_lossless_on_smollm2(
     assert got == list(want)
     # 18 of 42 here; a random head's drafts are all but never accepted
     assert accepted >= 0.25 * drafted
+
+
+def test_an_eagle3_draft_on_smollm2_defaults_to_the_shipped_head(tmp_path: Path) -> None:
+    """``draft = "eagle3"`` with no ``draft_head`` on the bundled SmolLM2 reads the shipped
+    head; the hybrid and the plain head may name it; a name nothing ships is refused."""
+
+    def spec(speculation: dict[str, str]) -> SwarmSpec:
+        data = {
+            "swarm": {"name": "e", "model": "smollm2", "insecure": True},
+            "coordinator": {"name": "coord", "listen": "127.0.0.1:9300"},
+            "stage": [{"name": "s0", "listen": "127.0.0.1:9301"}],
+            "speculation": speculation,
+        }
+        return SwarmSpec.from_dict(data, source="spec.toml", base_dir=tmp_path)
+
+    assert spec({"draft": "eagle3"}).speculation.draft_head == str(HEAD)
+    for draft in ("hybrid", "head"):
+        named = spec({"draft": draft, "draft_head": "smollm2-eagle3"})
+        assert named.speculation.draft_head == str(HEAD)
+    with pytest.raises(SpecError, match="not an EAGLE-3 head directory"):
+        spec({"draft": "eagle3", "draft_head": "gemma3-270m-eagle3"})
