@@ -24,7 +24,7 @@ from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.training.distill.train import HELD_OUT
 from shard.training.eagle3.data import sample_batch
-from shard.training.eagle3.measure import chained_acceptance
+from shard.training.head.measure import chained_acceptance
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,6 @@
     train.py      the training-time test: the unrolled forward (``unrolled``) and its loss
     build.py      a new head started from the target's head rows, the training loop, and
                   the files in SpecForge's layout (``save_head``)
-    measure.py    chained acceptance along held-out greedy continuations, through
-                  ``HeadProposer``
-    run.py        ``build_eagle3``: all of it, end to end
+    run.py        ``build_eagle3``: all of it, end to end (measured with the feature
+                  head's ``shard.training.head.measure.chained_acceptance``)
 """

@@ -6,8 +6,9 @@
               ``<cache>/drafts/eagle3-data/<target>-<key>/`` and reused by later runs
     train     ``build.train``: the training-time test (three unrolled steps) for a budget
               of minutes, the readout scored against the target's distribution
-    measure   ``measure.chained_acceptance`` along the target's greedy continuations of
-              the held-out prompts (``HELD_OUT``), through ``HeadProposer``
+    measure   chained acceptance (``shard.training.head.measure``) along the target's
+              greedy continuations of the held-out prompts (``HELD_OUT``), through
+              ``HeadProposer``
     publish   ``build.save_head``: SpecForge's layout, with ``train.json`` beside it
 
 The shipped ``smollm2-eagle3`` head (``shard.decode.head.shipped``) was made by this, with
@@ -37,9 +38,9 @@ from shard.model.tokenizer import Tokenizer
 from shard.training.distill.train import HELD_OUT
 from shard.training.eagle3.build import draft_vocabulary, head_config, new_head, save_head, train
 from shard.training.eagle3.data import ChunkStore, fill, sample_batch
-from shard.training.eagle3.measure import chained_acceptance
 from shard.training.eagle3.prompts import vocabulary_words
 from shard.training.eagle3.train import Eagle3Recipe
+from shard.training.head.measure import chained_acceptance
 
 __all__ = ["DataPlan", "build_eagle3", "data_dir"]
 

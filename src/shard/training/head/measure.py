@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from shard.decode.draft import ModelProposer
+from shard.decode.head.eagle3 import Eagle3Head
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
 from shard.model.llama import StageModel
@@ -64,14 +65,19 @@ def measure_head(target: StageModel, tokenizer: Tokenizer, head: DraftHead) -> M
 
 
 def chained_acceptance(
-    head: DraftHead, refs: list[tuple[torch.Tensor, torch.Tensor, int]], depth: int = DEPTH
+    head: DraftHead | Eagle3Head,
+    refs: list[tuple[torch.Tensor, torch.Tensor, int]],
+    depth: int = DEPTH,
 ) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
     """(starts, α per draft, committed per K) of ``head`` along ``refs``
-    (``train.reference_features``: stream ids, target features, prompt length).
+    (``train.reference_features``: stream ids, target features, prompt length; for an
+    EAGLE-3 head, the states entering its layers in place of the features).
 
     At each start ``m`` (``x_{m+1}`` in the continuation) one proposer, fed the features up
-    to ``m - 1``, drafts ``depth`` tokens from ``x_0..x_m``.
+    to ``m - 1`` (a prompt's last window of them, as the ring sends), drafts ``depth`` tokens
+    from ``x_0..x_m``.
     """
+    window = head.config.window if isinstance(head, DraftHead) else head.feature_window
     hits, tried = [0] * depth, [0] * depth
     runs = [0] * (depth + 1)
     starts = 0
@@ -79,7 +85,7 @@ def chained_acceptance(
         stream = ids.tolist()
         proposer = HeadProposer(head, max_len=len(stream) + depth + 1)
         first = max(p - 1, 1)
-        lo = max(0, first - 1 - head.config.window)
+        lo = max(0, first - 1 - window)
         proposer.observe(lo, feats[lo : first - 1])
         for m in range(first, len(stream) - 1):
             if m - 1 >= first - 1:
