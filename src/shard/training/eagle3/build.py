@@ -24,7 +24,8 @@ from torch import Tensor
 from shard.decode.head.eagle3 import Eagle3Head
 from shard.decode.head.eagle3_files import CONFIG_FILE, WEIGHTS_FILE, Eagle3Config
 from shard.training.eagle3.data import Batch
-from shard.training.eagle3.train import Eagle3Recipe, loss_mask, lr_at, step_loss, unrolled
+from shard.training.eagle3.train import Eagle3Recipe, loss_mask, step_loss, unrolled
+from shard.training.head.train import lr_at
 
 __all__ = ["draft_vocabulary", "head_config", "new_head", "save_head", "train"]
 

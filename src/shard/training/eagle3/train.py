@@ -15,8 +15,6 @@ Every step keeps the teacher's token ``x_{p+1}`` as input and the same label.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import torch
 import torch.nn.functional as F
@@ -138,10 +136,3 @@ def step_loss(
         total = total + weights[j] / sum(weights) * ce
         agree.append(float((logits.detach().argmax(-1) == best).float().mean()))
     return total, agree
-
-
-def lr_at(done: float, peak: float) -> float:
-    """Warm-up over the first 3 %, then cosine to a tenth of ``peak``."""
-    if done < 0.03:
-        return peak * (done + 0.005) / 0.035
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
