@@ -17,7 +17,7 @@ def add_draft(sub: argparse._SubParsersAction[Parser]) -> None:
     """The ``draft`` subcommand; its own subcommands are added when it parses."""
     draft = sub.add_parser(
         "draft",
-        help="build drafts for a target (`shard draft distill`, `shard draft train`)",
+        help="build drafts for a target (`shard draft distill`, `train`, `eagle3`)",
         description="Build and find draft models.",
     )
     draft.reports, draft.strict, draft.populate = "shard draft", True, _draft_commands
