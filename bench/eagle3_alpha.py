@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from shard.convert.bundled import resolve_model
-from shard.decode.head.eagle3 import Eagle3Head
+from shard.decode.head.eagle3 import Eagle3Head, target_embedding
 from shard.decode.head.shipped import shipped_head
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
@@ -39,10 +39,7 @@ def main() -> None:
     d = resolve_model("smollm2")
     n = ModelConfig.from_dir(d).n_layers
     tok = Tokenizer.from_dir(d)
-    first = load_stage(d, 0, 1, dtype=torch.float32)
-    assert first.embed_tokens is not None
-    with torch.inference_mode():
-        table = first.embed_tokens(torch.arange(first.config.vocab_size))
+    table = target_embedding(d)
     path = shipped_head(args.head) or Path(args.head)
     head = Eagle3Head.load(path, embedding=table)
     layers = head.config.layers_for(n)

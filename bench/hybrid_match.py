@@ -29,7 +29,7 @@ import torch
 
 from shard.convert.bundled import resolve_model
 from shard.decode.draft import NGramProposer
-from shard.decode.head.eagle3 import Eagle3Head
+from shard.decode.head.eagle3 import Eagle3Head, target_embedding
 from shard.decode.head.eagle3_check import target_states
 from shard.decode.head.model import DraftHead
 from shard.decode.head.proposer import HeadProposer
@@ -143,10 +143,7 @@ def _head(
     path = shipped_head(name) or Path(name)
     if not is_eagle3_dir(path):
         return DraftHead.load(path), ()
-    first = load_stage(target_dir, 0, 1, dtype=torch.float32)
-    assert first.embed_tokens is not None
-    with torch.inference_mode():
-        table = first.embed_tokens(torch.arange(first.config.vocab_size))
+    table = target_embedding(target_dir)
     head = Eagle3Head.load(path, embedding=table)
     return head, head.config.layers_for(n_layers)
 

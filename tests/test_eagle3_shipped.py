@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from shard.decode.head.eagle3 import Eagle3Head
+from shard.decode.head.eagle3 import Eagle3Head, target_embedding
 from shard.decode.head.shipped import shipped_head
 from shard.decode.hybrid import HybridProposer
 from shard.decode.reference import generate_reference
@@ -32,11 +31,7 @@ HEAD = shipped_head("smollm2-eagle3")
 @pytest.fixture(scope="module")
 def head(smollm2_dir: Path) -> Eagle3Head:
     assert HEAD is not None, "the shipped head is missing from the package"
-    stage = load_stage(smollm2_dir, 0, 1, dtype=torch.float32)
-    assert stage.embed_tokens is not None
-    with torch.inference_mode():
-        table = stage.embed_tokens(torch.arange(stage.config.vocab_size))
-    loaded = Eagle3Head.load(HEAD, embedding=table)
+    loaded = Eagle3Head.load(HEAD, embedding=target_embedding(smollm2_dir))
     loaded.config.check_target(ModelConfig.from_dir(smollm2_dir))
     return loaded
 

@@ -113,9 +113,8 @@ def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
     starts). A head without ``embed_tokens`` gets the target's, read from the model's files
     (its first stage of one layer, dropped once the table is out). Each session asks the
     ring for the head's layers."""
-    import torch
 
-    from shard.decode.head.eagle3 import Eagle3Head
+    from shard.decode.head.eagle3 import Eagle3Head, target_embedding
     from shard.decode.head.eagle3_files import Eagle3NeedsEmbedding
     from shard.decode.head.proposer import HeadProposer
 
@@ -126,11 +125,7 @@ def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
     try:
         head = Eagle3Head.load(path, device=device)
     except Eagle3NeedsEmbedding:
-        stage = load_stage(model_dir, 0, 1, dtype=torch.float32)  # the embedding's stage
-        assert stage.embed_tokens is not None
-        with torch.inference_mode():
-            table = stage.embed_tokens(torch.arange(stage.config.vocab_size))  # [V, D], unscaled
-        head = Eagle3Head.load(path, embedding=table, device=device)
+        head = Eagle3Head.load(path, embedding=target_embedding(model_dir), device=device)
     target = ModelConfig.from_dir(model_dir)
     head.config.check_target(target)
     layers = head.config.layers_for(target.n_layers)

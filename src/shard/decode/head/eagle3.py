@@ -48,8 +48,9 @@ from shard.model.attention import RMSNorm, apply_rotary, rope_tables
 from shard.model.config import ModelConfig
 from shard.model.jsonfile import read_json
 from shard.model.kvcache import KVCache
+from shard.model.loader import load_stage
 
-__all__ = ["Eagle3Head"]
+__all__ = ["Eagle3Head", "target_embedding"]
 
 _MAX_CONFIG_BYTES = 1 << 20
 _WINDOW = 64  # prompt rows of target states asked for (docs/drafts.md: what they cost)
@@ -259,3 +260,14 @@ class Eagle3Head(nn.Module):
         for module in (head.embed_tokens, head.fc, head.midlayer, head.norm, head.lm_head):
             module.to(dtype)  # the rope tables stay fp32, as the target's do
         return head.to(device).eval()
+
+
+def target_embedding(model_dir: Path) -> Tensor:
+    """The target's token embedding ``[V, D]`` in fp32, unscaled, as a head without
+    ``embed_tokens`` takes it: read from the model's files through its first stage of one
+    layer, which is dropped once the table is out."""
+    stage = load_stage(model_dir, 0, 1, dtype=torch.float32)
+    assert stage.embed_tokens is not None
+    with torch.inference_mode():
+        table: Tensor = stage.embed_tokens(torch.arange(stage.config.vocab_size)).clone()
+    return table

@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from shard.convert.bundled import cache_dir
+from shard.decode.head.eagle3 import target_embedding
 from shard.decode.head.eagle3_files import default_layers
 from shard.decode.head.proposer import HeadProposer
 from shard.model.config import ModelConfig
@@ -156,10 +157,7 @@ def build_eagle3(
 def _target_tables(target_dir: Path, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's embedding (as the coordinator reads it for a head without one), its
     head's rows and its final norm's weight, in fp32."""
-    first = load_stage(target_dir, 0, 1, dtype=torch.float32)
-    assert first.embed_tokens is not None
-    with torch.inference_mode():
-        emb = first.embed_tokens(torch.arange(first.config.vocab_size)).clone()
+    emb = target_embedding(target_dir)
     last = load_stage(target_dir, n - 1, n, dtype=torch.float32, weights="float32")
     assert last.lm_head is not None and last.norm is not None
     return emb, last.lm_head.weight.detach().clone(), last.norm.weight.detach().clone()
