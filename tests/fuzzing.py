@@ -82,9 +82,13 @@ class Frames:
         choices: list[Callable[[], Message]] = [
             lambda: Prefill(sid, epoch, seq, start, r.random() < 0.5, ids=self.ids()),
             lambda: Prefill(sid, epoch, seq, start, r.random() < 0.5, hidden=self.hidden()),
+            lambda: Prefill(
+                sid, epoch, seq, start, False, hidden=self.hidden(), tail_ids=self.ids(80)
+            ),
             lambda: Verify(sid, epoch, seq, start, ids=self.ids(3), draft=self.ids(2)),
             lambda: Verify(sid, epoch, seq, start, hidden=self.hidden()),
             lambda: Verdict(sid, epoch, seq, start, target_ids=self.ids(3), accepted=0),
+            lambda: Verdict(sid, epoch, seq, start, self.ids(3), 0, drafts=self.ids(40)),
             lambda: EndSession(sid),
             lambda: Fault(NodeName("evil"), "chunk", "made up", session=sid),
             lambda: Hello(NodeName("evil"), "stage", self.swarm),

@@ -27,10 +27,12 @@ import family_fixtures
 from shard.cli.errors import operator_errors
 from shard.coordinator.coordinator import Completion, Coordinator
 from shard.decode.control import SpeculationConfig
-from shard.decode.head.mtp import MtpError, MtpHead, mtp_layers
+from shard.decode.head.mtp import MtpError, MtpHead, has_mtp_block, mtp_layers
 from shard.decode.head.proposer import HeadProposer
+from shard.decode.tail import TailProposer
 from shard.model.config import ModelConfig
 from shard.model.fp8 import dequantize_fp8, quantize_fp8
+from shard.nodes.defaults import with_checkpoint_defaults
 from shard.nodes.drafter import make_drafter
 from shard.spec.swarm import SwarmSpec
 from shard.spec.validate import SpecError
@@ -188,9 +190,20 @@ def test_a_block_fed_from_a_later_position_sees_nothing_before_it(
     torch.testing.assert_close(head.logits(g)[0], want, rtol=0, atol=ATOL)
 
 
-async def swarm_run(model_dir: Path, speculation: SpeculationConfig) -> Completion:
-    spec = spec_for(model_dir, "ngram")
-    spec = attrs.evolve(spec, speculation=attrs.evolve(spec.speculation, draft="mtp"))
+def mtp_spec(model_dir: Path, mtp_at: str | None = "tail") -> SwarmSpec:
+    """The 3-stage tiny ring drafting with the MTP block at ``mtp_at`` (None: a spec that
+    names no draft at all)."""
+    spec = spec_for(model_dir, "none")
+    if mtp_at is None:  # as a spec without [speculation] reads (test_a_spec_asks_for_mtp...)
+        return attrs.evolve(spec, speculation=attrs.evolve(spec.speculation, given=False))
+    plan = attrs.evolve(spec.speculation, draft="mtp", mtp_at=mtp_at, given=True)
+    return attrs.evolve(spec, speculation=plan)
+
+
+async def swarm_run(
+    model_dir: Path, speculation: SpeculationConfig, mtp_at: str | None = "tail"
+) -> Completion:
+    spec = mtp_spec(model_dir, mtp_at)
 
     async def body(coordinator: Coordinator) -> Completion:
         prompt = list(PROMPT)
@@ -200,28 +213,102 @@ async def swarm_run(model_dir: Path, speculation: SpeculationConfig) -> Completi
     return done
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-async def test_a_swarm_drafting_with_the_mtp_block_gives_the_plain_output(
-    mtp_checkpoint: Callable[[str], Path], depth: int
+async def test_the_tail_drafts_what_the_coordinator_would(
+    mtp_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``draft = "mtp"`` on GLM-4.5 through a 3-stage ring: the coordinator drafts with the
-    checkpoint's block from the tail's features, and greedy speculation gives exactly the
-    single-process reference's tokens."""
+    """``draft = "mtp"`` on GLM-4.5 through a 3-stage ring, the block at the tail (verdicts
+    carry its drafts) and at the coordinator (fed the tail's features): both give exactly the
+    single-process reference's tokens, and at depth 1 every draft is the same — each is read
+    from the same committed rows and tokens. A tail feeding its block a token or a row one
+    position off drafts other ids. (The random block's drafts are rarely accepted: the ids
+    are compared, not the acceptance.)"""
     model_dir = mtp_checkpoint("glm4_moe")
-    done = await swarm_run(model_dir, SpeculationConfig(k=3, depth=depth))
+    want = reference(model_dir, PROMPT, MAX_TOKENS).token_ids
+    policy = SpeculationConfig(k=3, depth=1)
+    drafts: dict[type, list[tuple[int, tuple[int, ...]]]] = {TailProposer: [], HeadProposer: []}
+    real = {kind: kind.propose for kind in drafts}
+
+    def recorder(kind: type) -> Callable[[Any, list[int], int], list[int]]:
+        def recorded(self: Any, context: list[int], k: int) -> list[int]:
+            out: list[int] = real[kind](self, context, k)
+            drafts[kind].append((len(context), tuple(out)))
+            return out
+
+        return recorded
+
+    for kind in drafts:
+        monkeypatch.setattr(kind, "propose", recorder(kind))
+    tail = await swarm_run(model_dir, policy, "tail")
+    tail_drafts = list(drafts[TailProposer])
+    drafts[HeadProposer].clear()  # the tail's own block proposed through one in that run
+    coordinator = await swarm_run(model_dir, policy, "coordinator")
+    assert tail.token_ids == want and coordinator.token_ids == want
+    assert tail.stats.drafted > 0 and len(tail_drafts) == tail.stats.laps - 1  # one a verify
+    assert all(len(ids) == 3 for _, ids in tail_drafts[:-1])
+    # the same drafts; at the end the tail's block stops at the session's KV length, where
+    # the coordinator's drafts past it are dropped unsent
+    head = drafts[HeadProposer]
+    assert tail_drafts[:-1] == head[:-1] and tail_drafts[-1][0] == head[-1][0]
+    assert tail_drafts[-1][1] == head[-1][1][: len(tail_drafts[-1][1])]
+    assert (tail.stats.drafted, tail.stats.accepted) == (
+        coordinator.stats.drafted,
+        coordinator.stats.accepted,
+    )
+
+
+async def test_a_spec_naming_no_draft_drafts_with_the_block_pipelined(
+    mtp_checkpoint: Callable[[str], Path],
+) -> None:
+    """A spec that names no draft, over a checkpoint that holds an MTP block, drafts with it
+    at the tail (``with_checkpoint_defaults``); two chunks in flight give the plain output."""
+    model_dir = mtp_checkpoint("glm4_moe")
+    done = await swarm_run(model_dir, SpeculationConfig(k=3, depth=2), mtp_at=None)
     assert done.token_ids == reference(model_dir, PROMPT, MAX_TOKENS).token_ids
-    assert done.stats.drafted > 0
+    assert done.stats.drafted > 0 and done.stats.max_depth == 2
 
 
-def test_the_drafter_is_a_head_proposer_named_mtp(mtp_checkpoint: Callable[[str], Path]) -> None:
+async def test_a_tail_without_the_block_serves_plainly(
+    family_checkpoint: Callable[[str], Path],
+) -> None:
+    """GLM-4.5's fixture declares a block it does not hold: with ``draft = "mtp"`` at the
+    tail, the tail cannot load it (it says so in its log), serves the sessions without
+    drafts, and the output is the plain output."""
+    bare = family_checkpoint("glm4_moe")
+    done = await swarm_run(bare, SpeculationConfig(k=3, depth=1))
+    assert done.token_ids == reference(bare, PROMPT, MAX_TOKENS).token_ids
+    assert done.stats.drafted == 0
+
+
+def test_the_drafter_is_the_tail_or_a_head_proposer_named_mtp(
+    mtp_checkpoint: Callable[[str], Path],
+) -> None:
     model_dir = mtp_checkpoint("glm4_moe")
-    spec = spec_for(model_dir, "ngram")
-    spec = attrs.evolve(spec, speculation=attrs.evolve(spec.speculation, draft="mtp"))
-    drafter = make_drafter(spec, model_dir)
+    drafter = make_drafter(mtp_spec(model_dir, "coordinator"), model_dir)
     assert drafter is not None
     proposer = drafter.session(PROMPT)
     assert isinstance(proposer, HeadProposer)
     assert proposer.name == "mtp" and proposer.features == 64 and proposer.feature_layers == ()
+    drafter = make_drafter(mtp_spec(model_dir, "tail"), model_dir)
+    assert drafter is not None
+    tail = drafter.session(PROMPT)
+    assert isinstance(tail, TailProposer)
+    assert tail.name == "mtp" and tail.features == 0 and tail.tail_drafts == 16
+
+
+def test_the_default_draft_is_the_block_only_where_it_is_held(
+    mtp_checkpoint: Callable[[str], Path], family_checkpoint: Callable[[str], Path]
+) -> None:
+    """``with_checkpoint_defaults``: no draft named and a block held: mtp at the tail with
+    k and depth "auto"; a draft named (even "none"), or a block only declared: unchanged."""
+    held, bare = mtp_checkpoint("glm4_moe"), family_checkpoint("glm4_moe")
+    assert has_mtp_block(held) and not has_mtp_block(bare)
+    plan = with_checkpoint_defaults(mtp_spec(held, None), held).speculation
+    assert plan.draft == "mtp" and plan.mtp_at_tail
+    assert (plan.policy.k, plan.policy.depth) == (None, None)
+    named = attrs.evolve(mtp_spec(held, None).speculation, given=True)
+    spec = attrs.evolve(mtp_spec(held, None), speculation=named)
+    assert with_checkpoint_defaults(spec, held).speculation.draft == "none"
+    assert with_checkpoint_defaults(mtp_spec(bare, None), bare).speculation.draft == "none"
 
 
 def test_a_checkpoint_without_its_block_is_refused_before_the_swarm_starts(
@@ -234,10 +321,8 @@ def test_a_checkpoint_without_its_block_is_refused_before_the_swarm_starts(
     assert mtp_layers(bare) == 1
     with pytest.raises(MtpError, match=r"eh_proj\.weight is not in the checkpoint"):
         MtpHead.load(bare)
-    spec = spec_for(bare, "ngram")
-    spec = attrs.evolve(spec, speculation=attrs.evolve(spec.speculation, draft="mtp"))
     with pytest.raises(MtpError):
-        make_drafter(spec, bare)
+        make_drafter(mtp_spec(bare, "coordinator"), bare)
     assert MtpError in operator_errors()
 
     good = mtp_checkpoint("glm4_moe")
@@ -311,5 +396,13 @@ def test_a_spec_asks_for_mtp_without_a_head(mtp_checkpoint: Callable[[str], Path
     }
     ok = SwarmSpec.from_dict({**base, "speculation": {"draft": "mtp"}})
     assert ok.speculation.draft == "mtp" and ok.speculation.draft_head is None
+    assert ok.speculation.mtp_at_tail and ok.speculation.given
+    there = SwarmSpec.from_dict({**base, "speculation": {"draft": "mtp", "mtp_at": "coordinator"}})
+    assert there.speculation.mtp_at == "coordinator" and not there.speculation.mtp_at_tail
+    assert not SwarmSpec.from_dict(base).speculation.given
     with pytest.raises(SpecError, match="draft_head"):
         SwarmSpec.from_dict({**base, "speculation": {"draft": "mtp", "draft_head": "x"}})
+    with pytest.raises(SpecError, match="mtp_at"):
+        SwarmSpec.from_dict({**base, "speculation": {"draft": "mtp", "mtp_at": "stage"}})
+    with pytest.raises(SpecError, match="mtp_at"):
+        SwarmSpec.from_dict({**base, "speculation": {"draft": "ngram", "mtp_at": "tail"}})

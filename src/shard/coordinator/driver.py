@@ -47,6 +47,7 @@ from shard.decode.control import SpeculationConfig, SpeculationController
 from shard.decode.draft import Proposer
 from shard.decode.hybrid import HybridProposer
 from shard.decode.speculation import Outcome, SpeculationStream
+from shard.decode.tail import TailProposer
 from shard.messages import (
     ChunkSeq,
     Epoch,
@@ -108,6 +109,7 @@ class RequestDriver:
             nonce=job.nonce if job else "",
             features=self._proposer.features if self._proposer is not None else 0,
             feature_layers=self._proposer.feature_layers if self._proposer is not None else (),
+            drafts=self._proposer.tail_drafts if isinstance(self._proposer, TailProposer) else 0,
         )
         self._resyncs = 0
         self._patience = shared.limits.retry_after_s  # silence before a re-send; grows when slow
@@ -145,6 +147,7 @@ class RequestDriver:
         state, laps, ledger = self._state, self._laps, self._ledger
         first = await self._prefill()
         self._observe(self._features(first, prompt_len=len(self._prompt)))
+        self._take_drafts(first, len(self._prompt) + 1)
         ledger.lap(laps, first, committed=len(first.target_ids))
         await self._emit(state.commit(first.target_ids), first.seq)
         stream = SpeculationStream(
@@ -215,6 +218,7 @@ class RequestDriver:
             self._laps.discard(verdict.seq)
             return None
         self._observe(features)
+        self._take_drafts(verdict, len(stream.committed))
         ledger.lap(self._laps, verdict, committed=len(outcome.emitted), outcome=outcome)
         if outcome.bumped_epoch is not None:
             ledger.event("epoch", f"session {self._sid}: epoch {outcome.bumped_epoch}")
@@ -242,6 +246,17 @@ class RequestDriver:
         if features is not None and self._proposer is not None and self._drafter is not None:
             self._drafter.observe(self._proposer, *features)
 
+    def _take_drafts(self, verdict: Verdict, end: int) -> None:
+        """Hand a verdict's drafts to a ``TailProposer`` (a malformed guess is dropped and
+        noted: drafts only guess, so the request goes on)."""
+        proposer = self._proposer
+        if not isinstance(proposer, TailProposer):
+            if verdict.drafts:
+                self._ledger.event("fault", f"session {self._sid}: drafts it did not ask for")
+            return
+        if (why := proposer.take(end, verdict.drafts)) is not None:
+            self._ledger.event("fault", f"session {self._sid}: tail drafts dropped: {why}")
+
     async def _prefill(self) -> Verdict:
         """Open the session and stream the prompt in ``prefill_chunk`` pieces; only the last
         makes the tail answer. A failure before that answer re-sends it all in a new epoch."""
@@ -258,9 +273,10 @@ class RequestDriver:
                 final = end == total
                 if final:
                     self._laps.sent(seq)
-                await ring.send(
-                    Prefill(sid, epoch, ChunkSeq(seq), start=start, final=final, ids=ids)
+                msg = Prefill(
+                    sid, epoch, ChunkSeq(seq), start, final, ids, tail_ids=self._tail(ids)
                 )
+                await ring.send(msg)
                 if self._job is not None:
                     self._job.sent_chunk(epoch, seq, start, ids)
             while True:
@@ -292,9 +308,14 @@ class RequestDriver:
         for c in chunks:
             seq = ChunkSeq(stream.next_seq)
             stream.next_seq += 1
-            await ring.send(Prefill(sid, epoch, seq, start=c.start, final=False, ids=c.ids))
+            tail_ids = self._tail(c.ids)
+            await ring.send(Prefill(sid, epoch, seq, c.start, False, c.ids, tail_ids=tail_ids))
             if self._job is not None:  # the stages' chains hash re-sent chunks too
                 self._job.sent_chunk(epoch, seq, c.start, c.ids)
+
+    def _tail(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """A prompt chunk's ``tail_ids``: its last ids where the tail drafts, else none."""
+        return ids[-TailProposer.window :] if self._opening.drafts else ()
 
     async def _fill(
         self, stream: SpeculationStream, proposer: Proposer | None, control: SpeculationController

@@ -29,6 +29,8 @@ MAX_FEATURES = 256
 #: The most target layers whose entering states a session may ask for
 #: (``OpenSession.feature_layers``; an EAGLE-3 head reads three).
 MAX_FEATURE_LAYERS = 8
+#: The most ids a tail's MTP block drafts after one verdict (``OpenSession.drafts``).
+MAX_TAIL_DRAFTS = 32
 
 #: dtypes a ``Tensor`` payload may carry, with their item size in bytes.
 TENSOR_DTYPES: dict[str, int] = {

@@ -83,6 +83,11 @@ class OpenSession:
     hidden]``, what an EAGLE-3 head reads) instead of the final norm's output. The stage
     holding a layer captures its rows and they ride the forward path to the tail
     (``Prefill.states``, ``Verify.states``); empty, the default, changes nothing.
+
+    ``drafts`` (0 to ``MAX_TAIL_DRAFTS``) asks the tail to run the checkpoint's MTP block
+    after its last layer and return that many draft ids with each verdict
+    (``Verdict.drafts``; ``shard.stage.tail_drafts``); the tail reads its own features, so
+    none travel, and a tail without the block refuses the session. Not with ``features``.
     """
 
     session: SessionId
@@ -92,6 +97,7 @@ class OpenSession:
     nonce: str = ""
     features: int = 0
     feature_layers: tuple[int, ...] = ()
+    drafts: int = 0
     #: set only on the copy an edge's sender replays to a spliced-in standby: its chain over
     #: what it sent the replaced node for this job, where the standby's input chain begins
     receipt_base: str = ""
@@ -154,6 +160,9 @@ class Prefill:
     chunk re-sends what was sent before to a spliced-in node: it rebuilds that node's KV and
     goes no further (shard.failover.replay). ``states``: the session's feature-layer states
     captured upstream (``OpenSession.feature_layers``; ``shard.stage.features``), else None.
+    ``tail_ids``: for a session whose tail drafts (``OpenSession.drafts``), the chunk's last
+    ids (at most ``MAX_FEATURES``), which every stage passes on unchanged: the tail's MTP
+    block reads the prompt's tokens, and only the first stage sees ``ids``.
     """
 
     session: SessionId
@@ -166,6 +175,7 @@ class Prefill:
     hops: tuple[Hop, ...] = ()
     replay: bool = False
     states: Tensor | None = None
+    tail_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -213,6 +223,10 @@ class Verdict:
 
     With ``OpenSession.feature_layers`` the rows are the same positions' states entering those
     layers, side by side: ``[rows, len(layers) x hidden]``.
+
+    ``drafts`` (only for a session opened with ``drafts > 0``; else empty): the tail's MTP
+    block's guesses for the positions right after the verdict's last committed id, at most
+    ``OpenSession.drafts`` of them (``shard.stage.tail_drafts``).
     """
 
     session: SessionId
@@ -224,3 +238,4 @@ class Verdict:
     hops: tuple[Hop, ...] = ()
     features: Tensor | None = None
     features_start: int = 0
+    drafts: tuple[int, ...] = ()

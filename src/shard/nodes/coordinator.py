@@ -55,7 +55,7 @@ from shard.model.tokenizer import Tokenizer
 from shard.nodes.api import make_server, serve_api
 from shard.nodes.auditing import hold_gate, weights_of
 from shard.nodes.compose import signing_identity, signing_token
-from shard.nodes.defaults import with_checkpoint_weights
+from shard.nodes.defaults import with_checkpoint_defaults
 from shard.nodes.drafter import make_drafter
 from shard.nodes.return_link import ReturnEndpoint
 from shard.nodes.sizes import model_facts
@@ -229,7 +229,7 @@ async def run_coordinator(
     Longer than most functions on purpose: it is the coordinator's wiring, one construction
     after another, and reads best in one place.
     """
-    spec = with_checkpoint_weights(spec, model_dir)  # as every stage resolves it
+    spec = with_checkpoint_defaults(spec, model_dir)  # as every stage resolves it
     me: CoordinatorSpec = spec.coordinator
     name = NodeName(me.name)
     to_ring_send, to_ring_recv = trio.open_memory_channel[Message](0)

@@ -21,6 +21,7 @@ from shard.decode.draft import (
     Proposer,
 )
 from shard.decode.hybrid import HybridProposer
+from shard.decode.tail import TailProposer, tail_draft_count
 from shard.model.config import ModelConfig
 from shard.model.device import emulated_dtype_note, resolve_device
 from shard.model.llama import StageModel
@@ -141,12 +142,20 @@ def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
 
 
 def _mtp_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
-    """``draft = "mtp"``: the checkpoint's first MTP block on the coordinator's device, in fp32
-    (``MtpError`` before the swarm starts when it has none), fed the tail's final-norm
-    features as a draft head is."""
+    """``draft = "mtp"``: the checkpoint's first MTP block. At the tail (``mtp_at = "tail"``,
+    the default) each session asks the tail for its drafts (``TailProposer``; the tail loads
+    the block: ``shard.nodes.loading``); at the coordinator it runs here, on the
+    coordinator's device in fp32 (``MtpError`` before the swarm starts when the checkpoint
+    has none), fed the tail's final-norm features as a draft head is."""
     from shard.decode.head.mtp import MtpHead
     from shard.decode.head.proposer import HeadProposer
 
+    plan = spec.speculation
+    if plan.mtp_at_tail:
+        count = tail_draft_count(plan.policy.k_max, plan.policy.depth_max)
+        vocab = ModelConfig.from_dir(model_dir).vocab_size
+        log.info("drafting with the MTP block at the tail: %d drafts a verdict", count)
+        return Drafter(lambda prompt: TailProposer(count, vocab))
     device = resolve_device(spec.runtime(spec.coordinator.name).device, spec.coordinator.name)
     head = MtpHead.load(model_dir, device=device)
     log.info("drafting with the MTP block of %s (layer %d)", model_dir, head.block.first)

@@ -9,8 +9,11 @@ import logging
 from pathlib import Path
 
 import attrs
+import torch
 
 from shard.compute import offload
+from shard.decode.head.mtp import MtpError, MtpHead
+from shard.model.config import ModelLoadError
 from shard.model.device import emulated_dtype_note, resolve_device, torch_dtype
 from shard.model.llama import StageModel
 from shard.model.loader import load_stage
@@ -28,6 +31,7 @@ class LoadedBlock:
     model: StageModel
     first: int
     last: int
+    mtp: MtpHead | None = None  # the checkpoint's MTP block, at a tail that drafts with it
 
 
 @attrs.frozen
@@ -39,12 +43,14 @@ class BlockSource:
     device: str
     dtype: str
     weights: str | None
+    mtp: bool = False  # the spec drafts with the MTP block at the tail: the tail loads it
 
 
 def block_source(spec: SwarmSpec, name: str) -> BlockSource:
     """Node ``name``'s ``BlockSource`` (``SpecError`` if there is no such node)."""
     runtime = spec.runtime(name)
-    return BlockSource(name, runtime.device, runtime.dtype or spec.dtype, weights_of(spec, name))
+    dtype, weights = runtime.dtype or spec.dtype, weights_of(spec, name)
+    return BlockSource(name, runtime.device, dtype, weights, mtp=spec.speculation.mtp_at_tail)
 
 
 async def load_block(
@@ -68,4 +74,20 @@ async def load_from(source: BlockSource, model_dir: Path, first: int, last: int)
     model = await offload.run_sync(
         lambda: load_stage(model_dir, first, last, dtype=dtype, device=device, weights=weights)
     )
-    return LoadedBlock(model, first, last)
+    mtp = None
+    if source.mtp and model.is_last:
+        mtp = await offload.run_sync(_load_mtp, name, model_dir, dtype, device)
+    return LoadedBlock(model, first, last, mtp)
+
+
+def _load_mtp(
+    name: str, model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> MtpHead | None:
+    """The tail's MTP block, in the block's dtype on its device; None (said in the log) when
+    it cannot be read here: the tail then serves sessions that ask for its drafts without
+    any (they decode plainly), and every other session as before."""
+    try:
+        return MtpHead.load(model_dir, dtype=dtype, device=device)
+    except (MtpError, ModelLoadError) as exc:
+        log.warning("%s: no MTP drafts at this tail: %s", name, exc)
+        return None

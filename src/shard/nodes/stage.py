@@ -58,7 +58,7 @@ from shard.model.config import ModelConfig
 from shard.model.device import TORCH_DTYPES
 from shard.model.llama import StageModel
 from shard.nodes.auditing import Auditing, auditing
-from shard.nodes.defaults import with_checkpoint_weights
+from shard.nodes.defaults import with_checkpoint_defaults
 from shard.nodes.fetching import fetch_block, fetch_stage, make_seeder
 from shard.nodes.loading import LoadedBlock, load_block, load_from
 from shard.nodes.sizes import model_facts
@@ -67,6 +67,7 @@ from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
 from shard.stage.executor import StageExecutor
 from shard.stage.graphs import ChunkGraphs
+from shard.stage.tail_drafts import TailDrafts
 from shard.transport import Connection, Network, TransportError
 from shard.transport.guard import serve_one
 from shard.transport.links import HandshakeError, accept_peer, pump_in
@@ -191,6 +192,7 @@ class _StageNode:
             self._inbox,
             outbox_send,
             graphs=self._graphs(block),
+            drafts=TailDrafts(block.mtp) if block.mtp is not None else None,
             receipts=ReceiptSigner(
                 config.signing.identity(),
                 node=self._name,
@@ -396,7 +398,7 @@ async def run_stage(
     index = [s.name for s in spec.stages].index(name)
     if spec.fetch is not None and spec.fetch.fetches(name):  # verified fetch of the block
         model_dir = (await fetch_stage(spec, name)).path
-    spec = with_checkpoint_weights(spec, model_dir)
+    spec = with_checkpoint_defaults(spec, model_dir)
     config = ModelConfig.from_dir(model_dir)
     blocks = spec.blocks(config.n_layers, model_facts(config, spec, model_dir))
     block = await load_block(spec, name, model_dir, *blocks[index])
@@ -427,7 +429,7 @@ async def run_standby(
 ) -> None:
     """Run standby ``name``: load its block (none for a spare), serve upstream, register with
     the scheduler and wait for ``Activate``. Reports ready once registered."""
-    spec = with_checkpoint_weights(spec, model_dir)
+    spec = with_checkpoint_defaults(spec, model_dir)
     node = spec.node(name)
     config = ModelConfig.from_dir(model_dir)
     block = spec.standby_block(name, config.n_layers, model_facts(config, spec, model_dir))

@@ -13,7 +13,10 @@ draft_head = "smollm2-head"  # head / hybrid: a head directory, <bundled model>-
 # draft = "eagle3" with draft_head = "DIR": a published EAGLE-3 head (SpecForge's layout) fed
 #   the target's layer states, which the stages holding its layers send along; the bundled
 #   SmolLM2's default is the shipped "smollm2-eagle3"
-# draft = "mtp": the checkpoint's own MTP block (DeepSeek-V3, GLM-4.5), fed the tail's features
+# draft = "mtp": the checkpoint's own MTP block (DeepSeek-V3, GLM-4.5), run at the tail after
+#   the last layer (mtp_at = "tail", the default: verdicts carry its draft ids) or at the
+#   coordinator, fed the tail's features (mtp_at = "coordinator"). With no draft given, a
+#   checkpoint that holds an MTP block drafts with it (shard.nodes.defaults)
 # draft = "oracle" with oracle_file = "refs.json": replays prior reference runs (benchmarks only)
 k = "auto"              # drafted tokens per chunk: "auto" (adaptive) or 0..k_max (0 = plain)
 depth = "auto"          # verify chunks in flight per session: "auto" or 1..depth_max
@@ -55,7 +58,9 @@ SPECULATION_KEYS: Final = (
     "k_max",
     "depth_max",
     "oracle_file",
+    "mtp_at",
 )
+MTP_PLACES: Final = ("tail", "coordinator")
 
 
 @attrs.frozen
@@ -74,6 +79,8 @@ class SpeculationSpec:
     oracle_file: str | None = None
     draft_head: str | None = None  # head / hybrid: a head directory or a head name; eagle3: a
     # head directory
+    mtp_at: str = "tail"  # mtp: where the block runs (``MTP_PLACES``)
+    given: bool = False  # the table names a draft (else a checkpoint's MTP block may default)
 
     @property
     def uses_head(self) -> bool:
@@ -82,6 +89,11 @@ class SpeculationSpec:
     @property
     def uses_model(self) -> bool:
         return self.draft in ("model", "auto")
+
+    @property
+    def mtp_at_tail(self) -> bool:
+        """The tail runs the checkpoint's MTP block and returns its drafts."""
+        return self.draft == "mtp" and self.mtp_at == "tail"
 
 
 def read_speculation(
@@ -120,6 +132,11 @@ def read_speculation(
         oracle = _oracle_file(table, base_dir)
     elif oracle is not None:
         raise table.error("oracle_file", 'only meaningful with draft = "oracle"')
+    mtp_at = table.string("mtp_at", default="tail", example='"tail"')
+    if mtp_at not in MTP_PLACES:
+        raise table.error("mtp_at", f"unknown place {mtp_at!r}; use one of {', '.join(MTP_PLACES)}")
+    if draft != "mtp" and table.raw("mtp_at", None) is not None:
+        raise table.error("mtp_at", 'only meaningful with draft = "mtp"')
     if draft == "none" and k not in (None, 0):
         raise table.error(
             "k",
@@ -138,6 +155,8 @@ def read_speculation(
         ),
         oracle_file=oracle,
         draft_head=head,
+        mtp_at=mtp_at,
+        given=table.raw("draft", None) is not None,
     )
 
 

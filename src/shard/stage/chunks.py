@@ -40,6 +40,7 @@ from shard.stage.features import (
     incoming_states,
     wire_dtype,
 )
+from shard.stage.tail_drafts import TailDrafts, TailSession, ids_refusal
 
 #: Verify spacings a session's rhythm is the median of (``Session.period``).
 RHYTHM_GAPS = 3
@@ -80,11 +81,23 @@ class Session:
     features: FeatureWindow | None = None  # the tail's, when the session asked for features
     window: int = 0  # the session's feature window (``OpenSession.features``), every stage
     layers: tuple[int, ...] = ()  # its feature layers (global; ``OpenSession.feature_layers``)
+    drafting: TailSession | None = None  # the tail's MTP drafts (``OpenSession.drafts``)
 
     @classmethod
-    def opened(cls, msg: OpenSession, cache: KVCache, *, tail: bool, now: float) -> Session:
-        """The session ``msg`` opens at a stage (``tail``: the last), KV in ``cache``."""
-        window = FeatureWindow(msg.features) if msg.features and tail else None
+    def opened(
+        cls,
+        msg: OpenSession,
+        cache: KVCache,
+        *,
+        tail: bool,
+        now: float,
+        drafts: TailDrafts | None = None,
+    ) -> Session:
+        """The session ``msg`` opens at a stage (``tail``: the last, drafting with ``drafts``
+        when the session asks for them), KV in ``cache``."""
+        drafting = drafts.open(msg) if drafts is not None and tail else None
+        size = drafts.window if drafting is not None and drafts is not None else msg.features
+        window = FeatureWindow(size) if size and tail else None
         return cls(
             cache,
             msg.sampling,
@@ -92,6 +105,7 @@ class Session:
             features=window,
             window=msg.features,
             layers=msg.feature_layers,
+            drafting=drafting,
         )
 
     @property
@@ -154,6 +168,11 @@ def plan(
         )
     if isinstance(msg, Verify) and len(msg.draft) >= n:
         raise StageFailed(f"{node}: {len(msg.draft)} drafted tokens in a chunk of {n} positions")
+    if isinstance(msg, Prefill) and msg.tail_ids:
+        if (why := ids_refusal(msg, n, model.config.vocab_size)) is not None:
+            raise StageFailed(f"{node}: {why}")
+        if sess.drafting is not None and not msg.replay:
+            sess.drafting.prompt_chunk(msg, n)
     if isinstance(msg, Verify) and msg.q and model.is_last:
         why = check_q(msg.q, msg.draft, model.config.vocab_size)
         if why is not None:

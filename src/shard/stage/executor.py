@@ -66,6 +66,7 @@ from shard.stage.chunks import (
 from shard.stage.config import ExecutorConfig
 from shard.stage.graphs import ChunkGraphs
 from shard.stage.statistics import StageStatistics
+from shard.stage.tail_drafts import TailDrafts, drafts_refusal
 from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
 
 log = logging.getLogger(__name__)
@@ -116,12 +117,14 @@ class StageExecutor:
         clock: Callable[[], float] = time.time,
         receipts: ReceiptSigner | None = None,
         graphs: ChunkGraphs | None = None,
+        drafts: TailDrafts | None = None,
     ) -> None:
         self._max_batch_rows = config.max_batch_rows
         self._gather_window_s = config.gather_window_s
         self._kv_budget = config.kv_budget_bytes
         self._model = model
         self._graphs = graphs  # None: every chunk eager (StageModel.forward)
+        self._drafts = drafts  # the tail's MTP block (``OpenSession.drafts``), or None
         self._receipts = receipts
         self._node = config.node
         self._inbox = inbox
@@ -322,7 +325,10 @@ class StageExecutor:
             detail = f"{self._node}: max_len {msg.max_len} not in [1, {limit}] (limits.max_len)"
             await self._fault(msg.session, "request", detail)
             return
-        if (refusal := features_refusal(self._model, msg)) is not None:
+        refusal = features_refusal(self._model, msg)
+        if refusal is None and self._model.is_last:
+            refusal = drafts_refusal(msg)
+        if refusal is not None:
             await self._fault(msg.session, "request", f"{self._node}: {refusal}")
             return
         if not await self._within_budget(msg):
@@ -332,7 +338,9 @@ class StageExecutor:
         cache = await offload.run_sync(self._model.new_cache, msg.max_len, limiter=self._limiter)
         if self._graphs is not None:  # warm: capture this session's shapes now
             await offload.run_sync(self._graphs.opened, cache, limiter=self._limiter)
-        opened = Session.opened(msg, cache, tail=self._model.is_last, now=trio.current_time())
+        opened = Session.opened(
+            msg, cache, tail=self._model.is_last, now=trio.current_time(), drafts=self._drafts
+        )
         self._sessions[msg.session] = opened
         if not self._model.is_last:
             await self._outbox.send(msg)
@@ -419,6 +427,9 @@ class StageExecutor:
             sess = self._sessions.get(slot.msg.session)
             window = sess.features if sess is not None else None
             out = output(slot.msg, next(results), (*slot.msg.hops, hop), window)
+            if isinstance(out, Verdict) and sess is not None and sess.drafting is not None:
+                answer = sess.drafting.answer
+                out = await offload.run_sync(answer, slot.msg, out, limiter=self._limiter)
             if out is not None and not is_replay(slot.msg):
                 self._record_output(slot.msg, out, compute_s)
                 await self._outbox.send(out)

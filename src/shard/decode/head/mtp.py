@@ -41,9 +41,10 @@ from shard.model.loader import checkpoint_index, load_stage
 from shard.model.masks import causal_mask
 from shard.model.tensorfile import open_tensors
 
-__all__ = ["MtpError", "MtpHead", "mtp_layers"]
+__all__ = ["MTP_WINDOW", "MtpError", "MtpHead", "has_mtp_block", "mtp_layers"]
 
-_WINDOW = 64  # prompt rows of final-norm features asked for, as a draft head asks
+#: Prompt rows of final-norm features the block reads back, as a draft head asks.
+MTP_WINDOW = 64
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_BLOCKS = 16
 _EMBED = "model.embed_tokens.weight"
@@ -70,6 +71,20 @@ def mtp_layers(model_dir: Path) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_BLOCKS:
         raise MtpError(f"{model_dir}: num_nextn_predict_layers {n!r} is not in 0..{_MAX_BLOCKS}")
     return n
+
+
+def has_mtp_block(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds an MTP block, not only declares one: its config's
+    ``num_nextn_predict_layers`` is at least 1 and ``model.layers.{L}.eh_proj.weight`` is in
+    its files (transformers saves checkpoints that declare a block they do not hold). A
+    config or index that cannot be read holds none."""
+    try:
+        if mtp_layers(model_dir) < 1:
+            return False
+        n = ModelConfig.from_dir(model_dir).n_layers
+        return f"model.layers.{n}.eh_proj.weight" in checkpoint_index(model_dir)
+    except (MtpError, ModelLoadError, OSError, ValueError):
+        return False
 
 
 class MtpHead(nn.Module):
@@ -100,7 +115,7 @@ class MtpHead(nn.Module):
     @property
     def feature_window(self) -> int:
         """Prompt positions of features it wants (its attention sees no further back)."""
-        return _WINDOW
+        return MTP_WINDOW
 
     def logits(self, g: Tensor) -> Tensor:
         """Logits ``[..., V]`` from the block's outputs ``g``."""
