@@ -14,6 +14,10 @@ import trio
 import family_fixtures
 from shard.compute.offload import inline_compute
 from shard.compute.tensors import from_wire
+from shard.coordinator.config import CoordinatorAides, CoordinatorChannels, CoordinatorConfig
+from shard.coordinator.coordinator import Completion, Coordinator
+from shard.decode.control import SpeculationConfig
+from shard.decode.draft import Drafter, NGramProposer, Proposer
 from shard.decode.head.mtp import MtpHead
 from shard.decode.head.proposer import HeadProposer
 from shard.decode.tail import TailProposer, tail_draft_count
@@ -32,6 +36,7 @@ from shard.messages import (
 )
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
+from shard.spec.limits import Limits
 from shard.stage.config import ExecutorConfig
 from shard.stage.executor import StageExecutor
 from shard.stage.tail_drafts import TailDrafts
@@ -184,3 +189,77 @@ def test_the_draft_count_fills_the_pipeline_up_to_sixteen() -> None:
     assert tail_draft_count(8, 4) == 16
     with pytest.raises(ValueError, match="count"):
         TailProposer(0, vocab_size=100)
+
+
+async def _drafting_tail(
+    to_ring: trio.MemoryReceiveChannel[Message],
+    from_ring: trio.MemorySendChannel[Message],
+    guess: tuple[int, ...],
+    seen: list[Message],
+) -> None:
+    """A scripted tail whose target always says 7: it answers each chunk (how many of its
+    drafts are 7s held) with ``guess`` as its drafts, and records what reached it."""
+    async for msg in to_ring:
+        seen.append(msg)
+        if isinstance(msg, Verify):
+            held = next((i for i, t in enumerate(msg.draft) if t != 7), len(msg.draft))
+            ids = (7,) * (len(msg.draft) + 1)
+        elif isinstance(msg, Prefill) and msg.final:
+            held, ids = 0, (7,)
+        else:
+            continue
+        await from_ring.send(Verdict(msg.session, msg.epoch, msg.seq, msg.start, ids, held,
+                                     drafts=guess))  # fmt: skip
+
+
+async def _one_request(
+    proposer: Proposer, guess: tuple[int, ...]
+) -> tuple[Completion, list[Message]]:
+    """One request of 8 tokens through a coordinator drafting with ``proposer`` and the
+    scripted tail answering with ``guess``; what reached the tail."""
+    to_send, to_recv = trio.open_memory_channel[Message](64)
+    from_send, from_recv = trio.open_memory_channel[Message](64)
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            node=NodeName("coord"), eos_ids=[0], limits=Limits(max_len=64, prefill_chunk=4)
+        ),
+        CoordinatorChannels(to_ring=to_send, from_ring=from_recv),
+        CoordinatorAides(drafter=Drafter(lambda _prompt: proposer)),
+    )
+    seen: list[Message] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(coordinator.run)
+        nursery.start_soon(_drafting_tail, to_recv, from_send, guess, seen)
+        done = await coordinator.generate(
+            [1, 2, 3, 4, 5], max_tokens=8, speculation=SpeculationConfig(k=2, depth=1)
+        )
+        nursery.cancel_scope.cancel()
+    return done, seen
+
+
+@pytest.mark.parametrize(
+    ("guess", "used"),
+    [((7, 7, 7, 7), True), ((7,) * 5, False), ((7, 100), False), ((), False)],
+    ids=["honest", "too-many", "outside-vocabulary", "none"],
+)
+async def test_the_coordinator_drafts_from_a_guess_it_keeps_and_goes_on_without_one(
+    guess: tuple[int, ...], used: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A tail's honest guess becomes the next chunk's drafts; a guess longer than asked, or
+    with an id outside the vocabulary, is dropped (the coordinator then sends plain steps)
+    and the request ends normally with the target's tokens. Prompt chunks carry their ids to
+    the tail. A session that asked for no drafts and gets some goes on too."""
+    done, seen = await _one_request(TailProposer(4, vocab_size=100), guess)
+    assert done.token_ids == (7,) * 8
+    opened = [m for m in seen if isinstance(m, OpenSession)]
+    assert len(opened) == 1 and opened[0].drafts == 4
+    prompt = [m for m in seen if isinstance(m, Prefill)]
+    assert [m.tail_ids for m in prompt] == [(1, 2, 3, 4), (5,)]
+    drafts = [m.draft for m in seen if isinstance(m, Verify)]
+    if used:
+        assert all(d == (7, 7) for d in drafts[:-1]) and done.stats.accepted > 0
+    else:
+        assert drafts and all(d == () for d in drafts)  # plain steps
+    unasked, seen = await _one_request(NGramProposer(), guess)
+    assert unasked.token_ids == (7,) * 8
+    assert all(m.tail_ids == () for m in seen if isinstance(m, Prefill))
