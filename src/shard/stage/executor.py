@@ -3,17 +3,17 @@ the target's choice.
 
 The executor reads chunks from its inbox in order (frames on one edge are FIFO), runs its
 block, and writes to its outbox: hidden states for the next stage, or — at the tail — a small
-``Verdict`` of token ids that goes straight back to the coordinator (direct return). Control
-messages (``OpenSession``, ``EndSession``) travel the ring in the same FIFO order as chunks, so
-a session's KV exists before its first chunk and is freed after its last.
+``Verdict`` of token ids that goes straight back to the coordinator (direct return), with the
+drafts of the checkpoint's MTP block for a session that asks (``shard.stage.tail_drafts``).
+Control messages (``OpenSession``, ``EndSession``) travel the ring in the same FIFO order as
+chunks, so a session's KV exists before its first chunk and is freed after its last.
 
 A chunk at ``start`` writes K/V at ``[start, start+n)`` and attends to everything before, so
 rollback after a rejected draft is just a later chunk overwriting the same positions.
 
 Chunks of different sessions waiting together run in one forward (``shard.stage.batch``:
-packed rows, each session keeping its own KV cache); each still gets its own checks, output,
-``Hop``, receipt entry and fault, exactly as if it had run alone.
-"""
+packed rows, each session keeping its own KV cache); each gets its own checks, output, ``Hop``,
+receipt entry and fault, exactly as if it had run alone."""
 
 from __future__ import annotations
 
