@@ -17,9 +17,17 @@ import trio
 import trio.testing
 import trio_websocket
 
+from procs import free_ports
 from shard.messages import ChunkSeq, Epoch, Message, Probe, SessionId, Tensor, Verify
-from shard.transport import Connection, ConnectionClosed, Handler, WebSocketNetwork
+from shard.transport import (
+    Connection,
+    ConnectionClosed,
+    Handler,
+    TransportError,
+    WebSocketNetwork,
+)
 from shard.transport.base import split_address
+from shard.transport.relay import DelayRelay
 from shard.wire import WireError, WireLimits
 
 DEADLINE_S = 20
@@ -321,3 +329,37 @@ async def test_sealer_refusal_closes_with_policy_violation() -> None:
                 await send_then_receive(conn, Probe(nonce=1, sent_at=0.0))
             await conn.aclose()
     assert [str(e) for e in errors] == ["seal: frame out of order"]
+
+
+async def test_a_dial_the_far_end_closes_during_the_handshake_fails_at_once() -> None:
+    """A dial whose connection is accepted and then closed before the WebSocket upgrade is
+    answered — a delaying relay with nobody listening behind it, as while a swarm's nodes
+    start — fails at once, not after the whole connect timeout (it took all 10 s before:
+    trio-websocket's client waits for an answer on a stream that has ended). Then, once
+    the node behind the relay listens, a dial through it connects."""
+
+    async def accept_and_close(stream: trio.SocketStream) -> None:
+        await stream.aclose()
+
+    async def echo(conn: Connection) -> None:
+        await conn.send(await conn.receive())
+
+    network = WebSocketNetwork(connect_timeout_s=10)
+    behind, front = (f"127.0.0.1:{p}" for p in free_ports(2))
+    async with network, trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, accept_and_close, 0)
+        closing = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        relay = DelayRelay(front, behind, latency_s=0.005)
+        await nursery.start(relay.run)
+        for address in (closing, front):
+            began = trio.current_time()
+            with pytest.raises(TransportError, match="could not connect"):
+                await network.dial(address)
+            assert trio.current_time() - began < 2.0, address
+        await nursery.start(network.serve, behind, echo)
+        conn = await network.dial(front)
+        probe = Probe(nonce=1, sent_at=0.0)
+        await conn.send(probe)
+        assert await conn.receive() == probe
+        await conn.aclose()
+        nursery.cancel_scope.cancel()

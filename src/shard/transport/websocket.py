@@ -94,6 +94,11 @@ class Handshake(Protocol):
     ) -> Sealer: ...
 
 
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()  # no effect once the scope is left
+
+
 def _why(failure: BaseException) -> str:
     """A failed dial's reason; a refused upgrade says the server's reason (its HTTP body)."""
     if isinstance(failure, trio_websocket.ConnectionRejected):
@@ -206,10 +211,16 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
         with trio.fail_at(deadline):
             raw = await trio.open_tcp_stream(host, port)
         stream = self._budgeted(raw)
+        ended = trio.Event()  # the reader task is over: the peer's end closed
         async with stream, trio.open_nursery() as nursery:
-            with trio.fail_at(deadline):
+            # trio-websocket's client waits for the server's answer to its upgrade even once
+            # the stream has ended (a relay that accepts, then finds nobody to forward to,
+            # and closes): without the race each such dial took the whole connect timeout
+            handshaking = trio.CancelScope()
+            nursery.start_soon(_cancel_when, ended, handshaking)
+            with trio.fail_at(deadline), handshaking:
                 ws = await trio_websocket.wrap_client_stream(
-                    guarded_reader(nursery, address),
+                    guarded_reader(nursery, address, ended),
                     stream,  # type: ignore[arg-type]  # it needs only a trio Stream
                     join_address(host, port),
                     target.path,
@@ -217,6 +228,9 @@ class WebSocketNetwork(HostedNetwork[WebSocketConnection]):
                     max_message_size=max_message_size(self._limits),
                     receive_buffer_size=RECEIVE_BUFFER_BYTES,
                 )
+            if handshaking.cancelled_caught:
+                raise HandshakeError("the peer closed the connection during the handshake")
+            with trio.fail_at(deadline):
                 sealer = await self._open_sealer(ws, address, dialer=target.dialer)
             conn = WebSocketConnection(ws, address, sealer, self._limits, self._timeout_s, stream)
             nursery.start_soon(conn.watch_reader)

@@ -42,9 +42,10 @@ class _GuardedReader:
     """The nursery that trio-websocket starts a connection's reader task in, with that task
     guarded (``guarded_reader``)."""
 
-    def __init__(self, nursery: trio.Nursery, peer: str) -> None:
+    def __init__(self, nursery: trio.Nursery, peer: str, ended: trio.Event | None) -> None:
         self._nursery = nursery
         self._peer = peer
+        self._ended = ended
 
     def start_soon(self, fn: Callable[[], Awaitable[object]], *args: object) -> None:
         self._nursery.start_soon(self._run, fn, *args)
@@ -56,9 +57,14 @@ class _GuardedReader:
             log.info("%s went on talking after its connection began to close (%s); cut",
                      self._peer, exc)  # fmt: skip
             self._nursery.cancel_scope.cancel()
+        finally:
+            if self._ended is not None:
+                self._ended.set()
 
 
-def guarded_reader(nursery: trio.Nursery, peer: str) -> trio.Nursery:
+def guarded_reader(
+    nursery: trio.Nursery, peer: str, ended: trio.Event | None = None
+) -> trio.Nursery:
     """``nursery`` as trio-websocket's ``wrap_*_stream`` should get it: one connection's.
 
     trio-websocket's reader task answers the peer itself (a pong for a ping, a 1009 close for
@@ -66,8 +72,10 @@ def guarded_reader(nursery: trio.Nursery, peer: str) -> trio.Nursery:
     wsproto forbids those answers and raises ``LocalProtocolError`` in the reader task, and a
     peer decides when that happens: a ping or a big frame after the close was enough to end
     the whole node. Guarded, it ends only this connection: ``nursery`` (the connection's own)
-    is cancelled, logged at info (the malformed frame before it was already logged)."""
-    return cast(trio.Nursery, _GuardedReader(nursery, peer))
+    is cancelled, logged at info (the malformed frame before it was already logged).
+    ``ended``, when given, is set once the reader task is over (the peer's end closed, or
+    the connection was cut)."""
+    return cast(trio.Nursery, _GuardedReader(nursery, peer, ended))
 
 
 class WebSocketConnection:
