@@ -88,8 +88,9 @@ async def test_the_failover_spec_completes_identically_beside_ten_cpu_hogs(
     report: Callable[[str], None],
 ) -> None:
     """With ten CPU hogs running, `swarm run --receipt` of the failover spec kills s1, the
-    standby takes over, and the tokens are --local's; the receipt verifies; no other node is
-    suspected or declared dead before the answer (the detector's defaults hold)."""
+    standby takes over, and the tokens are --local's; the receipt is written (whether it
+    verifies is reported, not asserted: the module docstring); no other node is suspected or
+    declared dead before the answer (the detector's defaults hold)."""
     spec = _spec_on_free_ports(tmp_path / "failover.toml")
     receipt = tmp_path / "run.json"
     done = await run_shard(
