@@ -127,6 +127,10 @@ def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> 
             speculation[kind] = {"draft": kind, "draft_head": str(head), **pol}
             cost[kind] = token_s  # the hybrid's copied tokens are free: an upper bound
         picked.update(head=str(head), head_token_s=token_s)
+    if "mtp" in opts.drafts:  # the tail drafts: its block's steps show in its compute
+        speculation["mtp"] = {"draft": "mtp", "mtp_at": "tail", **pol}
+    if "mtp_coordinator" in opts.drafts:  # no cost recorded: the bound leaves it out
+        speculation["mtp_coordinator"] = {"draft": "mtp", "mtp_at": "coordinator", **pol}
     if "best" in opts.drafts:
         best, candidates = _best_draft(opts, base, model_dir, refs)
         speculation["best"] = {**best.speculation, **pol}

@@ -21,7 +21,7 @@ from typing import Any, Final
 import attrs
 
 MODES: Final = ("plain", "spec", "pipelined")
-DRAFTS: Final = ("ngram", "best", "head", "hybrid", "oracle")
+DRAFTS: Final = ("ngram", "best", "head", "hybrid", "mtp", "mtp_coordinator", "oracle")
 #: What a run compares unless --drafts says otherwise (the head and the hybrid need a trained
 #: head: ``shard draft train``, or --head DIR).
 DEFAULT_DRAFTS: Final = ("ngram", "best", "oracle")

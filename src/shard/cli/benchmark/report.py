@@ -14,6 +14,8 @@ COLORS = {
     "best": "tab:green",
     "head": "tab:purple",
     "hybrid": "tab:orange",
+    "mtp": "tab:brown",
+    "mtp_coordinator": "tab:pink",
     "oracle": "tab:red",
 }
 
