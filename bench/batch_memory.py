@@ -73,6 +73,7 @@ async def measure_block(model_dir: Path, first: int, last: int, n: int, max_len:
         Verify,
     )
     from shard.model.loader import load_stage
+    from shard.stage.config import ExecutorConfig
     from shard.stage.executor import StageExecutor
 
     torch.set_num_threads(1)
@@ -101,15 +102,10 @@ async def measure_block(model_dir: Path, first: int, last: int, n: int, max_len:
             msgs.append(Verify(sid, Epoch(0), ChunkSeq(1), 8, hidden=to_wire(torch.randn(1, 1, d))))
     inbox_send, inbox_recv = trio.open_memory_channel[Message](len(msgs))
     outbox_send, outbox_recv = trio.open_memory_channel[Message](len(msgs) + 1)
-    executor = StageExecutor(
-        model,
-        node=NodeName(f"s{first}"),
-        inbox=inbox_recv,
-        outbox=outbox_send,
-        max_sessions=n + 1,
-        max_len=max_len,
-        kv_budget_bytes=n * per_session,
+    config = ExecutorConfig(
+        NodeName(f"s{first}"), max_sessions=n + 1, max_len=max_len, kv_budget_bytes=n * per_session
     )
+    executor = StageExecutor(model, config, inbox_recv, outbox_send)
     for msg in msgs:
         inbox_send.send_nowait(msg)
     inbox_send.close()

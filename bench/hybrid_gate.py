@@ -34,7 +34,6 @@ import hybrid_match
 from shard.convert.bundled import resolve_model
 from shard.decode.draft import NGramProposer
 from shard.decode.head.eagle3_check import target_states
-from shard.decode.head.proposer import HeadProposer
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
@@ -78,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     # (split, value, set, match length) -> [positions, lookup right, head right]
     counts: dict[tuple[str, str, str, int], list[int]] = defaultdict(lambda: [0, 0, 0])
     for (_, _, group), (ids, feats, prompt_len) in zip(prompts, refs, strict=True):
-        stream = ids.tolist()
-        proposer = HeadProposer(head, max_len=len(stream) + 2)
-        first = max(prompt_len - 1, 1)
-        lo = max(0, first - 1 - head.feature_window)
-        proposer.observe(lo, feats[lo : first - 1])
+        stream, proposer, first = hybrid_match.primed(head, ids, feats, prompt_len)
         lined_up: dict[int, int] = {}
         for m in range(first, len(stream) - 1):
             proposer.observe(m - 1, feats[m - 1 : m])

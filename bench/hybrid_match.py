@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         refs = reference_features(target, runs)
     for (_, _, group), (ids, feats, prompt_len) in zip(prompts, refs, strict=True):
-        stream = ids.tolist()
-        proposer = HeadProposer(head, max_len=len(stream) + 2)
-        first = max(prompt_len - 1, 1)
-        lo = max(0, first - 1 - head.feature_window)
-        proposer.observe(lo, feats[lo : first - 1])
+        stream, proposer, first = primed(head, ids, feats, prompt_len)
         for m in range(first, len(stream) - 1):
             proposer.observe(m - 1, feats[m - 1 : m])
             context = stream[: m + 1]
@@ -134,6 +130,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{group:9s} {cells}")
     print("shortest match where lookup beats the head:", result["shortest_match_where_lookup_wins"])
     return 0
+
+
+def primed(
+    head: DraftHead | Eagle3Head, ids: torch.Tensor, feats: torch.Tensor, prompt_len: int
+) -> tuple[list[int], HeadProposer, int]:
+    """A reference run's stream, a proposer over ``head`` that has observed the prompt's
+    last features (its window), and the first position to draft at."""
+    stream = ids.tolist()
+    proposer = HeadProposer(head, max_len=len(stream) + 2)
+    first = max(prompt_len - 1, 1)
+    lo = max(0, first - 1 - head.feature_window)
+    proposer.observe(lo, feats[lo : first - 1])
+    return stream, proposer, first
 
 
 def _head(

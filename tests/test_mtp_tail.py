@@ -37,7 +37,7 @@ from shard.messages import (
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.spec.limits import Limits
-from shard.stage.config import ExecutorConfig
+from shard.stage.config import ExecutorConfig, StageAides
 from shard.stage.executor import StageExecutor
 from shard.stage.tail_drafts import TailDrafts
 from test_mtp import with_mtp_block
@@ -67,7 +67,9 @@ async def whole_model(model_dir: Path, msgs: list[Message], *, block: bool = Tru
     inbox_send, inbox_recv = trio.open_memory_channel[Message](0)
     outbox_send, outbox_recv = trio.open_memory_channel[Message](len(msgs) + 1)
     config = ExecutorConfig(NodeName("s"), max_len=64)
-    executor = StageExecutor(model, config, inbox_recv, outbox_send, drafts=drafts)
+    executor = StageExecutor(
+        model, config, inbox_recv, outbox_send, aides=StageAides(drafts=drafts)
+    )
     with inline_compute(), trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(executor.run)

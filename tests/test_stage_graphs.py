@@ -274,7 +274,7 @@ async def test_executor_replays_per_chunk_and_forgets_at_session_end(
         Verdict,
         Verify,
     )
-    from shard.stage.config import ExecutorConfig
+    from shard.stage.config import ExecutorConfig, StageAides
     from shard.stage.executor import StageExecutor
 
     model = load_stage(tiny_checkpoint(arch="llama", n_layers=2), 0, 2)  # a whole ring
@@ -297,7 +297,7 @@ async def test_executor_replays_per_chunk_and_forgets_at_session_end(
             ExecutorConfig(NodeName("s"), max_batch_rows=1),
             inbox_recv,
             outbox_send,
-            graphs=graphs,
+            aides=StageAides(graphs=graphs),
         )
         for msg in msgs:
             inbox_send.send_nowait(msg)

@@ -65,6 +65,7 @@ from shard.nodes.sizes import model_facts
 from shard.nodes.stage_config import StageNodeConfig, stage_config
 from shard.spec.nodes import StageSpec
 from shard.spec.swarm import SwarmSpec
+from shard.stage.config import StageAides
 from shard.stage.executor import StageExecutor
 from shard.stage.graphs import ChunkGraphs
 from shard.stage.tail_drafts import TailDrafts
@@ -191,16 +192,18 @@ class _StageNode:
             config.executor,
             self._inbox,
             outbox_send,
-            graphs=self._graphs(block),
-            drafts=TailDrafts(block.mtp) if block.mtp is not None else None,
-            receipts=ReceiptSigner(
-                config.signing.identity(),
-                node=self._name,
-                address=self._address,
-                first=block.first,
-                last=block.last,
-                device=device_identity(),
-                token=config.signing.token_text(),
+            aides=StageAides(
+                receipts=ReceiptSigner(
+                    config.signing.identity(),
+                    node=self._name,
+                    address=self._address,
+                    first=block.first,
+                    last=block.last,
+                    device=device_identity(),
+                    token=config.signing.token_text(),
+                ),
+                graphs=self._graphs(block),
+                drafts=TailDrafts(block.mtp) if block.mtp is not None else None,
             ),
         )
         link = DownstreamLink(

@@ -1,14 +1,22 @@
 """``ExecutorConfig``: a stage executor's record, built once by its node's root from the
-spec's ``[limits]`` (``shard.nodes.stage_config``)."""
+spec's ``[limits]`` (``shard.nodes.stage_config``); ``StageAides``: what it works with beside
+its block and channels."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import attrs
 
 from shard.messages import NodeName
 from shard.stage.batch import DEFAULT_MAX_BATCH_ROWS
 
-__all__ = ["ExecutorConfig"]
+if TYPE_CHECKING:
+    from shard.stage.graphs import ChunkGraphs
+    from shard.stage.tail_drafts import TailDrafts
+    from shard.trust.receipts import ReceiptSigner
+
+__all__ = ["ExecutorConfig", "StageAides"]
 
 
 def _check(config: ExecutorConfig) -> None:
@@ -35,3 +43,15 @@ class ExecutorConfig:
 
     def __attrs_post_init__(self) -> None:
         _check(self)
+
+
+@attrs.frozen
+class StageAides:
+    """What a stage executor works with beside its block and channels (each None: not used):
+    ``receipts`` signs what it computed; ``graphs``, its CUDA graphs per chunk shape (None:
+    every chunk eager); ``drafts``, the checkpoint's MTP block at a tail that drafts with it
+    (``shard.stage.tail_drafts``)."""
+
+    receipts: ReceiptSigner | None = None
+    graphs: ChunkGraphs | None = None
+    drafts: TailDrafts | None = None

@@ -63,11 +63,10 @@ from shard.stage.chunks import (
     output,
     plan,
 )
-from shard.stage.config import ExecutorConfig
-from shard.stage.graphs import ChunkGraphs
+from shard.stage.config import ExecutorConfig, StageAides
 from shard.stage.statistics import StageStatistics
-from shard.stage.tail_drafts import TailDrafts, drafts_refusal
-from shard.trust.receipts import ReceiptSigner, payload_of, verdict_payload
+from shard.stage.tail_drafts import drafts_refusal
+from shard.trust.receipts import payload_of, verdict_payload
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +114,16 @@ class StageExecutor:
         *,
         limiter: trio.CapacityLimiter | None = None,
         clock: Callable[[], float] = time.time,
-        receipts: ReceiptSigner | None = None,
-        graphs: ChunkGraphs | None = None,
-        drafts: TailDrafts | None = None,
+        aides: StageAides | None = None,
     ) -> None:
         self._max_batch_rows = config.max_batch_rows
         self._gather_window_s = config.gather_window_s
         self._kv_budget = config.kv_budget_bytes
         self._model = model
-        self._graphs = graphs  # None: every chunk eager (StageModel.forward)
-        self._drafts = drafts  # the tail's MTP block (``OpenSession.drafts``), or None
-        self._receipts = receipts
+        aides = aides if aides is not None else StageAides()
+        self._graphs = aides.graphs  # None: every chunk eager (StageModel.forward)
+        self._drafts = aides.drafts  # the tail's MTP block (``OpenSession.drafts``), or None
+        self._receipts = aides.receipts
         self._node = config.node
         self._inbox = inbox
         self._outbox = outbox
