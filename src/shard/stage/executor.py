@@ -426,8 +426,8 @@ class StageExecutor:
             window = sess.features if sess is not None else None
             out = output(slot.msg, next(results), (*slot.msg.hops, hop), window)
             if isinstance(out, Verdict) and sess is not None and sess.drafting is not None:
-                answer = sess.drafting.answer
-                out = await offload.run_sync(answer, slot.msg, out, limiter=self._limiter)
+                answer, clock, limiter = sess.drafting.answer, self._clock, self._limiter
+                out = await offload.run_sync(answer, slot.msg, out, clock, limiter=limiter)
             if out is not None and not is_replay(slot.msg):
                 self._record_output(slot.msg, out, compute_s)
                 await self._outbox.send(out)

@@ -22,6 +22,8 @@ None of this changes a verdict's ids: drafts are guesses, checked by the next la
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from shard.compute.tensors import from_wire
@@ -51,11 +53,18 @@ class TailSession:
             self.tokens.extend([_UNSEEN] * (end - len(self.tokens)))
         self.tokens[end - len(msg.tail_ids) : end] = msg.tail_ids
 
-    def answer(self, msg: Prefill | Verify, verdict: Verdict) -> Verdict:
+    def answer(
+        self, msg: Prefill | Verify, verdict: Verdict, clock: Callable[[], float]
+    ) -> Verdict:
         """``verdict`` as it leaves the tail: with its drafts, without the features they were
-        drafted from (a worker thread's work: the block runs ``N`` times)."""
+        drafted from (a worker thread's work: the block runs ``N`` times), its last hop sent
+        now by ``clock`` (the drafting is time at the tail outside the forward's
+        ``compute_s``)."""
         drafts = self.draft(msg, verdict)
-        return attrs.evolve(verdict, features=None, features_start=0, drafts=drafts)
+        hops = verdict.hops
+        if hops:
+            hops = (*hops[:-1], attrs.evolve(hops[-1], sent_at=clock()))
+        return attrs.evolve(verdict, features=None, features_start=0, drafts=drafts, hops=hops)
 
     def draft(self, msg: Prefill | Verify, verdict: Verdict) -> tuple[int, ...]:
         """The drafts after ``verdict`` (its features, if any, are the committed rows), or
