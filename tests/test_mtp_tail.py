@@ -265,3 +265,18 @@ async def test_the_coordinator_drafts_from_a_guess_it_keeps_and_goes_on_without_
     unasked, seen = await _one_request(NGramProposer(), guess)
     assert unasked.token_ids == (7,) * 8
     assert all(m.tail_ids == () for m in seen if isinstance(m, Prefill))
+
+
+def test_the_tail_chains_enough_for_two_chunks_of_the_size_it_verified(held: Path) -> None:
+    """After the prompt, the session's count; after a verify chunk of ``k`` drafts,
+    ``2 (k + 1)`` (at least 4, at most the count): the coordinator's next chunks follow the
+    size it chose, and each link is one more step of the block before the verdict leaves."""
+    session = TailDrafts(MtpHead.load(held)).open(OpenSession(SessionId(1), 64, drafts=16))
+    assert session is not None
+    assert session.wanted(prefill(1)) == 16
+
+    def verify(k: int) -> Verify:
+        ids = tuple(range(k + 1))
+        return Verify(SessionId(1), E0, ChunkSeq(1), 20, ids=ids, draft=ids[1:])
+
+    assert [session.wanted(verify(k)) for k in (0, 1, 3, 7, 8)] == [4, 4, 8, 16, 16]

@@ -2,13 +2,15 @@
 (``OpenSession.drafts``, ``Verdict.drafts``; docs/drafts.md, "MTP").
 
 A session that opens with ``drafts = N > 0`` at a tail holding the block (``TailDrafts``)
-gets, with each verdict, the block's ``N`` chained guesses for the positions right after the
-verdict's last committed id. The block reads what a coordinator's ``HeadProposer`` over the
-same block would read from ``Verdict.features``: the final-norm rows of the committed
-positions in the wire's dtype (the tail's feature window computes them, and they stay here),
-and the tokens those positions read — the prompt's from ``Prefill.tail_ids``, then the ids
-each verdict commits. So the tail's drafts are the ones that coordinator would make, and only
-ids cross the return link: ``4 x N`` bytes a verdict instead of ``2 x hidden`` a committed row.
+gets, with each verdict, the block's chained guesses for the positions right after the
+verdict's last committed id: ``N`` after the prompt, then as many as two more chunks of the
+size just verified need (``TailSession.wanted``). The block reads what a coordinator's
+``HeadProposer`` over the same block would read from ``Verdict.features``: the final-norm
+rows of the committed positions in the wire's dtype (the tail's feature window computes
+them, and they stay here), and the tokens those positions read — the prompt's from
+``Prefill.tail_ids``, then the ids each verdict commits. So the tail's drafts are the ones
+that coordinator would make, and only ids cross the return link: a few bytes a draft instead
+of ``2 x hidden`` a committed row.
 
 Rows whose tokens the tail never saw (no ``tail_ids``: it joined mid-prompt) get no drafts,
 and the coordinator then sends plain steps until a verdict carries some. A verify chunk past
@@ -35,6 +37,7 @@ from shard.messages import MAX_TAIL_DRAFTS, OpenSession, Prefill, Verdict, Verif
 __all__ = ["TailDrafts", "TailSession", "drafts_refusal", "ids_refusal"]
 
 _UNSEEN = -1  # a stream position whose token the tail never saw
+_LEAST = 4  # drafts chained after any verify chunk (``TailSession.wanted``)
 
 
 @attrs.define
@@ -52,6 +55,16 @@ class TailSession:
         if len(self.tokens) < end:
             self.tokens.extend([_UNSEEN] * (end - len(self.tokens)))
         self.tokens[end - len(msg.tail_ids) : end] = msg.tail_ids
+
+    def wanted(self, msg: Prefill | Verify) -> int:
+        """How many drafts to chain after ``msg``'s verdict: the session's count after the
+        prompt; after a verify chunk of ``k`` drafts, enough for two more chunks of its size
+        and their bonus guesses, ``2 (k + 1)``, at least ``_LEAST`` — the coordinator's
+        chunk size follows its own choice, and each step is one more of the block's forwards
+        before the verdict leaves."""
+        if isinstance(msg, Prefill):
+            return self.count
+        return min(self.count, max(_LEAST, 2 * (len(msg.draft) + 1)))
 
     def answer(
         self, msg: Prefill | Verify, verdict: Verdict, clock: Callable[[], float]
@@ -84,7 +97,7 @@ class TailSession:
         rows = from_wire(verdict.features).float()
         try:
             self.proposer.observe(first, rows)
-            return tuple(self.proposer.propose(self.tokens, self.count))
+            return tuple(self.proposer.propose(self.tokens, self.wanted(msg)))
         except HeadError:
             return ()  # positions past the session's length: nothing to guess
 
