@@ -12,8 +12,9 @@ declares and audits its block in the one format the local reference
 ``with_checkpoint_defaults`` adds the draft: a spec whose ``[speculation]`` names no draft,
 over a checkpoint that holds an MTP block (``has_mtp_block``: DeepSeek-V3, GLM-4.5), drafts
 with that block at the tail (``draft = "mtp"``, ``k`` and ``depth`` "auto"). The coordinator
-and the stage roots apply it, so the tail loads the block the coordinator's sessions ask it
-to run; a tail that cannot (a fetched block without it) answers without drafts.
+and the stage and standby roots apply it, so the tail loads the block the coordinator's
+sessions ask it to run; a tail that does not (a joining node, a fetched block without it)
+answers without drafts.
 """
 
 from __future__ import annotations
