@@ -400,6 +400,8 @@ def test_a_spec_asks_for_mtp_without_a_head(mtp_checkpoint: Callable[[str], Path
     there = SwarmSpec.from_dict({**base, "speculation": {"draft": "mtp", "mtp_at": "coordinator"}})
     assert there.speculation.mtp_at == "coordinator" and not there.speculation.mtp_at_tail
     assert not SwarmSpec.from_dict(base).speculation.given
+    plain = SwarmSpec.from_dict({**base, "speculation": {"k": 0}}).speculation
+    assert plain.given and plain.draft == "none"  # k = 0 says plain: no default draft
     with pytest.raises(SpecError, match="draft_head"):
         SwarmSpec.from_dict({**base, "speculation": {"draft": "mtp", "draft_head": "x"}})
     with pytest.raises(SpecError, match="mtp_at"):

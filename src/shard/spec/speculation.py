@@ -80,7 +80,8 @@ class SpeculationSpec:
     draft_head: str | None = None  # head / hybrid: a head directory or a head name; eagle3: a
     # head directory
     mtp_at: str = "tail"  # mtp: where the block runs (``MTP_PLACES``)
-    given: bool = False  # the table names a draft (else a checkpoint's MTP block may default)
+    given: bool = False  # the table names a draft or k (else a checkpoint's MTP block may
+    # default: shard.nodes.defaults)
 
     @property
     def uses_head(self) -> bool:
@@ -156,7 +157,7 @@ def read_speculation(
         oracle_file=oracle,
         draft_head=head,
         mtp_at=mtp_at,
-        given=table.raw("draft", None) is not None,
+        given=any(table.raw(key, None) is not None for key in ("draft", "k")),
     )
 
 
