@@ -70,7 +70,7 @@ class TailSession:
         self, msg: Prefill | Verify, verdict: Verdict, clock: Callable[[], float]
     ) -> Verdict:
         """``verdict`` as it leaves the tail: with its drafts, without the features they were
-        drafted from (a worker thread's work: the block runs ``N`` times), its last hop sent
+        drafted from (a worker thread's work: the block runs once a draft), its last hop sent
         now by ``clock`` (the drafting is time at the tail outside the forward's
         ``compute_s``)."""
         drafts = self.draft(msg, verdict)
