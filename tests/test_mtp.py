@@ -308,6 +308,9 @@ def test_the_default_draft_is_the_block_only_where_it_is_held(
     named = attrs.evolve(mtp_spec(held, None).speculation, given=True)
     spec = attrs.evolve(mtp_spec(held, None), speculation=named)
     assert with_checkpoint_defaults(spec, held).speculation.draft == "none"
+    built = attrs.evolve(mtp_spec(held, None).speculation, draft="ngram")  # given False
+    in_code = attrs.evolve(mtp_spec(held, None), speculation=built)
+    assert with_checkpoint_defaults(in_code, held).speculation.draft == "ngram"
     assert with_checkpoint_defaults(mtp_spec(bare, None), bare).speculation.draft == "none"
 
 

@@ -43,10 +43,12 @@ def with_checkpoint_weights(spec: SwarmSpec, model_dir: Path) -> SwarmSpec:
 
 def with_checkpoint_defaults(spec: SwarmSpec, model_dir: Path) -> SwarmSpec:
     """``with_checkpoint_weights``, and a spec that names no draft set to draft with the
-    checkpoint's MTP block at the tail when it holds one (the module's docstring)."""
+    checkpoint's MTP block at the tail when it holds one (the module's docstring). A draft
+    other than "none" is kept however the spec was made (a spec built in code, not read from
+    a table, has ``given`` False)."""
     spec = with_checkpoint_weights(spec, model_dir)
     plan = spec.speculation
-    if plan.given or not has_mtp_block(model_dir):
+    if plan.given or plan.draft != "none" or not has_mtp_block(model_dir):
         return spec
     policy = SpeculationConfig(k_max=plan.policy.k_max, depth_max=plan.policy.depth_max)
     return attrs.evolve(spec, speculation=attrs.evolve(plan, draft="mtp", policy=policy))
