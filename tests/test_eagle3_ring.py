@@ -142,6 +142,30 @@ async def test_a_swarm_drafting_with_an_eagle3_head_gives_the_plain_output(
     assert done.stats.drafted > 0
 
 
+async def test_the_hybrid_is_told_what_is_settled_before_each_proposal(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver hands the hybrid the committed tokens (the prompt, then the verified
+    output: never a draft in flight) and the controller's model acceptance before drafting."""
+    seen: list[tuple[list[int], float]] = []
+    settle = HybridProposer.settle
+
+    def spy(self: HybridProposer, committed: list[int], model_alpha: float) -> None:
+        seen.append((list(committed), model_alpha))
+        settle(self, committed, model_alpha)
+
+    monkeypatch.setattr(HybridProposer, "settle", spy)
+    head = eagle3_head(tiny, tmp_path / "head", [0, 2, 3])
+    done = await swarm_run(tiny, head, SpeculationConfig(k=3, depth=2), "hybrid")
+    stream = [*PROMPT, *done.token_ids]
+    assert len(seen) > 1
+    assert seen[0][0][: len(PROMPT)] == list(PROMPT)
+    for committed, alpha in seen:
+        assert committed == stream[: len(committed)]
+        assert 0.0 <= alpha <= 1.0
+    assert [len(c) for c, _ in seen] == sorted(len(c) for c, _ in seen)
+
+
 def test_a_spec_names_an_eagle3_heads_directory(tiny: Path, tmp_path: Path) -> None:
     """``draft = "eagle3"`` needs ``draft_head`` naming a directory (relative to the spec);
     without one, or with a file or a missing path, the spec is refused naming the key."""

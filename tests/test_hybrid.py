@@ -106,3 +106,102 @@ def test_the_model_reads_the_features() -> None:
     rows = torch.ones(2, 4)
     hybrid.observe(7, rows)
     assert hybrid.features == 3 and model.observed == [(7, rows)]
+
+
+# Structured text: blocks (u, v, 7, 8) with u and v new each time, so at every 7 after the
+# first the lookup lines up exactly one token (even allowing one miss) and guesses 8, rightly;
+# it ends in such a 7. Prose-like: the same, but what follows each 7 is new (never right).
+STRUCTURED = [t for b in range(6) for t in (20 + 2 * b, 21 + 2 * b, 7, 8)] + [40, 41, 7]
+LOOSE = [t for b in range(6) for t in (20 + 2 * b, 21 + 2 * b, 7, 50 + b)] + [40, 41, 7]
+
+
+def test_settle_scores_short_matches_on_the_settled_text() -> None:
+    """Each position whose suffix lines up exactly 1 token with earlier text is scored on
+    whether the lookup's guess was the next settled token; the prior weighs 4 tokens at 0.1."""
+    structured = HybridProposer(Counting())
+    structured.settle(STRUCTURED, 0.5)
+    # the 7s of blocks 2 to 6 (the last 7 has no next token yet): all right
+    assert structured.short_rate == pytest.approx((5 + 0.4) / (5 + 4))
+    loose = HybridProposer(Counting())
+    loose.settle(LOOSE, 0.5)
+    assert loose.short_rate == pytest.approx((0 + 0.4) / (5 + 4))
+    # settling the same text again scores nothing twice; one more token scores one more
+    structured.settle(STRUCTURED, 0.5)
+    assert structured.short_rate == pytest.approx(5.4 / 9)
+    structured.settle([*STRUCTURED, 8], 0.5)  # the last 7, now followed by 8: right
+    assert structured.short_rate == pytest.approx(6.4 / 10)
+
+
+def test_a_short_match_goes_first_only_where_it_beats_the_model_on_this_text() -> None:
+    """The context ends in a 1-token match (7, then 8 in STRUCTURED). Unsettled, or where the
+    model's acceptance is above the scored rate, the model drafts; below it, the lookup copies."""
+    fresh = HybridProposer(Counting())
+    assert fresh.propose(STRUCTURED, 1) == [1000 + len(STRUCTURED)]
+    assert fresh.names == ["model"]
+    sure = HybridProposer(Counting())
+    sure.settle(STRUCTURED, 0.9)  # the model is right 90 % of the time: above 0.6
+    assert sure.propose(STRUCTURED, 1) == [1000 + len(STRUCTURED)]
+    assert sure.lookup_span(STRUCTURED, 4) == 0
+    missing = HybridProposer(Counting())
+    missing.settle(STRUCTURED, 0.3)  # below the scored 0.6: the lookup goes first
+    assert missing.propose(STRUCTURED, 1) == [8]
+    assert missing.names == ["ngram"]
+    assert missing.lookup_span(STRUCTURED, 4) > 0
+    loose = HybridProposer(Counting())
+    loose.settle(LOOSE, 0.3)  # scored 0.04: the model goes first even at 0.3
+    assert loose.propose(LOOSE, 1) == [1000 + len(LOOSE)]
+
+
+def test_settle_scores_a_bounded_window_of_a_long_prompt() -> None:
+    """At most SCORE_WINDOW positions are scored at the start, however long the prompt."""
+    from shard.decode import hybrid as module
+
+    long = STRUCTURED * 30  # 810 tokens
+    h = HybridProposer(NGramProposer(tolerant=False))
+    seen: list[int] = []
+    h._lookup = Recording(seen)
+    h.settle(long, 0.5)
+    assert len(seen) == module.SCORE_WINDOW
+    assert max(seen) <= module.SCORE_CONTEXT
+
+
+class Recording(NGramProposer):
+    """A lookup that records the length of each context it searched."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def lookup(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        self.seen.append(len(context))
+        return super().lookup(context, k)
+
+
+def test_a_copy_task_trusts_a_short_match_where_the_target_realigned_after_its_own_edit() -> None:
+    """The output repeats the prompt word for word, then the target drops a token (an edit
+    of its own) and the lookup lines up only one token again. A request whose settled output
+    was mostly guessed by trusted matches is a copy task: the short match goes first however
+    sure the model is. Prose-like output (nothing copied) is not, and the model goes first."""
+    prompt = list(range(100, 130))  # 30 distinct tokens
+    copying = HybridProposer(Counting())
+    copying.settle(prompt, 0.9)  # before any output: the prompt alone
+    assert not copying.copy_task
+    # 12 tokens copied, then the target's edit: 112 becomes 999 and 113 goes (two edits, so
+    # even the tolerant lookup lines up only the last token, 114)
+    output = [*prompt[:12], 999, 114]
+    copying.settle(prompt + output, 0.9)
+    assert copying._copied == [14, 10]  # 101..111 were guessed by matches of 2+ tokens
+    assert copying.copy_task
+    context = prompt + output
+    assert NGramProposer().lookup(context, 3) == ([115, 116, 117], 1)
+    assert copying.propose(context, 3) == [115, 116, 117]
+    assert copying.names == ["ngram"] * 3
+    prose = HybridProposer(Counting())
+    prose.settle(prompt, 0.9)
+    prose.settle([*prompt, *range(200, 212), 113], 0.9)  # 13 new tokens, then a 1-token match
+    assert not prose.copy_task
+    assert prose.propose([*prompt, *range(200, 212), 113], 1) == [1000 + len(prompt) + 13]
+    early = HybridProposer(Counting())
+    early.settle(prompt, 0.9)
+    early.settle(prompt + prompt[:3] + prompt[4:5], 0.9)  # copied, but only 4 output tokens
+    assert not early.copy_task

@@ -325,6 +325,8 @@ class RequestDriver:
         hybrid = proposer if isinstance(proposer, HybridProposer) else None
         lead = None  # how far the hybrid's lookup would copy now: priced apart from the model
         config = control.config
+        if hybrid is not None:
+            hybrid.settle(stream.committed, control.model_alpha)
         if hybrid is not None and (config.k is None or config.depth is None):
             lead = hybrid.lookup_span(stream.context(), config.depth_max * (config.k_max + 1))
         k, depth = control.choose(sessions=self._ledger.sessions, lead=lead)
