@@ -31,10 +31,12 @@ def formation_lines(
     max_len: int = 512,
     wait_s: float = 240.0,
     insecure: bool = True,
+    stages: int | None = None,
 ) -> list[str]:
     """The TOML lines of a spec whose coordinator on ``port`` expects ``expect`` joined nodes
-    (the default, WAN, timings); a secure one (``insecure=False``) still needs ``[trust]``
-    and the coordinator's ``key``/``token`` lines added after ``[coordinator]``'s."""
+    (the default, WAN, timings), its ring of ``stages`` (None: the predicted lap's choice); a
+    secure one (``insecure=False``) still needs ``[trust]`` and the coordinator's
+    ``key``/``token`` lines added after ``[coordinator]``'s."""
     return [
         "[swarm]",
         f"name = {json.dumps(name)}",
@@ -45,6 +47,7 @@ def formation_lines(
         "connect_timeout_s = 10.0",
         "[formation]",
         f"expect = {expect}",
+        *([f"stages = {stages}"] if stages is not None else []),
         f"wait_s = {wait_s!r}",
         "probes = 3",
         "[coordinator]",
