@@ -15,7 +15,9 @@ controller's acceptance of the model's guesses so far), and the hybrid scores ho
 short match would have guessed the next settled token. Structured text (a SQL schema, a
 config file) lines up one token and continues as before far more often than prose does
 (~0.4 against ~0.1), and a head trained on prose keeps missing there; where the scored rate
-beats the model's acceptance, short matches are trusted.
+beats the model's acceptance, short matches are trusted. So are they in a copy task (at
+least half of the settled output guessed by trusted matches), where a short match is the
+copy realigning after the target's own edit.
 
 ``names`` records which draft guessed each token of the last proposal (``LOOKUP``, "ngram",
 or the model's name): the coordinator prices the two apart (``SpeculationController``), and
