@@ -16,7 +16,14 @@ torch twin, ``reference`` here. The script:
    bf16, ``int8-split`` for Q8_0) on every product shape of the two bundled models (q/k/v
    joined, o, gate/up joined, down, the tied head), random codes of the stored formats, one
    and nine rows, 1 and 2 threads, medians of ``--runs`` after 3 warm-ups; and sums them per
-   decode step (layers times the four body products, plus the head).
+   decode step (layers times the four body products, plus the head). Those are cache-hot:
+   one weight called again and again;
+4. times a call of a 16 x 32 product (``call_us``: the fixed cost of a call through ctypes);
+5. times whole decode steps in the model (``--steps`` one-row steps after 10 untimed, the
+   median, ``--reps`` times interleaved): each bundled model loaded twice as stored, both
+   with siblings unjoined (the kernel takes one weight a call), one as loaded and one with
+   every int4 and int8 product of groups of 32 swapped for the kernel (called through
+   ctypes, its input cast to float32); every weight read once a step, as a stage reads it.
 
 Writes ``bench/results/intdot.json``: the checks, every timing, the load average before and
 after. A benchmark, not a test: nothing here asserts. Run it alone: every figure shares this CPU.
@@ -91,6 +98,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--rows", default="1,9", help="comma-separated row counts")
     p.add_argument("--runs", type=int, default=30, help="timed calls per figure (median)")
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps in the model")
+    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions in the model")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "intdot.json")
     return p.parse_args(argv)
 
@@ -257,6 +266,68 @@ def timings(so: ctypes.CDLL, model: str, threads: int, rows: int, runs: int) -> 
     return out
 
 
+def in_model(so: ctypes.CDLL, model: str, threads: int, steps: int, reps: int) -> Record:
+    """Decode steps of ``model`` with its products as loaded and swapped for the kernel."""
+    from shard.convert.bundled import resolve_model
+    from shard.model import quant
+    from shard.model.config import ModelConfig
+    from shard.model.loader import load_stage
+
+    torch.set_num_threads(threads)
+    kept: dict[int, Any] = {}
+    init = quant.QuantLinear.__init__
+
+    def keeping(self: Any, q: Any, device: Any = "cpu", bias: Any = None) -> None:
+        init(self, q, device, bias)
+        kept[id(self)] = q  # the codes as stored, which the kernel reads
+
+    quant.QuantLinear.__init__ = keeping  # type: ignore[method-assign]
+    try:
+        model_dir = resolve_model(model, progress=False)
+        n = ModelConfig.from_dir(model_dir).n_layers
+        loaded = load_stage(model_dir, 0, n, weights="stored", join=False)
+        swapped = load_stage(model_dir, 0, n, weights="stored", join=False)
+    finally:
+        quant.QuantLinear.__init__ = init  # type: ignore[method-assign]
+    count = 0
+    for mod in swapped.modules():
+        q = kept.get(id(mod))
+        if q is None or mod.path not in ("int4", "int8-split") or q.group % 32:
+            continue
+
+        def forward(x: torch.Tensor, q: Any = q, mod: Any = mod) -> torch.Tensor:
+            rows = x.reshape(-1, mod.in_features).float().contiguous()
+            kind = 4 if q.kind == "int4" else 8
+            y = native(so, rows, q.codes, kind, q.scale, q.offset, q.group, threads)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], mod.out_features)
+            return y if mod.bias is None else y + mod.bias
+
+        mod.forward = forward
+        count += 1
+
+    def step_ms(stage: Any) -> float:
+        with torch.inference_mode():
+            cache = stage.new_cache(64 + steps)
+            logits = stage(torch.arange(1, 9).unsqueeze(0), 0, cache, head_rows=1)
+            times = []
+            for i in range(10 + steps):
+                t0 = time.perf_counter()
+                logits = stage(logits[0, -1].argmax().view(1, 1), 8 + i, cache, head_rows=1)
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    runs = [(step_ms(loaded), step_ms(swapped)) for _ in range(reps)]
+    out: Record = {"model": model, "threads": threads, "swapped_products": count}
+    out["loaded_ms"] = statistics.median(r[0] for r in runs)
+    out["intdot_ms"] = statistics.median(r[1] for r in runs)
+    out["runs"] = runs
+    out["loaded_over_intdot"] = out["loaded_ms"] / out["intdot_ms"]
+    print(f"{model} T={threads} in the model: {out['loaded_ms']:.2f} ms a step as loaded, "
+          f"{out['intdot_ms']:.2f} with the kernel", flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     so = build()
@@ -267,12 +338,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_before": os.getloadavg(),
     }
     record["checks"] = checks(so)
+    tiny = weights(16, 32, 32, 4, True, torch.Generator().manual_seed(1))
+    record["call_us"] = timed_us(functools.partial(native, so, torch.randn(1, 32), tiny[0], 4,
+                                                   tiny[1], tiny[2], 32), args.runs)  # fmt: skip
+    print(f"a call of a 16 x 32 product: {record['call_us']:.1f} us", flush=True)
     print("checks:", record["checks"], flush=True)
     record["timings"] = [
         timings(so, model, int(t), int(r), args.runs)
         for model in args.models.split(",")
         for t in args.threads.split(",")
         for r in args.rows.split(",")
+    ]
+    record["in_model"] = [
+        in_model(so, model, int(t), args.steps, args.reps)
+        for model in args.models.split(",")
+        for t in args.threads.split(",")
     ]
     record["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
