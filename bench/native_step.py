@@ -228,6 +228,15 @@ def native_run(native: Native, threads: int, forced: Sequence[int]) -> tuple[flo
     return statistics.median(times) * 1e3, out
 
 
+def llama_tg(binary: Path, gguf: Path, threads: int, tokens: int) -> float | None:
+    """llama.cpp's decode tok/s (``llama-bench -n TOKENS -p 0 -r 1``), None if it failed."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-n", str(tokens), "-p", "0",
+           "-r", "1", "-o", "json"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else []
+    return float(rows[0]["avg_ts"]) if rows else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     so = build()
@@ -235,7 +244,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     native = Native(so, codes_stage, kept, 64 + args.tokens + len(PROMPT))
     llama = gguf = None
     if not args.no_llama:
-        from llama_cpp import bench as llama_bench
         from llama_cpp import build as llama_build
         from shard.convert.bundled import _bundled_gguf
 
@@ -257,8 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["greedy_agree"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
             row["greedy_of"] = len(ours)
             if llama is not None and gguf is not None:
-                got = llama_bench(llama, gguf, threads=t, tokens=args.tokens, prompt=0)
-                row["llama_tok_s"] = got.get("tg_tok_s")
+                row["llama_tok_s"] = llama_tg(llama, gguf, t, args.tokens)
             record["records"].append(row)
             print(row, flush=True)
     summary = []
