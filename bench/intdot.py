@@ -10,8 +10,9 @@ torch twin, ``reference`` here. The script:
    -ffp-contract=off``) into the cache folder (``shard.convert.bundled.cache_dir()/intdot``);
 2. checks its bytes: on random weights of several shapes (int4 with and without offsets,
    int8, groups of 32 to 128, row counts 1, 3 and 9) it compares the kernel with the eager
-   reference, its plain loops with its VNNI ones, 2 threads with 1, and a row alone with the
-   same row among others, and records how many of each were equal byte for byte;
+   reference, its plain loops with its VNNI ones, 2 threads with 1, a row alone with the
+   same row among others, and scales given as halves with the same scales as floats, and
+   records how many of each were equal byte for byte;
 3. times it against the kernels shard runs today (``QuantLinear``: torch's int4 kernel in
    bf16, ``int8-split`` for Q8_0) on every product shape of the two bundled models (q/k/v
    joined, o, gate/up joined, down, the tied head), random codes of the stored formats, one
@@ -53,6 +54,7 @@ from plain_ring import REPO, git_info, machine_info
 
 Record = dict[str, Any]
 SOURCE = REPO / "bench" / "intdot" / "intdot.c"
+HALF_SCALES = 0x100  # intdot.c: a kind flag, scales and offsets given as halves
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 
 #: Per bundled model: layers, and each product as (name, out, in, kind, offset, per layer):
@@ -205,7 +207,7 @@ def weights(
 
 def checks(so: ctypes.CDLL) -> Record:
     gen = torch.Generator().manual_seed(42)
-    equal = {"reference": 0, "plain_loops": 0, "two_threads": 0, "row_alone": 0}
+    equal = {"reference": 0, "plain_loops": 0, "two_threads": 0, "row_alone": 0, "half_scales": 0}
     cases = 0
     for n, k, group, kind, offset in CHECK_SHAPES:
         codes, scale, off = weights(n, k, group, kind, offset, gen)
@@ -222,6 +224,12 @@ def checks(so: ctypes.CDLL) -> Record:
             )
             alone = native(so, x[-1:], codes, kind, scale, off, group)
             equal["row_alone"] += torch.equal(alone[0], y[-1])
+            # scales and offsets that are halves exactly, given as halves (GGUF's own form)
+            sh, oh = scale.half(), None if off is None else off.half()
+            wide = native(so, x, codes, kind, sh.float(), None if oh is None else oh.float(), group)
+            equal["half_scales"] += torch.equal(
+                wide, native(so, x, codes, kind | HALF_SCALES, sh, oh, group)
+            )
     return {"cases": cases, "byte_equal": equal, "vnni": bool(so.intdot_vnni())}
 
 

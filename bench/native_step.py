@@ -53,6 +53,7 @@ from plain_ring import REPO, git_info, machine_info
 Record = dict[str, Any]
 SOURCE = REPO / "bench" / "intdot" / "layer.c"
 MODEL = "smollm2"
+HALF_SCALES = 0x100  # intdot.c: scales and offsets given as halves
 
 
 class Product(ctypes.Structure):
@@ -98,10 +99,14 @@ def build() -> ctypes.CDLL:
 class Native:
     """The C step over a loaded stage's stored codes (kept by ``load``)."""
 
-    def __init__(self, so: ctypes.CDLL, stage: Any, kept: dict[int, Any], max_len: int) -> None:
+    def __init__(
+        self, so: ctypes.CDLL, stage: Any, kept: dict[int, Any], max_len: int, half: bool
+    ) -> None:
         from shard.model.attention import rope_tables
 
         cfg = stage.config
+        self.half = half  # scales and offsets held as halves (exact for Q4_1 and Q8_0)
+        self.half_exact = True
         self.so, self.stage, self.cfg, self.max_len = so, stage, cfg, max_len
         self.keep: list[torch.Tensor] = []  # everything the C reads, alive
         layers = []
@@ -144,9 +149,16 @@ class Native:
         scale = torch.cat([q.scale for q in parts]).contiguous()
         offsets = [q.offset for q in parts]
         offset = None if offsets[0] is None else torch.cat(offsets).contiguous()
-        self.keep += [t for t in (codes, scale, offset) if t is not None]
         n, k = int(scale.shape[0]), int(scale.shape[1]) * parts[0].group
         kind = 4 if parts[0].kind == "int4" else 8
+        if self.half:
+            for t in (scale, offset):
+                if t is not None:
+                    self.half_exact &= bool(torch.equal(t.half().float(), t))
+            scale = scale.half()
+            offset = None if offset is None else offset.half()
+            kind |= HALF_SCALES
+        self.keep += [t for t in (codes, scale, offset) if t is not None]
         off = None if offset is None else offset.data_ptr()
         return Product(codes.data_ptr(), scale.data_ptr(), off, n, k, parts[0].group, kind)
 
@@ -241,7 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     so = build()
     shard_stage, codes_stage, kept = load()
-    native = Native(so, codes_stage, kept, 64 + args.tokens + len(PROMPT))
+    length = 64 + args.tokens + len(PROMPT)
+    natives = {"native": Native(so, codes_stage, kept, length, half=False)}
+    natives["native_half"] = Native(so, codes_stage, kept, length, half=True)
     llama = gguf = None
     if not args.no_llama:
         from llama_cpp import build as llama_build
@@ -256,14 +270,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": MODEL,
         "tokens": args.tokens,
         "records": [],
+        "half_exact": natives["native_half"].half_exact,
     }
     for rep in range(args.reps):
         for t in (int(x) for x in args.threads.split(",")):
             row: Record = {"rep": rep, "threads": t}
             row["shard_ms"], ours = shard_run(shard_stage, t, args.tokens)
-            row["native_ms"], theirs = native_run(native, t, ours)
-            row["greedy_agree"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
             row["greedy_of"] = len(ours)
+            for name, native in natives.items():
+                row[f"{name}_ms"], theirs = native_run(native, t, ours)
+                row[f"{name}_agree"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
             if llama is not None and gguf is not None:
                 row["llama_tok_s"] = llama_tg(llama, gguf, t, args.tokens)
             record["records"].append(row)
@@ -273,11 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [r for r in record["records"] if r["threads"] == t]
         s: Record = {"threads": t}
         s["shard_tok_s"] = 1e3 / statistics.median(r["shard_ms"] for r in rows)
-        s["native_tok_s"] = 1e3 / statistics.median(r["native_ms"] for r in rows)
+        for name in natives:
+            s[f"{name}_tok_s"] = 1e3 / statistics.median(r[f"{name}_ms"] for r in rows)
         if all(r.get("llama_tok_s") for r in rows):
             s["llama_tok_s"] = statistics.median(r["llama_tok_s"] for r in rows)
             s["shard_over_llama"] = s["shard_tok_s"] / s["llama_tok_s"]
-            s["native_over_llama"] = s["native_tok_s"] / s["llama_tok_s"]
+            for name in natives:
+                s[f"{name}_over_llama"] = s[f"{name}_tok_s"] / s["llama_tok_s"]
         summary.append(s)
         print(s, flush=True)
     record["summary"] = summary

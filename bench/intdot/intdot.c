@@ -26,6 +26,10 @@
 #define INTDOT_VNNI 0
 #endif
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #define BLOCK 32
 
 int intdot_vnni(void) { return INTDOT_VNNI; }
@@ -128,7 +132,7 @@ typedef struct {
  * and unpack serves them all: one 64-byte load of codes is a group of 16 / L blocks. gidx maps
  * a lane to its scale among those loaded for its group (up to sn of them, from group b / per). */
 #define TILE 4
-static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int kind, const float *s, const float *o, int64_t per,
+static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int kind, const void *s, const void *o, int half, int64_t per,
                      int64_t nb, int64_t ng, const vnni_row *rows, int count, __m512i gidx,
                      int sn, float *out) {
     const int lpb = kind == 4 ? 4 : 8, bpc = LANES / lpb;
@@ -150,9 +154,16 @@ static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int
         }
         int64_t g = b / per, have = ng - g < sn ? ng - g : sn; /* never past the row */
         __mmask8 sm = (__mmask8)((1u << have) - 1);
-        __m512 sl = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(sm, s + g)));
-        __m512 ol = o ? _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(sm, o + g)))
-                      : _mm512_setzero_ps();
+        __m128 s4, o4 = _mm_setzero_ps();
+        if (half) { /* halves widen exactly */
+            s4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(sm, (const uint16_t *)s + g));
+            if (o) o4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(sm, (const uint16_t *)o + g));
+        } else {
+            s4 = _mm_maskz_loadu_ps(sm, (const float *)s + g);
+            if (o) o4 = _mm_maskz_loadu_ps(sm, (const float *)o + g);
+        }
+        __m512 sl = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(s4));
+        __m512 ol = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(o4));
         for (int r = 0; r < count; r++) {
             __m512i p;
             __m512 qsl = _mm512_loadu_ps(rows[r].qsl + 16 * c);
@@ -180,6 +191,32 @@ static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int
 }
 #endif
 
+/* kind | HALF_SCALES: scale and offset are IEEE half floats (uint16), widened per row; the
+ * arithmetic is unchanged where the values are halves exactly (GGUF Q4_0/Q4_1/Q8_0 store
+ * theirs as halves). */
+#define HALF_SCALES 0x100
+
+/* Rows ahead whose codes and scales a row's loop prefetches. */
+#define PREFETCH_ROWS 8
+
+static float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0 && man == 0) bits = sign;
+    else if (exp == 0) { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 1024)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 1023) << 13);
+    } else if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 /* y[M, N] = x[M, K] @ w[N, K]^T, w = scale * code + offset per group (module comment).
  * kind 4: codes uint8 [N, K / 2], two a byte, the even column in the low nibble;
  * kind 8: codes int8 [N, K]. scale, offset: float32 [N, K / group]; offset may be NULL.
@@ -189,6 +226,8 @@ static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int
 int intdot_mm(const float *x, int64_t m, int64_t k, const void *codes, int kind,
               const float *scale, const float *offset, int64_t n, int64_t group, float *y,
               int threads, int plain) {
+    const int half = (kind & HALF_SCALES) != 0;
+    kind &= ~HALF_SCALES;
     if (k <= 0 || k % BLOCK || group <= 0 || group % BLOCK || k % group ||
         (kind != 4 && kind != 8) || m < 0 || n < 0)
         return -1;
@@ -237,6 +276,34 @@ int intdot_mm(const float *x, int64_t m, int64_t k, const void *codes, int kind,
         const float *s = scale + i * ng;
         const float *o = offset ? offset + i * ng : NULL;
 #if INTDOT_VNNI
+        if (i + PREFETCH_ROWS < n) { /* a few rows ahead: the streams are short rows */
+            const char *ahead = (const char *)codes + (i + PREFETCH_ROWS) * row_bytes;
+            for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            int64_t sb = ng * (half ? 2 : 4);
+            const char *sa = (const char *)scale + (i + PREFETCH_ROWS) * sb;
+            for (int64_t c = 0; c < sb; c += 64) _mm_prefetch(sa + c, _MM_HINT_T0);
+            if (offset) {
+                const char *oa = (const char *)offset + (i + PREFETCH_ROWS) * sb;
+                for (int64_t c = 0; c < sb; c += 64) _mm_prefetch(oa + c, _MM_HINT_T0);
+            }
+        }
+#endif
+        const void *sv = half ? (const void *)((const uint16_t *)scale + i * ng) : (const void *)s;
+        const void *ov = !offset ? NULL
+                         : half  ? (const void *)((const uint16_t *)offset + i * ng)
+                                 : (const void *)o;
+        float swide[half ? ng + 4 : 1], owide[half && offset ? ng + 4 : 1];
+        if (half && !lanes) {
+            const uint16_t *sh = (const uint16_t *)scale + i * ng;
+            const uint16_t *oh = offset ? (const uint16_t *)offset + i * ng : NULL;
+            for (int64_t g = 0; g < ng; g++) {
+                swide[g] = half_to_float(sh[g]);
+                if (oh) owide[g] = half_to_float(oh[g]);
+            }
+            s = swide;
+            o = oh ? owide : NULL;
+        }
+#if INTDOT_VNNI
         if (lanes) {
             for (int64_t r0 = 0; r0 < m; r0 += TILE) {
                 int count = m - r0 < TILE ? (int)(m - r0) : TILE;
@@ -249,11 +316,11 @@ int intdot_mm(const float *x, int64_t m, int64_t k, const void *codes, int kind,
                 }
                 /* constant counts, inlined: the accumulators stay in registers */
                 if (count == 1)
-                    dot_vnni(w, kind, s, o, per, nb, ng, rows, 1, gidx, sn, out);
+                    dot_vnni(w, kind, sv, ov, half, per, nb, ng, rows, 1, gidx, sn, out);
                 else if (count == TILE)
-                    dot_vnni(w, kind, s, o, per, nb, ng, rows, TILE, gidx, sn, out);
+                    dot_vnni(w, kind, sv, ov, half, per, nb, ng, rows, TILE, gidx, sn, out);
                 else
-                    dot_vnni(w, kind, s, o, per, nb, ng, rows, count, gidx, sn, out);
+                    dot_vnni(w, kind, sv, ov, half, per, nb, ng, rows, count, gidx, sn, out);
                 for (int j = 0; j < count; j++) y[(r0 + j) * n + i] = out[j];
             }
             continue;
