@@ -94,6 +94,22 @@ def test_lookup_span_is_what_the_lookup_would_copy_before_the_model_drafts() -> 
     assert hybrid.lookup_span([1, 2, 3], 8) == 0
 
 
+def test_lookup_span_follows_a_copy_past_the_end_of_the_context_as_the_draft_does() -> None:
+    """A list whose next line repeats the last: the match's continuation runs into the
+    context's end after 4 tokens, and the draft looks up again and goes on copying; the span
+    the controller prices is the draft's, all k tokens, not the 4 the first lookup gave
+    (before the change, 4)."""
+    line = [7, 8, 9, 5]
+    context = [1, 2, *line, *line, *line]
+    hybrid = HybridProposer(Counting(), min_match=2)
+    assert hybrid.propose(context, 10) == [7, 8, 9, 5, 7, 8, 9, 5, 7, 8]
+    assert hybrid.names == ["ngram"] * 10
+    assert hybrid.lookup_span(context, 10) == 10
+    assert hybrid.lookup_span(context, 3) == 3
+    # a match it does not trust is no span, however far the copy would run
+    assert HybridProposer(Counting(), min_match=9).lookup_span(context, 10) == 0  # lines up 8
+
+
 def test_min_match_must_be_positive() -> None:
     with pytest.raises(ValueError, match="min_match"):
         HybridProposer(Counting(), min_match=0)

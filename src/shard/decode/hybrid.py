@@ -105,9 +105,21 @@ class HybridProposer:
 
     def lookup_span(self, context: Sequence[int], k: int) -> int:
         """How many of the next (up to ``k``) tokens the lookup would copy now, before the
-        model drafts any (0: no match it trusts): what ``SpeculationController.choose`` prices."""
-        span, matched = self._lookup.lookup(context, k)
-        return len(span) if span and self._trusts(matched) else 0
+        model drafts any (0: no match it trusts): what ``SpeculationController.choose`` prices.
+
+        Followed as ``propose`` follows it: a span that runs into the context's end (a list
+        whose next line repeats the last, a table's next row) is looked up again with the
+        copied tokens appended, so a copy that continues past the context is counted as the
+        draft would make it, not cut where the context ends."""
+        tokens = list(context)
+        copied = 0
+        while copied < k:
+            span, matched = self._lookup.lookup(tokens, k - copied)
+            if not span or not self._trusts(matched):
+                break
+            tokens.extend(span)
+            copied += len(span)
+        return min(copied, k)
 
     def settle(self, committed: Sequence[int], model_alpha: float) -> None:
         """What the request has settled before the next proposal: its committed tokens (the
