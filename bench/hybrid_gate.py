@@ -11,7 +11,9 @@ the head's is (fed the target's real features, as on the ring), split two ways:
 - ``recent``: whether the lookup lined up at least ``--long`` (4) tokens at one of the
   previous ``--window`` (8) positions (the text was being copied just before);
 - ``vetted``: the head's probability of the lookup's guess over its own top-1's (>= 0.5,
-  >= 0.1, < 0.1): whether the head finds the copy plausible.
+  >= 0.1, < 0.1): whether the head finds the copy plausible;
+- ``unique``: whether the matched suffix occurs once before in the context (one candidate
+  continuation) or more often (the lookup picks the latest of several).
 
 Beside whose first guess is right, the mean run each would have had accepted: the lookup's
 draft of ``--k`` (8) tokens, and the hybrid's from the same position (nothing settled, so
@@ -127,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             ahead = stream[m + 1 : m + 1 + args.k]
             drafted = hybrid.propose(context, min(args.k, len(ahead)))
             vetted = _vetted(q, span[0]) / top if span and top > 0 else 0.0
+            suffix = context[-matched:]
+            places = sum(
+                1 for at in range(matched, len(context)) if context[at - matched : at] == suffix
+            )
             splits = (
+                ("unique", "once" if places == 1 else "several"),
                 ("confidence", "low" if top < args.confidence else "high"),
                 ("vetted", ">=0.5" if vetted >= 0.5 else ">=0.1" if vetted >= 0.1 else "<0.1"),
                 ("recent", "copying" if recent else "not"),
