@@ -107,19 +107,13 @@ class HybridProposer:
         """How many of the next (up to ``k``) tokens the lookup would copy now, before the
         model drafts any (0: no match it trusts): what ``SpeculationController.choose`` prices.
 
-        Followed as ``propose`` follows it: a span that runs into the context's end (a list
-        whose next line repeats the last, a table's next row) is looked up again with the
-        copied tokens appended, so a copy that continues past the context is counted as the
-        draft would make it, not cut where the context ends."""
-        tokens = list(context)
-        copied = 0
-        while copied < k:
-            span, matched = self._lookup.lookup(tokens, k - copied)
-            if not span or not self._trusts(matched):
-                break
-            tokens.extend(span)
-            copied += len(span)
-        return min(copied, k)
+        All ``k`` where it trusts the match, as ``propose`` drafts them: a span shorter than
+        ``k`` is one the context's end cut short (a list whose next line repeats the last, a
+        table's next row), and once it is copied the text lines up again over the span and
+        the match before it, longer than the match it trusted, so the draft looks up again
+        and goes on copying (``tests/test_hybrid.py``)."""
+        span, matched = self._lookup.lookup(context, k)
+        return k if span and self._trusts(matched) else 0
 
     def settle(self, committed: Sequence[int], model_alpha: float) -> None:
         """What the request has settled before the next proposal: its committed tokens (the
