@@ -130,6 +130,23 @@ def test_lookup_span_follows_a_copy_past_the_end_of_the_context_as_the_draft_doe
     assert HybridProposer(Counting(), min_match=9).lookup_span(context, 10) == 0  # lines up 8
 
 
+def test_lookup_span_is_the_drafts_leading_copied_run_on_any_context() -> None:
+    """Over 400 seeded contexts drawn from 4 tokens (so matches of every length abound, and
+    spans that run into the context's end): the span equals the run of copied guesses that
+    ``propose`` starts its draft with, for both match thresholds."""
+    import random
+
+    rng = random.Random(29)
+    for _ in range(400):
+        context = [rng.randrange(4) for _ in range(rng.randrange(2, 30))]
+        k = rng.randrange(1, 20)
+        for min_match in (1, 2, 3):
+            hybrid = HybridProposer(Counting(), min_match=min_match)
+            hybrid.propose(context, k)
+            lead = next((i for i, n in enumerate(hybrid.names) if n != "ngram"), len(hybrid.names))
+            assert hybrid.lookup_span(context, k) == lead, (context, k, min_match)
+
+
 def test_min_match_must_be_positive() -> None:
     with pytest.raises(ValueError, match="min_match"):
         HybridProposer(Counting(), min_match=0)
