@@ -152,7 +152,8 @@ static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int
             lo = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + BLOCK * b), flip);
             hi = lo;
         }
-        int64_t g = b / per, have = ng - g < sn ? ng - g : sn; /* never past the row */
+        int64_t g = per == 1 ? b : b / per; /* no division in the common case */
+        int64_t have = ng - g < sn ? ng - g : sn; /* never past the row */
         __mmask8 sm = (__mmask8)((1u << have) - 1);
         __m128 s4, o4 = _mm_setzero_ps();
         if (half) { /* halves widen exactly */
@@ -183,10 +184,12 @@ static inline __attribute__((always_inline)) void dot_vnni(const uint8_t *w, int
             acc[r] = _mm512_add_ps(acc[r], t);
         }
     }
-    for (int r = 0; r < count; r++) {
-        float lanes_out[LANES];
-        _mm512_storeu_ps(lanes_out, acc[r]);
-        out[r] = tree16(lanes_out);
+    for (int r = 0; r < count; r++) { /* tree16's sums, in its order, in registers */
+        __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+        __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+        __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
     }
 }
 #endif
@@ -314,13 +317,28 @@ int intdot_mm(const float *x, int64_t m, int64_t k, const void *codes, int kind,
                     rows[j] = (vnni_row){q + r * k, qe + r * k / 2, qo + r * k / 2,
                                          lanes + r * nc * 16, lanes + (m + r) * nc * 16};
                 }
-                /* constant counts, inlined: the accumulators stay in registers */
-                if (count == 1)
-                    dot_vnni(w, kind, sv, ov, half, per, nb, ng, rows, 1, gidx, sn, out);
-                else if (count == TILE)
-                    dot_vnni(w, kind, sv, ov, half, per, nb, ng, rows, TILE, gidx, sn, out);
+                /* constant counts and formats, inlined: the accumulators stay in registers
+                 * and the format's branches leave the loop (the bytes are the same either
+                 * way: the same operations in the same order) */
+#define DOT(KIND, HALF, COUNT) \
+    dot_vnni(w, KIND, sv, ov, HALF, per, nb, ng, rows, COUNT, gidx, sn, out)
+#define DOTS(KIND, HALF)                \
+    if (count == 1)                     \
+        DOT(KIND, HALF, 1);             \
+    else if (count == TILE)             \
+        DOT(KIND, HALF, TILE);          \
+    else                                \
+        DOT(KIND, HALF, count)
+                if (kind == 4 && !half)
+                    DOTS(4, 0);
+                else if (kind == 4)
+                    DOTS(4, 1);
+                else if (!half)
+                    DOTS(8, 0);
                 else
-                    dot_vnni(w, kind, sv, ov, half, per, nb, ng, rows, count, gidx, sn, out);
+                    DOTS(8, 1);
+#undef DOTS
+#undef DOT
                 for (int j = 0; j < count; j++) y[(r0 + j) * n + i] = out[j];
             }
             continue;
