@@ -223,7 +223,8 @@ static float half_to_float(uint16_t h) {
 /* y[M, N] = x[M, K] @ w[N, K]^T, w = scale * code + offset per group (module comment).
  * kind 4: codes uint8 [N, K / 2], two a byte, the even column in the low nibble;
  * kind 8: codes int8 [N, K]. scale, offset: float32 [N, K / group]; offset may be NULL.
- * plain != 0 takes the plain loops even where VNNI is built (tests compare the two).
+ * plain != 0 takes the plain loops even where VNNI is built (bench/intdot.py compares the
+ * two). kind may carry HALF_SCALES: scale and offset are then halves.
  * Returns 0; -1 when the arguments do not fit (K or group not a multiple of 32), -2 when
  * memory runs out. */
 int intdot_mm(const float *x, int64_t m, int64_t k, const void *codes, int kind,
