@@ -200,7 +200,8 @@ def load() -> tuple[Any, Any, dict[int, Any]]:
     return shard_stage, codes_stage, kept
 
 
-PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]  # 8 ids: a short English sentence
+#: 8 fixed ids; SmolLM2's tokenizer decodes them as "<|im_start|>Therong of France is a real"
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]
 
 
 def shard_run(stage: Any, threads: int, tokens: int) -> tuple[float, list[int]]:
