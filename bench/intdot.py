@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from plain_ring import REPO, git_info, machine_info
+from quant_bench import timed_ms
 
 Record = dict[str, Any]
 SOURCE = REPO / "bench" / "intdot" / "intdot.c"
@@ -106,20 +107,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build() -> ctypes.CDLL:
-    """The kernel, compiled once per source and flags into the cache folder."""
+def compiled(source: Path = SOURCE) -> Path:
+    """``source`` (a C file of ``bench/intdot/``, which it may include) compiled once per the
+    folder's sources and flags into the cache folder: the shared library's path."""
     from shard.convert.bundled import cache_dir
 
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         raise SystemExit("no C compiler (cc, or $CC): this experiment needs one")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()
-    lib = cache_dir() / "intdot" / key[:16] / "intdot.so"
+    sources = b"".join(f.read_bytes() for f in sorted(source.parent.glob("*.c")))
+    key = hashlib.sha256(sources + " ".join([cc, *FLAGS, source.name]).encode()).hexdigest()
+    lib = cache_dir() / "intdot" / key[:16] / f"{source.stem}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(".tmp")
-        subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], check=True)
+        cmd = [cc, *FLAGS, "-I", str(source.parent), "-o", str(tmp), str(source), "-lm"]
+        subprocess.run(cmd, check=True)
         tmp.replace(lib)
+    return lib
+
+
+def build() -> ctypes.CDLL:
+    """The kernel (``compiled``), its entry points typed."""
+    lib = compiled()
     so = ctypes.CDLL(str(lib))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     so.intdot_mm.argtypes = [p, i64, i64, p, ctypes.c_int, p, p, i64, i64, p, ctypes.c_int]
@@ -234,14 +244,8 @@ def checks(so: ctypes.CDLL) -> Record:
 
 
 def timed_us(fn: Callable[[], object], runs: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    """Median µs of ``runs`` calls after 3 warm-ups (``quant_bench.timed_ms``'s median)."""
+    return 1e3 * timed_ms(fn, runs)[0]
 
 
 def timings(so: ctypes.CDLL, model: str, threads: int, rows: int, runs: int) -> Record:

@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -47,7 +45,7 @@ from typing import Any
 
 import torch
 
-from intdot import FLAGS
+from intdot import compiled
 from plain_ring import REPO, git_info, machine_info
 
 Record = dict[str, Any]
@@ -79,21 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def build() -> ctypes.CDLL:
-    from shard.convert.bundled import cache_dir
-
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise SystemExit("no C compiler (cc, or $CC): this experiment needs one")
-    both = SOURCE.read_bytes() + (SOURCE.parent / "intdot.c").read_bytes()
-    key = hashlib.sha256(both + " ".join([cc, *FLAGS]).encode()).hexdigest()
-    lib = cache_dir() / "intdot" / key[:16] / "layer.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(".tmp")
-        cmd = [cc, *FLAGS, "-I", str(SOURCE.parent), "-o", str(tmp), str(SOURCE), "-lm"]
-        subprocess.run(cmd, check=True)
-        tmp.replace(lib)
-    return ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(compiled(SOURCE)))
 
 
 class Native:
