@@ -64,3 +64,56 @@ def test_one_change_lines_up_two_do_not() -> None:
 def test_bad_parameters_are_refused(window: int, min_n: int) -> None:
     with pytest.raises(ValueError, match="min_n"):
         NGramProposer(window=window, min_n=min_n)
+
+
+def _walk(
+    context: list[int], k: int, window: int, min_n: int, tolerant: bool
+) -> tuple[list[int], int]:
+    """The lookup as it was first written: a walk back from every candidate, one token at a
+    time (the definition ``NGramProposer.lookup`` computes all at once)."""
+    end = len(context)
+    exact_n, exact_at, loose_n, loose_at = 0, -1, 0, -1
+    for at in range(end - 1, 0, -1):
+        run = equal = misses = 0
+        for j in range(1, min(window, at) + 1):
+            if context[at - j] == context[end - j]:
+                equal += 1
+                run += misses == 0
+            else:
+                misses += 1
+                if misses > 1 or not tolerant:
+                    break
+        if run > exact_n:
+            exact_n, exact_at = run, at
+        if equal > loose_n:
+            loose_n, loose_at = equal, at
+    if tolerant and loose_n >= 3 and loose_n > exact_n:
+        return context[loose_at : loose_at + k], loose_n
+    if exact_n >= min_n:
+        return context[exact_at : exact_at + k], exact_n
+    return [], 0
+
+
+@pytest.mark.parametrize("tolerant", [True, False])
+@pytest.mark.parametrize(("window", "min_n"), [(8, 1), (4, 2), (1, 1), (12, 3)])
+def test_the_lookup_equals_the_walk_it_replaced(window: int, min_n: int, tolerant: bool) -> None:
+    """On seeded contexts of few distinct tokens (so matches of every length, ties and one
+    changed token abound) and copied runs, every prefix gives the walk's span and length."""
+    import random
+
+    rng = random.Random(window * 100 + min_n * 10 + tolerant)
+    ngram = NGramProposer(window=window, min_n=min_n, tolerant=tolerant)
+    checked = matched = 0
+    for _ in range(60):
+        context = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randrange(0, 40))]
+        if context and rng.random() < 0.5:  # a copy with one token changed
+            copy = context[: rng.randrange(len(context) + 1)]
+            if copy:
+                copy[rng.randrange(len(copy))] = 99
+            context += copy
+        for n in range(len(context) + 1):
+            want = _walk(context[:n], 5, window, min_n, tolerant)
+            assert ngram.lookup(context[:n], 5) == want, (context[:n], window, min_n, tolerant)
+            checked += 1
+            matched += want[1] > 0
+    assert checked > 1000 and matched > checked // 10  # 16-66 % of prefixes have a match

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
+import numpy as np
 import torch
 import trio
 
@@ -149,28 +150,34 @@ class NGramProposer:
 
     def lookup(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that followed the best match, and how many context tokens
-        that match lines up (0: no guess) — the confidence a hybrid draft reads."""
+        that match lines up (0: no guess) — the confidence a hybrid draft reads.
+
+        Every candidate is scored at once (a ``[candidates, window]`` comparison): a hybrid
+        looks up several times per proposal and once per settled token, and a Python walk
+        over a 3,000-token context took ~1.7 ms. ``tests/test_draft_ngram.py`` checks it
+        against that walk, position by position."""
         tokens = list(context)
         end = len(tokens)
-        exact_n, exact_at = 0, -1
-        loose_n, loose_at = 0, -1
-        for at in range(end - 1, 0, -1):  # a candidate continuation starts at ``at`` < end
-            run = equal = misses = 0
-            for j in range(1, min(self._window, at) + 1):
-                if tokens[at - j] == tokens[end - j]:
-                    equal += 1
-                    if misses == 0:
-                        run += 1
-                else:
-                    misses += 1
-                    if misses > 1 or not self._tolerant:
-                        break
-            if run > exact_n:
-                exact_n, exact_at = run, at
-            if equal > loose_n:
-                loose_n, loose_at = equal, at
-        if self._tolerant and loose_n >= 3 and loose_n > exact_n:
-            return tokens[loose_at : loose_at + k], loose_n
+        if end < 2:
+            return [], 0
+        arr = np.fromiter(tokens, dtype=np.int64, count=end)
+        at = np.arange(end - 1, 0, -1)  # candidate continuations, most recent first (ties)
+        eq = np.zeros((end - 1, self._window), dtype=bool)  # [C, W]: token at - j == end - j
+        inside = np.zeros_like(eq)  # j <= at: the walk stops at the context's start
+        for j in range(1, min(self._window, end - 1) + 1):
+            eq[: end - j, j - 1] = arr[end - 1 - j :: -1] == arr[end - j]
+            inside[: end - j, j - 1] = True
+        miss = inside & ~eq
+        misses_before: np.ndarray = np.cumsum(miss, axis=1) - miss
+        run = (eq & (misses_before == 0)).sum(axis=1)  # the exact run, up to the first miss
+        best = int(np.argmax(run))  # the first (most recent) of the longest
+        exact_n, exact_at = int(run[best]), int(at[best])
+        if self._tolerant:
+            equal = (eq & (misses_before <= 1)).sum(axis=1)  # equal ones, one miss allowed
+            loose = int(np.argmax(equal))
+            loose_n, loose_at = int(equal[loose]), int(at[loose])
+            if loose_n >= 3 and loose_n > exact_n:
+                return tokens[loose_at : loose_at + k], loose_n
         if exact_n >= self._min_n:
             return tokens[exact_at : exact_at + k], exact_n
         return [], 0

@@ -51,7 +51,7 @@ SHORT_PRIOR = (0.1, 4.0)
 COPY_TASK_AFTER = 8
 
 #: Settled positions a request scores at most at its start (the prompt's last ones), and the
-#: context each scoring lookup searches: a bound on the work (~20 ms once a request on a long
+#: context each scoring lookup searches: a bound on the work (~10 ms once a request on a long
 #: prompt, then one lookup per settled token), the rate being an estimate anyway.
 SCORE_WINDOW = 128
 SCORE_CONTEXT = 512
