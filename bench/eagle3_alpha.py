@@ -5,6 +5,7 @@ from a bf16 copy of the target, as the head's training text did. Acceptance does
 on the machine's load: no timing here.
 
     .venv/bin/python bench/eagle3_alpha.py [--head smollm2-eagle3] [--json out.json]
+        [--prompts bench/prompts/copy_code_fresh.toml ...]   # more sets, grouped FILE:set
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def main() -> None:
     ap.add_argument("--head", default="smollm2-eagle3", help="a shipped name or a directory")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (64)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--prompts",
+        type=Path,
+        action="append",
+        default=[],
+        help="more prompt files (spec_ring.toml's format), each set grouped as FILE:set",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     d = resolve_model("smollm2")
@@ -47,6 +55,9 @@ def main() -> None:
     held = tomllib.loads((ROOT / "bench/prompts/heldout_prose.toml").read_text())["prompt"]
     prompts = [(p["set"], bool(p.get("chat")), p["text"]) for p in held]
     prompts += [("HELD_OUT", kind == "chat", text) for kind, text in HELD_OUT]
+    for f in args.prompts:
+        more = tomllib.loads(f.read_text())["prompt"]
+        prompts += [(f"{f.stem}:{p['set']}", bool(p.get("chat")), p["text"]) for p in more]
     refs: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
     for group, chat, text in prompts:
         s = tok.apply_chat([{"role": "user", "content": text}]) if chat else text

@@ -66,13 +66,14 @@ def _eagle3_command(args: argparse.Namespace) -> int:
         ("--minutes", args.minutes, 0.01),
         ("--draft-vocab", args.draft_vocab, 2),
         ("--threads", args.threads, 1),
+        ("--copy-every", args.copy_every, 0),
     ]:
         if value < low:
             print(f"shard draft: error: {flag} must be at least {low:g}", file=sys.stderr)
             return 2
     torch.set_num_threads(args.threads)
     target_dir = resolve_model(args.target)
-    plan = DataPlan(tokens=args.tokens, seed=args.seed)
+    plan = DataPlan(tokens=args.tokens, seed=args.seed, copy_every=args.copy_every)
     recipe = Eagle3Recipe(draft_vocab=args.draft_vocab, seed=args.seed)
     try:
         with _sigterm_interrupts():

@@ -147,6 +147,12 @@ def _add_eagle3(dsub: argparse._SubParsersAction[Parser]) -> Parser:
         default=recipe.draft_vocab,
         help=f"the head's vocabulary: the target's most written tokens ({recipe.draft_vocab})",
     )
+    p.add_argument(
+        "--copy-every",
+        type=int,
+        default=plan.copy_every,
+        help=f"every Nth chunk of text is copy tasks; 0: none ({plan.copy_every})",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling, training")
     p.add_argument("--threads", type=int, default=2, help="torch threads (2)")
     p.add_argument("--data", type=Path, help="where the text is cached (default: the cache)")

@@ -2,6 +2,7 @@
 (``shard.decode.head.eagle3``) for a target this machine runs (``shard draft eagle3``).
 
     prompts.py    varied training prompts: templates over the tokenizer's own whole words
+    copy_prompts.py  copy tasks: passages of those words to repeat, or to go on copying
     data.py       the target's continuations with the states entering the head's three
                   layers (``sample_batch``), cached in chunks (``ChunkStore``, ``fill``)
     train.py      the training-time test: the unrolled forward (``unrolled``) and its loss

@@ -29,6 +29,7 @@ from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.model.tokenizer import Tokenizer
 from shard.training.distill.data import _causal, _sample
+from shard.training.eagle3.copy_prompts import copy_prompt_texts, natural_passages
 from shard.training.eagle3.prompts import prompt_texts
 
 __all__ = ["Batch", "ChunkStore", "sample_batch"]
@@ -164,6 +165,13 @@ class ChunkStore:
         tmp.write_text(json.dumps(self.entries, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.root / _MANIFEST)
 
+    def texts(self, index: int, tokenizer: Tokenizer) -> list[str]:
+        """Chunk ``index``'s rows as text (their real positions, decoded)."""
+        part = load_file(str(self.root / str(self.entries[index]["file"])))
+        return [
+            tokenizer.decode(i[v].tolist()) for i, v in zip(part["ids"], part["valid"], strict=True)
+        ]
+
     def load(self) -> Batch:
         parts = [load_file(str(self.root / str(e["file"]))) for e in self.entries]
         if not parts:
@@ -186,14 +194,27 @@ def fill(
     prompt_len: int,
     temperatures: tuple[float, ...],
     seed: int,
+    copy_every: int = 0,
+    copy_prompt_len: int = 112,
 ) -> None:
     """Add chunks of ``rows`` rows until ``store`` holds ``tokens`` real positions. Chunk
-    ``i`` uses seed ``seed + i``: its prompts and draws do not depend on what came before."""
+    ``i`` uses seed ``seed + i``: its prompts and draws do not depend on what came before.
+    Every ``copy_every``-th chunk (0: none) holds copy tasks (``copy_prompts``), their
+    prompts cut to ``copy_prompt_len`` tokens, most of their passages taken from the text of
+    the chunk before."""
     while store.tokens < tokens:
         i = len(store.entries)
         rng = random.Random(seed * 1_000_003 + i)
         began = time.perf_counter()
-        prompts = [x[-prompt_len:] for x in prompt_texts(tokenizer, words, rows, rng)]
+        if copy_every and i % copy_every == copy_every - 1:
+            natural = natural_passages(store.texts(-1, tokenizer)) if store.entries else None
+            texts = copy_prompt_texts(
+                tokenizer, words, rows, rng, natural=natural, max_len=copy_prompt_len
+            )
+            cut = copy_prompt_len
+        else:
+            texts, cut = prompt_texts(tokenizer, words, rows, rng), prompt_len
+        prompts = [x[-cut:] for x in texts]
         batch = sample_batch(
             target,
             prompts,

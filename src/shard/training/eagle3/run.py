@@ -45,14 +45,15 @@ from shard.training.head.measure import chained_acceptance
 
 __all__ = ["DataPlan", "build_eagle3", "data_dir"]
 
-DATA_VERSION = 1
+DATA_VERSION = 2  # 2: copy chunks (``copy_every``)
 
 
 @attrs.frozen
 class DataPlan:
     """The training text: ``tokens`` real positions in rows of ``seq_len`` (prompts cut to
     their last ``prompt_len`` tokens), ``rows`` a chunk, temperatures taken in turn (0:
-    greedy)."""
+    greedy); every ``copy_every``-th chunk copy tasks (0: none), prompts cut to
+    ``copy_prompt_len``."""
 
     tokens: int = 900_000
     rows: int = 256
@@ -60,6 +61,8 @@ class DataPlan:
     prompt_len: int = 64
     temperatures: tuple[float, ...] = (0.0, 0.5, 0.0, 0.8)
     seed: int = 0
+    copy_every: int = 5
+    copy_prompt_len: int = 112
 
 
 def data_dir(target_dir: Path, plan: DataPlan, dtype: torch.dtype) -> Path:
@@ -75,6 +78,8 @@ def data_dir(target_dir: Path, plan: DataPlan, dtype: torch.dtype) -> Path:
             list(plan.temperatures),
             plan.seed,
             str(dtype),
+            plan.copy_every,
+            plan.copy_prompt_len,
         ]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -114,6 +119,8 @@ def build_eagle3(
         prompt_len=plan.prompt_len,
         temperatures=plan.temperatures,
         seed=plan.seed,
+        copy_every=plan.copy_every,
+        copy_prompt_len=plan.copy_prompt_len,
     )
     refs = _held_out(sampler, tok, layers)
     data_s = time.perf_counter() - began
