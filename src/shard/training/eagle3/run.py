@@ -45,7 +45,7 @@ from shard.training.head.measure import chained_acceptance
 
 __all__ = ["DataPlan", "build_eagle3", "data_dir"]
 
-DATA_VERSION = 2  # 2: copy chunks (``copy_every``)
+DATA_VERSION = 1
 
 
 @attrs.frozen
@@ -61,7 +61,7 @@ class DataPlan:
     prompt_len: int = 64
     temperatures: tuple[float, ...] = (0.0, 0.5, 0.0, 0.8)
     seed: int = 0
-    copy_every: int = 5
+    copy_every: int = 0
     copy_prompt_len: int = 112
 
 
@@ -78,9 +78,9 @@ def data_dir(target_dir: Path, plan: DataPlan, dtype: torch.dtype) -> Path:
             list(plan.temperatures),
             plan.seed,
             str(dtype),
-            plan.copy_every,
-            plan.copy_prompt_len,
         ]
+        # copy chunks (``copy_every``) make other text: keyed apart; none keeps the old key
+        + ([plan.copy_every, plan.copy_prompt_len] if plan.copy_every else [])
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_dir() / "drafts" / "eagle3-data" / f"{Path(target_dir).name}-{digest}"
