@@ -151,7 +151,7 @@ def _add_eagle3(dsub: argparse._SubParsersAction[Parser]) -> Parser:
         "--copy-every",
         type=int,
         default=plan.copy_every,
-        help=f"every Nth chunk of text is copy tasks (0, the shipped head: none; docs/drafts.md)",
+        help="every Nth chunk of text is copy tasks (0, the shipped head: none; docs/drafts.md)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling, training")
     p.add_argument("--threads", type=int, default=2, help="torch threads (2)")
