@@ -68,6 +68,8 @@ def test_copy_prompts_longer_than_max_len_are_drawn_again(smollm2_dir: Path) -> 
     ids = copy_prompt_texts(tok, WORDS, 30, random.Random(2), natural=long, max_len=112)
     assert len(ids) == 30 and all(len(x) <= 112 for x in ids)
     assert not any("word word" in tok.decode(x) for x in ids)  # the long passage never fits
+    with pytest.raises(ValueError, match="no copy prompt fits in 4 tokens"):
+        copy_prompt_texts(tok, WORDS, 1, random.Random(2), max_len=4)  # a passage alone is more
 
 
 def test_fill_makes_every_nth_chunk_of_copy_tasks(

@@ -102,12 +102,16 @@ def copy_prompt_texts(
     for the target to go on copying. ``NATURAL_SHARE`` of the passages are drawn from
     ``natural`` (``natural_passages``) where it has any, the rest built (``passage``). A
     prompt longer than ``max_len`` tokens is drawn again (cutting it would cut the request
-    or the chat template's start)."""
+    or the chat template's start); ``ValueError`` where 100 draws in a row are all too long."""
     out: list[list[int]] = []
+    misses = 0
     while len(out) < n:
         ids = _one(tokenizer, words, rng, chat_share, natural)
         if max_len is None or len(ids) <= max_len:
             out.append(ids)
+            misses = 0
+        elif (misses := misses + 1) >= 100:
+            raise ValueError(f"no copy prompt fits in {max_len} tokens")
     return out
 
 
