@@ -12,7 +12,12 @@ import torch
 
 from shard.model.tokenizer import Tokenizer
 from shard.training.eagle3 import data
-from shard.training.eagle3.copy_prompts import copy_prompt_texts, natural_passages, passage
+from shard.training.eagle3.copy_prompts import (
+    copy_prompt_texts,
+    natural_passages,
+    passage,
+    reply_marks,
+)
 from shard.training.eagle3.data import Batch, ChunkStore, fill
 
 WORDS = ["harbor", "violin", "pepper", "ladder", "meadow", "candle", "turnip", "saddle"]
@@ -47,19 +52,22 @@ def test_copy_prompts_ask_for_the_passage_or_restart_it(smollm2_dir: Path) -> No
     assert chats > 20 and plains > 5
 
 
-def test_natural_passages_are_whole_sentences_from_a_reply_start() -> None:
+def test_natural_passages_are_whole_sentences_from_a_reply_start(smollm2_dir: Path) -> None:
+    marks = reply_marks(Tokenizer.from_dir(smollm2_dir))
+    assert marks == ("<|im_end|>\n<|im_start|>assistant\n", ("<|im_end|>", "<|endoftext|>"))
     reply = "First sentence here, long enough to keep. " * 3 + "A tail that runs on" * 20
     rows = [
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" + reply + "<|im_end|>",
         "Too short.",
-        "Plain text that is long enough to be a passage of its own.",
+        "Plain text that is long enough to be a passage of its own.<|endoftext|>",
     ]
-    got = natural_passages(rows, limit=200)
+    got = natural_passages(rows, limit=200, marks=marks)
     assert got == [
         "First sentence here, long enough to keep. " * 2
         + "First sentence here, long enough to keep.",
         "Plain text that is long enough to be a passage of its own.",
     ]
+    assert natural_passages(rows[:1])[0].startswith("<|im_start|>user")  # no marks: whole rows
 
 
 def test_copy_prompts_longer_than_max_len_are_drawn_again(smollm2_dir: Path) -> None:
@@ -102,8 +110,11 @@ def test_fill_makes_every_nth_chunk_of_copy_tasks(
         (),
         {
             "eos_ids": (0,),
+            "has_chat_template": False,
             "decode": lambda self, ids: (
-                f"A row of {len(ids)} real tokens, decoded as a whole sentence."
+                "<eos>"
+                if list(ids) == [0]
+                else f"A row of {len(ids)} tokens, decoded as one sentence.<eos>"
             ),
         },
     )()
@@ -116,7 +127,7 @@ def test_fill_makes_every_nth_chunk_of_copy_tasks(
         else:
             assert prompts == [[1] * 64] * 2
     # each copy chunk's passages come from the chunk before: its 2 rows of 10 real tokens
-    row = "A row of 10 real tokens, decoded as a whole sentence."
+    row = "A row of 10 tokens, decoded as one sentence."  # up to the stop token's text
     assert naturals == [[row, row]] * 2
     seen.clear()
     fill(ChunkStore(tmp_path / "plain"), None, tok, WORDS, tokens=60, prompt_len=64, **kw)  # type: ignore[arg-type]

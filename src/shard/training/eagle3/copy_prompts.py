@@ -18,7 +18,7 @@ import random
 
 from shard.model.tokenizer import Tokenizer
 
-__all__ = ["copy_prompt_texts", "natural_passages", "passage"]
+__all__ = ["copy_prompt_texts", "natural_passages", "passage", "reply_marks"]
 
 #: The share of copy prompts whose passage is the target's own text, where some is given.
 NATURAL_SHARE = 0.75
@@ -72,13 +72,30 @@ def passage(rng: random.Random, words: list[str]) -> str:
     return head + "\n".join(f"| {rng.choice(words)} | {rng.randint(1, 99)} |" for _ in range(lines))
 
 
-def natural_passages(texts: list[str], limit: int = 200) -> list[str]:
-    """Passages from the target's own text (decoded rows: a chat reply is what follows the
-    last ``assistant`` turn, up to its end marker): whole sentences or lines from its start,
-    at most ``limit`` characters, at least 40."""
+def reply_marks(tokenizer: Tokenizer) -> tuple[str, tuple[str, ...]]:
+    """What the tokenizer's chat template writes between a user's turn and the reply (for
+    SmolLM2 ``"<|im_end|>\\n<|im_start|>assistant\\n"``; empty without a template) and the
+    texts of its stop tokens, which end a reply."""
+    ends = tuple(tokenizer.decode([i]) for i in tokenizer.eos_ids)
+    if not tokenizer.has_chat_template:
+        return "", ends
+    return tokenizer.apply_chat([{"role": "user", "content": "\x00"}]).split("\x00")[-1], ends
+
+
+def natural_passages(
+    texts: list[str], limit: int = 200, marks: tuple[str, tuple[str, ...]] = ("", ())
+) -> list[str]:
+    """Passages from the target's own text (decoded rows; with ``marks`` from
+    ``reply_marks``, a chat row's passage is its reply: what follows the last reply mark, up
+    to a stop token): whole sentences or lines from its start, at most ``limit``
+    characters, at least 40."""
+    after, ends = marks
     out = []
     for text in texts:
-        body = text.rsplit("<|im_start|>assistant\n", 1)[-1].split("<|im_end|>")[0].strip()
+        body = text.rsplit(after, 1)[-1] if after else text
+        for end_mark in ends:
+            body = body.split(end_mark)[0]
+        body = body.strip()
         cut = body[:limit]
         end = max(cut.rfind(". "), cut.rfind(".\n"), cut.rfind("\n"))
         if len(body) > limit:

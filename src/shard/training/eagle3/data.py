@@ -29,7 +29,7 @@ from shard.model.kvcache import KVCache
 from shard.model.llama import StageModel
 from shard.model.tokenizer import Tokenizer
 from shard.training.distill.data import _causal, _sample
-from shard.training.eagle3.copy_prompts import copy_prompt_texts, natural_passages
+from shard.training.eagle3.copy_prompts import copy_prompt_texts, natural_passages, reply_marks
 from shard.training.eagle3.prompts import prompt_texts
 
 __all__ = ["Batch", "ChunkStore", "sample_batch"]
@@ -207,7 +207,9 @@ def fill(
         rng = random.Random(seed * 1_000_003 + i)
         began = time.perf_counter()
         if copy_every and i % copy_every == copy_every - 1:
-            natural = natural_passages(store.texts(-1, tokenizer)) if store.entries else None
+            natural = None
+            if store.entries:
+                natural = natural_passages(store.texts(-1, tokenizer), marks=reply_marks(tokenizer))
             texts = copy_prompt_texts(
                 tokenizer, words, rows, rng, natural=natural, max_len=copy_prompt_len
             )
