@@ -22,6 +22,7 @@ from pathlib import Path
 
 import attrs
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -166,11 +167,11 @@ class ChunkStore:
         os.replace(tmp, self.root / _MANIFEST)
 
     def texts(self, index: int, tokenizer: Tokenizer) -> list[str]:
-        """Chunk ``index``'s rows as text (their real positions, decoded)."""
-        part = load_file(str(self.root / str(self.entries[index]["file"])))
-        return [
-            tokenizer.decode(i[v].tolist()) for i, v in zip(part["ids"], part["valid"], strict=True)
-        ]
+        """Chunk ``index``'s rows as text (their real positions, decoded); reads the ids and
+        the mask alone, not the chunk's states."""
+        with safe_open(str(self.root / str(self.entries[index]["file"])), "pt") as part:
+            ids, valid = part.get_tensor("ids"), part.get_tensor("valid")
+        return [tokenizer.decode(i[v].tolist()) for i, v in zip(ids, valid, strict=True)]
 
     def load(self) -> Batch:
         parts = [load_file(str(self.root / str(e["file"]))) for e in self.entries]
