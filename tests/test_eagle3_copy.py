@@ -68,6 +68,16 @@ def test_natural_passages_are_whole_sentences_from_a_reply_start(smollm2_dir: Pa
         "Plain text that is long enough to be a passage of its own.",
     ]
     assert natural_passages(rows[:1])[0].startswith("<|im_start|>user")  # no marks: whole rows
+    silent: Any = type(
+        "Tok",
+        (),
+        {
+            "eos_ids": (0, 1),
+            "has_chat_template": False,
+            "decode": lambda s, i: "" if i == [0] else "<e>",
+        },
+    )()
+    assert reply_marks(silent) == ("", ("<e>",))  # a stop token with no text marks nothing
 
 
 def test_copy_prompts_longer_than_max_len_are_drawn_again(smollm2_dir: Path) -> None:

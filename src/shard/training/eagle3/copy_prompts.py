@@ -75,8 +75,9 @@ def passage(rng: random.Random, words: list[str]) -> str:
 def reply_marks(tokenizer: Tokenizer) -> tuple[str, tuple[str, ...]]:
     """What the tokenizer's chat template writes between a user's turn and the reply (for
     SmolLM2 ``"<|im_end|>\\n<|im_start|>assistant\\n"``; empty without a template) and the
-    texts of its stop tokens, which end a reply."""
-    ends = tuple(tokenizer.decode([i]) for i in tokenizer.eos_ids)
+    texts of its stop tokens, which end a reply (a stop token that decodes to nothing is left
+    out: it marks nothing in the decoded text)."""
+    ends = tuple(t for t in (tokenizer.decode([i]) for i in tokenizer.eos_ids) if t)
     if not tokenizer.has_chat_template:
         return "", ends
     return tokenizer.apply_chat([{"role": "user", "content": "\x00"}]).split("\x00")[-1], ends
