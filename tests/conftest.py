@@ -47,6 +47,16 @@ def smollm2_float32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_gguf(_bundled_gguf("smollm2"), out, progress=False, stored=False)
 
 
+@pytest.fixture(scope="session")
+def agreeable_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``(target, head)``: the head tests' shared tiny target and the draft head trained on it
+    (``tests/head_fixtures.py``), once per session."""
+    from head_fixtures import agreeable_target, train_tiny_head
+
+    target = agreeable_target(tmp_path_factory.mktemp("agreeable"))
+    return target, train_tiny_head(target, tmp_path_factory.mktemp("head"))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fuzz-seed",

@@ -77,29 +77,35 @@ def test_no_false_accusation_of_an_honest_tail_in_1000_audits(
 ) -> None:
     """An honest tail passes every one of >= 1,000 audits: bit-exact replay (no margin), a
     tail batching four sessions per forward, and an auditor in bfloat16 (a different but
-    honest kernel order); the largest logit difference between the two ends is printed
-    against the margin, with the near-ties the margin absorbed."""
+    honest kernel order); the largest logit difference between the two ends (every 4th audit
+    of the bfloat16 auditor's) is printed against the margin, with the near-ties the margin
+    absorbed."""
     head, tail = blocks
     auditor = tail if auditor_dtype == torch.float32 else tail_blocks(model_dir, auditor_dtype)[1]
     seed = 21 + batched + 2 * (auditor_dtype != torch.float32)
     rng = random.Random(seed)
     verdicts: list[AuditVerdict] = []
     worst = 0.0
+    compared = 0
     for round_ in range(24):
         sampler = AuditSampler(tail_record(tail, batched=batched), seed=rng.randbytes(32), rate=1.0)
         driver = TailDriver(head, tail, sampler, batched=batched)
         for req in driver.run(_sessions(10 * round_), rng, steps=13):
             verdicts.append(run_audit(auditor, req))
-            if auditor_dtype != torch.float32:  # the two ends' logits (same dtype: identical)
+            # The two ends' logits (same dtype: identical), on every 4th audit (~250 pairs:
+            # two more recomputations each, which had doubled this test's time).
+            if auditor_dtype != torch.float32 and len(verdicts) % 4 == 0:
                 mine = recompute(auditor, req.prior, req.chunk)[0].float()
                 theirs = recompute(tail, req.prior, req.chunk)[0].float()
                 worst = max(worst, float((mine - theirs).abs().max()))
+                compared += 1
     ties = sum(v.tie for v in verdicts)
     margin = 0.0 if not batched else POLICY.token_margin
     print(
         f"seed {seed}: {len(verdicts)} honest tail audits ({'batched' if batched else 'lone'}, "
         f"{auditor_dtype} auditor): {sum(not v.ok for v in verdicts)} accusations, {ties} "
-        f"near-ties; largest |logit difference| of lone recomputations {worst:.3e}, margin "
+        f"near-ties; largest |logit difference| of lone recomputations {worst:.3e} (of "
+        f"{compared}), margin "
         f"{margin} (covers differences up to {margin / 2})"
     )
     assert len(verdicts) >= 1000
@@ -109,6 +115,7 @@ def test_no_false_accusation_of_an_honest_tail_in_1000_audits(
     if auditor_dtype == torch.float32:
         assert worst == 0.0  # a lone recomputation is bit-exact on the same device and dtype
     assert worst < POLICY.token_margin / 2
+    assert compared >= (250 if auditor_dtype != torch.float32 else 0)
 
 
 def test_each_tail_lie_is_caught(blocks: tuple[StageModel, ...]) -> None:

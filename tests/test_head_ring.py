@@ -19,49 +19,28 @@ from shard.messages import Sampling
 from shard.model.config import ModelConfig
 from shard.model.loader import load_stage
 from shard.spec.swarm import SwarmSpec
-from shard.testing import make_tiny_checkpoint, scale_upper_layers
-from shard.training.head.build import HeadRecipe, train_head
-from shard.training.head.trainer import TrainSettings
-from test_speculation_ring import PROMPTS, chi_square, reference, ties_or_equal, with_ring
+from test_speculation_ring import (
+    PROMPTS,
+    chi_square,
+    k_depth_params,
+    reference,
+    ties_or_equal,
+    with_ring,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-# A fixed count of feature chunks and of steps, with a time budget that never binds: the
-# same head on any machine, however loaded (a 12 s data budget made 214 chunks here and far
-# fewer on a busy CI box, whose head then guessed nothing).
-RECIPE = HeadRecipe(
-    minutes=60.0,
-    shortlist=0,
-    seq_len=96,
-    rows_per_chunk=8,
-    data_chunks=64,
-    train=TrainSettings(batch=4, max_steps=800, checkpoint_every=1000, ce_positions=64),
-)
+
+@pytest.fixture(scope="module")
+def agreeable(agreeable_head: tuple[Path, Path]) -> Path:
+    """The shared tiny target (``tests/head_fixtures.py``)."""
+    return agreeable_head[0]
 
 
 @pytest.fixture(scope="module")
-def agreeable(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tiny = make_tiny_checkpoint(tmp_path_factory.mktemp("head-ring"), seed=11, n_layers=4)
-    agree = tmp_path_factory.mktemp("agree") / "m"
-    return scale_upper_layers(tiny, agree, from_layer=1, factor=0.05)
-
-
-@pytest.fixture(scope="module")
-def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def head_dir(agreeable_head: tuple[Path, Path]) -> Path:
     """A head trained for seconds on the target (weak: the ring must be right anyway)."""
-    return train_tiny_head(agreeable, tmp_path_factory.mktemp("head"))
-
-
-def train_tiny_head(model_dir: Path, root: Path) -> Path:
-    """``RECIPE``'s head for ``model_dir`` under ``root``: fixed data and steps, on one
-    thread, so that the same target always gives the same head (and the same guesses)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train_head(model_dir, root / "h", root / "features", RECIPE, progress=False)
-    finally:
-        torch.set_num_threads(before)
-    return root / "h"
+    return agreeable_head[1]
 
 
 def spec_for(model_dir: Path, draft: str, head: Path) -> SwarmSpec:
@@ -80,30 +59,32 @@ def spec_for(model_dir: Path, draft: str, head: Path) -> SwarmSpec:
     return SwarmSpec.from_dict(data, source="spec.toml")
 
 
+@pytest.mark.parametrize("pairs", k_depth_params("the head's drafts at every K and D"))
 @pytest.mark.parametrize("draft", ["head", "hybrid"])
 async def test_greedy_identical_for_every_k_and_depth(
-    agreeable: Path, head_dir: Path, draft: str
+    agreeable: Path, head_dir: Path, draft: str, pairs: tuple[tuple[int, int], ...]
 ) -> None:
-    """For K in 1..8 and D in 1..4, greedy output equals the reference (or a checked tie),
-    the head drafting from the features each verdict brings (and the n-gram in the hybrid)."""
+    """For each (K, D) of ``pairs`` (K in 1..8, D in 1..4), greedy output equals the
+    reference (or a checked tie), the head drafting from the features each verdict brings
+    (and the n-gram in the hybrid)."""
     spec = spec_for(agreeable, draft, head_dir)
     refs = [reference(agreeable, p, 24) for p in PROMPTS]
     ties = drafted = accepted = 0
 
     async def body(coordinator: Coordinator) -> None:
         nonlocal ties, drafted, accepted
-        for k in range(1, 9):
-            for depth in range(1, 5):
-                for prompt, ref in zip(PROMPTS, refs, strict=True):
-                    done = await coordinator.generate(
-                        prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
-                    )
-                    ties += ties_or_equal(done.token_ids, ref)
-                    drafted += done.stats.drafted
-                    accepted += done.stats.accepted
+        for k, depth in pairs:
+            for prompt, ref in zip(PROMPTS, refs, strict=True):
+                done = await coordinator.generate(
+                    prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
+                )
+                ties += ties_or_equal(done.token_ids, ref)
+                drafted += done.stats.drafted
+                accepted += done.stats.accepted
 
     await with_ring(spec, agreeable, body)
-    print(f"draft={draft}: {accepted} of {drafted} drafts accepted; ties {ties} of 96 runs")
+    runs = len(pairs) * len(PROMPTS)
+    print(f"draft={draft}: {accepted} of {drafted} drafts accepted; ties {ties} of {runs} runs")
     assert drafted > 0 and accepted > 0
 
 

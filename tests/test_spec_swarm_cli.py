@@ -23,14 +23,14 @@ from shard.model.loader import load_stage
 from shard.model.tokenizer import Tokenizer
 from shard.nodes.compose import client_network
 from shard.spec.swarm import load_spec
-from shard.testing import scale_upper_layers
+from test_speculation_ring import k_depth_params
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ("in in in the the river river", "Hello, world! Hello, world! Hello")
 #: Prompts on which the n-gram, the head trained for seconds and the hybrid guess some of
-#: the tiny model's tokens right, so accepted drafts cross the processes too (on PROMPTS
-#: they guess none: the tiny model's continuations of them never repeat).
+#: the tiny model's tokens right (the grid asserts accepted drafts), so accepted drafts
+#: cross the processes too; PROMPTS are for the model draft.
 GUESSABLE = ("a a a a a a a a", "1 2 3 1 2 3 1 2 3")
 MAX_TOKENS = 20
 MAX_LEN = 256
@@ -50,22 +50,17 @@ for prompt in prompts:
 
 
 @pytest.fixture(scope="module")
-def agreeable(
-    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """A tiny model whose first two layers + head draft it well (layers >= 2 scaled down)."""
-    base = tiny_checkpoint(seed=8, n_layers=4)
-    return scale_upper_layers(
-        base, tmp_path_factory.mktemp("agree") / "m", from_layer=2, factor=0.1
-    )
+def agreeable(agreeable_head: tuple[Path, Path]) -> Path:
+    """A tiny model whose first two layers + head draft it well (layers >= 2 scaled down;
+    ``tests/head_fixtures.py``, shared with ``tests/test_head_ring.py``)."""
+    return agreeable_head[0]
 
 
 @pytest.fixture(scope="module")
-def head_dir(agreeable: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A draft head trained for seconds on ``agreeable`` (``tests/test_head_ring.py``'s)."""
-    from test_head_ring import train_tiny_head
-
-    return train_tiny_head(agreeable, tmp_path_factory.mktemp("head"))
+def head_dir(agreeable_head: tuple[Path, Path]) -> Path:
+    """A draft head trained for seconds on ``agreeable`` (shared with
+    ``tests/test_head_ring.py``)."""
+    return agreeable_head[1]
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +175,7 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
     assert "INVALID" in bad.stderr
 
 
+@pytest.mark.parametrize("pairs", k_depth_params("K and D per request through processes"))
 @pytest.mark.parametrize(
     "speculation",
     [
@@ -190,17 +186,17 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
         pytest.param(
             'draft = "model"\ndraft_layers = 2',
             marks=pytest.mark.extended(
-                covered_by="test_speculation_ring.py::test_greedy_identical_for_every_k_and_depth[model]"
-                " (the grid), test_speculative_swarm_run_matches_local[model-k3-d2] (processes),"
+                covered_by="test_speculation_ring.py::test_greedy_identical_for_every_k_and_depth"
+                "[model-cover], test_speculative_swarm_run_matches_local[model-k3-d2] (processes),"
                 " this test's [ngram] (K and D per request through processes)"
             ),
         ),
         pytest.param(
             'draft = "head"\ndraft_head = "{head}"',
             marks=pytest.mark.extended(
-                covered_by="test_head_ring.py::test_greedy_identical_for_every_k_and_depth[head]"
-                " (the grid), this test's [hybrid] (the head drafting from features that cross"
-                " processes, every K and D)"
+                covered_by="test_head_ring.py::test_greedy_identical_for_every_k_and_depth"
+                "[head-cover], this test's [hybrid-cover] (the head drafting from features that"
+                " cross processes)"
             ),
         ),
         'draft = "hybrid"\ndraft_head = "{head}"',
@@ -212,11 +208,13 @@ async def test_swarm_greedy_identical_for_every_k_and_depth(
     local_refs: dict[str, list[int]],
     tmp_path: Path,
     speculation: str,
+    pairs: tuple[tuple[int, int], ...],
     report: Callable[[str], None],
     request: pytest.FixtureRequest,
 ) -> None:
-    """Through a running swarm of processes (`shard swarm up`), every K in 1..8 and D in 1..4,
-    asked per request, gives the reference's tokens (or diverges only at a checked tie); for
+    """Through a running swarm of processes (`shard swarm up`), each (K, D) of ``pairs`` (K in
+    1..8, D in 1..4), asked per request, gives the reference's tokens (or diverges only at a
+    checked tie); for
     the head and the hybrid the tail's features cross real processes to the coordinator."""
     prompts = PROMPTS if "draft_layers" in speculation else GUESSABLE
     if "{head}" in speculation:
@@ -247,16 +245,15 @@ async def test_swarm_greedy_identical_for_every_k_and_depth(
                 assert done.stats.max_depth <= depth, (k, depth, done.stats)
                 deepest = max(deepest, done.stats.max_depth)
 
-            for k in range(1, 9):
-                for depth in range(1, 5):
-                    async with trio.open_nursery() as nursery:  # the prompts side by side
-                        for i in range(len(prompts)):
-                            nursery.start_soon(one, i, k, depth)
-    assert runs == 8 * 4 * len(prompts)
+            for k, depth in pairs:
+                async with trio.open_nursery() as nursery:  # the prompts side by side
+                    for i in range(len(prompts)):
+                        nursery.start_soon(one, i, k, depth)
+    assert runs == len(pairs) * len(prompts)
     assert drafted > 0 and deepest > 1  # drafts were verified, and chunks were pipelined
     assert accepted > 0  # and some were right (the head's: from features across processes)
     draft = speculation.split('"')[1]
     report(
-        f"swarm of processes, draft={draft}, K 1..8 x D 1..4: numerical ties {ties} of {runs}, "
-        f"drafts accepted {accepted} of {drafted}"
+        f"swarm of processes, draft={draft}, {len(pairs)} (K, D) pairs: numerical ties {ties} "
+        f"of {runs}, drafts accepted {accepted} of {drafted}"
     )

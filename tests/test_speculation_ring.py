@@ -33,6 +33,24 @@ PROMPTS = (
     [40, 41, 42, 43, 44, 40, 41, 42],
     [7, 7, 7, 7, 7, 7],
 )
+#: Every K in 1..8 with every D in 1..4 (the extended tier runs it).
+K_DEPTH_GRID = tuple((k, d) for k in range(1, 9) for d in range(1, 5))
+#: The default run's 10 of those 32: every K, every D at least twice, and the four corners
+#: (the grid's combinations repeat what these cover; docs/testing.md).
+K_DEPTH_COVER = (*((k, (k - 1) % 4 + 1) for k in range(1, 9)), (1, 4), (8, 1))
+
+
+def k_depth_params(covered_by: str) -> list[Any]:
+    """``pairs`` parameters for a K x D test: ``cover`` by default, ``grid`` in the extended
+    tier, which names ``covered_by`` beside the same test's ``cover``."""
+    return [
+        pytest.param(K_DEPTH_COVER, id="cover"),
+        pytest.param(
+            K_DEPTH_GRID,
+            id="grid",
+            marks=pytest.mark.extended(covered_by=f"this test's [cover] pairs; {covered_by}"),
+        ),
+    ]
 
 
 def spec_for(model_dir: Path, draft: str, *, draft_layers: int = 2, n_layers: int = 4) -> SwarmSpec:
@@ -123,11 +141,13 @@ def agreeable(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.mark.parametrize("pairs", k_depth_params("the ring's lossless verify at every K and D"))
 @pytest.mark.parametrize("draft", ["ngram", "model"])
 async def test_greedy_identical_for_every_k_and_depth(
-    tiny: Path, agreeable: Path, draft: str
+    tiny: Path, agreeable: Path, draft: str, pairs: tuple[tuple[int, int], ...]
 ) -> None:
-    """For K in 1..8 and D in 1..4, greedy output equals the reference (or a checked tie)."""
+    """For each (K, D) of ``pairs`` (K in 1..8, D in 1..4), greedy output equals the
+    reference (or a checked tie)."""
     model_dir = agreeable if draft == "model" else tiny
     spec = spec_for(model_dir, draft)
     refs = [reference(model_dir, p, 24) for p in PROMPTS]
@@ -136,17 +156,16 @@ async def test_greedy_identical_for_every_k_and_depth(
 
     async def body(coordinator: Coordinator) -> None:
         nonlocal ties, accepted
-        for k in range(1, 9):
-            for depth in range(1, 5):
-                for prompt, ref in zip(PROMPTS, refs, strict=True):
-                    done = await coordinator.generate(
-                        prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
-                    )
-                    ties += ties_or_equal(done.token_ids, ref)
-                    accepted += done.stats.accepted
+        for k, depth in pairs:
+            for prompt, ref in zip(PROMPTS, refs, strict=True):
+                done = await coordinator.generate(
+                    prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
+                )
+                ties += ties_or_equal(done.token_ids, ref)
+                accepted += done.stats.accepted
 
     await with_ring(spec, model_dir, body)
-    print(f"draft={draft}: numerical ties {ties} of {8 * 4 * len(PROMPTS)} runs")
+    print(f"draft={draft}: numerical ties {ties} of {len(pairs) * len(PROMPTS)} runs")
     assert accepted > 0  # drafts were really verified and accepted
 
 
