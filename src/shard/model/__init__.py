@@ -27,6 +27,7 @@ runtime never imports.
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
     fused.py        q/k/v and gate/up int4 products joined into one, the same bytes each
+    held.py         K-quant weights held dequantized within a budget: the same bytes, faster
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
@@ -34,6 +35,7 @@ runtime never imports.
     tensorfile.py   a safetensors file read tensor by tensor into memory torch owns
     heap.py         freed temporaries handed back to the OS while a stage loads
     footprint.py    what a block weighs in memory, predicted from config.json (or headers)
+    stored_headers.py  each weight of a stored checkpoint as its header describes it
     profile.py      what one layer costs a node: its weight bytes and measured time
     device.py       a node's spec'd device and dtype as torch values, checked here
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)

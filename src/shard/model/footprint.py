@@ -21,7 +21,10 @@ dtype a test may force).
 ``"stored"`` cannot be predicted from a config: a GGUF or a packed cache mixes formats
 tensor by tensor. ``stored`` prices it from the checkpoint's safetensors headers instead
 (each tensor's shape, and ``shard.quant``'s kind, group and logical shape of the ones kept
-quantized), tensor by tensor as the loader installs it (``QuantLinear``'s paths).
+quantized), tensor by tensor as the loader installs it (``QuantLinear``'s paths), with the
+K-quant weights a stage holds dequantized in bf16 (``shard.model.held``). A host whose CPU
+multiplies them in float32 holds none, and holds up to that much less than priced
+(``stored(held=False)`` prices it).
 """
 
 from __future__ import annotations
@@ -37,18 +40,13 @@ from torch import nn
 from shard.model.attention import make_norm
 from shard.model.config import ModelConfig
 from shard.model.fused import JoinedInt4
+from shard.model.held import holds
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
 from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
 from shard.model.recurrent import layer_state_bytes
-from shard.model.safetensors_header import (
-    INDEX_FILE,
-    Entry,
-    SafetensorsError,
-    quant_entries,
-    read_header,
-    read_index,
-)
+from shard.model.safetensors_header import INDEX_FILE, SafetensorsError, read_index
+from shard.model.stored_headers import StoredTensor, stored_tensors
 
 __all__ = ["Footprint", "FootprintError", "measured", "predict", "stored"]
 
@@ -247,28 +245,21 @@ _EMBED = "model.embed_tokens.weight"
 _KERNEL = {2: "BF16", 4: "F32"}  # the int4 kernel's scale bytes as a safetensors dtype
 
 
-@attrs.frozen
-class _Stored:
-    """One weight of a checkpoint as its header describes it: ``shape`` its logical shape,
-    ``nbytes`` its bytes in the file (codes, scales and offsets of a quantized one), ``kind``
-    None for a dense tensor."""
-
-    shape: tuple[int, ...]
-    nbytes: int
-    kind: str | None = None
-    group: int = 0
-    offset: bool = False
-    scale_dtype: str = "F32"
-
-
 def stored(
-    config: ModelConfig, model_dir: Path, *, dtype: str = "float32", bf16_kernels: bool = True
+    config: ModelConfig,
+    model_dir: Path,
+    *,
+    dtype: str = "float32",
+    bf16_kernels: bool = True,
+    held: bool = True,
 ) -> Footprint | None:
     """Each layer's bytes, the embedding's and the head's, for the checkpoint in
     ``model_dir`` loaded with ``weights = "stored"`` (dense tensors in ``dtype``), from its
     safetensors headers alone, tensor by tensor as ``shard.model.loader`` installs it: a
     quantized embedding as stored, every other quantized weight in ``QuantLinear``'s layout
     (``_Installed``), a tied head on a stage without the embedding built from the table.
+    ``held``: each layer with the K-quant weights it holds dequantized (``shard.model.held``:
+    a bf16 host's stage, and the plan's price), else as stored (a float32 host's stage).
     None when ``model_dir`` has no safetensors files. Errors: ``FootprintError`` for an
     unknown ``dtype`` or a header that cannot be read."""
     files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
@@ -282,10 +273,14 @@ def stored(
         except SafetensorsError as e:
             raise FootprintError(f"{e}; re-download the checkpoint") from None
     price = _Installed(_DENSE[dtype], 2 if bf16_kernels else 4)
-    tensors: dict[str, _Stored] = {}
-    for path in files:
-        tensors |= _stored_tensors(path, config.weight_block)
+    tensors: dict[str, StoredTensor] = {}
+    try:
+        for path in files:
+            tensors |= stored_tensors(path, config.weight_block)
+    except SafetensorsError as e:
+        raise FootprintError(f"{e}; re-download or re-convert the checkpoint") from None
     layers, norm = [0] * config.n_layers, 0
+    costs = [0] * config.n_layers  # what holding each layer's K-quant weights would add
     owners = _Owners(config)
     for name, t in tensors.items():
         m = _LAYER.match(name)
@@ -293,6 +288,7 @@ def stored(
             if t.kind is not None and owners.keeps_dense(int(m[1]), name[m.end() :]):
                 t = attrs.evolve(t, kind=None)  # a router / kv_b_proj: dequantized at load
             layers[int(m[1])] += price.linear(t)
+            costs[int(m[1])] += price.hold_cost(t)
         elif name.startswith("model.norm."):
             norm += price.linear(t)
     embed = tensors.get(_EMBED)
@@ -302,6 +298,7 @@ def stored(
     shared = head
     if config.tie_word_embeddings and head_t is not None:
         shared = norm + price.tied_head(head_t)
+    layers = [n + (c if held and holds(c) else 0) for n, c in zip(layers, costs, strict=True)]
     return Footprint(tuple(layers), embedding, head, shared, kv_token=_kv_token(config, dtype))
 
 
@@ -332,7 +329,7 @@ class _Installed:
     dense: int  # bytes per element of a dense tensor
     kernel: int  # bytes per element of the int4 kernel's scales and zeros
 
-    def path(self, t: _Stored) -> str:
+    def path(self, t: StoredTensor) -> str:
         """``QuantLinear.path`` for ``t`` on a CPU (``dense`` for an unquantized tensor)."""
         if t.kind is None:
             return "dense"
@@ -344,11 +341,19 @@ class _Installed:
             return "int8-channel"
         return "int8-split" if t.kind == "int8" and fits else "dequantize"
 
-    def embedding(self, t: _Stored) -> int:
+    def hold_cost(self, t: StoredTensor) -> int:
+        """What holding ``t`` dequantized adds (``QuantLinear.holdable``, ``hold_cost``): its
+        bf16 bytes less the stored codes; 0 for any other."""
+        if self.path(t) != "dequantize" or t.kind not in ("int4", "int8") or t.group >= 32:
+            return 0
+        n, k = t.shape
+        return n * k * 2 - t.nbytes
+
+    def embedding(self, t: StoredTensor) -> int:
         """A ``QuantEmbedding`` keeps the stored codes, scales and offsets as read."""
         return t.nbytes if t.kind is not None else self._dense(t)
 
-    def linear(self, t: _Stored) -> int:
+    def linear(self, t: StoredTensor) -> int:
         """Any other weight: dense in the activation dtype, or a ``QuantLinear``."""
         path = self.path(t)
         if path == "dense":
@@ -363,7 +368,7 @@ class _Installed:
             return n * k + 4 * self.kernel * groups
         return t.nbytes  # dequantized per call from the stored codes
 
-    def tied_head(self, t: _Stored) -> int:
+    def tied_head(self, t: StoredTensor) -> int:
         """What a head built from the embedding ``t`` on the embedding's stage adds
         (``loader._tie_head``): a packed copy, or nothing where it shares the table."""
         path = self.path(t)
@@ -373,58 +378,11 @@ class _Installed:
             return 0 if _KERNEL[self.kernel] == t.scale_dtype else self.kernel * t.shape[0]
         return 0  # the very embedding tensor, or its stored codes
 
-    def _dense(self, t: _Stored) -> int:
+    def _dense(self, t: StoredTensor) -> int:
         count = 1
         for d in t.shape:
             count *= d
         return count * self.dense
-
-
-def _stored_tensors(path: Path, block: tuple[int, int] | None) -> dict[str, _Stored]:
-    """Every weight of one safetensors file, a quantized one with its ``.scale`` and
-    ``.offset`` folded in (``shard.quant`` metadata), a published FP8 one with its
-    ``weight_scale_inv`` (``block``: the config's, ``shard.model.fp8``), from the checked
-    header alone (``shard.model.safetensors_header``, as strict as the loader). Errors:
-    ``FootprintError``."""
-    try:
-        header = read_header(path)
-        quant = quant_entries(header)
-    except SafetensorsError as e:
-        raise FootprintError(f"{e}; re-download or re-convert the checkpoint") from None
-    fp8 = {n: _fp8(e, block) for n, e in header.entries.items() if e.dtype == "F8_E4M3"}
-    scales = {n.removesuffix("weight") + "weight_scale_inv" for n in fp8}
-    out = {}
-    for name, entry in header.entries.items():
-        base, _, part = name.rpartition(".")
-        if (part in ("scale", "offset") and base in quant) or name in scales:
-            continue  # folded into its codes' entry
-        if name in fp8:
-            out[name] = fp8[name]
-            continue
-        q = quant.get(name)
-        if q is None:
-            out[name] = _Stored(entry.shape, entry.nbytes)
-            continue
-        extra = [header.entries.get(f"{name}.{e}") for e in ("scale", "offset")]
-        out[name] = _Stored(
-            q.shape,
-            entry.nbytes + sum(e.nbytes for e in extra if e is not None),
-            q.kind,
-            q.group,
-            q.has_offset,
-            q.scale_dtype,
-        )
-    return out
-
-
-def _fp8(entry: Entry, block: tuple[int, int] | None) -> _Stored:
-    """An FP8 weight as the loader installs it (``shard.model.fp8.fp8_weight``): its codes
-    and a float32 scale per row and column block, or dense when ``K`` is not a multiple of
-    the block (or the config names no block: the loader then refuses it)."""
-    n, k = entry.shape if len(entry.shape) == 2 else (0, 0)
-    if block is None or not n or k % block[1]:
-        return _Stored(entry.shape, entry.nbytes)
-    return _Stored(entry.shape, n * k + 4 * n * (k // block[1]), "fp8", block[1], False, "F32")
 
 
 def measured(stage: StageModel) -> int:

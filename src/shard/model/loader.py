@@ -35,6 +35,7 @@ from shard.model.deltanet import GatedDeltaNet
 from shard.model.dsa import IndexWeights
 from shard.model.fp8 import fp8_weight
 from shard.model.fused import join_siblings
+from shard.model.held import hold_small_groups
 from shard.model.linear import Linear
 from shard.model.llama import StageModel
 from shard.model.mla import MLAttention
@@ -79,9 +80,10 @@ def load_stage(
     ``weights``: how the block holds its weights (``shard.model.weights``; None: the
     checkpoint's default, ``resolve_weights``: stored for a quantized checkpoint, dense in
     ``dtype`` for a float one). ``join``: run sibling CPU int4 products (q/k/v, gate/up) as
-    one, the same bytes faster (``shard.model.fused``); False keeps them apart, the reference
-    the joined path is tested against. Errors: ``ModelLoadError`` for a ``weights`` that contradicts
-    ``dtype``.
+    one, the same bytes faster (``shard.model.fused``), and hold K-quant weights dequantized
+    within a budget (``shard.model.held``); False keeps them apart and dequantizes per call,
+    the reference both fast paths are tested against. Errors: ``ModelLoadError`` for a
+    ``weights`` that contradicts ``dtype``.
     """
     try:
         check_weights(weights, dtype)
@@ -120,6 +122,7 @@ def load_stage(
             _tie_head(stage, device)
         if join:  # the siblings' packed tensors it frees are load temporaries too
             join_siblings(stage)
+            hold_small_groups(list(stage.layers))  # K-quant weights dequantized once, not per call
     if weights in QUANTIZED_WEIGHTS:  # row-invariant kernels: verify equals decode bit for bit
         for module in stage.modules():
             if isinstance(

@@ -18,7 +18,8 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
   1 byte a parameter. Measured against the alternatives (SmolLM2's 49152x576 tied head, one
   row, one thread, bf16): 4.3 ms, against 40 ms for 18 per-group int8 products and 95 ms for
   dequantizing per call (float32 dense: 10 ms).
-- anything else (groups of 16, a row count not a multiple of 16): dequantized per call.
+- anything else (groups of 16, a row count not a multiple of 16): dequantized per call, or
+  held dequantized (``shard.model.held``: GGUF's K-quant sub-blocks of 16, within a budget).
 
 The kernels take their scales in the activations' dtype and are fast only in bf16, also on a
 CPU without bf16 instructions (their float32 variants ran 11-33x slower there: see
@@ -272,10 +273,10 @@ class QuantLinear(nn.Module):
     """A linear layer on a ``Quantized`` weight (paths: module docstring), with an optional
     dense ``bias`` (Qwen2's q/k/v) added in the input's dtype.
 
-    ``path`` names the one taken: ``"int4"``, ``"int8-channel"``, ``"int8-split"`` or
-    ``"dequantize"``. ``q`` keeps the host-independent codes only on the ``dequantize``
-    path. Its tensors are plain attributes, not buffers: the layer is built on its device
-    (``device``) and ``Module.to`` leaves it alone.
+    ``path`` names the one taken: ``"int4"``, ``"int8-channel"``, ``"int8-split"``,
+    ``"dequantize"``, or ``"held"`` after ``hold``. ``q`` keeps the host-independent codes
+    only on the ``dequantize`` path. Its tensors are plain attributes, not buffers: the
+    layer is built on its device (``device``) and ``Module.to`` leaves it alone.
     """
 
     def __init__(
@@ -289,6 +290,7 @@ class QuantLinear(nn.Module):
         on_device = to_device(q, dev)
         self._parts: list[_Int4] = []
         self._int8: tuple[Tensor, Tensor] | None = None
+        self._held: Tensor | None = None  # ``hold``: the weight as each call would dequantize it
         self.path = self._pack(on_device)
         self.q = on_device if self.path == "dequantize" else None  # else the kernel's form only
         #: set by ``join``: the joined product this layer is a slice of (``shard.model.fused``)
@@ -325,6 +327,30 @@ class QuantLinear(nn.Module):
         self.compute = dense_dtype(q.codes.device)
         return "dequantize"
 
+    @property
+    def holdable(self) -> bool:
+        """Dequantized per call in bf16 because no kernel takes its groups (GGUF's K-quant
+        sub-blocks of 16: Q6_K), so ``hold`` may keep it dequantized instead. FP8
+        weights, int4 ones of a kernel's group with an odd row count, and any multiplied in
+        float32 (``dense_dtype`` on a CPU without bf16) are left to the call."""
+        q = self.q
+        if self.path != "dequantize" or self.compute != torch.bfloat16 or q is None:
+            return False
+        return q.kind != "fp8" and q.group < 32
+
+    def hold_cost(self) -> int:
+        """Bytes ``hold`` adds: the dequantized weight in ``compute`` less the codes it frees."""
+        assert self.q is not None
+        return self.out_features * self.in_features * self.compute.itemsize - self.q.nbytes()
+
+    def hold(self) -> None:
+        """Keep the weight dequantized in ``compute`` (the very tensor each call made: the same
+        bytes out) and free its codes; ``path`` becomes ``"held"``. Gemma 3's 640 x 2048 Q6_K
+        weights took ~2 ms a call to dequantize here (docs/benchmarks.md)."""
+        assert self.holdable and self.q is not None
+        self._held = self.q.dequantize(dtype=self.compute)
+        self.q, self.path = None, "held"
+
     def forward(self, x: Tensor) -> Tensor:
         if self.joined is not None:  # bias None: join_siblings joins only bias-free layers
             joined, index = self.joined
@@ -338,8 +364,11 @@ class QuantLinear(nn.Module):
             outs = [p.mm(rows) for p in self._parts]
             out = outs[0] if len(outs) == 1 else outs[0].float() + outs[1].float()
         else:
-            assert self.q is not None
-            w = self.q.dequantize(dtype=self.compute)
+            if self._held is not None:
+                w = self._held
+            else:
+                assert self.q is not None
+                w = self.q.dequantize(dtype=self.compute)
             cpu = rows.device.type == "cpu"
             two = cpu and rows.shape[0] == 1 and rows.dtype is torch.bfloat16  # shard.model.linear
             if two:
@@ -359,6 +388,8 @@ class QuantLinear(nn.Module):
             held += [p.packed, p.scales_zeros]
         if self._int8 is not None:
             held += list(self._int8)
+        if self._held is not None:
+            held.append(self._held)
         return held
 
     def nbytes(self) -> int:
@@ -368,6 +399,8 @@ class QuantLinear(nn.Module):
             total += p.packed.nbytes + p.scales_zeros.nbytes
         if self._int8 is not None:
             total += self._int8[0].nbytes + self._int8[1].nbytes
+        if self._held is not None:
+            total += self._held.nbytes
         return int(total)
 
 
