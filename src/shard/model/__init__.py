@@ -27,7 +27,7 @@ runtime never imports.
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
     fused.py        q/k/v and gate/up int4 products joined into one, the same bytes each
-    held.py         K-quant weights held dequantized within a budget: the same bytes, faster
+    held.py         K-quant weights held dequantized, up to 16 MiB a layer: same bytes, faster
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``

@@ -81,9 +81,9 @@ def load_stage(
     checkpoint's default, ``resolve_weights``: stored for a quantized checkpoint, dense in
     ``dtype`` for a float one). ``join``: run sibling CPU int4 products (q/k/v, gate/up) as
     one, the same bytes faster (``shard.model.fused``), and hold K-quant weights dequantized
-    within a budget (``shard.model.held``); False keeps them apart and dequantizes per call,
-    the reference both fast paths are tested against. Errors: ``ModelLoadError`` for a
-    ``weights`` that contradicts ``dtype``.
+    where a layer's add at most 16 MiB (``shard.model.held``); False keeps them apart and
+    dequantizes per call, the reference both fast paths are tested against. Errors:
+    ``ModelLoadError`` for a ``weights`` that contradicts ``dtype``.
     """
     try:
         check_weights(weights, dtype)

@@ -19,7 +19,7 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
   row, one thread, bf16): 4.3 ms, against 40 ms for 18 per-group int8 products and 95 ms for
   dequantizing per call (float32 dense: 10 ms).
 - anything else (groups of 16, a row count not a multiple of 16): dequantized per call, or
-  held dequantized (``shard.model.held``: GGUF's K-quant sub-blocks of 16, within a budget).
+  held dequantized (``shard.model.held``: GGUF's K-quant sub-blocks of 16, up to 16 MiB a layer).
 
 The kernels take their scales in the activations' dtype and are fast only in bf16, also on a
 CPU without bf16 instructions (their float32 variants ran 11-33x slower there: see
