@@ -51,7 +51,7 @@ for prompt in prompts:
 
 @pytest.fixture(scope="module")
 def agreeable(agreeable_head: tuple[Path, Path]) -> Path:
-    """A tiny model whose first two layers + head draft it well (layers >= 2 scaled down;
+    """A tiny model whose first layers + head draft it well (layers >= 1 scaled down;
     ``tests/head_fixtures.py``, shared with ``tests/test_head_ring.py``)."""
     return agreeable_head[0]
 
@@ -188,7 +188,7 @@ async def test_swarm_run_receipt_verifies_offline(agreeable: Path, tmp_path: Pat
             marks=pytest.mark.extended(
                 covered_by="test_speculation_ring.py::test_greedy_identical_for_every_k_and_depth"
                 "[model-cover], test_speculative_swarm_run_matches_local[model-k3-d2] (processes),"
-                " this test's [ngram] (K and D per request through processes)"
+                " this test's [ngram-cover] (K and D per request through processes)"
             ),
         ),
         pytest.param(
@@ -214,8 +214,8 @@ async def test_swarm_greedy_identical_for_every_k_and_depth(
 ) -> None:
     """Through a running swarm of processes (`shard swarm up`), each (K, D) of ``pairs`` (K in
     1..8, D in 1..4), asked per request, gives the reference's tokens (or diverges only at a
-    checked tie); for
-    the head and the hybrid the tail's features cross real processes to the coordinator."""
+    checked tie); for the head and the hybrid the tail's features cross real processes to the
+    coordinator."""
     prompts = PROMPTS if "draft_layers" in speculation else GUESSABLE
     if "{head}" in speculation:
         speculation = speculation.replace("{head}", str(request.getfixturevalue("head_dir")))
