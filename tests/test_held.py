@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from quant_fixtures import stored_tiny
+from shard.model import quant
 from shard.model.footprint import measured
 from shard.model.held import HOLD_LAYER_BYTES, hold_small_groups, holds
 from shard.model.llama import StageModel
@@ -31,24 +32,40 @@ def test_a_layer_holds_when_its_weights_add_at_most_the_limit() -> None:
     assert not holds(HOLD_LAYER_BYTES + 1)
 
 
-@pytest.fixture(scope="module")
-def per_call(tmp_path_factory: pytest.TempPathFactory) -> StageModel:
+def _k_quant_stage(root: Path, dense: torch.dtype) -> StageModel:
     """The tiny stored model with each layer's o_proj in int4 and down_proj in int8, both in
     groups of 16 (Q6_K is kept in int8 groups of 16; int4 ones take the same path): dequantized
-    per call."""
-    model_dir: Path = stored_tiny(tmp_path_factory.mktemp("held"), n_layers=N_LAYERS, seed=3)
+    per call and multiplied in ``dense`` (``quant.dense_dtype`` set to it, whatever this CPU)."""
+    model_dir: Path = stored_tiny(root, n_layers=N_LAYERS, seed=3)
     stage = load_stage(model_dir, 0, N_LAYERS, weights="stored", join=False)
     gen = torch.Generator().manual_seed(4)
-    for block in stage.blocks():
-        for parent, name, quantize in (
-            (block.self_attn, "o_proj", quantize_int4),
-            (block.mlp, "down_proj", quantize_int8),
-        ):
-            old = getattr(parent, name)
-            w = torch.randn(old.out_features, old.in_features, generator=gen) * 0.3
-            setattr(parent, name, QuantLinear(quantize(w, group=16)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quant, "dense_dtype", lambda _device: dense)
+        for block in stage.blocks():
+            for parent, name, quantize in (
+                (block.self_attn, "o_proj", quantize_int4),
+                (block.mlp, "down_proj", quantize_int8),
+            ):
+                old = getattr(parent, name)
+                w = torch.randn(old.out_features, old.in_features, generator=gen) * 0.3
+                setattr(parent, name, QuantLinear(quantize(w, group=16)))
+    return stage
+
+
+@pytest.fixture(scope="module")
+def per_call(tmp_path_factory: pytest.TempPathFactory) -> StageModel:
+    """``_k_quant_stage`` in bf16, as a CPU with bf16 instructions (and CUDA) multiplies."""
+    stage = _k_quant_stage(tmp_path_factory.mktemp("held"), torch.bfloat16)
     assert all(m.holdable for m in _k_quant(stage))
     return stage
+
+
+def test_weights_multiplied_in_float32_are_not_held(tmp_path: Path) -> None:
+    """Where the call multiplies in float32 (a CPU without bf16), nothing is held: the plan
+    prices bf16, and a float32 copy would be twice what it priced."""
+    stage = _k_quant_stage(tmp_path, torch.float32)
+    assert _k_quant(stage) and not any(m.holdable for m in _k_quant(stage))
+    assert hold_small_groups(list(stage.layers)) == 0
 
 
 def _k_quant(stage: StageModel) -> list[QuantLinear]:
