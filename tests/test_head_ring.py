@@ -22,6 +22,7 @@ from shard.spec.swarm import SwarmSpec
 from test_speculation_ring import (
     PROMPTS,
     chi_square,
+    greedy_sweep,
     k_depth_params,
     reference,
     ties_or_equal,
@@ -68,21 +69,7 @@ async def test_greedy_identical_for_every_k_and_depth(
     reference (or a checked tie), the head drafting from the features each verdict brings
     (and the n-gram in the hybrid)."""
     spec = spec_for(agreeable, draft, head_dir)
-    refs = [reference(agreeable, p, 24) for p in PROMPTS]
-    ties = drafted = accepted = 0
-
-    async def body(coordinator: Coordinator) -> None:
-        nonlocal ties, drafted, accepted
-        for k, depth in pairs:
-            for prompt, ref in zip(PROMPTS, refs, strict=True):
-                done = await coordinator.generate(
-                    prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
-                )
-                ties += ties_or_equal(done.token_ids, ref)
-                drafted += done.stats.drafted
-                accepted += done.stats.accepted
-
-    await with_ring(spec, agreeable, body)
+    ties, drafted, accepted = await greedy_sweep(spec, agreeable, pairs)
     runs = len(pairs) * len(PROMPTS)
     print(f"draft={draft}: {accepted} of {drafted} drafts accepted; ties {ties} of {runs} runs")
     assert drafted > 0 and accepted > 0

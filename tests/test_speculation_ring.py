@@ -149,24 +149,33 @@ async def test_greedy_identical_for_every_k_and_depth(
     """For each (K, D) of ``pairs`` (K in 1..8, D in 1..4), greedy output equals the
     reference (or a checked tie)."""
     model_dir = agreeable if draft == "model" else tiny
-    spec = spec_for(model_dir, draft)
+    ties, _, accepted = await greedy_sweep(spec_for(model_dir, draft), model_dir, pairs)
+    print(f"draft={draft}: numerical ties {ties} of {len(pairs) * len(PROMPTS)} runs")
+    assert accepted > 0  # drafts were really verified and accepted
+
+
+async def greedy_sweep(
+    spec: SwarmSpec, model_dir: Path, pairs: tuple[tuple[int, int], ...]
+) -> tuple[int, int, int]:
+    """Each prompt of ``PROMPTS`` at each (K, D) of ``pairs`` through a ring of ``spec``, its
+    greedy output checked against the reference (``ties_or_equal``): the checked ties, the
+    tokens drafted and those accepted, over all runs."""
     refs = [reference(model_dir, p, 24) for p in PROMPTS]
-    ties = 0
-    accepted = 0
+    ties = drafted = accepted = 0
 
     async def body(coordinator: Coordinator) -> None:
-        nonlocal ties, accepted
+        nonlocal ties, drafted, accepted
         for k, depth in pairs:
             for prompt, ref in zip(PROMPTS, refs, strict=True):
                 done = await coordinator.generate(
                     prompt, max_tokens=24, speculation=SpeculationConfig(k=k, depth=depth)
                 )
                 ties += ties_or_equal(done.token_ids, ref)
+                drafted += done.stats.drafted
                 accepted += done.stats.accepted
 
     await with_ring(spec, model_dir, body)
-    print(f"draft={draft}: numerical ties {ties} of {len(pairs) * len(PROMPTS)} runs")
-    assert accepted > 0  # drafts were really verified and accepted
+    return ties, drafted, accepted
 
 
 async def test_adaptive_auto_draft_identical(agreeable: Path) -> None:
