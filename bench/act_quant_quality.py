@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -42,7 +40,7 @@ from typing import Any
 
 import torch
 
-from plain_ring import git_info, machine_info
+from plain_ring import run_record, write_record
 from quant_quality import CHUNK, TEXT
 
 ROOT = Path(__file__).resolve().parent
@@ -98,17 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     from shard.model.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
-    result: dict[str, Any] = {
-        "benchmark": "act_quant_quality",
-        "command": " ".join(sys.orig_argv),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "git": git_info(),
-        "text": str(TEXT.relative_to(ROOT.parent)),
-        "block": BLOCK,
-        "load_before": os.getloadavg(),
-        "models": {},
-    }
+    result = run_record(
+        "act_quant_quality", text=str(TEXT.relative_to(ROOT.parent)), block=BLOCK, models={}
+    )
     for name in args.models.split(","):
         model_dir = resolve_model(name, progress=False)
         n = ModelConfig.from_dir(model_dir).n_layers
@@ -143,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         result["models"][name] = entry
         print(name, json.dumps(entry), flush=True)
-    result["load_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.json, result)
     return 0
 
 

@@ -30,7 +30,6 @@ A benchmark, not a test: run it alone.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from plain_ring import REPO, git_info, machine_info
+from plain_ring import REPO, run_record, write_record
 
 VARIANTS = ("naive", "layer-cache", "exact")
 K = 8  # drafted tokens in a verify chunk
@@ -216,15 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = child(model, variant, int(threads), args.reps, args.tokens, args.runs)
         print(json.dumps(rec))
         return 0
-    result: dict[str, Any] = {
-        "benchmark": "compile_ab",
-        "command": " ".join(sys.orig_argv),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "git": git_info(),
-        "load_before": os.getloadavg(),
-        "runs": [],
-    }
+    result = run_record("compile_ab", runs=[])
     for model in args.models.split(","):
         for threads in args.threads.split(","):
             for variant in args.variants.split(","):
@@ -254,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"logits {'equal' if rec['logits_equal'] else 'DIFFER'}",
                     flush=True,
                 )
-    result["load_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.json, result)
     return 0
 
 

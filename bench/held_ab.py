@@ -18,9 +18,6 @@ run it alone.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
 import time
@@ -29,7 +26,7 @@ from typing import Any
 
 import torch
 
-from plain_ring import REPO, git_info, machine_info
+from plain_ring import REPO, run_record, write_record
 from quant_bench import timed_ms
 
 K = 8  # drafted tokens in a verify chunk
@@ -83,15 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from shard.model.footprint import measured
     from shard.model.quant import QuantLinear
 
-    result: dict[str, Any] = {
-        "benchmark": "held_ab",
-        "command": " ".join(sys.orig_argv),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "git": git_info(),
-        "load_before": os.getloadavg(),
-        "models": {},
-    }
+    result = run_record("held_ab", models={})
     for model in args.models.split(","):
         two = stages(model)
         entry: dict[str, Any] = {
@@ -138,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"logits equal"
             )
         result["models"][model] = entry
-    result["load_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.json, result)
     return 0
 
 

@@ -152,6 +152,27 @@ def git_info() -> Record:
     return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(changed)}
 
 
+def run_record(benchmark: str, **fields: Any) -> Record:
+    """The head of a benchmark's JSON: its name, command line, date, machine, commit and the
+    load average before it ran, then ``fields``."""
+    return {
+        "benchmark": benchmark,
+        "command": " ".join(sys.orig_argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "git": git_info(),
+        "load_before": os.getloadavg(),
+        **fields,
+    }
+
+
+def write_record(path: Path, record: Record) -> None:
+    """Add the load average after the run to ``record`` and write it to ``path`` as JSON."""
+    record["load_after"] = os.getloadavg()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports the OS calls free now (held together, then released)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
