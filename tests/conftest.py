@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shard.model.cachedir import cache_dir
 from shard.testing import make_tiny_checkpoint
+
+# One build of the native forward for the whole run and every process it starts
+# (``shard.model.native``): tests that point XDG_CACHE_HOME at an empty folder would otherwise
+# each compile it again (~40 s).
+os.environ.setdefault("SHARD_NATIVE_DIR", str(cache_dir() / "native"))
 
 
 @pytest.fixture(scope="session")

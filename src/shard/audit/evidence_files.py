@@ -29,6 +29,7 @@ from typing import Final
 
 from shard.compute import offload
 from shard.messages.audit import Evidence
+from shard.model.cachedir import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ RECENT: Final = 8
 
 def default_evidence_dir() -> Path:
     """``$XDG_CACHE_HOME/shard/evidence``, else ``~/.cache/shard/evidence``."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "shard" / "evidence"
+    return cache_dir() / "evidence"
 
 
 def _safe(text: str) -> str:

@@ -33,6 +33,7 @@ from shard.convert.gguf_import import (
     convert_gguf,
     is_complete,
 )
+from shard.model.cachedir import cache_dir as cache_dir  # re-exported: its home before
 
 
 @attrs.frozen
@@ -74,16 +75,6 @@ BUNDLED: dict[str, BundledModel] = {
 
 class ModelNotFound(Exception):
     """A model name or path does not lead to a usable model; says what to do instead."""
-
-
-def cache_dir() -> Path:
-    """shard's cache: ``$XDG_CACHE_HOME/shard``, else ``~/.cache/shard``.
-
-    The only place this package reads the environment for the cache, and it reads it on
-    each call, so tests can point it elsewhere.
-    """
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "shard"
 
 
 def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:

@@ -28,6 +28,7 @@ runtime never imports.
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
     fused.py        q/k/v and gate/up int4 products joined into one, the same bytes each
     held.py         K-quant weights held dequantized, up to 16 MiB a layer: same bytes, faster
+    native.py       a Llama-family stage's layers in C++ (native_step.cpp): same bytes, faster
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
@@ -38,6 +39,7 @@ runtime never imports.
     stored_headers.py  each weight of a stored checkpoint as its header describes it
     profile.py      what one layer costs a node: its weight bytes and measured time
     device.py       a node's spec'd device and dtype as torch values, checked here
+    cachedir.py     shard's cache folder, ``$XDG_CACHE_HOME/shard`` (no torch)
     tokenizer.py    tokenizer.json encode/decode and the model's chat template (no torch)
     chat_render.py  the chat template's bounded sandbox: every loop, call and value charged
     chat_bounds.py  what one render may spend (characters, steps, seconds) and its budget

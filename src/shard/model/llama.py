@@ -44,6 +44,9 @@ from shard.model.mla import MLAttention
 from shard.model.moe import FeedForward, make_ffn
 from shard.model.recurrent import RecurrentCache
 
+if TYPE_CHECKING:
+    from shard.model.native import NativeLayers
+
 __all__ = [
     "Attention",
     "Block",
@@ -177,6 +180,9 @@ class StageModel(nn.Module):
         self.register_buffer("rope_local_sin", local and local[1], persistent=False)
         self._retired_ropes: list[tuple[Tensor | None, Tensor | None]] = []
         self._index_slots()
+        #: the layers in C++, the same bytes faster, where ``shard.model.native.attach`` gave
+        #: them (``forward`` falls back to the modules for what they do not take)
+        self.native: NativeLayers | None = None
 
     def _index_slots(self) -> None:
         """Each layer's index in the cache part it uses (``cache_slot``), and how many keep KV
@@ -339,6 +345,9 @@ class StageModel(nn.Module):
         s = self._check_input(x, start, cache)
         h: Tensor = self.embed(x) if self.embed_tokens is not None else x  # [B, S, D]
         ropes = self.ropes_at(slice(start, start + s), h.dtype)  # [S, R/2] each
+        if self.native is not None and self.native.takes(h, cache):
+            h = self.native(h, start, cache, *ropes[False])
+            return self.outputs(h, head_rows, feature_rows)
         masks = {w: causal_mask(start, s, h.device, w) for w in self.windows()}
         for j, layer in enumerate(self.blocks()):
             h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, self._slots[j], start)

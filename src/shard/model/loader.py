@@ -40,6 +40,7 @@ from shard.model.linear import Linear
 from shard.model.llama import StageModel
 from shard.model.mla import MLAttention
 from shard.model.moe import FusedExperts, Router
+from shard.model.native import attach
 from shard.model.quant import (
     QuantEmbedding,
     Quantized,
@@ -129,7 +130,10 @@ def load_stage(
                 module, Attention | MLAttention | GatedDeltaNet | Router | IndexWeights | Linear
             ):
                 module.rowwise = True
-    return stage.to(device).eval()
+    stage = stage.to(device).eval()
+    if join:  # the layers in C++ where they fit: the same bytes (shard.model.native)
+        attach(stage)
+    return stage
 
 
 def load_truncated(

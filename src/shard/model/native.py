@@ -1,0 +1,275 @@
+"""The native forward (issue 42): a Llama-family stage's layers run by a C++ extension
+(``native_step.cpp``) that gives the eager forward's bytes, without its Python and its ~130
+small torch operations a layer.
+
+Every operation whose rounding is torch's own (the int4 products, the RMS norm's mean, SiLU,
+scaled-dot-product attention) stays the same ATen call on a tensor of the same shape and
+values; everything else is one correctly rounded float32 operation per element, a copy or
+torch's bf16 rounding (the C++ file's comment). So a stage gives the same bytes with and
+without it, in a ring as in one process, and an audit replays either way
+(``tests/test_native.py`` checks stages, splits, chunks and SmolLM2 itself byte for byte).
+
+**When it runs.** ``load_stage`` calls ``attach`` (unless ``join=False``, the reference
+path). A stage takes it when it is a CPU float32 ``StageModel`` whose every layer is a plain
+pre-norm Llama-family layer: ``RMSNorm``, grouped-query ``Attention`` without biases, q/k
+norms, gates, sinks, windows or partial rotary, and a SiLU ``FeedForward``, every product on
+the CPU int4 kernel with q/k/v and gate/up joined (``shard.model.fused``): SmolLM2 stored, or
+any such checkpoint loaded ``int4``. A forward then runs natively when it is one session
+(batch 1) with no recurrent state and no hooks on the stage's modules (features capture
+layer states with hooks: those forwards stay eager). Everything else runs eagerly, as
+before. ``reason`` says why a stage did not take it.
+
+**Building.** The extension is compiled on first use with the host's C++ compiler (``$CXX``,
+else ``c++``) against the installed torch, ~40 s, into ``$SHARD_NATIVE_DIR`` (else
+``cache_dir()/native``), keyed by the source, torch, Python and compiler, under a file lock
+(a local swarm's stages start together), and loaded from there afterwards. Without a
+compiler, or when the build fails, the stage runs eagerly and a warning says why: the same
+bytes, slower. ``SHARD_NATIVE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final
+
+import torch
+from torch import Tensor, nn
+
+from shard.model.attention import ROWWISE_MAX_ROWS, Attention, RMSNorm
+from shard.model.cachedir import cache_dir
+from shard.model.fused import JoinedInt4, joined_of
+from shard.model.kvcache import KVCache
+from shard.model.llama import Block, StageModel
+from shard.model.moe import FeedForward
+from shard.model.quant import QuantLinear
+
+__all__ = ["NativeLayers", "attach", "build", "native_dir"]
+
+log = logging.getLogger(__name__)
+
+SOURCE: Final = Path(__file__).with_name("native_step.cpp")
+#: Seconds a build may take before it counts as failed.
+BUILD_TIMEOUT_S: Final = 900.0
+
+
+def native_dir() -> Path:
+    """Where built extensions live: ``$SHARD_NATIVE_DIR``, else ``cache_dir()/native``."""
+    base = os.environ.get("SHARD_NATIVE_DIR")
+    return Path(base) if base else cache_dir() / "native"
+
+
+def enabled() -> bool:
+    """False when ``SHARD_NATIVE`` is ``0``, ``off``, ``false`` or ``no``."""
+    return os.environ.get("SHARD_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _command(cxx: str, name: str, out: Path) -> list[str]:
+    root = Path(torch.__file__).parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
+    # no -march=native: the bytes never depend on the instruction set (the C++ file), and a
+    # build in a shared cache folder then runs on any x86-64 or arm64 host of its kind
+    return [
+        cxx, "-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20",
+        f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(arg for p in includes for arg in ("-isystem", str(p))),
+        "-isystem", sysconfig.get_paths()["include"],
+        str(SOURCE), "-o", str(out),
+        f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python",
+        f"-Wl,-rpath,{root / 'lib'}",
+    ]  # fmt: skip
+
+
+def _key(cxx: str) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, sys.version, cxx, sysconfig.get_config_var("EXT_SUFFIX")):
+        h.update(str(part).encode())
+    h.update(" ".join(_command(cxx, "x", Path("x"))).encode())
+    return h.hexdigest()[:16]
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def build() -> ModuleType | str:
+    """The extension module, built on first use (module docstring); or why there is none.
+    Once per process: a later call returns the same answer."""
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} is not on PATH)"
+    key = _key(cxx)
+    name = f"shard_native_{key}"
+    folder = native_dir() / key
+    path = folder / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it now
+            if not path.exists():
+                _compile(cxx, name, path)
+        return _load(name, path)
+    except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
+        return f"the build failed: {exc}"
+
+
+def _compile(cxx: str, name: str, path: Path) -> None:
+    log.info("building the native stage forward into %s (once, ~40 s)", path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            _command(cxx, name, Path(tmp)),
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+            raise RuntimeError(f"{cxx} exited {done.returncode}: " + " | ".join(tail))
+        os.replace(tmp, path)  # whole or absent: a reader never sees half a library
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _product(module: nn.Module | None) -> tuple[list[Tensor], list[int]] | None:
+    """A product's kernel tensors and (part count, group), if it runs on the CPU int4 kernel
+    with nothing around it (no bias, not a slice of a joined product)."""
+    if isinstance(module, JoinedInt4):
+        parts = module.parts
+    elif isinstance(module, QuantLinear) and module.joined is None and module.bias is None:
+        parts = module._parts
+    else:
+        return None
+    if not parts or len(parts) > 2 or module.compute != torch.bfloat16:
+        return None
+    if any(p.packed.device.type != "cpu" or p.group != parts[0].group for p in parts):
+        return None
+    return [t for p in parts for t in (p.packed, p.scales_zeros)], [len(parts), parts[0].group]
+
+
+def _layer(block: Block, slot: int, head_dim: int) -> tuple[list[Tensor], list[int]] | str:
+    """One layer's weights and integers for the extension, or why it does not fit."""
+    attn, ffn = getattr(block, "self_attn", None), block.get_submodule(block.ffn_name)
+    if block.linear or block.sandwich or type(attn) is not Attention:
+        return "not a plain attention layer"
+    assert isinstance(attn, Attention)
+    if block.window is not None or block.local_rope:
+        return "a sliding-window layer"
+    if attn.gated or attn.q_norm is not None or attn.sinks is not None:
+        return "attention with gates, q/k norms or sinks"
+    if attn.head_dim != head_dim:
+        return "partial rotary"
+    norms = (block.input_layernorm, block.post_attention_layernorm)
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        return "not RMSNorm in float32"
+    if type(ffn) is not FeedForward or ffn.act != "silu":
+        return "not a SiLU feed-forward"
+    products = [
+        _product(joined_of(attn, "qkv")),
+        _product(attn.o_proj),
+        _product(joined_of(ffn, "gate_up")),
+        _product(ffn.down_proj),
+    ]
+    if any(p is None for p in products):
+        return "a product off the CPU int4 kernel, or q/k/v or gate/up not joined"
+    weights, ints = [block.input_layernorm.weight.data], []
+    for i, p in enumerate(products):
+        assert p is not None
+        if i == 2:
+            weights.append(block.post_attention_layernorm.weight.data)
+        weights += p[0]
+        ints += p[1]
+    return weights, [*ints, slot]
+
+
+class NativeLayers:
+    """A stage's layers in the extension (``attach`` builds it); ``__call__`` runs them."""
+
+    def __init__(self, impl: Any, modules: list[nn.Module]) -> None:
+        self._impl = impl
+        self._modules = modules
+
+    def takes(self, h: Tensor, cache: KVCache) -> bool:
+        """Whether this forward may run natively (module docstring)."""
+        if h.shape[0] != 1 or h.dtype != torch.float32 or cache.recurrent is not None:
+            return False
+        if cache.k.dtype != torch.float32 or not (
+            cache.k.is_contiguous() and cache.v.is_contiguous()
+        ):
+            return False
+        hooks = nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+
+    def __call__(self, h: Tensor, start: int, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
+        out: Tensor = self._impl.forward(h, start, cache.k, cache.v, cos, sin)
+        return out
+
+
+def attach(stage: nn.Module) -> str | None:
+    """Give ``stage`` its native layers (``stage.native``) when it fits (module docstring);
+    None when it took them, else why not."""
+    if not enabled():
+        return "turned off (SHARD_NATIVE)"
+    if type(stage) is not StageModel:
+        return "not a Llama-family StageModel"
+    c = stage.config
+    if stage.device.type != "cpu" or stage.dtype != torch.float32:
+        return "not a CPU float32 stage"
+    if stage.rope_cos is None or 2 * int(stage.rope_cos.shape[-1]) != c.head_dim:
+        return "partial rotary"
+    weights: list[Tensor] = []
+    ints: list[int] = []
+    blocks = stage.blocks()
+    if len(blocks) != len(stage.layers) or not blocks:
+        return "not every layer is an attention block"
+    scales = {b.self_attn.scale for b in blocks if isinstance(b.self_attn, Attention)}
+    rowwise = {b.self_attn.rowwise for b in blocks if isinstance(b.self_attn, Attention)}
+    eps = {n.eps for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)}
+    ffns = {getattr(b.get_submodule(b.ffn_name), "down_proj", nn.Identity()).in_features
+            for b in blocks}  # fmt: skip
+    if len(scales) != 1 or len(rowwise) != 1 or len(eps) != 1 or len(ffns) != 1:
+        return "layers that differ in attention, norms or feed-forward width"
+    for j, block in enumerate(blocks):
+        got = _layer(block, stage.cache_slot(j), c.head_dim)
+        if isinstance(got, str):
+            return f"layer {stage.first + j}: {got}"
+        weights += got[0]
+        ints += got[1]
+    ext = build()
+    if isinstance(ext, str):
+        _warn_once(ext)
+        return ext
+    iconf = [c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, ffns.pop()]
+    iconf.append(ROWWISE_MAX_ROWS if rowwise.pop() else 0)
+    impl = ext.Stage(weights, ints, iconf, [eps.pop(), float(scales.pop())])
+    stage.native = NativeLayers(impl, list(stage.modules()))
+    return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("stages run the eager forward (the same bytes, slower): %s", reason)

@@ -1,0 +1,274 @@
+// A Llama-family stage's layers in C++, giving the eager forward's bytes (issue 42).
+// Built and loaded by shard/model/native.py, which says when it runs; docs/model.md ("The
+// native forward").
+//
+// The eager forward (llama.py, attention.py, fused.py, quant.py) spends most of a small
+// model's decode step in Python and in ~130 small torch operations a layer. This file runs
+// the same layers for one session of S rows without them, and keeps the bytes by
+// construction:
+//
+// - every operation whose result depends on how torch computes it (the int4 products, the
+//   RMS norm's mean, SiLU, scaled-dot-product attention) is the same ATen call, on a tensor
+//   of the same shape, strides and values as the eager path's, so it gives the same bytes;
+// - every other operation is one IEEE float32 operation per element (add, subtract,
+//   multiply, divide, square root: built with -ffp-contract=off, so never a fused
+//   multiply-add), a copy, or torch's float32 -> bf16 rounding (round half to even, NaN to
+//   0x7FC0), which is exact integer arithmetic here.
+//
+// Float32 activations, batch 1, full attention, products on the CPU int4 kernel (an int4
+// weight, or an int8 one split into two int4 weights, quant.py); native.py checks all of it
+// before a stage runs here.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+using at::Tensor;
+
+namespace {
+
+inline uint16_t to_bf16(float f) {
+    if (std::isnan(f)) return 0x7FC0;
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// One product: one int4 weight, or an int8 one as two (high, low), as QuantLinear packs it.
+struct Product {
+    std::vector<Tensor> packed, scales_zeros;
+    int64_t group = 0, n = 0;
+};
+
+// QuantLinear.forward / JoinedInt4.forward on rows x [R, K] float32 (contiguous): the rows
+// rounded to bf16, each part's product, bf16 back to float32 (the two parts of a split
+// summed in float32, as the eager path sums them): [R, N] float32.
+Tensor run_product(const Product& p, const Tensor& x) {
+    Tensor rows = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+    const float* src = x.data_ptr<float>();
+    auto* dst = reinterpret_cast<uint16_t*>(rows.data_ptr());
+    for (int64_t i = 0, n = x.numel(); i < n; i++) dst[i] = to_bf16(src[i]);
+    std::vector<Tensor> outs;
+    for (size_t i = 0; i < p.packed.size(); i++)
+        outs.push_back(
+            at::_weight_int4pack_mm_for_cpu(rows, p.packed[i], p.group, p.scales_zeros[i]));
+    Tensor out = at::empty(outs[0].sizes(), x.options());
+    float* y = out.data_ptr<float>();
+    const int64_t n = out.numel();
+    auto* a = reinterpret_cast<const uint16_t*>(outs[0].data_ptr());
+    if (outs.size() == 1) {
+        for (int64_t i = 0; i < n; i++) y[i] = from_bf16(a[i]);
+    } else {
+        auto* b = reinterpret_cast<const uint16_t*>(outs[1].data_ptr());
+        for (int64_t i = 0; i < n; i++) y[i] = from_bf16(a[i]) + from_bf16(b[i]);
+    }
+    return out;
+}
+
+// RMSNorm.forward on x [1, S, D] (contiguous): weight * (x * rsqrt(mean(x * x) + eps)).
+Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps) {
+    const int64_t d = x.size(-1), s = x.numel() / d;
+    Tensor sq = at::empty_like(x);
+    const float* xs = x.data_ptr<float>();
+    float* q = sq.data_ptr<float>();
+    for (int64_t i = 0, n = x.numel(); i < n; i++) q[i] = xs[i] * xs[i];  // torch's pow(x, 2)
+    Tensor mean = at::mean(sq, {-1}, true);  // its reduction order: torch's own call
+    const float* m = mean.data_ptr<float>();
+    const float* ws = w.data_ptr<float>();
+    Tensor out = at::empty_like(x);
+    float* o = out.data_ptr<float>();
+    const float e = static_cast<float>(eps);  // a Python float added to a float32 tensor
+    for (int64_t r = 0; r < s; r++) {
+        const float inv = 1.0f / std::sqrt(m[r] + e);  // torch's rsqrt: 1 / sqrt, each rounded
+        for (int64_t i = 0; i < d; i++) o[r * d + i] = ws[i] * (xs[r * d + i] * inv);
+    }
+    return out;
+}
+
+// apply_rotary of h heads of Dh from rows [S, width] at column `col`: [1, h, S, Dh].
+Tensor rotate(const float* rows, int64_t width, int64_t col, int64_t h, int64_t s, int64_t dh,
+              const float* cos_, const float* sin_, const at::TensorOptions& opt) {
+    Tensor out = at::empty({1, h, s, dh}, opt);
+    float* o = out.data_ptr<float>();
+    const int64_t half = dh / 2;
+    for (int64_t i = 0; i < h; i++)
+        for (int64_t t = 0; t < s; t++) {
+            const float* x = rows + t * width + col + i * dh;
+            float* y = o + (i * s + t) * dh;
+            const float* c = cos_ + t * half;
+            const float* sn = sin_ + t * half;
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = x[j], x2 = x[j + half];
+                y[j] = x1 * c[j] - x2 * sn[j];
+                y[j + half] = x2 * c[j] + x1 * sn[j];
+            }
+        }
+    return out;
+}
+
+struct Layer {
+    Tensor norm1, norm2;
+    Product qkv, o, gate_up, down;
+    int64_t slot = 0;  // its layer in the KV cache
+};
+
+class Stage {
+   public:
+    // weights: per layer norm1, the qkv parts (packed, scales/zeros each), o's, norm2,
+    // gate_up's, down's. parts: per layer, per product (qkv, o, gate_up, down) its part count
+    // and group; then the layer's cache slot. iconf: D, heads, KV heads, Dh, F, the longest
+    // chunk attended row by row (0: never). fconf: eps, attention scale.
+    Stage(const std::vector<Tensor>& weights, const std::vector<int64_t>& parts,
+          const std::vector<int64_t>& iconf, const std::vector<double>& fconf)
+        : d_(iconf.at(0)), heads_(iconf.at(1)), kv_(iconf.at(2)), dh_(iconf.at(3)),
+          ffn_(iconf.at(4)), rowwise_(iconf.at(5)), eps_(fconf.at(0)), scale_(fconf.at(1)) {
+        size_t w = 0, p = 0;
+        auto product = [&]() {
+            Product out;
+            const int64_t count = parts.at(p++);
+            out.group = parts.at(p++);
+            for (int64_t i = 0; i < count; i++) {
+                out.packed.push_back(weights.at(w++));
+                out.scales_zeros.push_back(weights.at(w++));
+            }
+            out.n = out.scales_zeros.at(0).size(1);
+            return out;
+        };
+        while (w < weights.size()) {
+            Layer l;
+            l.norm1 = weights.at(w++);
+            l.qkv = product();
+            l.o = product();
+            l.norm2 = weights.at(w++);
+            l.gate_up = product();
+            l.down = product();
+            l.slot = parts.at(p++);
+            TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_) * dh_ && l.o.n == d_ &&
+                            l.gate_up.n == 2 * ffn_ && l.down.n == d_,
+                        "native stage: a layer's products do not fit its config");
+            layers_.push_back(l);
+        }
+    }
+
+    // The layers on hidden x [1, S, D] float32 at positions [start, start + S): x after the
+    // last layer. kcache, vcache: KVCache.k / .v, [slots, 1, KV, max_len, Dh] float32, written
+    // at [start, start + S). cos, sin: the rope tables' rows [S, Dh / 2] float32.
+    Tensor forward(const Tensor& x, int64_t start, const Tensor& kcache, const Tensor& vcache,
+                   const Tensor& cos_, const Tensor& sin_) const {
+        at::NoGradGuard no_grad;
+        const int64_t s = x.size(1), end = start + s;
+        TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(2) == d_ &&
+                        x.scalar_type() == at::kFloat,
+                    "native stage: want hidden [1, S, ", d_, "] float32");
+        TORCH_CHECK(kcache.scalar_type() == at::kFloat && kcache.is_contiguous() &&
+                        vcache.is_contiguous() && kcache.sizes() == vcache.sizes() &&
+                        kcache.dim() == 5 && kcache.size(1) == 1 && kcache.size(2) == kv_ &&
+                        kcache.size(4) == dh_ && start >= 0 && end <= kcache.size(3),
+                    "native stage: the KV cache does not fit");
+        TORCH_CHECK(cos_.is_contiguous() && sin_.is_contiguous() && cos_.size(0) == s &&
+                        cos_.size(1) == dh_ / 2 && cos_.sizes() == sin_.sizes() &&
+                        cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
+                    "native stage: the rope rows do not fit");
+        Tensor mask = at::ones({s, end}, x.options().dtype(at::kBool));  // causal_mask
+        bool* m = mask.data_ptr<bool>();
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t j = start + i + 1; j < end; j++) m[i * end + j] = false;
+        Tensor h = x.contiguous();
+        for (const Layer& l : layers_) {
+            TORCH_CHECK(l.slot < kcache.size(0), "native stage: no cache slot ", l.slot);
+            h = layer(l, h, start, kcache.select(0, l.slot), vcache.select(0, l.slot), cos_,
+                      sin_, mask);
+        }
+        return h;
+    }
+
+   private:
+    Tensor layer(const Layer& l, const Tensor& x, int64_t start, const Tensor& kc,
+                 const Tensor& vc, const Tensor& cos_, const Tensor& sin_,
+                 const Tensor& mask) const {
+        const int64_t s = x.size(1), end = start + s, qw = heads_ * dh_, kw = kv_ * dh_;
+        const auto opt = x.options();
+        Tensor qkv = run_product(l.qkv, rmsnorm(x, l.norm1, eps_).view({s, d_}));
+        const float* rows = qkv.data_ptr<float>();
+        const int64_t width = qkv.size(1);
+        const float *cs = cos_.data_ptr<float>(), *sn = sin_.data_ptr<float>();
+        Tensor q = rotate(rows, width, 0, heads_, s, dh_, cs, sn, opt);
+        Tensor k = rotate(rows, width, qw, kv_, s, dh_, cs, sn, opt);
+        // KVCache.update: k, v into [start, end) of this layer's [1, KV, max_len, Dh]
+        float *kd = kc.data_ptr<float>(), *vd = vc.data_ptr<float>();
+        const int64_t max_len = kc.size(2);
+        const float* ks = k.data_ptr<float>();
+        for (int64_t g = 0; g < kv_; g++)
+            for (int64_t t = 0; t < s; t++) {
+                std::memcpy(kd + (g * max_len + start + t) * dh_, ks + (g * s + t) * dh_,
+                            dh_ * sizeof(float));
+                std::memcpy(vd + (g * max_len + start + t) * dh_,
+                            rows + t * width + qw + kw + g * dh_, dh_ * sizeof(float));
+            }
+        Tensor keys = kc.slice(2, 0, end), values = vc.slice(2, 0, end);
+        const bool gqa = heads_ != kv_;
+        Tensor y;  // [1, H, S, Dh]
+        if (1 < s && s <= rowwise_) {  // Attention.rowwise: each row as its own decode
+            std::vector<Tensor> ys;
+            for (int64_t i = 0; i < s; i++)
+                ys.push_back(at::scaled_dot_product_attention(
+                    q.slice(2, i, i + 1), keys.slice(2, 0, start + i + 1),
+                    values.slice(2, 0, start + i + 1),
+                    mask.slice(-2, i, i + 1).slice(-1, 0, start + i + 1), 0.0, false, scale_,
+                    gqa));
+            y = at::cat(ys, 2);
+        } else {
+            y = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale_, gqa);
+        }
+        y = y.contiguous();
+        Tensor att = at::empty({s, qw}, opt);  // y.transpose(1, 2).reshape(S, H * Dh)
+        const float* ys = y.data_ptr<float>();
+        float* a = att.data_ptr<float>();
+        for (int64_t i = 0; i < heads_; i++)
+            for (int64_t t = 0; t < s; t++)
+                std::memcpy(a + t * qw + i * dh_, ys + (i * s + t) * dh_, dh_ * sizeof(float));
+        Tensor o = run_product(l.o, att);  // [S, D]
+        Tensor h = at::empty_like(x);  // the attention's residual
+        const float *xs = x.data_ptr<float>(), *os = o.data_ptr<float>();
+        float* hs = h.data_ptr<float>();
+        for (int64_t i = 0, n = x.numel(); i < n; i++) hs[i] = xs[i] + os[i];
+        Tensor gu = run_product(l.gate_up, rmsnorm(h, l.norm2, eps_).view({s, d_}));  // [S, 2F]
+        const float* g = gu.data_ptr<float>();
+        Tensor gate = at::empty({1, s, ffn_}, opt);
+        float* gd = gate.data_ptr<float>();
+        for (int64_t t = 0; t < s; t++)
+            std::memcpy(gd + t * ffn_, g + t * 2 * ffn_, ffn_ * sizeof(float));
+        Tensor act = at::silu(gate);  // torch's SiLU: its own call, on the eager path's shape
+        float* ad = act.data_ptr<float>();
+        for (int64_t t = 0; t < s; t++)
+            for (int64_t i = 0; i < ffn_; i++) ad[t * ffn_ + i] *= g[t * 2 * ffn_ + ffn_ + i];
+        Tensor dn = run_product(l.down, act.view({s, ffn_}));  // [S, D]
+        Tensor out = at::empty_like(x);  // the feed-forward's residual
+        const float* ds = dn.data_ptr<float>();
+        float* outs = out.data_ptr<float>();
+        for (int64_t i = 0, n = x.numel(); i < n; i++) outs[i] = hs[i] + ds[i];
+        return out;
+    }
+
+    int64_t d_, heads_, kv_, dh_, ffn_, rowwise_;
+    double eps_, scale_;
+    std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    pybind11::class_<Stage>(m, "Stage")
+        .def(pybind11::init<const std::vector<Tensor>&, const std::vector<int64_t>&,
+                            const std::vector<int64_t>&, const std::vector<double>&>())
+        // no Python runs inside: the event loop's thread keeps the interpreter meanwhile
+        .def("forward", &Stage::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

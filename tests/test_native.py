@@ -1,0 +1,197 @@
+"""The native forward (``shard.model.native``, issue 42): a stage's layers in C++ give the eager
+forward's bytes — prompt chunks, decode steps, verify chunks, long chunks, split stages,
+features and SmolLM2 itself — and whatever it does not take runs eagerly, with a reason.
+
+The reference is the same checkpoint with ``SHARD_NATIVE=0`` (the eager forward as it was)
+and ``join=False`` (separate products, dequantized per call: what the fast paths are tested
+against everywhere). The native stage must have run natively, counted, not fallen back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shard.model import native
+from shard.model.config import ModelConfig
+from shard.model.llama import StageModel, TailOut
+from shard.model.loader import load_stage
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class Counted:
+    """The extension's stage, counting its forwards."""
+
+    def __init__(self, impl: Any) -> None:
+        self.impl, self.calls = impl, 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.impl.forward(*args)
+        return out
+
+
+def counted(stage: StageModel) -> Counted:
+    assert stage.native is not None, native.attach(stage)
+    spy = Counted(stage.native._impl)
+    stage.native._impl = spy
+    return spy
+
+
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> Callable[..., StageModel]:
+    """``eager(model_dir, first, last, **kw)``: the stage loaded with the native forward off."""
+
+    def load(model_dir: Path, first: int, last: int, **kw: Any) -> StageModel:
+        with monkeypatch.context() as m:
+            m.setenv("SHARD_NATIVE", "0")
+            stage = load_stage(model_dir, first, last, **kw)
+        assert stage.native is None
+        return stage
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def llama_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama quantized to int4 at load, k/v at 64 rows so that q/k/v join."""
+    from shard.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("native"), seed=34, n_layers=3,
+                                n_kv_heads=4)  # fmt: skip
+
+
+def steps(stage: StageModel, cache: Any) -> list[torch.Tensor]:
+    """Every output of: an 8-row prompt, 4 greedy decode steps, a 9-row verify chunk with the
+    head on every row, a 20-row chunk (past the row-by-row limit: one attention call) with the
+    head on 3 rows, and a 5-row chunk with features."""
+    outs: list[torch.Tensor] = []
+    with torch.inference_mode():
+        out = stage(torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7]]), 0, cache)
+        outs.append(out)
+        pos = 8
+        for _ in range(4):
+            out = stage(out[:, -1].argmax(-1, keepdim=True), pos, cache, head_rows=1)
+            outs.append(out)
+            pos += 1
+        outs.append(stage(torch.arange(10, 19).unsqueeze(0), pos, cache, head_rows=9))
+        outs.append(stage(torch.arange(30, 50).unsqueeze(0), pos + 9, cache, head_rows=3))
+        tail = stage(torch.arange(60, 65).unsqueeze(0), pos + 29, cache, head_rows=5,
+                     feature_rows=2)  # fmt: skip
+        assert isinstance(tail, TailOut)
+        outs += [tail.logits, tail.features]
+    return outs
+
+
+def test_native_stage_gives_the_eager_bytes(
+    llama_int4: Path, eager: Callable[..., StageModel]
+) -> None:
+    n = ModelConfig.from_dir(llama_int4).n_layers
+    fast = load_stage(llama_int4, 0, n, weights="int4")
+    spy = counted(fast)
+    plain = eager(llama_int4, 0, n, weights="int4", join=False)
+    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
+    assert spy.calls == 8  # every forward above ran natively
+    assert len(a) == len(b) == 9
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_split_stages_give_the_whole_model_bytes(
+    llama_int4: Path, eager: Callable[..., StageModel]
+) -> None:
+    """[0, 1) then [1, 3), both native (the first from ids, the last from hidden states),
+    equal the whole model run eagerly, the caches included."""
+    first = load_stage(llama_int4, 0, 1, weights="int4")
+    last = load_stage(llama_int4, 1, 3, weights="int4")
+    spies = counted(first), counted(last)
+    whole = eager(llama_int4, 0, 3, weights="int4")
+    caches = first.new_cache(32), last.new_cache(32), whole.new_cache(32)
+    with torch.inference_mode():
+        for ids, start in ((torch.tensor([[1, 2, 3, 4, 5]]), 0), (torch.tensor([[6]]), 5)):
+            h = first(ids, start, caches[0])
+            assert torch.equal(last(h, start, caches[1]), whole(ids, start, caches[2]))
+    assert spies[0].calls == spies[1].calls == 2
+    assert torch.equal(torch.cat([caches[0].k, caches[1].k]), caches[2].k)
+    assert torch.equal(torch.cat([caches[0].v, caches[1].v]), caches[2].v)
+
+
+def test_hooks_and_batches_run_eagerly(llama_int4: Path, eager: Callable[..., StageModel]) -> None:
+    """A hook on any module (features capture layer states with one) and a batch of two
+    sessions take the eager forward: the hook fires, and the bytes are the same."""
+    fast = load_stage(llama_int4, 0, 3, weights="int4")
+    spy = counted(fast)
+    plain = eager(llama_int4, 0, 3, weights="int4")
+    seen: list[torch.Tensor] = []
+    handle = fast.blocks()[1].input_layernorm.register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].clone())
+    )
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        out = fast(ids, 0, fast.new_cache(8))
+        handle.remove()
+        assert torch.equal(out, plain(ids, 0, plain.new_cache(8)))
+        assert len(seen) == 1 and spy.calls == 0
+        two = torch.tensor([[1, 2, 3], [4, 5, 6]])
+        both = fast(two, 0, fast.new_cache(8, batch=2))
+        assert torch.equal(both, plain(two, 0, plain.new_cache(8, batch=2)))
+        assert spy.calls == 0
+        fast(ids, 0, fast.new_cache(8))  # the hook removed: native again
+    assert spy.calls == 1
+
+
+def test_what_does_not_fit_says_why(
+    llama_int4: Path,
+    tiny_checkpoint: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dense = load_stage(llama_int4, 0, 3, weights="float32")
+    assert dense.native is None
+    assert "off the CPU int4 kernel" in str(native.attach(dense))
+    qwen2 = load_stage(tiny_checkpoint(seed=21, arch="qwen2", n_layers=2, n_kv_heads=4), 0, 2,
+                       weights="int4")  # fmt: skip
+    assert qwen2.native is None  # its q/k/v carry biases: not joined
+    assert "layer 0:" in str(native.attach(qwen2))
+    bf16 = load_stage(llama_int4, 0, 3, weights="int4", dtype=torch.bfloat16)
+    assert bf16.native is None and native.attach(bf16) == "not a CPU float32 stage"
+    monkeypatch.setenv("SHARD_NATIVE", "off")
+    assert native.attach(load_stage(llama_int4, 0, 3, weights="int4")) == (
+        "turned off (SHARD_NATIVE)"
+    )
+
+
+def test_a_missing_compiler_or_a_failed_build_is_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``build`` never raises: no compiler, or source that does not compile, is a reason
+    (and the stage then runs eagerly)."""
+    monkeypatch.setenv("SHARD_NATIVE_DIR", str(tmp_path / "native"))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert "no C++ compiler" in str(native.build.__wrapped__())
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    reason = native.build.__wrapped__()
+    assert isinstance(reason, str) and reason.startswith("the build failed")
+    assert not list((tmp_path / "native").glob("*/*.so"))  # nothing half-built left
+
+
+def test_smollm2_native_gives_the_eager_bytes(
+    smollm2_dir: Path, eager: Callable[..., StageModel]
+) -> None:
+    """The bundled model as stored (int4 body, the Q8_0 head as two int4 products): a prompt,
+    decode steps and a verify chunk, native against eager, byte for byte."""
+    n = ModelConfig.from_dir(smollm2_dir).n_layers
+    fast = load_stage(smollm2_dir, 0, n, weights="stored")
+    spy = counted(fast)
+    plain = eager(smollm2_dir, 0, n, weights="stored")
+    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
+    assert spy.calls == 8
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
