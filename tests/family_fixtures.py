@@ -266,6 +266,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 #: Variants built like the families but run only by their own tests: DeepSeek-V3 with a plain
 #: ``q_proj`` (``q_lora_rank`` null), rotate-half rope (``rope_interleave`` false), no scaling.
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Gemma 3 with heads of 32: k/v of 64 rows, so that an int4 load joins q/k/v
+    # (``shard.model.fused``) and the native forward takes it (``tests/test_native.py``)
+    "gemma3_wide": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {**FAMILIES["gemma3"][2], "head_dim": 32},
+    ),
     "deepseek_v3_plain_q": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
@@ -322,7 +329,7 @@ def family_dir(name: str, root: Path) -> Path:
 def _redraw(model: Any, family: str, gen: torch.Generator) -> None:
     """Every tensor re-drawn in name order at a trained model's scales (``shard.testing``'s
     rules: ~1/sqrt(fan_in) projections, residual outputs doubled, norms ~1, a sharp head)."""
-    gemma = family in ("gemma3", *HYBRIDS)  # norms scale by 1 + weight
+    gemma = family in ("gemma3", "gemma3_wide", *HYBRIDS)  # norms scale by 1 + weight
     with torch.no_grad():
         for name, t in sorted(model.state_dict(keep_vars=True).items()):
             if name.endswith("tid2eid"):  # DeepSeek-V4's hash routes: distinct experts per id

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from shard.model import loader
 from shard.model.llama import Block
 from shard.model.loader import ModelLoadError, load_stage
+from shard.model.masks import causal_mask
 
 LAYER_TENSORS = (
     "input_layernorm.weight",
@@ -224,7 +225,7 @@ def test_cpu_attention_in_bfloat16_computes_in_float32(
     h, kv = attn.n_heads, attn.n_kv_heads
     q = torch.randn(1, h, 5, attn.head_dim, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(1, kv, 5, attn.head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
-    mask = low.causal_mask(0, 5, q.device)
+    mask = causal_mask(0, 5, q.device, low.blocks()[0].window)
     got = attn.attend(q, k, v, mask=mask, cache=cache, layer=0, start=0)
     assert got.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
     want = torch.nn.functional.scaled_dot_product_attention(

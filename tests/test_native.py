@@ -1,6 +1,7 @@
 """The native forward (``shard.model.native``, issue 42): a stage's layers in C++ give the eager
 forward's bytes — prompt chunks, decode steps, verify chunks, long chunks, split stages,
-features and SmolLM2 itself — and whatever it does not take runs eagerly, with a reason.
+features, Gemma 3's layer with sliding windows, and both bundled models — and whatever it
+does not take runs eagerly, with a reason.
 
 The reference is the same checkpoint with ``SHARD_NATIVE=0`` (the eager forward as it was)
 and ``join=False`` (separate products, dequantized per call: what the fast paths are tested
@@ -16,12 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+import family_fixtures
 from shard.model import native
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel, TailOut
 from shard.model.loader import load_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+family_checkpoint = family_fixtures.family_checkpoint  # the session-scoped fixture
 
 
 class Counted:
@@ -121,28 +124,44 @@ def test_split_stages_give_the_whole_model_bytes(
     assert torch.equal(torch.cat([caches[0].v, caches[1].v]), caches[2].v)
 
 
-def test_hooks_and_batches_run_eagerly(llama_int4: Path, eager: Callable[..., StageModel]) -> None:
-    """A hook on any module (features capture layer states with one) and a batch of two
-    sessions take the eager forward: the hook fires, and the bytes are the same."""
+def test_layer_states_are_captured_natively_and_other_hooks_run_eagerly(
+    llama_int4: Path, eager: Callable[..., StageModel]
+) -> None:
+    """A pre-hook on a layer's input norm (how features capture the residual stream entering
+    a layer) is called natively, between two runs of layers, with the stream the eager
+    forward gives it; any other hook, and a batch of two sessions, take the eager forward.
+    The bytes are the same every way."""
     fast = load_stage(llama_int4, 0, 3, weights="int4")
     spy = counted(fast)
     plain = eager(llama_int4, 0, 3, weights="int4")
-    seen: list[torch.Tensor] = []
-    handle = fast.blocks()[1].input_layernorm.register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].clone())
-    )
     ids = torch.tensor([[1, 2, 3]])
+
+    def capture(stage: StageModel) -> tuple[torch.Tensor, torch.Tensor]:
+        seen: list[torch.Tensor] = []
+        norm = stage.blocks()[1].input_layernorm
+        handle = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))
+        try:
+            with torch.inference_mode():
+                out = stage(ids, 0, stage.new_cache(8))
+        finally:
+            handle.remove()
+        assert len(seen) == 1
+        return out, seen[0]
+
+    (out, seen), (ref, ref_seen) = capture(fast), capture(plain)
+    assert spy.calls == 2  # layers [0, 1), the hook, then [1, 3)
+    assert torch.equal(out, ref) and torch.equal(seen, ref_seen)
+    handle = fast.blocks()[2].mlp.register_forward_hook(lambda *_: None)
     with torch.inference_mode():
-        out = fast(ids, 0, fast.new_cache(8))
+        assert torch.equal(fast(ids, 0, fast.new_cache(8)), ref)
         handle.remove()
-        assert torch.equal(out, plain(ids, 0, plain.new_cache(8)))
-        assert len(seen) == 1 and spy.calls == 0
+        assert spy.calls == 2  # eager: a forward hook is not a layer's input
         two = torch.tensor([[1, 2, 3], [4, 5, 6]])
         both = fast(two, 0, fast.new_cache(8, batch=2))
         assert torch.equal(both, plain(two, 0, plain.new_cache(8, batch=2)))
-        assert spy.calls == 0
-        fast(ids, 0, fast.new_cache(8))  # the hook removed: native again
-    assert spy.calls == 1
+        assert spy.calls == 2
+        fast(ids, 0, fast.new_cache(8))  # no hooks left: native again, in one run
+    assert spy.calls == 3
 
 
 def test_what_does_not_fit_says_why(
@@ -191,6 +210,48 @@ def test_smollm2_native_gives_the_eager_bytes(
     fast = load_stage(smollm2_dir, 0, n, weights="stored")
     spy = counted(fast)
     plain = eager(smollm2_dir, 0, n, weights="stored")
+    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
+    assert spy.calls == 8
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_gemma3_native_gives_the_eager_bytes(
+    family_checkpoint: Callable[[str], Path], eager: Callable[..., StageModel]
+) -> None:
+    """Gemma 3's layer (``(1 + w)`` norms, sandwich norms, per-head q/k norms, GELU-tanh, a
+    query scale unlike the head size), with sliding layers of window 8 under their own rope:
+    the chunks of ``steps`` reach position 45, so the windows cut in; then a split at the
+    full-attention layer. The head (soft-capped) stays in Python either way."""
+    model_dir = family_checkpoint("gemma3_wide")
+    fast = load_stage(model_dir, 0, 4, weights="int4")
+    spy = counted(fast)
+    plain = eager(model_dir, 0, 4, weights="int4", join=False)
+    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
+    assert spy.calls == 8
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    first = load_stage(model_dir, 0, 2, weights="int4")
+    last = load_stage(model_dir, 2, 4, weights="int4")
+    cache = first.new_cache(64), last.new_cache(64)
+    with torch.inference_mode():
+        h = first(torch.arange(1, 13).unsqueeze(0), 0, cache[0])
+        split = last(h, 0, cache[1])
+        whole = plain(torch.arange(1, 13).unsqueeze(0), 0, plain.new_cache(64))
+    assert first.native is not None and last.native is not None
+    assert torch.equal(split, whole)
+
+
+def test_gemma_real_native_gives_the_eager_bytes(eager: Callable[..., StageModel]) -> None:
+    """The bundled Gemma 3 270M as stored: q/k/v and gate/up as int8 splits, int4 and held
+    (Q6_K) down projections, byte for byte against the eager forward."""
+    from shard.convert.bundled import resolve_model
+
+    model_dir = resolve_model("gemma3-270m", progress=False)
+    n = ModelConfig.from_dir(model_dir).n_layers
+    fast = load_stage(model_dir, 0, n, weights="stored")
+    spy = counted(fast)
+    plain = eager(model_dir, 0, n, weights="stored")
     a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
     assert spy.calls == 8
     for x, y in zip(a, b, strict=True):

@@ -26,6 +26,7 @@ __all__ = [
     "Attention",
     "GemmaRMSNorm",
     "RMSNorm",
+    "Ropes",
     "apply_rotary",
     "make_norm",
     "rope_inv_freq",
@@ -120,6 +121,11 @@ def rope_tables(
     if scale == 1.0:
         return freqs.cos(), freqs.sin()
     return freqs.cos() * scale, freqs.sin() * scale
+
+
+#: Each rope kind's ``(cos, sin)`` rows of a chunk (``StageModel.ropes_at``): False for the
+#: full-attention layers' tables, True for the sliding layers' own.
+Ropes = dict[bool, tuple[Tensor, Tensor]]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

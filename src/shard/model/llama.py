@@ -22,6 +22,7 @@ it, and the rotary tables are computed the same way everywhere, so running ``[0,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, overload
 
 import torch
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from shard.model.attention import (
     Attention,
     RMSNorm,
+    Ropes,
     apply_rotary,
     make_norm,
     rope_inv_freq,
@@ -43,9 +45,6 @@ from shard.model.masks import causal_mask, static_mask
 from shard.model.mla import MLAttention
 from shard.model.moe import FeedForward, make_ffn
 from shard.model.recurrent import RecurrentCache
-
-if TYPE_CHECKING:
-    from shard.model.native import NativeLayers
 
 __all__ = [
     "Attention",
@@ -180,9 +179,8 @@ class StageModel(nn.Module):
         self.register_buffer("rope_local_sin", local and local[1], persistent=False)
         self._retired_ropes: list[tuple[Tensor | None, Tensor | None]] = []
         self._index_slots()
-        #: the layers in C++, the same bytes faster, where ``shard.model.native.attach`` gave
-        #: them (``forward`` falls back to the modules for what they do not take)
-        self.native: NativeLayers | None = None
+        #: the layers in C++ (``shard.model.native.attach``): their output, or None to run these
+        self.native: Callable[[Tensor, int, KVCache, Ropes], Tensor | None] | None = None
 
     def _index_slots(self) -> None:
         """Each layer's index in the cache part it uses (``cache_slot``), and how many keep KV
@@ -237,12 +235,10 @@ class StageModel(nn.Module):
             out = torch.tanh(out / cap) * cap
         return out.float()
 
-    def ropes_at(
-        self, select: slice | Tensor, dtype: torch.dtype
-    ) -> dict[bool, tuple[Tensor, Tensor]]:
+    def ropes_at(self, select: slice | Tensor, dtype: torch.dtype) -> Ropes:
         """``{local_rope: (cos, sin)}`` at positions ``select`` (a slice, or a tensor ``[S]``)
         for each rope kind this block's layers use."""
-        out: dict[bool, tuple[Tensor, Tensor]] = {}
+        out: Ropes = {}
         for local in {layer.local_rope for layer in self.blocks()}:
             cos, sin = (
                 (self.rope_local_cos, self.rope_local_sin)
@@ -345,9 +341,9 @@ class StageModel(nn.Module):
         s = self._check_input(x, start, cache)
         h: Tensor = self.embed(x) if self.embed_tokens is not None else x  # [B, S, D]
         ropes = self.ropes_at(slice(start, start + s), h.dtype)  # [S, R/2] each
-        if self.native is not None and self.native.takes(h, cache):
-            h = self.native(h, start, cache, *ropes[False])
-            return self.outputs(h, head_rows, feature_rows)
+        out = None if self.native is None else self.native(h, start, cache, ropes)
+        if out is not None:
+            return self.outputs(out, head_rows, feature_rows)
         masks = {w: causal_mask(start, s, h.device, w) for w in self.windows()}
         for j, layer in enumerate(self.blocks()):
             h = layer(h, ropes[layer.local_rope], masks[layer.window], cache, self._slots[j], start)
@@ -421,10 +417,6 @@ class StageModel(nn.Module):
         if self.norm is None or self.lm_head is None:
             return h
         return self.logits(self.norm(h))  # [B, S, V]
-
-    def causal_mask(self, start: int, s: int, device: torch.device) -> Tensor:
-        """``shard.model.masks.causal_mask`` with the window of this block's first layer."""
-        return causal_mask(start, s, device, self.blocks()[0].window)
 
     def _check_input(self, x: Tensor, start: int, cache: KVCache) -> int:
         """Validate ``x``, ``start`` and ``cache`` against this stage; return ``S``."""

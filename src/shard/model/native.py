@@ -10,14 +10,19 @@ without it, in a ring as in one process, and an audit replays either way
 (``tests/test_native.py`` checks stages, splits, chunks and SmolLM2 itself byte for byte).
 
 **When it runs.** ``load_stage`` calls ``attach`` (unless ``join=False``, the reference
-path). A stage takes it when it is a CPU float32 ``StageModel`` whose every layer is a plain
-pre-norm Llama-family layer: ``RMSNorm``, grouped-query ``Attention`` without biases, q/k
-norms, gates, sinks, windows or partial rotary, and a SiLU ``FeedForward``, every product on
-the CPU int4 kernel with q/k/v and gate/up joined (``shard.model.fused``): SmolLM2 stored, or
-any such checkpoint loaded ``int4``. A forward then runs natively when it is one session
-(batch 1) with no recurrent state and no hooks on the stage's modules (features capture
-layer states with hooks: those forwards stay eager). Everything else runs eagerly, as
-before. ``reason`` says why a stage did not take it.
+path). A stage takes it when it is a CPU float32 ``StageModel`` whose layers are all alike
+and each is a Llama-family or Gemma 3 layer: ``RMSNorm`` or Gemma's ``(1 + w)`` norm (with
+sandwich norms and per-head q/k norms), grouped-query ``Attention`` without biases, gates,
+sinks or partial rotary, full or sliding-window (each with its rope table), a SiLU or
+GELU-tanh ``FeedForward``; every product on the CPU int4 kernel (an int4 weight, or an int8
+one as two) with q/k/v and gate/up joined (``shard.model.fused``), or held in bf16
+(``shard.model.held``). Both bundled models stored qualify, and such checkpoints loaded
+``int4``. A forward then runs natively when it is one session (batch 1) with no recurrent
+state and no hooks on the stage's modules but plain forward pre-hooks on layers' input norms:
+that is how features capture the residual stream entering a layer
+(``shard.stage.features.capturing``), and the native forward stops there and calls them with
+it. The embedding, the final norm and the head stay in Python either way.
+Everything else runs eagerly, as before; ``attach`` returns why a stage did not take it.
 
 **Building.** The extension is compiled on first use with the host's C++ compiler (``$CXX``,
 else ``c++``) against the installed torch, ~40 s, into ``$SHARD_NATIVE_DIR`` (else
@@ -48,7 +53,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor, nn
 
-from shard.model.attention import ROWWISE_MAX_ROWS, Attention, RMSNorm
+from shard.model.attention import ROWWISE_MAX_ROWS, Attention, GemmaRMSNorm, RMSNorm, Ropes
 from shard.model.cachedir import cache_dir
 from shard.model.fused import JoinedInt4, joined_of
 from shard.model.kvcache import KVCache
@@ -154,8 +159,19 @@ def _compile(cxx: str, name: str, path: Path) -> None:
 
 
 def _product(module: nn.Module | None) -> tuple[list[Tensor], list[int]] | None:
-    """A product's kernel tensors and (part count, group), if it runs on the CPU int4 kernel
-    with nothing around it (no bias, not a slice of a joined product)."""
+    """A product's tensors and (part count, group) for the extension, if it runs on the CPU
+    int4 kernel or held in bf16 (count 0) with nothing around it (no bias, not a slice of a
+    joined product)."""
+    if isinstance(module, QuantLinear) and module.path == "held" and module.bias is None:
+        held = module._held
+        if (
+            held is None
+            or held.dtype != torch.bfloat16
+            or held.device.type != "cpu"
+            or not held.is_contiguous()
+        ):
+            return None
+        return [held], [0, 0]
     if isinstance(module, JoinedInt4):
         parts = module.parts
     elif isinstance(module, QuantLinear) and module.joined is None and module.bias is None:
@@ -169,23 +185,37 @@ def _product(module: nn.Module | None) -> tuple[list[Tensor], list[int]] | None:
     return [t for p in parts for t in (p.packed, p.scales_zeros)], [len(parts), parts[0].group]
 
 
+#: The norm classes the extension computes, and whether each is Gemma's ``(1 + weight)``.
+NORMS: Final = {RMSNorm: False, GemmaRMSNorm: True}
+#: The feed-forward activations it computes (``shard.model.moe._act``).
+ACTS: Final = ("silu", "gelu_pytorch_tanh")
+
+
 def _layer(block: Block, slot: int, head_dim: int) -> tuple[list[Tensor], list[int]] | str:
     """One layer's weights and integers for the extension, or why it does not fit."""
     attn, ffn = getattr(block, "self_attn", None), block.get_submodule(block.ffn_name)
-    if block.linear or block.sandwich or type(attn) is not Attention:
+    if block.linear or type(attn) is not Attention:
         return "not a plain attention layer"
     assert isinstance(attn, Attention)
-    if block.window is not None or block.local_rope:
-        return "a sliding-window layer"
-    if attn.gated or attn.q_norm is not None or attn.sinks is not None:
-        return "attention with gates, q/k norms or sinks"
+    if attn.gated or attn.sinks is not None or attn.qk_whole:
+        return "attention with gates, sinks or a whole-width q/k norm"
     if attn.head_dim != head_dim:
         return "partial rotary"
-    norms = (block.input_layernorm, block.post_attention_layernorm)
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
-        return "not RMSNorm in float32"
-    if type(ffn) is not FeedForward or ffn.act != "silu":
-        return "not a SiLU feed-forward"
+    qk: list[nn.Module | None] = [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+    ffn_norms: list[nn.Module] = (
+        [block.pre_feedforward_layernorm, block.post_feedforward_layernorm]
+        if block.sandwich
+        else []
+    )
+    norms = [block.input_layernorm, *qk, block.post_attention_layernorm, *ffn_norms]
+    kinds = {type(n) for n in norms}
+    if len(kinds) != 1 or kinds.pop() not in NORMS:
+        return "norms of another kind"
+    weights = [n.weight.data for n in norms if isinstance(n, RMSNorm | GemmaRMSNorm)]
+    if len(weights) != len(norms) or any(w.dtype != torch.float32 for w in weights):
+        return "norms not in float32"
+    if type(ffn) is not FeedForward or ffn.act not in ACTS:
+        return "not a SiLU or GELU-tanh feed-forward"
     products = [
         _product(joined_of(attn, "qkv")),
         _product(attn.o_proj),
@@ -193,40 +223,77 @@ def _layer(block: Block, slot: int, head_dim: int) -> tuple[list[Tensor], list[i
         _product(ffn.down_proj),
     ]
     if any(p is None for p in products):
-        return "a product off the CPU int4 kernel, or q/k/v or gate/up not joined"
-    weights, ints = [block.input_layernorm.weight.data], []
+        return "a product off the CPU int4 kernel and not held, or q/k/v or gate/up not joined"
+    # the extension's order: norm1, [q/k norms], qkv, o, norm2, [pre/post ffn], gate_up, down
+    n_before = 1 + len(qk)
+    ordered = weights[:n_before]
+    ints = [block.window or 0, int(block.local_rope)]
     for i, p in enumerate(products):
         assert p is not None
         if i == 2:
-            weights.append(block.post_attention_layernorm.weight.data)
-        weights += p[0]
+            ordered += weights[n_before:]
+        ordered += p[0]
         ints += p[1]
-    return weights, [*ints, slot]
+    return ordered, [*ints, slot]
 
 
 class NativeLayers:
     """A stage's layers in the extension (``attach`` builds it); ``__call__`` runs them."""
 
-    def __init__(self, impl: Any, modules: list[nn.Module]) -> None:
+    def __init__(self, impl: Any, stage: StageModel) -> None:
         self._impl = impl
-        self._modules = modules
+        self._watched = list(stage.modules())
+        self._norms = [block.input_layernorm for block in stage.blocks()]
+        self._norm_of = {id(norm): j for j, norm in enumerate(self._norms)}
 
-    def takes(self, h: Tensor, cache: KVCache) -> bool:
-        """Whether this forward may run natively (module docstring)."""
+    def stops(self, h: Tensor, cache: KVCache) -> list[int] | None:
+        """None when this forward must run eagerly (module docstring); else the layers whose
+        input norm carries plain forward pre-hooks (features capture the residual stream
+        entering a layer with one, ``shard.stage.features.capturing``): ``__call__`` stops
+        before each and calls its hooks with that stream, as the module would."""
         if h.shape[0] != 1 or h.dtype != torch.float32 or cache.recurrent is not None:
-            return False
-        if cache.k.dtype != torch.float32 or not (
-            cache.k.is_contiguous() and cache.v.is_contiguous()
-        ):
-            return False
+            return None
+        k, v = cache.k, cache.v
+        if k.dtype != torch.float32 or k.shape[1] != 1:
+            return None
+        if not (k.is_contiguous() and v.is_contiguous()):
+            return None
         hooks = nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+            return None
+        stops = []
+        for m in self._watched:
+            if m._forward_hooks or m._forward_pre_hooks_with_kwargs:
+                return None
+            if m._forward_pre_hooks:
+                j = self._norm_of.get(id(m))
+                if j is None:
+                    return None
+                stops.append(j)
+        return sorted(stops)
 
-    def __call__(self, h: Tensor, start: int, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
-        out: Tensor = self._impl.forward(h, start, cache.k, cache.v, cos, sin)
-        return out
+    def __call__(self, h: Tensor, start: int, cache: KVCache, ropes: Ropes) -> Tensor | None:
+        """The layers on ``h`` ``[1, S, D]`` at ``start`` (``ropes``: the chunk's rope rows,
+        ``StageModel.ropes_at``), calling the hooks of ``stops`` on the way; None when this
+        forward must run the modules instead."""
+        stops = self.stops(h, cache)
+        if stops is None:
+            return None
+        lc, ls = ropes.get(True, (None, None))
+        full = ropes.get(False) or ropes[True]  # a block of sliding layers only has no full rope
+        at = 0
+        for j in [*stops, len(self._norms)]:
+            if j > at:
+                h = self._impl.forward(h, start, cache.k, cache.v, *full, lc, ls, at, j)
+                at = j
+            if j < len(self._norms):
+                norm = self._norms[j]
+                for hook in list(norm._forward_pre_hooks.values()):
+                    if hook(norm, (h,)) is not None:  # the module would feed the norm that
+                        raise RuntimeError(  # instead: not what this forward computes
+                            "a forward pre-hook that replaces its input cannot run natively"
+                        )
+        return h
 
 
 def attach(stage: nn.Module) -> str | None:
@@ -246,13 +313,16 @@ def attach(stage: nn.Module) -> str | None:
     blocks = stage.blocks()
     if len(blocks) != len(stage.layers) or not blocks:
         return "not every layer is an attention block"
-    scales = {b.self_attn.scale for b in blocks if isinstance(b.self_attn, Attention)}
-    rowwise = {b.self_attn.rowwise for b in blocks if isinstance(b.self_attn, Attention)}
-    eps = {n.eps for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)}
-    ffns = {getattr(b.get_submodule(b.ffn_name), "down_proj", nn.Identity()).in_features
-            for b in blocks}  # fmt: skip
-    if len(scales) != 1 or len(rowwise) != 1 or len(eps) != 1 or len(ffns) != 1:
-        return "layers that differ in attention, norms or feed-forward width"
+    attns = [b.self_attn for b in blocks if isinstance(b.self_attn, Attention)]
+    alike = {
+        (a.scale, a.rowwise, a.q_norm is not None, b.sandwich, type(b.input_layernorm))
+        for a, b in zip(attns, blocks, strict=False)
+    }
+    eps = {n.eps for b in blocks for n in b.modules() if type(n) in NORMS}
+    ffns = {(getattr(f, "act", None), getattr(getattr(f, "down_proj", None), "in_features", 0))
+            for f in (b.get_submodule(b.ffn_name) for b in blocks)}  # fmt: skip
+    if len(attns) != len(blocks) or len(alike) != 1 or len(eps) != 1 or len(ffns) != 1:
+        return "layers that differ in attention, norms or feed-forward"
     for j, block in enumerate(blocks):
         got = _layer(block, stage.cache_slot(j), c.head_dim)
         if isinstance(got, str):
@@ -263,13 +333,29 @@ def attach(stage: nn.Module) -> str | None:
     if isinstance(ext, str):
         _warn_once(ext)
         return ext
-    iconf = [c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, ffns.pop()]
-    iconf.append(ROWWISE_MAX_ROWS if rowwise.pop() else 0)
-    impl = ext.Stage(weights, ints, iconf, [eps.pop(), float(scales.pop())])
-    stage.native = NativeLayers(impl, list(stage.modules()))
+    scale, rowwise, qk_norm, sandwich, norm = alike.pop()
+    act, width = ffns.pop()
+    flags = [NORMS[norm], sandwich, qk_norm, act == "gelu_pytorch_tanh"]
+    iconf = [c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, width]
+    iconf += [ROWWISE_MAX_ROWS if rowwise else 0, *(int(f) for f in flags)]
+    impl = ext.Stage(weights, ints, iconf, [eps.pop(), float(scale)])
+    stage.native = NativeLayers(impl, stage)
     return None
 
 
 @functools.cache
 def _warn_once(reason: str) -> None:
     log.warning("stages run the eager forward (the same bytes, slower): %s", reason)
+
+
+def main() -> int:
+    """``python -m shard.model.native``: build the extension now (``ops/bootstrap`` does, so
+    that no stage's first load waits ~40 s for it) and say where it is, or why there is none.
+    Exits 0 either way: without it, stages run eagerly."""
+    got = build()
+    print(f"native forward: {got}" if isinstance(got, str) else f"native forward: {got.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

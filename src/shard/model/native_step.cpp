@@ -15,13 +15,17 @@
 //   multiply-add), a copy, or torch's float32 -> bf16 rounding (round half to even, NaN to
 //   0x7FC0), which is exact integer arithmetic here.
 //
-// Float32 activations, batch 1, full attention, products on the CPU int4 kernel (an int4
-// weight, or an int8 one split into two int4 weights, quant.py); native.py checks all of it
-// before a stage runs here.
+// Float32 activations, batch 1; Llama's layer and Gemma 3's (its (1 + w) norms, sandwich
+// norms, per-head q/k norms, GELU-tanh, sliding windows with their own rope); products on
+// the CPU int4 kernel (an int4 weight, or an int8 one split into two int4 weights) or held
+// dequantized in bf16 (quant.py, held.py). native.py checks all of it before a stage runs
+// here.
 #include <torch/extension.h>
 
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <vector>
 
 using at::Tensor;
@@ -42,9 +46,11 @@ inline float from_bf16(uint16_t h) {
     return f;
 }
 
-// One product: one int4 weight, or an int8 one as two (high, low), as QuantLinear packs it.
+// One product: one int4 weight, or an int8 one as two (high, low), as QuantLinear packs it;
+// or (no parts) a weight held dequantized in bf16.
 struct Product {
     std::vector<Tensor> packed, scales_zeros;
+    Tensor held;
     int64_t group = 0, n = 0;
 };
 
@@ -60,6 +66,11 @@ Tensor run_product(const Product& p, const Tensor& x) {
     for (size_t i = 0; i < p.packed.size(); i++)
         outs.push_back(
             at::_weight_int4pack_mm_for_cpu(rows, p.packed[i], p.group, p.scales_zeros[i]));
+    if (p.packed.empty()) {  // held: one bf16 row runs as two (shard.model.linear)
+        outs.push_back(x.size(0) == 1
+                           ? at::linear(rows.expand({2, -1}), p.held).slice(0, 0, 1)
+                           : at::linear(rows, p.held));
+    }
     Tensor out = at::empty(outs[0].sizes(), x.options());
     float* y = out.data_ptr<float>();
     const int64_t n = out.numel();
@@ -73,7 +84,9 @@ Tensor run_product(const Product& p, const Tensor& x) {
     return out;
 }
 
-// RMSNorm.forward on x [1, S, D] (contiguous): weight * (x * rsqrt(mean(x * x) + eps)).
+// RMSNorm.forward on x [..., D] (contiguous): weight * (x * rsqrt(mean(x * x) + eps));
+// GemmaRMSNorm.forward when `w` holds its 1 + weight: (x * rsqrt(...)) * (1 + weight), the
+// same two products (each exactly rounded: their order is the same value).
 Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps) {
     const int64_t d = x.size(-1), s = x.numel() / d;
     Tensor sq = at::empty_like(x);
@@ -115,42 +128,79 @@ Tensor rotate(const float* rows, int64_t width, int64_t col, int64_t h, int64_t 
 }
 
 struct Layer {
-    Tensor norm1, norm2;
+    Tensor norm1, norm2, pre_ffn, post_ffn, q_norm, k_norm;  // Gemma's hold 1 + weight
     Product qkv, o, gate_up, down;
-    int64_t slot = 0;  // its layer in the KV cache
+    int64_t window = 0;  // a sliding window's length; 0: full attention
+    bool local = false;  // the sliding layers' own rope tables
+    int64_t slot = 0;    // its layer in the KV cache
 };
+
+// GemmaRMSNorm's factor, 1.0 + weight, as its forward computes it on each call.
+Tensor one_plus(const Tensor& w) {
+    Tensor out = at::empty_like(w);
+    const float* ws = w.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for (int64_t i = 0, n = w.numel(); i < n; i++) o[i] = 1.0f + ws[i];
+    return out;
+}
+
+// The causal mask [S, end] of queries [start, end), with a sliding window (0: none).
+Tensor causal_mask(int64_t start, int64_t s, int64_t window) {
+    const int64_t end = start + s;
+    Tensor mask = at::zeros({s, end}, at::TensorOptions().dtype(at::kBool));
+    bool* m = mask.data_ptr<bool>();
+    for (int64_t i = 0; i < s; i++)
+        for (int64_t j = 0; j <= start + i; j++) m[i * end + j] = window == 0 || j > start + i - window;
+    return mask;
+}
 
 class Stage {
    public:
-    // weights: per layer norm1, the qkv parts (packed, scales/zeros each), o's, norm2,
-    // gate_up's, down's. parts: per layer, per product (qkv, o, gate_up, down) its part count
-    // and group; then the layer's cache slot. iconf: D, heads, KV heads, Dh, F, the longest
-    // chunk attended row by row (0: never). fconf: eps, attention scale.
-    Stage(const std::vector<Tensor>& weights, const std::vector<int64_t>& parts,
+    // weights, per layer: norm1, [q_norm, k_norm], the qkv product, o's, norm2, [pre_ffn,
+    // post_ffn], gate_up's, down's; a product is its parts' packed and scales/zeros tensors,
+    // or its held weight. ints, per layer: window, local, per product (qkv, o, gate_up, down)
+    // its part count (0: held) and group, then the layer's cache slot. iconf: D, heads, KV
+    // heads, Dh, F, the longest chunk attended row by row (0: never), Gemma's norms, sandwich
+    // norms, q/k norms, GELU-tanh (each 0 or 1). fconf: eps, attention scale.
+    Stage(const std::vector<Tensor>& weights, const std::vector<int64_t>& ints,
           const std::vector<int64_t>& iconf, const std::vector<double>& fconf)
         : d_(iconf.at(0)), heads_(iconf.at(1)), kv_(iconf.at(2)), dh_(iconf.at(3)),
-          ffn_(iconf.at(4)), rowwise_(iconf.at(5)), eps_(fconf.at(0)), scale_(fconf.at(1)) {
+          ffn_(iconf.at(4)), rowwise_(iconf.at(5)), gemma_(iconf.at(6) != 0),
+          sandwich_(iconf.at(7) != 0), qk_norm_(iconf.at(8) != 0), gelu_(iconf.at(9) != 0),
+          eps_(fconf.at(0)), scale_(fconf.at(1)) {
         size_t w = 0, p = 0;
+        auto norm = [&]() { return gemma_ ? one_plus(weights.at(w++)) : weights.at(w++); };
         auto product = [&]() {
             Product out;
-            const int64_t count = parts.at(p++);
-            out.group = parts.at(p++);
+            const int64_t count = ints.at(p++);
+            out.group = ints.at(p++);
             for (int64_t i = 0; i < count; i++) {
                 out.packed.push_back(weights.at(w++));
                 out.scales_zeros.push_back(weights.at(w++));
             }
-            out.n = out.scales_zeros.at(0).size(1);
+            if (count == 0) out.held = weights.at(w++);
+            out.n = count == 0 ? out.held.size(0) : out.scales_zeros.at(0).size(1);
             return out;
         };
         while (w < weights.size()) {
             Layer l;
-            l.norm1 = weights.at(w++);
+            l.window = ints.at(p++);
+            l.local = ints.at(p++) != 0;
+            l.norm1 = norm();
+            if (qk_norm_) {
+                l.q_norm = norm();
+                l.k_norm = norm();
+            }
             l.qkv = product();
             l.o = product();
-            l.norm2 = weights.at(w++);
+            l.norm2 = norm();
+            if (sandwich_) {
+                l.pre_ffn = norm();
+                l.post_ffn = norm();
+            }
             l.gate_up = product();
             l.down = product();
-            l.slot = parts.at(p++);
+            l.slot = ints.at(p++);
             TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_) * dh_ && l.o.n == d_ &&
                             l.gate_up.n == 2 * ffn_ && l.down.n == d_,
                         "native stage: a layer's products do not fit its config");
@@ -160,9 +210,12 @@ class Stage {
 
     // The layers on hidden x [1, S, D] float32 at positions [start, start + S): x after the
     // last layer. kcache, vcache: KVCache.k / .v, [slots, 1, KV, max_len, Dh] float32, written
-    // at [start, start + S). cos, sin: the rope tables' rows [S, Dh / 2] float32.
+    // at [start, start + S). cos, sin: the rope tables' rows [S, Dh / 2] float32; local_cos,
+    // local_sin: the sliding layers' (undefined where no layer slides). Runs the stage's layers
+    // [first, last) only.
     Tensor forward(const Tensor& x, int64_t start, const Tensor& kcache, const Tensor& vcache,
-                   const Tensor& cos_, const Tensor& sin_) const {
+                   const Tensor& cos_, const Tensor& sin_, const std::optional<Tensor>& local_cos,
+                   const std::optional<Tensor>& local_sin, int64_t first, int64_t last) const {
         at::NoGradGuard no_grad;
         const int64_t s = x.size(1), end = start + s;
         TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(2) == d_ &&
@@ -173,24 +226,44 @@ class Stage {
                         kcache.dim() == 5 && kcache.size(1) == 1 && kcache.size(2) == kv_ &&
                         kcache.size(4) == dh_ && start >= 0 && end <= kcache.size(3),
                     "native stage: the KV cache does not fit");
-        TORCH_CHECK(cos_.is_contiguous() && sin_.is_contiguous() && cos_.size(0) == s &&
-                        cos_.size(1) == dh_ / 2 && cos_.sizes() == sin_.sizes() &&
-                        cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
-                    "native stage: the rope rows do not fit");
-        Tensor mask = at::ones({s, end}, x.options().dtype(at::kBool));  // causal_mask
-        bool* m = mask.data_ptr<bool>();
-        for (int64_t i = 0; i < s; i++)
-            for (int64_t j = start + i + 1; j < end; j++) m[i * end + j] = false;
-        Tensor h = x.contiguous();
-        for (const Layer& l : layers_) {
+        auto fits = [&](const Tensor& t) {
+            return t.is_contiguous() && t.dim() == 2 && t.size(0) == s && t.size(1) == dh_ / 2 &&
+                   t.scalar_type() == at::kFloat;
+        };
+        TORCH_CHECK(fits(cos_) && fits(sin_), "native stage: the rope rows do not fit");
+        TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(layers_.size()),
+                    "native stage: no layers [", first, ", ", last, ")");
+        const std::vector<Layer> run(layers_.begin() + first, layers_.begin() + last);
+        std::map<int64_t, Tensor> masks;
+        for (const Layer& l : run) {
             TORCH_CHECK(l.slot < kcache.size(0), "native stage: no cache slot ", l.slot);
-            h = layer(l, h, start, kcache.select(0, l.slot), vcache.select(0, l.slot), cos_,
-                      sin_, mask);
+            TORCH_CHECK(!l.local || (local_cos && local_sin && fits(*local_cos) &&
+                                     fits(*local_sin)),
+                        "native stage: the local rope rows do not fit");
+            if (!masks.count(l.window)) masks[l.window] = causal_mask(start, s, l.window);
+        }
+        Tensor h = x.contiguous();
+        for (const Layer& l : run) {
+            const Tensor& c = l.local ? *local_cos : cos_;
+            const Tensor& sn = l.local ? *local_sin : sin_;
+            h = layer(l, h, start, kcache.select(0, l.slot), vcache.select(0, l.slot), c, sn,
+                      masks.at(l.window));
         }
         return h;
     }
 
    private:
+    // The per-head norm of `heads` heads of Dh at column `col` of rows [S, width]: the
+    // normed heads as rows [S, heads * Dh] (GemmaRMSNorm over [1, S, heads, Dh]).
+    Tensor head_norm(const float* rows, int64_t width, int64_t col, int64_t heads, int64_t s,
+                     const Tensor& w) const {
+        Tensor part = at::empty({1, s, heads, dh_}, at::TensorOptions().dtype(at::kFloat));
+        float* pd = part.data_ptr<float>();
+        for (int64_t t = 0; t < s; t++)
+            std::memcpy(pd + t * heads * dh_, rows + t * width + col, heads * dh_ * sizeof(float));
+        return rmsnorm(part, w, eps_);
+    }
+
     Tensor layer(const Layer& l, const Tensor& x, int64_t start, const Tensor& kc,
                  const Tensor& vc, const Tensor& cos_, const Tensor& sin_,
                  const Tensor& mask) const {
@@ -200,8 +273,16 @@ class Stage {
         const float* rows = qkv.data_ptr<float>();
         const int64_t width = qkv.size(1);
         const float *cs = cos_.data_ptr<float>(), *sn = sin_.data_ptr<float>();
-        Tensor q = rotate(rows, width, 0, heads_, s, dh_, cs, sn, opt);
-        Tensor k = rotate(rows, width, qw, kv_, s, dh_, cs, sn, opt);
+        Tensor q, k;
+        if (qk_norm_) {  // per head, before the rotation
+            Tensor qn = head_norm(rows, width, 0, heads_, s, l.q_norm);
+            Tensor kn = head_norm(rows, width, qw, kv_, s, l.k_norm);
+            q = rotate(qn.data_ptr<float>(), qw, 0, heads_, s, dh_, cs, sn, opt);
+            k = rotate(kn.data_ptr<float>(), kw, 0, kv_, s, dh_, cs, sn, opt);
+        } else {
+            q = rotate(rows, width, 0, heads_, s, dh_, cs, sn, opt);
+            k = rotate(rows, width, qw, kv_, s, dh_, cs, sn, opt);
+        }
         // KVCache.update: k, v into [start, end) of this layer's [1, KV, max_len, Dh]
         float *kd = kc.data_ptr<float>(), *vd = vc.data_ptr<float>();
         const int64_t max_len = kc.size(2);
@@ -235,30 +316,36 @@ class Stage {
         for (int64_t i = 0; i < heads_; i++)
             for (int64_t t = 0; t < s; t++)
                 std::memcpy(a + t * qw + i * dh_, ys + (i * s + t) * dh_, dh_ * sizeof(float));
-        Tensor o = run_product(l.o, att);  // [S, D]
-        Tensor h = at::empty_like(x);  // the attention's residual
-        const float *xs = x.data_ptr<float>(), *os = o.data_ptr<float>();
-        float* hs = h.data_ptr<float>();
-        for (int64_t i = 0, n = x.numel(); i < n; i++) hs[i] = xs[i] + os[i];
-        Tensor gu = run_product(l.gate_up, rmsnorm(h, l.norm2, eps_).view({s, d_}));  // [S, 2F]
+        Tensor o = run_product(l.o, att).view({1, s, d_});  // [1, S, D]
+        if (sandwich_) o = rmsnorm(o, l.norm2, eps_);  // post_attention_layernorm
+        Tensor h = add(x, o);  // the attention's residual
+        Tensor ffn_in = rmsnorm(h, sandwich_ ? l.pre_ffn : l.norm2, eps_);
+        Tensor gu = run_product(l.gate_up, ffn_in.view({s, d_}));  // [S, 2F]
         const float* g = gu.data_ptr<float>();
         Tensor gate = at::empty({1, s, ffn_}, opt);
         float* gd = gate.data_ptr<float>();
         for (int64_t t = 0; t < s; t++)
             std::memcpy(gd + t * ffn_, g + t * 2 * ffn_, ffn_ * sizeof(float));
-        Tensor act = at::silu(gate);  // torch's SiLU: its own call, on the eager path's shape
+        // the activation: torch's own call, on the eager path's shape
+        Tensor act = gelu_ ? at::gelu(gate, "tanh") : at::silu(gate);
         float* ad = act.data_ptr<float>();
         for (int64_t t = 0; t < s; t++)
             for (int64_t i = 0; i < ffn_; i++) ad[t * ffn_ + i] *= g[t * 2 * ffn_ + ffn_ + i];
-        Tensor dn = run_product(l.down, act.view({s, ffn_}));  // [S, D]
-        Tensor out = at::empty_like(x);  // the feed-forward's residual
-        const float* ds = dn.data_ptr<float>();
-        float* outs = out.data_ptr<float>();
-        for (int64_t i = 0, n = x.numel(); i < n; i++) outs[i] = hs[i] + ds[i];
+        Tensor dn = run_product(l.down, act.view({s, ffn_})).view({1, s, d_});  // [1, S, D]
+        if (sandwich_) dn = rmsnorm(dn, l.post_ffn, eps_);  // post_feedforward_layernorm
+        return add(h, dn);  // the feed-forward's residual
+    }
+
+    static Tensor add(const Tensor& a, const Tensor& b) {
+        Tensor out = at::empty_like(a);
+        const float *as = a.data_ptr<float>(), *bs = b.data_ptr<float>();
+        float* os = out.data_ptr<float>();
+        for (int64_t i = 0, n = a.numel(); i < n; i++) os[i] = as[i] + bs[i];
         return out;
     }
 
     int64_t d_, heads_, kv_, dh_, ffn_, rowwise_;
+    bool gemma_, sandwich_, qk_norm_, gelu_;
     double eps_, scale_;
     std::vector<Layer> layers_;
 };

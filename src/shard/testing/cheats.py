@@ -47,6 +47,7 @@ from shard.messages import Hello, Message, Verdict
 from shard.messages.audit import AuditRequest
 from shard.model.kvcache import KVCache
 from shard.model.llama import Block, StageModel, TailOut
+from shard.model.masks import causal_mask
 from shard.model.packed import Segment
 from shard.transport import Connection, Network
 from shard.transport.base import Handler, NetworkBase
@@ -211,7 +212,7 @@ class CheatingBlock:
         s = int(x.shape[1])
         cos, sin = m.rope_cos[start : start + s], m.rope_sin[start : start + s]  # [S, Dh/2]
         rope = (cos.to(x.dtype), sin.to(x.dtype))
-        mask = m.causal_mask(start, s, x.device)
+        mask = causal_mask(start, s, x.device, m.blocks()[0].window)
         h = x
         with torch.inference_mode():
             for j, layer in enumerate(list(m.layers)[:-1]):
