@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 SOURCE: Final = Path(__file__).with_name("native_step.cpp")
 #: Seconds a build may take before it counts as failed.
 BUILD_TIMEOUT_S: Final = 900.0
+#: ``shard.logs.NOTE``, the level the CLI shows by default (``shard.model`` imports no other
+#: shard package): a node that builds the extension says why its load takes ~40 s longer.
+NOTE: Final = 25
 
 
 def native_dir() -> Path:
@@ -138,7 +141,7 @@ def build() -> ModuleType | str:
 
 
 def _compile(cxx: str, name: str, path: Path) -> None:
-    log.info("building the native stage forward into %s (once, ~40 s)", path.parent)
+    log.log(NOTE, "building the native stage forward into %s (once, ~40 s)", path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
