@@ -153,7 +153,7 @@ def _compile(cxx: str, name: str, path: Path) -> None:
             check=False,
         )
         if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+            tail = (done.stderr or done.stdout).strip().splitlines()[-6:] or ["no output"]
             raise RuntimeError(f"{cxx} exited {done.returncode}: " + " | ".join(tail))
         os.replace(tmp, path)  # whole or absent: a reader never sees half a library
     finally:
