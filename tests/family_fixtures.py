@@ -263,11 +263,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
 }
 
-#: Variants built like the families but run only by their own tests: DeepSeek-V3 with a plain
-#: ``q_proj`` (``q_lora_rank`` null), rotate-half rope (``rope_interleave`` false), no scaling.
+#: Variants built like the families but run only by their own tests: Gemma 3 with heads of 32
+#: (k/v of 64 rows, so that an int4 load joins q/k/v, ``shard.model.fused``, and the native
+#: forward takes it: ``tests/test_native.py``); DeepSeek-V3 with a plain ``q_proj``
+#: (``q_lora_rank`` null), rotate-half rope (``rope_interleave`` false), no scaling.
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    # Gemma 3 with heads of 32: k/v of 64 rows, so that an int4 load joins q/k/v
-    # (``shard.model.fused``) and the native forward takes it (``tests/test_native.py``)
     "gemma3_wide": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",

@@ -233,17 +233,19 @@ class Stage {
         TORCH_CHECK(fits(cos_) && fits(sin_), "native stage: the rope rows do not fit");
         TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(layers_.size()),
                     "native stage: no layers [", first, ", ", last, ")");
-        const std::vector<Layer> run(layers_.begin() + first, layers_.begin() + last);
         std::map<int64_t, Tensor> masks;
-        for (const Layer& l : run) {
-            TORCH_CHECK(l.slot < kcache.size(0), "native stage: no cache slot ", l.slot);
+        for (int64_t i = first; i < last; i++) {
+            const Layer& l = layers_[i];
+            TORCH_CHECK(0 <= l.slot && l.slot < kcache.size(0), "native stage: no cache slot ",
+                        l.slot);
             TORCH_CHECK(!l.local || (local_cos && local_sin && fits(*local_cos) &&
                                      fits(*local_sin)),
                         "native stage: the local rope rows do not fit");
             if (!masks.count(l.window)) masks[l.window] = causal_mask(start, s, l.window);
         }
         Tensor h = x.contiguous();
-        for (const Layer& l : run) {
+        for (int64_t i = first; i < last; i++) {
+            const Layer& l = layers_[i];
             const Tensor& c = l.local ? *local_cos : cos_;
             const Tensor& sn = l.local ? *local_sin : sin_;
             h = layer(l, h, start, kcache.select(0, l.slot), vcache.select(0, l.slot), c, sn,
