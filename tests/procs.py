@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -53,11 +54,40 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
+#: How many ports below the kernel's ephemeral range ``free_ports`` draws from.
+PORT_SPAN = 12000
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (32768 if unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1: bound to port 0 together, then released."""
+    """``n`` distinct free TCP ports on 127.0.0.1, bound together, then released.
+
+    Drawn below the kernel's ephemeral range: a port the kernel picked there (port 0) could be
+    handed to an outgoing connection of the test's own nodes between this release and a
+    node's bind ("port ... is already in use": ``test_batch_swarm`` failed so once, session
+    34). Ports below the range are only ever taken by a bind."""
+    top = _ephemeral_low()
+    pick = random.Random()
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(50 * n):
+            if len(socks) == n:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((LOOPBACK, pick.randrange(max(1024, top - PORT_SPAN), top)))
+            except OSError:  # taken (or one of ours): draw again
+                sock.close()
+                continue
+            socks.append(sock)
+        while len(socks) < n:  # that span is full: let the kernel choose, as before
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((LOOPBACK, 0))
             socks.append(sock)
