@@ -61,7 +61,7 @@ from shard.model.llama import Block, StageModel
 from shard.model.moe import FeedForward
 from shard.model.quant import QuantLinear
 
-__all__ = ["NativeLayers", "attach", "build", "native_dir"]
+__all__ = ["NativeLayers", "attach", "build", "enabled", "main", "native_dir"]
 
 log = logging.getLogger(__name__)
 
