@@ -91,18 +91,28 @@ def steps(stage: StageModel, cache: Any) -> list[torch.Tensor]:
     return outs
 
 
-def test_native_stage_gives_the_eager_bytes(
-    llama_int4: Path, eager: Callable[..., StageModel]
-) -> None:
-    n = ModelConfig.from_dir(llama_int4).n_layers
-    fast = load_stage(llama_int4, 0, n, weights="int4")
+def same_bytes(
+    model_dir: Path, eager: Callable[..., StageModel], weights: str, **eager_kw: Any
+) -> StageModel:
+    """The whole model loaded as ``weights``, native, against the same loaded eagerly (with
+    ``eager_kw``): every output of ``steps`` equal byte for byte, every forward native. The
+    eager stage, for more."""
+    n = ModelConfig.from_dir(model_dir).n_layers
+    fast = load_stage(model_dir, 0, n, weights=weights)
     spy = counted(fast)
-    plain = eager(llama_int4, 0, n, weights="int4", join=False)
+    plain = eager(model_dir, 0, n, weights=weights, **eager_kw)
     a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
-    assert spy.calls == 8  # every forward above ran natively
+    assert spy.calls == 8  # every forward of steps ran natively
     assert len(a) == len(b) == 9
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+    return plain
+
+
+def test_native_stage_gives_the_eager_bytes(
+    llama_int4: Path, eager: Callable[..., StageModel]
+) -> None:
+    same_bytes(llama_int4, eager, "int4", join=False)
 
 
 def test_split_stages_give_the_whole_model_bytes(
@@ -206,14 +216,7 @@ def test_smollm2_native_gives_the_eager_bytes(
 ) -> None:
     """The bundled model as stored (int4 body, the Q8_0 head as two int4 products): a prompt,
     decode steps and a verify chunk, native against eager, byte for byte."""
-    n = ModelConfig.from_dir(smollm2_dir).n_layers
-    fast = load_stage(smollm2_dir, 0, n, weights="stored")
-    spy = counted(fast)
-    plain = eager(smollm2_dir, 0, n, weights="stored")
-    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
-    assert spy.calls == 8
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
+    same_bytes(smollm2_dir, eager, "stored")
 
 
 def test_gemma3_native_gives_the_eager_bytes(
@@ -224,13 +227,7 @@ def test_gemma3_native_gives_the_eager_bytes(
     the chunks of ``steps`` reach position 45, so the windows cut in; then a split at the
     full-attention layer. The head (soft-capped) stays in Python either way."""
     model_dir = family_checkpoint("gemma3_wide")
-    fast = load_stage(model_dir, 0, 4, weights="int4")
-    spy = counted(fast)
-    plain = eager(model_dir, 0, 4, weights="int4", join=False)
-    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
-    assert spy.calls == 8
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
+    plain = same_bytes(model_dir, eager, "int4", join=False)
     first = load_stage(model_dir, 0, 2, weights="int4")
     last = load_stage(model_dir, 2, 4, weights="int4")
     cache = first.new_cache(64), last.new_cache(64)
@@ -247,12 +244,4 @@ def test_gemma_real_native_gives_the_eager_bytes(eager: Callable[..., StageModel
     (Q6_K) down projections, byte for byte against the eager forward."""
     from shard.convert.bundled import resolve_model
 
-    model_dir = resolve_model("gemma3-270m", progress=False)
-    n = ModelConfig.from_dir(model_dir).n_layers
-    fast = load_stage(model_dir, 0, n, weights="stored")
-    spy = counted(fast)
-    plain = eager(model_dir, 0, n, weights="stored")
-    a, b = steps(fast, fast.new_cache(64)), steps(plain, plain.new_cache(64))
-    assert spy.calls == 8
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
+    same_bytes(resolve_model("gemma3-270m", progress=False), eager, "stored")
