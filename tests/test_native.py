@@ -245,3 +245,24 @@ def test_gemma_real_native_gives_the_eager_bytes(eager: Callable[..., StageModel
     from shard.convert.bundled import resolve_model
 
     same_bytes(resolve_model("gemma3-270m", progress=False), eager, "stored")
+
+
+def test_hostile_hidden_states_compute_as_eagerly(
+    llama_int4: Path, eager: Callable[..., StageModel]
+) -> None:
+    """Hidden states from a peer (a later stage's input) holding NaN, infinities, huge and
+    subnormal values run natively and give what the eager forward gives, NaN for NaN: the
+    native path adds no way to crash a node, and no other answer."""
+    fast = load_stage(llama_int4, 1, 3, weights="int4")
+    plain = eager(llama_int4, 1, 3, weights="int4")
+    spy = counted(fast)
+    d = ModelConfig.from_dir(llama_int4).hidden_size
+    x = torch.randn(1, 5, d, generator=torch.Generator().manual_seed(3))
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x[0, 1] = 3e38
+    x[0, 2] = 1e-40
+    x[0, 3] = 0.0
+    with torch.inference_mode():
+        a, b = fast(x, 0, fast.new_cache(8)), plain(x, 0, plain.new_cache(8))
+    assert spy.calls == 1
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
