@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def _layers(sizes: tuple[int, ...], k: int, seed: int, kind: str) -> list[QuantL
     weights = [torch.randn(n, k, generator=gen) for n in sizes]
     if kind == "int4":
         return [QuantLinear(quantize_int4(w)) for w in weights]
-    return [QuantLinear(quantize_int8(w, group=32)) for w in weights]  # int8-split
+    return [QuantLinear(quantize_int8(w, group=32)) for w in weights]  # int8-group
 
 
 def test_the_packer_stacks_at_its_block() -> None:
@@ -40,11 +41,12 @@ def test_the_packer_stacks_at_its_block() -> None:
         assert torch.equal(stacked, whole) == (split % PACK_BLOCK == 0), split
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8-split"])
+@pytest.mark.parametrize("kind", ["int4", "int8-group"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
 def test_joined_product_gives_each_siblings_bytes(rows: int, kind: str) -> None:
-    """q/k/v-shaped layers joined: each output equals its own layer's, bit for bit."""
-    sizes = (3 * PACK_BLOCK, PACK_BLOCK, PACK_BLOCK)
+    """q/k/v-shaped layers joined: each output equals its own layer's, bit for bit (int8
+    weights in groups stack at any row count)."""
+    sizes = (3 * PACK_BLOCK, PACK_BLOCK, PACK_BLOCK) if kind == "int4" else (40, 24, 8)
     alone = _layers(sizes, 64, seed=rows, kind=kind)
     assert all(layer.path == kind for layer in alone)
     joined = JoinedInt4(_layers(sizes, 64, seed=rows, kind=kind))
@@ -57,7 +59,7 @@ def test_joined_product_gives_each_siblings_bytes(rows: int, kind: str) -> None:
 
 
 def test_only_cpu_int4_siblings_without_bias_are_joined() -> None:
-    """Siblings on different paths (int4 beside int8 per channel or int8-split), a bias,
+    """Siblings on different paths (int4 beside int8 per channel or int8-group), a bias,
     another input width or a first sibling whose rows are not a multiple of the packer's
     block keep the layers apart; a joined sibling runs as its slice of the joined product and
     holds nothing."""
@@ -68,6 +70,13 @@ def test_only_cpu_int4_siblings_without_bias_are_joined() -> None:
     assert join_siblings(owner) == 0 and joined_of(owner, "gate_up") is None
     owner.up_proj = QuantLinear(quantize_int8(torch.randn(64, 64, generator=gen), group=32))
     assert join_siblings(owner) == 0 and joined_of(owner, "gate_up") is None
+    apart = torch.nn.Module()  # int8 in groups: with offsets beside without stays apart
+    plain = quantize_int8(torch.randn(64, 64, generator=gen), group=32)
+    apart.gate_proj = QuantLinear(plain)
+    apart.up_proj = QuantLinear(attrs.evolve(plain, offset=torch.ones_like(plain.scale)))
+    assert apart.up_proj.path == "int8-group" and join_siblings(apart) == 0
+    apart.up_proj = QuantLinear(plain)
+    assert join_siblings(apart) == 1
     owner.up_proj = QuantLinear(
         quantize_int4(torch.randn(64, 64, generator=gen)), bias=torch.ones(64)
     )

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import family_fixtures
-from shard.model import native
+from shard.model import native, native_build
 from shard.model.config import ModelConfig
 from shard.model.llama import StageModel, TailOut
 from shard.model.loader import load_stage
@@ -205,7 +205,7 @@ def test_a_missing_compiler_or_a_failed_build_is_a_reason(
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setattr(native_build, "SOURCE", bad)
     reason = native.build.__wrapped__()
     assert isinstance(reason, str) and reason.startswith("the build failed")
     assert not list((tmp_path / "native").glob("*/*.so"))  # nothing half-built left

@@ -25,7 +25,7 @@ CASES = [
     ("int4 g32", lambda w: quantize_int4(w, 32), "int4"),
     ("int4 g128", lambda w: quantize_int4(w, 128), "int4"),
     ("int8 per channel", lambda w: quantize_int8(w), "int8-channel"),
-    ("int8 g32", lambda w: quantize_int8(w, 32), "int8-split"),
+    ("int8 g32", lambda w: quantize_int8(w, 32), "int8-group"),
     ("int4 g16", lambda w: quantize_int4(w, 16), "dequantize"),
 ]
 
@@ -108,12 +108,13 @@ def test_packed_kernels_run_in_bf16_and_dequantized_products_as_the_cpu_allows(
 
 def test_packed_bytes_per_parameter() -> None:
     """int4 g32 holds 0.625 bytes a parameter in memory with bf16 kernel scales (0.75 where
-    the host's kernels hold fp32 ones), int8 split twice that, per channel ~1."""
+    the host's kernels hold fp32 ones), int8 in groups its codes and float32 scales (1.125),
+    per channel ~1."""
     w = _weight(n=256, k=512)
     scale_bytes = kernel_dtype(torch.device("cpu")).itemsize
     int4 = 0.5 + 2 * scale_bytes / 32  # codes, and a scale and a zero per group of 32
     assert QuantLinear(quantize_int4(w)).nbytes() == 256 * 512 * int4
-    assert QuantLinear(quantize_int8(w, 32)).nbytes() == 256 * 512 * 2 * int4  # two int4 products
+    assert QuantLinear(quantize_int8(w, 32)).nbytes() == 256 * 512 * (1 + 4 / 32)  # as stored
     per_channel = QuantLinear(quantize_int8(w)).nbytes()
     assert per_channel == 256 * 512 + 256 * scale_bytes
 
@@ -127,16 +128,3 @@ def test_cpu_packing_by_row_blocks_equals_one_pack() -> None:
     ints = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(5))
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints.to(torch.int32), 1)
     assert torch.equal(_cpu_pack(pack_nibbles(ints)), whole)
-
-
-def test_int8_split_packing_by_blocks_equals_packing_its_nibbles() -> None:
-    """The CPU int8-split packer (straight from the int8 codes, block by block, no nibble
-    tables held) gives the bytes of packing the split nibbles whole."""
-    from shard.model.quant import PACK_ROWS, _cpu_pack, _cpu_pack_split, _split_int8
-
-    q = quantize_int8(_weight(n=PACK_ROWS + 48, k=64), 32)
-    direct = _cpu_pack_split(q.codes)
-    for got, nibbles in zip(direct, _split_int8(q.codes), strict=True):
-        ints = torch.stack((nibbles & 15, nibbles >> 4), -1).flatten(-2).to(torch.int32)
-        assert torch.equal(got, torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1))
-        assert torch.equal(got, _cpu_pack(nibbles))

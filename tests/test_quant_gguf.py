@@ -28,12 +28,12 @@ PATHS = {
     "Q4_0": "int4",
     "Q4_1": "int4",
     "Q4_K": "int4",
-    "Q8_0": "int8-split",
-    "Q5_0": "int8-split",
-    "Q5_1": "int8-split",
-    "Q5_K": "int8-split",
-    "Q6_K": "dequantize",
-    "MXFP4": "int8-split",
+    "Q8_0": "int8-group",
+    "Q5_0": "int8-group",
+    "Q5_1": "int8-group",
+    "Q5_K": "int8-group",
+    "Q6_K": "int8-group",  # groups of 16
+    "MXFP4": "int8-group",
 }
 REL_TOL = 1e-2  # one bf16 rounding of the outputs and of the scales (tests/test_quant.py)
 

@@ -43,7 +43,7 @@ from shard.model.fused import JoinedInt4
 from shard.model.held import holds
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FusedExperts
-from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear
+from shard.model.quant import KERNEL_GROUPS, QuantEmbedding, QuantLinear, q8_fits
 from shard.model.recurrent import layer_state_bytes
 from shard.model.safetensors_header import INDEX_FILE, SafetensorsError, read_index
 from shard.model.stored_headers import StoredTensor, stored_tensors
@@ -339,7 +339,7 @@ class _Installed:
             return "int4"
         if t.kind == "int8" and t.group == k and not t.offset:
             return "int8-channel"
-        return "int8-split" if t.kind == "int8" and fits else "dequantize"
+        return "int8-group" if t.kind == "int8" and q8_fits(k, t.group) else "dequantize"
 
     def hold_cost(self, t: StoredTensor) -> int:
         """What holding ``t`` dequantized adds (``QuantLinear.holdable``, ``hold_cost``): its
@@ -364,16 +364,20 @@ class _Installed:
             return n * k // 2 + 2 * self.kernel * groups
         if path == "int8-channel":  # the codes as stored, a scale per row
             return n * k + self.kernel * n
-        if path == "int8-split":  # two int4 weights (hi and lo nibbles), each with its own
-            return n * k + 4 * self.kernel * groups
+        if path == "int8-group":  # the codes as stored, float32 scales (and offsets)
+            return n * k + 4 * groups * (2 if t.offset else 1)
         return t.nbytes  # dequantized per call from the stored codes
 
     def tied_head(self, t: StoredTensor) -> int:
         """What a head built from the embedding ``t`` on the embedding's stage adds
-        (``loader._tie_head``): a packed copy, or nothing where it shares the table."""
+        (``loader._tie_head``): a packed copy, or nothing where it shares the table (an
+        ``int8-group`` head runs the table's own codes and scales)."""
         path = self.path(t)
-        if path in ("int4", "int8-split"):
+        if path == "int4":
             return self.linear(t)
+        if path == "int8-group":  # float32 copies of the scales only where stored otherwise
+            n, k = t.shape
+            return 0 if t.scale_dtype == "F32" else 4 * n * (k // t.group) * (2 if t.offset else 1)
         if path == "int8-channel":  # the table's codes; its scales unless already the kernel's
             return 0 if _KERNEL[self.kernel] == t.scale_dtype else self.kernel * t.shape[0]
         return 0  # the very embedding tensor, or its stored codes

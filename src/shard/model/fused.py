@@ -1,10 +1,10 @@
 """Sibling products run as one (issue 42): a layer's q, k and v projections, and its gate and
-up projections, read the same input; where all run on the CPU int4 kernel by the same path
-(``QuantLinear.path``: ``int4``, or ``int8-split``, an int8 weight as two int4 ones), they are
-joined into one product over the weights stacked by output row.
+up projections, read the same input; where all run on the CPU by the same kernel path
+(``QuantLinear.path``: ``int4``, or ``int8-group``, the q8 product of ``shard.model.q8``),
+they are joined into one product over the weights stacked by output row.
 
-The int4 kernel computes each output column from its own weight row alone, so a joined
-product gives every output the bytes the separate products gave (``tests/test_fused.py``
+Both kernels compute each output column from its own weight row alone, so a joined product
+gives every output the bytes the separate products gave (``tests/test_fused.py``
 checks it for 1 to 17 rows and for whole stages). What it saves is the kernel's fixed cost per
 call and the casts around each: on the AMX Xeon of session 25, one row, one thread, SmolLM2's
 q/k/v took 70 us as three products and 42 us as one.
@@ -22,22 +22,21 @@ from typing import Final
 
 from torch import Tensor, nn
 
+from shard.model.q8 import Int8Group
 from shard.model.quant import QuantLinear, _Int4
 
 __all__ = ["PACK_BLOCK", "JoinedInt4", "join_siblings", "joined_of"]
 
 #: The CPU int4 packer lays rows out in blocks of this many: packed rows stack as they are
 #: only at a multiple of it (``tests/test_fused.py`` checks the packer on the host), so every
-#: sibling but the last must have a multiple of 64 outputs (SmolLM2's k/v: 192; Gemma 3
-#: 270M's: 256).
+#: int4 sibling but the last must have a multiple of 64 outputs (SmolLM2's k/v: 192; Gemma 3
+#: 270M's: 256). ``int8-group`` keeps the codes as stored: any row counts stack.
 PACK_BLOCK: Final = 64
 
 
 class JoinedInt4(nn.Module):
-    """The int4 products of ``siblings`` (one path, ``int4`` or ``int8-split``; same input
-    width, group and dtype; no bias) as one: ``forward`` returns each sibling's output, in
-    order. An ``int8-split`` weight is two int4 weights (``QuantLinear``): their high parts
-    are stacked, and their low parts, and the two products summed in float32 as there."""
+    """The products of ``siblings`` (one path, ``int4`` or ``int8-group``; same input width,
+    group and dtype; no bias) as one: ``forward`` returns each sibling's output, in order."""
 
     def __init__(self, siblings: Sequence[QuantLinear]) -> None:
         super().__init__()
@@ -45,14 +44,15 @@ class JoinedInt4(nn.Module):
         self.compute = siblings[0].compute
         self.path = siblings[0].path
         self.sizes = [s.out_features for s in siblings]
-        width = len(siblings[0]._parts)  # 1 (int4) or 2 (int8-split: high, low)
-        self.parts = [_Int4.stacked([s._parts[i] for s in siblings]) for i in range(width)]
+        self.parts: list[_Int4] | list[Int8Group]
+        if self.path == "int8-group":
+            self.parts = [Int8Group.stacked([_q8(s) for s in siblings])]
+        else:
+            self.parts = [_Int4.stacked([_int4(s) for s in siblings])]
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, self.in_features).to(self.compute)  # [R, in]
-        outs = [p.mm(rows) for p in self.parts]  # as QuantLinear.forward
-        product = outs[0] if len(outs) == 1 else outs[0].float() + outs[1].float()
-        out = product.to(x.dtype)  # [R, sum of sizes]
+        out = self.parts[0].mm(rows).to(x.dtype)  # as QuantLinear.forward: [R, sum of sizes]
         lead, pieces, at = x.shape[:-1], [], 0
         for size in self.sizes:
             pieces.append(out[:, at : at + size].contiguous().reshape(*lead, size))
@@ -60,8 +60,20 @@ class JoinedInt4(nn.Module):
         return tuple(pieces)
 
     def tensors(self) -> list[Tensor]:
-        """The stacked kernel-packed codes and scales/zeros."""
-        return [t for p in self.parts for t in (p.packed, p.scales_zeros)]
+        """The stacked codes and scales (and zeros, or offsets)."""
+        return [t for p in self.parts for t in p.tensors()]
+
+
+def _q8(layer: QuantLinear) -> Int8Group:
+    part = layer._parts[0]
+    assert isinstance(part, Int8Group)
+    return part
+
+
+def _int4(layer: QuantLinear) -> _Int4:
+    part = layer._parts[0]
+    assert isinstance(part, _Int4)
+    return part
 
 
 def _joinable(siblings: Sequence[nn.Module | None]) -> bool:
@@ -69,17 +81,22 @@ def _joinable(siblings: Sequence[nn.Module | None]) -> bool:
         return False
     lin = [s for s in siblings if isinstance(s, QuantLinear)]
     first = lin[0]
-    if any(s.out_features % PACK_BLOCK for s in lin[:-1]):
+    if first.path != "int8-group" and any(s.out_features % PACK_BLOCK for s in lin[:-1]):
         return False
-    return first.path in ("int4", "int8-split") and all(
-        s.path == first.path
-        and s.bias is None
-        and s.joined is None
-        and s.in_features == first.in_features
-        and s.compute == first.compute
-        and s._parts[0].group == first._parts[0].group
-        and s._parts[0].packed.device.type == "cpu"  # the CUDA packer's layout is not by row
-        for s in lin
+    offsets = {isinstance(p, Int8Group) and p.offset is not None for s in lin for p in s._parts}
+    return (
+        first.path in ("int4", "int8-group")
+        and len(offsets) == 1  # int8-group: all with offsets or none
+        and all(
+            s.path == first.path
+            and s.bias is None
+            and s.joined is None
+            and s.in_features == first.in_features
+            and s.compute == first.compute
+            and s._parts[0].group == first._parts[0].group
+            and s._parts[0].device.type == "cpu"  # the CUDA packer's layout is not by row
+            for s in lin
+        )
     )
 
 
@@ -97,7 +114,7 @@ def _join(owner: nn.Module, name: str, sibling_names: Sequence[str]) -> bool:
 
 def join_siblings(stage: nn.Module) -> int:
     """Join every attention's q/k/v and every dense feed-forward's gate/up in ``stage`` where
-    all are CPU int4 products (module docstring); how many groups were joined."""
+    all are CPU products of one kernel path (module docstring); how many groups were joined."""
     count = 0
     for module in list(stage.modules()):
         if hasattr(module, "q_proj") and hasattr(module, "k_proj") and hasattr(module, "v_proj"):

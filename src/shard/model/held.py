@@ -1,7 +1,8 @@
-"""Weights held dequantized: a stored weight whose groups no kernel takes (GGUF's K-quant
-sub-blocks of 16: Q6_K, the one stored format in them) is dequantized on every call
-(``QuantLinear``'s ``dequantize`` path), which cost Gemma 3 270M about a quarter of its decode
-step here. A stage holds such weights dequantized instead: the very tensor each call would
+"""Weights held dequantized: a stored weight whose groups no kernel takes (int4 in groups of
+16; on CUDA also int8 in groups of 16, GGUF's Q6_K, which a CPU runs on the q8 kernel,
+``shard.model.q8``) is dequantized on every call (``QuantLinear``'s ``dequantize`` path),
+which cost Gemma 3 270M about a quarter of its decode step here when its Q6_K weights took
+it. A stage holds such weights dequantized instead: the very tensor each call would
 have made, so every output keeps its bytes (``tests/test_held.py``). Only where the call
 multiplies in bf16 (a CPU with bf16 instructions, CUDA: ``quant.dense_dtype``), as the plan
 prices them; a CPU without bf16 keeps them as stored.

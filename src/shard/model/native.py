@@ -24,147 +24,39 @@ that is how features capture the residual stream entering a layer
 it. The embedding, the final norm and the head stay in Python either way.
 Everything else runs eagerly, as before; ``attach`` returns why a stage did not take it.
 
-**Building.** The extension is compiled on first use with the host's C++ compiler (``$CXX``,
-else ``c++``) against the installed torch, ~40 s, into ``$SHARD_NATIVE_DIR`` (else
-``cache_dir()/native``), keyed by the source, torch, Python and compiler, under a file lock
-(a local swarm's stages start together), and loaded from there afterwards. Without a
-compiler, or when the build fails, the stage runs eagerly and a warning says why: the same
-bytes, slower. ``SHARD_NATIVE=0`` turns it off.
+**Building.** ``shard.model.native_build`` compiles the extension on first use (~40 s, once
+per machine and torch) and loads it. Without a compiler, or when the build fails, the stage
+runs eagerly and a warning says why: the same bytes, slower. ``SHARD_NATIVE=0`` turns the
+native forward off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
 import torch
 from torch import Tensor, nn
 
 from shard.model.attention import ROWWISE_MAX_ROWS, Attention, GemmaRMSNorm, RMSNorm, Ropes
-from shard.model.cachedir import cache_dir
 from shard.model.fused import JoinedInt4, joined_of
 from shard.model.kvcache import KVCache
 from shard.model.llama import Block, StageModel
 from shard.model.moe import FeedForward
-from shard.model.quant import QuantLinear
+from shard.model.native_build import build, enabled, native_dir
+from shard.model.q8 import Int8Group
+from shard.model.quant import QuantLinear, _Int4
 
-__all__ = ["NativeLayers", "attach", "build", "enabled", "main", "native_dir"]
+__all__ = ["NativeLayers", "attach", "build", "enabled", "native_dir"]
 
 log = logging.getLogger(__name__)
-
-SOURCE: Final = Path(__file__).with_name("native_step.cpp")
-#: Seconds a build may take before it counts as failed.
-BUILD_TIMEOUT_S: Final = 900.0
-#: ``shard.logs.NOTE``, the level the CLI shows by default (``shard.model`` imports no other
-#: shard package): a node that builds the extension says why its load takes ~40 s longer.
-NOTE: Final = 25
-
-
-def native_dir() -> Path:
-    """Where built extensions live: ``$SHARD_NATIVE_DIR``, else ``cache_dir()/native``."""
-    base = os.environ.get("SHARD_NATIVE_DIR")
-    return Path(base) if base else cache_dir() / "native"
-
-
-def enabled() -> bool:
-    """False when ``SHARD_NATIVE`` is ``0``, ``off``, ``false`` or ``no``."""
-    return os.environ.get("SHARD_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def _command(cxx: str, name: str, out: Path) -> list[str]:
-    root = Path(torch.__file__).parent
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
-    # no -march=native: the bytes never depend on the instruction set (the C++ file), and a
-    # build in a shared cache folder then runs on any x86-64 or arm64 host of its kind
-    return [
-        cxx, "-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20",
-        f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(arg for p in includes for arg in ("-isystem", str(p))),
-        "-isystem", sysconfig.get_paths()["include"],
-        str(SOURCE), "-o", str(out),
-        f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python",
-        f"-Wl,-rpath,{root / 'lib'}",
-    ]  # fmt: skip
-
-
-def _key(cxx: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, sys.version, cxx, sysconfig.get_config_var("EXT_SUFFIX")):
-        h.update(str(part).encode())
-    h.update(" ".join(_command(cxx, "x", Path("x"))).encode())
-    return h.hexdigest()[:16]
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@functools.cache
-def build() -> ModuleType | str:
-    """The extension module, built on first use (module docstring); or why there is none.
-    Once per process: a later call returns the same answer."""
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx!r} is not on PATH)"
-    key = _key(cxx)
-    name = f"shard_native_{key}"
-    folder = native_dir() / key
-    path = folder / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it now
-            if not path.exists():
-                _compile(cxx, name, path)
-        return _load(name, path)
-    except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
-        return f"the build failed: {exc}"
-
-
-def _compile(cxx: str, name: str, path: Path) -> None:
-    log.log(NOTE, "building the native stage forward into %s (once, ~40 s)", path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            _command(cxx, name, Path(tmp)),
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-6:] or ["no output"]
-            raise RuntimeError(f"{cxx} exited {done.returncode}: " + " | ".join(tail))
-        os.replace(tmp, path)  # whole or absent: a reader never sees half a library
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def _product(module: nn.Module | None) -> tuple[list[Tensor], list[int]] | None:
     """A product's tensors and (part count, group) for the extension, if it runs on the CPU
-    int4 kernel or held in bf16 (count 0) with nothing around it (no bias, not a slice of a
-    joined product)."""
+    int4 kernel, the q8 kernel (count -1) or held in bf16 (count 0) with nothing around it (no
+    bias, not a slice of a joined product)."""
     if isinstance(module, QuantLinear) and module.path == "held" and module.bias is None:
         held = module._held
         if (
@@ -181,11 +73,18 @@ def _product(module: nn.Module | None) -> tuple[list[Tensor], list[int]] | None:
         parts = module._parts
     else:
         return None
-    if not parts or len(parts) > 2 or module.compute != torch.bfloat16:
+    if len(parts) == 1 and isinstance(parts[0], Int8Group):  # int8-group: count -1
+        q = parts[0]
+        if module.compute != torch.float32 or q.device.type != "cpu":
+            return None
+        offset = q.offset if q.offset is not None else q.scale.new_empty(0)
+        return [q.codes, q.scale, offset], [-1, q.group]
+    if len(parts) != 1 or module.compute != torch.bfloat16:
         return None
-    if any(p.packed.device.type != "cpu" or p.group != parts[0].group for p in parts):
+    int4 = parts[0]
+    if not isinstance(int4, _Int4) or int4.device.type != "cpu":
         return None
-    return [t for p in parts for t in (p.packed, p.scales_zeros)], [len(parts), parts[0].group]
+    return int4.tensors(), [1, int4.group]
 
 
 #: The norm classes the extension computes, and whether each is Gemma's ``(1 + weight)``.
@@ -349,16 +248,3 @@ def attach(stage: nn.Module) -> str | None:
 @functools.cache
 def _warn_once(reason: str) -> None:
     log.warning("stages run the eager forward (the same bytes, slower): %s", reason)
-
-
-def main() -> int:
-    """``python -m shard.model.native``: build the extension now (``ops/bootstrap`` does, so
-    that no stage's first load waits ~40 s for it) and say where it is, or why there is none.
-    Exits 0 either way: without it, stages run eagerly."""
-    got = build()
-    print(f"native forward: {got}" if isinstance(got, str) else f"native forward: {got.__file__}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,17 +12,20 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
   written but untested: no GPU build of torch here). The kernel computes
   ``(code - 8) * scale + zero``, so ``zero = offset + 8 * scale``.
 - int8 per channel without offset: ``_weight_int8pack_mm``.
-- int8 group-wise (GGUF Q8_0, Q5_*): no stock kernel takes it, so the codes are split
+- int8 group-wise (GGUF Q8_0, Q5_*; groups a multiple of 16) on a CPU: ``int8-group``, the
+  codes as stored times float32 rows by ``shard.model.q8`` (one stated order of float32
+  operations, compiled, with a torch reference that gives the same bytes). A tied head
+  shares the embedding's table. Gemma 3 270M's 262144 x 640 head, one row, one thread, on
+  the EPYC of session 35: 13.3 ms, against 20.3 ms as ``int8-split``.
+- int8 group-wise on CUDA (no stock kernel takes it): ``int8-split``, the codes split
   ``code = 16 * hi + lo`` into two int4 weights run by the int4 kernel, ``hi`` with scale
   ``16 * scale`` and ``lo`` with the offset: two int4 products, exact as a representation,
-  1 byte a parameter. Measured against the alternatives (SmolLM2's 49152x576 tied head, one
-  row, one thread, bf16): 4.3 ms, against 40 ms for 18 per-group int8 products and 95 ms for
-  dequantizing per call (float32 dense: 10 ms).
+  1 byte a parameter (written but untested: no GPU build of torch here).
 - anything else (groups of 16, a row count not a multiple of 16): dequantized per call, or
   held dequantized (``shard.model.held``: GGUF's K-quant sub-blocks of 16, up to 16 MiB a layer).
 
-The kernels take their scales in the activations' dtype and are fast only in bf16, also on a
-CPU without bf16 instructions (their float32 variants ran 11-33x slower there: see
+The int4 and int8 kernels take their scales in the activations' dtype and are fast only in
+bf16, also on a CPU without bf16 instructions (their float32 variants ran 11-33x slower there: see
 ``kernel_dtype``), so the packed paths run in bf16 on every device; the input is cast to bf16
 and the output back to the input's. A weight dequantized per call is multiplied in
 ``dense_dtype``: bf16 where the CPU multiplies bf16 natively (``cpu_has_bf16``) and on CUDA,
@@ -47,6 +50,7 @@ from torch import Tensor, nn
 
 from shard.model.device import cpu_has_bf16
 from shard.model.linear import padded_linear
+from shard.model.q8 import LANES, Int8Group
 
 __all__ = [
     "KERNEL_GROUPS",
@@ -55,6 +59,7 @@ __all__ = [
     "Quantized",
     "dense_dtype",
     "kernel_dtype",
+    "q8_fits",
     "quantize_int4",
     "quantize_int8",
 ]
@@ -203,18 +208,9 @@ def _cpu_pack(codes: Tensor) -> Tensor:
     return _cpu_pack_ints(n, k, blocks())
 
 
-def _cpu_pack_split(codes: Tensor) -> tuple[Tensor, Tensor]:
-    """int8 codes ``[N, K]`` packed for the CPU int4 kernel as two weights, ``hi + 8`` and
-    ``lo`` (``code = 16 hi + lo``), a block of rows at a time: the same packed bytes as
-    ``_cpu_pack`` of ``_split_int8``'s nibbles, without holding the nibbles."""
-    n, k = codes.shape
-
-    def blocks(part: str) -> Iterator[tuple[int, Tensor]]:
-        for i in range(0, n, PACK_ROWS):
-            c = codes[i : i + PACK_ROWS].to(torch.int32)  # arithmetic shift of signed codes
-            yield i, (c >> 4) + 8 if part == "hi" else c & 15
-
-    return _cpu_pack_ints(n, k, blocks("hi")), _cpu_pack_ints(n, k, blocks("lo"))
+def q8_fits(k: int, group: int) -> bool:
+    """Whether an int8 weight of ``k`` columns in groups of ``group`` runs as ``int8-group``."""
+    return group > 0 and group % LANES == 0 and k % group == 0
 
 
 def _split_int8(codes: Tensor) -> tuple[Tensor, Tensor]:
@@ -260,6 +256,14 @@ class _Int4:
         joined.scales_zeros = torch.cat([p.scales_zeros for p in parts], dim=1).contiguous()
         return joined
 
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def tensors(self) -> list[Tensor]:
+        """The packed codes and the scales/zeros."""
+        return [self.packed, self.scales_zeros]
+
     def mm(self, x: Tensor) -> Tensor:
         if x.device.type == "cuda":
             op = torch.ops.aten._weight_int4pack_mm
@@ -273,10 +277,11 @@ class QuantLinear(nn.Module):
     """A linear layer on a ``Quantized`` weight (paths: module docstring), with an optional
     dense ``bias`` (Qwen2's q/k/v) added in the input's dtype.
 
-    ``path`` names the one taken: ``"int4"``, ``"int8-channel"``, ``"int8-split"``,
-    ``"dequantize"``, or ``"held"`` after ``hold``. ``q`` keeps the host-independent codes
-    only on the ``dequantize`` path. Its tensors are plain attributes, not buffers: the
-    layer is built on its device (``device``) and ``Module.to`` leaves it alone.
+    ``path`` names the one taken: ``"int4"``, ``"int8-channel"``, ``"int8-group"``,
+    ``"int8-split"``, ``"dequantize"``, or ``"held"`` after ``hold``. ``q`` keeps the
+    host-independent codes only on the ``dequantize`` path. Its tensors are plain attributes,
+    not buffers: the layer is built on its device (``device``) and ``Module.to`` leaves it
+    alone.
     """
 
     def __init__(
@@ -288,7 +293,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.compute = kernel_dtype(dev)
         on_device = to_device(q, dev)
-        self._parts: list[_Int4] = []
+        self._parts: list[_Int4] | list[Int8Group] = []
         self._int8: tuple[Tensor, Tensor] | None = None
         self._held: Tensor | None = None  # ``hold``: the weight as each call would dequantize it
         self.path = self._pack(on_device)
@@ -314,11 +319,12 @@ class QuantLinear(nn.Module):
         if q.kind == "int8" and g == k and q.offset is None and q.codes.device.type == "cpu":
             self._int8 = (q.codes.contiguous(), q.scale[:, 0].to(dt).contiguous())
             return "int8-channel"
+        if q.kind == "int8" and q.codes.device.type == "cpu" and q8_fits(k, g):
+            self._parts = [Int8Group(q.codes, q.scale, q.offset, g)]  # the stored tensors
+            self.compute = torch.float32
+            return "int8-group"
         if q.kind == "int8" and fits:
-            if q.codes.device.type == "cpu":
-                hi, lo = _cpu_pack_split(q.codes)
-            else:
-                hi, lo = (_pack(c) for c in _split_int8(q.codes))
+            hi, lo = (_pack(c) for c in _split_int8(q.codes))
             self._parts = [
                 _Int4(hi, 16 * q.scale, zero, g, dt),
                 _Int4(lo, q.scale, offset + 8 * q.scale, g, dt),
@@ -385,7 +391,7 @@ class QuantLinear(nn.Module):
         or the codes it dequantizes), bias aside (a parameter)."""
         held = [] if self.q is None else self.q.tensors()
         for p in self._parts:
-            held += [p.packed, p.scales_zeros]
+            held += p.tensors()
         if self._int8 is not None:
             held += list(self._int8)
         if self._held is not None:
@@ -395,8 +401,7 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         """Bytes this layer holds in memory (kernel-packed codes, scales, zeros)."""
         total = 0 if self.q is None else self.q.nbytes()
-        for p in self._parts:
-            total += p.packed.nbytes + p.scales_zeros.nbytes
+        total += sum(t.nbytes for p in self._parts for t in p.tensors())
         if self._int8 is not None:
             total += self._int8[0].nbytes + self._int8[1].nbytes
         if self._held is not None:
