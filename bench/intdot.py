@@ -14,11 +14,11 @@ torch twin, ``reference`` here. The script:
    same row among others, and scales given as halves with the same scales as floats, and
    records how many of each were equal byte for byte;
 3. times it against the kernels shard runs today (``QuantLinear``: torch's int4 kernel in
-   bf16, ``int8-split`` for Q8_0) on every product shape of the two bundled models (q/k/v
-   joined, o, gate/up joined, down, the tied head), random codes of the stored formats, one
-   and nine rows, 1 and 2 threads, medians of ``--runs`` after 3 warm-ups; and sums them per
-   decode step (layers times the four body products, plus the head). Those are cache-hot:
-   one weight called again and again;
+   bf16, ``int8-group``, the q8 product, for Q8_0) on every product shape of the two bundled
+   models (q/k/v joined, o, gate/up joined, down, the tied head), random codes of the stored
+   formats, one and nine rows, 1 and 2 threads, medians of ``--runs`` after 3 warm-ups; and
+   sums them per decode step (layers times the four body products, plus the head). Those are
+   cache-hot: one weight called again and again;
 4. times a call of a 16 x 32 product (``call_us``: the fixed cost of a call through ctypes);
 5. times whole decode steps in the model (``--steps`` one-row steps after 10 untimed, the
    median, ``--reps`` times interleaved): each bundled model loaded twice as stored, both
@@ -304,7 +304,7 @@ def in_model(so: ctypes.CDLL, model: str, threads: int, steps: int, reps: int) -
     count = 0
     for mod in swapped.modules():
         q = kept.get(id(mod))
-        if q is None or mod.path not in ("int4", "int8-split") or q.group % 32:
+        if q is None or mod.path not in ("int4", "int8-group") or q.group % 32:
             continue
 
         def forward(x: torch.Tensor, q: Any = q, mod: Any = mod) -> torch.Tensor:

@@ -213,8 +213,8 @@ def test_smollm2_auto_moves_layers_off_the_embedding_and_head_stages() -> None:
 @pytest.mark.parametrize(
     ("spec_file", "want"),
     [
-        ("local.toml", ((0, 6), (6, 26), (26, 30))),
-        ("gemma.toml", ((0, 4), (4, 17), (17, 18))),
+        ("local.toml", ((0, 5), (5, 25), (25, 30))),
+        ("gemma.toml", ((0, 1), (1, 17), (17, 18))),
     ],
 )
 def test_checked_in_stored_specs_resolve_to_the_brute_force_minimum(

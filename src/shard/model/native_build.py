@@ -56,14 +56,15 @@ def enabled() -> bool:
     return os.environ.get("SHARD_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _command(cxx: str, name: str, out: Path) -> list[str]:
+def _command(cxx: str, name: str, out: Path, openmp: bool = True) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
     # no -march=native: the bytes never depend on the instruction set (the C++ file), and a
     # build in a shared cache folder then runs on any x86-64 or arm64 host of its kind
     return [
-        cxx, "-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
+        cxx, "-O3", "-ffp-contract=off", *(["-fopenmp"] if openmp else []), "-fPIC", "-shared",
+        "-std=c++20",
         f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(arg for p in includes for arg in ("-isystem", str(p))),
@@ -113,20 +114,30 @@ def build() -> ModuleType | str:
 
 
 def _compile(cxx: str, name: str, path: Path) -> None:
-    log.log(NOTE, "building the native stage forward into %s (once, ~40 s)", path.parent)
+    log.log(NOTE, "building the native extension into %s (once, ~40 s)", path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run(
-            _command(cxx, name, Path(tmp)),
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
-        if done.returncode != 0:
+        failed = ""
+        for openmp in (True, False):  # a compiler without OpenMP (clang without libomp)
+            done = subprocess.run(
+                _command(cxx, name, Path(tmp), openmp),
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+                check=False,
+            )
+            if done.returncode == 0:
+                break
             tail = (done.stderr or done.stdout).strip().splitlines()[-6:] or ["no output"]
-            raise RuntimeError(f"{cxx} exited {done.returncode}: " + " | ".join(tail))
+            failed = failed or f"{cxx} exited {done.returncode}: " + " | ".join(tail)
+            if openmp:
+                log.log(
+                    NOTE,
+                    "building with OpenMP failed; trying without (int8 products on one thread)",
+                )
+        else:
+            raise RuntimeError(failed)
         os.replace(tmp, path)  # whole or absent: a reader never sees half a library
     finally:
         with contextlib.suppress(FileNotFoundError):
