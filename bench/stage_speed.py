@@ -165,6 +165,20 @@ def _shard(model: str, threads: int, args: argparse.Namespace, *, native: bool) 
     return rec
 
 
+def paired(ours: Sequence[Record], theirs: Sequence[Record]) -> Record:
+    """Medians of the ratios within each repetition (shard's run beside llama.cpp's in the
+    same rep): steadier than the ratio of medians where the machine's speed drifts."""
+    by_rep = {r["rep"]: r for r in theirs}
+    both = [(r, by_rep[r["rep"]]) for r in ours if r["rep"] in by_rep]
+    decode = [a["decode_tok_s"] / b["tg_tok_s"] for a, b in both]
+    verify = [a["verify9_ms"] * b["pp_tok_s"] / (1e3 * (K + 1)) for a, b in both if "pp_tok_s" in b]
+    nan = float("nan")
+    return {
+        "decode_ratio_paired": statistics.median(decode) if decode else nan,
+        "verify9_vs_llama_pp9_paired": statistics.median(verify) if verify else nan,
+    }
+
+
 def summary(records: Sequence[Record]) -> list[Record]:
     """Per model and thread count: the medians of each figure and the ratios."""
     out = []
@@ -203,6 +217,7 @@ def summary(records: Sequence[Record]) -> list[Record]:
             "gguf_mib": ours[0]["gguf_bytes"] / 2**20, "bound_tok_s": bound,
             "shard_of_bound": decode / bound, "llama_of_bound": tg / bound,
             "native": all(r.get("native", False) for r in ours),
+            **paired(ours, theirs),
         })  # fmt: skip
         if eager:
             out[-1] |= {

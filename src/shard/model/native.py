@@ -2,12 +2,14 @@
 (``native_step.cpp``) that gives the eager forward's bytes, without its Python and its ~130
 small torch operations a layer.
 
-Every operation whose rounding is torch's own (the int4 products, the RMS norm's mean, SiLU,
+Every operation whose rounding is torch's own (the int4 products, the RMS norm's sum, SiLU,
 scaled-dot-product attention) stays the same ATen call on a tensor of the same shape and
-values; everything else is one correctly rounded float32 operation per element, a copy or
-torch's bf16 rounding (the C++ file's comment). So a stage gives the same bytes with and
-without it, in a ring as in one process, and an audit replays either way
-(``tests/test_native.py`` checks stages, splits, chunks and SmolLM2 itself byte for byte).
+values; the int8 products are the q8 kernel the eager path calls too (``shard.model.q8``);
+everything else is one correctly rounded float32 operation per element (the mean is the sum
+divided once, as torch's mean is), a copy or torch's bf16 rounding (the C++ file's comment).
+So a stage gives the same bytes with and without it, in a ring as in one process, and an
+audit replays either way (``tests/test_native.py`` checks stages, splits, chunks and both
+bundled models byte for byte).
 
 **When it runs.** ``load_stage`` calls ``attach`` (unless ``join=False``, the reference
 path). A stage takes it when it is a CPU float32 ``StageModel`` whose layers are all alike

@@ -8,7 +8,7 @@
 // construction:
 //
 // - every operation whose result depends on how torch computes it (the int4 products, the
-//   RMS norm's mean, SiLU, scaled-dot-product attention) is the same ATen call, on a tensor
+//   RMS norm's sum, SiLU, scaled-dot-product attention) is the same ATen call, on a tensor
 //   of the same shape, strides and values as the eager path's, so it gives the same bytes;
 // - every other operation is one IEEE float32 operation per element (add, subtract,
 //   multiply, divide, square root: built with -ffp-contract=off, so never a fused
@@ -353,14 +353,19 @@ Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps) {
     const float* xs = x.data_ptr<float>();
     float* q = sq.data_ptr<float>();
     for (int64_t i = 0, n = x.numel(); i < n; i++) q[i] = xs[i] * xs[i];  // torch's pow(x, 2)
-    Tensor mean = at::mean(sq, {-1}, true);  // its reduction order: torch's own call
-    const float* m = mean.data_ptr<float>();
+    // torch's mean of float32 on a CPU is its sum, then one division by the count (mean_out:
+    // sum_out(...).div_(n)): the sum is torch's own call (its reduction order), the division
+    // one IEEE operation here
+    Tensor sum = at::sum(sq, {-1}, true);
+    const float* m = sum.data_ptr<float>();
+    const float count = static_cast<float>(d);
     const float* ws = w.data_ptr<float>();
     Tensor out = at::empty_like(x);
     float* o = out.data_ptr<float>();
     const float e = static_cast<float>(eps);  // a Python float added to a float32 tensor
     for (int64_t r = 0; r < s; r++) {
-        const float inv = 1.0f / std::sqrt(m[r] + e);  // torch's rsqrt: 1 / sqrt, each rounded
+        const float mean = m[r] / count;
+        const float inv = 1.0f / std::sqrt(mean + e);  // torch's rsqrt: 1 / sqrt, each rounded
         for (int64_t i = 0; i < d; i++) o[r * d + i] = ws[i] * (xs[r * d + i] * inv);
     }
     return out;
