@@ -21,17 +21,18 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
   ``code = 16 * hi + lo`` into two int4 weights run by the int4 kernel, ``hi`` with scale
   ``16 * scale`` and ``lo`` with the offset: two int4 products, exact as a representation,
   1 byte a parameter (written but untested: no GPU build of torch here).
-- anything else (groups of 16, a row count not a multiple of 16): dequantized per call, or
-  held dequantized (``shard.model.held``: GGUF's K-quant sub-blocks of 16, up to 16 MiB a layer).
+- anything else (int4 in groups of 16, an int4 row count not a multiple of 16; on CUDA also
+  int8 in groups of 16, GGUF's Q6_K): dequantized per call, or held dequantized
+  (``shard.model.held``, up to 16 MiB a layer).
 
-The int4 and int8 kernels take their scales in the activations' dtype and are fast only in
-bf16, also on a CPU without bf16 instructions (their float32 variants ran 11-33x slower there: see
-``kernel_dtype``), so the packed paths run in bf16 on every device; the input is cast to bf16
-and the output back to the input's. A weight dequantized per call is multiplied in
-``dense_dtype``: bf16 where the CPU multiplies bf16 natively (``cpu_has_bf16``) and on CUDA,
-float32 otherwise. Scales and activations rounded to bf16 are where a stored weight stops
-being exact: ``tests/test_quant.py`` states the tolerance (load ``weights = "float32"`` for
-float32 products).
+Torch's int4 and int8-per-channel kernels take their scales in the activations' dtype and
+are fast only in bf16, also on a CPU without bf16 instructions (their float32 variants ran
+11-33x slower there: see ``kernel_dtype``), so those paths run in bf16 on every device; the
+input is cast to bf16 and the output back to the input's (the q8 product takes float32). A
+weight dequantized per call is multiplied in ``dense_dtype``: bf16 where the CPU multiplies
+bf16 natively (``cpu_has_bf16``) and on CUDA, float32 otherwise. Scales and activations
+rounded to bf16 are where a stored weight stops being exact: ``tests/test_quant.py`` states
+the tolerance (load ``weights = "float32"`` for float32 products).
 
 Row invariance: every kernel path gave each row the same bits whether it ran alone or among
 9 rows (``test_quant_linear_rows_are_batch_invariant``), which is what lets a batched stage
