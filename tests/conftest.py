@@ -12,19 +12,19 @@ import pytest
 from shard.model.cachedir import cache_dir
 from shard.testing import make_tiny_checkpoint
 
-# One build of the native forward for the whole run and every process it starts
-# (``shard.model.native``): tests that point XDG_CACHE_HOME at an empty folder would otherwise
-# each compile it again (~40 s).
+# One build of the C++ extension (the native forward and the q8 product,
+# ``shard.model.native_build``) for the whole run and every process it starts: tests that point
+# XDG_CACHE_HOME at an empty folder would otherwise each compile it again (~40 s).
 os.environ.setdefault("SHARD_NATIVE_DIR", str(cache_dir() / "native"))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _native_built() -> None:
-    """The native forward built before any test (``ops/bootstrap`` has built it already; a
-    bare ``pytest`` builds it here), not inside a swarm test's node under its deadlines."""
-    from shard.model import native
+    """The extension built before any test (``ops/bootstrap`` has built it already; a bare
+    ``pytest`` builds it here), not inside a swarm test's node under its deadlines."""
+    from shard.model import native_build
 
-    native.build()
+    native_build.build()
 
 
 @pytest.fixture(scope="session")
