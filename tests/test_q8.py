@@ -126,6 +126,8 @@ def test_bad_shapes_are_a_typed_error_not_a_crash() -> None:
         ext.q8_mm(x, codes, scale[:, :1].contiguous(), none, 32, -1)
     with pytest.raises(RuntimeError, match="rows"):
         ext.q8_mm(x.double(), codes, scale, none, 32, -1)
+    with pytest.raises(RuntimeError, match="group"):  # no columns: nothing to sum
+        ext.q8_mm(x[:, :0], codes[:, :0], scale[:, :0], none, 32, -1)
 
 
 def test_a_quant_linear_runs_int8_groups_in_float32() -> None:

@@ -272,13 +272,14 @@ Tensor q8_mm(const Tensor& x, const Tensor& codes, const Tensor& scale, const Te
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                     !x.is_cuda(),
                 "q8: want rows [R, K] float32, contiguous, on the CPU");
-    const int64_t r = x.size(0), k = x.size(1), n = codes.size(0);
-    TORCH_CHECK(group > 0 && group % L == 0 && k % group == 0, "q8: group ", group,
+    const int64_t r = x.size(0), k = x.size(1);
+    TORCH_CHECK(k > 0 && group > 0 && group % L == 0 && k % group == 0, "q8: group ", group,
                 " does not divide ", k, " in slices of ", L);
     const int64_t groups = k / group;
     TORCH_CHECK(codes.dim() == 2 && codes.size(1) == k && codes.scalar_type() == at::kChar &&
                     codes.is_contiguous() && !codes.is_cuda(),
                 "q8: want codes [N, ", k, "] int8, contiguous, on the CPU");
+    const int64_t n = codes.size(0);
     auto fits = [&](const Tensor& t) {
         return t.dim() == 2 && t.size(0) == n && t.size(1) == groups &&
                t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_cuda();

@@ -211,7 +211,7 @@ def _cpu_pack(codes: Tensor) -> Tensor:
 
 def q8_fits(k: int, group: int) -> bool:
     """Whether an int8 weight of ``k`` columns in groups of ``group`` runs as ``int8-group``."""
-    return group > 0 and group % LANES == 0 and k % group == 0
+    return k > 0 and group > 0 and group % LANES == 0 and k % group == 0
 
 
 def _split_int8(codes: Tensor) -> tuple[Tensor, Tensor]:
