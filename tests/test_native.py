@@ -205,7 +205,7 @@ def test_a_missing_compiler_or_a_failed_build_is_a_reason(
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(native_build, "SOURCE", bad)
+    monkeypatch.setattr(native_build, "SOURCES", (bad,))
     reason = native.build.__wrapped__()
     assert isinstance(reason, str) and reason.startswith("the build failed")
     assert not list((tmp_path / "native").glob("*/*.so"))  # nothing half-built left

@@ -334,8 +334,11 @@ def _tie_head(stage: StageModel, device: torch.device | str) -> None:
     embed, head = stage.embed_tokens, stage.lm_head
     if embed is None or head is None:
         return
-    if isinstance(embed, QuantEmbedding):  # the head runs the same stored table
-        _set_module(stage, "lm_head", QuantLinear(embed.q, device))
+    if isinstance(embed, QuantEmbedding) and isinstance(embed.q, Quantized):
+        tied = QuantLinear(embed.q, device)  # the same stored table
+        _set_module(stage, "lm_head", tied)
+        if tied.path == "int8-group":  # packed once: the embedding reads the head's table
+            embed.share(tied)
     else:
         head.weight = embed.weight
 

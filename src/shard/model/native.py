@@ -80,7 +80,7 @@ def _product(module: nn.Module | None) -> tuple[list[Tensor], list[int]] | None:
         if module.compute != torch.float32 or q.device.type != "cpu":
             return None
         offset = q.offset if q.offset is not None else q.scale.new_empty(0)
-        return [q.codes, q.scale, offset], [-1, q.group]
+        return [q.packed, q.scale, offset], [-1, q.group]
     if len(parts) != 1 or module.compute != torch.bfloat16:
         return None
     int4 = parts[0]

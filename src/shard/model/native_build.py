@@ -37,6 +37,8 @@ __all__ = ["build", "enabled", "main", "native_dir"]
 log = logging.getLogger(__name__)
 
 SOURCE: Final = Path(__file__).with_name("native_step.cpp")
+#: Every source compiled into the extension (``native_q8.cpp``: the q8 product).
+SOURCES: Final = (SOURCE, SOURCE.with_name("native_q8.cpp"))
 #: Seconds a build may take before it counts as failed.
 BUILD_TIMEOUT_S: Final = 900.0
 #: ``shard.logs.NOTE``, the level the CLI shows by default (``shard.model`` imports no other
@@ -69,14 +71,16 @@ def _command(cxx: str, name: str, out: Path, openmp: bool = True) -> list[str]:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(arg for p in includes for arg in ("-isystem", str(p))),
         "-isystem", sysconfig.get_paths()["include"],
-        str(SOURCE), "-o", str(out),
+        *(str(p) for p in SOURCES), "-o", str(out),
         f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python",
         f"-Wl,-rpath,{root / 'lib'}",
     ]  # fmt: skip
 
 
 def _key(cxx: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     for part in (torch.__version__, sys.version, cxx, sysconfig.get_config_var("EXT_SUFFIX")):
         h.update(str(part).encode())
     h.update(" ".join(_command(cxx, "x", Path("x"))).encode())

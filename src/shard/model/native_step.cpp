@@ -14,8 +14,8 @@
 //   multiply, divide, square root: built with -ffp-contract=off, so never a fused
 //   multiply-add), a copy, or torch's float32 -> bf16 rounding (round half to even, NaN to
 //   0x7FC0), which is exact integer arithmetic here;
-// - the int8 products are this file's own q8 kernel, which the eager path calls too
-//   (through q8.py, which states its order of operations).
+// - the int8 products are shard's own q8 kernel (native_q8.cpp), which the eager path calls
+//   too (through q8.py, which states its order of operations).
 //
 // Float32 activations, batch 1; Llama's layer and Gemma 3's (its (1 + w) norms, sandwich
 // norms, per-head q/k norms, GELU-tanh, sliding windows with their own rope); products on
@@ -39,6 +39,13 @@
 
 using at::Tensor;
 
+namespace shard_native {  // native_q8.cpp: the q8 product
+int64_t q8_best();
+Tensor q8_mm(const Tensor& x, const Tensor& packed, const Tensor& scale, const Tensor& offset,
+             int64_t group, int64_t isa);
+}  // namespace shard_native
+using shard_native::q8_mm;
+
 namespace {
 
 inline uint16_t to_bf16(float f) {
@@ -55,269 +62,10 @@ inline float from_bf16(uint16_t h) {
     return f;
 }
 
-// ---- The q8 kernel: an int8 weight in groups of B columns (GGUF's Q8_0, Q5_*) times float32
-// rows, in the order shard/model/q8.py states (its torch reference gives the same bytes). L = 16
-// lanes: per group, v[l] = the products c * x of columns l, l + 16, ... summed left to right;
-// t[l] = s * v[l] (+ o * u[l], u the same sums of x alone, where there are offsets); the
-// lanes accumulate t over the groups left to right; then halves are added, 8, 4, 2, 1. Every
-// step is one IEEE float32 operation (no fused multiply-add), so the three versions below
-// (plain C++, AVX2, AVX-512, chosen at run time) give the same bytes, and a row's bytes never
-// depend on the other rows or the thread count.
-constexpr int L = 16;
-
-struct Q8 {
-    const float* x;       // [R, K]
-    const float* u;       // [R, G, L]: the lane sums of x per group (offsets only)
-    const int8_t* codes;  // [N, K]
-    const float* scale;   // [N, G]
-    const float* offset;  // [N, G] or null
-    float* out;           // [R, N]
-    int64_t r, k, group, n;
-};
-
-// The lanes folded in halves (8, 4, 2, 1): the output.
-inline float fold(float* f) {
-    for (int w = L / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) f[l] = f[l] + f[l + w];
-    return f[0];
-}
-
-// Output column n of rows [r0, r0 + RT), in plain C++.
-template <int RT>
-void tile_plain(const Q8& a, int64_t n, int64_t r0) {
-    const int64_t groups = a.k / a.group, slices = a.group / L;
-    const int8_t* c = a.codes + n * a.k;
-    float acc[RT][L], v[RT][L], cf[L];
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t j = 0; j < slices; j++) {
-            const int64_t col = g * a.group + j * L;
-            for (int l = 0; l < L; l++) cf[l] = static_cast<float>(c[col + l]);
-            for (int rr = 0; rr < RT; rr++) {
-                const float* xr = a.x + (r0 + rr) * a.k + col;
-                for (int l = 0; l < L; l++)
-                    v[rr][l] = j == 0 ? cf[l] * xr[l] : v[rr][l] + cf[l] * xr[l];
-            }
-        }
-        const float s = a.scale[n * groups + g];
-        for (int rr = 0; rr < RT; rr++)
-            for (int l = 0; l < L; l++) {
-                float t = s * v[rr][l];
-                if (a.offset != nullptr)
-                    t = t + a.offset[n * groups + g] * a.u[((r0 + rr) * groups + g) * L + l];
-                acc[rr][l] = g == 0 ? t : acc[rr][l] + t;
-            }
-    }
-    for (int rr = 0; rr < RT; rr++) a.out[(r0 + rr) * a.n + n] = fold(acc[rr]);
-}
-
-void columns_plain(const Q8& a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        int64_t r0 = 0;
-        for (; r0 + 4 <= a.r; r0 += 4) tile_plain<4>(a, n, r0);
-        for (; r0 < a.r; r0++) tile_plain<1>(a, n, r0);
-    }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define Q8_X86 1
-
-__attribute__((target("avx512f"))) inline float fold512(__m512 acc) {
-    const __m256 lo = _mm512_castps512_ps256(acc);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
-    const __m256 s8 = _mm256_add_ps(lo, hi);  // lane l + lane l + 8
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-// Output column n of rows [r0, r0 + RT): one 16-lane register a vector. J: the slices of a
-// group when known at compile time (2: groups of 32, GGUF's), else 0.
-template <int RT, int J>
-__attribute__((target("avx512f"))) void tile512(const Q8& a, int64_t n, int64_t r0) {
-    const int64_t groups = a.k / a.group, slices = J > 0 ? J : a.group / L;
-    const int8_t* c = a.codes + n * a.k;
-    const float* x = a.x + r0 * a.k;
-    __m512 acc[RT], v[RT];
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t col = g * a.group;
-        _mm_prefetch(reinterpret_cast<const char*>(c + col + 2048), _MM_HINT_T0);  // rows ahead
-        for (int64_t j = 0; j < slices; j++) {
-            const __m512 cf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + col + j * L))));
-            for (int rr = 0; rr < RT; rr++) {
-                const __m512 p = _mm512_mul_ps(cf, _mm512_loadu_ps(x + rr * a.k + col + j * L));
-                v[rr] = j == 0 ? p : _mm512_add_ps(v[rr], p);
-            }
-        }
-        const __m512 s = _mm512_set1_ps(a.scale[n * groups + g]);
-        for (int rr = 0; rr < RT; rr++) {
-            __m512 t = _mm512_mul_ps(s, v[rr]);
-            if (a.offset != nullptr) {
-                const __m512 u = _mm512_loadu_ps(a.u + ((r0 + rr) * groups + g) * L);
-                t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(a.offset[n * groups + g]), u));
-            }
-            acc[rr] = g == 0 ? t : _mm512_add_ps(acc[rr], t);
-        }
-    }
-    for (int rr = 0; rr < RT; rr++) a.out[(r0 + rr) * a.n + n] = fold512(acc[rr]);
-}
-
-template <int J>
-__attribute__((target("avx512f"))) void columns512(const Q8& a, int64_t n0, int64_t n1) {
-    if (a.r == 1) {  // a decode step
-        for (int64_t n = n0; n < n1; n++) tile512<1, J>(a, n, 0);
-        return;
-    }
-    const int64_t tiles = (a.r + 7) / 8;  // up to 8 rows a code conversion, balanced: 9 = 4 + 5
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
-            const int64_t rt = (a.r - r0) / (tiles - t);
-            switch (rt) {
-                case 8: tile512<8, J>(a, n, r0); break;
-                case 7: tile512<7, J>(a, n, r0); break;
-                case 6: tile512<6, J>(a, n, r0); break;
-                case 5: tile512<5, J>(a, n, r0); break;
-                case 4: tile512<4, J>(a, n, r0); break;
-                case 3: tile512<3, J>(a, n, r0); break;
-                case 2: tile512<2, J>(a, n, r0); break;
-                default: tile512<1, J>(a, n, r0); break;
-            }
-            r0 += rt;
-        }
-}
-
-// Output column n of rows [r0, r0 + RT): two 8-lane registers a vector (J: as tile512).
-template <int RT, int J>
-__attribute__((target("avx2"))) void tile256(const Q8& a, int64_t n, int64_t r0) {
-    const int64_t groups = a.k / a.group, slices = J > 0 ? J : a.group / L;
-    const int8_t* c = a.codes + n * a.k;
-    const float* x = a.x + r0 * a.k;
-    __m256 acc[RT][2], v[RT][2];
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t col = g * a.group;
-        for (int64_t j = 0; j < slices; j++) {
-            for (int h = 0; h < 2; h++) {
-                const __m256 cf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + col + j * L + 8 * h))));
-                for (int rr = 0; rr < RT; rr++) {
-                    const float* xr = x + rr * a.k + col + j * L + 8 * h;
-                    const __m256 p = _mm256_mul_ps(cf, _mm256_loadu_ps(xr));
-                    v[rr][h] = j == 0 ? p : _mm256_add_ps(v[rr][h], p);
-                }
-            }
-        }
-        const __m256 s = _mm256_set1_ps(a.scale[n * groups + g]);
-        for (int rr = 0; rr < RT; rr++)
-            for (int h = 0; h < 2; h++) {
-                __m256 t = _mm256_mul_ps(s, v[rr][h]);
-                if (a.offset != nullptr) {
-                    const float* u = a.u + ((r0 + rr) * groups + g) * L + 8 * h;
-                    t = _mm256_add_ps(
-                        t, _mm256_mul_ps(_mm256_set1_ps(a.offset[n * groups + g]),
-                                         _mm256_loadu_ps(u)));
-                }
-                acc[rr][h] = g == 0 ? t : _mm256_add_ps(acc[rr][h], t);
-            }
-    }
-    for (int rr = 0; rr < RT; rr++) {
-        float f[L];
-        _mm256_storeu_ps(f, acc[rr][0]);
-        _mm256_storeu_ps(f + 8, acc[rr][1]);
-        a.out[(r0 + rr) * a.n + n] = fold(f);
-    }
-}
-
-template <int J>
-__attribute__((target("avx2"))) void columns256(const Q8& a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        int64_t r0 = 0;
-        for (; r0 + 2 <= a.r; r0 += 2) tile256<2, J>(a, n, r0);
-        if (r0 < a.r) tile256<1, J>(a, n, r0);
-    }
-}
-#endif
-
-// The widest version this CPU runs: 2 AVX-512, 1 AVX2, 0 plain C++.
-int q8_best() {
-#ifdef Q8_X86
-    static const int best = __builtin_cpu_supports("avx512f") ? 2
-                            : __builtin_cpu_supports("avx2")  ? 1
-                                                              : 0;
-    return best;
-#else
-    return 0;
-#endif
-}
-
-void q8_columns(const Q8& a, int64_t n0, int64_t n1, int isa) {
-#ifdef Q8_X86
-    // groups of 32 (Q8_0, Q5_*) and 16 (Q6_K): the slice loop unrolled
-    const int j = a.group == 2 * L ? 2 : a.group == L ? 1 : 0;
-    if (isa == 2) return j == 2 ? columns512<2>(a, n0, n1)
-                         : j == 1 ? columns512<1>(a, n0, n1)
-                                  : columns512<0>(a, n0, n1);
-    if (isa == 1) return j == 2 ? columns256<2>(a, n0, n1)
-                         : j == 1 ? columns256<1>(a, n0, n1)
-                                  : columns256<0>(a, n0, n1);
-#endif
-    columns_plain(a, n0, n1);
-}
-
-// rows x [R, K] float32 times an int8 weight: codes [N, K] int8, scale and offset [N, K / B]
-// float32 (offset: a 0-element tensor for none) -> [R, N] float32.
-// isa: which version runs (q8_best's numbering), -1 the widest, capped at the widest (tests
-// run each against the reference).
-Tensor q8_mm(const Tensor& x, const Tensor& codes, const Tensor& scale, const Tensor& offset,
-             int64_t group, int64_t isa) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                    !x.is_cuda(),
-                "q8: want rows [R, K] float32, contiguous, on the CPU");
-    const int64_t r = x.size(0), k = x.size(1);
-    TORCH_CHECK(k > 0 && group > 0 && group % L == 0 && k % group == 0, "q8: group ", group,
-                " does not divide ", k, " in slices of ", L);
-    const int64_t groups = k / group;
-    TORCH_CHECK(codes.dim() == 2 && codes.size(1) == k && codes.scalar_type() == at::kChar &&
-                    codes.is_contiguous() && !codes.is_cuda(),
-                "q8: want codes [N, ", k, "] int8, contiguous, on the CPU");
-    const int64_t n = codes.size(0);
-    auto fits = [&](const Tensor& t) {
-        return t.dim() == 2 && t.size(0) == n && t.size(1) == groups &&
-               t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_cuda();
-    };
-    const bool has_offset = offset.numel() > 0;
-    TORCH_CHECK(fits(scale) && (!has_offset || fits(offset)),
-                "q8: want scale and offset [", n, ", ", groups, "] float32, contiguous");
-    Tensor out = at::empty({r, n}, x.options());
-    Tensor u;
-    const float* xs = x.data_ptr<float>();
-    if (has_offset) {  // the lane sums of x per group, left to right, as the reference
-        u = at::empty({r, groups, L}, x.options());
-        float* ud = u.data_ptr<float>();
-        for (int64_t i = 0; i < r * groups; i++) {
-            const float* xg = xs + i * group;  // row i / groups, group i % groups
-            for (int l = 0; l < L; l++) ud[i * L + l] = xg[l];
-            for (int64_t j = 1; j < group / L; j++)
-                for (int l = 0; l < L; l++) ud[i * L + l] = ud[i * L + l] + xg[j * L + l];
-        }
-    }
-    const Q8 a{xs,
-               has_offset ? u.data_ptr<float>() : nullptr,
-               codes.data_ptr<int8_t>(),
-               scale.data_ptr<float>(),
-               has_offset ? offset.data_ptr<float>() : nullptr,
-               out.data_ptr<float>(),
-               r, k, group, n};
-    // a task of at least ~64k multiply-adds: a small product runs on one thread
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * r));
-    const int use = isa < 0 ? q8_best() : std::min<int>(static_cast<int>(isa), q8_best());
-    at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) { q8_columns(a, b, e, use); });
-    return out;
-}
-
 // One product, as QuantLinear runs it: an int4 weight (packed, scales_zeros), an int8 weight
-// in groups for q8_mm (q8: codes, scale, offset), or a weight held dequantized in bf16 (held).
+// in groups for q8_mm (q8: packed, scale, offset), or a weight held dequantized in bf16 (held).
 struct Product {
-    Tensor packed, scales_zeros, held, codes, scale, offset;
+    Tensor packed, scales_zeros, held, scale, offset;
     bool q8 = false;
     int64_t group = 0, n = 0;
 };
@@ -325,7 +73,7 @@ struct Product {
 // QuantLinear.forward / JoinedInt4.forward on rows x [R, K] float32 (contiguous): q8_mm of
 // the rows; else the rows rounded to bf16, the product, bf16 back to float32: [R, N] float32.
 Tensor run_product(const Product& p, const Tensor& x) {
-    if (p.q8) return q8_mm(x, p.codes, p.scale, p.offset, p.group, -1);  // float32 rows as given
+    if (p.q8) return q8_mm(x, p.packed, p.scale, p.offset, p.group, -1);  // its own rounding
     Tensor rows = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
     const float* src = x.data_ptr<float>();
     auto* dst = reinterpret_cast<uint16_t*>(rows.data_ptr());
@@ -424,7 +172,7 @@ class Stage {
    public:
     // weights, per layer: norm1, [q_norm, k_norm], the qkv product, o's, norm2, [pre_ffn,
     // post_ffn], gate_up's, down's; a product is its packed and scales/zeros tensors (int4),
-    // its codes, scale and offset (q8; a 0-element offset for none), or its held weight.
+    // its packed codes, scale and offset (q8; a 0-element offset for none), or its held weight.
     // ints, per layer: window, local, per product (qkv, o, gate_up, down) its kind (1 int4,
     // -1 q8, 0 held) and group, then the layer's cache slot. iconf: D, heads, KV
     // heads, Dh, F, the longest chunk attended row by row (0: never), Gemma's norms, sandwich
@@ -443,10 +191,10 @@ class Stage {
             out.group = ints.at(p++);
             if (count == -1) {  // int8-group
                 out.q8 = true;
-                out.codes = weights.at(w++);
+                out.packed = weights.at(w++);
                 out.scale = weights.at(w++);
                 out.offset = weights.at(w++);
-                out.n = out.codes.size(0);
+                out.n = out.packed.size(0);
                 return out;
             }
             TORCH_CHECK(count == 0 || count == 1, "native stage: a product of ", count, " parts");
@@ -639,5 +387,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // no Python runs inside: the event loop's thread keeps the interpreter meanwhile
         .def("forward", &Stage::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("q8_mm", &q8_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
-    m.def("q8_best", &q8_best);
+    m.def("q8_best", &shard_native::q8_best);
 }

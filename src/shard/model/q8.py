@@ -1,28 +1,37 @@
-"""The q8 product (issue 42): an int8 weight in groups (GGUF's Q8_0 and Q5_*, ``Quantized``
-int8 with ``group`` columns a scale) times float32 rows, in one stated order of float32
-operations, so that a compiled kernel and plain torch give the same bytes.
+"""The q8 product (issue 42): an int8 weight in groups (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K,
+MXFP4; ``Quantized`` int8 with ``group`` columns a scale) times rows rounded to int8 per
+group, as llama.cpp multiplies these types, in one stated order, so that a compiled kernel
+and plain torch give the same bytes.
 
-For a row ``x`` and an output ``n`` (codes ``c``, a group's scale ``s`` and offset ``o``;
-``L = 16`` lanes; every operation one correctly rounded float32 add or multiply, never fused):
+For a row ``x``, per group ``g`` of ``B`` columns (every operation one correctly rounded float32
+operation, never fused):
 
-- per group ``g`` and lane ``l``: ``v[l]``, the products ``c[k] * x[k]`` of the group's columns
-  ``k = l, l + 16, l + 32, ...`` summed left to right (starting from the first product);
-- ``t[l] = s * v[l]``; with offsets ``t[l] = s * v[l] + o * u[l]``, ``u[l]`` the same sums of
-  ``x`` alone;
-- ``acc[l]``: ``t[l]`` summed over the groups left to right (starting from group 0's);
-- the output: ``acc`` folded in halves, ``acc[l] += acc[l + 8]``, then ``+ 4``, ``+ 2``, ``+ 1``:
-  ``acc[0]``.
+- ``amax`` the largest ``|x|`` of the group (NaN if any is NaN), ``d = amax / 127``,
+  ``q = round_half_even(clamp(x * i, -127, 127))`` with ``i = 1 / d`` (0 where ``d == 0``) and a
+  NaN product taken as 0: int8, and ``u = d * float(sum(q))``;
+- per output ``n`` (codes ``c``, scale ``s``, offset ``o``): ``m = sum(q * c)`` over the group,
+  an exact integer (``B`` at most 256, so ``|m| < 2^24`` and ``float(m)`` is exact);
+- ``t = (s * d) * float(m)``; with offsets ``t = (s * d) * float(m) + o * u``;
+- the output: ``t`` summed over the groups left to right (from group 0's; the kernel starts
+  from -0.0, which adds nothing).
 
-Each output of each row is computed from that row and that weight row alone, so a verify chunk
-equals its decode steps and a batched row its lone run, on any thread count and instruction
-set. Against the int4 kernel's two products it used to run as (``int8-split``, still the path
-on CUDA), it keeps the activations in float32 (no bf16 rounding) and reads the codes as
-stored: a tied head shares the embedding's table instead of a packed copy.
+Rounding the rows to int8 is a choice of computation, not a loss of agreement between nodes:
+each output comes from its own row and weight row, and the integer sums are exact in any
+order, so every node, instruction set and thread count and the torch reference give the same
+bytes; a verify chunk equals its decode steps, a batched row its lone run, and an audit
+replays it. Against the float weight the outputs move by about the int8 rounding of the rows
+(``tests/test_q8.py`` bounds it), as llama.cpp's do. It replaced, in session 36, a float32
+product of the same weights (the rows kept in float32): one VNNI instruction multiplies 4
+columns of 16 outputs by 4 broadcast row values, so a verify chunk's 9 rows of Gemma 3
+270M's 262144 x 640 head took 19 ms at one thread here instead of 53.
 
-``q8_mm`` runs the compiled kernel of ``native_step.cpp`` (built by ``shard.model.native_build``;
-AVX-512, AVX2 or plain code chosen at run time, the same bytes) and falls back to
-``reference``, the same operations as torch tensor operations: the same bytes, many times
-slower (a warning says so once). ``tests/test_q8.py`` checks the two against each other.
+The codes are packed once, at load (``Int8Group``): blocks of 16 outputs (the last may be
+narrower), each ``[K / 4][width][4]`` bytes of ``code + 128``, and the scales and offsets
+``[G][width]`` a block: the stored sizes. A tied head on the embedding's stage lends its packed
+table to the embedding (``Int8Group.dequantize`` reads rows back), so the table is held once.
+``q8_mm`` runs the compiled kernel of ``native_q8.cpp`` (AVX-512 with VNNI or plain C++, chosen
+at run time, the same bytes) and falls back to ``reference``, the same operations in torch:
+the same bytes, many times slower (a warning says so once).
 """
 
 from __future__ import annotations
@@ -37,42 +46,54 @@ from torch import Tensor
 
 from shard.model.native_build import build
 
-__all__ = ["LANES", "Int8Group", "q8_mm", "reference"]
+__all__ = ["MAX_GROUP", "WIDTH", "Int8Group", "q8_fits", "q8_mm", "quantize_rows", "reference"]
 
 log = logging.getLogger(__name__)
 
-#: Lanes of the stated order (module docstring).
-LANES: Final = 16
-#: Weight rows the reference multiplies at a time (its products are 4 bytes a weight).
-REFERENCE_ROWS: Final = 2048
+#: Outputs a packed block.
+WIDTH: Final = 16
+#: The widest group it takes (``|m| < 2^24``: module docstring).
+MAX_GROUP: Final = 256
+#: Outputs the reference multiplies at a time.
+REFERENCE_ROWS: Final = 4096
 
 
-def _lane_sums(t: Tensor) -> Tensor:
-    """``[..., J, L]`` summed over ``J`` left to right, starting from the first."""
-    out = t[..., 0, :]
-    for j in range(1, t.shape[-2]):
-        out = out + t[..., j, :]
-    return out
+def q8_fits(k: int, group: int) -> bool:
+    """Whether an int8 weight of ``k`` columns in groups of ``group`` runs as ``int8-group``."""
+    return k > 0 and 0 < group <= MAX_GROUP and group % 16 == 0 and k % group == 0
+
+
+def quantize_rows(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Rows ``[R, K]`` rounded to int8 per group (module docstring): the codes ``[R, K]`` int8
+    and the scales ``d`` ``[R, K // group]`` float32."""
+    r, k = x.shape
+    xs = x.float().reshape(r, k // group, group)
+    d = xs.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    y = xs * inv[:, :, None]
+    y = torch.where(y.isnan(), torch.zeros_like(y), y).clamp(-127, 127).round()
+    return y.to(torch.int8).reshape(r, k), d
 
 
 def reference(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int) -> Tensor:
-    """``[R, K] x [N, K] -> [R, N]`` in the stated order (module docstring), in torch."""
+    """``[R, K] x [N, K] -> [R, N]`` in the stated order (module docstring), in torch; codes int8
+    ``[N, K]``, scales and offsets ``[N, K // group]`` as stored (not packed)."""
     r, k = x.shape
-    n, groups, slices = codes.shape[0], k // group, group // LANES
-    xs = x.float().reshape(r, 1, groups, slices, LANES)
-    u = _lane_sums(xs) if offset is not None else None  # [R, 1, G, L]
-    out = torch.empty(r, n, dtype=torch.float32, device=x.device)
+    n, groups = codes.shape[0], k // group
+    q, d = quantize_rows(x, group)
+    qs = q.double().reshape(r, groups, group)
+    u = d * qs.sum(-1).float()  # [R, G]: the sums of q are exact integers
+    out = torch.empty(r, n, dtype=torch.float32)
     for i in range(0, n, REFERENCE_ROWS):
-        c = codes[i : i + REFERENCE_ROWS].float().reshape(1, -1, groups, slices, LANES)
-        t = _lane_sums(c * xs) * scale[i : i + REFERENCE_ROWS, :, None]  # [R, n, G, L]
-        if offset is not None and u is not None:
-            t = t + offset[i : i + REFERENCE_ROWS, :, None] * u
-        acc = _lane_sums(t)  # [R, n, L]: over the groups
-        width = LANES
-        while width > 1:
-            width //= 2
-            acc = acc[..., :width] + acc[..., width : 2 * width]
-        out[:, i : i + REFERENCE_ROWS] = acc[..., 0]
+        c = codes[i : i + REFERENCE_ROWS].double().reshape(-1, groups, group)
+        m = torch.einsum("rgb,ngb->rng", qs, c).float()  # exact: integers below 2^24
+        t = (scale[None, i : i + REFERENCE_ROWS, :] * d[:, None, :]) * m  # [R, n, G]
+        if offset is not None:
+            t = t + offset[None, i : i + REFERENCE_ROWS, :] * u[:, None, :]
+        acc = t[..., 0]
+        for g in range(1, groups):
+            acc = acc + t[..., g]
+        out[:, i : i + REFERENCE_ROWS] = acc
     return out
 
 
@@ -81,52 +102,120 @@ def _fallback_warning(why: str) -> None:
     log.warning("int8 products run in plain torch, the same bytes many times slower: %s", why)
 
 
-def q8_mm(
-    x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int, isa: int = -1
-) -> Tensor:
-    """Rows ``x`` ``[R, K]`` (float32) times the int8 weight: ``[R, N]`` float32, by the compiled
-    kernel where it built, else ``reference``. ``isa`` picks the kernel's version (0 plain C++,
-    1 AVX2, 2 AVX-512; -1 the widest the CPU runs): the same bytes, for tests."""
-    ext = build()
-    if isinstance(ext, str) or x.device.type != "cpu":
-        if isinstance(ext, str):
-            _fallback_warning(ext)
-        return reference(x, codes, scale, offset, group)
-    none = scale.new_empty(0)
-    rows = x.contiguous()
-    out: Tensor = ext.q8_mm(rows, codes, scale, none if offset is None else offset, group, isa)
+def _pack(out: Tensor, values: Tensor, inner: int) -> None:
+    """``values`` ``[N, C * inner]`` into ``out`` (``N * C * inner`` elements) in blocks of
+    ``WIDTH`` rows, each ``[C][width][inner]``, a block at a time (no whole-table temporary)."""
+    n, cols = values.shape
+    flat = out.view(-1)
+    for b in range(0, n, WIDTH):
+        width = min(WIDTH, n - b)
+        tiles = values[b : b + width].reshape(width, cols // inner, inner).transpose(0, 1)
+        flat[b * cols : (b + width) * cols].view(cols // inner, width, inner).copy_(tiles)
+
+
+def _unpack(packed: Tensor, n: int, cols: int, inner: int, rows: Tensor | None) -> Tensor:
+    """The rows ``rows`` (all when None) ``[R, cols]`` of a table ``_pack`` laid out."""
+    ids = torch.arange(n) if rows is None else rows.reshape(-1).long()
+    flat = packed.view(-1)
+    full = n - n % WIDTH
+    out = flat.new_empty(ids.numel(), cols)
+    body = flat[: full * cols].view(full // WIDTH, cols // inner, WIDTH, inner)
+    inside = ids < full
+    if bool(inside.any()):
+        b = ids[inside]
+        out[inside] = body[b // WIDTH, :, b % WIDTH, :].reshape(-1, cols)
+    if not bool(inside.all()):
+        tail = flat[full * cols :].view(cols // inner, n - full, inner)
+        out[~inside] = tail[:, ids[~inside] - full, :].transpose(0, 1).reshape(-1, cols)
     return out
 
 
 class Int8Group:
-    """An int8 weight in groups kept as stored, for ``q8_mm``: codes ``[N, K]`` int8, scale and
-    offset (or None) ``[N, K // group]`` float32, all contiguous on the CPU."""
+    """An int8 weight in groups packed for ``q8_mm`` (module docstring) from codes ``[N, K]``
+    int8, scales and offsets (or None) ``[N, K // group]``: ``packed`` uint8 ``[N, K]`` and
+    ``scale``/``offset`` float32 ``[N, K // group]`` hold the stored sizes in the kernel's
+    blocks (their rows are not the weight's: ``codes``, ``scales``, ``offsets`` read those)."""
 
     def __init__(self, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int) -> None:
-        self.codes = codes.contiguous()
-        self.scale = scale.float().contiguous()
-        self.offset = None if offset is None else offset.float().contiguous()
+        n, k = codes.shape
+        if n == 0 or not q8_fits(k, group) or tuple(scale.shape) != (n, k // group):
+            raise ValueError(f"an int8 weight of {n} x {k} in groups of {group} does not fit")
+        self.shape = (int(n), int(k))
         self.group = group
+        self.packed = torch.empty(n, k, dtype=torch.uint8)
+        _pack(self.packed, codes.view(torch.uint8) ^ 128, 4)  # code + 128
+        self.scale = torch.empty(n, k // group, dtype=torch.float32)
+        _pack(self.scale, scale.float(), 1)
+        self.offset = None
+        if offset is not None:
+            self.offset = torch.empty(n, k // group, dtype=torch.float32)
+            _pack(self.offset, offset.float(), 1)
 
     @classmethod
     def stacked(cls, parts: Sequence[Int8Group]) -> Int8Group:
         """``parts`` (same group and input width; all with offsets or none) stacked by row."""
-        offsets = [p.offset for p in parts]
-        offset = None if offsets[0] is None else torch.cat([o for o in offsets if o is not None])
+        offsets = [p.offsets() for p in parts]
         return cls(
-            torch.cat([p.codes for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            offset,
+            torch.cat([p.codes() for p in parts]),
+            torch.cat([p.scales() for p in parts]),
+            None if offsets[0] is None else torch.cat([o for o in offsets if o is not None]),
             parts[0].group,
         )
 
     @property
     def device(self) -> torch.device:
-        return self.codes.device
+        return self.packed.device
+
+    def codes(self, rows: Tensor | None = None) -> Tensor:
+        """The stored codes ``[R, K]`` int8 of ``rows`` (all when None), read back."""
+        n, k = self.shape
+        return (_unpack(self.packed, n, k, 4, rows) ^ 128).view(torch.int8)
+
+    def scales(self, rows: Tensor | None = None) -> Tensor:
+        """The scales ``[R, K // group]`` float32 of ``rows`` (all when None)."""
+        return _unpack(self.scale, self.shape[0], self.shape[1] // self.group, 1, rows)
+
+    def offsets(self, rows: Tensor | None = None) -> Tensor | None:
+        """The offsets ``[R, K // group]`` float32 of ``rows`` (all when None), or None."""
+        if self.offset is None:
+            return None
+        return _unpack(self.offset, self.shape[0], self.shape[1] // self.group, 1, rows)
+
+    def dequantize(self, rows: Tensor | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``Quantized.dequantize`` of the stored weight (the same operations, the same bytes),
+        for an embedding that shares this table."""
+        codes = self.codes(rows)
+        r, k = codes.shape
+        w = codes.to(torch.float32).view(r, k // self.group, self.group)
+        w.mul_(self.scales(rows)[:, :, None])
+        offset = self.offsets(rows)
+        if offset is not None:
+            w.add_(offset[:, :, None])
+        out: Tensor = w.view(r, k).to(dtype)
+        return out
 
     def tensors(self) -> list[Tensor]:
-        """Codes, scales and offsets (when there are offsets)."""
-        return [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
+        """The packed codes, scales and offsets (when there are offsets)."""
+        return [self.packed, self.scale] + ([] if self.offset is None else [self.offset])
+
+    def nbytes(self) -> int:
+        return int(sum(t.nbytes for t in self.tensors()))
 
     def mm(self, x: Tensor) -> Tensor:
-        return q8_mm(x, self.codes, self.scale, self.offset, self.group)
+        return q8_mm(x, self)
+
+
+def q8_mm(x: Tensor, weight: Int8Group, isa: int = -1) -> Tensor:
+    """Rows ``x`` ``[R, K]`` times ``weight``: ``[R, N]`` float32, by the compiled kernel where it
+    built, else ``reference``. ``isa``: the kernel's version (0 plain C++, 2 AVX-512 with VNNI;
+    -1 the widest the CPU runs): the same bytes, for tests."""
+    ext = build()
+    rows = x.float().contiguous()
+    if isinstance(ext, str):
+        _fallback_warning(ext)
+        codes, scale, offset = weight.codes(), weight.scales(), weight.offsets()
+        return reference(rows, codes, scale, offset, weight.group)
+    none = weight.scale.new_empty(0)
+    offset = none if weight.offset is None else weight.offset
+    out: Tensor = ext.q8_mm(rows, weight.packed, weight.scale, offset, weight.group, isa)
+    return out

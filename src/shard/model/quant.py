@@ -12,11 +12,12 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
   written but untested: no GPU build of torch here). The kernel computes
   ``(code - 8) * scale + zero``, so ``zero = offset + 8 * scale``.
 - int8 per channel without offset: ``_weight_int8pack_mm``.
-- int8 group-wise (GGUF Q8_0, Q5_*; groups a multiple of 16) on a CPU: ``int8-group``, the
-  codes as stored times float32 rows by ``shard.model.q8`` (one stated order of float32
-  operations, compiled, with a torch reference that gives the same bytes). A tied head
-  shares the embedding's table. Gemma 3 270M's 262144 x 640 head, one row, one thread, on
-  the EPYC of session 35: 13.3 ms, against 20.3 ms as ``int8-split``.
+- int8 group-wise (GGUF Q8_0, Q5_*, Q6_K, MXFP4; groups a multiple of 16 up to 256) on a
+  CPU: ``int8-group``, the codes packed once for ``shard.model.q8``, which rounds the rows
+  to int8 per group as llama.cpp does and multiplies in integers (one stated order,
+  compiled, with a torch reference that gives the same bytes). A tied head lends its packed
+  table to the embedding. Gemma 3 270M's 262144 x 640 head at one thread on the EPYC of
+  session 36: 9 rows in 19 ms (53 ms as session 35's float32 q8 product).
 - int8 group-wise on CUDA (no stock kernel takes it): ``int8-split``, the codes split
   ``code = 16 * hi + lo`` into two int4 weights run by the int4 kernel, ``hi`` with scale
   ``16 * scale`` and ``lo`` with the offset: two int4 products, exact as a representation,
@@ -28,11 +29,13 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
 Torch's int4 and int8-per-channel kernels take their scales in the activations' dtype and
 are fast only in bf16, also on a CPU without bf16 instructions (their float32 variants ran
 11-33x slower there: see ``kernel_dtype``), so those paths run in bf16 on every device; the
-input is cast to bf16 and the output back to the input's (the q8 product takes float32). A
+input is cast to bf16 and the output back to the input's (the q8 product takes float32 rows
+and rounds them to int8 per group itself). A
 weight dequantized per call is multiplied in ``dense_dtype``: bf16 where the CPU multiplies
 bf16 natively (``cpu_has_bf16``) and on CUDA, float32 otherwise. Scales and activations
-rounded to bf16 are where a stored weight stops being exact: ``tests/test_quant.py`` states
-the tolerance (load ``weights = "float32"`` for float32 products).
+rounded to bf16 (or the q8 product's rows to int8) are where a stored weight stops being
+exact: ``tests/test_quant.py`` states the tolerance (load ``weights = "float32"`` for float32
+products).
 
 Row invariance: every kernel path gave each row the same bits whether it ran alone or among
 9 rows (``test_quant_linear_rows_are_batch_invariant``), which is what lets a batched stage
@@ -51,7 +54,7 @@ from torch import Tensor, nn
 
 from shard.model.device import cpu_has_bf16
 from shard.model.linear import padded_linear
-from shard.model.q8 import LANES, Int8Group
+from shard.model.q8 import Int8Group, q8_fits
 
 __all__ = [
     "KERNEL_GROUPS",
@@ -63,6 +66,7 @@ __all__ = [
     "q8_fits",
     "quantize_int4",
     "quantize_int8",
+    "split_int8",
 ]
 
 #: Group sizes the int4 kernels take.
@@ -209,11 +213,6 @@ def _cpu_pack(codes: Tensor) -> Tensor:
     return _cpu_pack_ints(n, k, blocks())
 
 
-def q8_fits(k: int, group: int) -> bool:
-    """Whether an int8 weight of ``k`` columns in groups of ``group`` runs as ``int8-group``."""
-    return k > 0 and group > 0 and group % LANES == 0 and k % group == 0
-
-
 def _split_int8(codes: Tensor) -> tuple[Tensor, Tensor]:
     """int8 codes ``[N, K]`` as nibbles ``hi + 8`` and ``lo`` (``code = 16 hi + lo``), each
     uint8 ``[N, K // 2]``, a block of rows at a time."""
@@ -234,6 +233,17 @@ def _pack(codes: Tensor) -> Tensor:
         out: Tensor = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
         return out
     return _cpu_pack(codes)
+
+
+def split_int8(q: Quantized, dt: torch.dtype) -> list[_Int4]:
+    """An int8 weight in groups as two int4 weights (``int8-split``: module docstring) whose
+    products, summed, are its product: ``hi`` with scale ``16 * scale``, ``lo`` with the
+    offset, scales and zeros in ``dt``."""
+    zero = torch.zeros_like(q.scale)
+    offset = q.offset if q.offset is not None else zero
+    hi, lo = (_pack(c) for c in _split_int8(q.codes))
+    g = q.group
+    return [_Int4(hi, 16 * q.scale, zero, g, dt), _Int4(lo, q.scale, offset + 8 * q.scale, g, dt)]
 
 
 class _Int4:
@@ -320,16 +330,12 @@ class QuantLinear(nn.Module):
         if q.kind == "int8" and g == k and q.offset is None and q.codes.device.type == "cpu":
             self._int8 = (q.codes.contiguous(), q.scale[:, 0].to(dt).contiguous())
             return "int8-channel"
-        if q.kind == "int8" and q.codes.device.type == "cpu" and q8_fits(k, g):
-            self._parts = [Int8Group(q.codes, q.scale, q.offset, g)]  # the stored tensors
+        if q.kind == "int8" and q.codes.device.type == "cpu" and n > 0 and q8_fits(k, g):
+            self._parts = [Int8Group(q.codes, q.scale, q.offset, g)]  # packed once
             self.compute = torch.float32
             return "int8-group"
         if q.kind == "int8" and fits:
-            hi, lo = (_pack(c) for c in _split_int8(q.codes))
-            self._parts = [
-                _Int4(hi, 16 * q.scale, zero, g, dt),
-                _Int4(lo, q.scale, offset + 8 * q.scale, g, dt),
-            ]
+            self._parts = split_int8(q, dt)
             return "int8-split"
         self.compute = dense_dtype(q.codes.device)
         return "dequantize"
@@ -411,13 +417,21 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding table kept quantized: ``forward`` dequantizes only the rows looked up."""
+    """An embedding table kept quantized: ``forward`` dequantizes only the rows looked up.
+    ``share`` makes it read a tied ``int8-group`` head's packed table instead of its own."""
 
     def __init__(self, q: Quantized, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
-        self.q = to_device(q, torch.device(device))
+        self.q: Quantized | Int8Group = to_device(q, torch.device(device))
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = q.shape
+
+    def share(self, head: QuantLinear) -> None:
+        """Read rows from ``head``'s packed table (an ``int8-group`` head built from this table:
+        the same codes, scales and offsets, the same bytes) and free this one's own."""
+        (table,) = head._parts
+        assert head.path == "int8-group" and isinstance(table, Int8Group)
+        self.q = table
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = self.q.dequantize(ids.reshape(-1), dtype=self.dtype)  # [B*S, D]

@@ -1,0 +1,278 @@
+// The q8 product (issue 42): an int8 weight in groups (GGUF's Q8_0, Q5_*, Q6_K, MXFP4) times
+// rows rounded to int8 per group, in the order shard/model/q8.py states; its torch reference
+// gives the same bytes. Built into the one extension with native_step.cpp (which registers it
+// and calls it for the native forward's int8 products).
+//
+// The codes are packed once (q8.py): blocks of W = 16 outputs (the last may be narrower),
+// each [K / 4][width][4] bytes, every code stored plus 128 (an unsigned byte), so that one
+// AVX-512 VNNI instruction multiplies 4 columns of 16 outputs by 4 broadcast row values.
+// The integer sums are exact in any order (|sum| < 2^24 for groups up to 256 columns), so the
+// only float32 operations are per group and output, one order for every version (built with
+// -ffp-contract=off: never fused): t = (scale * d) * float(sum) (+ offset * u);
+// acc = acc + t over the groups left to right from -0.0.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+using at::Tensor;
+
+namespace shard_native {
+
+namespace {
+
+constexpr int W = 16;  // outputs a packed block
+constexpr int64_t MAX_GROUP = 256;
+constexpr int64_t AHEAD = 4;  // blocks a prefetch reaches ahead
+
+struct Head {
+    const int8_t* q;        // [R, K]: the rows rounded to int8
+    const float* d;         // [R, G]: their scale per group
+    const int32_t* bias;    // [R, G]: -128 times the sum of q over the group
+    const uint8_t* packed;  // the codes plus 128, in blocks (file comment)
+    const float* scale;     // [N, G] in blocks of [G][width]
+    const float* offset;    // [N, G] in blocks as scale, or null
+    const float* u;         // [R, G]: d times the sum of q (offsets only)
+    float* out;             // [R, N]
+    int64_t r, k, group, n;
+};
+
+// Rows [r0, r0 + RT) of block b, any width, in plain C++.
+template <int RT>
+void block_plain(const Head& a, int64_t b, int64_t r0) {
+    const int64_t groups = a.k / a.group, steps = a.group / 4;
+    const int64_t width = std::min<int64_t>(W, a.n - b * W);
+    const uint8_t* p = a.packed + b * W * a.k;
+    const float* s = a.scale + b * W * groups;
+    float acc[RT][W];
+    int32_t sum[RT][W];
+    for (int rr = 0; rr < RT; rr++)
+        for (int o = 0; o < W; o++) acc[rr][o] = -0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int rr = 0; rr < RT; rr++)
+            for (int o = 0; o < W; o++) sum[rr][o] = a.bias[(r0 + rr) * groups + g];
+        for (int64_t j = 0; j < steps; j++) {
+            const uint8_t* w = p + (g * steps + j) * width * 4;
+            for (int rr = 0; rr < RT; rr++) {
+                const int8_t* q = a.q + (r0 + rr) * a.k + g * a.group + 4 * j;
+                for (int64_t o = 0; o < width; o++)
+                    sum[rr][o] += w[4 * o] * q[0] + w[4 * o + 1] * q[1] + w[4 * o + 2] * q[2] +
+                                  w[4 * o + 3] * q[3];
+            }
+        }
+        for (int rr = 0; rr < RT; rr++) {
+            const float d = a.d[(r0 + rr) * groups + g];
+            for (int64_t o = 0; o < width; o++) {
+                float t = (s[g * width + o] * d) * static_cast<float>(sum[rr][o]);
+                if (a.offset != nullptr)
+                    t = t + a.offset[b * W * groups + g * width + o] * a.u[(r0 + rr) * groups + g];
+                acc[rr][o] = acc[rr][o] + t;
+            }
+        }
+    }
+    for (int rr = 0; rr < RT; rr++)
+        std::memcpy(a.out + (r0 + rr) * a.n + b * W, acc[rr], width * sizeof(float));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HEAD_X86 1
+
+// Rows [r0, r0 + RT) of a full block b: one 16-lane register a row holds its 16 outputs.
+// J: the 4-column steps of a group when known at compile time (8: groups of 32), else 0.
+template <int RT, int J>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void block512(const Head& a, int64_t b,
+                                                                       int64_t r0) {
+    const int64_t groups = a.k / a.group, steps = J > 0 ? J : a.group / 4;
+    const uint8_t* p = a.packed + b * W * a.k;
+    const float* s = a.scale + b * W * groups;
+    const float* off = a.offset != nullptr ? a.offset + b * W * groups : nullptr;
+    __m512 acc[RT];
+    __m512i even[RT], odd[RT];  // two chains of integer sums (exact: their order is free)
+    for (int rr = 0; rr < RT; rr++) acc[rr] = _mm512_set1_ps(-0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int rr = 0; rr < RT; rr++) {
+            even[rr] = _mm512_set1_epi32(a.bias[(r0 + rr) * groups + g]);
+            odd[rr] = _mm512_setzero_si512();
+        }
+        const uint8_t* pg = p + g * steps * 64;
+        const int8_t* qg = a.q + r0 * a.k + g * a.group;
+        // several rows compute long enough to fetch ahead: the group of the block AHEAD
+        // blocks on, into L2 (Gemma 3's head, 9 rows, one thread: 13 ms instead of 18; one
+        // row is faster without)
+        if (a.r > 1 && r0 == 0 && (b + 1 + AHEAD) * W <= a.n)
+            for (int64_t j = 0; j < steps; j++)
+                _mm_prefetch(reinterpret_cast<const char*>(pg + AHEAD * W * a.k + j * 64),
+                             _MM_HINT_T1);
+        for (int64_t j = 0; j < steps; j += 2) {  // steps is even (groups of 16 or more)
+            const __m512i w0 = _mm512_loadu_si512(pg + j * 64);
+            const __m512i w1 = _mm512_loadu_si512(pg + j * 64 + 64);
+            for (int rr = 0; rr < RT; rr++) {
+                int32_t q0, q1;
+                std::memcpy(&q0, qg + rr * a.k + 4 * j, 4);
+                std::memcpy(&q1, qg + rr * a.k + 4 * j + 4, 4);
+                even[rr] = _mm512_dpbusd_epi32(even[rr], w0, _mm512_set1_epi32(q0));
+                odd[rr] = _mm512_dpbusd_epi32(odd[rr], w1, _mm512_set1_epi32(q1));
+            }
+        }
+        const __m512 sv = _mm512_loadu_ps(s + g * W);
+        for (int rr = 0; rr < RT; rr++) {
+            const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(a.d[(r0 + rr) * groups + g]));
+            const __m512 m = _mm512_cvtepi32_ps(_mm512_add_epi32(even[rr], odd[rr]));
+            __m512 t = _mm512_mul_ps(sd, m);
+            if (off != nullptr)
+                t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_loadu_ps(off + g * W),
+                                                   _mm512_set1_ps(a.u[(r0 + rr) * groups + g])));
+            acc[rr] = _mm512_add_ps(acc[rr], t);
+        }
+    }
+    for (int rr = 0; rr < RT; rr++) _mm512_storeu_ps(a.out + (r0 + rr) * a.n + b * W, acc[rr]);
+}
+
+template <int J>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void blocks512(const Head& a, int64_t b0,
+                                                                        int64_t b1) {
+    const int64_t tiles = (a.r + 7) / 8;  // up to 8 rows a pass over a block, balanced: 9 = 4 + 5
+    for (int64_t b = b0; b < b1; b++) {
+        if ((b + 1) * W > a.n) {  // the narrower last block
+            for (int64_t r0 = 0; r0 < a.r; r0++) block_plain<1>(a, b, r0);
+            continue;
+        }
+        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+            const int64_t rt = (a.r - r0) / (tiles - t);
+            switch (rt) {
+                case 8: block512<8, J>(a, b, r0); break;
+                case 7: block512<7, J>(a, b, r0); break;
+                case 6: block512<6, J>(a, b, r0); break;
+                case 5: block512<5, J>(a, b, r0); break;
+                case 4: block512<4, J>(a, b, r0); break;
+                case 3: block512<3, J>(a, b, r0); break;
+                case 2: block512<2, J>(a, b, r0); break;
+                default: block512<1, J>(a, b, r0); break;
+            }
+            r0 += rt;
+        }
+    }
+}
+#endif
+
+void blocks_plain(const Head& a, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t r0 = 0;
+        for (; r0 + 4 <= a.r; r0 += 4) block_plain<4>(a, b, r0);
+        for (; r0 < a.r; r0++) block_plain<1>(a, b, r0);
+    }
+}
+
+void blocks(const Head& a, int64_t b0, int64_t b1, int isa) {
+#ifdef HEAD_X86
+    if (isa == 2) {
+        const int64_t steps = a.group / 4;
+        return steps == 8 ? blocks512<8>(a, b0, b1)
+               : steps == 4 ? blocks512<4>(a, b0, b1)
+                            : blocks512<0>(a, b0, b1);
+    }
+#endif
+    blocks_plain(a, b0, b1);
+}
+
+// A row's group rounded to int8 (q8head.py states it): amax the largest |x| (NaN if any is),
+// d = amax / 127, q = round-half-even(clamp(x * (d != 0 ? 1 / d : 0), -127, 127)) with NaN
+// taken as 0; bias = -128 times the sum of q.
+void quantize(const float* x, int64_t n, int8_t* q, float* d, int32_t* bias) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = std::fabs(x[i]);
+        if (v > amax || std::isnan(v)) amax = std::isnan(amax) ? amax : v;
+    }
+    const float scale = amax / 127.0f;
+    const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float y = x[i] * inv;
+        if (std::isnan(y)) y = 0.0f;
+        y = std::min(std::max(y, -127.0f), 127.0f);
+        const int32_t c = static_cast<int32_t>(std::nearbyint(y));
+        q[i] = static_cast<int8_t>(c);
+        total += c;
+    }
+    *d = scale;
+    *bias = -128 * total;
+}
+
+}  // namespace
+
+// The widest version this CPU runs: 2 AVX-512 with VNNI, 0 plain C++.
+int64_t q8_best() {
+#ifdef HEAD_X86
+    static const int best = __builtin_cpu_supports("avx512f") &&
+                                    __builtin_cpu_supports("avx512bw") &&
+                                    __builtin_cpu_supports("avx512vnni")
+                                ? 2
+                                : 0;
+    return best;
+#else
+    return 0;
+#endif
+}
+
+// rows x [R, K] float32 times a packed weight (q8.py): packed uint8 [N, K], scale and offset
+// float32 [N, K / group] (offset: a 0-element tensor for none), all in the packed blocks ->
+// [R, N] float32.
+// isa: as q8_best numbers them, -1 the widest, capped at the widest (tests run each
+// against the reference).
+Tensor q8_mm(const Tensor& x, const Tensor& packed, const Tensor& scale, const Tensor& offset,
+             int64_t group, int64_t isa) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                    !x.is_cuda(),
+                "q8: want rows [R, K] float32, contiguous, on the CPU");
+    const int64_t r = x.size(0), k = x.size(1), n = packed.dim() == 2 ? packed.size(0) : 0;
+    TORCH_CHECK(k > 0 && n > 0 && group > 0 && group % 16 == 0 && group <= MAX_GROUP &&
+                    k % group == 0,
+                "q8: group ", group, " of ", k, " columns is not one it takes");
+    const int64_t groups = k / group;
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && !packed.is_cuda() &&
+                    packed.numel() == n * k,
+                "q8: want ", n * k, " packed codes, uint8, contiguous, on the CPU");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && !scale.is_cuda() &&
+                    scale.numel() == n * groups,
+                "q8: want ", n * groups, " scales, float32, contiguous, on the CPU");
+    const bool has_offset = offset.numel() > 0;
+    TORCH_CHECK(!has_offset || (offset.scalar_type() == at::kFloat && offset.is_contiguous() &&
+                                !offset.is_cuda() && offset.numel() == n * groups),
+                "q8: want ", n * groups, " offsets, float32, contiguous, on the CPU");
+    Tensor q = at::empty({r, k}, x.options().dtype(at::kChar));
+    Tensor d = at::empty({r, groups}, x.options());
+    Tensor bias = at::empty({r, groups}, x.options().dtype(at::kInt));
+    const float* xs = x.data_ptr<float>();
+    int8_t* qs = q.data_ptr<int8_t>();
+    float* ds = d.data_ptr<float>();
+    int32_t* bs = bias.data_ptr<int32_t>();
+    for (int64_t i = 0; i < r * groups; i++)  // row i / groups, group i % groups
+        quantize(xs + i * group, group, qs + i * group, ds + i, bs + i);
+    Tensor u;
+    if (has_offset) {  // d times the sum of q, per row and group
+        u = at::empty({r, groups}, x.options());
+        float* us = u.data_ptr<float>();
+        for (int64_t i = 0; i < r * groups; i++) us[i] = ds[i] * static_cast<float>(bs[i] / -128);
+    }
+    Tensor out = at::empty({r, n}, x.options());
+    const Head a{qs, ds, bs, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                 has_offset ? offset.data_ptr<float>() : nullptr,
+                 has_offset ? u.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                 r, k, group, n};
+    const int use = isa < 0 ? static_cast<int>(q8_best())
+                            : std::min<int>(static_cast<int>(isa), q8_best());
+    // a task of at least ~256k multiply-adds: a small head runs on one thread
+    const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, W * k * r));
+    at::parallel_for(0, (n + W - 1) / W, grain,
+                     [&](int64_t b0, int64_t b1) { blocks(a, b0, b1, use); });
+    return out;
+}
+
+}  // namespace shard_native
