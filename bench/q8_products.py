@@ -2,11 +2,13 @@
 
 An int8 weight in groups of 32 (GGUF's Q8_0) ran on a CPU as two int4 products (``code = 16
 hi + lo``, path ``int8-split``: bf16 activations, two torch int4 kernel calls, their sum in
-float32) until session 35; it now runs on ``shard.model.q8`` (path ``int8-group``: float32
-activations, one call of shard's own kernel). This times both on random codes of the bundled
-models' int8 shapes (Gemma 3 270M's and SmolLM2's tied heads, Gemma's joined gate/up and
-q/k/v), at 1 and 9 rows and 1 and 2 threads, calls interleaved, medians of ``--reps``, and
-writes the records and each ratio (``split_over_group``: above 1, the q8 product is faster).
+float32) until session 35; it now runs on ``shard.model.q8`` (path ``int8-group``: the codes
+packed once, the rows rounded to 16-bit integers per group, one call of shard's own kernel;
+session 35's version kept the rows in float32, docs/benchmarks.md has its figures). This
+times both on random codes of the bundled models' int8 shapes (Gemma 3 270M's and SmolLM2's
+tied heads, Gemma's joined gate/up and q/k/v), at 1 and 9 rows and 1 and 2 threads, calls
+interleaved, medians of ``--reps``, and writes the records and each ratio
+(``split_over_group``: above 1, the q8 product is faster).
 Kernel calls only, cache as it falls: a benchmark, not a test; run it alone.
 
     .venv/bin/python bench/q8_products.py --json bench/results/q8_products.json
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from shard.model import q8
-from shard.model.quant import _Int4, _pack, _split_int8, quantize_int8
+from shard.model.quant import quantize_int8, split_int8
 
 SHAPES = [
     ("gemma3-270m head", 262144, 640),
@@ -38,12 +40,8 @@ SHAPES = [
 
 def products(n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
     q = quantize_int8(torch.randn(n, k), 32)
-    hi, lo = (_pack(c) for c in _split_int8(q.codes))
-    zero = torch.zeros_like(q.scale)
-    parts = [
-        _Int4(hi, 16 * q.scale, zero, 32, torch.bfloat16),
-        _Int4(lo, q.scale, zero + 8 * q.scale, 32, torch.bfloat16),
-    ]
+    parts = split_int8(q, torch.bfloat16)
+    packed = q8.Int8Group(q.codes, q.scale, None, 32)
 
     def split(x: torch.Tensor) -> torch.Tensor:  # QuantLinear's int8-split forward
         rows = x.to(torch.bfloat16)
@@ -51,7 +49,7 @@ def products(n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ..
         return a.float() + b.float()
 
     def group(x: torch.Tensor) -> torch.Tensor:
-        return q8.q8_mm(x, q.codes, q.scale, None, 32)
+        return q8.q8_mm(x, packed)
 
     return split, group
 

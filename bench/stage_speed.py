@@ -24,7 +24,8 @@ hits both alike:
     embedding table, which the file holds once), so no engine reading the file's codes
     beats it by more than the file's metadata and an embedding row. shard's own held bytes
     (``shard.model.footprint.measured``) are recorded too: a whole-model stage holds the
-    tied table twice, as codes and packed for the kernel, and reads the packed copy.
+    tied table once, packed for the q8 product, which the embedding reads rows from, with
+    float32 scales (the file's are float16).
 - **shard-eager**: the same figures in a child with ``SHARD_NATIVE=0``: the layers as torch
   modules, without the native forward (``shard.model.native``: the same bytes, which the
   child of each engine does not check; ``tests/test_native.py`` does). ``native`` in each

@@ -26,11 +26,11 @@ runtime never imports.
     packed.py       one forward for many sessions' chunks, each attending to its own cache
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
-    q8.py           int8 weights in groups times float32 rows in one stated order (C++, torch)
+    q8.py           int8 weights in groups, packed, times rows rounded to int16 (C++, torch)
     fused.py        q/k/v and gate/up products joined into one, the same bytes each
     held.py         int4 weights in groups of 16 held dequantized, up to 16 MiB a layer
     native.py       a Llama-family stage's layers in C++ (native_step.cpp): same bytes, faster
-    native_build.py the C++ extension (native_step.cpp) compiled on first use and loaded
+    native_build.py the C++ extension (native_step.cpp, native_q8.cpp) built on first use
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``

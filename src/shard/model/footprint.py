@@ -371,13 +371,13 @@ class _Installed:
     def tied_head(self, t: StoredTensor) -> int:
         """What a head built from the embedding ``t`` on the embedding's stage adds
         (``loader._tie_head``): a packed copy, or nothing where it shares the table (an
-        ``int8-group`` head runs the table's own codes and scales)."""
+        ``int8-group`` head packs the table once and the embedding reads it, its own stored
+        table freed: the float32 scales less the stored ones)."""
         path = self.path(t)
         if path == "int4":
             return self.linear(t)
-        if path == "int8-group":  # float32 copies of the scales only where stored otherwise
-            n, k = t.shape
-            return 0 if t.scale_dtype == "F32" else 4 * n * (k // t.group) * (2 if t.offset else 1)
+        if path == "int8-group":
+            return self.linear(t) - t.nbytes
         if path == "int8-channel":  # the table's codes; its scales unless already the kernel's
             return 0 if _KERNEL[self.kernel] == t.scale_dtype else self.kernel * t.shape[0]
         return 0  # the very embedding tensor, or its stored codes

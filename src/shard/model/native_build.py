@@ -1,9 +1,9 @@
-"""The C++ extension (``native_step.cpp``: the native forward, ``shard.model.native``, and the
-q8 product, ``shard.model.q8``), compiled on first use and loaded.
+"""The C++ extension (``native_step.cpp``: the native forward, ``shard.model.native``;
+``native_q8.cpp``: the q8 product, ``shard.model.q8``), compiled on first use and loaded.
 
 It is compiled on first use with the host's C++ compiler (``$CXX``,
 else ``c++``) against the installed torch, ~40 s, into ``$SHARD_NATIVE_DIR`` (else
-``cache_dir()/native``), keyed by the source, torch, Python and compiler, under a file lock
+``cache_dir()/native``), keyed by the sources, torch, Python and compiler, under a file lock
 (a local swarm's stages start together), and loaded from there afterwards. Without a
 compiler, or when the build fails, ``build`` says why and its users fall back to torch (a
 warning says so): the same bytes, slower. It is built with OpenMP (torch's own ``libgomp``, by

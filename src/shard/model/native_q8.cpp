@@ -1,14 +1,16 @@
 // The q8 product (issue 42): an int8 weight in groups (GGUF's Q8_0, Q5_*, Q6_K, MXFP4) times
-// rows rounded to int8 per group, in the order shard/model/q8.py states; its torch reference
-// gives the same bytes. Built into the one extension with native_step.cpp (which registers it
-// and calls it for the native forward's int8 products).
+// rows rounded to 16-bit integers per group, in the order shard/model/q8.py states; its torch
+// reference gives the same bytes. Built into the one extension with native_step.cpp (which
+// registers it and calls it for the native forward's int8 products).
 //
 // The codes are packed once (q8.py): blocks of W = 16 outputs (the last may be narrower),
 // each [K / 4][width][4] bytes, every code stored plus 128 (an unsigned byte), so that one
-// AVX-512 VNNI instruction multiplies 4 columns of 16 outputs by 4 broadcast row values.
-// The integer sums are exact in any order (|sum| < 2^24 for groups up to 256 columns), so the
-// only float32 operations are per group and output, one order for every version (built with
-// -ffp-contract=off: never fused): t = (scale * d) * float(sum) (+ offset * u);
+// AVX-512 VNNI instruction multiplies 4 columns of 16 outputs by 4 broadcast bytes of a row.
+// A row value q (|q| <= 32767) is two bytes, q = 256 h + l (h signed, l unsigned): the codes
+// plus 128 times h (the bias -128 sum(h) undoes the 128), the codes times l, and
+// m = 256 m_h + m_l. The integer sums are exact in any order (|m| < 2^31 for groups up to
+// 256 columns), so the only rounding is per group and output, one order for every version
+// (built with -ffp-contract=off: never fused): t = (scale * d) * float(m) (+ offset * u);
 // acc = acc + t over the groups left to right from -0.0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,12 +31,15 @@ namespace {
 
 constexpr int W = 16;  // outputs a packed block
 constexpr int64_t MAX_GROUP = 256;
+constexpr int32_t LEVELS = 32767;  // a row value's largest magnitude
 constexpr int64_t AHEAD = 4;  // blocks a prefetch reaches ahead
 
 struct Head {
-    const int8_t* q;        // [R, K]: the rows rounded to int8
+    const int16_t* q;       // [R, K]: the rows rounded to 16-bit integers
+    const int8_t* hi;       // [R, K]: q >> 8 (arithmetic)
+    const uint8_t* lo;      // [R, K]: q & 255
     const float* d;         // [R, G]: their scale per group
-    const int32_t* bias;    // [R, G]: -128 times the sum of q over the group
+    const int32_t* bias;    // [R, G]: -128 times the sum of hi over the group
     const uint8_t* packed;  // the codes plus 128, in blocks (file comment)
     const float* scale;     // [N, G] in blocks of [G][width]
     const float* offset;    // [N, G] in blocks as scale, or null
@@ -56,14 +61,14 @@ void block_plain(const Head& a, int64_t b, int64_t r0) {
         for (int o = 0; o < W; o++) acc[rr][o] = -0.0f;
     for (int64_t g = 0; g < groups; g++) {
         for (int rr = 0; rr < RT; rr++)
-            for (int o = 0; o < W; o++) sum[rr][o] = a.bias[(r0 + rr) * groups + g];
+            for (int o = 0; o < W; o++) sum[rr][o] = 0;
         for (int64_t j = 0; j < steps; j++) {
             const uint8_t* w = p + (g * steps + j) * width * 4;
             for (int rr = 0; rr < RT; rr++) {
-                const int8_t* q = a.q + (r0 + rr) * a.k + g * a.group + 4 * j;
+                const int16_t* q = a.q + (r0 + rr) * a.k + g * a.group + 4 * j;
                 for (int64_t o = 0; o < width; o++)
-                    sum[rr][o] += w[4 * o] * q[0] + w[4 * o + 1] * q[1] + w[4 * o + 2] * q[2] +
-                                  w[4 * o + 3] * q[3];
+                    sum[rr][o] += (w[4 * o] - 128) * q[0] + (w[4 * o + 1] - 128) * q[1] +
+                                  (w[4 * o + 2] - 128) * q[2] + (w[4 * o + 3] - 128) * q[3];
             }
         }
         for (int rr = 0; rr < RT; rr++) {
@@ -92,16 +97,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block512(const Head&
     const uint8_t* p = a.packed + b * W * a.k;
     const float* s = a.scale + b * W * groups;
     const float* off = a.offset != nullptr ? a.offset + b * W * groups : nullptr;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512 acc[RT];
-    __m512i even[RT], odd[RT];  // two chains of integer sums (exact: their order is free)
+    __m512i high[RT], low[RT];  // the sums of the high and low bytes (exact: order is free)
     for (int rr = 0; rr < RT; rr++) acc[rr] = _mm512_set1_ps(-0.0f);
     for (int64_t g = 0; g < groups; g++) {
         for (int rr = 0; rr < RT; rr++) {
-            even[rr] = _mm512_set1_epi32(a.bias[(r0 + rr) * groups + g]);
-            odd[rr] = _mm512_setzero_si512();
+            high[rr] = _mm512_set1_epi32(a.bias[(r0 + rr) * groups + g]);
+            low[rr] = _mm512_setzero_si512();
         }
         const uint8_t* pg = p + g * steps * 64;
-        const int8_t* qg = a.q + r0 * a.k + g * a.group;
+        const int8_t* hg = a.hi + r0 * a.k + g * a.group;
+        const uint8_t* lg = a.lo + r0 * a.k + g * a.group;
         // several rows compute long enough to fetch ahead: the group of the block AHEAD
         // blocks on, into L2 (Gemma 3's head, 9 rows, one thread: 13 ms instead of 18; one
         // row is faster without)
@@ -109,21 +116,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block512(const Head&
             for (int64_t j = 0; j < steps; j++)
                 _mm_prefetch(reinterpret_cast<const char*>(pg + AHEAD * W * a.k + j * 64),
                              _MM_HINT_T1);
-        for (int64_t j = 0; j < steps; j += 2) {  // steps is even (groups of 16 or more)
-            const __m512i w0 = _mm512_loadu_si512(pg + j * 64);
-            const __m512i w1 = _mm512_loadu_si512(pg + j * 64 + 64);
+        for (int64_t j = 0; j < steps; j++) {
+            const __m512i biased = _mm512_loadu_si512(pg + j * 64);  // code + 128, unsigned
+            const __m512i codes = _mm512_xor_si512(biased, flip);    // the code, signed
             for (int rr = 0; rr < RT; rr++) {
-                int32_t q0, q1;
-                std::memcpy(&q0, qg + rr * a.k + 4 * j, 4);
-                std::memcpy(&q1, qg + rr * a.k + 4 * j + 4, 4);
-                even[rr] = _mm512_dpbusd_epi32(even[rr], w0, _mm512_set1_epi32(q0));
-                odd[rr] = _mm512_dpbusd_epi32(odd[rr], w1, _mm512_set1_epi32(q1));
+                int32_t h4, l4;
+                std::memcpy(&h4, hg + rr * a.k + 4 * j, 4);
+                std::memcpy(&l4, lg + rr * a.k + 4 * j, 4);
+                high[rr] = _mm512_dpbusd_epi32(high[rr], biased, _mm512_set1_epi32(h4));
+                low[rr] = _mm512_dpbusd_epi32(low[rr], _mm512_set1_epi32(l4), codes);
             }
         }
         const __m512 sv = _mm512_loadu_ps(s + g * W);
         for (int rr = 0; rr < RT; rr++) {
             const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(a.d[(r0 + rr) * groups + g]));
-            const __m512 m = _mm512_cvtepi32_ps(_mm512_add_epi32(even[rr], odd[rr]));
+            const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(high[rr], 8), low[rr]);
+            const __m512 m = _mm512_cvtepi32_ps(whole);
             __m512 t = _mm512_mul_ps(sd, m);
             if (off != nullptr)
                 t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_loadu_ps(off + g * W),
@@ -181,28 +189,34 @@ void blocks(const Head& a, int64_t b0, int64_t b1, int isa) {
     blocks_plain(a, b0, b1);
 }
 
-// A row's group rounded to int8 (q8head.py states it): amax the largest |x| (NaN if any is),
-// d = amax / 127, q = round-half-even(clamp(x * (d != 0 ? 1 / d : 0), -127, 127)) with NaN
-// taken as 0; bias = -128 times the sum of q.
-void quantize(const float* x, int64_t n, int8_t* q, float* d, int32_t* bias) {
+// A row's group rounded to 16-bit integers (q8.py states it): amax the largest |x| (NaN if any
+// is), d = amax / 32767, q = round-half-even(clamp(x * (d != 0 ? 1 / d : 0), -32767, 32767))
+// with NaN taken as 0, split into bytes hi = q >> 8, lo = q & 255; bias = -128 sum(hi); total
+// = sum(q).
+void quantize(const float* x, int64_t n, int16_t* q, int8_t* hi, uint8_t* lo, float* d,
+              int32_t* bias, int32_t* total) {
     float amax = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         const float v = std::fabs(x[i]);
         if (v > amax || std::isnan(v)) amax = std::isnan(amax) ? amax : v;
     }
-    const float scale = amax / 127.0f;
+    const float scale = amax / static_cast<float>(LEVELS);
     const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-    int32_t total = 0;
+    int32_t sum = 0, high = 0;
     for (int64_t i = 0; i < n; i++) {
         float y = x[i] * inv;
         if (std::isnan(y)) y = 0.0f;
-        y = std::min(std::max(y, -127.0f), 127.0f);
+        y = std::min(std::max(y, -static_cast<float>(LEVELS)), static_cast<float>(LEVELS));
         const int32_t c = static_cast<int32_t>(std::nearbyint(y));
-        q[i] = static_cast<int8_t>(c);
-        total += c;
+        q[i] = static_cast<int16_t>(c);
+        hi[i] = static_cast<int8_t>(c >> 8);  // arithmetic: floor(c / 256)
+        lo[i] = static_cast<uint8_t>(c & 255);
+        sum += c;
+        high += c >> 8;
     }
     *d = scale;
-    *bias = -128 * total;
+    *bias = -128 * high;
+    *total = sum;
 }
 
 }  // namespace
@@ -246,23 +260,29 @@ Tensor q8_mm(const Tensor& x, const Tensor& packed, const Tensor& scale, const T
     TORCH_CHECK(!has_offset || (offset.scalar_type() == at::kFloat && offset.is_contiguous() &&
                                 !offset.is_cuda() && offset.numel() == n * groups),
                 "q8: want ", n * groups, " offsets, float32, contiguous, on the CPU");
-    Tensor q = at::empty({r, k}, x.options().dtype(at::kChar));
+    Tensor q = at::empty({r, k}, x.options().dtype(at::kShort));
+    Tensor hi = at::empty({r, k}, x.options().dtype(at::kChar));
+    Tensor lo = at::empty({r, k}, x.options().dtype(at::kByte));
     Tensor d = at::empty({r, groups}, x.options());
-    Tensor bias = at::empty({r, groups}, x.options().dtype(at::kInt));
+    Tensor sums = at::empty({2, r, groups}, x.options().dtype(at::kInt));  // bias, sum(q)
     const float* xs = x.data_ptr<float>();
-    int8_t* qs = q.data_ptr<int8_t>();
+    int16_t* qs = q.data_ptr<int16_t>();
+    int8_t* his = hi.data_ptr<int8_t>();
+    uint8_t* los = lo.data_ptr<uint8_t>();
     float* ds = d.data_ptr<float>();
-    int32_t* bs = bias.data_ptr<int32_t>();
+    int32_t* bs = sums.data_ptr<int32_t>();
+    int32_t* ts = bs + r * groups;
     for (int64_t i = 0; i < r * groups; i++)  // row i / groups, group i % groups
-        quantize(xs + i * group, group, qs + i * group, ds + i, bs + i);
+        quantize(xs + i * group, group, qs + i * group, his + i * group, los + i * group, ds + i,
+                 bs + i, ts + i);
     Tensor u;
-    if (has_offset) {  // d times the sum of q, per row and group
+    if (has_offset) {  // d times the sum of q, per row and group (exact: below 2^24)
         u = at::empty({r, groups}, x.options());
         float* us = u.data_ptr<float>();
-        for (int64_t i = 0; i < r * groups; i++) us[i] = ds[i] * static_cast<float>(bs[i] / -128);
+        for (int64_t i = 0; i < r * groups; i++) us[i] = ds[i] * static_cast<float>(ts[i]);
     }
     Tensor out = at::empty({r, n}, x.options());
-    const Head a{qs, ds, bs, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+    const Head a{qs, his, los, ds, bs, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                  has_offset ? offset.data_ptr<float>() : nullptr,
                  has_offset ? u.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                  r, k, group, n};

@@ -1,29 +1,34 @@
 """The q8 product (issue 42): an int8 weight in groups (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K,
-MXFP4; ``Quantized`` int8 with ``group`` columns a scale) times rows rounded to int8 per
-group, as llama.cpp multiplies these types, in one stated order, so that a compiled kernel
-and plain torch give the same bytes.
+MXFP4; ``Quantized`` int8 with ``group`` columns a scale) times rows rounded to 16-bit
+integers per group, multiplied in integers, in one stated order, so that a compiled kernel and
+plain torch give the same bytes.
 
-For a row ``x``, per group ``g`` of ``B`` columns (every operation one correctly rounded float32
-operation, never fused):
+For a row ``x``, per group ``g`` of ``B`` columns (every float operation one correctly rounded
+float32 operation, never fused):
 
-- ``amax`` the largest ``|x|`` of the group (NaN if any is NaN), ``d = amax / 127``,
-  ``q = round_half_even(clamp(x * i, -127, 127))`` with ``i = 1 / d`` (0 where ``d == 0``) and a
-  NaN product taken as 0: int8, and ``u = d * float(sum(q))``;
+- ``amax`` the largest ``|x|`` of the group (NaN if any is NaN), ``d = amax / 32767``,
+  ``q = round_half_even(clamp(x * i, -32767, 32767))`` with ``i = 1 / d`` (0 where ``d == 0``)
+  and a NaN product taken as 0: int16, and ``u = d * float(sum(q))`` (exact: below 2^24);
 - per output ``n`` (codes ``c``, scale ``s``, offset ``o``): ``m = sum(q * c)`` over the group,
-  an exact integer (``B`` at most 256, so ``|m| < 2^24`` and ``float(m)`` is exact);
+  an exact integer (``B`` at most 256, so ``|m| < 2^31``), and ``float(m)`` rounded to
+  nearest, ties to even;
 - ``t = (s * d) * float(m)``; with offsets ``t = (s * d) * float(m) + o * u``;
 - the output: ``t`` summed over the groups left to right (from group 0's; the kernel starts
   from -0.0, which adds nothing).
 
-Rounding the rows to int8 is a choice of computation, not a loss of agreement between nodes:
-each output comes from its own row and weight row, and the integer sums are exact in any
+Why 16 bits: the rounding of a row to 16 bits is 256 times finer than llama.cpp's to 8 (its
+Q8_0 and Q8_K activations) and finer than the bf16 rows of torch's int4 kernel, so the
+stored products stay as close to the float weight's as before (``tests/test_quant.py``'s
+1 %; a tiny Qwen3's stored logits moved 0.17 % with 16-bit rows, 1.1 % with 8-bit ones),
+at twice an 8-bit product's integer work: a row value is two bytes, ``q = 256 h + l``, and
+one AVX-512 VNNI instruction multiplies 4 columns of 16 outputs by 4 broadcast bytes.
+
+Each output comes from its own row and weight row, and the integer sums are exact in any
 order, so every node, instruction set and thread count and the torch reference give the same
-bytes; a verify chunk equals its decode steps, a batched row its lone run, and an audit
-replays it. Against the float weight the outputs move by about the int8 rounding of the rows
-(``tests/test_q8.py`` bounds it), as llama.cpp's do. It replaced, in session 36, a float32
-product of the same weights (the rows kept in float32): one VNNI instruction multiplies 4
-columns of 16 outputs by 4 broadcast row values, so a verify chunk's 9 rows of Gemma 3
-270M's 262144 x 640 head took 19 ms at one thread here instead of 53.
+bytes: a verify chunk equals its decode steps, a batched row its lone run, and an audit
+replays it. It replaced, in session 36, a float32 product of the same weights (session 35's,
+the rows kept in float32, 16 lanes of float sums): Gemma 3 270M's 262144 x 640 head, 9 rows,
+one thread, 53 ms there (docs/benchmarks.md has this one's).
 
 The codes are packed once, at load (``Int8Group``): blocks of 16 outputs (the last may be
 narrower), each ``[K / 4][width][4]`` bytes of ``code + 128``, and the scales and offsets
@@ -52,8 +57,10 @@ log = logging.getLogger(__name__)
 
 #: Outputs a packed block.
 WIDTH: Final = 16
-#: The widest group it takes (``|m| < 2^24``: module docstring).
+#: The widest group it takes (``|m| < 2^31``: module docstring).
 MAX_GROUP: Final = 256
+#: A row value's largest magnitude (16-bit integers).
+LEVELS: Final = 32767
 #: Outputs the reference multiplies at a time.
 REFERENCE_ROWS: Final = 4096
 
@@ -64,15 +71,15 @@ def q8_fits(k: int, group: int) -> bool:
 
 
 def quantize_rows(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """Rows ``[R, K]`` rounded to int8 per group (module docstring): the codes ``[R, K]`` int8
-    and the scales ``d`` ``[R, K // group]`` float32."""
+    """Rows ``[R, K]`` rounded to 16-bit integers per group (module docstring): the values
+    ``[R, K]`` int16 and the scales ``d`` ``[R, K // group]`` float32."""
     r, k = x.shape
     xs = x.float().reshape(r, k // group, group)
-    d = xs.abs().amax(-1) / 127
+    d = xs.abs().amax(-1) / LEVELS
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     y = xs * inv[:, :, None]
-    y = torch.where(y.isnan(), torch.zeros_like(y), y).clamp(-127, 127).round()
-    return y.to(torch.int8).reshape(r, k), d
+    y = torch.where(y.isnan(), torch.zeros_like(y), y).clamp(-LEVELS, LEVELS).round()
+    return y.to(torch.int16).reshape(r, k), d
 
 
 def reference(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, group: int) -> Tensor:
@@ -82,11 +89,11 @@ def reference(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None, gr
     n, groups = codes.shape[0], k // group
     q, d = quantize_rows(x, group)
     qs = q.double().reshape(r, groups, group)
-    u = d * qs.sum(-1).float()  # [R, G]: the sums of q are exact integers
+    u = d * qs.sum(-1).float()  # [R, G]: the sums of q are exact integers below 2^24
     out = torch.empty(r, n, dtype=torch.float32)
     for i in range(0, n, REFERENCE_ROWS):
         c = codes[i : i + REFERENCE_ROWS].double().reshape(-1, groups, group)
-        m = torch.einsum("rgb,ngb->rng", qs, c).float()  # exact: integers below 2^24
+        m = torch.einsum("rgb,ngb->rng", qs, c).float()  # exact in float64, then rounded
         t = (scale[None, i : i + REFERENCE_ROWS, :] * d[:, None, :]) * m  # [R, n, G]
         if offset is not None:
             t = t + offset[None, i : i + REFERENCE_ROWS, :] * u[:, None, :]

@@ -14,10 +14,10 @@ and may have no offset. A per-channel int8 weight is int8 with ``group == in_fea
 - int8 per channel without offset: ``_weight_int8pack_mm``.
 - int8 group-wise (GGUF Q8_0, Q5_*, Q6_K, MXFP4; groups a multiple of 16 up to 256) on a
   CPU: ``int8-group``, the codes packed once for ``shard.model.q8``, which rounds the rows
-  to int8 per group as llama.cpp does and multiplies in integers (one stated order,
-  compiled, with a torch reference that gives the same bytes). A tied head lends its packed
-  table to the embedding. Gemma 3 270M's 262144 x 640 head at one thread on the EPYC of
-  session 36: 9 rows in 19 ms (53 ms as session 35's float32 q8 product).
+  to 16-bit integers per group and multiplies in integers (one stated order, compiled, with
+  a torch reference that gives the same bytes). A tied head lends its packed table to the
+  embedding. Gemma 3 270M's 262144 x 640 head at one thread on the EPYC of session 36: 9
+  rows in 20 ms (53 ms as session 35's float32 q8 product).
 - int8 group-wise on CUDA (no stock kernel takes it): ``int8-split``, the codes split
   ``code = 16 * hi + lo`` into two int4 weights run by the int4 kernel, ``hi`` with scale
   ``16 * scale`` and ``lo`` with the offset: two int4 products, exact as a representation,
@@ -30,10 +30,10 @@ Torch's int4 and int8-per-channel kernels take their scales in the activations' 
 are fast only in bf16, also on a CPU without bf16 instructions (their float32 variants ran
 11-33x slower there: see ``kernel_dtype``), so those paths run in bf16 on every device; the
 input is cast to bf16 and the output back to the input's (the q8 product takes float32 rows
-and rounds them to int8 per group itself). A
+and rounds them to 16-bit integers per group itself). A
 weight dequantized per call is multiplied in ``dense_dtype``: bf16 where the CPU multiplies
 bf16 natively (``cpu_has_bf16``) and on CUDA, float32 otherwise. Scales and activations
-rounded to bf16 (or the q8 product's rows to int8) are where a stored weight stops being
+rounded to bf16 (or the q8 product's rows to 16-bit integers) are where a stored weight stops being
 exact: ``tests/test_quant.py`` states the tolerance (load ``weights = "float32"`` for float32
 products).
 
