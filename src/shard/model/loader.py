@@ -334,13 +334,13 @@ def _tie_head(stage: StageModel, device: torch.device | str) -> None:
     embed, head = stage.embed_tokens, stage.lm_head
     if embed is None or head is None:
         return
-    if isinstance(embed, QuantEmbedding) and isinstance(embed.q, Quantized):
+    if not isinstance(embed, QuantEmbedding):
+        head.weight = embed.weight
+    elif isinstance(embed.q, Quantized):  # not yet lent a head's packed table
         tied = QuantLinear(embed.q, device)  # the same stored table
         _set_module(stage, "lm_head", tied)
         if tied.path == "int8-group":  # packed once: the embedding reads the head's table
             embed.share(tied)
-    else:
-        head.weight = embed.weight
 
 
 def _fused_fits(shape: tuple[int, ...], weights: str | None) -> bool:

@@ -30,12 +30,12 @@ Torch's int4 and int8-per-channel kernels take their scales in the activations' 
 are fast only in bf16, also on a CPU without bf16 instructions (their float32 variants ran
 11-33x slower there: see ``kernel_dtype``), so those paths run in bf16 on every device; the
 input is cast to bf16 and the output back to the input's (the q8 product takes float32 rows
-and rounds them to 16-bit integers per group itself). A
-weight dequantized per call is multiplied in ``dense_dtype``: bf16 where the CPU multiplies
-bf16 natively (``cpu_has_bf16``) and on CUDA, float32 otherwise. Scales and activations
-rounded to bf16 (or the q8 product's rows to 16-bit integers) are where a stored weight stops being
-exact: ``tests/test_quant.py`` states the tolerance (load ``weights = "float32"`` for float32
-products).
+and rounds them to 16-bit integers per group itself). A weight dequantized per call is
+multiplied in ``dense_dtype``: bf16 where the CPU multiplies bf16 natively
+(``cpu_has_bf16``) and on CUDA, float32 otherwise. Scales and activations
+rounded to bf16 (or the q8 product's rows to 16-bit integers) are where a stored weight stops
+being exact: ``tests/test_quant.py`` states the tolerance (load ``weights = "float32"`` for
+float32 products).
 
 Row invariance: every kernel path gave each row the same bits whether it ran alone or among
 9 rows (``test_quant_linear_rows_are_batch_invariant``), which is what lets a batched stage
