@@ -212,3 +212,19 @@ def test_a_tied_head_shares_the_embedding_table(smollm2_dir) -> None:  # type: i
     assert alone.embed_tokens is not None
     ids = torch.tensor([[0, 1, 2, 49151, 12345]])
     assert torch.equal(stage.embed_tokens(ids), alone.embed_tokens(ids))
+
+
+def test_a_large_packed_table_asks_for_huge_pages() -> None:
+    """Where Linux gives transparent huge pages (``always`` or ``madvise``), the packed codes
+    of a table over 2 MiB are advised before they are written; the advice changes no value."""
+    from pathlib import Path
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this host")
+    fresh = torch.empty(8 << 20, dtype=torch.uint8)
+    assert q8.huge_pages(fresh)
+    assert not q8.huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole huge page
+    codes, scale, _ = _weight(4096, 1024, 32, False, seed=13)
+    weight = q8.Int8Group(codes, scale, None, 32)
+    assert torch.equal(weight.codes(), codes)

@@ -41,9 +41,11 @@ the same bytes, many times slower (a warning says so once).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
@@ -51,7 +53,16 @@ from torch import Tensor
 
 from shard.model.native_build import build
 
-__all__ = ["MAX_GROUP", "WIDTH", "Int8Group", "q8_fits", "q8_mm", "quantize_rows", "reference"]
+__all__ = [
+    "MAX_GROUP",
+    "WIDTH",
+    "Int8Group",
+    "huge_pages",
+    "q8_fits",
+    "q8_mm",
+    "quantize_rows",
+    "reference",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +74,10 @@ MAX_GROUP: Final = 256
 LEVELS: Final = 32767
 #: Outputs the reference multiplies at a time.
 REFERENCE_ROWS: Final = 4096
+#: A huge page (x86-64 and arm64 Linux with 4 KiB base pages): ``huge_pages``.
+HUGE_PAGE: Final = 2 << 20
+#: ``madvise``'s advice for transparent huge pages (Linux's ``MADV_HUGEPAGE``).
+MADV_HUGEPAGE: Final = 14
 
 
 def q8_fits(k: int, group: int) -> bool:
@@ -109,6 +124,36 @@ def _fallback_warning(why: str) -> None:
     log.warning("int8 products run in plain torch, the same bytes many times slower: %s", why)
 
 
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    advise: Callable[[int, int, int], int] = fn
+    return advise
+
+
+def huge_pages(t: Tensor) -> bool:
+    """Ask Linux to back ``t``'s whole 2 MiB pages with huge pages (``madvise``), before its
+    memory is first written: a weight read end to end on every decode step then misses the
+    TLB far less (Gemma 3's head, one row, one thread: ~8 ms instead of ~11 on the EPYC of
+    session 36, where transparent huge pages are given only where asked, ``madvise`` mode).
+    No effect on any value; False where it could not ask (another OS, a tensor under a huge
+    page, the kernel refusing)."""
+    fn = _madvise()
+    start = t.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = (start + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if fn is None or t.device.type != "cpu" or last <= first:
+        return False
+    return int(fn(first, last - first, MADV_HUGEPAGE)) == 0
+
+
 def _pack(out: Tensor, values: Tensor, inner: int) -> None:
     """``values`` ``[N, C * inner]`` into ``out`` (``N * C * inner`` elements) in blocks of
     ``WIDTH`` rows, each ``[C][width][inner]``, a block at a time (no whole-table temporary)."""
@@ -150,8 +195,10 @@ class Int8Group:
         self.shape = (int(n), int(k))
         self.group = group
         self.packed = torch.empty(n, k, dtype=torch.uint8)
+        huge_pages(self.packed)  # before the first write: no value depends on it
         _pack(self.packed, codes.view(torch.uint8) ^ 128, 4)  # code + 128
         self.scale = torch.empty(n, k // group, dtype=torch.float32)
+        huge_pages(self.scale)
         _pack(self.scale, scale.float(), 1)
         self.offset = None
         if offset is not None:
