@@ -167,6 +167,69 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void blocks512(const Head
         }
     }
 }
+// Rows [r0, r0 + RT) of a full block b on AVX2 (no VNNI): the codes widened to 16 bits, each
+// row's 4 values broadcast, _mm256_madd_epi16 (exact: |pair| < 2^24); 4 outputs' pairs a
+// register, folded at the group's end. The same integers, so the same bytes.
+template <int RT>
+__attribute__((target("avx2"))) void block256(const Head& a, int64_t b, int64_t r0) {
+    const int64_t groups = a.k / a.group, steps = a.group / 4;
+    const uint8_t* p = a.packed + b * W * a.k;
+    const float* s = a.scale + b * W * groups;
+    const float* off = a.offset != nullptr ? a.offset + b * W * groups : nullptr;
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    __m256 acc[RT][2];
+    for (int rr = 0; rr < RT; rr++) acc[rr][0] = acc[rr][1] = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i pairs[RT][4];
+        for (int rr = 0; rr < RT; rr++)
+            for (int h = 0; h < 4; h++) pairs[rr][h] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < steps; j++) {
+            const uint8_t* w = p + (g * steps + j) * 64;
+            __m256i c[4];  // outputs 4h..4h+3, 4 columns each, as 16-bit codes
+            for (int h = 0; h < 4; h++)
+                c[h] = _mm256_cvtepi8_epi16(_mm_xor_si128(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * h)), flip));
+            for (int rr = 0; rr < RT; rr++) {
+                int64_t q4;
+                std::memcpy(&q4, a.q + (r0 + rr) * a.k + g * a.group + 4 * j, 8);
+                const __m256i qv = _mm256_set1_epi64x(q4);
+                for (int h = 0; h < 4; h++)
+                    pairs[rr][h] = _mm256_add_epi32(pairs[rr][h], _mm256_madd_epi16(c[h], qv));
+            }
+        }
+        for (int rr = 0; rr < RT; rr++) {
+            const float d = a.d[(r0 + rr) * groups + g];
+            for (int half = 0; half < 2; half++) {
+                const __m256i m = _mm256_permutevar8x32_epi32(
+                    _mm256_hadd_epi32(pairs[rr][2 * half], pairs[rr][2 * half + 1]), order);
+                const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(s + g * W + 8 * half),
+                                                _mm256_set1_ps(d));
+                __m256 t = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(m));
+                if (off != nullptr)
+                    t = _mm256_add_ps(
+                        t, _mm256_mul_ps(_mm256_loadu_ps(off + g * W + 8 * half),
+                                         _mm256_set1_ps(a.u[(r0 + rr) * groups + g])));
+                acc[rr][half] = _mm256_add_ps(acc[rr][half], t);
+            }
+        }
+    }
+    for (int rr = 0; rr < RT; rr++)
+        for (int half = 0; half < 2; half++)
+            _mm256_storeu_ps(a.out + (r0 + rr) * a.n + b * W + 8 * half, acc[rr][half]);
+}
+
+__attribute__((target("avx2"))) void blocks256(const Head& a, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+        if ((b + 1) * W > a.n) {  // the narrower last block
+            for (int64_t r0 = 0; r0 < a.r; r0++) block_plain<1>(a, b, r0);
+            continue;
+        }
+        int64_t r0 = 0;
+        for (; r0 + 2 <= a.r; r0 += 2) block256<2>(a, b, r0);
+        if (r0 < a.r) block256<1>(a, b, r0);
+    }
+}
 #endif
 
 void blocks_plain(const Head& a, int64_t b0, int64_t b1) {
@@ -179,6 +242,7 @@ void blocks_plain(const Head& a, int64_t b0, int64_t b1) {
 
 void blocks(const Head& a, int64_t b0, int64_t b1, int isa) {
 #ifdef HEAD_X86
+    if (isa == 1) return blocks256(a, b0, b1);
     if (isa == 2) {
         const int64_t steps = a.group / 4;
         return steps == 8 ? blocks512<8>(a, b0, b1)
@@ -221,14 +285,15 @@ void quantize(const float* x, int64_t n, int16_t* q, int8_t* hi, uint8_t* lo, fl
 
 }  // namespace
 
-// The widest version this CPU runs: 2 AVX-512 with VNNI, 0 plain C++.
+// The widest version this CPU runs: 2 AVX-512 with VNNI, 1 AVX2, 0 plain C++.
 int64_t q8_best() {
 #ifdef HEAD_X86
     static const int best = __builtin_cpu_supports("avx512f") &&
                                     __builtin_cpu_supports("avx512bw") &&
                                     __builtin_cpu_supports("avx512vnni")
                                 ? 2
-                                : 0;
+                            : __builtin_cpu_supports("avx2") ? 1
+                                                             : 0;
     return best;
 #else
     return 0;

@@ -34,8 +34,8 @@ The codes are packed once, at load (``Int8Group``): blocks of 16 outputs (the la
 narrower), each ``[K / 4][width][4]`` bytes of ``code + 128``, and the scales and offsets
 ``[G][width]`` a block: the stored sizes. A tied head on the embedding's stage lends its packed
 table to the embedding (``Int8Group.dequantize`` reads rows back), so the table is held once.
-``q8_mm`` runs the compiled kernel of ``native_q8.cpp`` (AVX-512 with VNNI or plain C++, chosen
-at run time, the same bytes) and falls back to ``reference``, the same operations in torch:
+``q8_mm`` runs the compiled kernel of ``native_q8.cpp`` (AVX-512 with VNNI, AVX2 or plain C++,
+chosen at run time, the same bytes) and falls back to ``reference``, the same operations in torch:
 the same bytes, many times slower (a warning says so once).
 """
 
@@ -261,8 +261,8 @@ class Int8Group:
 
 def q8_mm(x: Tensor, weight: Int8Group, isa: int = -1) -> Tensor:
     """Rows ``x`` ``[R, K]`` times ``weight``: ``[R, N]`` float32, by the compiled kernel where it
-    built, else ``reference``. ``isa``: the kernel's version (0 plain C++, 2 AVX-512 with VNNI;
-    -1 the widest the CPU runs): the same bytes, for tests."""
+    built, else ``reference``. ``isa``: the kernel's version (0 plain C++, 1 AVX2, 2 AVX-512
+    with VNNI; -1 the widest the CPU runs): the same bytes, for tests."""
     ext = build()
     rows = x.float().contiguous()
     if isinstance(ext, str):
