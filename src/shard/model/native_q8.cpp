@@ -34,7 +34,7 @@ constexpr int64_t MAX_GROUP = 256;
 constexpr int32_t LEVELS = 32767;  // a row value's largest magnitude
 constexpr int64_t AHEAD = 4;  // blocks a prefetch reaches ahead
 
-struct Head {
+struct Q8 {
     const int16_t* q;       // [R, K]: the rows rounded to 16-bit integers
     const int8_t* hi;       // [R, K]: q >> 8 (arithmetic)
     const uint8_t* lo;      // [R, K]: q & 255
@@ -50,7 +50,7 @@ struct Head {
 
 // Rows [r0, r0 + RT) of block b, any width, in plain C++.
 template <int RT>
-void block_plain(const Head& a, int64_t b, int64_t r0) {
+void block_plain(const Q8& a, int64_t b, int64_t r0) {
     const int64_t groups = a.k / a.group, steps = a.group / 4;
     const int64_t width = std::min<int64_t>(W, a.n - b * W);
     const uint8_t* p = a.packed + b * W * a.k;
@@ -86,12 +86,12 @@ void block_plain(const Head& a, int64_t b, int64_t r0) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define HEAD_X86 1
+#define Q8_X86 1
 
 // Rows [r0, r0 + RT) of a full block b: one 16-lane register a row holds its 16 outputs.
 // J: the 4-column steps of a group when known at compile time (8: groups of 32), else 0.
 template <int RT, int J>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void block512(const Head& a, int64_t b,
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void block512(const Q8& a, int64_t b,
                                                                        int64_t r0) {
     const int64_t groups = a.k / a.group, steps = J > 0 ? J : a.group / 4;
     const uint8_t* p = a.packed + b * W * a.k;
@@ -143,7 +143,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block512(const Head&
 }
 
 template <int J>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void blocks512(const Head& a, int64_t b0,
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void blocks512(const Q8& a, int64_t b0,
                                                                         int64_t b1) {
     const int64_t tiles = (a.r + 7) / 8;  // up to 8 rows a pass over a block, balanced: 9 = 4 + 5
     for (int64_t b = b0; b < b1; b++) {
@@ -167,11 +167,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void blocks512(const Head
         }
     }
 }
+
 // Rows [r0, r0 + RT) of a full block b on AVX2 (no VNNI): the codes widened to 16 bits, each
 // row's 4 values broadcast, _mm256_madd_epi16 (exact: |pair| < 2^24); 4 outputs' pairs a
 // register, folded at the group's end. The same integers, so the same bytes.
 template <int RT>
-__attribute__((target("avx2"))) void block256(const Head& a, int64_t b, int64_t r0) {
+__attribute__((target("avx2"))) void block256(const Q8& a, int64_t b, int64_t r0) {
     const int64_t groups = a.k / a.group, steps = a.group / 4;
     const uint8_t* p = a.packed + b * W * a.k;
     const float* s = a.scale + b * W * groups;
@@ -219,7 +220,7 @@ __attribute__((target("avx2"))) void block256(const Head& a, int64_t b, int64_t 
             _mm256_storeu_ps(a.out + (r0 + rr) * a.n + b * W + 8 * half, acc[rr][half]);
 }
 
-__attribute__((target("avx2"))) void blocks256(const Head& a, int64_t b0, int64_t b1) {
+__attribute__((target("avx2"))) void blocks256(const Q8& a, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
         if ((b + 1) * W > a.n) {  // the narrower last block
             for (int64_t r0 = 0; r0 < a.r; r0++) block_plain<1>(a, b, r0);
@@ -232,7 +233,7 @@ __attribute__((target("avx2"))) void blocks256(const Head& a, int64_t b0, int64_
 }
 #endif
 
-void blocks_plain(const Head& a, int64_t b0, int64_t b1) {
+void blocks_plain(const Q8& a, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
         int64_t r0 = 0;
         for (; r0 + 4 <= a.r; r0 += 4) block_plain<4>(a, b, r0);
@@ -240,8 +241,8 @@ void blocks_plain(const Head& a, int64_t b0, int64_t b1) {
     }
 }
 
-void blocks(const Head& a, int64_t b0, int64_t b1, int isa) {
-#ifdef HEAD_X86
+void blocks(const Q8& a, int64_t b0, int64_t b1, int isa) {
+#ifdef Q8_X86
     if (isa == 1) return blocks256(a, b0, b1);
     if (isa == 2) {
         const int64_t steps = a.group / 4;
@@ -287,7 +288,7 @@ void quantize(const float* x, int64_t n, int16_t* q, int8_t* hi, uint8_t* lo, fl
 
 // The widest version this CPU runs: 2 AVX-512 with VNNI, 1 AVX2, 0 plain C++.
 int64_t q8_best() {
-#ifdef HEAD_X86
+#ifdef Q8_X86
     static const int best = __builtin_cpu_supports("avx512f") &&
                                     __builtin_cpu_supports("avx512bw") &&
                                     __builtin_cpu_supports("avx512vnni")
@@ -347,7 +348,7 @@ Tensor q8_mm(const Tensor& x, const Tensor& packed, const Tensor& scale, const T
         for (int64_t i = 0; i < r * groups; i++) us[i] = ds[i] * static_cast<float>(ts[i]);
     }
     Tensor out = at::empty({r, n}, x.options());
-    const Head a{qs, his, los, ds, bs, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+    const Q8 a{qs, his, los, ds, bs, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                  has_offset ? offset.data_ptr<float>() : nullptr,
                  has_offset ? u.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                  r, k, group, n};
