@@ -1,8 +1,9 @@
 """Quantized weights in a ring: the ring's greedy output equals the local run with the same
 ``weights``, token for token, batched or not, speculative or not. Speculative verification
 runs a session's K+1 rows at once: the quantized kernels give a row the same bits alone as
-among many, and a quantized block attends a short chunk row by row over exactly the keys each
-row's decode sees (``Attention.rowwise``), so a verify chunk's rows are the decode's bits."""
+among many, and a quantized block attends each row of a short chunk over exactly the keys that
+row's decode sees (``Attention.rowwise``: row attention, ``shard.model.rowattn``), so a verify
+chunk's rows are the decode's bits."""
 
 from __future__ import annotations
 

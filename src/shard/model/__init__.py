@@ -27,16 +27,17 @@ runtime never imports.
     kvcache.py      KVCache: one stage's static cache for one session; rollback by overwrite
     quant.py        weights kept packed: int4 and int8 linears and a row-gathering embedding
     q8.py           int8 weights in groups, packed, times rows rounded to int16 (C++, torch)
+    rowattn.py      a short chunk's attention, each row in one stated order (C++, torch)
     fused.py        q/k/v and gate/up products joined into one, the same bytes each
     held.py         int4 weights in groups of 16 held dequantized, up to 16 MiB a layer
     native.py       a Llama-family stage's layers in C++ (native_step.cpp): same bytes, faster
-    native_build.py the C++ extension (native_step.cpp, native_q8.cpp) built on first use
+    native_build.py the C++ extension (native_step, native_q8, native_attn.cpp) built on first use
     fp8.py          published FP8 weights with block scales (weight_scale_inv), kept stored
     weights.py      the ``weights`` option, how it combines with ``dtype``, its default
     loader.py       load_stage: read only one block's tensors, in the chosen ``weights``
     safetensors_header.py  the one checked reader of safetensors headers, indexes, quant tables
     tensorfile.py   a safetensors file read tensor by tensor into memory torch owns
-    heap.py         freed temporaries handed back to the OS while a stage loads
+    heap.py         freed temporaries handed back to the OS while a stage loads, kept after
     footprint.py    what a block weighs in memory, predicted from config.json (or headers)
     stored_headers.py  each weight of a stored checkpoint as its header describes it
     profile.py      what one layer costs a node: its weight bytes and measured time

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shard.model import rowattn
 from shard.model.config import ModelConfig, RopeScaling
 from shard.model.fused import joined_of
 from shard.model.kvcache import KVCache
@@ -176,8 +177,8 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm | GemmaRMSNorm:
     return RMSNorm(dim, config.rms_norm_eps)
 
 
-#: The longest chunk ``Attention.rowwise`` attends row by row: a verify chunk (K + 1 rows, K at
-#: most 8 by default) or a short prefill; a long prefill chunk keeps one call.
+#: The longest chunk ``Attention.rowwise`` attends as its rows' decode steps: a verify chunk
+#: (K + 1 rows, K at most 8 by default) or a short prefill; a long prefill chunk keeps one call.
 ROWWISE_MAX_ROWS = 16
 
 
@@ -203,10 +204,12 @@ class Attention(nn.Module):
             self.q_norm = make_norm(config, config.n_heads * dh if whole else dh)
             self.k_norm = make_norm(config, config.n_kv_heads * dh if whole else dh)
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
-        #: attend a short chunk's rows one by one, each over exactly the keys and mask its own
-        #: one-row decode would use (``attend``); set by the loader on quantized blocks, whose
-        #: kernels give a row the same bits alone as among many, so that a speculative verify
-        #: chunk equals plain decoding bit for bit
+        #: attend each row of a short chunk over exactly the keys and mask its own one-row
+        #: decode would use (``attend``): on the CPU in float32 by row attention
+        #: (``shard.model.rowattn``: one call, each row in one stated order, decode steps too),
+        #: elsewhere one torch call a row; set by the loader on quantized blocks, whose kernels
+        #: give a row the same bits alone as among many, so that a speculative verify chunk
+        #: equals plain decoding bit for bit
         self.rowwise = False
 
     def forward(
@@ -286,6 +289,14 @@ class Attention(nn.Module):
         else:
             keys, values = cache.update(layer, start, k, v)  # [B, KV, start+S, Dh]
         rows = q.shape[2]
+        if (
+            self.rowwise
+            and rows <= ROWWISE_MAX_ROWS
+            and not isinstance(start, Tensor)
+            and self.sinks is None
+            and rowattn.fits(q, keys, mask)
+        ):  # each row in one stated order: a chunk's rows in one call, as their decode steps
+            return rowattn.attend_rows(q, keys, values, mask, self.scale)
         if self.rowwise and 1 < rows <= ROWWISE_MAX_ROWS and not isinstance(start, Tensor):
             # row i as its decode at start + i sees it: keys [0, start + i] and that row's mask
             return torch.cat(

@@ -4,7 +4,9 @@ small torch operations a layer.
 
 Every operation whose rounding is torch's own (the int4 products, the RMS norm's sum, SiLU,
 scaled-dot-product attention) stays the same ATen call on a tensor of the same shape and
-values; the int8 products are the q8 kernel the eager path calls too (``shard.model.q8``);
+values; the int8 products are the q8 kernel the eager path calls too (``shard.model.q8``),
+and a quantized block's short chunks and decode steps are attended by the row attention
+kernel the eager path calls too (``shard.model.rowattn``);
 everything else is one correctly rounded float32 operation per element (the mean is the sum
 divided once, as torch's mean is), a copy or torch's bf16 rounding (the C++ file's comment).
 So a stage gives the same bytes with and without it, in a ring as in one process, and an
@@ -41,6 +43,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor, nn
 
+from shard.model import rowattn
 from shard.model.attention import ROWWISE_MAX_ROWS, Attention, GemmaRMSNorm, RMSNorm, Ropes
 from shard.model.fused import JoinedInt4, joined_of
 from shard.model.kvcache import KVCache
@@ -239,7 +242,8 @@ def attach(stage: nn.Module) -> str | None:
         return ext
     scale, rowwise, qk_norm, sandwich, norm = alike.pop()
     act, width = ffns.pop()
-    flags = [NORMS[norm], sandwich, qk_norm, act == "gelu_pytorch_tanh"]
+    rows = rowwise and rowattn.shapes_fit(c.head_dim, c.n_heads, c.n_kv_heads)
+    flags = [NORMS[norm], sandwich, qk_norm, act == "gelu_pytorch_tanh", rows]
     iconf = [c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, width]
     iconf += [ROWWISE_MAX_ROWS if rowwise else 0, *(int(f) for f in flags)]
     impl = ext.Stage(weights, ints, iconf, [eps.pop(), float(scale)])

@@ -1,5 +1,6 @@
 """The C++ extension (``native_step.cpp``: the native forward, ``shard.model.native``;
-``native_q8.cpp``: the q8 product, ``shard.model.q8``), compiled on first use and loaded.
+``native_q8.cpp``: the q8 product, ``shard.model.q8``; ``native_attn.cpp``: row attention,
+``shard.model.rowattn``), compiled on first use and loaded.
 
 It is compiled on first use with the host's C++ compiler (``$CXX``,
 else ``c++``) against the installed torch, ~40 s, into ``$SHARD_NATIVE_DIR`` (else
@@ -37,8 +38,9 @@ __all__ = ["build", "enabled", "main", "native_dir"]
 log = logging.getLogger(__name__)
 
 SOURCE: Final = Path(__file__).with_name("native_step.cpp")
-#: Every source compiled into the extension (``native_q8.cpp``: the q8 product).
-SOURCES: Final = (SOURCE, SOURCE.with_name("native_q8.cpp"))
+#: Every source compiled into the extension (``native_q8.cpp``: the q8 product;
+#: ``native_attn.cpp``: row attention).
+SOURCES: Final = (SOURCE, SOURCE.with_name("native_q8.cpp"), SOURCE.with_name("native_attn.cpp"))
 #: Seconds a build may take before it counts as failed.
 BUILD_TIMEOUT_S: Final = 900.0
 #: ``shard.logs.NOTE``, the level the CLI shows by default (``shard.model`` imports no other

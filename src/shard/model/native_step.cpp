@@ -43,6 +43,8 @@ namespace shard_native {  // native_q8.cpp: the q8 product
 int64_t q8_best();
 Tensor q8_mm(const Tensor& x, const Tensor& packed, const Tensor& scale, const Tensor& offset,
              int64_t group, int64_t isa);
+Tensor row_attention(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask,
+                     double scale, int64_t isa);
 }  // namespace shard_native
 using shard_native::q8_mm;
 
@@ -176,12 +178,14 @@ class Stage {
     // ints, per layer: window, local, per product (qkv, o, gate_up, down) its kind (1 int4,
     // -1 q8, 0 held) and group, then the layer's cache slot. iconf: D, heads, KV
     // heads, Dh, F, the longest chunk attended row by row (0: never), Gemma's norms, sandwich
-    // norms, q/k norms, GELU-tanh (each 0 or 1). fconf: eps, attention scale.
+    // norms, q/k norms, GELU-tanh, row attention for those chunks (rowattn.py; else torch's
+    // attention a row at a time) (each 0 or 1). fconf: eps, attention scale.
     Stage(const std::vector<Tensor>& weights, const std::vector<int64_t>& ints,
           const std::vector<int64_t>& iconf, const std::vector<double>& fconf)
         : d_(iconf.at(0)), heads_(iconf.at(1)), kv_(iconf.at(2)), dh_(iconf.at(3)),
           ffn_(iconf.at(4)), rowwise_(iconf.at(5)), gemma_(iconf.at(6) != 0),
           sandwich_(iconf.at(7) != 0), qk_norm_(iconf.at(8) != 0), gelu_(iconf.at(9) != 0),
+          rows_(iconf.at(10) != 0),
           eps_(fconf.at(0)), scale_(fconf.at(1)) {
         size_t w = 0, p = 0;
         auto norm = [&]() { return gemma_ ? one_plus(weights.at(w++)) : weights.at(w++); };
@@ -325,7 +329,9 @@ class Stage {
         Tensor keys = kc.slice(2, 0, end), values = vc.slice(2, 0, end);
         const bool gqa = heads_ != kv_;
         Tensor y;  // [1, H, S, Dh]
-        if (1 < s && s <= rowwise_) {  // Attention.rowwise: each row as its own decode
+        if (rows_ && s <= rowwise_) {  // rowattn.attend_rows: each row as its own decode
+            y = shard_native::row_attention(q, keys, values, mask, scale_, -1);
+        } else if (1 < s && s <= rowwise_) {  // Attention.rowwise: each row as its own decode
             std::vector<Tensor> ys;
             for (int64_t i = 0; i < s; i++)
                 ys.push_back(at::scaled_dot_product_attention(
@@ -373,7 +379,7 @@ class Stage {
     }
 
     int64_t d_, heads_, kv_, dh_, ffn_, rowwise_;
-    bool gemma_, sandwich_, qk_norm_, gelu_;
+    bool gemma_, sandwich_, qk_norm_, gelu_, rows_;
     double eps_, scale_;
     std::vector<Layer> layers_;
 };
@@ -388,4 +394,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("forward", &Stage::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("q8_mm", &q8_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("q8_best", &shard_native::q8_best);
+    m.def("row_attention", &shard_native::row_attention,
+          pybind11::call_guard<pybind11::gil_scoped_release>());
 }
