@@ -155,6 +155,19 @@ def test_without_the_extension_the_reference_runs(
     assert "no compiler here" in caplog.text
 
 
+def test_keys_of_any_layout_give_the_same_bytes() -> None:
+    _ext()
+    q, k, v = _inputs(1, 4, 2, 3, 20, 32, seed=11)
+    mask = causal_mask(17, 3, CPU, None)
+    want = rowattn.attend_rows(q, k, v, mask, 0.3)
+    kt = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # the head dimension strided
+    vt = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert kt.stride(-1) != 1
+    assert torch.equal(
+        rowattn.attend_rows(q.transpose(1, 2).contiguous().transpose(1, 2), kt, vt, mask, 0.3), want
+    )
+
+
 def test_what_it_does_not_take() -> None:
     q, k, _ = _inputs(1, 4, 1, 2, 10, 32, seed=2)
     mask = causal_mask(8, 2, CPU, None)

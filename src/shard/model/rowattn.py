@@ -206,5 +206,7 @@ def attend_rows(
     if isinstance(ext, str):
         _fallback_warning(ext)
         return reference(q, keys, values, mask, scale)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:  # the kernel reads a head's values in a row
+        keys, values = keys.contiguous(), values.contiguous()
     out: Tensor = ext.row_attention(q, keys, values, mask, scale, isa)
     return out
