@@ -17,7 +17,7 @@ rounded float32 operation, never fused:
   ``b`` left to right; then the lanes in halves, ``a[l] + a[l + 8]``, ``+ a[l + 4]``,
   ``+ a[l + 2]``, ``+ a[l + 1]``;
 - ``s_j = dot(q, k_j) * scale`` for each allowed ``j``; ``m`` the largest (NaN if any is NaN);
-- ``e_j = exp(s_j - m)`` (``exp``: Cody-Waite range reduction and Cephes' degree-6
+- ``e_j = exp(s_j - m)`` (``exp``: Cody-Waite range reduction and Cephes' six-term
   polynomial, each step stated in ``stated_exp``; 0 below -87);
 - ``den`` the sum over ``j < n`` of ``e_j`` and ``num[d]`` that of ``e_j * v_j[d]``, a key
   the mask hides counting as -0.0 (which adds nothing): the keys in chunks of 16
