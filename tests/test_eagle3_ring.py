@@ -166,6 +166,36 @@ async def test_the_hybrid_is_told_what_is_settled_before_each_proposal(
     assert [len(c) for c, _ in seen] == sorted(len(c) for c, _ in seen)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("right", [True, False], ids=["branch-right", "branch-wrong"])
+async def test_branches_beside_the_chunks_keep_the_plain_output(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, right: bool, depth: int
+) -> None:
+    """A branch beside every chunk that starts at the last committed token (``branch``
+    scripted: the reference's next tokens, or a wrong first guess): with the layer states
+    travelling, right branches are committed and their tokens fed again, wrong ones change
+    nothing, and the output is the plain one either way."""
+    ref = reference(tiny, PROMPT, MAX_TOKENS).token_ids
+    whole = [*PROMPT, *ref]
+    vocab = ModelConfig.from_dir(tiny).vocab_size
+
+    def scripted(self: HybridProposer, committed: list[int], k: int) -> list[int]:
+        assert committed == whole[: len(committed)]  # never a draft: committed tokens only
+        nxt = whole[len(committed) : len(committed) + k]
+        return nxt if right or not nxt else [(nxt[0] + 1) % vocab, *nxt[1:]]
+
+    monkeypatch.setattr(HybridProposer, "branch", scripted)
+    head = eagle3_head(tiny, tmp_path / "head", [0, 2, 3])
+    done = await swarm_run(tiny, head, SpeculationConfig(k=3, depth=depth), "hybrid")
+    assert done.token_ids == ref
+    assert done.stats.branches > 0
+    if right:
+        assert done.stats.branches_won > 0
+        assert done.stats.tokens_per_lap > 1.0
+    else:
+        assert done.stats.branches_won == 0
+
+
 def test_a_spec_names_an_eagle3_heads_directory(tiny: Path, tmp_path: Path) -> None:
     """``draft = "eagle3"`` needs ``draft_head`` naming a directory (relative to the spec);
     without one, or with a file or a missing path, the spec is refused naming the key."""
@@ -197,9 +227,23 @@ def test_a_spec_names_an_eagle3_heads_directory(tiny: Path, tmp_path: Path) -> N
         ({"draft": "eagle3"}, "draft_head"),
         ({"draft": "eagle3", "draft_head": "nowhere"}, "not an EAGLE-3 head directory"),
         ({"draft": "eagle3", "draft_head": "head/config.json"}, "not an EAGLE-3 head directory"),
+        ({"draft": "eagle3", "draft_head": "head", "branch": False}, "branch"),
+        ({"draft": "hybrid", "draft_head": "head", "branch": "no"}, "branch"),
     ]:
         with pytest.raises(SpecError, match=why):
             SwarmSpec.from_dict({**base, "speculation": table}, base_dir=tmp_path)
+    assert hybrid.speculation.branch  # branches by default; off on request:
+    off = {"draft": "hybrid", "draft_head": "head", "branch": False}
+    chain = SwarmSpec.from_dict({**base, "speculation": off}, base_dir=tmp_path)
+    drafter = make_drafter(chain, tiny)
+    assert drafter is not None
+    chained = drafter.session([1, 2, 3])
+    assert isinstance(chained, HybridProposer)
+    assert chained.branch([9, 4, 5, 6, 9], 3) == [] and proposer.branch([9, 4, 5, 6, 9], 3) == [
+        4,
+        5,
+        6,
+    ]
 
 
 def test_a_head_for_another_model_is_refused_before_the_swarm_starts(

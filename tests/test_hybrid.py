@@ -242,3 +242,34 @@ def test_a_copy_task_trusts_a_short_match_where_the_target_realigned_after_its_o
     early.settle(prompt, 0.9)
     early.settle(prompt + prompt[:3] + prompt[4:5], 0.9)  # copied, but only 4 output tokens
     assert not early.copy_task
+
+
+def test_a_short_match_rides_as_a_branch_until_the_reply_shows_whether_it_copies() -> None:
+    """A reply that starts by copying the prompt from one token (a number, then directions):
+    the model goes first, and ``branch`` hands the lookup's continuation to send beside it.
+    Not where the match is trusted (the chunk copies it already), not once COPY_TASK_AFTER
+    output tokens are settled (the copy-task rule decides from then on), not with no match,
+    and not when branches are off."""
+    from shard.decode import hybrid as module
+
+    prompt = [*range(100, 120), 7, 8, 9, 10, 11, *range(130, 140)]
+    context = [*prompt, 7]  # the reply's first token lines up one token: 7 -> 8 9 10
+    h = HybridProposer(Counting())
+    h.settle(context, 0.5)
+    assert h.propose(context, 3) == [1000 + len(context) + i for i in range(3)]  # the model
+    assert h.branch(context, 3) == [8, 9, 10]
+    assert HybridProposer(Counting(), branch=False).branch(context, 3) == []
+    h.settle([*prompt, 500], 0.5)
+    assert h.branch([*prompt, 500], 3) == []  # no match
+    trusted = HybridProposer(Counting())
+    trusted.settle([*context, 8], 0.5)
+    assert trusted.branch([*context, 8], 3) == []  # two tokens line up: the chunk copies
+    late = HybridProposer(Counting())
+    late.settle([*prompt, 500], 0.5)
+    output = [500 + i for i in range(module.COPY_TASK_AFTER)]
+    late.settle([*prompt, *output, 7], 0.5)
+    assert late.branch([*prompt, *output, 7], 3) == []
+    early = HybridProposer(Counting())
+    early.settle([*prompt, 500], 0.5)
+    early.settle([*prompt, *output[:-1], 7], 0.5)
+    assert early.branch([*prompt, *output[:-1], 7], 3) == [8, 9, 10]

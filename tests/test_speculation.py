@@ -6,7 +6,7 @@ import pytest
 
 from shard.decode.speculation import SpeculationStream
 from shard.decode.state import DecodeState
-from shard.messages import ChunkSeq, Epoch, SessionId, Verdict
+from shard.messages import ChunkSeq, DraftQ, Epoch, SessionId, Verdict
 
 PROMPT = [1, 2, 3]
 EOS = 0
@@ -164,3 +164,111 @@ def test_sampled_drafts_carry_their_q_into_the_chunk_and_go_with_their_drafts() 
     assert mixed is not None and mixed.draft == (1, 2) and mixed.q == ()
     with pytest.raises(ValueError, match="2 draft distributions for 1"):
         s.add_drafts([3], q[:2])
+
+
+# --- branches ----------------------------------------------------------------------------------
+
+
+def test_a_branch_rides_before_its_chunk_at_the_same_start() -> None:
+    """A branch is a chunk at the same start with the other continuation (as long as it is,
+    within the session's bounds), sent first (a lower seq) and not counted in the depth."""
+    s = stream(max_tokens=5)  # the output ends at position 7: positions 3..6 are fed at most
+    s.add_drafts([11, 12])
+    chunk = s.next_chunk(2, branch=[21, 22, 23, 24, 25, 26])
+    assert chunk is not None and chunk.branch is not None
+    branch = chunk.branch
+    assert (branch.start, branch.ids, branch.is_branch) == (3, (10, 21, 22, 23), True)
+    assert chunk.branch.seq < chunk.seq and chunk.ids == (10, 11, 12)
+    assert list(s.inflight) == [chunk.branch, chunk] and s.depth == 1
+
+
+@pytest.mark.parametrize(
+    ("why", "drafts", "branch", "inflight"),
+    [
+        ("the same first guess", [11, 12], [11, 30], False),
+        ("nothing drafted", [], [21], False),
+        ("a chunk already in flight", [11, 12, 13, 14, 15, 16], [21], True),
+    ],
+)
+def test_no_branch_where_it_could_not_differ_or_follow_the_committed_text(
+    why: str, drafts: list[int], branch: list[int], inflight: bool
+) -> None:
+    s = stream()
+    s.add_drafts(drafts)
+    if inflight:
+        s.next_chunk(2)
+    chunk = s.next_chunk(2, branch=branch)
+    assert chunk is not None and chunk.branch is None, why
+    assert all(not c.is_branch for c in s.inflight)
+
+
+def test_no_branch_for_sampled_drafts() -> None:
+    """A chunk whose drafts carry the distributions they were drawn from is judged by the
+    general rule, not by one draw per position: it gets no branch."""
+    s = stream()
+    q = (DraftQ(ids=(11,), probs=(1.0,)), DraftQ(ids=(12,), probs=(1.0,)))
+    s.add_drafts([11, 12], q)
+    chunk = s.next_chunk(2, branch=[21])
+    assert chunk is not None and chunk.q and chunk.branch is None
+
+
+def test_a_branch_the_target_chose_is_committed_and_its_tokens_fed_again() -> None:
+    """The target's first answer is the branch's guess: the branch is walked as the chunk
+    (its guesses, its bonus), the main chunk goes stale, and the stages' KV past the start is
+    the main chunk's, so the next chunk feeds the branch's committed tokens again, answers
+    for them commit nothing twice, and only its own drafts count as drafted."""
+    s = stream()
+    s.add_drafts([11, 12, 13])
+    chunk = s.next_chunk(3, branch=[21, 22, 23])
+    assert chunk is not None and chunk.branch is not None
+    out = s.on_verdict(verdict(1, 0, 3, [21, 22, 24], accepted=2))
+    assert out.branch and not out.lost and not out.stale
+    assert out.emitted == (21, 22, 24)
+    assert (out.drafted, out.accepted) == (3, 2)
+    assert out.bumped_epoch == Epoch(1)  # the main chunk (seq 2) is stale
+    assert s.committed == [*PROMPT, 10, 21, 22, 24] and s.drafts == []
+    assert s.feed == 4  # position 3 (10) is in every stage's KV, 4.. is not the branch's
+    assert s.on_verdict(verdict(2, 0, 3, [11, 12, 13, 14], accepted=3)).stale
+    assert s.drafts_wanted(2) == 2
+    s.add_drafts([25, 26])
+    again = s.next_chunk(2, branch=[31])
+    assert again is not None and again.branch is None  # no branch over fed-again tokens
+    assert (again.start, again.ids, again.known) == (4, (21, 22, 24, 25, 26), 2)
+    out = s.on_verdict(verdict(3, 1, 4, [22, 24, 25, 27], accepted=3))
+    assert out.emitted == (25, 27) and out.rejected
+    assert (out.drafted, out.accepted, out.known) == (2, 1, 2)
+    assert s.committed == [*PROMPT, 10, 21, 22, 24, 25, 27] and s.feed == 8
+
+
+def test_a_branch_the_target_did_not_choose_changes_nothing() -> None:
+    """The branch's first guess is not the target's answer: its verdict commits nothing and
+    the main chunk's verdict is folded in as if the branch had never been sent."""
+    s = stream()
+    s.add_drafts([11, 12])
+    s.next_chunk(2, branch=[21, 22])
+    out = s.on_verdict(verdict(1, 0, 3, [11], accepted=0))
+    assert out.branch and out.lost and out.emitted == () and not out.stale
+    assert s.committed == [*PROMPT, 10] and s.epoch == Epoch(0) and s.depth == 1
+    out = s.on_verdict(verdict(2, 0, 3, [11, 12, 13], accepted=2))
+    assert out.emitted == (11, 12, 13) and not out.branch
+    assert s.committed == [*PROMPT, 10, 11, 12, 13] and s.feed == 6
+
+
+def test_an_answer_that_disagrees_with_a_committed_token_fed_again_commits_nothing() -> None:
+    """Two answers for one position (a ring that is not deterministic): the committed token
+    stands, nothing after it is committed, and the next chunk starts at the last committed
+    token (the KV before it came from committed tokens)."""
+    s = stream()
+    s.add_drafts([11, 12])
+    s.next_chunk(2, branch=[21, 22])
+    s.on_verdict(verdict(1, 0, 3, [21, 30], accepted=1))
+    assert s.committed == [*PROMPT, 10, 21, 30] and s.feed == 4
+    s.add_drafts([31, 32])
+    chunk = s.next_chunk(2)
+    assert chunk is not None and (chunk.ids, chunk.known) == ((21, 30, 31, 32), 1)
+    out = s.on_verdict(verdict(3, 1, 4, [33, 31, 32], accepted=2))
+    assert out.emitted == () and out.rejected
+    assert s.committed == [*PROMPT, 10, 21, 30] and s.drafts == [] and s.feed == 5
+    s.add_drafts([31])
+    chunk = s.next_chunk(2)
+    assert chunk is not None and (chunk.start, chunk.ids, chunk.known) == (5, (30, 31), 0)

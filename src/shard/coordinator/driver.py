@@ -43,10 +43,10 @@ from shard.coordinator.events import (
 from shard.coordinator.features import FeatureError, verdict_features
 from shard.coordinator.gate import RingDown
 from shard.coordinator.ringstats import LapRecorder
-from shard.decode.control import SpeculationConfig, SpeculationController
+from shard.decode.control import LOOKUP, SpeculationConfig, SpeculationController
 from shard.decode.draft import Proposer
 from shard.decode.hybrid import HybridProposer
-from shard.decode.speculation import Outcome, SpeculationStream
+from shard.decode.speculation import Chunk, Outcome, SpeculationStream
 from shard.decode.tail import TailProposer
 from shard.messages import (
     ChunkSeq,
@@ -176,7 +176,7 @@ class RequestDriver:
                 outcome.drafted,
                 outcome.accepted,
                 outcome.rejected,
-                self._sources_of(event.start, outcome.drafted),
+                self._sources_of(event.start + outcome.known, outcome.drafted, outcome.branch),
             )
             control.observe_lap(laps.last_lap_s, max((h.compute_s for h in event.hops), default=0))
             if proposer is not None:
@@ -189,13 +189,16 @@ class RequestDriver:
             stats=laps.stats(len(state.output), max_depth=max_depth),
         )
 
-    def _sources_of(self, start: int, drafted: int) -> list[str] | None:
+    def _sources_of(self, start: int, drafted: int, branch: bool) -> list[str] | None:
         """Which draft guessed each of a verified chunk's ``drafted`` guesses (positions
-        ``start + 1 ..``), None unless all are known; forgets every position up to them."""
+        ``start + 1 ..``: the lookup's, for a branch), None unless all are known; forgets
+        every position up to them."""
         span = range(start + 1, start + 1 + drafted)
         names = [self._sources[p] for p in span if p in self._sources]
         for p in [p for p in self._sources if p <= start + drafted]:
             del self._sources[p]
+        if branch:
+            return [LOOKUP] * drafted if drafted else None
         return names if drafted and len(names) == drafted else None
 
     async def _fold(self, stream: SpeculationStream, verdict: Verdict) -> Outcome | None:
@@ -217,6 +220,11 @@ class RequestDriver:
             ledger.stale()
             self._laps.discard(verdict.seq)
             return None
+        if outcome.lost:  # a branch whose first guess the target did not choose
+            self._laps.computed(verdict.seq, verdict.hops)
+            return None
+        if outcome.branch:
+            self._laps.branch(won=True)
         self._observe(features)
         self._take_drafts(verdict, len(stream.committed))
         ledger.lap(self._laps, verdict, committed=len(outcome.emitted), outcome=outcome)
@@ -321,7 +329,7 @@ class RequestDriver:
         self, stream: SpeculationStream, proposer: Proposer | None, control: SpeculationController
     ) -> int:
         """Draft and send chunks until ``depth`` are in flight; returns the depth reached."""
-        sid, ring = self._sid, self._ring
+        sid = self._sid
         hybrid = proposer if isinstance(proposer, HybridProposer) else None
         lead = None  # how far the hybrid's lookup would copy now: priced apart from the model
         config = control.config
@@ -331,7 +339,7 @@ class RequestDriver:
             lead = hybrid.lookup_span(stream.context(), config.depth_max * (config.k_max + 1))
         k, depth = control.choose(sessions=self._ledger.sessions, lead=lead)
         self._ledger.kd(k, depth)
-        while len(stream.inflight) < depth:
+        while stream.depth < depth:
             wanted = stream.drafts_wanted(k)
             if wanted and proposer is not None and self._drafter is not None:
                 tokens, qs, seconds = await self._drafter.propose_for(
@@ -343,26 +351,36 @@ class RequestDriver:
                     at = range(stream.length, stream.length + len(names))
                     self._sources.update(zip(at, names, strict=True))
                 stream.add_drafts(tokens, qs)
-            chunk = stream.next_chunk(k)
+            branch: Sequence[int] = ()
+            if hybrid is not None and not stream.inflight:  # a copy's span, not the head's K
+                branch = hybrid.branch(stream.committed, config.k_max)
+            chunk = stream.next_chunk(k, branch)
             if chunk is None:
                 break
-            self._laps.sent(chunk.seq)
-            await ring.send(
-                Verify(
-                    sid,
-                    chunk.epoch,
-                    chunk.seq,
-                    chunk.start,
-                    ids=chunk.ids,
-                    draft=chunk.draft,
-                    q=chunk.q,
-                )
-            )
-            if self._job is not None:
-                self._job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
+            if chunk.branch is not None:
+                self._laps.branch()
+                await self._send(chunk.branch)
+            await self._send(chunk)
         if not stream.inflight:
             raise RuntimeError(f"session {sid}: nothing in flight and nothing to send")
-        return len(stream.inflight)
+        return stream.depth
+
+    async def _send(self, chunk: Chunk) -> None:
+        """Send a verify chunk towards stage 0 (its lap starts now)."""
+        self._laps.sent(chunk.seq)
+        await self._ring.send(
+            Verify(
+                self._sid,
+                chunk.epoch,
+                chunk.seq,
+                chunk.start,
+                ids=chunk.ids,
+                draft=chunk.draft,
+                q=chunk.q,
+            )
+        )
+        if self._job is not None:
+            self._job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)
 
     async def _next_event(self, epoch: Epoch) -> Verdict | Resync:
         """The next verdict for this request, or a reason to re-send (``Resync``).

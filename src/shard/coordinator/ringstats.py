@@ -24,7 +24,10 @@ T = TypeVar("T")
 class LapRecorder:
     """Collects one request's laps. ``sent(seq)`` when a chunk leaves, ``received(seq, ...)``
     when its verdict arrives (several chunks may be in flight), ``discard(seq)`` for a chunk
-    whose verdict turned out stale."""
+    whose verdict turned out stale. A branch (``shard.decode.speculation``) rides in the lap
+    of the chunk after it: ``branch()`` counts one sent, ``branch(won=True)`` one whose
+    verdict was folded in as the lap's, and ``computed(seq, hops)`` takes the compute of one
+    that lost, with no lap."""
 
     def __init__(self, node: NodeName, wall_clock: Callable[[], float]) -> None:
         self._node = node
@@ -40,6 +43,7 @@ class LapRecorder:
         self._drafted = 0
         self._accepted = 0
         self._stale = 0
+        self._branches = [0, 0]  # [sent, won]
 
     @property
     def count(self) -> int:
@@ -51,6 +55,14 @@ class LapRecorder:
 
     def sent(self, seq: int) -> None:
         self._sent[seq] = (trio.current_time(), self._wall())
+
+    def branch(self, *, won: bool = False) -> None:
+        self._branches[int(won)] += 1
+
+    def computed(self, seq: int, hops: Sequence[Hop]) -> None:
+        """A verdict that is no lap of its own (a branch that lost): its stages' compute."""
+        self._sent.pop(seq, None)
+        self._hops(hops)
 
     def discard(self, seq: int) -> None:
         self._sent.pop(seq, None)
@@ -65,17 +77,21 @@ class LapRecorder:
             self._drafted += outcome.drafted
             self._accepted += outcome.accepted
         arrived = self._wall()
+        self._hops(hops)
         prev_node, prev_sent = self._node, sent_wall
         for hop in hops:
-            self._compute[hop.node] += hop.compute_s
-            self._chunks[hop.node] += 1
-            self._queued[hop.node] += hop.queued_s
-            self._rows[hop.node] += hop.batch_rows
             self._edges[(prev_node, hop.node)].append(hop.received_at - prev_sent)
             prev_node, prev_sent = hop.node, hop.sent_at
         if hops:
             self._edges[(prev_node, self._node)].append(arrived - prev_sent)
         return lap_s, sent_wall
+
+    def _hops(self, hops: Sequence[Hop]) -> None:
+        for hop in hops:
+            self._compute[hop.node] += hop.compute_s
+            self._chunks[hop.node] += 1
+            self._queued[hop.node] += hop.queued_s
+            self._rows[hop.node] += hop.batch_rows
 
     def stats(self, tokens: int, *, max_depth: int = 1) -> RunStats:
         seconds = trio.current_time() - self._began
@@ -106,6 +122,8 @@ class LapRecorder:
             tokens_per_lap=tokens / len(self._laps) if self._laps else 0.0,
             max_depth=max_depth,
             stale_dropped=self._stale,
+            branches=self._branches[0],
+            branches_won=self._branches[1],
         )
 
 

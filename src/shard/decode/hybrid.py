@@ -19,6 +19,13 @@ beats the model's acceptance, short matches are trusted. So are they in a copy t
 least half of the settled output guessed by trusted matches), where a short match is the
 copy realigning after the target's own edit.
 
+Until the request shows whether it copies (``COPY_TASK_AFTER`` settled output tokens), a
+short match the hybrid does not trust is not dropped either: ``branch`` hands the driver its
+continuation, which rides beside the chunk as a branch (``shard.decode.speculation``) and is
+committed where the target's first answer is its first guess. A reply that starts by copying
+the prompt (a number, then the directions it came with) gets the copy from its first lap; a
+reply in prose pays one more chunk's compute on a few laps, never a lap.
+
 ``names`` records which draft guessed each token of the last proposal (``LOOKUP``, "ngram",
 or the model's name): the coordinator prices the two apart (``SpeculationController``), and
 ``lookup_span`` says how far the lookup would copy before the model drafts.
@@ -72,12 +79,14 @@ class HybridProposer:
         *,
         lookup: NGramProposer | None = None,
         min_match: int = DEFAULT_MIN_MATCH,
+        branch: bool = True,
     ) -> None:
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
         self._model = model
         self._lookup = lookup if lookup is not None else NGramProposer()
         self._min_match = min_match
+        self._branch = branch
         self.names: list[str] = []
         self._model_alpha: float | None = None
         self._scored = 0  # settled positions scored so far
@@ -114,6 +123,16 @@ class HybridProposer:
         and goes on copying (``tests/test_hybrid.py``)."""
         span, matched = self._lookup.lookup(context, k)
         return k if span and self._trusts(matched) else 0
+
+    def branch(self, committed: Sequence[int], k: int) -> list[int]:
+        """The lookup's continuation of ``committed`` (up to ``k`` tokens) where its match is
+        one the hybrid does not trust and the request has not yet settled enough output to
+        say whether it copies (``COPY_TASK_AFTER``); else none. The driver sends it as a
+        branch beside the chunk that starts at the last committed token (``next_chunk``)."""
+        if not self._branch or self._copied[0] >= COPY_TASK_AFTER:
+            return []
+        span, matched = self._lookup.lookup(committed, k)
+        return [] if not span or self._trusts(matched) else list(span)
 
     def settle(self, committed: Sequence[int], model_alpha: float) -> None:
         """What the request has settled before the next proposal: its committed tokens (the

@@ -81,6 +81,8 @@ class RunStats:
     tokens_per_lap: float = 0.0
     max_depth: int = 1
     stale_dropped: int = 0
+    branches: int = 0  # branches sent beside a chunk (``shard.decode.speculation``)
+    branches_won: int = 0  # of them, those whose guesses the target took
 
 
 @attrs.frozen

@@ -95,7 +95,9 @@ def _head_drafter(spec: SwarmSpec) -> Drafter:
 
     def factory(prompt: Sequence[int]) -> Proposer:
         proposer = HeadProposer(head, max_len=max_len)
-        return HybridProposer(proposer) if plan.draft == "hybrid" else proposer
+        if plan.draft == "hybrid":
+            return HybridProposer(proposer, branch=plan.branch)
+        return proposer
 
     return Drafter(factory, device=device)
 
@@ -136,7 +138,7 @@ def _eagle3_drafter(spec: SwarmSpec, model_dir: Path) -> Drafter:
 
     def factory(prompt: Sequence[int]) -> Proposer:
         proposer = HeadProposer(head, max_len=max_len, layers=layers)
-        return HybridProposer(proposer) if hybrid else proposer
+        return HybridProposer(proposer, branch=plan.branch) if hybrid else proposer
 
     return Drafter(factory, device=device)
 

@@ -10,6 +10,8 @@ draft_model = "path"    # a separate checkpoint sharing the target's tokenizer
 draft_head = "smollm2-head"  # head / hybrid: a head directory, <bundled model>-head (the
                         # default: built on first use by `shard draft train`, then cached)
                         # or a shipped EAGLE-3 head, "smollm2-eagle3"
+branch = true           # hybrid: until a reply shows whether it copies, a short lookup match
+                        # the head outvotes rides beside the chunk as a branch (docs/drafts.md)
 # draft = "eagle3" with draft_head = "DIR": a published EAGLE-3 head (SpecForge's layout) fed
 #   the target's layer states, which the stages holding its layers send along; the bundled
 #   SmolLM2's default is the shipped "smollm2-eagle3"
@@ -59,6 +61,7 @@ SPECULATION_KEYS: Final = (
     "depth_max",
     "oracle_file",
     "mtp_at",
+    "branch",
 )
 MTP_PLACES: Final = ("tail", "coordinator")
 
@@ -80,6 +83,7 @@ class SpeculationSpec:
     draft_head: str | None = None  # head / hybrid: a head directory or a head name; eagle3: a
     # head directory
     mtp_at: str = "tail"  # mtp: where the block runs (``MTP_PLACES``)
+    branch: bool = True  # hybrid: send short lookup matches as branches early in a reply
     given: bool = False  # the table names a draft or k (else a checkpoint's MTP block may
     # default: shard.nodes.defaults)
 
@@ -138,6 +142,9 @@ def read_speculation(
         raise table.error("mtp_at", f"unknown place {mtp_at!r}; use one of {', '.join(MTP_PLACES)}")
     if draft != "mtp" and table.raw("mtp_at", None) is not None:
         raise table.error("mtp_at", 'only meaningful with draft = "mtp"')
+    branch = table.boolean("branch", default=True)
+    if draft != "hybrid" and table.raw("branch", None) is not None:
+        raise table.error("branch", 'only meaningful with draft = "hybrid"')
     if draft == "none" and k not in (None, 0):
         raise table.error(
             "k",
@@ -157,6 +164,7 @@ def read_speculation(
         oracle_file=oracle,
         draft_head=head,
         mtp_at=mtp_at,
+        branch=branch,
         given=any(table.raw(key, None) is not None for key in ("draft", "k")),
     )
 

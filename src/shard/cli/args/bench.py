@@ -52,9 +52,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafts",
         default=",".join(DEFAULT_DRAFTS),
-        help="subset of ngram,best,head,hybrid,mtp,mtp_coordinator,oracle (default "
-        "ngram,best,oracle); mtp: the checkpoint's MTP block at the tail, mtp_coordinator: "
-        "the same block at the coordinator (a checkpoint that holds one)",
+        help="subset of ngram,best,head,hybrid,hybrid_chain,mtp,mtp_coordinator,oracle "
+        "(default ngram,best,oracle); hybrid_chain: the hybrid without branches; mtp: the "
+        "checkpoint's MTP block at the tail, mtp_coordinator: the same block at the "
+        "coordinator (a checkpoint that holds one)",
     )
     p.add_argument(
         "--head",

@@ -38,7 +38,7 @@ def run_bench(opts: Options, *, prog: str = "shard bench") -> int:
     try:
         base = load_spec(opts.spec)
         check_base(base)
-        if {"head", "hybrid"} & set(opts.drafts):  # before minutes of references, not after
+        if {"head", "hybrid", "hybrid_chain"} & set(opts.drafts):  # before minutes of references
             opts = attrs.evolve(opts, head=str(_head_dir(opts, base)))
     except (OptionsError, SpecError, BenchSpecError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -120,12 +120,15 @@ def _prepare(opts: Options, base: SwarmSpec, model_dir: Path, workdir: Path) -> 
         "ngram": {"alpha1": hits / max(guessed, 1), "coverage": guessed / max(positions, 1)},
         "ngram_token_s": cost["ngram"],
     }
-    if {"head", "hybrid"} & set(opts.drafts):
+    if {"head", "hybrid", "hybrid_chain"} & set(opts.drafts):
         head = _head_dir(opts, base)
         token_s = _head_token_s(head)
         for kind in ("head", "hybrid"):
             speculation[kind] = {"draft": kind, "draft_head": str(head), **pol}
             cost[kind] = token_s  # the hybrid's copied tokens are free: an upper bound
+        # the hybrid as it was before branches (docs/drafts.md): its chunks only
+        speculation["hybrid_chain"] = {**speculation["hybrid"], "branch": False}
+        cost["hybrid_chain"] = token_s
         picked.update(head=str(head), head_token_s=token_s)
     if "mtp" in opts.drafts:  # the tail drafts: its block's steps show in its compute
         speculation["mtp"] = {"draft": "mtp", "mtp_at": "tail", **pol}

@@ -21,7 +21,16 @@ from typing import Any, Final
 import attrs
 
 MODES: Final = ("plain", "spec", "pipelined")
-DRAFTS: Final = ("ngram", "best", "head", "hybrid", "mtp", "mtp_coordinator", "oracle")
+DRAFTS: Final = (
+    "ngram",
+    "best",
+    "head",
+    "hybrid",
+    "hybrid_chain",
+    "mtp",
+    "mtp_coordinator",
+    "oracle",
+)
 #: What a run compares unless --drafts says otherwise (the head and the hybrid need a trained
 #: head: ``shard draft train``, or --head DIR).
 DEFAULT_DRAFTS: Final = ("ngram", "best", "oracle")

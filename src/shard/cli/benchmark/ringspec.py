@@ -129,7 +129,8 @@ def base_ring_toml(
     lines += ["", "[links]", f"latency_ms = {float(latency_ms)!r}"]
     lines += [f"bandwidth_mbps = {float(base.bandwidth_mbps)!r}", "", "[speculation]"]
     for key, value in speculation.items():
-        lines.append(f"{key} = {_str(value) if isinstance(value, str) else value}")
+        text = _str(value) if isinstance(value, str) else str(value)
+        lines.append(f"{key} = {text.lower() if isinstance(value, bool) else text}")
     return "\n".join(lines) + "\n"
 
 

@@ -164,6 +164,8 @@ def _record(ring: Ring, prompt: Prompt, mode: str, reply: Reply, ref: Reference)
         "tokens_per_lap": stats.tokens_per_lap,
         "max_depth": stats.max_depth,
         "stale_dropped": stats.stale_dropped,
+        "branches": stats.branches,
+        "branches_won": stats.branches_won,
         "client_arrivals": [list(a) for a in reply.arrivals],
         "token_ids": ids,
     }
