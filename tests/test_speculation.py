@@ -272,3 +272,22 @@ def test_an_answer_that_disagrees_with_a_committed_token_fed_again_commits_nothi
     s.add_drafts([31])
     chunk = s.next_chunk(2)
     assert chunk is not None and (chunk.start, chunk.ids, chunk.known) == (5, (30, 31), 0)
+
+
+def test_a_chunk_that_feeds_tokens_again_keeps_to_the_rows_a_stage_attends_exactly() -> None:
+    """A branch of 8 that held whole, then K = 8: its 9 committed tokens and 8 drafts would
+    be 17 rows; the chunk keeps to REFEED_MAX_ROWS (the rows a stage attends as their decode
+    steps), dropping a draft, never a committed token."""
+    from shard.decode.speculation import REFEED_MAX_ROWS
+    from shard.model.attention import ROWWISE_MAX_ROWS
+
+    assert REFEED_MAX_ROWS == ROWWISE_MAX_ROWS
+    s = stream()
+    s.add_drafts([11])
+    s.next_chunk(8, branch=list(range(21, 29)))
+    s.on_verdict(verdict(1, 0, 3, [*range(21, 29), 29], accepted=8))
+    assert s.committed[-9:] == list(range(21, 30)) and s.feed == 4
+    s.add_drafts(list(range(30, 38)))
+    chunk = s.next_chunk(8)
+    assert chunk is not None and chunk.known == 8
+    assert len(chunk.ids) == REFEED_MAX_ROWS and chunk.ids[:9] == tuple(range(21, 30))

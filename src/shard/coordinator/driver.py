@@ -351,10 +351,9 @@ class RequestDriver:
                     at = range(stream.length, stream.length + len(names))
                     self._sources.update(zip(at, names, strict=True))
                 stream.add_drafts(tokens, qs)
-            branch: Sequence[int] = ()
-            if hybrid is not None and not stream.inflight:  # a copy's span, not the head's K
-                branch = hybrid.branch(stream.committed, config.k_max)
-            chunk = stream.next_chunk(k, branch)
+            # a branch: the lookup's continuation as long as a copy's span, not the head's K
+            branch = hybrid.branch(stream.committed, config.k_max) if hybrid else []
+            chunk = stream.next_chunk(k, [] if stream.inflight else branch)
             if chunk is None:
                 break
             if chunk.branch is not None:
@@ -368,16 +367,9 @@ class RequestDriver:
     async def _send(self, chunk: Chunk) -> None:
         """Send a verify chunk towards stage 0 (its lap starts now)."""
         self._laps.sent(chunk.seq)
+        c = chunk
         await self._ring.send(
-            Verify(
-                self._sid,
-                chunk.epoch,
-                chunk.seq,
-                chunk.start,
-                ids=chunk.ids,
-                draft=chunk.draft,
-                q=chunk.q,
-            )
+            Verify(self._sid, c.epoch, c.seq, c.start, ids=c.ids, draft=c.draft, q=c.q)
         )
         if self._job is not None:
             self._job.sent_chunk(chunk.epoch, chunk.seq, chunk.start, chunk.ids)

@@ -33,6 +33,11 @@ import attrs
 from shard.decode.state import DecodeState
 from shard.messages import ChunkSeq, DraftQ, Epoch, Verdict
 
+#: Rows a chunk that feeds committed tokens again keeps to (drafts dropped to fit): a
+#: stage attends a chunk of at most this many rows as its rows' decode steps, bit for bit
+#: (``shard.model.attention.ROWWISE_MAX_ROWS``), as it does every verify chunk of K <= 15.
+REFEED_MAX_ROWS = 16
+
 
 @attrs.frozen
 class Chunk:
@@ -152,7 +157,7 @@ class SpeculationStream:
             return None
         known = self._known()
         n = min(
-            known + k + 1,
+            min(known + k + 1, max(k + 1, REFEED_MAX_ROWS)),
             self.length - self.feed,
             self._last_needed - self.feed,
             self.max_len - self.feed,
