@@ -59,7 +59,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--head",
-        help="the head and hybrid drafts' head: a directory or a head name (default "
+        help="the head, hybrid and hybrid_chain drafts' head: a directory or a head name (default "
         "<model>-head, which must be built: shard draft train), or an EAGLE-3 head: its "
         "directory or a shipped one's name (smollm2-eagle3)",
     )
