@@ -24,7 +24,7 @@ short match the hybrid does not trust is not dropped either: ``branch`` hands th
 continuation, which rides beside the chunk as a branch (``shard.decode.speculation``) and is
 committed where the target's first answer is its first guess. A reply that starts by copying
 the prompt (a number, then the directions it came with) gets the copy from its first lap; a
-reply in prose pays one more chunk's compute on a few laps, never a lap.
+reply in prose pays one more chunk's compute on a few laps (a branch adds no lap of its own).
 
 ``names`` records which draft guessed each token of the last proposal (``LOOKUP``, "ngram",
 or the model's name): the coordinator prices the two apart (``SpeculationController``), and
