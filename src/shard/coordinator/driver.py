@@ -351,9 +351,10 @@ class RequestDriver:
                     at = range(stream.length, stream.length + len(names))
                     self._sources.update(zip(at, names, strict=True))
                 stream.add_drafts(tokens, qs)
-            # a branch: the lookup's continuation as long as a copy's span, not the head's K
-            branch = hybrid.branch(stream.committed, config.k_max) if hybrid else []
-            chunk = stream.next_chunk(k, [] if stream.inflight else branch)
+            # a branch, beside a chunk with nothing in flight: a copy's span, not the head's K
+            alone = not stream.inflight
+            branch = hybrid.branch(stream.committed, config.k_max) if hybrid and alone else []
+            chunk = stream.next_chunk(k, branch)
             if chunk is None:
                 break
             if chunk.branch is not None:
